@@ -1,0 +1,33 @@
+"""engramd client library: the public contract (geometry, wire protocol, errors) and the client.
+
+    from engramd.client import EngramClient
+"""
+
+from engramd.client.client import EngramClient, LookupFuture
+from engramd.client.errors import (
+    BadIdsError,
+    BadRequestError,
+    DaemonUnavailableError,
+    EngramError,
+    NotReadyError,
+    NotRegisteredError,
+    ProtocolError,
+    ReplyTimeoutError,
+)
+from engramd.client.geometry import DEAD_ID, ShardView, TableGeometry
+
+__all__ = [
+    "DEAD_ID",
+    "BadIdsError",
+    "BadRequestError",
+    "DaemonUnavailableError",
+    "EngramClient",
+    "EngramError",
+    "LookupFuture",
+    "NotReadyError",
+    "NotRegisteredError",
+    "ProtocolError",
+    "ReplyTimeoutError",
+    "ShardView",
+    "TableGeometry",
+]

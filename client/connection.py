@@ -1,0 +1,116 @@
+"""A request/reply channel to the daemon: one DEALER socket, replies routed to callers by rid.
+
+Shared by the client library and the CLI. Every wait is bounded: a caller either gets its reply,
+or a DaemonUnavailableError that says what it waited for and for how long. While waiting, the
+daemon's process is watched (when its PID is visible), so a daemon killed mid-request is noticed
+within about POLL_S, not at the timeout.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from engramd.client import protocol
+from engramd.client.errors import DaemonUnavailableError, ReplyTimeoutError
+from engramd.client.procwatch import ProcessWatch
+
+POLL_S = 0.1
+
+
+def default_socket_path() -> str:
+    """/run/engramd for root (systemd's RuntimeDirectory), else a per-user folder in the temp dir."""
+    if os.geteuid() == 0:
+        return "/run/engramd/engramd.sock"
+    return str(Path(tempfile.gettempdir()) / f"engramd-{os.geteuid()}" / "engramd.sock")
+
+
+class Connection:
+    def __init__(self, socket_path: str | os.PathLike, context: zmq.Context | None = None):
+        self.socket_path = Path(socket_path)
+        self._own_ctx = context is None
+        self._ctx = context or zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(f"ipc://{self.socket_path}")
+        self._rids = itertools.count(1)
+        self._replies: dict[int, list[bytes]] = {}
+        self.daemon_watch: ProcessWatch | None = None
+        self.epoch: str | None = None
+
+    def watch_daemon(self, pid: int) -> None:
+        self.daemon_watch = ProcessWatch(pid)
+
+    def send(self, op: str, payload: list[Any] | None = None, **fields: Any) -> int:
+        """Send a request; returns its rid. Payload frames are sent without copying."""
+        rid = next(self._rids)
+        frames = protocol.encode_request(op, rid, payload, **fields)
+        self._sock.send_multipart(frames, copy=False)
+        return rid
+
+    def wait(self, rid: int, timeout: float | None, what: str) -> protocol.Reply:
+        """The reply to `rid`; raises its typed error, or DaemonUnavailableError."""
+        frames = self._wait_frames(rid, timeout, what)
+        reply = protocol.decode_reply(frames)
+        self.epoch = reply.epoch
+        return reply
+
+    def call(self, op: str, timeout: float | None, payload: list[Any] | None = None,
+             **fields: Any) -> protocol.Reply:
+        return self.wait(self.send(op, payload, **fields), timeout, op)
+
+    def poll_reply(self, rid: int) -> bool:
+        """Collect whatever replies have arrived; True when the one for `rid` is among them."""
+        self._collect(0)
+        return rid in self._replies
+
+    def _wait_frames(self, rid: int, timeout: float | None, what: str) -> list[bytes]:
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
+        while rid not in self._replies:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise ReplyTimeoutError(
+                    f"no reply to {what} from {self.socket_path} within {timeout:.1f} s "
+                    "(is the daemon running? raise the client's timeout if it is busy)")
+            if self.daemon_watch is not None and self.daemon_watch.alive() is False:
+                raise DaemonUnavailableError(
+                    f"daemon (pid {self.daemon_watch.pid}) exited while waiting for {what}",
+                    epoch=self.epoch)
+            left = POLL_S if deadline is None else max(0.0, min(POLL_S, deadline - time.monotonic()))
+            self._collect(int(left * 1000))
+        return self._replies.pop(rid)
+
+    def _collect(self, timeout_ms: int) -> None:
+        if not self._sock.poll(timeout_ms, zmq.POLLIN):
+            return
+        while True:
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._replies[protocol.reply_rid(frames)] = frames
+
+    def forget(self, rid: int) -> None:
+        self._replies.pop(rid, None)
+
+    def close(self) -> None:
+        self._sock.close(0)
+        if self._own_ctx:
+            self._ctx.term()
+
+
+def probe(socket_path: str | os.PathLike, op: str, timeout: float) -> protocol.Reply:
+    """One-shot request without registration (health, stats). Never waits past `timeout`."""
+    if not Path(socket_path).exists():
+        raise DaemonUnavailableError(f"no daemon socket at {socket_path}")
+    conn = Connection(socket_path)
+    try:
+        return conn.call(op, timeout)
+    finally:
+        conn.close()

@@ -1,0 +1,122 @@
+"""Typed errors shared by the daemon and its clients.
+
+Every error reply on the wire carries one of the codes below; the client turns it back into the
+matching exception class, with the daemon's message, so a caller never has to read the daemon's log
+to learn why a call failed. This module holds no transport logic.
+"""
+
+from __future__ import annotations
+
+
+class EngramError(Exception):
+    """Base of every engramd error. `code` is the wire error code; `epoch` the daemon's, if known."""
+
+    code = "internal"
+
+    def __init__(self, message: str, *, epoch: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.epoch = epoch
+
+    def __str__(self) -> str:
+        return f"[{self.code}] {self.message}"
+
+
+class ProtocolError(EngramError):
+    """A message could not be decoded: bad msgpack, wrong frame count, missing or mistyped field."""
+
+    code = "bad_message"
+
+
+class VersionError(EngramError):
+    """The peer speaks another protocol version."""
+
+    code = "bad_version"
+
+
+class UnknownOperationError(EngramError):
+    code = "unknown_op"
+
+
+class BadRequestError(EngramError):
+    """A well-formed request with a bad value (device, TP rank, slot count, ...)."""
+
+    code = "bad_request"
+
+
+class BadIdsError(EngramError):
+    """Hash IDs of the wrong dtype or shape, or more tokens than the client registered."""
+
+    code = "bad_ids"
+
+
+class NotRegisteredError(EngramError):
+    """The client is unknown to this daemon (never registered, released, reaped, or an old epoch)."""
+
+    code = "not_registered"
+
+
+class SlotBusyError(EngramError):
+    """A lookup named a slot that still has a lookup in flight."""
+
+    code = "slot_busy"
+
+
+class NotReadyError(EngramError):
+    """The daemon is alive but not serving yet (tables loading) or is shutting down."""
+
+    code = "not_ready"
+
+
+class ResourceError(EngramError):
+    """The daemon could not allocate what a request needs (memory, slab, client limit)."""
+
+    code = "resource"
+
+
+class InternalError(EngramError):
+    code = "internal"
+
+
+class DaemonUnavailableError(EngramError):
+    """No answer from the daemon: not running, died, or did not reply within the timeout."""
+
+    code = "unavailable"
+
+
+class ReplyTimeoutError(DaemonUnavailableError):
+    """The daemon did not answer within the caller's timeout; it may still be alive and busy."""
+
+    code = "timeout"
+
+
+class ConfigError(EngramError):
+    """A daemon config with a bad field; the message names file, key and value."""
+
+    code = "config"
+
+
+ERROR_CLASSES: dict[str, type[EngramError]] = {
+    cls.code: cls
+    for cls in (
+        ProtocolError,
+        VersionError,
+        UnknownOperationError,
+        BadRequestError,
+        BadIdsError,
+        NotRegisteredError,
+        SlotBusyError,
+        NotReadyError,
+        ResourceError,
+        InternalError,
+        DaemonUnavailableError,
+        ReplyTimeoutError,
+        ConfigError,
+    )
+}
+
+
+def error_for_code(code: str, message: str, epoch: str | None = None) -> EngramError:
+    """The exception a reply with this error code stands for (InternalError for unknown codes)."""
+    cls = ERROR_CLASSES.get(code, InternalError)
+    return cls(message, epoch=epoch)

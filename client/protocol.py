@@ -1,0 +1,195 @@
+"""The engramd wire format: the one place that knows how messages look on the socket.
+
+Transport: ZeroMQ, daemon ROUTER / client DEALER, over ``ipc://<runtime dir>/engramd.sock``.
+Every message is a multipart message; msgpack is the only encoding (never pickle)::
+
+    client -> daemon   [ header ][ payload ... ]            (ROUTER prepends the peer identity)
+    daemon -> client   [ header ][ payload ... ]
+
+    header   msgpack map, at most MAX_HEADER_BYTES
+             request: {"v": PROTOCOL_VERSION, "op": <op>, "rid": <int>, <op fields>}
+             reply:   {"v", "op", "rid", "status": "ok"|"error", "code", "message", "epoch",
+                       <result fields>}
+    payload  raw binary frames, at most MAX_PAYLOAD_FRAMES of at most MAX_PAYLOAD_BYTES each;
+             only `lookup` uses one: the hash IDs inline (C-contiguous, little-endian,
+             dtype and shape declared in the header).
+
+Operations and their request fields (types checked by `decode_request`):
+
+    register   pid, device ("cpu" or "cuda:GPU-<uuid>"), tp_rank, tp_size, max_tokens, slots
+               -> client_id, geometry (config.json fields), shard, slab (layout of the slab)
+    lookup     client_id, slot, seq, tokens, ids_dtype ("int32"|"int64"), ids_shape [T, L, H],
+               inline (IDs in payload frame 0, else already in the slot)  -> slot, seq, out_of_range
+    release    client_id                                  -> {}
+    heartbeat  client_id (or None for a plain liveness probe) -> {}
+    stats      -                                          -> clients, lookups, rows, errors, ...
+    health     -                                          -> live, ready, state, progress
+
+`rid` is chosen by the client and echoed, so replies may arrive out of order (lookups run on
+worker threads). `epoch` identifies one daemon run: client ids and slabs belong to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from engramd.client.errors import (
+    EngramError,
+    ProtocolError,
+    UnknownOperationError,
+    VersionError,
+    error_for_code,
+)
+
+PROTOCOL_VERSION = 1
+MAX_HEADER_BYTES = 64 * 1024
+MAX_PAYLOAD_FRAMES = 1
+MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
+SOCKET_NAME = "engramd.sock"
+
+# Request fields per operation: name -> allowed types. Optional fields are listed in _OPTIONAL.
+_INT = (int,)
+_REQUEST_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
+    "register": {
+        "pid": _INT,
+        "device": (str,),
+        "tp_rank": _INT,
+        "tp_size": _INT,
+        "max_tokens": _INT,
+        "slots": _INT,
+    },
+    "lookup": {
+        "client_id": _INT,
+        "slot": _INT,
+        "seq": _INT,
+        "tokens": _INT,
+        "ids_dtype": (str,),
+        "ids_shape": (list,),
+        "inline": (bool,),
+    },
+    "release": {"client_id": _INT},
+    "heartbeat": {"client_id": (int, type(None))},
+    "stats": {},
+    "health": {},
+}
+_OPTIONAL: dict[str, dict[str, Any]] = {
+    "register": {"name": ""},
+    "heartbeat": {"client_id": None},
+}
+OPERATIONS = tuple(_REQUEST_FIELDS)
+
+
+@dataclass
+class Request:
+    op: str
+    rid: int
+    fields: dict[str, Any]
+    payload: list[bytes] = field(default_factory=list)
+
+
+@dataclass
+class Reply:
+    op: str
+    rid: int
+    epoch: str
+    fields: dict[str, Any]
+    payload: list[bytes] = field(default_factory=list)
+
+
+def _pack(header: dict[str, Any]) -> bytes:
+    return msgpack.packb(header, use_bin_type=True)
+
+
+def _unpack_header(frame: bytes) -> dict[str, Any]:
+    if len(frame) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header frame of {len(frame)} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        header = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise ProtocolError(f"header frame is not valid msgpack: {type(exc).__name__}: {exc}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError(f"header must be a msgpack map, got {type(header).__name__}")
+    return header
+
+
+def _check_payload(frames: list[bytes]) -> None:
+    if len(frames) > MAX_PAYLOAD_FRAMES:
+        raise ProtocolError(f"{len(frames)} payload frames; at most {MAX_PAYLOAD_FRAMES} allowed")
+    for frame in frames:
+        if len(frame) > MAX_PAYLOAD_BYTES:
+            raise ProtocolError(f"payload frame of {len(frame)} bytes exceeds {MAX_PAYLOAD_BYTES}")
+
+
+def encode_request(op: str, rid: int, payload: list[bytes] | None = None, **fields: Any) -> list[bytes]:
+    return [_pack({"v": PROTOCOL_VERSION, "op": op, "rid": rid, **fields}), *(payload or [])]
+
+
+def peek_rid(frames: list[bytes]) -> tuple[str, int]:
+    """Best-effort (op, rid) of a message that failed to decode, so its error reply can be matched."""
+    try:
+        header = msgpack.unpackb(frames[0], raw=False)
+        op, rid = header.get("op", ""), header.get("rid", 0)
+        return (op if isinstance(op, str) else "", rid if isinstance(rid, int) else 0)
+    except Exception:
+        return "", 0
+
+
+def decode_request(frames: list[bytes]) -> Request:
+    """Decode and type-check a request. Raises a typed EngramError naming what was wrong."""
+    if not frames:
+        raise ProtocolError("empty message")
+    header = _unpack_header(frames[0])
+    _check_payload(frames[1:])
+    version = header.get("v")
+    if version != PROTOCOL_VERSION:
+        raise VersionError(f"protocol version {version!r} not supported; this daemon speaks {PROTOCOL_VERSION}")
+    op, rid = header.get("op"), header.get("rid")
+    if not isinstance(rid, int) or isinstance(rid, bool):
+        raise ProtocolError(f"field 'rid' must be an int, got {rid!r}")
+    if op not in _REQUEST_FIELDS:
+        raise UnknownOperationError(f"unknown operation {op!r}; known: {', '.join(OPERATIONS)}")
+    fields = {**_OPTIONAL.get(op, {}), **{k: v for k, v in header.items() if k not in ("v", "op", "rid")}}
+    for name, types in _REQUEST_FIELDS[op].items():
+        if name not in fields:
+            raise ProtocolError(f"{op}: missing field {name!r}")
+        value = fields[name]
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            raise ProtocolError(f"{op}: field {name!r} has wrong type {type(value).__name__}")
+    return Request(op=op, rid=rid, fields=fields, payload=list(frames[1:]))
+
+
+def encode_reply(request_op: str, rid: int, epoch: str, payload: list[bytes] | None = None,
+                 **fields: Any) -> list[bytes]:
+    header = {"v": PROTOCOL_VERSION, "op": request_op, "rid": rid, "status": "ok", "code": "ok",
+              "message": "", "epoch": epoch, **fields}
+    return [_pack(header), *(payload or [])]
+
+
+def encode_error(request_op: str, rid: int, epoch: str, error: EngramError) -> list[bytes]:
+    header = {"v": PROTOCOL_VERSION, "op": request_op, "rid": rid, "status": "error",
+              "code": error.code, "message": error.message, "epoch": epoch}
+    return [_pack(header)]
+
+
+def decode_reply(frames: list[bytes]) -> Reply:
+    """Decode a reply; an error reply is raised as its typed exception."""
+    if not frames:
+        raise ProtocolError("empty reply")
+    header = _unpack_header(frames[0])
+    if header.get("v") != PROTOCOL_VERSION:
+        raise VersionError(f"daemon speaks protocol {header.get('v')!r}, this client {PROTOCOL_VERSION}")
+    epoch = str(header.get("epoch", ""))
+    if header.get("status") != "ok":
+        raise error_for_code(str(header.get("code")), str(header.get("message")), epoch)
+    fields = {k: v for k, v in header.items()
+              if k not in ("v", "op", "rid", "status", "code", "message", "epoch")}
+    return Reply(op=str(header.get("op")), rid=int(header.get("rid", 0)), epoch=epoch,
+                 fields=fields, payload=list(frames[1:]))
+
+
+def reply_rid(frames: list[bytes]) -> int:
+    """The rid of a reply without raising for error replies (used to route replies to futures)."""
+    return peek_rid(frames)[1]

@@ -1,0 +1,86 @@
+"""Layout of a client's slab: the memory the daemon owns and the client reads its rows from.
+
+One slab per registered client (a shared-memory file on the CPU backend, one cudaMalloc block on
+the client's GPU on the CUDA backend). Both sides compute the layout from the same numbers with
+this module; the daemon also sends it in the register reply and the client checks they agree::
+
+    offset 0            counters  [slots] x 64 B   (u32 ids_ready, u32 rows_done, u32 consumed)
+    ids_offset(s)       hash IDs  int32 [max_tokens, n_layers, heads]          one block per slot
+    rows_offset(s)      rows      bf16  [n_layers, T, local_heads, head_dim]   packed by actual T
+
+Every block starts on a 4 KiB boundary; the slab size is a multiple of 2 MiB (the granularity
+of cudaMalloc/IPC). Rows of a lookup of T tokens occupy the first n_layers*T*local_heads*head_dim
+elements of the slot's rows block, so the result is one contiguous tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+SLAB_GRANULARITY = 2 << 20
+BLOCK_ALIGN = 4096
+COUNTER_STRIDE = 64
+IDS_ITEMSIZE = 4  # int32: row IDs are < 2^31; out-of-range int64 IDs are mapped, not truncated
+ROW_ITEMSIZE = 2  # bf16
+# Counter words inside a slot's 64-byte counter line (u32 each).
+IDS_READY, ROWS_DONE, CONSUMED = 0, 1, 2
+
+
+def _align(value: int, to: int) -> int:
+    return (value + to - 1) // to * to
+
+
+@dataclass(frozen=True)
+class SlabLayout:
+    slots: int
+    max_tokens: int
+    n_layers: int
+    heads: int
+    local_heads: int
+    head_dim: int
+
+    @property
+    def ids_elems(self) -> int:
+        return self.max_tokens * self.n_layers * self.heads
+
+    @property
+    def rows_elems(self) -> int:
+        return self.n_layers * self.max_tokens * self.local_heads * self.head_dim
+
+    @property
+    def ids_block(self) -> int:
+        return _align(self.ids_elems * IDS_ITEMSIZE, BLOCK_ALIGN)
+
+    @property
+    def rows_block(self) -> int:
+        return _align(self.rows_elems * ROW_ITEMSIZE, BLOCK_ALIGN)
+
+    @property
+    def counters_bytes(self) -> int:
+        return _align(self.slots * COUNTER_STRIDE, BLOCK_ALIGN)
+
+    def counter_offset(self, slot: int, word: int) -> int:
+        return slot * COUNTER_STRIDE + 4 * word
+
+    def ids_offset(self, slot: int) -> int:
+        return self.counters_bytes + slot * self.ids_block
+
+    def rows_offset(self, slot: int) -> int:
+        return self.counters_bytes + self.slots * self.ids_block + slot * self.rows_block
+
+    @property
+    def size(self) -> int:
+        used = self.counters_bytes + self.slots * (self.ids_block + self.rows_block)
+        return _align(used, SLAB_GRANULARITY)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {**asdict(self), "size": self.size}
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> SlabLayout:
+        layout = cls(**{k: int(data[k]) for k in
+                        ("slots", "max_tokens", "n_layers", "heads", "local_heads", "head_dim")})
+        if int(data.get("size", layout.size)) != layout.size:
+            raise ValueError(f"slab size {data['size']} disagrees with the layout's {layout.size}")
+        return layout

@@ -1,0 +1,1 @@
+"""engramd daemon: config, host table store, device backends, request loop, CLI."""

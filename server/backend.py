@@ -1,0 +1,57 @@
+"""What a device backend provides to the lookup store: slabs, and gathers into them.
+
+A backend knows how to allocate a client's slab on the client's device and how to run a lookup
+into one of its slots; it knows nothing of sockets or of client bookkeeping (that is the store's).
+Two implementations: `cpu_backend` (shared-memory slabs, plain-torch reference gather) and
+`cuda_backend` (cudaMalloc slabs exported over CUDA IPC, Triton gather on pinned host tables).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from engramd.client.geometry import ShardView
+from engramd.client.slab import SlabLayout
+
+
+class Slab(Protocol):
+    layout: SlabLayout
+
+    def wire(self) -> dict[str, Any]:
+        """What the client needs to open the slab (sent in the register reply)."""
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class LookupJob:
+    """One lookup: gather the IDs of `slot` (or `inline_ids`) into that slot's rows block."""
+
+    client_id: int
+    slab: Slab
+    shard: ShardView
+    slot: int
+    seq: int
+    tokens: int
+    inline_ids: np.ndarray | None = None  # int32 [T, L, H], already range-mapped
+    out_of_range: int = 0
+    error: BaseException | None = None
+    context: dict[str, Any] = field(default_factory=dict)  # transport data the store carries along
+
+
+Completion = Callable[[LookupJob], None]
+
+
+class Backend(Protocol):
+    name: str
+
+    def allocate_slab(self, device: str, layout: SlabLayout, client_id: int) -> Slab: ...
+
+    def submit(self, job: LookupJob, done: Completion) -> None:
+        """Start the lookup; call `done(job)` exactly once from any thread, errors in `job.error`."""
+
+    def close(self) -> None: ...

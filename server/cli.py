@@ -1,0 +1,147 @@
+"""`engramd` command line: serve, health, stats, make-tables.
+
+    engramd serve [--config FILE] [--tables DIR|demo] [--socket PATH] [--backend cpu|cuda|auto] ...
+    engramd health [--socket PATH] [--json] [--timeout S]     exit 0 ready, 1 not ready/unreachable
+    engramd stats  [--socket PATH] [--json] [--timeout S]
+    engramd make-tables --geometry demo|v4.1-flash|CONFIG.json --out DIR [--seed N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+from engramd.client.connection import default_socket_path, probe
+from engramd.client.errors import ConfigError, EngramError
+from engramd.client.geometry import GeometryError, TableGeometry
+
+EXIT_READY, EXIT_NOT_READY = 0, 1
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from engramd.server.config import dump_toml, load_config, overrides_from_args
+    from engramd.server.daemon import EXIT_CONFIG, run_daemon
+
+    try:
+        config = load_config(args.config, overrides_from_args(args))
+    except ConfigError as exc:
+        print(f"engramd: {exc.message}", file=sys.stderr)
+        return EXIT_CONFIG
+    if args.print_config:
+        print(dump_toml(config))
+        return 0
+    _setup_logging(config.log_level)
+    return run_daemon(config)
+
+
+def _probe(args: argparse.Namespace, op: str) -> dict[str, Any] | None:
+    try:
+        reply = probe(args.socket or default_socket_path(), op, args.timeout)
+    except EngramError as exc:
+        if args.json:
+            print(json.dumps({"live": False, "ready": False, "error": exc.message}))
+        else:
+            print(f"engramd {op}: {exc.message}", file=sys.stderr)
+        return None
+    return {**reply.fields, "epoch": reply.epoch}
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    fields = _probe(args, "health")
+    if fields is None:
+        return EXIT_NOT_READY
+    if args.json:
+        print(json.dumps(fields, sort_keys=True))
+    else:
+        print(f"{'ready' if fields['ready'] else 'not ready'}: state {fields['state']}, "
+              f"tables {fields['progress']:.0%}, pid {fields['pid']}, epoch {fields['epoch']}")
+    return EXIT_READY if fields.get("ready") else EXIT_NOT_READY
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    fields = _probe(args, "stats")
+    if fields is None:
+        return EXIT_NOT_READY
+    if args.json:
+        print(json.dumps(fields, sort_keys=True))
+        return 0
+    print(f"state {fields.get('state')}  epoch {fields['epoch']}  uptime {fields.get('uptime', 0):.0f} s")
+    print(f"lookups {fields.get('lookups', 0)}  rows {fields.get('rows', 0)}  "
+          f"out-of-range ids {fields.get('out_of_range', 0)}  errors {fields.get('errors', {})}")
+    clients = fields.get("clients", [])
+    print(f"clients {len(clients)}")
+    for c in clients:
+        print(f"  #{c['client_id']} pid {c['pid']} {c['device']} tp {c['tp_rank']}/{c['tp_size']} "
+              f"lookups {c['lookups']} rows {c['rows']} errors {c['errors']}")
+    return 0
+
+
+def cmd_make_tables(args: argparse.Namespace) -> int:
+    from engramd.server.synthetic import write_synthetic_checkpoint
+
+    try:
+        geometry = TableGeometry.resolve(args.geometry)
+    except GeometryError as exc:
+        print(f"engramd make-tables: {exc}", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    last = [0.0]
+
+    def progress(done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - last[0] >= 1.0 or done == total:
+            last[0] = now
+            rate = done / 1e9 / max(now - started, 1e-9)
+            print(f"\r{done / 1e9:8.2f} / {total / 1e9:.2f} GB  {rate:.2f} GB/s", end="",
+                  file=sys.stderr, flush=True)
+
+    out = write_synthetic_checkpoint(geometry, args.out, seed=args.seed, progress=progress)
+    print(file=sys.stderr)
+    print(f"wrote {geometry.total_bytes / 1e9:.2f} GB of tables ({list(geometry.rows)} rows) to {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from engramd.server.config import add_setting_flags
+
+    parser = argparse.ArgumentParser(prog="engramd", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the daemon")
+    serve.add_argument("--config", help="TOML config file (flags override its values)")
+    serve.add_argument("--print-config", action="store_true", help="print the merged config and exit")
+    add_setting_flags(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    for name, func, text in (("health", cmd_health, "exit 0 when the daemon is ready, 1 otherwise"),
+                             ("stats", cmd_stats, "clients, lookups, rows, errors")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("--socket", help=f"daemon socket (default: {default_socket_path()})")
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+        p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
+        p.set_defaults(func=func)
+
+    make = sub.add_parser("make-tables", help="write a synthetic Engram checkpoint")
+    make.add_argument("--geometry", default="demo", help="demo, v4.1-flash, or a config.json path")
+    make.add_argument("--out", required=True, help="output folder")
+    make.add_argument("--seed", type=int, default=0)
+    make.set_defaults(func=cmd_make_tables)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

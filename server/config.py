@@ -1,0 +1,168 @@
+"""Daemon configuration: one declaration per setting drives the TOML file, the CLI flag and the docs.
+
+A config file is TOML with the settings at the top level (see configs/demo.toml). Values are
+checked on load; an error names the file, the key and the bad value. Command-line flags
+(`engramd serve --<key-with-dashes> VALUE`) override the file. This module does not start anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+from engramd.client.connection import default_socket_path
+from engramd.client.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Setting:
+    key: str
+    kind: type
+    default: Any
+    doc: str
+    low: float | None = None
+    high: float | None = None
+    choices: tuple[str, ...] | None = None
+    pattern: str | None = None
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("tables", str, "demo",
+            "checkpoint folder (config.json + safetensors shards), or 'demo' for the built-in demo table"),
+    Setting("socket", str, "",
+            "ZeroMQ ipc socket path; its folder is the runtime folder (0770). Empty: the default"),
+    Setting("shm_dir", str, "/dev/shm", "folder for the shared-memory table and slab files"),
+    Setting("instance", str, "default", "daemon instance name, part of every shared-memory file name",
+            pattern=r"[A-Za-z0-9_.-]{1,64}"),
+    Setting("backend", str, "auto", "device backend: cpu, cuda, or auto (cuda when a GPU is visible)",
+            choices=("auto", "cpu", "cuda")),
+    Setting("max_clients", int, 64, "registered clients at most", low=1, high=4096),
+    Setting("max_tokens", int, 16384, "largest max_tokens a client may register", low=1, high=1 << 20),
+    Setting("max_slots", int, 16, "largest slot count a client may register", low=1, high=256),
+    Setting("workers", int, 2, "CPU backend gather threads", low=1, high=256),
+    Setting("heartbeat_interval", float, 1.0,
+            "seconds between client liveness checks; dead clients are freed within two", low=0.05, high=60.0),
+    Setting("demo_seed", int, 0, "seed of the built-in demo table", low=0, high=2**32 - 1),
+    Setting("cache_dir", str, "",
+            "where the demo checkpoint is written (empty: a folder beside the socket)"),
+    Setting("log_level", str, "info", "logging level", choices=("debug", "info", "warning", "error")),
+)
+_BY_KEY = {s.key: s for s in SETTINGS}
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    tables: str
+    socket: str
+    shm_dir: str
+    instance: str
+    backend: str
+    max_clients: int
+    max_tokens: int
+    max_slots: int
+    workers: int
+    heartbeat_interval: float
+    demo_seed: int
+    cache_dir: str
+    log_level: str
+
+    @property
+    def socket_path(self) -> Path:
+        return Path(self.socket or default_socket_path())
+
+    @property
+    def runtime_dir(self) -> Path:
+        return self.socket_path.parent
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _check(source: str, setting: Setting, value: Any) -> Any:
+    def bad(why: str) -> ConfigError:
+        return ConfigError(f"{source}: key {setting.key!r} has bad value {value!r}: {why}")
+
+    if setting.kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, setting.kind) or isinstance(value, bool):
+        raise bad(f"expected {setting.kind.__name__}")
+    if setting.low is not None and value < setting.low:
+        raise bad(f"must be >= {setting.low}")
+    if setting.high is not None and value > setting.high:
+        raise bad(f"must be <= {setting.high}")
+    if setting.choices and value not in setting.choices:
+        raise bad(f"must be one of {', '.join(setting.choices)}")
+    if setting.pattern and not re.fullmatch(setting.pattern, value):
+        raise bad(f"must match {setting.pattern}")
+    return value
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+
+
+def build_config(file_values: dict[str, Any], source: str,
+                 overrides: dict[str, Any] | None = None) -> DaemonConfig:
+    """Defaults <- file values <- overrides (None values in overrides are ignored)."""
+    values = {s.key: s.default for s in SETTINGS}
+    for key, value in file_values.items():
+        if key not in _BY_KEY:
+            raise ConfigError(f"{source}: unknown key {key!r} (value {value!r}); "
+                              f"known keys: {', '.join(_BY_KEY)}")
+        values[key] = _check(source, _BY_KEY[key], value)
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            values[key] = _check(f"command line --{key.replace('_', '-')}", _BY_KEY[key], value)
+    return DaemonConfig(**values)
+
+
+def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> DaemonConfig:
+    file_values = read_toml(Path(path)) if path else {}
+    return build_config(file_values, str(path) if path else "defaults", overrides)
+
+
+def add_setting_flags(parser: argparse.ArgumentParser) -> None:
+    """One `--key` flag per setting; the help text is the setting's doc."""
+    for s in SETTINGS:
+        parser.add_argument(f"--{s.key.replace('_', '-')}", dest=s.key, type=s.kind,
+                            default=None, choices=s.choices,
+                            help=f"{s.doc} (default: {s.default!r})")
+
+
+def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    return {s.key: getattr(args, s.key, None) for s in SETTINGS}
+
+
+def describe_settings() -> str:
+    """The settings as commented TOML, for docs and `engramd serve --print-config`."""
+    lines = []
+    for s in SETTINGS:
+        lines.append(f"# {s.doc}")
+        lines.append(f"{s.key} = {_toml_value(s.default)}")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value)
+
+
+def dump_toml(config: DaemonConfig) -> str:
+    return "\n".join(f"{k} = {_toml_value(v)}" for k, v in config.to_dict().items())

@@ -1,0 +1,368 @@
+"""The engramd process: socket, request loop, table loading, signals and shutdown.
+
+The daemon owns the transport and the lifecycle; the lookup store (store.py) owns the clients,
+the table store (table_store.py) the host tables, the backend the device work. One thread runs
+the ZeroMQ loop; tables load on a background thread so that `health` answers (not ready) while
+they do; gathers run on the backend's workers, whose completions come back to the loop through
+an event queue and a wake-up pipe (ZeroMQ sockets are not thread-safe).
+
+Start order: lock the socket -> bind -> load or re-attach tables (background) -> build the
+backend -> ready. Stop (SIGTERM/SIGINT): refuse new work, finish in-flight lookups, free slabs,
+close the tables (their files stay for a fast re-attach), remove the socket.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import queue
+import select
+import signal
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from engramd.client import protocol
+from engramd.client.errors import EngramError, InternalError, NotReadyError
+from engramd.client.geometry import TableGeometry
+from engramd.server.config import DaemonConfig
+from engramd.server.store import Limits, LookupStore
+from engramd.server.tables import LoadedTables, load_tables
+
+log = logging.getLogger("engramd.daemon")
+
+# Named exit codes (sysexits.h values, so that service managers show something meaningful).
+EXIT_OK = 0
+EXIT_TABLES = 66  # EX_NOINPUT: checkpoint or table files unusable
+EXIT_INTERNAL = 70  # EX_SOFTWARE
+EXIT_SOCKET_IN_USE = 73  # EX_CANTCREAT: another daemon holds the socket
+EXIT_DEVICE = 69  # EX_UNAVAILABLE: the requested device backend cannot start
+EXIT_CONFIG = 78  # EX_CONFIG
+
+DRAIN_TIMEOUT_S = 30.0
+
+
+class DaemonHalt(Exception):
+    """Stops the daemon with an exit status and a reason."""
+
+    def __init__(self, reason: str, status: int):
+        super().__init__(reason)
+        self.reason = reason
+        self.status = status
+
+
+@dataclass
+class _Event:
+    kind: str  # "done" | "loaded" | "load_failed" | "signal"
+    value: Any
+
+
+class SocketLock:
+    """An flock beside the socket: one daemon per socket path, released by the kernel on death."""
+
+    def __init__(self, socket_path: Path):
+        self.path = socket_path.with_name(socket_path.name + ".lock")
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o660)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise DaemonHalt(f"socket {self.path.with_suffix('')} is in use by another engramd "
+                             f"(pid {holder}, lock {self.path})", EXIT_SOCKET_IN_USE) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def prepare_runtime_dir(path: Path) -> None:
+    """Create the runtime folder 0770; its permissions decide who may connect."""
+    if not path.exists():
+        path.mkdir(mode=0o770, parents=True)
+        os.chmod(path, 0o770)  # mkdir's mode is narrowed by the umask
+    elif path.stat().st_uid == os.geteuid() and not path.stat().st_mode & 0o1000:
+        os.chmod(path, 0o770)  # ours and not a shared sticky folder such as /tmp
+
+
+class Daemon:
+    def __init__(self, config: DaemonConfig):
+        self.config = config
+        self.epoch = uuid.uuid4().hex[:16]
+        self.state = "starting"
+        self.progress = 0.0
+        self.started = time.monotonic()
+        self.store: LookupStore | None = None
+        self.tables: LoadedTables | None = None
+        self.geometry: TableGeometry | None = None
+        self._events: queue.SimpleQueue[_Event] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._lock = SocketLock(config.socket_path)
+        self._ctx = zmq.Context()
+        self._sock: zmq.Socket | None = None
+        self._loader: threading.Thread | None = None
+        self._halt: DaemonHalt | None = None
+
+    # -- thread-safe event posting --------------------------------------------------------------
+
+    def post(self, kind: str, value: Any = None) -> None:
+        self._events.put(_Event(kind, value))
+        try:
+            os.write(self._wake_w, b"!")
+        except BlockingIOError:
+            pass  # the pipe is full, so the loop is already due to wake
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        self.post("signal", signum)  # handlers only enqueue
+
+    # -- start ----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        prepare_runtime_dir(self.config.runtime_dir)
+        self._lock.acquire()
+        path = self.config.socket_path
+        path.unlink(missing_ok=True)  # stale: we hold the lock, so no live daemon is on it
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 100_000)
+        self._sock.setsockopt(zmq.RCVHWM, 100_000)
+        self._sock.bind(f"ipc://{path}")
+        os.chmod(path, 0o660)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._on_signal)
+        log.info("engramd epoch %s listening on %s (pid %d)", self.epoch, path, os.getpid())
+        self.state = "loading"
+        self._loader = threading.Thread(target=self._load, name="engramd-load", daemon=True)
+        self._loader.start()
+
+    def _load(self) -> None:
+        try:
+            loaded = load_tables(self.config, self._on_progress)
+            self.post("loaded", loaded)
+        except BaseException as exc:  # reported to the main thread, which decides the exit
+            self.post("load_failed", exc)
+
+    def _on_progress(self, fraction: float) -> None:
+        self.progress = fraction
+
+    def _on_loaded(self, loaded: LoadedTables) -> None:
+        self.tables = loaded
+        self.geometry = loaded.geometry
+        limits = Limits(self.config.max_clients, self.config.max_tokens, self.config.max_slots)
+        self.store = LookupStore(loaded.geometry, loaded.backend, limits)
+        self.state = "ready"
+        self.progress = 1.0
+        log.info("ready: %s backend, %d layers, %.2f GB of tables, %s",
+                 loaded.backend.name, loaded.geometry.n_layers, loaded.geometry.total_bytes / 1e9,
+                 "re-attached" if loaded.reattached else "loaded")
+
+    # -- loop -----------------------------------------------------------------------------------
+
+    def serve_forever(self) -> int:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        interval_ms = int(self.config.heartbeat_interval * 1000)
+        next_reap = time.monotonic()
+        while self._halt is None:
+            ready = dict(poller.poll(interval_ms))
+            if self._sock in ready:
+                self._drain_socket()
+            if self._wake_r in ready:
+                self._drain_events()
+            if self.state == "stopping" and self._nothing_in_flight():
+                break
+            if time.monotonic() >= next_reap:
+                next_reap = time.monotonic() + self.config.heartbeat_interval
+                self._housekeeping()
+        if self._halt is not None:
+            log.error("%s", self._halt.reason)
+            return self._halt.status
+        return EXIT_OK
+
+    def _drain_socket(self) -> None:
+        for _ in range(1024):  # bounded, so completions are not starved by a flood of requests
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            self._handle(frames)
+
+    def _drain_events(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                if not select.select([self._wake_r], [], [], 0)[0]:
+                    break
+        except BlockingIOError:
+            pass
+        while True:
+            try:
+                event = self._events.get_nowait()
+            except queue.Empty:
+                return
+            getattr(self, f"_event_{event.kind}")(event.value)
+
+    def _event_done(self, job: Any) -> None:
+        identity, rid = job.context["identity"], job.context["rid"]
+        try:
+            fields = self.store.finish_lookup(job)
+        except EngramError as exc:
+            self.store.count_error(exc.code)
+            self._send(identity, protocol.encode_error("lookup", rid, self.epoch, exc))
+            return
+        self._send(identity, protocol.encode_reply("lookup", rid, self.epoch, **fields))
+
+    def _event_loaded(self, loaded: LoadedTables) -> None:
+        if self.state == "stopping":
+            loaded.close()
+            return
+        self._on_loaded(loaded)
+
+    def _event_load_failed(self, exc: BaseException) -> None:
+        status = EXIT_DEVICE if getattr(exc, "device_error", False) else EXIT_TABLES
+        self._halt = DaemonHalt(f"cannot load tables: {exc}", status)
+
+    def _event_signal(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        if self.state == "stopping":
+            log.warning("%s again: stopping without waiting", name)
+            self._halt = DaemonHalt(f"stopped by a second {name}", EXIT_OK)
+            return
+        log.info("%s: stopping (finishing %d in-flight lookups)", name, self._in_flight())
+        self.state = "stopping"
+
+    def _housekeeping(self) -> None:
+        if self.store is not None:
+            self.store.reap_dead()
+
+    def _in_flight(self) -> int:
+        if self.store is None:
+            return 0
+        return sum(len(c.in_flight) for c in self.store.clients.values())
+
+    def _nothing_in_flight(self) -> bool:
+        return self._in_flight() == 0
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def _handle(self, frames: list[bytes]) -> None:
+        if len(frames) < 2:
+            return  # an identity alone: nothing to answer
+        identity, body = frames[0], frames[1:]
+        op, rid = protocol.peek_rid(body)
+        try:
+            request = protocol.decode_request(body)
+            op = request.op
+            reply = getattr(self, f"_op_{request.op}")(identity, request)
+        except EngramError as exc:
+            self._count_error(exc)
+            reply = protocol.encode_error(op, rid, self.epoch, exc)
+        except Exception as exc:  # a bug must not take the daemon down for everyone
+            log.exception("internal error handling %r", op)
+            err = InternalError(f"{type(exc).__name__}: {exc}")
+            self._count_error(err)
+            reply = protocol.encode_error(op, rid, self.epoch, err)
+        if reply is not None:
+            self._send(identity, reply)
+
+    def _count_error(self, exc: EngramError) -> None:
+        if self.store is not None:
+            self.store.count_error(exc.code)
+
+    def _send(self, identity: bytes, frames: list[bytes]) -> None:
+        try:
+            self._sock.send_multipart([identity, *frames], zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("dropping a reply: the client's queue is full")
+
+    def _serving_store(self, op: str) -> LookupStore:
+        if self.state != "ready" or self.store is None:
+            raise NotReadyError(f"{op}: daemon is {self.state} "
+                                f"(tables {self.progress:.0%} loaded); retry when `engramd health` says ready")
+        return self.store
+
+    def _op_register(self, identity: bytes, request: protocol.Request) -> list[bytes]:
+        fields = self._serving_store("register").register(identity, request.fields)
+        return protocol.encode_reply("register", request.rid, self.epoch, daemon_pid=os.getpid(),
+                                     **fields)
+
+    def _op_lookup(self, identity: bytes, request: protocol.Request) -> None:
+        store = self.store
+        if store is None:
+            raise NotReadyError(f"lookup: daemon is {self.state}")
+        store.start_lookup(identity, request.fields, request.payload, self._on_done,
+                           {"identity": identity, "rid": request.rid})
+        return None  # answered on completion
+
+    def _on_done(self, job: Any) -> None:
+        self.post("done", job)
+
+    def _op_release(self, identity: bytes, request: protocol.Request) -> list[bytes]:
+        if self.store is None:
+            raise NotReadyError(f"release: daemon is {self.state}")
+        self.store.release(identity, request.fields["client_id"])
+        return protocol.encode_reply("release", request.rid, self.epoch)
+
+    def _op_heartbeat(self, identity: bytes, request: protocol.Request) -> list[bytes]:
+        client_id = request.fields["client_id"]
+        if client_id is not None:
+            if self.store is None:
+                raise NotReadyError(f"heartbeat: daemon is {self.state}")
+            self.store.client(identity, client_id)
+        return protocol.encode_reply("heartbeat", request.rid, self.epoch)
+
+    def _op_stats(self, identity: bytes, request: protocol.Request) -> list[bytes]:
+        stats = self.store.stats() if self.store is not None else {}
+        return protocol.encode_reply("stats", request.rid, self.epoch, state=self.state,
+                                     uptime=time.monotonic() - self.started, **stats)
+
+    def _op_health(self, identity: bytes, request: protocol.Request) -> list[bytes]:
+        return protocol.encode_reply(
+            "health", request.rid, self.epoch, live=True, ready=self.state == "ready",
+            state=self.state, progress=round(self.progress, 4), pid=os.getpid(),
+            uptime=round(time.monotonic() - self.started, 3),
+            backend=self.tables.backend.name if self.tables else None)
+
+    # -- stop -----------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self.tables is not None:
+            self.tables.backend.close()  # waits for running gathers
+        if self.store is not None:
+            self.store.close()
+        if self.tables is not None:
+            self.tables.close()
+        if self._sock is not None:
+            self._sock.close(0)
+            self.config.socket_path.unlink(missing_ok=True)
+        self._ctx.term()
+        self._lock.release()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+
+def run_daemon(config: DaemonConfig) -> int:
+    """Run until stopped; returns the exit status."""
+    daemon = Daemon(config)
+    try:
+        daemon.start()
+        return daemon.serve_forever()
+    except DaemonHalt as halt:
+        log.error("%s", halt.reason)
+        return halt.status
+    finally:
+        daemon.close()

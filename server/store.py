@@ -1,0 +1,233 @@
+"""The lookup store: registered clients, their slabs and slots, lookup validation and statistics.
+
+It knows nothing of ZeroMQ: the daemon hands it decoded request fields and a peer identity, and
+gets back reply fields or a typed EngramError. All methods run on the daemon's main thread; the
+backend's workers only call the completion callback, which the daemon brings back to that thread
+before `finish_lookup`. Tests drive the store in-process.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from engramd.client.errors import (
+    BadIdsError,
+    BadRequestError,
+    EngramError,
+    InternalError,
+    NotRegisteredError,
+    ResourceError,
+    SlotBusyError,
+)
+from engramd.client.geometry import GeometryError, ShardView, TableGeometry
+from engramd.client.ids import ID_DTYPES, int32_ids_from_bytes
+from engramd.client.procwatch import ProcessWatch
+from engramd.client.slab import SlabLayout
+from engramd.server.backend import Backend, Completion, LookupJob, Slab
+
+log = logging.getLogger("engramd.store")
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_clients: int
+    max_tokens: int
+    max_slots: int
+
+
+@dataclass
+class ClientRecord:
+    client_id: int
+    identity: bytes
+    name: str
+    device: str
+    tp_rank: int
+    tp_size: int
+    shard: ShardView
+    slab: Slab
+    watch: ProcessWatch
+    in_flight: set[int] = field(default_factory=set)
+    releasing: bool = False
+    lookups: int = 0
+    rows: int = 0
+    out_of_range: int = 0
+    errors: int = 0
+    last_seen: float = field(default_factory=time.monotonic)
+
+    def summary(self) -> dict[str, Any]:
+        return {"client_id": self.client_id, "pid": self.watch.pid, "name": self.name,
+                "device": self.device, "tp_rank": self.tp_rank, "tp_size": self.tp_size,
+                "lookups": self.lookups, "rows": self.rows, "out_of_range": self.out_of_range,
+                "errors": self.errors, "in_flight": len(self.in_flight)}
+
+
+class LookupStore:
+    def __init__(self, geometry: TableGeometry, backend: Backend, limits: Limits):
+        self.geometry = geometry
+        self.backend = backend
+        self.limits = limits
+        self.clients: dict[int, ClientRecord] = {}
+        self._next_id = 1
+        self.totals: Counter[str] = Counter()
+        self.errors: Counter[str] = Counter()
+
+    # -- registration ---------------------------------------------------------------------------
+
+    def register(self, identity: bytes, req: dict[str, Any]) -> dict[str, Any]:
+        live = [c for c in self.clients.values() if not c.releasing]
+        if len(live) >= self.limits.max_clients:
+            raise ResourceError(f"client limit reached ({self.limits.max_clients} registered)")
+        shard = self._shard_for(req)
+        layout = SlabLayout(
+            slots=_bounded("slots", req["slots"], 1, self.limits.max_slots),
+            max_tokens=_bounded("max_tokens", req["max_tokens"], 1, self.limits.max_tokens),
+            n_layers=self.geometry.n_layers, heads=self.geometry.heads,
+            local_heads=shard.local_heads, head_dim=self.geometry.head_dim)
+        client_id = self._next_id
+        slab = self.backend.allocate_slab(req["device"], layout, client_id)
+        self._next_id += 1
+        record = ClientRecord(client_id, identity, str(req.get("name", ""))[:128], req["device"],
+                              req["tp_rank"], req["tp_size"], shard, slab, ProcessWatch(req["pid"]))
+        self.clients[client_id] = record
+        self.totals["registrations"] += 1
+        log.info("registered client %d (pid %d, %s, tp %d/%d, %d slots x %d tokens, slab %d B)",
+                 client_id, req["pid"], req["device"], req["tp_rank"], req["tp_size"],
+                 layout.slots, layout.max_tokens, layout.size)
+        return {"client_id": client_id, "geometry": self.geometry.to_config(),
+                "shard": {"rank": shard.rank, "shards": shard.shards, "head_start": shard.head_start,
+                          "head_end": shard.head_end, "local_heads": shard.local_heads,
+                          "row_ranges": [list(r) for r in shard.row_ranges]},
+                "slab": slab.wire()}
+
+    def _shard_for(self, req: dict[str, Any]) -> ShardView:
+        if req["tp_size"] < 1 or req["tp_size"] > self.geometry.heads * 64:
+            raise BadRequestError(f"tp_size {req['tp_size']} out of range [1, {self.geometry.heads * 64}]")
+        try:
+            return self.geometry.shard(req["tp_rank"], req["tp_size"])
+        except GeometryError as exc:
+            raise BadRequestError(f"tp_rank/tp_size: {exc}") from None
+
+    def client(self, identity: bytes, client_id: int) -> ClientRecord:
+        record = self.clients.get(client_id)
+        if record is None or record.releasing:
+            raise NotRegisteredError(f"client {client_id} is not registered with this daemon "
+                                     "(released, reaped, or registered with an earlier run)")
+        if record.identity != identity:
+            raise NotRegisteredError(f"client {client_id} belongs to another connection")
+        record.last_seen = time.monotonic()
+        return record
+
+    def release(self, identity: bytes, client_id: int) -> None:
+        self._retire(self.client(identity, client_id), "released")
+
+    def _retire(self, record: ClientRecord, why: str) -> None:
+        record.releasing = True
+        log.info("client %d %s (%d lookups in flight)", record.client_id, why, len(record.in_flight))
+        if not record.in_flight:
+            self._free(record)
+
+    def _free(self, record: ClientRecord) -> None:
+        self.clients.pop(record.client_id, None)
+        record.slab.close()
+
+    def reap_dead(self) -> list[int]:
+        """Retire clients whose process is gone. A live, idle client is never reaped."""
+        dead = [c for c in self.clients.values() if not c.releasing and c.watch.alive() is False]
+        for record in dead:
+            self.totals["reaped"] += 1
+            self._retire(record, f"reaped (process {record.watch.pid} is gone)")
+        return [c.client_id for c in dead]
+
+    # -- lookups --------------------------------------------------------------------------------
+
+    def start_lookup(self, identity: bytes, req: dict[str, Any], payload: list[bytes],
+                     done: Completion, context: dict[str, Any]) -> LookupJob:
+        record = self.client(identity, req["client_id"])
+        try:
+            job = self._validate_lookup(record, req, payload)
+        except EngramError:
+            record.errors += 1
+            raise
+        job.context = context
+        record.in_flight.add(job.slot)
+        self.backend.submit(job, done)
+        return job
+
+    def _validate_lookup(self, record: ClientRecord, req: dict[str, Any], payload: list[bytes]) -> LookupJob:
+        layout: SlabLayout = record.slab.layout
+        slot, tokens = req["slot"], req["tokens"]
+        if not 0 <= slot < layout.slots:
+            raise BadRequestError(f"slot {slot} outside [0, {layout.slots})")
+        if slot in record.in_flight:
+            raise SlotBusyError(f"slot {slot} still has a lookup in flight")
+        if not 1 <= tokens <= layout.max_tokens:
+            raise BadIdsError(f"{tokens} tokens; this client registered 1..{layout.max_tokens}")
+        expected = [tokens, self.geometry.n_layers, self.geometry.heads]
+        if req["ids_shape"] != expected:
+            raise BadIdsError(f"ids shape {req['ids_shape']!r}, expected {expected} ([T, n_layers, heads])")
+        dtype = req["ids_dtype"]
+        if dtype not in ID_DTYPES or (not req["inline"] and dtype != "int32"):
+            allowed = "int32 or int64" if req["inline"] else "int32 (IDs in the slot)"
+            raise BadIdsError(f"ids dtype {dtype!r}; expected {allowed}")
+        inline = None
+        if req["inline"]:
+            nbytes = tokens * self.geometry.n_layers * self.geometry.heads * np.dtype(dtype).itemsize
+            if len(payload) != 1 or len(payload[0]) != nbytes:
+                got = [len(p) for p in payload]
+                raise BadIdsError(f"inline ids: expected one frame of {nbytes} bytes, got frames {got}")
+            inline = int32_ids_from_bytes(payload[0], dtype, tuple(expected))
+        elif payload:
+            raise BadIdsError("payload frames sent with inline=false")
+        return LookupJob(record.client_id, record.slab, record.shard, slot, req["seq"], tokens, inline)
+
+    def finish_lookup(self, job: LookupJob) -> dict[str, Any]:
+        """Book-keep a completed job; returns reply fields or raises the job's error."""
+        record = self.clients.get(job.client_id)
+        if record is not None:
+            record.in_flight.discard(job.slot)
+            if record.releasing and not record.in_flight:
+                self._free(record)
+        if job.error is not None:
+            if record is not None:
+                record.errors += 1
+            if isinstance(job.error, EngramError):
+                raise job.error
+            raise InternalError(f"gather failed: {type(job.error).__name__}: {job.error}")
+        rows = job.tokens * self.geometry.n_layers * job.shard.owned_heads
+        self.totals["lookups"] += 1
+        self.totals["rows"] += rows
+        self.totals["out_of_range"] += job.out_of_range
+        if record is not None:
+            record.lookups += 1
+            record.rows += rows
+            record.out_of_range += job.out_of_range
+        return {"slot": job.slot, "seq": job.seq, "out_of_range": job.out_of_range}
+
+    # -- introspection --------------------------------------------------------------------------
+
+    def count_error(self, code: str) -> None:
+        self.errors[code] += 1
+
+    def stats(self) -> dict[str, Any]:
+        return {"clients": [c.summary() for c in self.clients.values() if not c.releasing],
+                "lookups": self.totals["lookups"], "rows": self.totals["rows"],
+                "out_of_range": self.totals["out_of_range"],
+                "registrations": self.totals["registrations"], "reaped": self.totals["reaped"],
+                "errors": dict(self.errors)}
+
+    def close(self) -> None:
+        """Free every slab. The backend must have finished its jobs (backend.close first)."""
+        for record in list(self.clients.values()):
+            self._free(record)
+
+
+def _bounded(name: str, value: int, low: int, high: int) -> int:
+    if not low <= value <= high:
+        raise BadRequestError(f"{name} {value} out of range [{low}, {high}]")
+    return value

@@ -1,0 +1,139 @@
+"""From a config to served tables: resolve the checkpoint, map the host tables, build the backend.
+
+Runs on the daemon's loader thread. The built-in `demo` table is a synthetic checkpoint written
+once into a cache folder (atomically: written aside, then renamed), so a fresh machine can run the
+daemon with no download.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from engramd.client.geometry import TableGeometry
+from engramd.server.backend import Backend
+from engramd.server.checkpoint import EngramCheckpoint
+from engramd.server.config import DaemonConfig
+from engramd.server.synthetic import write_synthetic_checkpoint
+from engramd.server.table_store import HostTable, LoadProgress, TableStore
+
+log = logging.getLogger("engramd.tables")
+
+
+class DeviceBackendError(RuntimeError):
+    """The configured device backend cannot start (no GPU, driver error, registration failure)."""
+
+    device_error = True
+
+
+@dataclass
+class LoadedTables:
+    geometry: TableGeometry
+    store: TableStore
+    tables: list[HostTable]
+    backend: Backend
+    reattached: bool
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def demo_checkpoint(config: DaemonConfig) -> Path:
+    """The built-in demo checkpoint, written on first use."""
+    base = Path(config.cache_dir) if config.cache_dir else (
+        Path(tempfile.gettempdir()) / f"engramd-demo-{os.geteuid()}")
+    target = base / f"demo-seed{config.demo_seed}"
+    if (target / "model.safetensors.index.json").exists():
+        return target
+    base.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=base))
+    try:
+        write_synthetic_checkpoint(TableGeometry.named("demo"), staging, seed=config.demo_seed)
+        try:
+            staging.rename(target)
+        except OSError:  # another process won the race; its copy is identical
+            pass
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    log.info("wrote the demo checkpoint to %s", target)
+    return target
+
+
+def resolve_checkpoint(config: DaemonConfig) -> EngramCheckpoint:
+    path = demo_checkpoint(config) if config.tables == "demo" else Path(config.tables)
+    return EngramCheckpoint.open(path)
+
+
+def choose_backend_name(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    try:
+        import torch
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    except Exception:
+        return "cpu"
+
+
+def build_backend(config: DaemonConfig, tables: list[HostTable], prefix: str) -> Backend:
+    name = choose_backend_name(config.backend)
+    if name == "cpu":
+        from engramd.server.cpu_backend import CpuBackend
+        return CpuBackend([t.tensor for t in tables], Path(config.shm_dir), prefix, config.workers)
+    try:
+        from engramd.server.cuda_backend import CudaBackend
+    except ImportError as exc:
+        raise DeviceBackendError(f"cuda backend unavailable: {exc}") from exc
+    try:
+        return CudaBackend(tables, prefix=prefix)
+    except Exception as exc:
+        raise DeviceBackendError(f"cuda backend failed to start: {exc}") from exc
+
+
+def remove_stale_slabs(shm_dir: Path, instance: str, keep_prefix: str) -> None:
+    """Slab files of an earlier run of this instance (we hold its lock, so that run is dead)."""
+    for path in shm_dir.glob(f"engramd.{instance}.*.slab"):
+        if not path.name.startswith(keep_prefix + "."):
+            log.info("removing stale slab %s", path)
+            path.unlink(missing_ok=True)
+
+
+# Fault injection for tests and drills: seconds to stall before loading, so that a "starting"
+# daemon can be observed. Never set in production.
+LOAD_DELAY_ENV = "ENGRAMD_DEBUG_LOAD_DELAY_S"
+
+
+def load_tables(config: DaemonConfig, progress: Callable[[float], None]) -> LoadedTables:
+    delay = float(os.environ.get(LOAD_DELAY_ENV, "0") or 0)
+    if delay > 0:
+        log.warning("%s=%s: stalling before the load", LOAD_DELAY_ENV, delay)
+        time.sleep(delay)
+    checkpoint = resolve_checkpoint(config)
+    geometry = checkpoint.geometry
+    total = geometry.total_bytes
+    done_before: dict[int, int] = {}
+
+    def on_progress(p: LoadProgress) -> None:
+        done_before[p.layer_index] = p.done_bytes
+        progress(min(1.0, sum(done_before.values()) / max(1, total)))
+
+    store = TableStore(config.shm_dir, config.instance)
+    started = time.monotonic()
+    try:
+        tables = store.open(checkpoint, progress=on_progress)
+        reattached = all(t.reattached for t in tables)
+        seconds = time.monotonic() - started
+        log.info("tables %s in %.2f s (%.2f GB/s)", "re-attached" if reattached else "loaded",
+                 seconds, total / 1e9 / max(seconds, 1e-9))
+        prefix = f"engramd.{config.instance}.{os.getpid()}"
+        remove_stale_slabs(Path(config.shm_dir), config.instance, keep_prefix=prefix)
+        backend = build_backend(config, tables, prefix)
+    except BaseException:
+        store.close()
+        raise
+    return LoadedTables(geometry, store, tables, backend, reattached)

@@ -1,0 +1,157 @@
+"""Shared fixtures: a demo checkpoint, its independent reference, and real daemon processes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from engramd.client.connection import probe
+from engramd.client.errors import EngramError
+from engramd.client.geometry import TableGeometry
+
+sys.path.insert(0, str(Path(__file__).parent))
+from reference import ReferenceTables  # noqa: E402
+
+START_TIMEOUT_S = 60.0
+
+
+@pytest.fixture(scope="session")
+def demo_checkpoint(tmp_path_factory) -> Path:
+    from engramd.server.synthetic import write_synthetic_checkpoint
+
+    out = tmp_path_factory.mktemp("demo-ckpt")
+    write_synthetic_checkpoint(TableGeometry.named("demo"), out, seed=7)
+    return out
+
+
+@pytest.fixture(scope="session")
+def reference(demo_checkpoint) -> ReferenceTables:
+    return ReferenceTables(demo_checkpoint)
+
+
+def short_tempdir(prefix: str) -> Path:
+    """ipc:// socket paths must stay under ~100 bytes, so sockets live in a short temp folder."""
+    return Path(tempfile.mkdtemp(prefix=prefix))
+
+
+def shm_tempdir() -> Path:
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    return Path(tempfile.mkdtemp(prefix="engramd-test-", dir=base))
+
+
+def engramd_command() -> list[str]:
+    exe = shutil.which("engramd")
+    return [exe] if exe else [sys.executable, "-m", "engramd.server.cli"]
+
+
+class DaemonProcess:
+    """`engramd serve` started as users start it, on a private socket and shm folder."""
+
+    def __init__(self, workdir: Path, shm_dir: Path, tables: Path | str, instance: str,
+                 extra: list[str], env: dict[str, str] | None = None):
+        self.env = {**os.environ, **(env or {})}
+        self.workdir = workdir
+        self.socket = workdir / "run" / "engramd.sock"
+        self.shm_dir = shm_dir
+        self.log_path = workdir / f"daemon-{instance}.log"
+        self.args = [*engramd_command(), "serve", "--tables", str(tables), "--socket",
+                     str(self.socket), "--shm-dir", str(shm_dir), "--instance", instance,
+                     "--backend", "cpu", "--heartbeat-interval", "0.2", *extra]
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> DaemonProcess:
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=self.env)
+        return self
+
+    def health(self, timeout: float = 1.0) -> dict | None:
+        try:
+            return probe(self.socket, "health", timeout).fields
+        except EngramError:
+            return None
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> DaemonProcess:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
+            health = self.health()
+            if health and health["ready"]:
+                return self
+            time.sleep(0.05)
+        raise AssertionError(f"daemon not ready within {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise AssertionError(f"daemon ignored {sig} for {timeout} s:\n{self.log()}") from None
+        self._log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture
+def daemon_factory(demo_checkpoint):
+    """Make daemons: factory(tables=, instance=, extra=[flags], shm_dir=, workdir=, start=, ready=, env=)."""
+    started: list[DaemonProcess] = []
+    dirs: list[Path] = []
+
+    def make(tables: Path | str | None = None, instance: str = "t", extra: list[str] | None = None,
+             shm_dir: Path | None = None, workdir: Path | None = None, start: bool = True,
+             ready: bool = True, env: dict[str, str] | None = None) -> DaemonProcess:
+        if workdir is None:
+            workdir = short_tempdir("egd-")
+            dirs.append(workdir)
+        if shm_dir is None:
+            shm_dir = shm_tempdir()
+            dirs.append(shm_dir)
+        daemon = DaemonProcess(workdir, shm_dir, tables or demo_checkpoint, instance, extra or [], env)
+        started.append(daemon)
+        if start:
+            daemon.start()
+            if ready:
+                daemon.wait_ready()
+        return daemon
+
+    yield make
+    for daemon in started:
+        if daemon.proc is not None and daemon.proc.poll() is None:
+            daemon.proc.kill()
+            daemon.proc.wait()
+    for path in dirs:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def run_client_processes(commands: list[list[str]], timeout: float = 120.0) -> None:
+    """Run client scripts as separate processes concurrently; fail with their output if any fails."""
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for cmd in commands]
+    failures = []
+    for cmd, proc in zip(commands, procs, strict=True):
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+            failures.append(f"{cmd}: timed out\n{out.decode(errors='replace')}")
+            continue
+        if proc.returncode != 0:
+            failures.append(f"{cmd}: exit {proc.returncode}\n{out.decode(errors='replace')}")
+    assert not failures, "\n\n".join(failures)

@@ -1,0 +1,123 @@
+"""Every kind of bad input gets a typed error reply, and the daemon keeps serving the others."""
+
+from __future__ import annotations
+
+import os
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+import zmq
+from reference import random_ids
+
+from engramd.client import EngramClient
+
+LOOKUP = dict(slot=0, seq=1, tokens=2, ids_dtype="int32", ids_shape=[2, 2, 24], inline=True)
+IDS_FRAME = np.zeros((2, 2, 24), dtype=np.int32).tobytes()
+
+
+@pytest.fixture
+def served(daemon_factory):
+    daemon = daemon_factory()
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.setsockopt(zmq.RCVTIMEO, 5000)
+    raw.connect(f"ipc://{daemon.socket}")
+    yield daemon, raw
+    raw.close(0)
+
+
+def roundtrip(raw: zmq.Socket, frames: list[bytes]) -> dict:
+    raw.send_multipart(frames)
+    return msgpack.unpackb(raw.recv_multipart()[0])
+
+
+def register(raw: zmq.Socket, **over) -> dict:
+    fields = {**dict(v=1, op="register", rid=1, pid=os.getpid(), device="cpu", tp_rank=0,
+                     tp_size=1, max_tokens=4, slots=2), **over}
+    return roundtrip(raw, [msgpack.packb(fields)])
+
+
+def header(**fields) -> bytes:
+    return msgpack.packb({"v": 1, "rid": 9, **fields})
+
+
+BAD_MESSAGES = [
+    ("garbage msgpack", [b"\xc1\xc1\xc1"], "bad_message"),
+    ("not a map", [msgpack.packb([1, 2, 3])], "bad_message"),
+    ("wrong version", [msgpack.packb({"v": 7, "op": "health", "rid": 1})], "bad_version"),
+    ("no version", [msgpack.packb({"op": "health", "rid": 1})], "bad_version"),
+    ("unknown op", [header(op="format_disk")], "unknown_op"),
+    ("missing field", [header(op="register", pid=1)], "bad_message"),
+    ("mistyped field", [header(op="release", client_id="one")], "bad_message"),
+    ("too many frames", [header(op="health"), b"a", b"b", b"c"], "bad_message"),
+    ("lookup unregistered", [header(op="lookup", client_id=999, **LOOKUP), IDS_FRAME], "not_registered"),
+    ("release unregistered", [header(op="release", client_id=12345)], "not_registered"),
+]
+
+
+@pytest.mark.parametrize("name, frames, code", BAD_MESSAGES, ids=[b[0] for b in BAD_MESSAGES])
+def test_malformed_messages_get_typed_errors(served, name, frames, code):
+    _, raw = served
+    reply = roundtrip(raw, frames)
+    assert reply["status"] == "error" and reply["code"] == code, reply
+    assert reply["message"] and reply["epoch"]
+
+
+def test_bad_lookups_get_typed_errors(served):
+    _, raw = served
+    client_id = register(raw)["client_id"]
+    cases = [
+        (dict(LOOKUP, ids_dtype="float32"), [IDS_FRAME], "bad_ids", "dtype"),
+        (dict(LOOKUP, ids_shape=[2, 24]), [IDS_FRAME], "bad_ids", "shape"),
+        (dict(LOOKUP, ids_shape=[2, 2, 23]), [IDS_FRAME], "bad_ids", "shape"),
+        (dict(LOOKUP, tokens=5, ids_shape=[5, 2, 24]), [IDS_FRAME * 3], "bad_ids", "registered 1..4"),
+        (dict(LOOKUP, tokens=0, ids_shape=[0, 2, 24]), [b""], "bad_ids", "registered 1..4"),
+        (LOOKUP, [IDS_FRAME[:-4]], "bad_ids", "bytes"),
+        (LOOKUP, [], "bad_ids", "frame"),
+        (dict(LOOKUP, slot=2), [IDS_FRAME], "bad_request", "slot 2"),
+        (dict(LOOKUP, slot=-1), [IDS_FRAME], "bad_request", "slot -1"),
+        (dict(LOOKUP, inline=False, ids_dtype="int64"), [], "bad_ids", "int32"),
+    ]
+    for fields, payload, code, text in cases:
+        reply = roundtrip(raw, [header(op="lookup", client_id=client_id, **fields), *payload])
+        assert (reply["status"], reply["code"]) == ("error", code), (fields, reply)
+        assert text in reply["message"], (fields, reply["message"])
+    ok = roundtrip(raw, [header(op="lookup", client_id=client_id, **LOOKUP), IDS_FRAME])
+    assert ok["status"] == "ok", ok
+
+
+def test_bad_registrations(served):
+    _, raw = served
+    for over, text in [(dict(device="cuda:GPU-nope"), "cpu backend"), (dict(tp_rank=4, tp_size=4), "rank 4"),
+                       (dict(tp_size=0), "tp_size 0"), (dict(slots=0), "slots 0"),
+                       (dict(max_tokens=10**9), "max_tokens")]:
+        reply = register(raw, **over)
+        assert reply["status"] == "error" and reply["code"] == "bad_request", (over, reply)
+        assert text in reply["message"], (over, reply["message"])
+
+
+def test_another_connection_cannot_use_my_client_id(served):
+    daemon, raw = served
+    with EngramClient(daemon.socket) as client:
+        reply = roundtrip(raw, [header(op="release", client_id=client.client_id)])
+        assert reply["code"] == "not_registered" and "another connection" in reply["message"]
+        assert client.lookup(torch.full((1, 2, 24), -1)).result().abs().sum() == 0
+
+
+def test_daemon_keeps_serving_a_good_client_through_a_flood_of_bad_input(served, reference):
+    daemon, raw = served
+    rng = np.random.default_rng(3)
+    with EngramClient(daemon.socket) as client:
+        for i in range(20):
+            for _, frames, _ in BAD_MESSAGES:
+                raw.send_multipart(frames)
+            raw.send_multipart([b""])  # empty header frame
+            ids = random_ids(rng, 8, reference.rows, reference.heads)
+            rows = client.lookup(torch.from_numpy(ids)).result()
+            assert np.array_equal(rows.double().numpy(), reference.expected(ids)), f"round {i}"
+        errors = client.stats()["errors"]
+    assert errors.get("bad_message", 0) >= 20 * 4
+    assert errors.get("unknown_op", 0) == 20
+    assert daemon.proc.poll() is None

@@ -1,0 +1,132 @@
+"""Daemon lifecycle: health CLI, restart re-attach, one daemon per socket, startup errors, SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+import torch
+from conftest import engramd_command
+from reference import random_ids
+
+from engramd.client import DaemonUnavailableError, EngramClient
+from engramd.server.daemon import EXIT_CONFIG, EXIT_SOCKET_IN_USE, EXIT_TABLES
+
+
+def cli(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess:
+    return subprocess.run([*engramd_command(), *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_health_cli_ready_starting_and_dead(daemon_factory):
+    slow = daemon_factory(ready=False, env={"ENGRAMD_DEBUG_LOAD_DELAY_S": "30"})
+    deadline = time.monotonic() + 20
+    while slow.health() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    starting = cli("health", "--socket", str(slow.socket), "--json", "--timeout", "2")
+    assert starting.returncode == 1, starting
+    state = json.loads(starting.stdout)
+    assert state["live"] is True and state["ready"] is False and state["state"] == "loading"
+
+    ready = daemon_factory()
+    result = cli("health", "--socket", str(ready.socket), "--json")
+    assert result.returncode == 0, result
+    assert json.loads(result.stdout)["ready"] is True
+    assert cli("health", "--socket", str(ready.socket)).stdout.startswith("ready")
+
+    ready.proc.kill()  # dead: the socket file is left behind, nobody answers
+    ready.proc.wait()
+    started = time.monotonic()
+    dead = cli("health", "--socket", str(ready.socket), "--json", "--timeout", "1.5")
+    assert dead.returncode == 1 and json.loads(dead.stdout)["live"] is False
+    assert time.monotonic() - started < 10
+    missing = cli("health", "--socket", str(ready.workdir / "nothing.sock"))
+    assert missing.returncode == 1 and "no daemon socket" in missing.stderr
+    assert slow.stop() == 0, slow.log()
+
+
+def test_stats_cli(daemon_factory):
+    daemon = daemon_factory()
+    with EngramClient(daemon.socket, name="stats-test") as client:
+        client.lookup(torch.full((3, 2, 24), 5)).result()
+        text = cli("stats", "--socket", str(daemon.socket))
+        data = json.loads(cli("stats", "--socket", str(daemon.socket), "--json").stdout)
+    assert text.returncode == 0 and "lookups 1" in text.stdout and "clients 1" in text.stdout
+    assert data["lookups"] == 1 and data["rows"] == 3 * 2 * 24 and len(data["clients"]) == 1
+
+
+def test_restart_reattaches_tables_and_serves_same_rows(daemon_factory, reference):
+    first = daemon_factory(instance="keep")
+    rng = np.random.default_rng(11)
+    ids = random_ids(rng, 64, reference.rows, reference.heads)
+    with EngramClient(first.socket) as client:
+        before = client.lookup(torch.from_numpy(ids)).result(copy=True)
+    assert first.stop() == 0
+    tables = sorted(p.name for p in first.shm_dir.glob("*.tbl"))
+    assert len(tables) == 2, tables
+
+    second = daemon_factory(instance="keep", shm_dir=first.shm_dir, workdir=first.workdir)
+    assert "re-attached" in second.log(), second.log()
+    assert sorted(p.name for p in second.shm_dir.glob("*.tbl")) == tables
+    with EngramClient(second.socket) as client:
+        after = client.lookup(torch.from_numpy(ids)).result()
+        assert torch.equal(before, after)
+        assert np.array_equal(after.double().numpy(), reference.expected(ids))
+    assert second.stop() == 0
+    assert not list(second.shm_dir.glob("*.slab")), "slabs are freed on shutdown"
+
+
+def test_second_daemon_on_the_same_socket_refuses(daemon_factory):
+    first = daemon_factory()
+    second = daemon_factory(workdir=first.workdir, instance="other", start=False)
+    second.start()
+    assert second.proc.wait(30) == EXIT_SOCKET_IN_USE, second.log()
+    assert "in use" in second.log()
+    assert first.health()["ready"], "the first daemon keeps serving"
+
+
+def test_killed_daemon_is_reported_to_a_waiting_client(daemon_factory):
+    daemon = daemon_factory()
+    client = EngramClient(daemon.socket, timeout=30)
+    daemon.proc.send_signal(signal.SIGSTOP)  # freeze it so the lookup is surely in flight
+    future = client.lookup(torch.zeros((1, 2, 24), dtype=torch.int64))
+    daemon.proc.kill()
+    daemon.proc.wait()
+    started = time.monotonic()
+    with pytest.raises(DaemonUnavailableError, match="exited"):
+        future.result()
+    assert time.monotonic() - started < 2.0
+    client.close()
+
+
+def test_config_error_exits_with_config_status(daemon_factory, tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("workers = -3\n")
+    result = cli("serve", "--config", str(bad))
+    assert result.returncode == EXIT_CONFIG
+    assert str(bad) in result.stderr and "'workers'" in result.stderr and "-3" in result.stderr
+
+
+def test_broken_checkpoint_exits_with_table_status(daemon_factory, demo_checkpoint, tmp_path):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(demo_checkpoint, broken)
+    index = json.loads((broken / "model.safetensors.index.json").read_text())
+    del index["weight_map"]["layers.14.engram.embed.scale"]
+    (broken / "model.safetensors.index.json").write_text(json.dumps(index))
+    daemon = daemon_factory(tables=broken, ready=False)
+    assert daemon.proc.wait(60) == EXIT_TABLES
+    assert "layers.14.engram.embed.scale" in daemon.log()
+
+
+def test_sigterm_finishes_and_exits_zero(daemon_factory):
+    daemon = daemon_factory()
+    with EngramClient(daemon.socket) as client:
+        client.lookup(torch.zeros((2, 2, 24), dtype=torch.int64)).result()
+    assert daemon.stop(signal.SIGTERM) == 0
+    assert not daemon.socket.exists()
+    assert not list(daemon.shm_dir.glob("*.slab"))

@@ -1,0 +1,106 @@
+"""Independent expected rows for tests, computed straight from the checkpoint bytes.
+
+Reads the Engram tensors with the `safetensors` library (not engramd's reader), decodes FP8 E4M3
+and UE8M0 from their bit patterns in float64 numpy (not torch's float8), and gathers with plain
+numpy indexing following ENGRAM_REFERENCE.md's output contract. Shares no code with engramd's
+kernels.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+
+def decode_e4m3(bits: np.ndarray) -> np.ndarray:
+    """FP8 E4M3 (fn variant: no infinities, 0x7F/0xFF NaN) bit patterns -> float64."""
+    bits = bits.astype(np.int64)
+    sign = np.where(bits & 0x80, -1.0, 1.0)
+    exponent = (bits >> 3) & 0xF
+    mantissa = bits & 0x7
+    normal = (1.0 + mantissa / 8.0) * np.exp2(exponent - 7.0)
+    subnormal = (mantissa / 8.0) * 2.0 ** -6
+    value = sign * np.where(exponent == 0, subnormal, normal)
+    return np.where((bits & 0x7F) == 0x7F, np.nan, value)
+
+
+class ReferenceTables:
+    """float64 dequantized tables of a checkpoint, one [rows, head_dim] array per Engram layer."""
+
+    def __init__(self, checkpoint_dir: Path):
+        config = json.loads((checkpoint_dir / "config.json").read_text())
+        index = json.loads((checkpoint_dir / "model.safetensors.index.json").read_text())["weight_map"]
+        self.layer_ids = config["engram_layer_ids"]
+        self.heads = (config["engram_max_ngram_size"] - 1) * config["engram_n_heads"]
+        self.values = []
+        for layer_id in self.layer_ids:
+            weight = _load_bytes(checkpoint_dir, index, f"layers.{layer_id}.engram.embed.weight")
+            scale = _load_bytes(checkpoint_dir, index, f"layers.{layer_id}.engram.embed.scale")
+            block = weight.shape[1] // scale.shape[1]
+            factors = np.exp2(scale.astype(np.float64) - 127.0)
+            self.values.append(decode_e4m3(weight) * np.repeat(factors, block, axis=1))
+        self.rows = [v.shape[0] for v in self.values]
+        self.bucket_sizes = _bucket_primes(config["engram_vocab_size"], len(self.layer_ids), self.heads)
+
+    def expected(self, ids: np.ndarray, rank: int = 0, shards: int = 1) -> np.ndarray:
+        """[n_layers, T, local_heads, head_dim] float64 for ids [T, n_layers, heads]."""
+        part = -(-self.heads // shards)
+        start, end = min(self.heads, rank * part), min(self.heads, (rank + 1) * part)
+        tokens = ids.shape[0]
+        head_dim = self.values[0].shape[1]
+        out = np.zeros((len(self.values), tokens, part, head_dim))
+        for layer, table in enumerate(self.values):
+            lo, hi = self._owned_rows(layer, start, end)
+            for j, head in enumerate(range(start, end)):
+                col = ids[:, layer, head].astype(np.int64)
+                ok = (col >= lo) & (col < hi)
+                out[layer, ok, j] = table[col[ok]]
+        return out
+
+    def _owned_rows(self, layer: int, start: int, end: int) -> tuple[int, int]:
+        sizes = self.bucket_sizes[layer]
+        return sum(sizes[:start]), sum(sizes[:end])
+
+
+def _load_bytes(directory: Path, index: dict[str, str], name: str) -> np.ndarray:
+    with safe_open(str(directory / index[name]), framework="pt") as f:
+        return f.get_tensor(name).view(torch.uint8).numpy()
+
+
+def _bucket_primes(vocab: int, layers: int, heads: int) -> list[list[int]]:
+    """Bucket primes per layer, by trial division (independent of engramd's geometry code)."""
+    def prime(n: int) -> bool:
+        return n > 1 and all(n % d for d in range(2, int(n ** 0.5) + 1))
+
+    found, n = [], vocab
+    while len(found) < layers * heads:
+        if prime(n):
+            found.append(n)
+        n += 1
+    return [found[i * heads:(i + 1) * heads] for i in range(layers)]
+
+
+def random_ids(rng: np.random.Generator, tokens: int, rows: list[int], heads: int,
+               dead: float = 0.05, out_of_range: float = 0.02) -> np.ndarray:
+    """[T, n_layers, heads] int64: uniform rows, some -1, some past the table or negative."""
+    ids = np.stack([rng.integers(0, r, size=(tokens, heads)) for r in rows], axis=1)
+    roll = rng.random(ids.shape)
+    ids[roll < dead] = -1
+    bad = (roll >= dead) & (roll < dead + out_of_range)
+    ids[bad] = rng.choice([-7, max(rows) + 3, 2**40], size=int(bad.sum()))
+    return ids.astype(np.int64)
+
+
+def bucket_ids(rng: np.random.Generator, tokens: int, sizes: list[list[int]]) -> np.ndarray:
+    """[T, n_layers, heads] int64 IDs the way hashing makes them: head h's ID in bucket h."""
+    out = np.empty((tokens, len(sizes), len(sizes[0])), dtype=np.int64)
+    for layer, layer_sizes in enumerate(sizes):
+        offset = 0
+        for head, size in enumerate(layer_sizes):
+            out[:, layer, head] = offset + rng.integers(0, size, size=tokens)
+            offset += size
+    return out

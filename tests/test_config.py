@@ -1,0 +1,70 @@
+"""Config schema: defaults, file values, overrides, and errors naming file, key and value."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engramd.client.errors import ConfigError
+from engramd.server.config import SETTINGS, build_config, describe_settings, dump_toml, load_config
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "engramd.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_and_overrides(tmp_path):
+    path = write(tmp_path, 'backend = "cpu"\nworkers = 3\nheartbeat_interval = 2\n')
+    config = load_config(path, {"workers": 5, "socket": None})
+    assert (config.backend, config.workers, config.heartbeat_interval) == ("cpu", 5, 2.0)
+    assert config.tables == "demo"
+
+
+@pytest.mark.parametrize("text, key, value", [
+    ('backend = "tpu"', "backend", "tpu"),
+    ("workers = 0", "workers", "0"),
+    ('workers = "2"', "workers", "'2'"),
+    ("max_slots = 1000", "max_slots", "1000"),
+    ('instance = "a/b"', "instance", "'a/b'"),
+    ("workers = true", "workers", "True"),
+    ("colour = 3", "colour", "3"),
+])
+def test_bad_field_names_file_key_and_value(tmp_path, text, key, value):
+    path = write(tmp_path, text + "\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert str(path) in message and repr(key) in message and value in message
+
+
+def test_unreadable_and_invalid_toml(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.toml")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(write(tmp_path, "backend = \n"))
+
+
+def test_bad_override_names_the_flag():
+    with pytest.raises(ConfigError, match="--max-tokens"):
+        build_config({}, "f", {"max_tokens": -4})
+
+
+def test_shipped_configs_validate():
+    files = sorted(CONFIGS.glob("*.toml"))
+    assert files, "configs/ holds example configs"
+    for path in files:
+        load_config(path)
+
+
+def test_every_setting_documented_and_dump_round_trips(tmp_path):
+    text = describe_settings()
+    for s in SETTINGS:
+        assert f"{s.key} = " in text and s.doc
+    config = build_config({"workers": 7, "tables": "/x/y"}, "t")
+    again = load_config(write(tmp_path, dump_toml(config)))
+    assert again == config

@@ -1,0 +1,82 @@
+"""Wire-format round trips and rejection of malformed messages (no daemon needed)."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from engramd.client import protocol
+from engramd.client.errors import (
+    BadIdsError,
+    NotReadyError,
+    ProtocolError,
+    UnknownOperationError,
+    VersionError,
+)
+
+LOOKUP_FIELDS = dict(client_id=3, slot=1, seq=9, tokens=2, ids_dtype="int32",
+                     ids_shape=[2, 2, 24], inline=True)
+
+
+def test_request_round_trip_keeps_fields_and_payload():
+    payload = [b"\x01\x02" * 96]
+    frames = protocol.encode_request("lookup", 41, payload, **LOOKUP_FIELDS)
+    request = protocol.decode_request(frames)
+    assert (request.op, request.rid) == ("lookup", 41)
+    assert {k: request.fields[k] for k in LOOKUP_FIELDS} == LOOKUP_FIELDS
+    assert request.payload == payload
+
+
+def test_reply_round_trip_and_error_reply_raises_typed_error():
+    ok = protocol.decode_reply(protocol.encode_reply("stats", 5, "ep1", lookups=12))
+    assert (ok.rid, ok.epoch, ok.fields["lookups"]) == (5, "ep1", 12)
+    frames = protocol.encode_error("lookup", 6, "ep1", BadIdsError("ids shape [1] wrong"))
+    assert protocol.reply_rid(frames) == 6
+    with pytest.raises(BadIdsError, match=r"ids shape \[1\] wrong") as info:
+        protocol.decode_reply(frames)
+    assert info.value.epoch == "ep1"
+
+
+def test_unknown_error_code_maps_to_internal():
+    frames = [msgpack.packb({"v": 1, "op": "x", "rid": 1, "status": "error", "code": "weird",
+                             "message": "m", "epoch": "e"})]
+    with pytest.raises(Exception) as info:
+        protocol.decode_reply(frames)
+    assert info.value.code == "internal"
+
+
+@pytest.mark.parametrize("frames, error, text", [
+    ([], ProtocolError, "empty"),
+    ([b"\xc1\xff\x00"], ProtocolError, "not valid msgpack"),
+    ([msgpack.packb([1, 2])], ProtocolError, "must be a msgpack map"),
+    ([msgpack.packb({"op": "health", "rid": 1})], VersionError, "version None"),
+    ([msgpack.packb({"v": 99, "op": "health", "rid": 1})], VersionError, "version 99"),
+    ([msgpack.packb({"v": 1, "op": "explode", "rid": 1})], UnknownOperationError, "explode"),
+    ([msgpack.packb({"v": 1, "op": "health", "rid": "x"})], ProtocolError, "rid"),
+    ([msgpack.packb({"v": 1, "op": "release", "rid": 1})], ProtocolError, "client_id"),
+    ([msgpack.packb({"v": 1, "op": "release", "rid": 1, "client_id": "7"})], ProtocolError, "wrong type"),
+    ([msgpack.packb({"v": 1, "op": "lookup", "rid": 1, **{**LOOKUP_FIELDS, "inline": 1}})],
+     ProtocolError, "inline"),
+    ([msgpack.packb({"v": 1, "op": "health", "rid": 1}), b"a", b"b"], ProtocolError, "payload frames"),
+    ([b"\x80" + b"\x00" * protocol.MAX_HEADER_BYTES], ProtocolError, "exceeds"),
+])
+def test_malformed_requests_raise_typed_errors(frames, error, text):
+    with pytest.raises(error, match=text):
+        protocol.decode_request(frames)
+
+
+def test_bool_is_not_accepted_for_int_fields():
+    frames = protocol.encode_request("release", 1, client_id=True)
+    with pytest.raises(ProtocolError, match="client_id"):
+        protocol.decode_request(frames)
+
+
+def test_peek_rid_survives_garbage():
+    assert protocol.peek_rid([b"garbage"]) == ("", 0)
+    assert protocol.peek_rid([msgpack.packb({"op": 3, "rid": 8})]) == ("", 8)
+
+
+def test_error_classes_have_distinct_codes():
+    from engramd.client.errors import ERROR_CLASSES
+    assert all(cls.code == code for code, cls in ERROR_CLASSES.items())
+    assert NotReadyError("x").code == "not_ready"
