@@ -15,6 +15,7 @@ from engramd.client.errors import (
     ReplyTimeoutError,
 )
 from engramd.client.geometry import DEAD_ID, ShardView, TableGeometry
+from engramd.client.hashing import EngramHasher, HashState
 
 __all__ = [
     "DEAD_ID",
@@ -23,6 +24,8 @@ __all__ = [
     "DaemonUnavailableError",
     "EngramClient",
     "EngramError",
+    "EngramHasher",
+    "HashState",
     "LookupFuture",
     "NotReadyError",
     "NotRegisteredError",

@@ -1,19 +1,33 @@
 """The engramd client library: register with the daemon, send hash IDs, get BF16 rows back.
 
     from engramd.client import EngramClient
-    with EngramClient("/run/engramd/engramd.sock", tp_rank=0, tp_size=1, max_tokens=4096) as client:
-        rows = client.lookup(hash_ids).result()   # [n_layers, T, local_heads, 256] bfloat16
+    with EngramClient("/run/engramd/engramd.sock", device="cuda", tp_rank=0, tp_size=1) as client:
+        future = client.lookup(hash_ids)      # returns at once
+        rows = future.wait()                  # GPU: the current stream waits; no host sync
+        rows = future.result()                # blocking form (CPU and GPU)
 
-A lookup's rows live in one of the client's `slots` in the daemon's slab; `result()` returns a view
-of that memory, valid until `slots` further lookups have been submitted on this client (pass
-`copy=True` to keep a private copy). Slots are used round-robin, and a slot is reused only after
-its previous lookup has completed. One client object serves one thread.
+Rows live in one of the client's `slots` of the daemon's slab (a shared-memory file on the CPU
+backend, device memory shared over CUDA IPC on the GPU backend); a result is a view of that
+memory, valid until `slots` further lookups have been submitted on this client (`copy=True` keeps
+a private copy). Slots are reused round-robin and never overwritten while a consumer may still
+read them: on the CPU the previous lookup's reply is awaited; on the GPU the new IDs are written
+only after the consumer streams of the previous use have passed that point (stream order).
+
+GPU path, per lookup (see server/cuda_backend.py for the daemon's half):
+    caller stream:    [wait for the slot's previous consumers] copy IDs -> slot; IDS_READY = seq
+    LOOKUP message -> daemon (no reply awaited)
+    wait(stream):     stream waits ROWS_DONE >= seq
+If the daemon dies, a watchdog thread satisfies every pending wait from a side stream within
+WATCHDOG_S, so no stream of this process hangs, and every later call raises
+DaemonUnavailableError. One client object serves one thread.
 """
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -23,55 +37,75 @@ from engramd.client.connection import Connection, default_socket_path
 from engramd.client.errors import (
     BadIdsError,
     BadRequestError,
+    DaemonUnavailableError,
     EngramError,
     InternalError,
     ReplyTimeoutError,
 )
 from engramd.client.geometry import ShardView, TableGeometry
 from engramd.client.ids import dtype_name
-from engramd.client.slab import SlabLayout
+from engramd.client.slab import IDS_READY, ROWS_DONE, SlabLayout
 
 DEFAULT_TIMEOUT_S = 30.0
+WATCHDOG_S = 0.1
 
 
 class LookupFuture:
     """The pending rows of one lookup."""
 
-    def __init__(self, client: EngramClient, rid: int, slot: int, tokens: int):
+    def __init__(self, client: EngramClient, rid: int, slot: int, seq: int, tokens: int):
         self._client = client
         self.rid = rid
         self.slot = slot
+        self.seq = seq
         self.tokens = tokens
-        self._rows: torch.Tensor | None = None
-        self._error: EngramError | None = None
         self.out_of_range = 0
+        self._replied = False
+        self._error: EngramError | None = None
+        self.consumers: list[torch.cuda.Stream] = []  # GPU: streams that waited on these rows
 
     def done(self) -> bool:
-        if self._rows is None and self._error is None:
-            if self._client._conn.poll_reply(self.rid):
-                self._complete(None)
-        return self._rows is not None or self._error is not None
+        """True once the daemon answered (on the GPU: the gather is enqueued, not finished)."""
+        if not self._replied and self._client._conn.poll_reply(self.rid):
+            self._collect(None)
+        return self._replied
 
     def result(self, timeout: float | None = None, copy: bool = False) -> torch.Tensor:
         """Block until the rows are ready; `[n_layers, T, local_heads, head_dim]` bfloat16."""
-        if self._rows is None and self._error is None:
-            self._complete(timeout)
+        self._collect(timeout)
+        rows = self._client._slab.rows(self.slot, self.tokens)
+        if self._client.device.type == "cuda":
+            stream = torch.cuda.current_stream(self._client.device.index)
+            self._client._stream_wait(self, stream)
+            stream.synchronize()
+            self._client._check_alive()
+        return rows.clone() if copy else rows
+
+    def wait(self, stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+        """GPU: make `stream` (default: current) wait for the rows and return their view at once."""
+        client = self._client
+        if client.device.type != "cuda":
+            return self.result()
+        client._check_alive()
+        self.done()
         if self._error is not None:
             raise self._error
-        return self._rows.clone() if copy else self._rows
+        stream = stream or torch.cuda.current_stream(client.device.index)
+        client._stream_wait(self, stream)
+        return client._slab.rows(self.slot, self.tokens)
 
-    def _complete(self, timeout: float | None) -> None:
-        try:
-            reply = self._client._conn.wait(self.rid, timeout, f"lookup of {self.tokens} tokens")
-            self.out_of_range = int(reply.fields.get("out_of_range", 0))
-            self._rows = self._client._slab_rows(self.slot, self.tokens)
-        except ReplyTimeoutError:
-            raise  # the lookup may still complete: a later result() call can collect it
-        except EngramError as exc:
-            self._error = exc
-        finally:
-            if self._rows is not None or self._error is not None:
-                self._client._slot_done(self.slot, self)
+    def _collect(self, timeout: float | None) -> None:
+        if not self._replied:
+            try:
+                reply = self._client._conn.wait(self.rid, timeout, f"lookup of {self.tokens} tokens")
+                self.out_of_range = int(reply.fields.get("out_of_range", 0))
+            except ReplyTimeoutError:
+                raise  # the lookup may still complete: a later call can collect it
+            except EngramError as exc:
+                self._error = exc
+            self._replied = True
+        if self._error is not None:
+            raise self._error
 
 
 class _ShmSlabView:
@@ -90,11 +124,7 @@ class _ShmSlabView:
         self.buffer = torch.frombuffer(self._map, dtype=torch.uint8)
 
     def rows(self, slot: int, tokens: int) -> torch.Tensor:
-        lay = self.layout
-        start = lay.rows_offset(slot)
-        n = lay.n_layers * tokens * lay.local_heads * lay.head_dim
-        view = self.buffer[start:start + 2 * n].view(torch.bfloat16)
-        return view.view(lay.n_layers, tokens, lay.local_heads, lay.head_dim)
+        return self.layout.rows_view(self.buffer, slot, tokens)
 
     def close(self) -> None:
         del self.buffer
@@ -104,30 +134,73 @@ class _ShmSlabView:
             pass  # the caller still holds row views; the mapping goes when they do
 
 
+class _CudaSlabView:
+    """The client's IPC mapping of a GPU slab (opened once, closed with the client)."""
+
+    def __init__(self, wire: dict[str, Any], layout: SlabLayout, device: torch.device):
+        from engramd.client import cuda
+
+        self._cuda = cuda
+        self.layout = layout
+        self.device = device
+        with torch.cuda.device(device):
+            self.ptr = cuda.ipc_open(bytes(wire["handle"]))
+            self.buffer = cuda.tensor_view(self.ptr, layout.size, device)
+            self.side_stream = cuda.new_stream(device.index)
+
+    def counter(self, slot: int, word: int) -> int:
+        return self.ptr + self.layout.counter_offset(slot, word)
+
+    def ids(self, slot: int, tokens: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.layout.ids_view(self.buffer, slot, tokens, dtype)
+
+    def rows(self, slot: int, tokens: int) -> torch.Tensor:
+        return self.layout.rows_view(self.buffer, slot, tokens)
+
+    def close(self) -> None:
+        torch.cuda.synchronize(self.device)
+        del self.buffer
+        with torch.cuda.device(self.device):
+            self._cuda.ipc_close(self.ptr)
+
+
+def _resolve_device(device: str | torch.device) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type not in ("cpu", "cuda"):
+        raise BadRequestError(f"device {device}: engramd serves 'cpu' and 'cuda' clients")
+    return device
+
+
 class EngramClient:
-    def __init__(self, socket_path: str | os.PathLike | None = None, device: str = "cpu",
+    def __init__(self, socket_path: str | os.PathLike | None = None, device: str | torch.device = "cpu",
                  tp_rank: int = 0, tp_size: int = 1, max_tokens: int = 1024, slots: int = 2,
                  timeout: float = DEFAULT_TIMEOUT_S, name: str = ""):
-        if device != "cpu":
-            raise BadRequestError(f"device {device!r}: this build of the client serves 'cpu' only")
         self.socket_path = Path(socket_path or default_socket_path())
-        self.device = device
+        self.device = _resolve_device(device)
         self.timeout = timeout
-        self._conn = Connection(self.socket_path)
+        self._conn: Connection | None = Connection(self.socket_path)
         self._pending: dict[int, LookupFuture] = {}
         self._next_slot = 0
-        self._seq = 0
-        self._slab: _ShmSlabView | None = None
+        self._seqs = itertools.count(1)
+        self._slab: _ShmSlabView | _CudaSlabView | None = None
+        self._dead: str | None = None
+        self._watchdog: threading.Thread | None = None
+        self._closing = threading.Event()
         self.client_id: int | None = None
         try:
-            self._register(device, tp_rank, tp_size, max_tokens, slots, name)
+            self._register(tp_rank, tp_size, max_tokens, slots, name)
         except BaseException:
             self.close()
             raise
 
-    def _register(self, device: str, tp_rank: int, tp_size: int, max_tokens: int, slots: int,
-                  name: str) -> None:
-        reply = self._conn.call("register", self.timeout, pid=os.getpid(), device=device,
+    def _register(self, tp_rank: int, tp_size: int, max_tokens: int, slots: int, name: str) -> None:
+        wire_device = "cpu"
+        if self.device.type == "cuda":
+            from engramd.client.cuda import device_uuid
+            wire_device = f"cuda:{device_uuid(self.device.index)}"
+        reply = self._conn.call("register", self.timeout, pid=os.getpid(), device=wire_device,
                                 tp_rank=tp_rank, tp_size=tp_size, max_tokens=max_tokens,
                                 slots=slots, name=name)
         f = reply.fields
@@ -138,9 +211,29 @@ class EngramClient:
         if self.shard.local_heads != f["shard"]["local_heads"]:
             raise InternalError(f"daemon and client disagree on the shard: {f['shard']!r}")
         self.layout = SlabLayout.from_wire(f["slab"]["layout"])
-        self._slab = _ShmSlabView(f["slab"], self.layout)
+        if f["slab"]["kind"] == "cuda_ipc":
+            self._slab = _CudaSlabView(f["slab"], self.layout, self.device)
+            self._warm_up()
+        else:
+            self._slab = _ShmSlabView(f["slab"], self.layout)
         if "daemon_pid" in f:
             self._conn.watch_daemon(int(f["daemon_pid"]))
+            if self.device.type == "cuda":
+                self._watchdog = threading.Thread(target=self._watch, name="engramd-watchdog", daemon=True)
+                self._watchdog.start()
+
+    def _warm_up(self) -> None:
+        """Load the kernels a lookup launches now, not while a stream waits on the daemon.
+
+        With CUDA's lazy module loading, the first launch of a kernel blocks the host while any
+        stream of the process waits on another process. Model runners must warm their own
+        consumer kernels the same way (or run with CUDA_MODULE_LOADING=EAGER).
+        """
+        for dtype in (torch.int64, torch.int32):
+            probe = torch.full((1, self.layout.n_layers, self.layout.heads), -1, dtype=dtype,
+                               device=self.device)
+            self._slab.ids(0, 1, dtype).copy_(probe)
+        torch.cuda.synchronize(self.device)
 
     @property
     def max_tokens(self) -> int:
@@ -152,19 +245,74 @@ class EngramClient:
 
     # -- lookups --------------------------------------------------------------------------------
 
-    def lookup(self, hash_ids: torch.Tensor) -> LookupFuture:
-        """Submit `[T, n_layers, heads]` int32/int64 row IDs (-1 = DEAD); returns at once."""
+    def lookup(self, hash_ids: torch.Tensor, stream: torch.cuda.Stream | None = None) -> LookupFuture:
+        """Submit `[T, n_layers, heads]` int32/int64 row IDs (-1 = DEAD); returns at once.
+
+        GPU clients: IDs on the client's GPU are copied into the slot on `stream` (default: the
+        current stream), so they may be produced by earlier work on that stream.
+        """
+        self._check_alive()
         ids = self._check_ids(hash_ids)
+        if self.device.type == "cuda":
+            return self._lookup_cuda(ids, stream or torch.cuda.current_stream(self.device.index))
         slot = self._claim_slot()
-        self._seq += 1
-        tokens = ids.shape[0]
+        ids = ids.to("cpu").contiguous()
+        seq = next(self._seqs)
         rid = self._conn.send(
             "lookup", [memoryview(ids.numpy()).cast("B")], client_id=self.client_id, slot=slot,
-            seq=self._seq, tokens=tokens, ids_dtype=dtype_name(ids.dtype),
+            seq=seq, tokens=ids.shape[0], ids_dtype=dtype_name(ids.dtype),
             ids_shape=list(ids.shape), inline=True)
-        future = LookupFuture(self, rid, slot, tokens)
-        self._pending[slot] = future
+        return self._track(LookupFuture(self, rid, slot, seq, ids.shape[0]))
+
+    def _lookup_cuda(self, ids: torch.Tensor, stream: torch.cuda.Stream) -> LookupFuture:
+        from engramd.client import cuda
+
+        slot = self._next_slot
+        self._next_slot = (slot + 1) % self.slots
+        self._after_previous_use(slot, stream)
+        seq = next(self._seqs)
+        tokens = ids.shape[0]
+        with torch.cuda.stream(stream):  # one copy, no conversion kernel: the slot keeps the dtype
+            self._slab.ids(slot, tokens, ids.dtype).copy_(ids, non_blocking=True)
+        cuda.stream_write_u32(stream.cuda_stream, self._slab.counter(slot, IDS_READY), seq)
+        rid = self._conn.send("lookup", None, client_id=self.client_id, slot=slot, seq=seq,
+                              tokens=tokens, ids_dtype=dtype_name(ids.dtype),
+                              ids_shape=list(ids.shape), inline=False)
+        self._collect_replies()
+        return self._track(LookupFuture(self, rid, slot, seq, tokens))
+
+    def _after_previous_use(self, slot: int, stream: torch.cuda.Stream) -> None:
+        """`stream` must not touch the slot before its previous lookup and readers are done."""
+        from engramd.client import cuda
+
+        previous = self._pending.pop(slot, None)
+        if previous is None:
+            return
+        cuda.stream_wait_u32(stream.cuda_stream, self._slab.counter(slot, ROWS_DONE), previous.seq)
+        for consumer in previous.consumers:
+            if consumer != stream:
+                stream.wait_stream(consumer)
+
+    def _stream_wait(self, future: LookupFuture, stream: torch.cuda.Stream) -> None:
+        from engramd.client import cuda
+
+        cuda.stream_wait_u32(stream.cuda_stream, self._slab.counter(future.slot, ROWS_DONE), future.seq)
+        if stream not in future.consumers:
+            future.consumers.append(stream)
+
+    def _track(self, future: LookupFuture) -> LookupFuture:
+        self._pending[future.slot] = future
         return future
+
+    def _collect_replies(self) -> None:
+        """Route replies that arrived (GPU lookups are not awaited); keep a failed lookup's error."""
+        self._conn.collect()
+        for future in list(self._pending.values()):
+            if not future._replied and self._conn.has_reply(future.rid):
+                try:
+                    future._collect(0)
+                except EngramError:
+                    pass  # kept on the future; raised by its wait()/result()
 
     def _check_ids(self, ids: torch.Tensor) -> torch.Tensor:
         if not isinstance(ids, torch.Tensor):
@@ -177,25 +325,42 @@ class EngramClient:
                               f"got {list(ids.shape)}")
         if not 1 <= ids.shape[0] <= self.max_tokens:
             raise BadIdsError(f"{ids.shape[0]} tokens; this client registered 1..{self.max_tokens}")
-        return ids.detach().to("cpu").contiguous()
+        return ids.detach()
 
     def _claim_slot(self) -> int:
         slot = self._next_slot
         self._next_slot = (slot + 1) % self.slots
-        previous = self._pending.get(slot)
+        previous = self._pending.pop(slot, None)
         if previous is not None:
             try:
-                previous.result(timeout=self.timeout)  # the slot is reused only once it is done
+                previous._collect(self.timeout)  # the slot is reused only once it is done
             except EngramError:
                 pass  # that lookup's owner sees its error; the slot is free either way
         return slot
 
-    def _slot_done(self, slot: int, future: LookupFuture) -> None:
-        if self._pending.get(slot) is future:
-            del self._pending[slot]
+    # -- daemon death ---------------------------------------------------------------------------
 
-    def _slab_rows(self, slot: int, tokens: int) -> torch.Tensor:
-        return self._slab.rows(slot, tokens)
+    def _watch(self) -> None:
+        """GPU clients: if the daemon dies, release every stream wait on its counters."""
+        watch = self._conn.daemon_watch
+        while not self._closing.wait(WATCHDOG_S):
+            if watch.alive() is False:
+                self._dead = f"daemon (pid {watch.pid}) died; results of in-flight lookups are invalid"
+                self._release_waits()
+                return
+
+    def _release_waits(self) -> None:
+        from engramd.client import cuda
+
+        slab = self._slab
+        for future in list(self._pending.values()):
+            cuda.stream_write_u32(slab.side_stream.cuda_stream, slab.counter(future.slot, ROWS_DONE), future.seq)
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise DaemonUnavailableError(self._dead)
+        if self._conn is None:
+            raise DaemonUnavailableError("client is closed")
 
     # -- other operations -----------------------------------------------------------------------
 
@@ -207,20 +372,25 @@ class EngramClient:
 
     def close(self) -> None:
         """Release the registration and the slab mapping. Safe to call twice."""
-        if self.client_id is not None:
+        self._closing.set()
+        if self._watchdog is not None:
+            self._watchdog.join()
+            self._watchdog = None
+        if self.client_id is not None and self._dead is None:
             for future in list(self._pending.values()):
                 try:
-                    future.result(timeout=self.timeout)
+                    future._collect(self.timeout)
                 except EngramError:
                     pass
+        if self._slab is not None:
+            self._slab.close()  # a GPU slab: waits for this process's streams first
+            self._slab = None
+        if self.client_id is not None and self._dead is None:
             try:
                 self._conn.call("release", min(self.timeout, 5.0), client_id=self.client_id)
             except EngramError:
                 pass  # the daemon is gone or already forgot us: nothing left to release
-            self.client_id = None
-        if self._slab is not None:
-            self._slab.close()
-            self._slab = None
+        self.client_id = None
         if self._conn is not None:
             self._conn.close()
             self._conn = None

@@ -70,6 +70,13 @@ class Connection:
         self._collect(0)
         return rid in self._replies
 
+    def collect(self) -> None:
+        """Take in the replies that have arrived, without waiting."""
+        self._collect(0)
+
+    def has_reply(self, rid: int) -> bool:
+        return rid in self._replies
+
     def _wait_frames(self, rid: int, timeout: float | None, what: str) -> list[bytes]:
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout

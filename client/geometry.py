@@ -245,6 +245,9 @@ class TableGeometry:
         """A built-in name, or a path to a config.json."""
         if str(spec) in BUILTIN_CONFIGS:
             return cls.named(str(spec))
+        if not Path(spec).exists():
+            raise GeometryError(f"unknown geometry {str(spec)!r}: not a built-in "
+                                f"({', '.join(sorted(BUILTIN_CONFIGS))}) and no such config file")
         return cls.from_file(spec)
 
 

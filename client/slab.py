@@ -4,8 +4,8 @@ One slab per registered client (a shared-memory file on the CPU backend, one cud
 the client's GPU on the CUDA backend). Both sides compute the layout from the same numbers with
 this module; the daemon also sends it in the register reply and the client checks they agree::
 
-    offset 0            counters  [slots] x 64 B   (u32 ids_ready, u32 rows_done, u32 consumed)
-    ids_offset(s)       hash IDs  int32 [max_tokens, n_layers, heads]          one block per slot
+    offset 0            counters  [slots] x 64 B   (u32 ids_ready, u32 rows_done)
+    ids_offset(s)       hash IDs  int32|int64 [T, n_layers, heads]             one block per slot
     rows_offset(s)      rows      bf16  [n_layers, T, local_heads, head_dim]   packed by actual T
 
 Every block starts on a 4 KiB boundary; the slab size is a multiple of 2 MiB (the granularity
@@ -18,13 +18,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
+
 SLAB_GRANULARITY = 2 << 20
 BLOCK_ALIGN = 4096
 COUNTER_STRIDE = 64
-IDS_ITEMSIZE = 4  # int32: row IDs are < 2^31; out-of-range int64 IDs are mapped, not truncated
+IDS_ITEMSIZE = 8  # room for int64; a lookup's IDs sit in the caller's dtype (int32 or int64)
 ROW_ITEMSIZE = 2  # bf16
 # Counter words inside a slot's 64-byte counter line (u32 each).
-IDS_READY, ROWS_DONE, CONSUMED = 0, 1, 2
+IDS_READY, ROWS_DONE = 0, 1
 
 
 def _align(value: int, to: int) -> int:
@@ -73,6 +75,19 @@ class SlabLayout:
     def size(self) -> int:
         used = self.counters_bytes + self.slots * (self.ids_block + self.rows_block)
         return _align(used, SLAB_GRANULARITY)
+
+    def ids_view(self, buffer: torch.Tensor, slot: int, tokens: int, dtype: torch.dtype) -> torch.Tensor:
+        """The slot's IDs `[T, n_layers, heads]` of `dtype` inside a uint8 view of the slab."""
+        start = self.ids_offset(slot)
+        n = tokens * self.n_layers * self.heads * dtype.itemsize
+        return buffer[start:start + n].view(dtype).view(tokens, self.n_layers, self.heads)
+
+    def rows_view(self, buffer: torch.Tensor, slot: int, tokens: int) -> torch.Tensor:
+        """The slot's rows `[n_layers, T, local_heads, head_dim]` bf16, contiguous."""
+        start = self.rows_offset(slot)
+        n = self.n_layers * tokens * self.local_heads * self.head_dim * ROW_ITEMSIZE
+        return buffer[start:start + n].view(torch.bfloat16).view(
+            self.n_layers, tokens, self.local_heads, self.head_dim)
 
     def to_wire(self) -> dict[str, Any]:
         return {**asdict(self), "size": self.size}

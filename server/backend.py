@@ -37,7 +37,9 @@ class LookupJob:
     slot: int
     seq: int
     tokens: int
-    inline_ids: np.ndarray | None = None  # int32 [T, L, H], already range-mapped
+    ids_dtype: str = "int64"  # of the IDs in the slot ("int32" | "int64")
+    inline_ids: np.ndarray | None = None  # [T, L, H] of ids_dtype, when sent inline
+    skip: bool = False  # a refused lookup: only release the slot's completion counter
     out_of_range: int = 0
     error: BaseException | None = None
     context: dict[str, Any] = field(default_factory=dict)  # transport data the store carries along
@@ -48,8 +50,11 @@ Completion = Callable[[LookupJob], None]
 
 class Backend(Protocol):
     name: str
+    # True when jobs of one client run in submission order (one queue per device): several
+    # lookups may then be in flight on one slot, and a refused one must still release its waiters.
+    orders_slots: bool
 
-    def allocate_slab(self, device: str, layout: SlabLayout, client_id: int) -> Slab: ...
+    def allocate_slab(self, device: str, layout: SlabLayout, client_id: int, shard: ShardView) -> Slab: ...
 
     def submit(self, job: LookupJob, done: Completion) -> None:
         """Start the lookup; call `done(job)` exactly once from any thread, errors in `job.error`."""

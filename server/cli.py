@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from typing import Any
@@ -28,6 +29,9 @@ def _setup_logging(level: str) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    # Before anything initialises CUDA: a lazily loaded kernel, launched while one of our streams
+    # waits on a client process, would block the host until that client delivers (DESIGN.md).
+    os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
     from engramd.server.config import dump_toml, load_config, overrides_from_args
     from engramd.server.daemon import EXIT_CONFIG, run_daemon
 

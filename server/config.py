@@ -48,6 +48,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_tokens", int, 16384, "largest max_tokens a client may register", low=1, high=1 << 20),
     Setting("max_slots", int, 16, "largest slot count a client may register", low=1, high=256),
     Setting("workers", int, 2, "CPU backend gather threads", low=1, high=256),
+    Setting("cuda_dispatch", str, "worker",
+            "CUDA backend: enqueue gathers on the request loop ('inline') or a thread per GPU ('worker')",
+            choices=("inline", "worker")),
     Setting("heartbeat_interval", float, 1.0,
             "seconds between client liveness checks; dead clients are freed within two", low=0.05, high=60.0),
     Setting("demo_seed", int, 0, "seed of the built-in demo table", low=0, high=2**32 - 1),
@@ -69,6 +72,7 @@ class DaemonConfig:
     max_tokens: int
     max_slots: int
     workers: int
+    cuda_dispatch: str
     heartbeat_interval: float
     demo_seed: int
     cache_dir: str

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,8 @@ from typing import Any
 import torch
 
 from engramd.client.errors import BadRequestError, ResourceError
+from engramd.client.geometry import ShardView
+from engramd.client.ids import ID_DTYPES
 from engramd.client.slab import SlabLayout
 from engramd.kernels.gather_ref import gather
 from engramd.server.backend import Completion, LookupJob
@@ -44,18 +47,11 @@ class ShmSlab:
         os.close(fd)
         self.buffer = torch.frombuffer(self._map, dtype=torch.uint8)
 
-    def ids(self, slot: int, tokens: int) -> torch.Tensor:
-        lay = self.layout
-        start = lay.ids_offset(slot)
-        n = tokens * lay.n_layers * lay.heads
-        return self.buffer[start:start + 4 * n].view(torch.int32).view(tokens, lay.n_layers, lay.heads)
+    def ids(self, slot: int, tokens: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.layout.ids_view(self.buffer, slot, tokens, dtype)
 
     def rows(self, slot: int, tokens: int) -> torch.Tensor:
-        lay = self.layout
-        start = lay.rows_offset(slot)
-        n = lay.n_layers * tokens * lay.local_heads * lay.head_dim
-        view = self.buffer[start:start + 2 * n].view(torch.bfloat16)
-        return view.view(lay.n_layers, tokens, lay.local_heads, lay.head_dim)
+        return self.layout.rows_view(self.buffer, slot, tokens)
 
     def wire(self) -> dict[str, Any]:
         return {"kind": "shm", "path": str(self.path), "layout": self.layout.to_wire()}
@@ -74,6 +70,7 @@ class ShmSlab:
 
 class CpuBackend:
     name = "cpu"
+    orders_slots = False
 
     def __init__(self, tables: list[torch.Tensor], shm_dir: Path, file_prefix: str, workers: int):
         self.tables = tables
@@ -81,7 +78,7 @@ class CpuBackend:
         self.file_prefix = file_prefix
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="engramd-gather")
 
-    def allocate_slab(self, device: str, layout: SlabLayout, client_id: int) -> ShmSlab:
+    def allocate_slab(self, device: str, layout: SlabLayout, client_id: int, shard: ShardView) -> ShmSlab:
         if device != "cpu":
             raise BadRequestError(f"device {device!r} not served: this daemon runs the cpu backend")
         return ShmSlab(self.shm_dir / f"{self.file_prefix}.c{client_id}.slab", layout)
@@ -92,13 +89,14 @@ class CpuBackend:
     def _run(self, job: LookupJob, done: Completion) -> None:
         try:
             slab = job.slab
-            ids = slab.ids(job.slot, job.tokens)
+            ids = slab.ids(job.slot, job.tokens, ID_DTYPES[job.ids_dtype])
             if job.inline_ids is not None:
-                ids.copy_(torch.from_numpy(job.inline_ids))
+                ids.copy_(torch.from_numpy(job.inline_ids.copy()))
             _, job.out_of_range = gather(self.tables, ids, job.shard, out=slab.rows(job.slot, job.tokens))
         except BaseException as exc:  # reported to the client; the worker must survive
             log.exception("gather failed for client %d slot %d", job.client_id, job.slot)
             job.error = exc
+        job.context["enqueued"] = time.perf_counter()  # on the CPU: the rows are written
         done(job)
 
     def close(self) -> None:

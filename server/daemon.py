@@ -217,6 +217,9 @@ class Daemon:
             getattr(self, f"_event_{event.kind}")(event.value)
 
     def _event_done(self, job: Any) -> None:
+        if job.context.get("silent"):
+            self.store.finish_lookup(job)
+            return
         identity, rid = job.context["identity"], job.context["rid"]
         try:
             fields = self.store.finish_lookup(job)
@@ -252,7 +255,7 @@ class Daemon:
     def _in_flight(self) -> int:
         if self.store is None:
             return 0
-        return sum(len(c.in_flight) for c in self.store.clients.values())
+        return sum(sum(c.in_flight.values()) for c in self.store.clients.values())
 
     def _nothing_in_flight(self) -> bool:
         return self._in_flight() == 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +26,7 @@ from engramd.client.errors import (
     SlotBusyError,
 )
 from engramd.client.geometry import GeometryError, ShardView, TableGeometry
-from engramd.client.ids import ID_DTYPES, int32_ids_from_bytes
+from engramd.client.ids import ID_DTYPES, ids_from_bytes
 from engramd.client.procwatch import ProcessWatch
 from engramd.client.slab import SlabLayout
 from engramd.server.backend import Backend, Completion, LookupJob, Slab
@@ -52,7 +52,7 @@ class ClientRecord:
     shard: ShardView
     slab: Slab
     watch: ProcessWatch
-    in_flight: set[int] = field(default_factory=set)
+    in_flight: Counter[int] = field(default_factory=Counter)  # slot -> jobs not yet completed
     releasing: bool = False
     lookups: int = 0
     rows: int = 0
@@ -64,7 +64,7 @@ class ClientRecord:
         return {"client_id": self.client_id, "pid": self.watch.pid, "name": self.name,
                 "device": self.device, "tp_rank": self.tp_rank, "tp_size": self.tp_size,
                 "lookups": self.lookups, "rows": self.rows, "out_of_range": self.out_of_range,
-                "errors": self.errors, "in_flight": len(self.in_flight)}
+                "errors": self.errors, "in_flight": sum(self.in_flight.values())}
 
 
 class LookupStore:
@@ -76,6 +76,8 @@ class LookupStore:
         self._next_id = 1
         self.totals: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
+        # Request received -> GPU work enqueued, for the last lookups (the daemon's own latency).
+        self.dispatch_us: deque[float] = deque(maxlen=4096)
 
     # -- registration ---------------------------------------------------------------------------
 
@@ -90,7 +92,7 @@ class LookupStore:
             n_layers=self.geometry.n_layers, heads=self.geometry.heads,
             local_heads=shard.local_heads, head_dim=self.geometry.head_dim)
         client_id = self._next_id
-        slab = self.backend.allocate_slab(req["device"], layout, client_id)
+        slab = self.backend.allocate_slab(req["device"], layout, client_id, shard)
         self._next_id += 1
         record = ClientRecord(client_id, identity, str(req.get("name", ""))[:128], req["device"],
                               req["tp_rank"], req["tp_size"], shard, slab, ProcessWatch(req["pid"]))
@@ -128,7 +130,8 @@ class LookupStore:
 
     def _retire(self, record: ClientRecord, why: str) -> None:
         record.releasing = True
-        log.info("client %d %s (%d lookups in flight)", record.client_id, why, len(record.in_flight))
+        log.info("client %d %s (%d lookups in flight)", record.client_id, why,
+                 sum(record.in_flight.values()))
         if not record.in_flight:
             self._free(record)
 
@@ -153,18 +156,29 @@ class LookupStore:
             job = self._validate_lookup(record, req, payload)
         except EngramError:
             record.errors += 1
+            self._release_refused(record, req, done)
             raise
-        job.context = context
-        record.in_flight.add(job.slot)
+        job.context = {**context, "received": time.perf_counter()}
+        record.in_flight[job.slot] += 1
         self.backend.submit(job, done)
         return job
+
+    def _release_refused(self, record: ClientRecord, req: dict[str, Any], done: Completion) -> None:
+        """GPU clients wait on the slot's counter without awaiting the reply: release it in order."""
+        slot = req["slot"]
+        if not self.backend.orders_slots or not 0 <= slot < record.slab.layout.slots:
+            return
+        job = LookupJob(record.client_id, record.slab, record.shard, slot, req["seq"], 0,
+                        skip=True, context={"silent": True})
+        record.in_flight[slot] += 1
+        self.backend.submit(job, done)
 
     def _validate_lookup(self, record: ClientRecord, req: dict[str, Any], payload: list[bytes]) -> LookupJob:
         layout: SlabLayout = record.slab.layout
         slot, tokens = req["slot"], req["tokens"]
         if not 0 <= slot < layout.slots:
             raise BadRequestError(f"slot {slot} outside [0, {layout.slots})")
-        if slot in record.in_flight:
+        if record.in_flight[slot] and not self.backend.orders_slots:
             raise SlotBusyError(f"slot {slot} still has a lookup in flight")
         if not 1 <= tokens <= layout.max_tokens:
             raise BadIdsError(f"{tokens} tokens; this client registered 1..{layout.max_tokens}")
@@ -172,33 +186,39 @@ class LookupStore:
         if req["ids_shape"] != expected:
             raise BadIdsError(f"ids shape {req['ids_shape']!r}, expected {expected} ([T, n_layers, heads])")
         dtype = req["ids_dtype"]
-        if dtype not in ID_DTYPES or (not req["inline"] and dtype != "int32"):
-            allowed = "int32 or int64" if req["inline"] else "int32 (IDs in the slot)"
-            raise BadIdsError(f"ids dtype {dtype!r}; expected {allowed}")
+        if dtype not in ID_DTYPES:
+            raise BadIdsError(f"ids dtype {dtype!r}; expected int32 or int64")
         inline = None
         if req["inline"]:
             nbytes = tokens * self.geometry.n_layers * self.geometry.heads * np.dtype(dtype).itemsize
             if len(payload) != 1 or len(payload[0]) != nbytes:
                 got = [len(p) for p in payload]
                 raise BadIdsError(f"inline ids: expected one frame of {nbytes} bytes, got frames {got}")
-            inline = int32_ids_from_bytes(payload[0], dtype, tuple(expected))
+            inline = ids_from_bytes(payload[0], dtype, tuple(expected))
         elif payload:
             raise BadIdsError("payload frames sent with inline=false")
-        return LookupJob(record.client_id, record.slab, record.shard, slot, req["seq"], tokens, inline)
+        return LookupJob(record.client_id, record.slab, record.shard, slot, req["seq"], tokens,
+                         ids_dtype=dtype, inline_ids=inline)
 
     def finish_lookup(self, job: LookupJob) -> dict[str, Any]:
         """Book-keep a completed job; returns reply fields or raises the job's error."""
         record = self.clients.get(job.client_id)
         if record is not None:
-            record.in_flight.discard(job.slot)
+            record.in_flight[job.slot] -= 1
+            if record.in_flight[job.slot] <= 0:
+                del record.in_flight[job.slot]
             if record.releasing and not record.in_flight:
                 self._free(record)
+        if job.skip:
+            return {}
         if job.error is not None:
             if record is not None:
                 record.errors += 1
             if isinstance(job.error, EngramError):
                 raise job.error
             raise InternalError(f"gather failed: {type(job.error).__name__}: {job.error}")
+        if "enqueued" in job.context:
+            self.dispatch_us.append((job.context["enqueued"] - job.context["received"]) * 1e6)
         rows = job.tokens * self.geometry.n_layers * job.shard.owned_heads
         self.totals["lookups"] += 1
         self.totals["rows"] += rows
@@ -219,12 +239,23 @@ class LookupStore:
                 "lookups": self.totals["lookups"], "rows": self.totals["rows"],
                 "out_of_range": self.totals["out_of_range"],
                 "registrations": self.totals["registrations"], "reaped": self.totals["reaped"],
-                "errors": dict(self.errors)}
+                "errors": dict(self.errors), "dispatch_us": _percentiles(self.dispatch_us)}
 
     def close(self) -> None:
         """Free every slab. The backend must have finished its jobs (backend.close first)."""
         for record in list(self.clients.values()):
             self._free(record)
+
+
+def _percentiles(samples: deque[float]) -> dict[str, float]:
+    if not samples:
+        return {}
+    ordered = sorted(samples)
+
+    def pick(q: float) -> float:
+        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 1)
+
+    return {"p50": pick(0.50), "p99": pick(0.99), "n": len(ordered)}
 
 
 def _bounded(name: str, value: int, low: int, high: int) -> int:

@@ -80,7 +80,8 @@ def choose_backend_name(requested: str) -> str:
         return "cpu"
 
 
-def build_backend(config: DaemonConfig, tables: list[HostTable], prefix: str) -> Backend:
+def build_backend(config: DaemonConfig, geometry: TableGeometry, tables: list[HostTable],
+                  prefix: str) -> Backend:
     name = choose_backend_name(config.backend)
     if name == "cpu":
         from engramd.server.cpu_backend import CpuBackend
@@ -90,7 +91,7 @@ def build_backend(config: DaemonConfig, tables: list[HostTable], prefix: str) ->
     except ImportError as exc:
         raise DeviceBackendError(f"cuda backend unavailable: {exc}") from exc
     try:
-        return CudaBackend(tables, prefix=prefix)
+        return CudaBackend(tables, geometry, inline=config.cuda_dispatch == "inline")
     except Exception as exc:
         raise DeviceBackendError(f"cuda backend failed to start: {exc}") from exc
 
@@ -132,7 +133,7 @@ def load_tables(config: DaemonConfig, progress: Callable[[float], None]) -> Load
                  seconds, total / 1e9 / max(seconds, 1e-9))
         prefix = f"engramd.{config.instance}.{os.getpid()}"
         remove_stale_slabs(Path(config.shm_dir), config.instance, keep_prefix=prefix)
-        backend = build_backend(config, tables, prefix)
+        backend = build_backend(config, geometry, tables, prefix)
     except BaseException:
         store.close()
         raise

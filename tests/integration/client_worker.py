@@ -33,11 +33,12 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--slots", type=int, default=2)
     parser.add_argument("--dtype", choices=("int32", "int64"), default="int64")
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
 
     rng = np.random.default_rng(args.seed)
     saved: dict[str, np.ndarray] = {}
-    with EngramClient(args.socket, tp_rank=args.tp_rank, tp_size=args.tp_size,
+    with EngramClient(args.socket, device=args.device, tp_rank=args.tp_rank, tp_size=args.tp_size,
                       max_tokens=max(args.tokens), slots=args.slots, timeout=60) as client:
         rows = list(client.geometry.rows)
         heads = client.geometry.heads
@@ -53,10 +54,10 @@ def main() -> int:
                 ids = random_ids(rng, tokens, rows, heads)
                 if args.dtype == "int32":
                     ids = np.where(np.abs(ids) < 2**31 - 1, ids, rows[0] + 11).astype(np.int32)
-                pending.append((ids, client.lookup(torch.from_numpy(ids))))
+                pending.append((ids, client.lookup(torch.from_numpy(ids).to(args.device))))
             for ids, future in pending:
                 saved[f"ids{n}"] = ids
-                saved[f"rows{n}"] = future.result().float().numpy()
+                saved[f"rows{n}"] = future.result().float().cpu().numpy()
                 saved[f"oor{n}"] = np.array(future.out_of_range)
                 n += 1
     np.savez(args.out, **saved)

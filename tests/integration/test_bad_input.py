@@ -78,7 +78,7 @@ def test_bad_lookups_get_typed_errors(served):
         (LOOKUP, [], "bad_ids", "frame"),
         (dict(LOOKUP, slot=2), [IDS_FRAME], "bad_request", "slot 2"),
         (dict(LOOKUP, slot=-1), [IDS_FRAME], "bad_request", "slot -1"),
-        (dict(LOOKUP, inline=False, ids_dtype="int64"), [], "bad_ids", "int32"),
+        (dict(LOOKUP, inline=False), [IDS_FRAME], "bad_ids", "inline=false"),
     ]
     for fields, payload, code, text in cases:
         reply = roundtrip(raw, [header(op="lookup", client_id=client_id, **fields), *payload])

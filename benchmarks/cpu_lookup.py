@@ -1,0 +1,122 @@
+"""CPU-backend lookup latency and throughput, end to end through a real daemon process.
+
+    python benchmarks/cpu_lookup.py [--vocab 100000] [--iters 200] [--out benchmarks/results]
+
+Writes a synthetic checkpoint (V4.1 shape: 2 layers x 24 heads x 256, buckets of ~`--vocab`
+rows), starts `engramd serve --backend cpu` on it, and times `client.lookup(ids).result()` from
+this process for T in {1, 16, 256, 4096} tokens with fresh random IDs every iteration (drawn
+before timing). Reports p50/p99 latency and rows/s (rows = T x 2 layers x 24 heads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engramd.client import EngramClient
+from engramd.client.connection import probe
+from engramd.client.errors import EngramError
+from engramd.client.geometry import V41_FLASH_CONFIG, TableGeometry
+from engramd.server.synthetic import write_synthetic_checkpoint
+
+TOKENS = (1, 16, 256, 4096)
+
+
+def start_daemon(tables: Path, workdir: Path, shm_dir: Path, workers: int) -> tuple[subprocess.Popen, Path]:
+    socket = workdir / "engramd.sock"
+    log = open(workdir / "daemon.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "engramd.server.cli", "serve", "--tables", str(tables),
+                             "--socket", str(socket), "--shm-dir", str(shm_dir), "--instance", "bench",
+                             "--backend", "cpu", "--workers", str(workers)], stdout=log, stderr=log)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"daemon exited: {(workdir / 'daemon.log').read_text()}")
+        try:
+            if probe(socket, "health", 1.0).fields["ready"]:
+                return proc, socket
+        except EngramError:
+            pass
+        time.sleep(0.1)
+    raise SystemExit("daemon not ready in 600 s")
+
+
+def time_lookups(client: EngramClient, rows: list[int], tokens: int, iters: int, rng) -> dict:
+    heads = client.geometry.heads
+    batches = [torch.from_numpy(np.stack([rng.integers(0, r, size=(tokens, heads)) for r in rows], axis=1))
+               for _ in range(iters + 5)]
+    for ids in batches[:5]:
+        client.lookup(ids).result()
+    lat = []
+    for ids in batches[5:]:
+        start = time.perf_counter()
+        client.lookup(ids).result()
+        lat.append(time.perf_counter() - start)
+    lat_us = np.array(lat) * 1e6
+    n_rows = tokens * len(rows) * heads
+    return {"tokens": tokens, "rows_per_lookup": n_rows, "iters": iters,
+            "p50_us": float(np.percentile(lat_us, 50)), "p99_us": float(np.percentile(lat_us, 99)),
+            "rows_per_s": float(n_rows / np.median(lat))}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vocab", type=int, default=100_000, help="base bucket size (V4.1: 16,000,000)")
+    parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = parser.parse_args()
+
+    geometry = TableGeometry.from_config({**{k: v for k, v in V41_FLASH_CONFIG.items()
+                                             if k != "engram_num_embeddings"},
+                                          "engram_vocab_size": args.vocab})
+    work = Path(tempfile.mkdtemp(prefix="engramd-bench-"))
+    shm = Path(tempfile.mkdtemp(prefix="engramd-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    proc = None
+    try:
+        print(f"writing {geometry.total_bytes / 1e9:.2f} GB synthetic checkpoint", file=sys.stderr)
+        write_synthetic_checkpoint(geometry, work / "ckpt", seed=1)
+        proc, socket = start_daemon(work / "ckpt", work, shm, args.workers)
+        rng = np.random.default_rng(0)
+        with EngramClient(socket, max_tokens=max(TOKENS), slots=2, timeout=120) as client:
+            results = [time_lookups(client, list(geometry.rows), t, args.iters if t < 4096 else args.iters // 4, rng)
+                       for t in TOKENS]
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
+
+    meta = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}",
+            "python": platform.python_version(), "torch": torch.__version__,
+            "table_gb": round(geometry.total_bytes / 1e9, 3), "workers": args.workers,
+            "command": "python benchmarks/cpu_lookup.py " + " ".join(sys.argv[1:]),
+            "date": time.strftime("%Y-%m-%d")}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cpu_lookup.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+    lines = [f"# CPU backend lookup, end to end ({meta['date']})", "",
+             f"Machine: {meta['machine']}; torch {meta['torch']}; table {meta['table_gb']} GB; "
+             f"{args.workers} gather workers.", f"Command: `{meta['command']}`", "",
+             "| T tokens | rows/lookup | p50 us | p99 us | rows/s |", "|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['tokens']} | {r['rows_per_lookup']} | {r['p50_us']:.0f} | {r['p99_us']:.0f} | "
+              f"{r['rows_per_s'] / 1e6:.2f} M |" for r in results]
+    (out / "cpu_lookup.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

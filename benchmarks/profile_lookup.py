@@ -1,0 +1,83 @@
+"""Where a lookup's host time goes: cProfile of the client loop and of the daemon process.
+
+    python benchmarks/profile_lookup.py [--tokens 1] [--iters 2000] [--out DIR]
+
+Starts `engramd serve --backend cuda` on the demo table under cProfile, runs `--iters` lookups of
+`--tokens` tokens (lookup + wait + synchronize) under cProfile in this process, stops the daemon,
+and prints both profiles' top entries by own time. Host overhead only: the table is tiny.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from engramd.client import EngramClient
+from engramd.client.connection import probe
+from engramd.client.errors import EngramError
+
+
+def top(stats: pstats.Stats, n: int = 30) -> str:
+    out = io.StringIO()
+    stats.stream = out
+    stats.sort_stats("tottime").print_stats(n)
+    return out.getvalue()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=1)
+    parser.add_argument("--iters", type=int, default=2000)
+    parser.add_argument("--out", default=tempfile.mkdtemp(prefix="engramd-prof-"))
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="egd-prof-"))
+    shm = Path(tempfile.mkdtemp(prefix="egd-prof-", dir="/dev/shm"))  # cudaHostRegister needs tmpfs
+    out = Path(args.out)
+    socket = work / "engramd.sock"
+    daemon = subprocess.Popen([sys.executable, "-m", "cProfile", "-o", str(out / "daemon.prof"), "-m",
+                               "engramd.server.cli", "serve", "--socket", str(socket), "--backend", "cuda",
+                               "--shm-dir", str(shm), "--cache-dir", str(work)])
+    deadline = time.monotonic() + 120
+    while True:
+        if daemon.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"daemon not ready (exit status {daemon.poll()})")
+        try:
+            if probe(socket, "health", 1.0).fields["ready"]:
+                break
+        except EngramError:
+            time.sleep(0.2)
+    with EngramClient(socket, device="cuda", max_tokens=args.tokens, slots=2) as client:
+        ids = torch.zeros((args.tokens, 2, 24), dtype=torch.int64, device="cuda")
+        stream = torch.cuda.current_stream()
+        for _ in range(50):
+            client.lookup(ids).wait()
+        stream.synchronize()
+        profile = cProfile.Profile()
+        start = time.perf_counter()
+        profile.enable()
+        for _ in range(args.iters):
+            client.lookup(ids, stream).wait(stream)
+            stream.synchronize()
+        profile.disable()
+        print(f"{(time.perf_counter() - start) / args.iters * 1e6:.1f} us per lookup (profiled)")
+        print("daemon stats:", client.stats().get("dispatch_us"))
+    daemon.terminate()
+    daemon.wait(60)
+    print("=== client ===")
+    print(top(pstats.Stats(profile)))
+    print("=== daemon ===")
+    print(top(pstats.Stats(str(out / "daemon.prof"))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""Thin, checked wrappers over the CUDA calls engramd needs (through cuda-python).
+
+One checker turns cuda-python's `(err, *values)` tuples into values or a CudaError naming the call.
+The rest are the few operations both sides of the GPU data path share: device UUIDs (processes see
+different device indices under CUDA_VISIBLE_DEVICES, UUIDs are the same), IPC memory handles as
+bytes, stream memory operations on 32-bit counters, and viewing raw device memory as a torch tensor.
+Imported only where CUDA is used; nothing here runs at import time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+
+try:
+    from cuda.bindings import driver as cu
+    from cuda.bindings import runtime as cudart
+except ImportError:  # pragma: no cover - cuda-python is a dependency; keep the message clear
+    cu = cudart = None
+
+IPC_HANDLE_BYTES = 64
+
+
+class CudaError(RuntimeError):
+    """A CUDA call failed; the message names the call and the error."""
+
+
+def _require() -> None:
+    if cudart is None:
+        raise CudaError("cuda-python is not installed (pip install cuda-python)")
+
+
+def check(call: str, result: Any) -> Any:
+    """`(err, *values)` -> values (None, one value, or a tuple); raises CudaError on failure."""
+    err, *values = result if isinstance(result, tuple) else (result,)
+    code = int(err)
+    if code != 0:
+        name = _error_name(err)
+        raise CudaError(f"{call} failed: {name} ({code})")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def _error_name(err: Any) -> str:
+    try:
+        if isinstance(err, cu.CUresult):
+            _, text = cu.cuGetErrorName(err)
+        else:
+            _, text = cudart.cudaGetErrorName(err)
+        return text.decode() if isinstance(text, bytes) else str(text)
+    except Exception:
+        return str(err)
+
+
+def device_uuid(index: int) -> str:
+    """The nvidia-smi style UUID ("GPU-xxxxxxxx-xxxx-...") of this process's device `index`."""
+    _require()
+    check("cuInit", cu.cuInit(0))
+    dev = check("cuDeviceGet", cu.cuDeviceGet(index))
+    raw = bytes(check("cuDeviceGetUuid", cu.cuDeviceGetUuid(dev)).bytes)
+    h = raw.hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+
+def device_index_for_uuid(uuid: str) -> int:
+    """This process's index of the GPU with `uuid`; LookupError if it is not visible here."""
+    for index in range(torch.cuda.device_count()):
+        if device_uuid(index) == uuid:
+            return index
+    raise LookupError(f"GPU {uuid} is not visible to this process "
+                      f"({torch.cuda.device_count()} devices; check CUDA_VISIBLE_DEVICES)")
+
+
+def ipc_handle_bytes(ptr: int) -> bytes:
+    handle = check("cudaIpcGetMemHandle", cudart.cudaIpcGetMemHandle(ptr))
+    return ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES)
+
+
+def ipc_open(data: bytes) -> int:
+    """Map a peer's allocation into this process (current device); returns the device pointer."""
+    if len(data) != IPC_HANDLE_BYTES:
+        raise CudaError(f"IPC handle must be {IPC_HANDLE_BYTES} bytes, got {len(data)}")
+    handle = cudart.cudaIpcMemHandle_t()
+    ctypes.memmove(handle.getPtr(), data, IPC_HANDLE_BYTES)
+    ptr = check("cudaIpcOpenMemHandle",
+                cudart.cudaIpcOpenMemHandle(handle, cudart.cudaIpcMemLazyEnablePeerAccess))
+    return int(ptr)
+
+
+def ipc_close(ptr: int) -> None:
+    check("cudaIpcCloseMemHandle", cudart.cudaIpcCloseMemHandle(ptr))
+
+
+def stream_write_u32(stream: int, address: int, value: int) -> None:
+    """Enqueue `*address = value` on `stream` (ordered after the stream's earlier work)."""
+    check("cuStreamWriteValue32", cu.cuStreamWriteValue32(
+        cu.CUstream(stream), cu.CUdeviceptr(address), value & 0xFFFFFFFF,
+        cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT))
+
+
+def stream_wait_u32(stream: int, address: int, value: int) -> None:
+    """Enqueue a wait until `(int32)(*address - value) >= 0` (cyclic, so wrap-around is safe)."""
+    check("cuStreamWaitValue32", cu.cuStreamWaitValue32(
+        cu.CUstream(stream), cu.CUdeviceptr(address), value & 0xFFFFFFFF,
+        cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ))
+
+
+class DeviceMemory:
+    """Raw device memory described by `__cuda_array_interface__`, for `torch.as_tensor`."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.ptr = ptr
+        self.nbytes = nbytes
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False),
+                "version": 3, "strides": None}
+
+
+def tensor_view(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 CUDA tensor over memory this process does not own (no copy, no free)."""
+    return torch.as_tensor(DeviceMemory(ptr, nbytes), device=device)
+
+
+def new_stream(device_index: int) -> torch.cuda.Stream:
+    """A non-blocking stream: it must never serialise with a client's legacy default stream."""
+    with torch.cuda.device(device_index):
+        return torch.cuda.Stream(device=device_index)

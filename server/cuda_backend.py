@@ -1,0 +1,267 @@
+"""CUDA backend: pinned host tables, per-client IPC slabs, one gather worker per GPU.
+
+The host tables (shared-memory files) are registered once with cudaHostRegister (Portable|Mapped)
+in chunks of at most 64 GiB; with unified addressing the device address of a registered byte is
+its host address, so one host copy serves every GPU of the node. Each client gets one cudaMalloc
+slab on its GPU (found by UUID), exported once over CUDA IPC, and its own daemon stream, so a
+client that stalls its stream stalls nobody else.
+
+Completion is stream-ordered through two 32-bit counters per slot in the slab (client/slab.py):
+
+    client stream:  copy IDs -> slot ; write IDS_READY = seq
+    daemon stream:  wait IDS_READY >= seq ; gather kernel -> slot rows ; write ROWS_DONE = seq
+    consumer stream:                                   wait ROWS_DONE >= seq ; read rows
+
+Why counters and not interprocess events: an IPC event wait binds to the last record enqueued at
+the time of the wait call, so the client could only enqueue its wait after the daemon's reply
+(a host round trip on the critical path). A counter wait is order-independent: the client
+enqueues it at once and the daemon may enqueue its write before or after. Measured by
+benchmarks/completion_mechanisms.py (results under benchmarks/results/).
+
+The daemon's progress never depends on a client's host once a request is sent, and every kernel
+is loaded and warmed at start (CUDA_MODULE_LOADING=EAGER is set before CUDA initialises), because
+a lazily loaded kernel launched while a stream waits on another process blocks the host.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Any
+
+import torch
+
+from engramd.client import cuda
+from engramd.client.cuda import CudaError, check
+from engramd.client.errors import BadRequestError, ResourceError
+from engramd.client.geometry import ShardView, TableGeometry
+from engramd.client.ids import ID_DTYPES
+from engramd.client.slab import IDS_READY, ROWS_DONE, SlabLayout
+from engramd.kernels.gather_triton import GatherPlan, LayerTable
+from engramd.server.backend import Completion, LookupJob
+from engramd.server.table_store import HostTable
+
+log = logging.getLogger("engramd.cuda")
+
+REGISTER_CHUNK = 64 << 30
+# Fault injection for tests: a GPU-side delay (ms) before every gather, so that a test can show the
+# client enqueues its consumer work and returns before the rows exist. Never set in production.
+GATHER_DELAY_ENV = "ENGRAMD_DEBUG_GATHER_DELAY_MS"
+GATHER_DELAY_MS = float(os.environ.get(GATHER_DELAY_ENV, "0") or 0)
+_CYCLES_PER_MS = 2_000_000  # torch.cuda._sleep counts GPU clock cycles (~2 GHz on H100/H200)
+# Fault injection for tests: a GPU-side delay (ms) before every gather, so that a test can show the
+# client enqueues its consumer work and returns before the rows exist. Never set in production.
+GATHER_DELAY_ENV = "ENGRAMD_DEBUG_GATHER_DELAY_MS"
+_CYCLES_PER_MS = 2_000_000  # torch.cuda._sleep counts GPU clock cycles (~2 GHz on H100/H200)
+
+
+class PinnedTables:
+    """cudaHostRegister of every host table; unregistered on close."""
+
+    def __init__(self, tables: list[HostTable]):
+        self.tables = tables
+        self._chunks: list[int] = []
+        started = time.monotonic()
+        total = 0
+        try:
+            for table in tables:
+                total += self._register(table.address, table.nbytes)
+        except BaseException:
+            self.close()
+            raise
+        seconds = time.monotonic() - started
+        log.info("pinned %.2f GB of host tables in %.2f s (%.1f GB/s)", total / 1e9, seconds,
+                 total / 1e9 / max(seconds, 1e-9))
+
+    def _register(self, address: int, nbytes: int) -> int:
+        flags = cuda.cudart.cudaHostRegisterPortable | cuda.cudart.cudaHostRegisterMapped
+        for start in range(0, nbytes, REGISTER_CHUNK):
+            size = min(REGISTER_CHUNK, nbytes - start)
+            check(f"cudaHostRegister({size} bytes at +{start})",
+                  cuda.cudart.cudaHostRegister(address + start, size, flags))
+            self._chunks.append(address + start)
+            device_ptr = int(check("cudaHostGetDevicePointer",
+                                   cuda.cudart.cudaHostGetDevicePointer(address + start, 0)))
+            if device_ptr != address + start:
+                raise CudaError(f"registered host memory at {address + start:#x} maps to device "
+                                f"address {device_ptr:#x}; engramd needs unified addressing")
+        return nbytes
+
+    def layer_tables(self) -> list[LayerTable]:
+        return [LayerTable(t.address, t.rows, t.row_bytes, owner=self) for t in self.tables]
+
+    def close(self) -> None:
+        for address in self._chunks:
+            try:
+                check("cudaHostUnregister", cuda.cudart.cudaHostUnregister(address))
+            except CudaError as exc:
+                log.error("%s", exc)
+        self._chunks = []
+
+
+class CudaSlab:
+    """A client's slab on its GPU: device memory, its IPC handle, its daemon stream and plan."""
+
+    def __init__(self, device_index: int, uuid: str, layout: SlabLayout, plan_tables: list[LayerTable],
+                 shard: ShardView):
+        self.device_index = device_index
+        self.uuid = uuid
+        self.layout = layout
+        self.ptr = 0
+        with torch.cuda.device(device_index):
+            try:
+                self.ptr = int(check("cudaMalloc", cuda.cudart.cudaMalloc(layout.size)))
+            except CudaError as exc:
+                raise ResourceError(f"cannot allocate a {layout.size}-byte slab on {uuid}: {exc}") from None
+            check("cudaMemset", cuda.cudart.cudaMemset(self.ptr, 0, layout.size))
+            self.handle = cuda.ipc_handle_bytes(self.ptr)
+            self.stream = cuda.new_stream(device_index)
+            device = torch.device("cuda", device_index)
+            self.buffer = cuda.tensor_view(self.ptr, layout.size, device)
+            self.plan = GatherPlan(plan_tables, shard, device)
+            self.out_of_range = torch.zeros(1, dtype=torch.int64, device=device)
+        self.enqueued: dict[int, int] = {}  # slot -> seq of the last lookup enqueued on it
+
+    def counter_address(self, slot: int, word: int) -> int:
+        return self.ptr + self.layout.counter_offset(slot, word)
+
+    def ids(self, slot: int, tokens: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.layout.ids_view(self.buffer, slot, tokens, dtype)
+
+    def rows(self, slot: int, tokens: int) -> torch.Tensor:
+        return self.layout.rows_view(self.buffer, slot, tokens)
+
+    def wire(self) -> dict[str, Any]:
+        return {"kind": "cuda_ipc", "handle": self.handle, "device_uuid": self.uuid,
+                "layout": self.layout.to_wire()}
+
+    def close(self) -> None:
+        """Free the slab in the background once its daemon stream has drained.
+
+        The store calls this only after every lookup of the client has been enqueued, so the
+        worker no longer touches the slab. The daemon stream may still wait for IDS_READY of a
+        client that died before its stream wrote it: those waits are satisfied from a side
+        stream first (the gathers then read stale IDs into a slab nobody reads), so the drain
+        cannot hang. Freeing runs on its own thread: a slow client must not stall the loop.
+        """
+        if not self.ptr:
+            return
+        ptr, self.ptr = self.ptr, 0
+        threading.Thread(target=self._free, args=(ptr,), name="engramd-free", daemon=True).start()
+
+    def _free(self, ptr: int) -> None:
+        try:
+            with torch.cuda.device(self.device_index):
+                side = cuda.new_stream(self.device_index)
+                for slot, seq in self.enqueued.items():
+                    cuda.stream_write_u32(side.cuda_stream, ptr + self.layout.counter_offset(slot, IDS_READY), seq)
+                self.stream.synchronize()
+                side.synchronize()
+                del self.buffer
+                check("cudaFree", cuda.cudart.cudaFree(ptr))
+        except Exception:
+            log.exception("freeing the slab on %s failed", self.uuid)
+
+
+class GpuWorker:
+    """One thread per GPU that enqueues the gathers of that GPU's clients, in arrival order."""
+
+    def __init__(self, device_index: int):
+        self.device_index = device_index
+        self._jobs: queue.SimpleQueue[tuple[LookupJob, Completion] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"engramd-gpu{device_index}", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: LookupJob, done: Completion) -> None:
+        self._jobs.put((job, done))
+
+    def _run(self) -> None:
+        torch.cuda.set_device(self.device_index)
+        while (item := self._jobs.get()) is not None:
+            run_job(*item)
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
+
+
+def run_job(job: LookupJob, done: Completion) -> None:
+    try:
+        enqueue_lookup(job)
+    except BaseException as exc:  # reported to the client; the dispatcher keeps serving
+        log.exception("enqueue failed for client %d slot %d", job.client_id, job.slot)
+        job.error = exc
+    job.context["enqueued"] = time.perf_counter()
+    done(job)
+
+
+def enqueue_lookup(job: LookupJob) -> None:
+    """Daemon stream: wait for the client's IDs, gather into the slot, mark the rows done."""
+    slab: CudaSlab = job.slab
+    stream = slab.stream
+    cuda.stream_wait_u32(stream.cuda_stream, slab.counter_address(job.slot, IDS_READY), job.seq)
+    if GATHER_DELAY_MS:
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(int(GATHER_DELAY_MS * _CYCLES_PER_MS))
+    if not job.skip:
+        slab.plan(slab.ids(job.slot, job.tokens, ID_DTYPES[job.ids_dtype]),
+                  slab.rows(job.slot, job.tokens), stream=stream, out_of_range=slab.out_of_range)
+    cuda.stream_write_u32(stream.cuda_stream, slab.counter_address(job.slot, ROWS_DONE), job.seq)
+    slab.enqueued[job.slot] = job.seq
+    job.out_of_range = 0  # counted on the GPU (slab.out_of_range); never synchronised per lookup
+
+
+class CudaBackend:
+    name = "cuda"
+    orders_slots = True
+
+    def __init__(self, tables: list[HostTable], geometry: TableGeometry, inline: bool = False):
+        if not torch.cuda.is_available():
+            raise CudaError("no CUDA device is visible")
+        self.geometry = geometry
+        self.inline = inline
+        self.pinned = PinnedTables(tables)
+        self.layer_tables = self.pinned.layer_tables()
+        self.uuids = {cuda.device_uuid(i): i for i in range(torch.cuda.device_count())}
+        self.workers = {i: GpuWorker(i) for i in self.uuids.values()}
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Compile and load the gather kernels on every GPU before any client can wait on us."""
+        for index in self.workers:
+            plan = GatherPlan(self.layer_tables, self.geometry.shard(0, 1), torch.device("cuda", index))
+            plan.warm_up()
+            if GATHER_DELAY_MS:
+                torch.cuda._sleep(1)
+            torch.cuda.synchronize(index)
+        log.info("gather kernels warmed on %d GPU(s): %s", len(self.workers), ", ".join(self.uuids))
+
+    def allocate_slab(self, device: str, layout: SlabLayout, client_id: int, shard: ShardView) -> CudaSlab:
+        prefix = "cuda:"
+        if not device.startswith(prefix):
+            raise BadRequestError(f"device {device!r}: this daemon serves CUDA clients as 'cuda:GPU-<uuid>'")
+        uuid = device[len(prefix):]
+        if uuid not in self.uuids:
+            raise BadRequestError(f"GPU {uuid} is not visible to the daemon (it sees {sorted(self.uuids)})")
+        return CudaSlab(self.uuids[uuid], uuid, layout, self.layer_tables, shard)
+
+    def out_of_range(self, slabs: list[CudaSlab]) -> int:
+        """Out-of-range IDs counted on the GPUs so far (synchronises those counters only)."""
+        return sum(int(s.out_of_range.item()) for s in slabs if s.ptr)
+
+    def submit(self, job: LookupJob, done: Completion) -> None:
+        if self.inline:  # enqueueing is asynchronous, so the request loop may do it itself
+            run_job(job, done)
+        else:
+            self.workers[job.slab.device_index].submit(job, done)
+
+    def close(self) -> None:
+        for worker in self.workers.values():
+            worker.close()
+        for index in self.workers:
+            torch.cuda.synchronize(index)
+        self.layer_tables = []
+        self.pinned.close()

@@ -1,0 +1,108 @@
+"""The CUDA data path end to end: a real daemon (--backend cuda) and client processes on one GPU."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import run_client_processes
+from reference import bucket_ids, random_ids
+
+from engramd.client import DaemonUnavailableError, EngramClient
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+WORKER = Path(__file__).resolve().parents[1] / "integration" / "client_worker.py"
+CUDA = ["--backend", "cuda"]
+
+
+def assert_exact(rows: torch.Tensor, expected: np.ndarray, what: str) -> None:
+    actual = rows.double().cpu().numpy()
+    assert actual.shape == expected.shape, what
+    wrong = np.argwhere(actual != expected)
+    assert wrong.size == 0, f"{what}: {len(wrong)} wrong values, first at {wrong[:5].tolist()}"
+
+
+def test_three_client_processes_on_one_gpu(daemon_factory, reference, tmp_path):
+    daemon = daemon_factory(extra=CUDA)
+    views = [(0, 1), (1, 2), (3, 4), (4, 7)]
+    commands = [[sys.executable, str(WORKER), "--socket", str(daemon.socket), "--device", "cuda",
+                 "--out", str(tmp_path / f"c{i}.npz"), "--tp-rank", str(r), "--tp-size", str(s),
+                 "--seed", str(i), "--tokens", "1", "16", "256", "4097", "--rounds", "2", "--slots", "3",
+                 "--dtype", "int32" if i % 2 else "int64"] for i, (r, s) in enumerate(views)]
+    run_client_processes(commands, timeout=300)
+    for i, (rank, shards) in enumerate(views):
+        data = np.load(tmp_path / f"c{i}.npz")
+        for k in range(8):
+            ids, rows = data[f"ids{k}"], data[f"rows{k}"]
+            expected = reference.expected(ids, rank, shards)
+            wrong = np.argwhere(rows.astype(np.float64) != expected)
+            assert wrong.size == 0, f"client {i} lookup {k}: first wrong {wrong[:5].tolist()}"
+    assert daemon.stop() == 0, daemon.log()
+
+
+@pytest.mark.parametrize("kind", ["random", "repeated", "sorted", "dead", "out_of_range", "buckets"])
+def test_gpu_rows_match_reference(daemon_factory, reference, kind):
+    daemon = daemon_factory(extra=CUDA)
+    rng = np.random.default_rng(hash(kind) % 2**32)
+    ids = random_ids(rng, 300, reference.rows, reference.heads, dead=0.0, out_of_range=0.0)
+    if kind == "repeated":
+        ids[:] = ids[0]
+    elif kind == "sorted":
+        ids = np.sort(ids, axis=0)
+    elif kind == "dead":
+        ids[:] = -1
+    elif kind == "out_of_range":
+        ids = random_ids(rng, 300, reference.rows, reference.heads, dead=0.2, out_of_range=0.5)
+    elif kind == "buckets":
+        ids = bucket_ids(rng, 300, reference.bucket_sizes)
+    with EngramClient(daemon.socket, device="cuda", max_tokens=512, slots=2) as client:
+        for dtype in (torch.int64, torch.int32):
+            source = torch.from_numpy(np.clip(ids, -2**31, 2**31 - 1)).to(dtype).cuda()
+            rows = client.lookup(source).wait()
+            torch.cuda.current_stream().synchronize()
+            assert_exact(rows, reference.expected(source.long().cpu().numpy()), f"{kind} {dtype}")
+
+
+def test_no_host_sync_consumer_reads_the_right_rows(daemon_factory, reference):
+    delay_ms = 400
+    daemon = daemon_factory(extra=CUDA, env={"ENGRAMD_DEBUG_GATHER_DELAY_MS": str(delay_ms)})
+    rng = np.random.default_rng(1)
+    with EngramClient(daemon.socket, device="cuda", max_tokens=256, slots=2) as client:
+        warm = torch.from_numpy(random_ids(rng, 64, reference.rows, reference.heads)).cuda()
+        _ = client.lookup(warm).wait().float() * 1.0  # load the consumer's kernels (lazy loading)
+        torch.cuda.synchronize()
+        ids = torch.from_numpy(random_ids(rng, 64, reference.rows, reference.heads)).cuda()
+        stream = torch.cuda.current_stream()
+        started = time.perf_counter()
+        rows = client.lookup(ids).wait()
+        consumed = rows.float() * 1.0  # consumer work, enqueued behind the wait
+        enqueue_s = time.perf_counter() - started
+        pending = not stream.query()
+        stream.synchronize()
+        waited_s = time.perf_counter() - started
+    assert enqueue_s < delay_ms / 1000 / 4, f"lookup+wait+consumer took {enqueue_s * 1e3:.1f} ms to enqueue"
+    assert pending, "the consumer's stream finished before the delayed gather could have"
+    assert waited_s >= delay_ms / 1000 * 0.8
+    assert_exact(consumed, reference.expected(ids.cpu().numpy()), "delayed lookup")
+
+
+def test_daemon_killed_mid_lookup_releases_the_stream(daemon_factory, reference):
+    daemon = daemon_factory(extra=CUDA, env={"ENGRAMD_DEBUG_GATHER_DELAY_MS": "5000"})
+    client = EngramClient(daemon.socket, device="cuda", max_tokens=16, slots=2)
+    ids = torch.zeros((4, 2, 24), dtype=torch.int64, device="cuda")
+    rows = client.lookup(ids).wait()
+    _ = rows.float().sum()
+    daemon.proc.send_signal(signal.SIGKILL)
+    daemon.proc.wait()
+    started = time.perf_counter()
+    torch.cuda.current_stream().synchronize()  # must not hang: the watchdog releases the wait
+    released_s = time.perf_counter() - started
+    with pytest.raises(DaemonUnavailableError, match="died"):
+        client.lookup(ids)
+    client.close()
+    assert released_s < 2.0, f"stream released after {released_s:.2f} s"

@@ -1,0 +1,290 @@
+"""The Triton gather kernel under Triton's CPU interpreter, against the plain-torch reference.
+
+Runs wherever Triton is installed, GPU or not: the module is loaded afresh with TRITON_INTERPRET=1
+(triton.jit picks the interpreter when a kernel is defined), so a compiled copy imported by the GPU
+tests in the same session is left alone. The reference itself is checked against float64 oracles
+in test_gather_ref.py; here the kernel must reproduce it bit for bit (NaN compared by position).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from engramd.client.geometry import DEAD_ID, ShardView, TableGeometry
+from engramd.kernels import gather_ref
+
+pytest.importorskip("triton")
+
+BLOCK_ROWS = 64  # the interpreter's cost is per block; big blocks keep the file fast
+SHARD_COUNTS = (1, 2, 4, 5, 7)
+
+
+@pytest.fixture(scope="module")
+def kt():
+    """A private copy of engramd.kernels.gather_triton whose kernel runs in the interpreter."""
+    spec = importlib.util.find_spec("engramd.kernels.gather_triton")
+    name = "engramd_gather_triton_interpreted"
+    fresh = importlib.util.spec_from_file_location(name, spec.origin)
+    module = importlib.util.module_from_spec(fresh)
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    sys.modules[name] = module  # dataclasses resolve annotations through sys.modules
+    try:
+        fresh.loader.exec_module(module)
+    finally:
+        if saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+    assert module._kernel_is_interpreted()
+    _skip_if_interpreter_too_old(module)
+    yield module
+    sys.modules.pop(name, None)
+
+
+def _skip_if_interpreter_too_old(module) -> None:
+    # Older interpreters (seen with Triton 3.6) turn a program id into a 1-element array that
+    # NumPy 2 refuses as a loop bound; the compiled kernel is unaffected.
+    table = torch.zeros(1, 264, dtype=torch.uint8)
+    try:
+        module.GatherPlan([table], ShardView(0, 1, 0, 1, 1, ((0, 1),)))(
+            torch.zeros(1, 1, 1, dtype=torch.int64))
+    except Exception as exc:  # the interpreter wraps the NumPy error in its own type
+        if "0-dimensional" not in str(exc):
+            raise
+        pytest.skip(f"this Triton's interpreter cannot run the kernel: {exc}")
+
+
+def geometry() -> TableGeometry:
+    return TableGeometry.from_config({
+        "engram_layer_ids": [1, 14],
+        "engram_max_ngram_size": 4,
+        "engram_n_heads": 8,
+        "engram_head_dim": 256,
+        "engram_vocab_size": 20,
+        "engram_compressed_vocab_size": 100,
+        "engram_pad_token_id": 2,
+    }, source="small test geometry")
+
+
+@pytest.fixture(scope="module")
+def world():
+    geo = geometry()
+    gen = torch.Generator().manual_seed(5)
+    tables = [torch.randint(0, 256, (rows, geo.row_bytes), dtype=torch.uint8, generator=gen)
+              for rows in geo.rows]
+    return geo, tables
+
+
+def mixed_ids(geo: TableGeometry, tokens: int, seed: int, dtype=torch.int64) -> torch.Tensor:
+    """Valid rows, other shards' rows, DEAD, >= rows, other negatives; repeated and sorted."""
+    gen = torch.Generator().manual_seed(seed)
+    top = max(geo.rows)
+    ids = torch.randint(-4, top + 8, (tokens, geo.n_layers, geo.heads), generator=gen)
+    ids[torch.rand(ids.shape, generator=gen) < 0.15] = DEAD_ID
+    ids[1::3] = ids[0]
+    ids[:, :, 1] = ids[:, :, 1].sort(dim=0).values
+    if dtype == torch.int64:
+        ids[-1, :, :3] = torch.tensor([2**31 + 5, -(2**40), 2**33])
+    return ids.to(dtype)
+
+
+def with_boundaries(ids: torch.Tensor, shard: ShardView) -> torch.Tensor:
+    """Append one token whose owned heads hold lo - 1, lo, hi - 1, hi of each layer's range."""
+    extra = torch.full((1,) + tuple(ids.shape[1:]), DEAD_ID, dtype=ids.dtype)
+    for layer, (lo, hi) in enumerate(shard.row_ranges):
+        for k, head in enumerate(range(shard.head_start, shard.head_end)):
+            extra[0, layer, head] = (lo - 1, lo, hi - 1, hi)[k % 4]
+    return torch.cat([ids, extra])
+
+
+def assert_same(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """Bit equality; BF16 NaN compared by position. Reports the first failing indices."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype, what
+    if actual.dtype == torch.bfloat16:
+        nan_a, nan_e = torch.isnan(actual), torch.isnan(expected)
+        a, e = actual.view(torch.int16), expected.view(torch.int16)
+        bad = (nan_a != nan_e) | (~nan_e & (a != e))
+    else:
+        a, e = actual, expected
+        bad = a != e
+    if bad.any():
+        where = bad.nonzero()[:8].tolist()
+        shown = ", ".join(f"{tuple(i)}: got {a[tuple(i)].item()} want {e[tuple(i)].item()}"
+                          for i in where)
+        pytest.fail(f"{what}: {int(bad.sum())} of {bad.numel()} elements differ; first: {shown}")
+
+
+def one_layer_shard(rows: int, heads: int) -> ShardView:
+    return ShardView(0, 1, 0, heads, heads, ((0, rows),))
+
+
+def test_dequantizes_every_pattern_like_the_reference(kt):
+    # Row s: all 256 E4M3 bytes (NaN included) under scale byte s, for every s.
+    table = torch.empty(256, 264, dtype=torch.uint8)
+    table[:, :256] = torch.arange(256, dtype=torch.uint8)
+    table[:, 256:] = torch.arange(256, dtype=torch.uint8)[:, None]
+    ids = torch.arange(256, dtype=torch.int32).reshape(32, 1, 8)
+    out = kt.GatherPlan([table], one_layer_shard(256, 8))(ids, block_rows=BLOCK_ROWS)
+    want = gather_ref.dequantize_rows(table, 256).reshape(1, 32, 8, 256)
+    assert_same(out, want, "every E4M3 byte x every scale byte")
+
+
+@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("shards", SHARD_COUNTS)
+def test_matches_reference_for_every_shard(kt, world, shards, id_dtype):
+    geo, tables = world
+    for rank in range(shards):
+        shard = geo.shard(rank, shards)
+        ids = with_boundaries(mixed_ids(geo, tokens=6, seed=shards * 10 + rank, dtype=id_dtype),
+                              shard)
+        counter = torch.zeros(1, dtype=torch.int64)
+        plan = kt.GatherPlan(tables, shard)
+        out = plan(ids, block_rows=BLOCK_ROWS, out_of_range=counter)
+        want, bad = gather_ref.gather(tables, ids, shard)
+        assert_same(out, want, f"bf16 shard {rank}/{shards}")
+        assert counter.item() == bad
+        packed = plan(ids, packed=True, block_rows=BLOCK_ROWS)
+        want_packed, _ = gather_ref.gather(tables, ids, shard, packed=True)
+        assert_same(packed, want_packed, f"packed shard {rank}/{shards}")
+
+
+@pytest.mark.parametrize("num_programs,block_rows", [(1, 64), (3, 8), (1000, 16)])
+def test_any_grid_size_gives_the_same_rows(kt, world, num_programs, block_rows):
+    geo, tables = world
+    shard = geo.shard(1, 5)
+    ids = with_boundaries(mixed_ids(geo, tokens=9, seed=3), shard)
+    out = kt.GatherPlan(tables, shard)(ids, num_programs=num_programs, block_rows=block_rows)
+    want, _ = gather_ref.gather(tables, ids, shard)
+    assert_same(out, want, f"{num_programs} programs of {block_rows} rows")
+
+
+def test_one_shot_gather_function(kt, world):
+    geo, tables = world
+    shard = geo.shard(3, 4)
+    ids = mixed_ids(geo, tokens=4, seed=12, dtype=torch.int32)
+    want, _ = gather_ref.gather(tables, ids, shard, packed=True)
+    assert_same(kt.gather(tables, ids, shard, packed=True), want, "one-shot packed gather")
+
+
+def test_writes_every_element_of_a_strided_slot(kt, world):
+    geo, tables = world
+    shard = geo.shard(0, 4)
+    ids = mixed_ids(geo, tokens=5, seed=4)
+    slab = torch.full((2, 8, shard.local_heads, 256), float("nan"), dtype=torch.bfloat16)
+    slot = slab[:, 2:7]  # a token window of a larger slab: strided, rows contiguous
+    out = kt.GatherPlan(tables, shard)(ids, slot, block_rows=BLOCK_ROWS)
+    assert out is slot
+    want, _ = gather_ref.gather(tables, ids, shard)
+    assert_same(slot, want, "strided slot")
+    assert torch.isnan(slab[:, :2]).all() and torch.isnan(slab[:, 7:]).all()
+
+
+def test_strided_ids_and_raw_address_tables(kt, world):
+    geo, tables = world
+    shard = geo.shard(2, 4)
+    wide = mixed_ids(geo, tokens=7, seed=6)
+    ids = torch.cat([wide, wide], dim=2)[:, :, ::2]  # non-unit head stride
+    raw = [kt.LayerTable(t.data_ptr(), t.shape[0], t.shape[1], owner=t) for t in tables]
+    out = kt.GatherPlan(raw, shard)(ids, block_rows=BLOCK_ROWS)
+    want, _ = gather_ref.gather(tables, ids.contiguous(), shard)
+    assert_same(out, want, "strided ids, raw addresses")
+
+
+def test_unaligned_table_base(kt, world):
+    geo, tables = world
+    backing = torch.empty(tables[0].numel() + 3, dtype=torch.uint8)
+    table = backing[3:].view(tables[0].shape)
+    table.copy_(tables[0])
+    shard = ShardView(0, 1, 0, 24, 24, ((0, len(table)),))
+    ids = mixed_ids(geo, tokens=5, seed=13)[:, :1]
+    plan = kt.GatherPlan([table], shard)
+    assert not plan.aligned
+    want, _ = gather_ref.gather([tables[0]], ids, shard)
+    assert_same(plan(ids, block_rows=BLOCK_ROWS), want, "unaligned table base")
+
+
+def test_row_offsets_past_2_to_the_31(kt, world):
+    # A table whose owned rows start 10 M rows (2.6 GB) after its base address: the address of
+    # row r is base + r * 264, far past int32, and only the last rows are real memory.
+    geo, tables = world
+    real = tables[0]
+    skip = 10_000_000
+    fake = kt.LayerTable(real.data_ptr() - skip * real.shape[1], skip + real.shape[0],
+                         real.shape[1], owner=real)
+    shard = ShardView(0, 1, 0, 4, 4, ((skip, skip + real.shape[0]),))
+    local = torch.randint(0, real.shape[0], (6, 1, 4), generator=torch.Generator().manual_seed(8))
+    local[0, 0, 0] = -1 - skip  # becomes DEAD_ID
+    local[1, 0, 1] = -2  # below the owned range: zeros
+    out = kt.GatherPlan([fake], shard)(local + skip, block_rows=BLOCK_ROWS)
+    want, _ = gather_ref.gather([real], local.clamp(min=-1),
+                                ShardView(0, 1, 0, 4, 4, ((0, real.shape[0]),)))
+    assert_same(out, want, "rows past 2^31 bytes")
+
+
+def test_warm_up_runs_every_variant(kt, world):
+    geo, tables = world
+    kt.GatherPlan(tables, geo.shard(6, 7)).warm_up()  # a shard that owns no heads, too
+    kt.GatherPlan(tables, geo.shard(0, 1)).warm_up()
+
+
+def test_no_tokens_launches_nothing(kt, world):
+    geo, tables = world
+    out = kt.GatherPlan(tables, geo.shard(0, 2))(torch.zeros(0, 2, 24, dtype=torch.int32))
+    assert out.shape == (2, 0, 12, 256)
+
+
+def test_rejects_bad_arguments(kt, world):
+    geo, tables = world
+    shard = geo.shard(0, 2)
+    plan = kt.GatherPlan(tables, shard)
+    ids = torch.zeros(3, 2, 24, dtype=torch.int64)
+    with pytest.raises(ValueError, match="num_programs must be an int >= 1"):
+        plan(ids, num_programs=0)
+    with pytest.raises(ValueError, match="powers of two"):
+        plan(ids, block_rows=6)
+    with pytest.raises(TypeError, match="int32 or int64"):
+        plan(ids.to(torch.int16))
+    with pytest.raises(ValueError, match=r"ids must be \[T, 2, heads >= 12\]"):
+        plan(ids[:, :1])
+    with pytest.raises(TypeError, match="out must be torch.bfloat16"):
+        plan(ids, torch.empty(2, 3, 12, 256, dtype=torch.float32))
+    with pytest.raises(ValueError, match="must have shape"):
+        plan(ids, torch.empty(2, 3, 12, 264, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="rows must be contiguous"):
+        plan(ids, torch.empty(2, 3, 256, 12, dtype=torch.bfloat16).transpose(2, 3))
+    with pytest.raises(ValueError, match="row-aligned"):
+        plan(ids, torch.empty(2, 3 * 12 * 256 + 8, dtype=torch.bfloat16)[:, :-8]
+             .view(2, 3, 12, 256))
+    with pytest.raises(ValueError, match="out_of_range"):
+        plan(ids, out_of_range=torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="ids are on meta"):
+        plan(ids.to("meta"))
+    with pytest.raises(ValueError, match="one table per layer"):
+        kt.GatherPlan(tables[:1], shard)
+    with pytest.raises(ValueError, match=r"tables\[1\] must be contiguous"):
+        kt.GatherPlan([tables[0], tables[1].t().contiguous().t()], shard)
+    with pytest.raises(ValueError, match="row_bytes 100"):
+        kt.GatherPlan([t[:100].reshape(-1, 100) for t in tables], shard)
+    with pytest.raises(ValueError, match="owns rows"):
+        kt.GatherPlan([tables[0], tables[1][:10]], shard)
+    with pytest.raises(ValueError, match="runs on cpu"):
+        kt.GatherPlan(tables, shard, device="cuda")
+
+
+def test_matches_reference_at_prefill_scale(kt, world):
+    # One larger launch: 2 layers x 128 tokens x 24 heads, random IDs over the whole tables.
+    geo, tables = world
+    shard = geo.shard(0, 1)
+    ids = torch.from_numpy(
+        np.random.default_rng(9).integers(-1, max(geo.rows), size=(128, 2, 24))
+    )
+    out = kt.GatherPlan(tables, shard)(ids, block_rows=256, num_programs=4)
+    want, _ = gather_ref.gather(tables, ids, shard)
+    assert_same(out, want, "128 tokens")
