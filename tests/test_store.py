@@ -1,0 +1,146 @@
+"""The lookup store in-process: registration, slot lifecycle, refused lookups, release and reaping."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from engramd.client.errors import BadIdsError, BadRequestError, NotRegisteredError, SlotBusyError
+from engramd.client.geometry import TableGeometry
+from engramd.server.store import Limits, LookupStore
+
+
+class FakeSlab:
+    def __init__(self, layout):
+        self.layout = layout
+        self.closed = False
+
+    def wire(self):
+        return {"kind": "fake", "layout": self.layout.to_wire()}
+
+    def close(self):
+        self.closed = True
+
+
+class FakeBackend:
+    """Records submitted jobs; the test completes them by hand."""
+
+    name = "fake"
+
+    def __init__(self, orders_slots: bool):
+        self.orders_slots = orders_slots
+        self.jobs = []
+        self.slabs = []
+
+    def allocate_slab(self, device, layout, client_id, shard):
+        self.slabs.append(FakeSlab(layout))
+        return self.slabs[-1]
+
+    def submit(self, job, done):
+        self.jobs.append(job)
+
+    def close(self):
+        pass
+
+
+def make_store(orders_slots: bool = False) -> tuple[LookupStore, FakeBackend]:
+    backend = FakeBackend(orders_slots)
+    return LookupStore(TableGeometry.named("demo"), backend, Limits(2, 64, 4)), backend
+
+
+def register(store: LookupStore, identity: bytes = b"a", pid: int | None = None, **over) -> int:
+    req = {"pid": pid if pid is not None else os.getpid(), "device": "cpu", "tp_rank": 0,
+           "tp_size": 1, "max_tokens": 8, "slots": 2, **over}
+    return store.register(identity, req)["client_id"]
+
+
+def lookup_req(client_id: int, slot: int = 0, seq: int = 1, tokens: int = 2, **over) -> dict:
+    return {"client_id": client_id, "slot": slot, "seq": seq, "tokens": tokens, "ids_dtype": "int32",
+            "ids_shape": [tokens, 2, 24], "inline": True, **over}
+
+
+def ids_frame(tokens: int = 2) -> list[bytes]:
+    return [np.zeros((tokens, 2, 24), dtype=np.int32).tobytes()]
+
+
+def start(store, client_id, identity=b"a", **over):
+    req = lookup_req(client_id, **over)
+    return store.start_lookup(identity, req, ids_frame(req["tokens"]), lambda job: None, {})
+
+
+def test_register_limits_and_identity():
+    store, backend = make_store()
+    client_id = register(store)
+    with pytest.raises(BadRequestError, match="slots 9"):
+        register(store, slots=9)
+    with pytest.raises(BadRequestError, match="rank 2"):
+        register(store, tp_rank=2, tp_size=2)
+    register(store, identity=b"b")
+    with pytest.raises(Exception, match="client limit"):
+        register(store, identity=b"c")
+    with pytest.raises(NotRegisteredError, match="another connection"):
+        store.client(b"b", client_id)
+
+
+def test_unordered_backend_refuses_a_busy_slot_until_it_completes():
+    store, backend = make_store(orders_slots=False)
+    client_id = register(store)
+    start(store, client_id, slot=0)
+    with pytest.raises(SlotBusyError):
+        start(store, client_id, slot=0, seq=2)
+    start(store, client_id, slot=1, seq=2)  # other slots are free
+    assert store.finish_lookup(backend.jobs[0]) == {"slot": 0, "seq": 1, "out_of_range": 0}
+    start(store, client_id, slot=0, seq=3)
+    assert store.stats()["lookups"] == 1 and store.stats()["rows"] == 2 * 2 * 24
+
+
+def test_ordered_backend_queues_one_slot_and_releases_refused_lookups():
+    store, backend = make_store(orders_slots=True)
+    client_id = register(store)
+    start(store, client_id, slot=0, seq=1)
+    start(store, client_id, slot=0, seq=3)  # the device queue orders them: no SlotBusyError
+    with pytest.raises(BadIdsError, match="registered 1..8"):
+        start(store, client_id, slot=1, seq=4, tokens=9)
+    skip = backend.jobs[-1]
+    assert skip.skip and skip.slot == 1 and skip.seq == 4 and skip.context == {"silent": True}
+    for job in backend.jobs:
+        store.finish_lookup(job)
+    stats = store.stats()
+    assert stats["lookups"] == 2 and stats["clients"][0]["errors"] == 1
+    assert stats["clients"][0]["in_flight"] == 0
+
+
+def test_refused_lookup_with_a_bad_slot_submits_nothing():
+    store, backend = make_store(orders_slots=True)
+    client_id = register(store)
+    with pytest.raises(BadRequestError, match="slot 5"):
+        start(store, client_id, slot=5)
+    assert backend.jobs == []
+
+
+def test_release_waits_for_in_flight_lookups_before_freeing():
+    store, backend = make_store()
+    client_id = register(store)
+    start(store, client_id)
+    store.release(b"a", client_id)
+    assert not backend.slabs[0].closed, "a gather may still write the slab"
+    with pytest.raises(NotRegisteredError):
+        start(store, client_id, slot=1)
+    store.finish_lookup(backend.jobs[0])
+    assert backend.slabs[0].closed and client_id not in store.clients
+
+
+def test_dead_clients_are_reaped_and_idle_live_ones_are_not():
+    store, backend = make_store()
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    live = register(store)
+    dead = register(store, identity=b"d", pid=child.pid)
+    child.wait()
+    assert store.reap_dead() == [dead]
+    assert backend.slabs[1].closed and dead not in store.clients
+    assert store.reap_dead() == [] and live in store.clients
+    assert store.stats()["reaped"] == 1
