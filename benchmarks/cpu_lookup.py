@@ -15,7 +15,6 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,31 +24,13 @@ import numpy as np
 import torch
 
 from engramd.client import EngramClient
-from engramd.client.connection import probe
-from engramd.client.errors import EngramError
 from engramd.client.geometry import V41_FLASH_CONFIG, TableGeometry
 from engramd.server.synthetic import write_synthetic_checkpoint
 
+sys.path.insert(0, str(Path(__file__).parent))
+from daemon_process import start_daemon  # noqa: E402
+
 TOKENS = (1, 16, 256, 4096)
-
-
-def start_daemon(tables: Path, workdir: Path, shm_dir: Path, workers: int) -> tuple[subprocess.Popen, Path]:
-    socket = workdir / "engramd.sock"
-    log = open(workdir / "daemon.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "engramd.server.cli", "serve", "--tables", str(tables),
-                             "--socket", str(socket), "--shm-dir", str(shm_dir), "--instance", "bench",
-                             "--backend", "cpu", "--workers", str(workers)], stdout=log, stderr=log)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"daemon exited: {(workdir / 'daemon.log').read_text()}")
-        try:
-            if probe(socket, "health", 1.0).fields["ready"]:
-                return proc, socket
-        except EngramError:
-            pass
-        time.sleep(0.1)
-    raise SystemExit("daemon not ready in 600 s")
 
 
 def time_lookups(client: EngramClient, rows: list[int], tokens: int, iters: int, rng) -> dict:
@@ -87,7 +68,9 @@ def main() -> int:
     try:
         print(f"writing {geometry.total_bytes / 1e9:.2f} GB synthetic checkpoint", file=sys.stderr)
         write_synthetic_checkpoint(geometry, work / "ckpt", seed=1)
-        proc, socket = start_daemon(work / "ckpt", work, shm, args.workers)
+        proc, socket = start_daemon(work, ["--tables", str(work / "ckpt"), "--shm-dir", str(shm),
+                                           "--instance", "bench", "--backend", "cpu",
+                                           "--workers", str(args.workers)])
         rng = np.random.default_rng(0)
         with EngramClient(socket, max_tokens=max(TOKENS), slots=2, timeout=120) as client:
             results = [time_lookups(client, list(geometry.rows), t, args.iters if t < 4096 else args.iters // 4, rng)

@@ -21,7 +21,6 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,12 +30,13 @@ import numpy as np
 import torch
 
 from engramd.client import EngramClient, cuda
-from engramd.client.connection import probe
-from engramd.client.errors import EngramError
 from engramd.client.geometry import V41_FLASH_CONFIG, TableGeometry
 from engramd.kernels.gather_triton import GatherPlan
 from engramd.server.checkpoint import EngramCheckpoint, scale_name, weight_name
 from engramd.server.table_store import TableStore
+
+sys.path.insert(0, str(Path(__file__).parent))
+from daemon_process import start_daemon  # noqa: E402
 
 TOKENS = (1, 16, 256, 4096, 16384)
 INSTANCE = "bench"
@@ -146,27 +146,6 @@ def time_in_process(geometry: TableGeometry, uva: list[torch.Tensor], plan: Gath
         print(results[-2], results[-1], flush=True)
 
 
-def start_daemon(ckpt: Path, work: Path, shm: Path, dispatch: str) -> tuple[subprocess.Popen, Path]:
-    socket = work / "engramd.sock"
-    log = open(work / "daemon.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "engramd.server.cli", "serve", "--tables", str(ckpt),
-                             "--socket", str(socket), "--shm-dir", str(shm), "--instance", INSTANCE,
-                             "--backend", "cuda", "--max-tokens", str(max(TOKENS)),
-                             "--cuda-dispatch", dispatch],
-                            stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit("daemon exited:\n" + (work / "daemon.log").read_text())
-        try:
-            if probe(socket, "health", 1.0).fields["ready"]:
-                return proc, socket
-        except EngramError:
-            pass
-        time.sleep(0.1)
-    raise SystemExit("daemon not ready in 300 s:\n" + (work / "daemon.log").read_text())
-
-
 def engramd_column(geometry: TableGeometry, socket: Path, dispatch: str, results: list[dict]) -> None:
     name = f"c_engramd_{dispatch}"
     with EngramClient(socket, device="cuda", max_tokens=max(TOKENS), slots=2, timeout=120) as client:
@@ -211,7 +190,10 @@ def main() -> int:
             in_process_columns(geometry, tables, results)
             del tables
         for dispatch in args.dispatch:
-            proc, socket = start_daemon(work / "ckpt", work, shm, dispatch)
+            proc, socket = start_daemon(work, ["--tables", str(work / "ckpt"), "--shm-dir", str(shm),
+                                               "--instance", INSTANCE, "--backend", "cuda",
+                                               "--max-tokens", str(max(TOKENS)),
+                                               "--cuda-dispatch", dispatch], timeout=300)
             engramd_column(geometry, socket, dispatch, results)
             proc.terminate()
             proc.wait(60)

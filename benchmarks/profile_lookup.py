@@ -13,7 +13,6 @@ import argparse
 import cProfile
 import io
 import pstats
-import subprocess
 import sys
 import tempfile
 import time
@@ -22,8 +21,9 @@ from pathlib import Path
 import torch
 
 from engramd.client import EngramClient
-from engramd.client.connection import probe
-from engramd.client.errors import EngramError
+
+sys.path.insert(0, str(Path(__file__).parent))
+from daemon_process import start_daemon  # noqa: E402
 
 
 def top(stats: pstats.Stats, n: int = 30) -> str:
@@ -42,19 +42,9 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="egd-prof-"))
     shm = Path(tempfile.mkdtemp(prefix="egd-prof-", dir="/dev/shm"))  # cudaHostRegister needs tmpfs
     out = Path(args.out)
-    socket = work / "engramd.sock"
-    daemon = subprocess.Popen([sys.executable, "-m", "cProfile", "-o", str(out / "daemon.prof"), "-m",
-                               "engramd.server.cli", "serve", "--socket", str(socket), "--backend", "cuda",
-                               "--shm-dir", str(shm), "--cache-dir", str(work)])
-    deadline = time.monotonic() + 120
-    while True:
-        if daemon.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"daemon not ready (exit status {daemon.poll()})")
-        try:
-            if probe(socket, "health", 1.0).fields["ready"]:
-                break
-        except EngramError:
-            time.sleep(0.2)
+    daemon, socket = start_daemon(work, ["--backend", "cuda", "--shm-dir", str(shm),
+                                         "--cache-dir", str(work)], timeout=120,
+                                  python=[sys.executable, "-m", "cProfile", "-o", str(out / "daemon.prof")])
     with EngramClient(socket, device="cuda", max_tokens=args.tokens, slots=2) as client:
         ids = torch.zeros((args.tokens, 2, 24), dtype=torch.int64, device="cuda")
         stream = torch.cuda.current_stream()
