@@ -137,7 +137,13 @@ class LookupStore:
 
     def _free(self, record: ClientRecord) -> None:
         self.clients.pop(record.client_id, None)
+        self.totals["out_of_range"] += self._device_out_of_range([record.slab])
         record.slab.close()
+
+    def _device_out_of_range(self, slabs: list[Slab]) -> int:
+        """Out-of-range IDs a GPU backend counted on the device (never synchronised per lookup)."""
+        count = getattr(self.backend, "out_of_range", None)
+        return count(slabs) if count is not None else 0
 
     def reap_dead(self) -> list[int]:
         """Retire clients whose process is gone. A live, idle client is never reaped."""
@@ -235,9 +241,11 @@ class LookupStore:
         self.errors[code] += 1
 
     def stats(self) -> dict[str, Any]:
-        return {"clients": [c.summary() for c in self.clients.values() if not c.releasing],
+        live = [c for c in self.clients.values() if not c.releasing]
+        out_of_range = self.totals["out_of_range"] + self._device_out_of_range([c.slab for c in live])
+        return {"clients": [c.summary() for c in live],
                 "lookups": self.totals["lookups"], "rows": self.totals["rows"],
-                "out_of_range": self.totals["out_of_range"],
+                "out_of_range": out_of_range,
                 "registrations": self.totals["registrations"], "reaped": self.totals["reaped"],
                 "errors": dict(self.errors), "dispatch_us": _percentiles(self.dispatch_us)}
 
