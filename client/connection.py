@@ -103,9 +103,6 @@ class Connection:
                 return
             self._replies[protocol.reply_rid(frames)] = frames
 
-    def forget(self, rid: int) -> None:
-        self._replies.pop(rid, None)
-
     def close(self) -> None:
         self._sock.close(0)
         if self._own_ctx:

@@ -65,15 +65,6 @@ def device_uuid(index: int) -> str:
     return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
 
-def device_index_for_uuid(uuid: str) -> int:
-    """This process's index of the GPU with `uuid`; LookupError if it is not visible here."""
-    for index in range(torch.cuda.device_count()):
-        if device_uuid(index) == uuid:
-            return index
-    raise LookupError(f"GPU {uuid} is not visible to this process "
-                      f"({torch.cuda.device_count()} devices; check CUDA_VISIBLE_DEVICES)")
-
-
 def ipc_handle_bytes(ptr: int) -> bytes:
     handle = check("cudaIpcGetMemHandle", cudart.cudaIpcGetMemHandle(ptr))
     return ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES)
