@@ -361,6 +361,13 @@ class EngramClient:
             raise DaemonUnavailableError(self._dead)
         if self._conn is None:
             raise DaemonUnavailableError("client is closed")
+        self._conn.collect()  # a notice may have arrived since the last call
+        watch = self._conn.daemon_watch
+        if self.device.type == "cpu" and watch is not None and watch.alive() is False:
+            raise DaemonUnavailableError(f"daemon (pid {watch.pid}) exited")  # GPU: the watchdog
+        if self._conn.notice == "stopping":
+            raise DaemonUnavailableError("the daemon is stopping; in-flight lookups complete, "
+                                         "new ones are refused")
 
     # -- other operations -----------------------------------------------------------------------
 

@@ -43,6 +43,7 @@ class Connection:
         self._replies: dict[int, list[bytes]] = {}
         self.daemon_watch: ProcessWatch | None = None
         self.epoch: str | None = None
+        self.notice: str | None = None  # last unsolicited event from the daemon ("stopping")
 
     def watch_daemon(self, pid: int) -> None:
         self.daemon_watch = ProcessWatch(pid)
@@ -80,12 +81,16 @@ class Connection:
     def _wait_frames(self, rid: int, timeout: float | None, what: str) -> list[bytes]:
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
-        while rid not in self._replies:
+        self._collect(0)
+        while rid not in self._replies:  # replies already queued win over a daemon that has exited
             if deadline is not None and time.monotonic() >= deadline:
                 raise ReplyTimeoutError(
                     f"no reply to {what} from {self.socket_path} within {timeout:.1f} s "
                     "(is the daemon running? raise the client's timeout if it is busy)")
             if self.daemon_watch is not None and self.daemon_watch.alive() is False:
+                self._collect(0)
+                if rid in self._replies:
+                    break
                 raise DaemonUnavailableError(
                     f"daemon (pid {self.daemon_watch.pid}) exited while waiting for {what}",
                     epoch=self.epoch)
@@ -101,7 +106,11 @@ class Connection:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._replies[protocol.reply_rid(frames)] = frames
+            rid = protocol.reply_rid(frames)
+            if rid == protocol.NOTICE_RID:
+                self.notice = protocol.decode_reply(frames).fields.get("event")
+            else:
+                self._replies[rid] = frames
 
     def close(self) -> None:
         self._sock.close(0)

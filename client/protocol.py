@@ -24,6 +24,10 @@ Operations and their request fields (types checked by `decode_request`):
     heartbeat  client_id (or None for a plain liveness probe) -> {}
     stats      -                                          -> clients, lookups, rows, errors, ...
     health     -                                          -> live, ready, state, progress
+    drain      -   (admin) stop accepting, finish in-flight, exit -> in_flight
+
+Besides replies, the daemon may send a client an unsolicited notice (rid 0, op "notice",
+status "ok", `event` e.g. "stopping") to every registered client before it goes away.
 
 `rid` is chosen by the client and echoed, so replies may arrive out of order (lookups run on
 worker threads). `epoch` identifies one daemon run: client ids and slabs belong to it.
@@ -49,6 +53,7 @@ MAX_HEADER_BYTES = 64 * 1024
 MAX_PAYLOAD_FRAMES = 1
 MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
 SOCKET_NAME = "engramd.sock"
+NOTICE_RID = 0  # requests use rids >= 1
 
 # Request fields per operation: name -> allowed types. Optional fields are listed in _OPTIONAL.
 _INT = (int,)
@@ -74,6 +79,7 @@ _REQUEST_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "heartbeat": {"client_id": (int, type(None))},
     "stats": {},
     "health": {},
+    "drain": {},
 }
 _OPTIONAL: dict[str, dict[str, Any]] = {
     "register": {"name": ""},
@@ -172,6 +178,11 @@ def encode_error(request_op: str, rid: int, epoch: str, error: EngramError) -> l
     header = {"v": PROTOCOL_VERSION, "op": request_op, "rid": rid, "status": "error",
               "code": error.code, "message": error.message, "epoch": epoch}
     return [_pack(header)]
+
+
+def encode_notice(epoch: str, event: str, message: str) -> list[bytes]:
+    return [_pack({"v": PROTOCOL_VERSION, "op": "notice", "rid": NOTICE_RID, "status": "ok",
+                   "code": "ok", "message": message, "epoch": epoch, "event": event})]
 
 
 def decode_reply(frames: list[bytes]) -> Reply:

@@ -3,6 +3,7 @@
     engramd serve [--config FILE] [--tables DIR|demo] [--socket PATH] [--backend cpu|cuda|auto] ...
     engramd health [--socket PATH] [--json] [--timeout S]     exit 0 ready, 1 not ready/unreachable
     engramd stats  [--socket PATH] [--json] [--timeout S]
+    engramd drain  [--socket PATH] [--timeout S]     stop accepting, finish in-flight, exit
     engramd make-tables --geometry demo|v4.1-flash|CONFIG.json --out DIR [--seed N]
 """
 
@@ -89,6 +90,23 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_drain(args: argparse.Namespace) -> int:
+    """Ask the daemon to stop accepting, finish in-flight lookups and exit; wait until it has."""
+    fields = _probe(args, "drain")
+    if fields is None:
+        return EXIT_NOT_READY
+    deadline = time.monotonic() + args.timeout
+    while time.monotonic() < deadline:
+        try:
+            probe(args.socket or default_socket_path(), "health", 0.5)
+        except EngramError:
+            print(f"drained: daemon epoch {fields['epoch']} finished {fields['in_flight']} lookups and exited")
+            return 0
+        time.sleep(0.1)
+    print(f"engramd drain: daemon still running after {args.timeout:.0f} s", file=sys.stderr)
+    return EXIT_NOT_READY
+
+
 def cmd_make_tables(args: argparse.Namespace) -> int:
     from engramd.server.synthetic import write_synthetic_checkpoint
 
@@ -127,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
 
     for name, func, text in (("health", cmd_health, "exit 0 when the daemon is ready, 1 otherwise"),
-                             ("stats", cmd_stats, "clients, lookups, rows, errors")):
+                             ("stats", cmd_stats, "clients, lookups, rows, errors"),
+                             ("drain", cmd_drain, "stop accepting, finish in-flight lookups, exit")):
         p = sub.add_parser(name, help=text)
         p.add_argument("--socket", help=f"daemon socket (default: {default_socket_path()})")
         p.add_argument("--json", action="store_true", help="machine-readable output")

@@ -53,6 +53,10 @@ SETTINGS: tuple[Setting, ...] = (
             choices=("inline", "worker")),
     Setting("heartbeat_interval", float, 1.0,
             "seconds between client liveness checks; dead clients are freed within two", low=0.05, high=60.0),
+    Setting("self_check", bool, True,
+            "before ready: sampled lookups through the serving kernel must equal the checkpoint"),
+    Setting("metrics_address", str, "127.0.0.1:9464",
+            "Prometheus metrics HOST:PORT; port 0 disables the endpoint", pattern=r"[^:\s]*:\d{1,5}"),
     Setting("demo_seed", int, 0, "seed of the built-in demo table", low=0, high=2**32 - 1),
     Setting("cache_dir", str, "",
             "where the demo checkpoint is written (empty: a folder beside the socket)"),
@@ -74,6 +78,8 @@ class DaemonConfig:
     workers: int
     cuda_dispatch: str
     heartbeat_interval: float
+    self_check: bool
+    metrics_address: str
     demo_seed: int
     cache_dir: str
     log_level: str
@@ -96,7 +102,7 @@ def _check(source: str, setting: Setting, value: Any) -> Any:
 
     if setting.kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
-    if not isinstance(value, setting.kind) or isinstance(value, bool):
+    if not isinstance(value, setting.kind) or (isinstance(value, bool) and setting.kind is not bool):
         raise bad(f"expected {setting.kind.__name__}")
     if setting.low is not None and value < setting.low:
         raise bad(f"must be >= {setting.low}")
@@ -142,9 +148,19 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
 def add_setting_flags(parser: argparse.ArgumentParser) -> None:
     """One `--key` flag per setting; the help text is the setting's doc."""
     for s in SETTINGS:
-        parser.add_argument(f"--{s.key.replace('_', '-')}", dest=s.key, type=s.kind,
+        parser.add_argument(f"--{s.key.replace('_', '-')}", dest=s.key,
+                            type=_parse_bool if s.kind is bool else s.kind,
                             default=None, choices=s.choices,
                             help=f"{s.doc} (default: {s.default!r})")
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.lower()
+    if lowered in ("true", "yes", "on", "1"):
+        return True
+    if lowered in ("false", "no", "off", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from engramd.client.errors import BadRequestError, ResourceError
-from engramd.client.geometry import ShardView
+from engramd.client.geometry import ShardView, TableGeometry
 from engramd.client.ids import ID_DTYPES
 from engramd.client.slab import SlabLayout
 from engramd.kernels.gather_ref import gather
@@ -72,8 +72,10 @@ class CpuBackend:
     name = "cpu"
     orders_slots = False
 
-    def __init__(self, tables: list[torch.Tensor], shm_dir: Path, file_prefix: str, workers: int):
+    def __init__(self, tables: list[torch.Tensor], geometry: TableGeometry, shm_dir: Path,
+                 file_prefix: str, workers: int):
         self.tables = tables
+        self.geometry = geometry
         self.shm_dir = Path(shm_dir)
         self.file_prefix = file_prefix
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="engramd-gather")
@@ -98,6 +100,10 @@ class CpuBackend:
             job.error = exc
         job.context["enqueued"] = time.perf_counter()  # on the CPU: the rows are written
         done(job)
+
+    def check_gather(self, ids: torch.Tensor):
+        """(where, rows) of a full-shard lookup of `ids`, for the start-up self-check."""
+        yield "cpu", gather(self.tables, ids, self.geometry.shard(0, 1))[0]
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -224,6 +224,7 @@ class CudaBackend:
         self.geometry = geometry
         self.inline = inline
         self.pinned = PinnedTables(tables)
+        self.pinned_bytes = sum(t.nbytes for t in tables)
         self.layer_tables = self.pinned.layer_tables()
         self.uuids = {cuda.device_uuid(i): i for i in range(torch.cuda.device_count())}
         self.workers = {i: GpuWorker(i) for i in self.uuids.values()}
@@ -247,6 +248,13 @@ class CudaBackend:
         if uuid not in self.uuids:
             raise BadRequestError(f"GPU {uuid} is not visible to the daemon (it sees {sorted(self.uuids)})")
         return CudaSlab(self.uuids[uuid], uuid, layout, self.layer_tables, shard)
+
+    def check_gather(self, ids: torch.Tensor):
+        """(where, rows) of a full-shard lookup of `ids` on every GPU, for the start-up self-check."""
+        for uuid, index in self.uuids.items():
+            device = torch.device("cuda", index)
+            plan = GatherPlan(self.layer_tables, self.geometry.shard(0, 1), device)
+            yield f"GPU {uuid}", plan(ids.to(device)).cpu()
 
     def out_of_range(self, slabs: list[CudaSlab]) -> int:
         """Out-of-range IDs counted on the GPUs so far (synchronises those counters only)."""

@@ -32,6 +32,9 @@ from engramd.client import protocol
 from engramd.client.errors import EngramError, InternalError, NotReadyError
 from engramd.client.geometry import TableGeometry
 from engramd.server.config import DaemonConfig
+from engramd.server.metrics import Metrics
+from engramd.server.notify import Notifier
+from engramd.server.selfcheck import run_self_check
 from engramd.server.store import Limits, LookupStore
 from engramd.server.tables import LoadedTables, load_tables
 
@@ -116,6 +119,9 @@ class Daemon:
         self._sock: zmq.Socket | None = None
         self._loader: threading.Thread | None = None
         self._halt: DaemonHalt | None = None
+        self.notifier = Notifier()
+        self.metrics = Metrics()
+        self._last_status = 0.0
 
     # -- thread-safe event posting --------------------------------------------------------------
 
@@ -145,16 +151,27 @@ class Daemon:
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._on_signal)
         log.info("engramd epoch %s listening on %s (pid %d)", self.epoch, path, os.getpid())
+        self.metrics.serve(self.config.metrics_address)
         self.state = "loading"
+        self.notifier.status("loading tables")
         self._loader = threading.Thread(target=self._load, name="engramd-load", daemon=True)
         self._loader.start()
 
     def _load(self) -> None:
         try:
             loaded = load_tables(self.config, self._on_progress)
-            self.post("loaded", loaded)
         except BaseException as exc:  # reported to the main thread, which decides the exit
             self.post("load_failed", exc)
+            return
+        try:
+            if self.config.self_check:
+                run_self_check(loaded.checkpoint, loaded)
+        except BaseException as exc:
+            loaded.backend.close()
+            loaded.close()
+            self.post("load_failed", exc)
+            return
+        self.post("loaded", loaded)
 
     def _on_progress(self, fraction: float) -> None:
         self.progress = fraction
@@ -166,9 +183,12 @@ class Daemon:
         self.store = LookupStore(loaded.geometry, loaded.backend, limits)
         self.state = "ready"
         self.progress = 1.0
-        log.info("ready: %s backend, %d layers, %.2f GB of tables, %s",
-                 loaded.backend.name, loaded.geometry.n_layers, loaded.geometry.total_bytes / 1e9,
-                 "re-attached" if loaded.reattached else "loaded")
+        summary = (f"ready: {loaded.backend.name} backend, {loaded.geometry.n_layers} layers, "
+                   f"{loaded.geometry.total_bytes / 1e9:.2f} GB of tables "
+                   f"{'re-attached' if loaded.reattached else 'loaded'}")
+        log.info("%s", summary)
+        self._publish()
+        self.notifier.ready(summary)
 
     # -- loop -----------------------------------------------------------------------------------
 
@@ -220,6 +240,8 @@ class Daemon:
         if job.context.get("silent"):
             self.store.finish_lookup(job)
             return
+        if "enqueued" in job.context:
+            self.metrics.latency.observe(job.context["enqueued"] - job.context["received"])
         identity, rid = job.context["identity"], job.context["rid"]
         try:
             fields = self.store.finish_lookup(job)
@@ -245,12 +267,39 @@ class Daemon:
             log.warning("%s again: stopping without waiting", name)
             self._halt = DaemonHalt(f"stopped by a second {name}", EXIT_OK)
             return
-        log.info("%s: stopping (finishing %d in-flight lookups)", name, self._in_flight())
+        self._begin_stop(name)
+
+    def _begin_stop(self, reason: str) -> None:
+        """Refuse new work, let in-flight lookups finish, tell every client we are going away."""
+        log.info("%s: stopping (finishing %d in-flight lookups)", reason, self._in_flight())
         self.state = "stopping"
+        self.notifier.stopping(f"stopping ({reason})")
+        for client in (self.store.clients.values() if self.store is not None else ()):
+            self._send(client.identity, protocol.encode_notice(self.epoch, "stopping",
+                                                               f"daemon is stopping ({reason})"))
 
     def _housekeeping(self) -> None:
         if self.store is not None:
             self.store.reap_dead()
+        if self.state == "loading":
+            self.notifier.status(f"loading tables: {self.progress:.0%}")
+        if self.notifier.watchdog_interval is not None:
+            self.notifier.watchdog()  # the loop is alive: it got here within one interval
+        self._publish()
+
+    def _publish(self) -> None:
+        stats = self.store.stats() if self.store is not None else {}
+        slab_bytes: dict[str, int] = {}
+        for client in (self.store.clients.values() if self.store is not None else ()):
+            slab_bytes[client.device] = slab_bytes.get(client.device, 0) + client.slab.layout.size
+        pinned = getattr(self.tables.backend, "pinned_bytes", 0) if self.tables else 0
+        self.metrics.publish({
+            "ready": self.state == "ready", "progress": self.progress,
+            "uptime": time.monotonic() - self.started, "epoch": self.epoch,
+            "backend": self.tables.backend.name if self.tables else None,
+            "clients": stats.get("clients", []), "lookups": stats.get("lookups", 0),
+            "rows": stats.get("rows", 0), "out_of_range": stats.get("out_of_range", 0),
+            "errors": stats.get("errors", {}), "slab_bytes": slab_bytes, "pinned_bytes": pinned})
 
     def _in_flight(self) -> int:
         if self.store is None:
@@ -333,6 +382,12 @@ class Daemon:
         return protocol.encode_reply("stats", request.rid, self.epoch, state=self.state,
                                      uptime=time.monotonic() - self.started, **stats)
 
+    def _op_drain(self, identity: bytes, request: protocol.Request) -> list[bytes]:
+        """Admin: stop accepting, finish in-flight lookups, then exit 0 (as on SIGTERM)."""
+        if self.state != "stopping":
+            self._begin_stop("drain requested")
+        return protocol.encode_reply("drain", request.rid, self.epoch, in_flight=self._in_flight())
+
     def _op_health(self, identity: bytes, request: protocol.Request) -> list[bytes]:
         return protocol.encode_reply(
             "health", request.rid, self.epoch, live=True, ready=self.state == "ready",
@@ -343,6 +398,7 @@ class Daemon:
     # -- stop -----------------------------------------------------------------------------------
 
     def close(self) -> None:
+        self.metrics.close()
         if self.tables is not None:
             self.tables.backend.close()  # waits for running gathers
         if self.store is not None:

@@ -34,6 +34,7 @@ class DeviceBackendError(RuntimeError):
 
 @dataclass
 class LoadedTables:
+    checkpoint: EngramCheckpoint
     geometry: TableGeometry
     store: TableStore
     tables: list[HostTable]
@@ -41,6 +42,7 @@ class LoadedTables:
     reattached: bool
 
     def close(self) -> None:
+        """Unmap the tables (the backend must be closed first); the files stay for re-attach."""
         self.store.close()
 
 
@@ -85,7 +87,8 @@ def build_backend(config: DaemonConfig, geometry: TableGeometry, tables: list[Ho
     name = choose_backend_name(config.backend)
     if name == "cpu":
         from engramd.server.cpu_backend import CpuBackend
-        return CpuBackend([t.tensor for t in tables], Path(config.shm_dir), prefix, config.workers)
+        return CpuBackend([t.tensor for t in tables], geometry, Path(config.shm_dir), prefix,
+                          config.workers)
     try:
         from engramd.server.cuda_backend import CudaBackend
     except ImportError as exc:
@@ -137,4 +140,4 @@ def load_tables(config: DaemonConfig, progress: Callable[[float], None]) -> Load
     except BaseException:
         store.close()
         raise
-    return LoadedTables(geometry, store, tables, backend, reattached)
+    return LoadedTables(checkpoint, geometry, store, tables, backend, reattached)

@@ -64,7 +64,8 @@ class DaemonProcess:
         self.log_path = workdir / f"daemon-{instance}.log"
         self.args = [*engramd_command(), "serve", "--tables", str(tables), "--socket",
                      str(self.socket), "--shm-dir", str(shm_dir), "--instance", instance,
-                     "--backend", "cpu", "--heartbeat-interval", "0.2", *extra]
+                     "--backend", "cpu", "--heartbeat-interval", "0.2",
+                     "--metrics-address", "127.0.0.1:0", *extra]
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> DaemonProcess:

@@ -1,0 +1,99 @@
+"""Prometheus metrics of the daemon, served over HTTP on a configurable address.
+
+The request loop owns all state; scrapes come on the HTTP server's thread. So the loop publishes
+a plain snapshot (`Metrics.publish`, every heartbeat interval and on state changes) and the
+collector reads only that snapshot: a scrape never touches live structures and is at most one
+interval stale. The lookup-latency histogram is observed directly (prometheus_client's histograms
+are thread-safe).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.exposition import start_http_server
+
+log = logging.getLogger("engramd.metrics")
+
+LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 200e-6, 400e-6, 800e-6, 1.6e-3, 3.2e-3, 6.4e-3,
+                   12.8e-3, 25.6e-3, 51.2e-3, 0.1, 0.2, 0.5)
+
+
+class _SnapshotCollector:
+    def __init__(self) -> None:
+        self.snapshot: dict[str, Any] = {}
+
+    def collect(self) -> Iterator[Any]:
+        s = self.snapshot  # one reference read: the loop swaps whole snapshots
+        if not s:
+            return
+        yield _gauge("engramd_ready", "1 when tables are loaded and the self-check passed", s["ready"])
+        yield _gauge("engramd_load_progress", "fraction of the tables loaded or re-attached", s["progress"])
+        yield _gauge("engramd_uptime_seconds", "seconds since the daemon started", s["uptime"])
+        yield _gauge("engramd_clients", "registered clients", len(s["clients"]))
+        yield _gauge("engramd_table_bytes_pinned", "host table bytes registered with CUDA", s["pinned_bytes"])
+        info = InfoMetricFamily("engramd_epoch", "the daemon run's epoch and backend")
+        info.add_metric([], {"epoch": s["epoch"], "backend": s["backend"] or "none"})
+        yield info
+        yield _counter("engramd_lookups", "lookups completed", s["lookups"])
+        yield _counter("engramd_rows", "rows returned (tokens x layers x owned heads)", s["rows"])
+        yield _counter("engramd_out_of_range_ids", "IDs past the table (zero rows)", s["out_of_range"])
+        errors = CounterMetricFamily("engramd_errors", "error replies by code", labels=["code"])
+        for code, count in sorted(s["errors"].items()):
+            errors.add_metric([code], count)
+        yield errors
+        per_client = [("engramd_client_lookups", "lookups per client", "lookups"),
+                      ("engramd_client_rows", "rows per client", "rows")]
+        for name, doc, key in per_client:
+            family = CounterMetricFamily(name, doc, labels=["client_id", "pid", "name", "device"])
+            for c in s["clients"]:
+                family.add_metric([str(c["client_id"]), str(c["pid"]), c["name"], c["device"]], c[key])
+            yield family
+        slabs = GaugeMetricFamily("engramd_slab_bytes", "client slab bytes per device", labels=["device"])
+        for device, nbytes in sorted(s["slab_bytes"].items()):
+            slabs.add_metric([device], nbytes)
+        yield slabs
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self._collector = _SnapshotCollector()
+        self.registry.register(self._collector)
+        self.latency = Histogram("engramd_lookup_dispatch_seconds",
+                                 "request received -> gather enqueued (GPU) or rows written (CPU)",
+                                 buckets=LATENCY_BUCKETS, registry=self.registry)
+        self._server = None
+
+    def publish(self, snapshot: dict[str, Any]) -> None:
+        self._collector.snapshot = snapshot
+
+    def serve(self, address: str) -> None:
+        """Start the HTTP endpoint; port 0 disables it. A bind failure is logged, not fatal."""
+        host, _, port = address.rpartition(":")
+        if int(port) == 0:
+            return
+        try:
+            self._server, _ = start_http_server(int(port), addr=host or "127.0.0.1", registry=self.registry)
+        except OSError as exc:
+            log.error("metrics endpoint %s not started: %s", address, exc)
+            return
+        log.info("metrics on http://%s/metrics", address)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

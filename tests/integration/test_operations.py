@@ -1,0 +1,105 @@
+"""Operating the daemon: systemd notifications, self-check, metrics, drain, stop notices."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import torch
+from conftest import engramd_command
+
+from engramd.client import DaemonUnavailableError, EngramClient
+from engramd.server.daemon import EXIT_TABLES
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_systemd_sees_status_ready_and_stopping(daemon_factory, tmp_path):
+    address = str(tmp_path / "notify.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(address)
+    listener.settimeout(30)
+    daemon = daemon_factory(env={"NOTIFY_SOCKET": address})
+    messages = []
+    while not any(m.startswith("READY=1") for m in messages):
+        messages.append(listener.recv(4096).decode())
+    assert messages[0].startswith("STATUS=loading")
+    ready = messages[-1]
+    assert f"MAINPID={daemon.proc.pid}" in ready and "ready: cpu backend" in ready
+    assert daemon.health()["ready"]  # READY=1 only once clients can be served
+    daemon.proc.send_signal(signal.SIGTERM)
+    while not messages[-1].startswith("STOPPING=1"):
+        messages.append(listener.recv(4096).decode())
+    assert daemon.stop() == 0
+    listener.close()
+
+
+def test_self_check_catches_tables_that_do_not_hold_the_checkpoint(daemon_factory, demo_checkpoint, tmp_path):
+    """A checkpoint edited in place with its mtime restored keeps its fingerprint, so the daemon
+    re-attaches the old tables; the self-check compares with the checkpoint bytes and refuses."""
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(demo_checkpoint, checkpoint)
+    first = daemon_factory(tables=checkpoint, instance="sc")
+    assert first.stop() == 0
+    index = __import__("json").loads((checkpoint / "model.safetensors.index.json").read_text())
+    shard = checkpoint / index["weight_map"]["layers.1.engram.embed.weight"]
+    stat = shard.stat()
+    with open(shard, "r+b") as f:  # row 0 of layer 1's weights: the first tensor data here
+        header = int.from_bytes(f.read(8), "little")
+        meta = __import__("json").loads(f.read(header))
+        begin = meta["layers.1.engram.embed.weight"]["data_offsets"][0]
+        f.seek(8 + header + begin)
+        row = bytearray(f.read(256))
+        f.seek(8 + header + begin)
+        f.write(bytes(b ^ 0x01 for b in row))
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    second = daemon_factory(tables=checkpoint, instance="sc", shm_dir=first.shm_dir,
+                            workdir=first.workdir, ready=False)
+    assert second.proc.wait(60) == EXIT_TABLES
+    assert "self-check failed" in second.log() and "layer 1 row 0" in second.log()
+
+
+def test_metrics_endpoint(daemon_factory):
+    port = free_port()
+    daemon = daemon_factory(extra=["--metrics-address", f"127.0.0.1:{port}"])
+    with EngramClient(daemon.socket, name="metrics-test") as client:
+        client.lookup(torch.zeros((5, 2, 24), dtype=torch.int64)).result()
+        time.sleep(0.5)  # the loop publishes every heartbeat interval (0.2 s here)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    assert values["engramd_ready"] == 1.0 and values["engramd_clients"] == 1.0
+    assert values["engramd_lookups_total"] == 1.0 and values["engramd_rows_total"] == 5 * 2 * 24
+    assert values["engramd_lookup_dispatch_seconds_count"] == 1.0
+    assert any(k.startswith('engramd_client_lookups_total{') and 'name="metrics-test"' in k for k in values)
+    assert any(k.startswith("engramd_epoch_info{") for k in values)
+
+
+def test_drain_finishes_in_flight_lookups_and_exits(daemon_factory, reference):
+    daemon = daemon_factory()
+    client = EngramClient(daemon.socket)
+    ids = np.random.default_rng(2).integers(0, min(reference.rows), size=(64, 2, 24))
+    daemon.proc.send_signal(signal.SIGSTOP)  # hold the daemon so the lookup is in flight
+    future = client.lookup(torch.from_numpy(ids))
+    drain = subprocess.Popen([*engramd_command(), "drain", "--socket", str(daemon.socket),
+                              "--timeout", "30"], stdout=subprocess.PIPE, text=True)
+    time.sleep(0.3)
+    daemon.proc.send_signal(signal.SIGCONT)
+    rows = future.result(timeout=30)  # the in-flight lookup is answered
+    assert np.array_equal(rows.double().numpy(), reference.expected(ids))
+    assert drain.wait(40) == 0 and "drained" in drain.stdout.read()
+    assert daemon.proc.wait(30) == 0
+    with pytest.raises(DaemonUnavailableError, match="stopping|exited"):
+        client.lookup(torch.from_numpy(ids))
+    client.close()

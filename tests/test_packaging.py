@@ -1,0 +1,63 @@
+"""Deployment files: the systemd unit, the container image recipe and the Kubernetes DaemonSet."""
+
+from __future__ import annotations
+
+import configparser
+import re
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_systemd_unit_has_the_settings_the_daemon_relies_on():
+    unit = configparser.ConfigParser(strict=False, interpolation=None)
+    unit.optionxform = str
+    unit.read(ROOT / "packaging" / "engramd.service")
+    service = unit["Service"]
+    assert service["Type"] == "notify" and service["NotifyAccess"] == "main"
+    assert service["KillMode"] == "mixed" and service["LimitMEMLOCK"] == "infinity"
+    assert int(service["TimeoutStartSec"].rstrip("min")) >= 30
+    assert "engramd serve" in service["ExecStart"]
+    for breaking in ("PrivateDevices", "PrivateIPC", "MemoryDenyWriteExecute", "RemoveIPC"):
+        assert breaking not in service, f"{breaking} breaks GPU access, CUDA IPC or the JIT"
+    assert "/dev/shm" in service["ReadWritePaths"]
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
+    return [(line.split()[0].upper(), line.split(None, 1)[1]) for line in lines]
+
+
+def test_dockerfile_copies_what_exists_and_runs_non_root():
+    instructions = dockerfile_instructions()
+    final_stage = instructions[max(i for i, (op, _) in enumerate(instructions) if op == "FROM"):]
+    for op, args in instructions:
+        if op == "COPY" and not args.startswith("--from"):
+            for source in args.split()[:-1]:
+                assert (ROOT / source).exists(), f"COPY {source}: no such file in the repository"
+    ops = dict(final_stage)
+    assert ops["USER"] not in ("root", "0")
+    assert ops["ENTRYPOINT"] == '["engramd", "serve"]'
+    assert re.search(r'CMD \["engramd", "health"', "HEALTHCHECK " + ops["HEALTHCHECK"])
+    assert "/run/engramd" in ops["VOLUME"]
+
+
+def test_daemonset_shares_the_runtime_folder_and_probes_health():
+    doc = yaml.safe_load((ROOT / "packaging" / "kubernetes" / "daemonset.yaml").read_text())
+    assert doc["kind"] == "DaemonSet"
+    pod = doc["spec"]["template"]["spec"]
+    assert pod["hostIPC"] is True and pod["hostPID"] is True
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["runtime"]["hostPath"]["path"] == "/run/engramd"
+    assert volumes["shm"]["emptyDir"]["medium"] == "Memory"
+    assert volumes["hugepages"]["emptyDir"]["medium"].startswith("HugePages")
+    (container,) = pod["containers"]
+    assert "nvidia.com/gpu" in container["resources"]["limits"]
+    for probe in ("startupProbe", "readinessProbe"):
+        assert container[probe]["exec"]["command"][:2] == ["engramd", "health"]
+    assert container["livenessProbe"]["exec"]["command"][0] == "engramd"
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert mounts["runtime"] == "/run/engramd" and mounts["shm"] == "/dev/shm"
