@@ -1,7 +1,8 @@
 """`engramd` command line: serve, health, stats, make-tables.
 
     engramd serve [--config FILE] [--tables DIR|demo] [--socket PATH] [--backend cpu|cuda|auto] ...
-    engramd health [--socket PATH] [--json] [--timeout S]     exit 0 ready, 1 not ready/unreachable
+    engramd health [--socket PATH] [--json] [--timeout S] [--live]
+                   exit 0 ready (with --live: answering at all), 1 otherwise
     engramd stats  [--socket PATH] [--json] [--timeout S]
     engramd drain  [--socket PATH] [--timeout S]     stop accepting, finish in-flight, exit
     engramd make-tables --geometry demo|v4.1-flash|CONFIG.json --out DIR [--seed N]
@@ -69,6 +70,8 @@ def cmd_health(args: argparse.Namespace) -> int:
     else:
         print(f"{'ready' if fields['ready'] else 'not ready'}: state {fields['state']}, "
               f"tables {fields['progress']:.0%}, pid {fields['pid']}, epoch {fields['epoch']}")
+    if args.live:
+        return EXIT_READY  # it answered: the process and its loop are alive
     return EXIT_READY if fields.get("ready") else EXIT_NOT_READY
 
 
@@ -151,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--socket", help=f"daemon socket (default: {default_socket_path()})")
         p.add_argument("--json", action="store_true", help="machine-readable output")
         p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
+        if name == "health":
+            p.add_argument("--live", action="store_true",
+                           help="exit 0 when the daemon answers at all (liveness), ready or not")
         p.set_defaults(func=func)
 
     make = sub.add_parser("make-tables", help="write a synthetic Engram checkpoint")

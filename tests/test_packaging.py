@@ -58,6 +58,6 @@ def test_daemonset_shares_the_runtime_folder_and_probes_health():
     assert "nvidia.com/gpu" in container["resources"]["limits"]
     for probe in ("startupProbe", "readinessProbe"):
         assert container[probe]["exec"]["command"][:2] == ["engramd", "health"]
-    assert container["livenessProbe"]["exec"]["command"][0] == "engramd"
+    assert container["livenessProbe"]["exec"]["command"][:3] == ["engramd", "health", "--live"]
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     assert mounts["runtime"] == "/run/engramd" and mounts["shm"] == "/dev/shm"

@@ -30,6 +30,7 @@ def test_health_cli_ready_starting_and_dead(daemon_factory):
     assert starting.returncode == 1, starting
     state = json.loads(starting.stdout)
     assert state["live"] is True and state["ready"] is False and state["state"] == "loading"
+    assert cli("health", "--socket", str(slow.socket), "--live", "--timeout", "2").returncode == 0
 
     ready = daemon_factory()
     result = cli("health", "--socket", str(ready.socket), "--json")
