@@ -25,9 +25,11 @@ DaemonUnavailableError. One client object serves one thread.
 from __future__ import annotations
 
 import itertools
+import logging
 import mmap
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,13 +42,18 @@ from engramd.client.errors import (
     DaemonUnavailableError,
     EngramError,
     InternalError,
+    NotReadyError,
+    NotRegisteredError,
     ReplyTimeoutError,
 )
 from engramd.client.geometry import ShardView, TableGeometry
 from engramd.client.ids import dtype_name
 from engramd.client.slab import IDS_READY, ROWS_DONE, SlabLayout
 
+log = logging.getLogger("engramd.client")
+
 DEFAULT_TIMEOUT_S = 30.0
+DEFAULT_RECONNECT_S = 60.0  # how long lookup() waits for a restarted daemon before giving up
 WATCHDOG_S = 0.1
 
 
@@ -176,31 +183,80 @@ def _resolve_device(device: str | torch.device) -> torch.device:
 class EngramClient:
     def __init__(self, socket_path: str | os.PathLike | None = None, device: str | torch.device = "cpu",
                  tp_rank: int = 0, tp_size: int = 1, max_tokens: int = 1024, slots: int = 2,
-                 timeout: float = DEFAULT_TIMEOUT_S, name: str = ""):
+                 timeout: float = DEFAULT_TIMEOUT_S, name: str = "",
+                 reconnect_timeout: float = DEFAULT_RECONNECT_S):
         self.socket_path = Path(socket_path or default_socket_path())
         self.device = _resolve_device(device)
         self.timeout = timeout
-        self._conn: Connection | None = Connection(self.socket_path)
-        self._pending: dict[int, LookupFuture] = {}
-        self._next_slot = 0
-        self._seqs = itertools.count(1)
+        self.reconnect_timeout = reconnect_timeout
+        self._registration = (tp_rank, tp_size, max_tokens, slots, name)
+        self._conn: Connection | None = None
         self._slab: _ShmSlabView | _CudaSlabView | None = None
-        self._dead: str | None = None
         self._watchdog: threading.Thread | None = None
-        self._closing = threading.Event()
+        self._closing: threading.Event | None = None
+        self._dead: str | None = None
+        self._pending: dict[int, LookupFuture] = {}
         self.client_id: int | None = None
         try:
-            self._register(tp_rank, tp_size, max_tokens, slots, name)
+            self._connect()
         except BaseException:
             self.close()
             raise
 
-    def _register(self, tp_rank: int, tp_size: int, max_tokens: int, slots: int, name: str) -> None:
+    def _connect(self, timeout: float | None = None) -> None:
+        """A fresh connection and registration (first start, or a new daemon epoch)."""
+        if not self.socket_path.exists():
+            raise DaemonUnavailableError(f"no daemon socket at {self.socket_path}")
+        self._conn = Connection(self.socket_path)
+        self._pending: dict[int, LookupFuture] = {}
+        self._next_slot = 0
+        self._seqs = itertools.count(1)
+        self._dead: str | None = None
+        self._closing = threading.Event()
+        self._register(*self._registration, timeout=timeout or self.timeout)
+
+    def _reconnect(self) -> None:
+        """The daemon went away: register again, with backoff, until `reconnect_timeout`."""
+        gone = self._dead or "the daemon is gone"
+        self._disconnect()
+        deadline = time.monotonic() + self.reconnect_timeout
+        delay = 0.05
+        while True:
+            try:  # a short wait per attempt: a socket left by a dead daemon answers nothing
+                self._connect(timeout=max(0.1, min(self.timeout, 2.0, deadline - time.monotonic())))
+                log.info("re-registered with daemon epoch %s as client %d", self.epoch, self.client_id)
+                return
+            except (DaemonUnavailableError, NotReadyError, NotRegisteredError) as exc:
+                self._disconnect()
+                if time.monotonic() + delay > deadline:
+                    raise DaemonUnavailableError(
+                        f"{gone}; no daemon to re-register with within {self.reconnect_timeout:.0f} s "
+                        f"(last: {exc.message}); raise reconnect_timeout to wait longer") from None
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    def _disconnect(self) -> None:
+        """Drop the connection and the slab mapping without talking to the daemon."""
+        if self._closing is not None:
+            self._closing.set()
+        if self._watchdog is not None:
+            self._watchdog.join()
+            self._watchdog = None
+        if self._slab is not None:
+            self._slab.close()
+            self._slab = None
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        self.client_id = None
+
+    def _register(self, tp_rank: int, tp_size: int, max_tokens: int, slots: int, name: str,
+                  timeout: float) -> None:
         wire_device = "cpu"
         if self.device.type == "cuda":
             from engramd.client.cuda import device_uuid
             wire_device = f"cuda:{device_uuid(self.device.index)}"
-        reply = self._conn.call("register", self.timeout, pid=os.getpid(), device=wire_device,
+        reply = self._conn.call("register", timeout, pid=os.getpid(), device=wire_device,
                                 tp_rank=tp_rank, tp_size=tp_size, max_tokens=max_tokens,
                                 slots=slots, name=name)
         f = reply.fields
@@ -251,6 +307,8 @@ class EngramClient:
         GPU clients: IDs on the client's GPU are copied into the slot on `stream` (default: the
         current stream), so they may be produced by earlier work on that stream.
         """
+        if self._daemon_gone():
+            self._reconnect()
         self._check_alive()
         ids = self._check_ids(hash_ids)
         if self.device.type == "cuda":
@@ -356,18 +414,22 @@ class EngramClient:
         for future in list(self._pending.values()):
             cuda.stream_write_u32(slab.side_stream.cuda_stream, slab.counter(future.slot, ROWS_DONE), future.seq)
 
+    def _daemon_gone(self) -> bool:
+        """The daemon of our registration died or said it is stopping (a reconnect may help)."""
+        if self._conn is None:
+            return False
+        self._conn.collect()
+        watch = self._conn.daemon_watch
+        return (self._dead is not None or self._conn.notice == "stopping"
+                or (watch is not None and watch.alive() is False))
+
     def _check_alive(self) -> None:
-        if self._dead is not None:
-            raise DaemonUnavailableError(self._dead)
         if self._conn is None:
             raise DaemonUnavailableError("client is closed")
-        self._conn.collect()  # a notice may have arrived since the last call
-        watch = self._conn.daemon_watch
-        if self.device.type == "cpu" and watch is not None and watch.alive() is False:
-            raise DaemonUnavailableError(f"daemon (pid {watch.pid}) exited")  # GPU: the watchdog
-        if self._conn.notice == "stopping":
-            raise DaemonUnavailableError("the daemon is stopping; in-flight lookups complete, "
-                                         "new ones are refused")
+        if self._daemon_gone():
+            raise DaemonUnavailableError(
+                self._dead or "the daemon is stopping or has exited; results of in-flight "
+                "lookups are invalid (the next lookup() re-registers with a restarted daemon)")
 
     # -- other operations -----------------------------------------------------------------------
 
@@ -379,28 +441,20 @@ class EngramClient:
 
     def close(self) -> None:
         """Release the registration and the slab mapping. Safe to call twice."""
-        self._closing.set()
-        if self._watchdog is not None:
-            self._watchdog.join()
-            self._watchdog = None
-        if self.client_id is not None and self._dead is None:
+        if self._conn is not None and self.client_id is not None and not self._daemon_gone():
             for future in list(self._pending.values()):
                 try:
                     future._collect(self.timeout)
                 except EngramError:
                     pass
-        if self._slab is not None:
-            self._slab.close()  # a GPU slab: waits for this process's streams first
-            self._slab = None
-        if self.client_id is not None and self._dead is None:
+            slab, self._slab = self._slab, None
+            if slab is not None:
+                slab.close()  # a GPU slab: waits for this process's streams first
             try:
                 self._conn.call("release", min(self.timeout, 5.0), client_id=self.client_id)
             except EngramError:
                 pass  # the daemon is gone or already forgot us: nothing left to release
-        self.client_id = None
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        self._disconnect()
 
     def __enter__(self) -> EngramClient:
         return self

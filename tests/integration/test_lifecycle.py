@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import threading
 import time
 
 import numpy as np
@@ -101,6 +102,33 @@ def test_killed_daemon_is_reported_to_a_waiting_client(daemon_factory):
         future.result()
     assert time.monotonic() - started < 2.0
     client.close()
+
+
+def test_client_re_registers_with_a_restarted_daemon(daemon_factory, reference):
+    first = daemon_factory(instance="again")
+    rng = np.random.default_rng(4)
+    client = EngramClient(first.socket, timeout=10, reconnect_timeout=60)
+    ids = torch.from_numpy(random_ids(rng, 32, reference.rows, reference.heads))
+    assert np.array_equal(client.lookup(ids).result().double().numpy(), reference.expected(ids.numpy()))
+    old_epoch = client.epoch
+    first.proc.send_signal(signal.SIGSTOP)
+    future = client.lookup(ids)
+    first.proc.kill()
+    first.proc.wait()
+    started = time.monotonic()
+    with pytest.raises(DaemonUnavailableError, match="exited"):
+        future.result()
+    assert time.monotonic() - started < 1.5, "the in-flight lookup fails within about a second"
+    # Restart in the background while the client's next lookup waits for it (with backoff).
+    second = daemon_factory(instance="again", shm_dir=first.shm_dir, workdir=first.workdir, start=False)
+    threading.Timer(1.0, second.start).start()
+    rows = client.lookup(ids).result()
+    assert client.epoch != old_epoch
+    assert np.array_equal(rows.double().numpy(), reference.expected(ids.numpy()))
+    second.wait_ready()
+    assert "re-attached" in second.log()
+    client.close()
+    assert second.stop() == 0
 
 
 def test_config_error_exits_with_config_status(daemon_factory, tmp_path):
