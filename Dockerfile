@@ -25,7 +25,7 @@ RUN useradd --system --uid 990 --user-group --home-dir /var/lib/engramd engramd 
     && mkdir -p /run/engramd /var/lib/engramd /tables \
     && chown engramd:engramd /run/engramd /var/lib/engramd
 ENV PATH=/opt/engramd/bin:$PATH
-USER engramd
+USER 990:990
 VOLUME ["/run/engramd", "/tables"]
 HEALTHCHECK --interval=10s --timeout=5s --start-period=30m \
     CMD ["engramd", "health", "--socket", "/run/engramd/engramd.sock", "--timeout", "3"]
