@@ -146,6 +146,9 @@ class Daemon:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 100_000)
         self._sock.setsockopt(zmq.RCVHWM, 100_000)
+        # Enforced by libzmq while decoding, before the frame is allocated: a peer that sends a
+        # larger frame is disconnected; the daemon never buffers it.
+        self._sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_PAYLOAD_BYTES)
         self._sock.bind(f"ipc://{path}")
         os.chmod(path, 0o660)
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -253,6 +256,7 @@ class Daemon:
 
     def _event_loaded(self, loaded: LoadedTables) -> None:
         if self.state == "stopping":
+            loaded.backend.close()
             loaded.close()
             return
         self._on_loaded(loaded)
