@@ -274,9 +274,11 @@ class EngramClient:
             self._slab = _ShmSlabView(f["slab"], self.layout)
         if "daemon_pid" in f:
             self._conn.watch_daemon(int(f["daemon_pid"]))
-            if self.device.type == "cuda":
-                self._watchdog = threading.Thread(target=self._watch, name="engramd-watchdog", daemon=True)
-                self._watchdog.start()
+        self._watchdog = threading.Thread(
+            target=self._watch, args=(self._closing, self.client_id, f.get("token", ""),
+                                      float(f.get("heartbeat_interval", 1.0))),
+            name="engramd-watchdog", daemon=True)
+        self._watchdog.start()
 
     def _warm_up(self) -> None:
         """Load the kernels a lookup launches now, not while a stream waits on the daemon.
@@ -398,14 +400,25 @@ class EngramClient:
 
     # -- daemon death ---------------------------------------------------------------------------
 
-    def _watch(self) -> None:
-        """GPU clients: if the daemon dies, release every stream wait on its counters."""
+    def _watch(self, closing: threading.Event, client_id: int, token: str, interval: float) -> None:
+        """Background thread: heartbeats on a connection of its own (so a daemon that cannot see
+        our PID knows we live), and for GPU clients, release of every stream wait on the
+        daemon's counters if the daemon dies."""
         watch = self._conn.daemon_watch
-        while not self._closing.wait(WATCHDOG_S):
-            if watch.alive() is False:
-                self._dead = f"daemon (pid {watch.pid}) died; results of in-flight lookups are invalid"
-                self._release_waits()
-                return
+        beat = Connection(self.socket_path)
+        next_beat = 0.0
+        try:
+            while not closing.wait(WATCHDOG_S):
+                if self.device.type == "cuda" and watch is not None and watch.alive() is False:
+                    self._dead = f"daemon (pid {watch.pid}) died; results of in-flight lookups are invalid"
+                    self._release_waits()
+                    return
+                if time.monotonic() >= next_beat:
+                    next_beat = time.monotonic() + interval
+                    beat.send("heartbeat", client_id=client_id, token=token)
+                beat.discard_replies()
+        finally:
+            beat.close()
 
     def _release_waits(self) -> None:
         from engramd.client import cuda

@@ -75,6 +75,11 @@ class Connection:
         """Take in the replies that have arrived, without waiting."""
         self._collect(0)
 
+    def discard_replies(self) -> None:
+        """Drop whatever arrived (a heartbeat connection does not wait for its answers)."""
+        self._collect(0)
+        self._replies.clear()
+
     def has_reply(self, rid: int) -> bool:
         return rid in self._replies
 

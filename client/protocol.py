@@ -17,11 +17,13 @@ Every message is a multipart message; msgpack is the only encoding (never pickle
 Operations and their request fields (types checked by `decode_request`):
 
     register   pid, device ("cpu" or "cuda:GPU-<uuid>"), tp_rank, tp_size, max_tokens, slots
-               -> client_id, geometry (config.json fields), shard, slab (layout of the slab)
+               -> client_id, token, heartbeat_interval, geometry (config.json fields), shard,
+                  slab (layout of the slab)
     lookup     client_id, slot, seq, tokens, ids_dtype ("int32"|"int64"), ids_shape [T, L, H],
                inline (IDs in payload frame 0, else already in the slot)  -> slot, seq, out_of_range
     release    client_id                                  -> {}
-    heartbeat  client_id (or None for a plain liveness probe) -> {}
+    heartbeat  client_id (or None for a plain liveness probe), token (from register; lets a
+               second connection of the client vouch for it)  -> {}
     stats      -                                          -> clients, lookups, rows, errors, ...
     health     -                                          -> live, ready, state, progress
     drain      -   (admin) stop accepting, finish in-flight, exit -> in_flight
@@ -76,14 +78,14 @@ _REQUEST_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
         "inline": (bool,),
     },
     "release": {"client_id": _INT},
-    "heartbeat": {"client_id": (int, type(None))},
+    "heartbeat": {"client_id": (int, type(None)), "token": (str,)},
     "stats": {},
     "health": {},
     "drain": {},
 }
 _OPTIONAL: dict[str, dict[str, Any]] = {
     "register": {"name": ""},
-    "heartbeat": {"client_id": None},
+    "heartbeat": {"client_id": None, "token": ""},
 }
 OPERATIONS = tuple(_REQUEST_FIELDS)
 
@@ -155,7 +157,7 @@ def decode_request(frames: list[bytes]) -> Request:
     op, rid = header.get("op"), header.get("rid")
     if not isinstance(rid, int) or isinstance(rid, bool):
         raise ProtocolError(f"field 'rid' must be an int, got {rid!r}")
-    if op not in _REQUEST_FIELDS:
+    if not isinstance(op, str) or op not in _REQUEST_FIELDS:
         raise UnknownOperationError(f"unknown operation {op!r}; known: {', '.join(OPERATIONS)}")
     fields = {**_OPTIONAL.get(op, {}), **{k: v for k, v in header.items() if k not in ("v", "op", "rid")}}
     for name, types in _REQUEST_FIELDS[op].items():

@@ -149,6 +149,9 @@ class Daemon:
         # Enforced by libzmq while decoding, before the frame is allocated: a peer that sends a
         # larger frame is disconnected; the daemon never buffers it.
         self._sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_PAYLOAD_BYTES)
+        # Sending to a peer that has disconnected fails instead of vanishing: that is how a client
+        # that died before its registration was answered is noticed (see _send).
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.bind(f"ipc://{path}")
         os.chmod(path, 0o660)
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -182,7 +185,8 @@ class Daemon:
     def _on_loaded(self, loaded: LoadedTables) -> None:
         self.tables = loaded
         self.geometry = loaded.geometry
-        limits = Limits(self.config.max_clients, self.config.max_tokens, self.config.max_slots)
+        limits = Limits(self.config.max_clients, self.config.max_tokens, self.config.max_slots,
+                        self.config.heartbeat_interval)
         self.store = LookupStore(loaded.geometry, loaded.backend, limits)
         self.state = "ready"
         self.progress = 1.0
@@ -344,6 +348,11 @@ class Daemon:
             self._sock.send_multipart([identity, *frames], zmq.NOBLOCK)
         except zmq.Again:
             log.warning("dropping a reply: the client's queue is full")
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            if self.store is not None:  # the peer is gone: whatever it registered goes too
+                self.store.retire_identity(identity, "reaped (its connection is gone)")
 
     def _serving_store(self, op: str) -> LookupStore:
         if self.state != "ready" or self.store is None:
@@ -378,7 +387,7 @@ class Daemon:
         if client_id is not None:
             if self.store is None:
                 raise NotReadyError(f"heartbeat: daemon is {self.state}")
-            self.store.client(identity, client_id)
+            self.store.heartbeat(identity, client_id, request.fields["token"])
         return protocol.encode_reply("heartbeat", request.rid, self.epoch)
 
     def _op_stats(self, identity: bytes, request: protocol.Request) -> list[bytes]:

@@ -9,6 +9,7 @@ before `finish_lookup`. Tests drive the store in-process.
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -39,6 +40,12 @@ class Limits:
     max_clients: int
     max_tokens: int
     max_slots: int
+    heartbeat_interval: float = 1.0
+
+
+# A client whose PID the daemon cannot see (another PID namespace) is declared gone after this
+# many heartbeat intervals without any message from it; visible PIDs are checked directly.
+HEARTBEAT_MISSES = 5
 
 
 @dataclass
@@ -52,6 +59,7 @@ class ClientRecord:
     shard: ShardView
     slab: Slab
     watch: ProcessWatch
+    token: str
     in_flight: Counter[int] = field(default_factory=Counter)  # slot -> jobs not yet completed
     releasing: bool = False
     lookups: int = 0
@@ -95,13 +103,16 @@ class LookupStore:
         slab = self.backend.allocate_slab(req["device"], layout, client_id, shard)
         self._next_id += 1
         record = ClientRecord(client_id, identity, str(req.get("name", ""))[:128], req["device"],
-                              req["tp_rank"], req["tp_size"], shard, slab, ProcessWatch(req["pid"]))
+                              req["tp_rank"], req["tp_size"], shard, slab, ProcessWatch(req["pid"]),
+                              secrets.token_hex(16))
         self.clients[client_id] = record
         self.totals["registrations"] += 1
         log.info("registered client %d (pid %d, %s, tp %d/%d, %d slots x %d tokens, slab %d B)",
                  client_id, req["pid"], req["device"], req["tp_rank"], req["tp_size"],
                  layout.slots, layout.max_tokens, layout.size)
-        return {"client_id": client_id, "geometry": self.geometry.to_config(),
+        return {"client_id": client_id, "token": record.token,
+                "heartbeat_interval": self.limits.heartbeat_interval,
+                "geometry": self.geometry.to_config(),
                 "shard": {"rank": shard.rank, "shards": shard.shards, "head_start": shard.head_start,
                           "head_end": shard.head_end, "local_heads": shard.local_heads,
                           "row_ranges": [list(r) for r in shard.row_ranges]},
@@ -125,6 +136,22 @@ class LookupStore:
         record.last_seen = time.monotonic()
         return record
 
+    def heartbeat(self, identity: bytes, client_id: int, token: str) -> None:
+        """A sign of life from the client's own connection, or from another one with its token."""
+        record = self.clients.get(client_id)
+        if record is not None and not record.releasing and token and secrets.compare_digest(token, record.token):
+            record.last_seen = time.monotonic()
+            return
+        self.client(identity, client_id)  # raises NotRegisteredError unless it is that connection
+
+    def retire_identity(self, identity: bytes, why: str) -> list[int]:
+        """The connection is gone (the socket said so): retire its clients."""
+        gone = [c for c in self.clients.values() if c.identity == identity and not c.releasing]
+        for record in gone:
+            self.totals["reaped"] += 1
+            self._retire(record, why)
+        return [c.client_id for c in gone]
+
     def release(self, identity: bytes, client_id: int) -> None:
         self._retire(self.client(identity, client_id), "released")
 
@@ -146,12 +173,24 @@ class LookupStore:
         return count(slabs) if count is not None else 0
 
     def reap_dead(self) -> list[int]:
-        """Retire clients whose process is gone. A live, idle client is never reaped."""
-        dead = [c for c in self.clients.values() if not c.releasing and c.watch.alive() is False]
-        for record in dead:
+        """Retire clients whose process is gone, or, when their PID is not visible here, that
+        sent nothing for HEARTBEAT_MISSES intervals. A live client is never reaped: its PID is
+        visible, or its library heartbeats from a background thread."""
+        silent_since = time.monotonic() - HEARTBEAT_MISSES * self.limits.heartbeat_interval
+        dead = []
+        for c in self.clients.values():
+            if c.releasing:
+                continue
+            alive = c.watch.alive()
+            if alive is False:
+                dead.append((c, f"reaped (process {c.watch.pid} is gone)"))
+            elif alive is None and c.last_seen < silent_since:
+                dead.append((c, f"reaped (PID {c.watch.pid} not visible, no heartbeat for "
+                                f"{HEARTBEAT_MISSES} intervals)"))
+        for record, why in dead:
             self.totals["reaped"] += 1
-            self._retire(record, f"reaped (process {record.watch.pid} is gone)")
-        return [c.client_id for c in dead]
+            self._retire(record, why)
+        return [c.client_id for c, _ in dead]
 
     # -- lookups --------------------------------------------------------------------------------
 

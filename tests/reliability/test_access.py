@@ -1,0 +1,191 @@
+"""Access control by file modes: who may talk to the daemon and open its shared-memory files.
+
+The daemon (running as the test's user, root) makes its runtime folder 0770 and its socket 0660,
+table files 0640 and slab files 0660, all owned by its own group. A process of another user
+outside that group must get nothing: no connection (a permission error, or the client library's
+DaemonUnavailableError), no table bytes, no slab. A member of the group is let in; that positive
+control shows the refusals come from the modes and not from a broken test.
+
+The outsider is `nobody`. Its checks run two ways:
+- `setpriv --reuid=nobody --regid=<nobody's group> --clear-groups` runs a stdlib-only script
+  (socket connect, open of each file) with any Python interpreter `nobody` may execute;
+- the client library itself runs in a process that starts as root, warms up (imports, one
+  lookup), then drops to `nobody` with setgroups/setgid/setuid before connecting: the library
+  may be installed where `nobody` cannot read it.
+
+The test's temporary folders are created 0700 by tempfile; they are opened to 0755 here so that
+only the modes of the runtime folder, the socket and the files themselves decide.
+
+Skipped unless running as root with setpriv available.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from reference import random_ids
+
+from engramd.client import EngramClient
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                                reason="needs root and setpriv to run a process as nobody")
+
+OUTSIDER = "nobody"
+
+PROBE = textwrap.dedent("""
+    import errno, json, os, socket, sys
+    out = {}
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(sys.argv[1])
+        out["connect"] = "ok"
+    except OSError as exc:
+        out["connect"] = errno.errorcode.get(exc.errno, str(exc.errno))
+    finally:
+        s.close()
+    for path in sys.argv[2:]:
+        for mode, flags in (("r", os.O_RDONLY), ("rw", os.O_RDWR)):
+            try:
+                os.close(os.open(path, flags))
+                out[path + ":" + mode] = "ok"
+            except OSError as exc:
+                out[path + ":" + mode] = errno.errorcode.get(exc.errno, str(exc.errno))
+    print(json.dumps(out))
+""")
+
+CLIENT = textwrap.dedent("""
+    import json, os, sys
+    import numpy as np, torch
+    from engramd.client import DaemonUnavailableError, EngramClient
+    socket, uid, gid, groups, ids = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]), np.array(json.loads(sys.argv[5]))
+    with EngramClient(socket, max_tokens=len(ids), timeout=10) as warm:  # every lazy import, as root
+        warm.lookup(torch.from_numpy(ids)).result()
+    os.setgroups(groups)
+    os.setgid(gid)
+    os.setuid(uid)
+    try:
+        with EngramClient(socket, max_tokens=len(ids), timeout=2, reconnect_timeout=0) as client:
+            rows = client.lookup(torch.from_numpy(ids)).result().float().numpy()
+        print(json.dumps({"outcome": "rows", "rows": rows.tolist()}))
+    except DaemonUnavailableError as exc:
+        print(json.dumps({"outcome": "unavailable", "error": str(exc)}))
+    except PermissionError as exc:
+        print(json.dumps({"outcome": "permission", "error": str(exc)}))
+""")
+
+
+def outsider_ids() -> tuple[int, int]:
+    user = pwd.getpwnam(OUTSIDER)
+    return user.pw_uid, user.pw_gid
+
+
+def setpriv(groups: list[int] | None) -> list[str]:
+    uid, gid = outsider_ids()
+    group_flag = "--clear-groups" if not groups else f"--groups={','.join(map(str, groups))}"
+    return ["setpriv", f"--reuid={uid}", f"--regid={gid}", group_flag]
+
+
+def outsider_python() -> str:
+    """An interpreter `nobody` may execute (the test's own may live in a private home)."""
+    for candidate in (sys.executable, shutil.which("python3"), "/usr/bin/python3"):
+        if candidate and subprocess.run([*setpriv(None), candidate, "-c", "import socket"],
+                                        capture_output=True).returncode == 0:
+            return candidate
+    pytest.skip(f"no Python interpreter that {OUTSIDER} may execute")
+
+
+def run_probe(socket: Path, files: list[Path], groups: list[int] | None) -> dict[str, str]:
+    result = subprocess.run([*setpriv(groups), outsider_python(), "-c", PROBE, str(socket),
+                             *map(str, files)], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+@pytest.fixture
+def served(daemon_factory):
+    """A daemon with one registered client (so a slab exists), its folders opened to 0755."""
+    daemon = daemon_factory()
+    for folder in (daemon.workdir, daemon.shm_dir):
+        os.chmod(folder, 0o755)
+    with EngramClient(daemon.socket, max_tokens=4) as client:
+        yield daemon, client
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_runtime_folder_socket_and_files_have_the_documented_modes(served):
+    daemon, _ = served
+    tables, slabs = sorted(daemon.shm_dir.glob("*.tbl")), sorted(daemon.shm_dir.glob("*.slab"))
+    assert len(tables) == 2 and len(slabs) == 1, (tables, slabs)
+    found = {"runtime folder": mode(daemon.socket.parent), "socket": mode(daemon.socket),
+             **{p.name: mode(p) for p in tables + slabs}}
+    wanted = {"runtime folder": 0o770, "socket": 0o660, **{p.name: 0o640 for p in tables},
+              **{p.name: 0o660 for p in slabs}}
+    assert found == wanted, {k: oct(v) for k, v in found.items()}
+
+
+def test_outsider_cannot_connect_or_open_tables_and_slabs(served):
+    daemon, _ = served
+    files = sorted(daemon.shm_dir.glob("*.tbl")) + sorted(daemon.shm_dir.glob("*.slab"))
+    denied = run_probe(daemon.socket, files, groups=None)
+    assert denied == {"connect": "EACCES", **{f"{p}:{m}": "EACCES" for p in files for m in ("r", "rw")}}
+
+    runtime = daemon.socket.parent
+    os.chmod(runtime, 0o771)  # the folder may be passed: only the socket's own mode decides
+    try:
+        assert run_probe(daemon.socket, [], groups=None) == {"connect": "EACCES"}
+    finally:
+        os.chmod(runtime, 0o770)
+
+
+def test_member_of_the_daemons_group_may_connect_and_open(served):
+    daemon, _ = served
+    group = daemon.socket.stat().st_gid
+    tables, slabs = sorted(daemon.shm_dir.glob("*.tbl")), sorted(daemon.shm_dir.glob("*.slab"))
+    allowed = run_probe(daemon.socket, tables + slabs, groups=[group])
+    wanted = {"connect": "ok", **{f"{p}:r": "ok" for p in tables},
+              **{f"{p}:rw": "EACCES" for p in tables},  # tables are read-only for the group
+              **{f"{p}:{m}": "ok" for p in slabs for m in ("r", "rw")}}
+    assert allowed == wanted
+
+
+def run_client_as_outsider(daemon, ids: np.ndarray, groups: list[int]) -> dict:
+    uid, gid = outsider_ids()
+    result = subprocess.run([sys.executable, "-c", CLIENT, str(daemon.socket), str(uid), str(gid),
+                             json.dumps(groups), json.dumps(ids.tolist())],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_outsider_client_gets_no_rows_and_a_member_gets_correct_ones(served, reference):
+    daemon, _ = served
+    ids = random_ids(np.random.default_rng(9), 4, reference.rows, reference.heads)
+    outsider = run_client_as_outsider(daemon, ids, groups=[])
+    assert outsider["outcome"] in ("unavailable", "permission"), outsider
+    runtime = daemon.socket.parent
+    os.chmod(runtime, 0o771)  # the socket path is visible; only the socket's mode refuses
+    try:
+        past_folder = run_client_as_outsider(daemon, ids, groups=[])
+    finally:
+        os.chmod(runtime, 0o770)
+    assert past_folder["outcome"] in ("unavailable", "permission"), past_folder
+
+    member = run_client_as_outsider(daemon, ids, groups=[daemon.socket.stat().st_gid])
+    assert member["outcome"] == "rows", member
+    rows = np.array(member["rows"], dtype=np.float64)
+    wrong = np.argwhere(rows != reference.expected(ids))
+    assert wrong.size == 0, f"{len(wrong)} wrong values, first at {wrong[:5].tolist()}"
+    assert len(list(daemon.shm_dir.glob("*.slab"))) == 1, "the member released its slab"

@@ -1,0 +1,401 @@
+"""Client death: a killed client's slab is freed within two heartbeat periods; live ones stay.
+
+Real `engramd serve` processes (conftest's `daemon_factory`, heartbeat interval HEARTBEAT_S) and
+real client processes running the client library. Rows of the well-behaved clients are compared
+exactly with the independent reference (tests/reference.py).
+
+Client processes that are killed come from a multiprocessing forkserver that imported torch and
+engramd once, so a hundred of them start in seconds on two cores; the forkserver, not this
+process, is their parent and reaps them. One test keeps the killed client a zombie of this
+process on purpose.
+
+What this is not: a test of daemon death (tests/integration/test_lifecycle.py) or of bad input.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import torch
+import zmq
+from conftest import engramd_command
+from reference import random_ids
+
+from engramd.client import EngramClient
+from engramd.client.connection import probe
+
+HEARTBEAT_S = 0.2  # what conftest's DaemonProcess passes as --heartbeat-interval
+REAP_DEADLINE_S = 2 * HEARTBEAT_S
+# Our own polling (every 10 ms) and the kernel's delivery of SIGKILL add to what the daemon
+# takes; this margin covers them, not the daemon.
+MEASURE_SLACK_S = 0.1
+KILL_CYCLES = 100
+FD_SLACK = 3  # ZeroMQ may keep a socket or two for a moment after a peer goes
+IDLE_PERIODS = 15  # heartbeat periods a live idle client must survive
+WARMUP_CYCLES = 5
+# Pause between a load client's lookups: the load stays continuous, but leaves the two cores
+# some room for the kill cycles' own process starts.
+LOAD_PAUSE_S = 0.005
+INVISIBLE_REAP_PERIODS = 10  # missed heartbeats after which a client may be declared gone
+
+_forkserver: multiprocessing.context.BaseContext | None = None
+
+
+def forkserver() -> multiprocessing.context.BaseContext:
+    """Forkserver context whose server has imported the client stack (and this module) once."""
+    global _forkserver
+    if _forkserver is None:
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["numpy", "torch", "zmq", "engramd.client", __name__])
+        _forkserver = ctx
+    return _forkserver
+
+
+def doomed_client(socket: str, seed: int, mode: str, conn) -> None:
+    """Child process: register, report the client id, then idle or look up until killed.
+
+    mode "idle": wait for orders on `conn` ("lookup": one lookup, rows sent back; "exit").
+    mode "lookups": back-to-back lookups of 256 tokens; mode "big": of 4096 tokens.
+    """
+    torch.set_num_threads(1)
+    tokens = {"idle": 64, "lookups": 256, "big": 4096}[mode]
+    rng = np.random.default_rng(seed)
+    client = EngramClient(socket, max_tokens=tokens, slots=2, timeout=60, name=f"doomed-{seed}")
+    conn.send(("registered", client.client_id))
+    rows, heads = list(client.geometry.rows), client.geometry.heads
+    if mode == "idle":
+        while conn.recv() == "lookup":
+            ids = random_ids(rng, tokens, rows, heads)
+            conn.send((ids, client.lookup(torch.from_numpy(ids)).result().float().numpy()))
+        client.close()
+        return
+    while True:
+        client.lookup(torch.from_numpy(random_ids(rng, tokens, rows, heads))).result()
+
+
+class Doomed:
+    """One doomed client process and the parent's end of its pipe."""
+
+    def __init__(self, socket: Path, seed: int, mode: str):
+        ctx = forkserver()
+        self.conn, child_conn = ctx.Pipe()
+        self.proc = ctx.Process(target=doomed_client, args=(str(socket), seed, mode, child_conn),
+                                daemon=True)
+        self.proc.start()
+        child_conn.close()
+        self.client_id: int | None = None
+
+    def wait_registered(self, timeout: float = 30.0) -> int:
+        if not self.conn.poll(timeout):
+            raise AssertionError(f"client process {self.proc.pid} did not register in {timeout} s "
+                                 f"(exit code {self.proc.exitcode})")
+        tag, self.client_id = self.conn.recv()
+        assert tag == "registered"
+        return self.client_id
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join(10)
+        assert self.proc.exitcode == -signal.SIGKILL, self.proc.exitcode
+        self.conn.close()
+
+
+def slab_files(daemon) -> set[str]:
+    return {p.name for p in daemon.shm_dir.glob("*.slab")}
+
+
+def slab_of(daemon, client_id: int) -> Path:
+    found = list(daemon.shm_dir.glob(f"*.c{client_id}.slab"))
+    assert len(found) == 1, (client_id, sorted(slab_files(daemon)))
+    return found[0]
+
+
+def fd_count(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def slab_mappings(pid: int) -> int:
+    """Slab files the daemon still has mapped (a mapping outliving its client is a leak)."""
+    paths = set()
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)  # address perms offset dev inode [path[ (deleted)]]
+        if len(fields) == 6 and ".slab" in fields[5]:
+            paths.add(fields[5])
+    return len(paths)
+
+
+def wait_until(condition, timeout: float, step: float = 0.01) -> float:
+    """Seconds until `condition()` held; raises AssertionError after `timeout`."""
+    start = time.monotonic()
+    while not condition():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"condition not met within {timeout} s")
+        time.sleep(step)
+    return time.monotonic() - start
+
+
+def stats_cli(daemon) -> dict:
+    result = subprocess.run([*engramd_command(), "stats", "--socket", str(daemon.socket), "--json"],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result
+    return json.loads(result.stdout)
+
+
+def assert_rows_equal(actual: np.ndarray, expected: np.ndarray, what: str) -> None:
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    wrong = np.argwhere(actual != expected)
+    assert wrong.size == 0, f"{what}: {len(wrong)} wrong values, first at {wrong[:5].tolist()}"
+
+
+class LoadThread(threading.Thread):
+    """A well-behaved client doing checked lookups until stopped; failures are collected."""
+
+    def __init__(self, socket: Path, reference, seed: int, rank: int, shards: int):
+        super().__init__(name=f"load-{seed}", daemon=True)
+        self.socket, self.reference = socket, reference
+        self.seed, self.rank, self.shards = seed, rank, shards
+        self.stop = threading.Event()
+        self.registered = threading.Event()
+        self.client_id: int | None = None
+        self.lookups = 0
+        self.failures: list[str] = []
+
+    def run(self) -> None:
+        rng = np.random.default_rng(self.seed)
+        ref = self.reference
+        try:
+            with EngramClient(self.socket, tp_rank=self.rank, tp_size=self.shards, max_tokens=64,
+                              slots=2, timeout=30, name=f"load-{self.seed}") as client:
+                self.client_id = client.client_id
+                self.registered.set()
+                while not self.stop.is_set():
+                    ids = random_ids(rng, int(rng.integers(1, 65)), ref.rows, ref.heads)
+                    rows = client.lookup(torch.from_numpy(ids)).result().double().numpy()
+                    expected = ref.expected(ids, self.rank, self.shards)
+                    assert_rows_equal(rows, expected, f"{self.name} lookup {self.lookups}")
+                    self.lookups += 1
+                    time.sleep(LOAD_PAUSE_S)
+        except BaseException as exc:  # reported by the test thread
+            self.failures.append(f"{self.name}: {type(exc).__name__}: {exc}")
+            self.registered.set()
+
+
+def start_load(daemon, reference) -> list[LoadThread]:
+    threads = [LoadThread(daemon.socket, reference, 1, 0, 1), LoadThread(daemon.socket, reference, 2, 1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        assert t.registered.wait(30) and not t.failures, t.failures
+    return threads
+
+
+def stop_load(threads: list[LoadThread]) -> None:
+    for t in threads:
+        t.stop.set()
+    for t in threads:
+        t.join(30)
+    failures = [f for t in threads for f in t.failures]
+    assert not failures, failures
+
+
+def test_killed_idle_client_is_freed_within_two_heartbeats(daemon_factory, reference):
+    daemon = daemon_factory()
+    doomed = Doomed(daemon.socket, seed=5, mode="idle")
+    slab = slab_of(daemon, doomed.wait_registered())
+    with EngramClient(daemon.socket, max_tokens=16) as survivor:
+        doomed.kill()
+        took = wait_until(lambda: not slab.exists(), timeout=5.0)
+        assert took <= REAP_DEADLINE_S + MEASURE_SLACK_S, f"slab freed after {took:.3f} s"
+        clients = probe(daemon.socket, "stats", 5.0).fields["clients"]
+        assert [c["client_id"] for c in clients] == [survivor.client_id]
+        ids = random_ids(np.random.default_rng(0), 16, reference.rows, reference.heads)
+        rows = survivor.lookup(torch.from_numpy(ids)).result().double().numpy()
+        assert_rows_equal(rows, reference.expected(ids), "survivor")
+
+
+def test_client_killed_mid_lookup_is_freed_and_others_stay_correct(daemon_factory, reference):
+    daemon = daemon_factory()
+    with EngramClient(daemon.socket, max_tokens=32) as survivor:
+        doomed = Doomed(daemon.socket, seed=6, mode="big")
+        client_id = doomed.wait_registered()
+        slab = slab_of(daemon, client_id)
+
+        def in_flight() -> bool:
+            clients = probe(daemon.socket, "stats", 5.0).fields["clients"]
+            return any(c["client_id"] == client_id and c["in_flight"] for c in clients)
+
+        wait_until(in_flight, timeout=10.0, step=0.002)
+        doomed.kill()  # a 4096-token gather is running for it right now
+        took = wait_until(lambda: not slab.exists(), timeout=5.0)
+        assert took <= REAP_DEADLINE_S + MEASURE_SLACK_S, f"slab freed after {took:.3f} s"
+        rng = np.random.default_rng(1)
+        for i in range(5):
+            ids = random_ids(rng, 32, reference.rows, reference.heads)
+            rows = survivor.lookup(torch.from_numpy(ids)).result().double().numpy()
+            assert_rows_equal(rows, reference.expected(ids), f"survivor lookup {i}")
+        stats = probe(daemon.socket, "stats", 5.0).fields
+        assert stats["reaped"] == 1
+        assert [c["client_id"] for c in stats["clients"]] == [survivor.client_id]
+    assert daemon.proc.poll() is None
+
+
+def test_live_idle_and_stopped_clients_are_never_reaped(daemon_factory, reference):
+    """A live client that sends nothing, and one frozen by SIGSTOP, outlive many heartbeats."""
+    daemon = daemon_factory()
+    frozen = Doomed(daemon.socket, seed=7, mode="idle")
+    frozen_id = frozen.wait_registered()
+    with EngramClient(daemon.socket, max_tokens=8) as idle:
+        os.kill(frozen.proc.pid, signal.SIGSTOP)
+        try:
+            time.sleep(IDLE_PERIODS * HEARTBEAT_S)
+            stats = probe(daemon.socket, "stats", 5.0).fields
+            assert sorted(c["client_id"] for c in stats["clients"]) == sorted([idle.client_id, frozen_id])
+            assert stats["reaped"] == 0
+        finally:
+            os.kill(frozen.proc.pid, signal.SIGCONT)
+        ids = random_ids(np.random.default_rng(2), 8, reference.rows, reference.heads)
+        rows = idle.lookup(torch.from_numpy(ids)).result().double().numpy()
+        assert_rows_equal(rows, reference.expected(ids), "idle client")
+        frozen.conn.send("lookup")
+        assert frozen.conn.poll(30), "the thawed client got no rows"
+        frozen_ids, frozen_rows = frozen.conn.recv()
+        assert_rows_equal(frozen_rows.astype(np.float64), reference.expected(frozen_ids), "thawed client")
+        frozen.conn.send("exit")
+        frozen.proc.join(30)
+        assert frozen.proc.exitcode == 0
+    assert not slab_files(daemon)
+
+
+ZOMBIE_CLIENT = textwrap.dedent("""
+    import sys, time
+    from engramd.client import EngramClient
+    client = EngramClient(sys.argv[1], max_tokens=4)
+    print(client.client_id, flush=True)
+    time.sleep(600)
+""")
+
+
+def test_killed_client_not_yet_waited_for_is_freed(daemon_factory):
+    """A client killed while its parent has not reaped it (a zombie) counts as dead."""
+    daemon = daemon_factory()
+    proc = subprocess.Popen([sys.executable, "-c", ZOMBIE_CLIENT, str(daemon.socket)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        slab = slab_of(daemon, int(proc.stdout.readline()))
+        os.kill(proc.pid, signal.SIGKILL)
+        wait_until(lambda: Path(f"/proc/{proc.pid}/stat").read_text().split(") ")[1][0] == "Z", 5.0)
+        took = wait_until(lambda: not slab.exists(), timeout=5.0)
+        assert took <= REAP_DEADLINE_S + MEASURE_SLACK_S, f"slab freed after {took:.3f} s"
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+
+
+def test_client_with_invisible_pid_is_reaped_after_its_connection_goes(daemon_factory):
+    """A client in another PID namespace reports a PID the daemon cannot see (ProcessWatch says
+    None). Once it is gone (connection closed, no heartbeats), its slab must still be freed."""
+    daemon = daemon_factory()
+    invisible_pid = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # never a live PID
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.setsockopt(zmq.RCVTIMEO, 10_000)
+    raw.connect(f"ipc://{daemon.socket}")
+    raw.send_multipart([msgpack.packb({"v": 1, "op": "register", "rid": 1, "pid": invisible_pid,
+                                       "device": "cpu", "tp_rank": 0, "tp_size": 1,
+                                       "max_tokens": 4, "slots": 1})])
+    reply = msgpack.unpackb(raw.recv_multipart()[0])
+    raw.close(0)
+    assert reply["status"] == "ok", reply
+    slab = slab_of(daemon, reply["client_id"])
+    wait_until(lambda: not slab.exists(), timeout=INVISIBLE_REAP_PERIODS * HEARTBEAT_S)
+
+
+EARLY_DEATH_CLIENT = textwrap.dedent("""
+    import os, sys, msgpack, zmq
+    sock = zmq.Context().socket(zmq.DEALER)
+    sock.connect("ipc://" + sys.argv[1])
+    sock.send_multipart([msgpack.packb({"v": 1, "op": "health", "rid": 1})])
+    sock.recv_multipart()  # connected: the ZeroMQ handshake is done
+    print("connected", flush=True)
+    sys.stdin.readline()
+    sock.send_multipart([msgpack.packb({"v": 1, "op": "register", "rid": 2, "pid": os.getpid(),
+                                        "device": "cpu", "tp_rank": 0, "tp_size": 1,
+                                        "max_tokens": 4, "slots": 1})])
+    print("sent", flush=True)
+    sys.stdin.readline()
+""")
+
+
+def test_client_dead_before_its_registration_is_read_leaves_nothing(daemon_factory):
+    """The daemon is busy (here: stopped) while a client sends `register` and dies; by the time
+    the daemon reads the request the PID is gone. Nothing may stay registered."""
+    daemon = daemon_factory()
+    child = subprocess.Popen([sys.executable, "-c", EARLY_DEATH_CLIENT, str(daemon.socket)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "connected"
+        daemon.proc.send_signal(signal.SIGSTOP)
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "sent"
+        time.sleep(0.2)  # the request reaches the daemon's socket buffer
+        child.kill()
+        child.wait()  # reaped: the PID no longer exists when the daemon reads the request
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+        child.kill()
+        child.wait()
+    time.sleep(REAP_DEADLINE_S + MEASURE_SLACK_S)
+    assert probe(daemon.socket, "stats", 5.0).fields["clients"] == []
+    assert not slab_files(daemon)
+
+
+def test_kill_cycles_under_load_leak_nothing(daemon_factory, reference):
+    """KILL_CYCLES clients killed at random moments while two others do checked lookups."""
+    daemon = daemon_factory()
+    pid = daemon.proc.pid
+    load = start_load(daemon, reference)
+    live_ids = sorted(t.client_id for t in load)
+    rng = np.random.default_rng(2024)
+    registered = 0
+    try:
+        for cycle in range(KILL_CYCLES + WARMUP_CYCLES):
+            if cycle == WARMUP_CYCLES:  # ZeroMQ and the allocator settle in the first cycles
+                wait_until(lambda: len(slab_files(daemon)) == 2, timeout=5.0)
+                fds_before = fd_count(pid)
+            doomed = Doomed(daemon.socket, seed=1000 + cycle, mode="lookups")
+            if rng.random() < 0.2:
+                time.sleep(rng.uniform(0.0, 0.05))  # possibly before or during registration
+            else:
+                doomed.wait_registered()
+                registered += 1
+                time.sleep(rng.uniform(0.0, 0.1))  # idle, mid-lookup, or between lookups
+            doomed.kill()
+            assert daemon.proc.poll() is None, daemon.log()
+        wait_until(lambda: len(slab_files(daemon)) == 2, timeout=REAP_DEADLINE_S + 1.0)
+        assert sorted(slab_files(daemon)) == sorted(slab_of(daemon, c).name for c in live_ids)
+        stats = stats_cli(daemon)
+        assert sorted(c["client_id"] for c in stats["clients"]) == live_ids
+        assert stats["registrations"] - stats["reaped"] == 2 and stats["reaped"] >= registered
+        assert slab_mappings(pid) == 2
+        try:  # ZeroMQ closes a dead peer's socket on its I/O thread, a moment later
+            wait_until(lambda: fd_count(pid) <= fds_before + FD_SLACK, timeout=2.0)
+        except AssertionError:
+            raise AssertionError(f"daemon fds {fds_before} -> {fd_count(pid)} after "
+                                 f"{KILL_CYCLES} kill cycles") from None
+    finally:
+        stop_load(load)
+    assert min(t.lookups for t in load) > 20, [t.lookups for t in load]
+    wait_until(lambda: slab_mappings(pid) == 0 and not slab_files(daemon), timeout=2.0)
