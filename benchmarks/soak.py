@@ -48,7 +48,7 @@ HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent / "tests"
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(TESTS))
-from reference import ReferenceTables, _bucket_primes, decode_e4m3, random_ids  # noqa: E402
+from reference import ReferenceTables, decode_e4m3, random_ids  # noqa: E402
 
 # The daemon's fd count may differ by this much from its start after every client has gone
 # (ZeroMQ's own sockets come and go); a leak of one fd per registration shows far above it.
@@ -104,18 +104,10 @@ def _tensor_map(path: Path, name: str) -> np.ndarray:
 class LazyReference(ReferenceTables):
     """tests/reference.py's expected rows, without dequantizing whole tables up front."""
 
-    def __init__(self, checkpoint_dir: Path):
-        config = json.loads((checkpoint_dir / "config.json").read_text())
-        index = json.loads((checkpoint_dir / "model.safetensors.index.json").read_text())["weight_map"]
-        self.layer_ids = config["engram_layer_ids"]
-        self.heads = (config["engram_max_ngram_size"] - 1) * config["engram_n_heads"]
-        self.values = []
-        for layer_id in self.layer_ids:
-            names = [f"layers.{layer_id}.engram.embed.{part}" for part in ("weight", "scale")]
-            weight, scale = (_tensor_map(checkpoint_dir / index[n], n) for n in names)
-            self.values.append(_CheckpointRows(weight, scale))
-        self.rows = [v.shape[0] for v in self.values]
-        self.bucket_sizes = _bucket_primes(config["engram_vocab_size"], len(self.layer_ids), self.heads)
+    def _layer_values(self, checkpoint_dir: Path, index: dict[str, str], layer_id: int):
+        names = [f"layers.{layer_id}.engram.embed.{part}" for part in ("weight", "scale")]
+        weight, scale = (_tensor_map(checkpoint_dir / index[n], n) for n in names)
+        return _CheckpointRows(weight, scale)
 
 
 # -- one client process -----------------------------------------------------------------------

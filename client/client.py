@@ -309,9 +309,10 @@ class EngramClient:
         GPU clients: IDs on the client's GPU are copied into the slot on `stream` (default: the
         current stream), so they may be produced by earlier work on that stream.
         """
+        if self._conn is None:
+            raise DaemonUnavailableError("client is closed")
         if self._daemon_gone():
             self._reconnect()
-        self._check_alive()
         ids = self._check_ids(hash_ids)
         if self.device.type == "cuda":
             return self._lookup_cuda(ids, stream or torch.cuda.current_stream(self.device.index))
@@ -433,8 +434,10 @@ class EngramClient:
             return False
         self._conn.collect()
         watch = self._conn.daemon_watch
+        # GPU clients: the watchdog thread reads /proc and sets _dead, off the lookup path.
+        cpu_watch = watch is not None and self.device.type == "cpu"
         return (self._dead is not None or self._conn.notice == "stopping"
-                or (watch is not None and watch.alive() is False))
+                or (cpu_watch and watch.alive() is False))
 
     def _check_alive(self) -> None:
         if self._conn is None:

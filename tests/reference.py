@@ -36,15 +36,17 @@ class ReferenceTables:
         index = json.loads((checkpoint_dir / "model.safetensors.index.json").read_text())["weight_map"]
         self.layer_ids = config["engram_layer_ids"]
         self.heads = (config["engram_max_ngram_size"] - 1) * config["engram_n_heads"]
-        self.values = []
-        for layer_id in self.layer_ids:
-            weight = _load_bytes(checkpoint_dir, index, f"layers.{layer_id}.engram.embed.weight")
-            scale = _load_bytes(checkpoint_dir, index, f"layers.{layer_id}.engram.embed.scale")
-            block = weight.shape[1] // scale.shape[1]
-            factors = np.exp2(scale.astype(np.float64) - 127.0)
-            self.values.append(decode_e4m3(weight) * np.repeat(factors, block, axis=1))
+        self.values = [self._layer_values(checkpoint_dir, index, layer_id) for layer_id in self.layer_ids]
         self.rows = [v.shape[0] for v in self.values]
         self.bucket_sizes = _bucket_primes(config["engram_vocab_size"], len(self.layer_ids), self.heads)
+
+    def _layer_values(self, checkpoint_dir: Path, index: dict[str, str], layer_id: int):
+        """One layer's table as float64 [rows, head_dim] (subclasses may return a lazy view)."""
+        weight = _load_bytes(checkpoint_dir, index, f"layers.{layer_id}.engram.embed.weight")
+        scale = _load_bytes(checkpoint_dir, index, f"layers.{layer_id}.engram.embed.scale")
+        block = weight.shape[1] // scale.shape[1]
+        factors = np.exp2(scale.astype(np.float64) - 127.0)
+        return decode_e4m3(weight) * np.repeat(factors, block, axis=1)
 
     def expected(self, ids: np.ndarray, rank: int = 0, shards: int = 1) -> np.ndarray:
         """[n_layers, T, local_heads, head_dim] float64 for ids [T, n_layers, heads]."""
