@@ -31,7 +31,9 @@ import torch
 from torch import Tensor
 
 from engramd.client.geometry import DEAD_ID, ShardView
+from engramd.kernels import hot_cache
 from engramd.kernels.gather_ref import head_dim_for
+from engramd.kernels.hot_cache import HotCache
 
 try:
     import triton
@@ -91,27 +93,90 @@ if triton is not None:
         is_nan = ((exponent == 15) & (mantissa == 7)) | (s == 255)
         return tl.where(is_nan, 0x7FC0, bits)
 
+    @triton.jit
+    def _max(a, b):
+        return tl.maximum(a, b)
+
+    @triton.jit
+    def _load(ptr, mask, L2_ONLY: tl.constexpr):
+        # Cache rows change under running gathers (server/cache_keeper.py), so with a cache
+        # every row and key is read at L2, which is coherent, never from an SM's L1.
+        if L2_ONLY:
+            return tl.load(ptr, mask=mask, other=0, cache_modifier=".cg")
+        else:
+            return tl.load(ptr, mask=mask, other=0)
+
+    @triton.jit
+    def _probe_cache(cache_ptr, layer, row, hit, counted, n_layers,
+                     WAYS: tl.constexpr, KEY_SHIFT: tl.constexpr, SET_MUL: tl.constexpr,
+                     SKETCH_MUL0: tl.constexpr, SKETCH_MUL1: tl.constexpr):
+        """Slot of each row in the hot-row cache (-1: miss); counts, logs candidates.
+
+        Field order of cache_ptr: kernels/hot_cache.META_FIELDS. `hit` marks the rows this
+        lookup reads; `counted` those of them that go into the sketch and the counters.
+        """
+        key = (layer.to(tl.int64) << KEY_SHIFT) | row
+        sets = tl.load(cache_ptr + 2)
+        set_i = (((key * SET_MUL) >> 32) & 0xFFFFFFFF) * sets >> 32
+        ways = tl.arange(0, WAYS)
+        keys = tl.load(cache_ptr + 0).to(tl.pointer_type(tl.int64))
+        resident = tl.load(keys + set_i[:, None] * WAYS + ways[None, :], mask=hit[:, None],
+                           other=-1, cache_modifier=".cg")
+        match = (resident == key[:, None]) & hit[:, None]
+        way = tl.reduce(tl.where(match, ways[None, :], -1), 1, _max)
+        cached = way >= 0
+        # Count-min sketch: the old counts give the estimate before this lookup.
+        bits = tl.load(cache_ptr + 9)
+        sketch = tl.load(cache_ptr + 3).to(tl.pointer_type(tl.int32))
+        index0 = ((key * SKETCH_MUL0) >> (64 - bits)) & ((1 << bits) - 1)
+        index1 = ((key * SKETCH_MUL1) >> (64 - bits)) & ((1 << bits) - 1)
+        old0 = tl.atomic_add(sketch + index0, 1, mask=counted)
+        old1 = tl.atomic_add(sketch + (1 << bits) + index1, 1, mask=counted)
+        estimate = tl.minimum(old0, old1)
+        # Misses seen before go to the candidate log: one cursor atomic per block.
+        logged = counted & ~cached & (estimate >= tl.load(cache_ptr + 8))
+        n_logged = tl.reduce(logged.to(tl.int64), 0, _add)
+        cursor = tl.load(cache_ptr + 5).to(tl.pointer_type(tl.int64))
+        start = tl.atomic_add(cursor, n_logged, mask=n_logged > 0)
+        position = start + tl.associative_scan(logged.to(tl.int64), 0, _add) - 1
+        log = tl.load(cache_ptr + 4).to(tl.pointer_type(tl.int64))
+        tl.store(log + (position & tl.load(cache_ptr + 7)), key, mask=logged)
+        # counters[0][layer] = rows read, counters[1][layer] = of them from the cache
+        counters = tl.load(cache_ptr + 6).to(tl.pointer_type(tl.int64))
+        for lay in range(0, n_layers):
+            mine = counted & (layer == lay)
+            reads = tl.reduce(mine.to(tl.int64), 0, _add)
+            tl.atomic_add(counters + lay, reads, mask=reads > 0)
+            hits = tl.reduce((mine & cached).to(tl.int64), 0, _add)
+            tl.atomic_add(counters + n_layers + lay, hits, mask=hits > 0)
+        return tl.where(cached, set_i * WAYS + way, -1)
+
     # Integer arguments that change from call to call are not specialised on (value 1,
     # divisibility by 16), so a lookup of a new size never compiles a new variant in the hot
     # path: the variants are exactly the constexpr combinations that warm_up() compiles.
     @triton.jit(do_not_specialize=[
         "n_items", "tokens", "local_heads", "owned_heads", "head_start",
-        "ids_stride_t", "ids_stride_l", "ids_stride_h", "out_rows_l", "out_rows_t",
+        "ids_stride_t", "ids_stride_l", "ids_stride_h", "out_rows_l", "out_rows_t", "n_layers",
     ])
     def _gather_kernel(
-        ids_ptr, meta_ptr, out_ptr, bad_ptr,
+        ids_ptr, meta_ptr, out_ptr, bad_ptr, cache_ptr, lead_ptr,
         n_items, tokens, local_heads, owned_heads, head_start,
         ids_stride_t, ids_stride_l, ids_stride_h,
-        out_rows_l, out_rows_t,
+        out_rows_l, out_rows_t, n_layers,
         HEAD_DIM: tl.constexpr, ROW_BYTES: tl.constexpr,
         WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_ROWS: tl.constexpr,
         PACKED: tl.constexpr, ALIGNED: tl.constexpr, COUNT_BAD: tl.constexpr,
+        CACHED: tl.constexpr, LEADERS_ONLY: tl.constexpr, WAYS: tl.constexpr,
+        KEY_SHIFT: tl.constexpr, SET_MUL: tl.constexpr,
+        SKETCH_MUL0: tl.constexpr, SKETCH_MUL1: tl.constexpr,
     ):
         """Each program takes blocks pid, pid + grid, ... of BLOCK_ROWS work items.
 
         Item i is (layer, token, local head j) in that nesting order, so a block's rows land
         next to each other in the output. Every output row of every item is written: the row
         when the ID is owned, zeros otherwise, so the output needs no clearing beforehand.
+        With LEADERS_ONLY, only items that lead their run of equal rows (lead_ptr[i] == i) are
+        done; _fanout_kernel then copies each leader's output to its followers.
         """
         cols = tl.arange(0, BLOCK_W)
         col_ok = cols < WIDTH
@@ -120,6 +185,8 @@ if triton is not None:
         for block in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
             item = block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
             live = item < n_items
+            if LEADERS_ONLY:
+                live = live & (tl.load(lead_ptr + item, mask=live, other=-1) == item)
             layer = item // per_layer
             token = (item - layer * per_layer) // local_heads
             j = item - layer * per_layer - token * local_heads
@@ -136,7 +203,12 @@ if triton is not None:
                 bad = owned & (row != _DEAD) & ((row < 0) | (row >= rows))
                 n_bad = tl.reduce(bad.to(tl.int64), 0, _add)
                 tl.atomic_add(bad_ptr, n_bad, mask=n_bad > 0)
-            src = (base + row * ROW_BYTES).to(tl.pointer_type(tl.uint8))
+            address = base + row * ROW_BYTES
+            if CACHED:
+                slot = _probe_cache(cache_ptr, layer, row, hit, hit, n_layers, WAYS, KEY_SHIFT,
+                                    SET_MUL, SKETCH_MUL0, SKETCH_MUL1)
+                address = tl.where(slot >= 0, tl.load(cache_ptr + 1) + slot * ROW_BYTES, address)
+            src = address.to(tl.pointer_type(tl.uint8))
             if ALIGNED:
                 src = tl.multiple_of(src, 8)
             load_mask = hit[:, None] & col_ok[None, :]
@@ -146,7 +218,7 @@ if triton is not None:
                           + j.to(tl.int64)) * WIDTH
             dst = out_ptr + out_offset[:, None] + cols[None, :]
             store_mask = live[:, None] & col_ok[None, :]
-            raw = tl.load(src[:, None] + cols[None, :], mask=load_mask, other=0)
+            raw = _load(src[:, None] + cols[None, :], load_mask, CACHED)
             if PACKED:
                 tl.store(dst, raw, mask=store_mask)
             else:
@@ -154,15 +226,43 @@ if triton is not None:
                     # The 8 scale bytes are one aligned little-endian word: one load per row
                     # instead of one byte load per value.
                     word_src = (src + HEAD_DIM).to(tl.pointer_type(tl.int64))
-                    word = tl.load(word_src, mask=hit, other=0)
+                    word = _load(word_src, hit, CACHED)
                     shift = ((cols // 32) * 8).to(tl.int64)
                     scale = (word[:, None] >> shift[None, :]) & 0xFF
                 else:
                     scale_src = src[:, None] + HEAD_DIM + cols[None, :] // 32
-                    scale = tl.load(scale_src, mask=load_mask, other=0)
+                    scale = _load(scale_src, load_mask, CACHED)
                 bits = _bf16_bits(raw.to(tl.int32), scale.to(tl.int32))
                 bits = tl.where(load_mask, bits, 0)
                 tl.store(dst, bits.to(tl.int16), mask=store_mask)
+
+
+    @triton.jit(do_not_specialize=["n_items", "tokens", "local_heads", "out_rows_l", "out_rows_t"])
+    def _fanout_kernel(
+        lead_ptr, out_ptr, n_items, tokens, local_heads, out_rows_l, out_rows_t,
+        WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+    ):
+        """Copy each leader's output row to the items that follow it (lead_ptr[i] != i)."""
+        cols = tl.arange(0, BLOCK_W)
+        col_ok = cols < WIDTH
+        per_layer = tokens * local_heads
+        n_blocks = (n_items + BLOCK_ROWS - 1) // BLOCK_ROWS
+        for block in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
+            item = block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+            leader = tl.load(lead_ptr + item, mask=item < n_items, other=0).to(tl.int32)
+            follows = (item < n_items) & (leader != item)
+            mask = follows[:, None] & col_ok[None, :]
+            src = _out_row(leader, per_layer, local_heads, out_rows_l, out_rows_t) * WIDTH
+            dst = _out_row(item, per_layer, local_heads, out_rows_l, out_rows_t) * WIDTH
+            values = tl.load(out_ptr + src[:, None] + cols[None, :], mask=mask, other=0)
+            tl.store(out_ptr + dst[:, None] + cols[None, :], values, mask=mask)
+
+    @triton.jit
+    def _out_row(item, per_layer, local_heads, out_rows_l, out_rows_t):
+        layer = item // per_layer
+        token = (item - layer * per_layer) // local_heads
+        j = item - layer * per_layer - token * local_heads
+        return layer.to(tl.int64) * out_rows_l + token.to(tl.int64) * out_rows_t + j.to(tl.int64)
 
 
 def _kernel_is_interpreted() -> bool:
@@ -256,13 +356,20 @@ class GatherPlan:
         self.head_dim = head_dim_for(self.row_bytes)
         self.aligned = self.row_bytes % 8 == 0 and all(t.address % 8 == 0 for t in self.tables)
         self.meta = _stage_meta(self.tables, shard, self.device)
+        # [L, 1, 1] row bounds of the shard and the table, for dedupe keys
+        bounds = self.meta.view(-1, _META_COLUMNS)
+        lo, hi = bounds[:, 2], torch.minimum(bounds[:, 3], bounds[:, 1])
+        self.row_bounds = (lo.view(-1, 1, 1), hi.view(-1, 1, 1))
 
     @property
     def n_layers(self) -> int:
         return len(self.tables)
 
-    def warm_up(self, stream: torch.cuda.Stream | None = None) -> None:
+    def warm_up(self, stream: torch.cuda.Stream | None = None, caches: Sequence[HotCache] = ()) -> None:
         """Compile and load every kernel variant this plan can launch with the default blocks.
+
+        Give the caches it will be called with: a cache variant warms up on a real cache (a DEAD
+        ID reads, counts and logs nothing).
 
         A first launch loads the module lazily, and a process whose stream waits on another
         process must not do that in its hot path (DESIGN.md, data path point 4).
@@ -273,7 +380,10 @@ class GatherPlan:
                              device=self.device)
             for packed in (False, True):
                 for count in (None, counter):
-                    self(ids, packed=packed, stream=stream, out_of_range=count)
+                    for cache in (None, *caches):
+                        for dedupe in (False, True):
+                            self(ids, packed=packed, stream=stream, out_of_range=count,
+                                 cache=cache, dedupe=dedupe)
 
     def output_shape(self, tokens: int, packed: bool = False) -> tuple[int, int, int, int]:
         width = self.row_bytes if packed else self.head_dim
@@ -290,6 +400,8 @@ class GatherPlan:
         out_of_range: Tensor | None = None,
         block_rows: int = DEFAULT_BLOCK_ROWS,
         num_warps: int = DEFAULT_NUM_WARPS,
+        cache: HotCache | None = None,
+        dedupe: bool = False,
     ) -> Tensor:
         """Queue the lookup of `ids` [T, n_layers, heads] into `out` (allocated when None).
 
@@ -298,6 +410,10 @@ class GatherPlan:
         row is contiguous. `out_of_range`, an int64 device tensor of one element, is incremented
         by the number of owned-head IDs that are not DEAD_ID and lie outside the table. The
         launch goes on `stream`, else the current stream (no streams under the interpreter).
+
+        `cache`: read rows resident in this device's hot-row cache from HBM, count every row in
+        its sketch and log repeated misses (kernels/hot_cache.py). `dedupe`: read each distinct
+        (layer, row) once (a sort, the gather of the leaders, then a copy to the followers).
 
         Grid size, measured on an H200 (8 M-row table, 393 K random rows): reads over UVA from
         pinned host memory run at 53-61 M rows/s whatever num_programs and block_rows are; from
@@ -311,29 +427,80 @@ class GatherPlan:
             raise ValueError(f"{n_items} rows in one lookup; at most {_MAX_ITEMS} per launch")
         if n_items == 0:
             return out
-        grid = (min(programs, triton.cdiv(n_items, block_rows)),)
+        self._check_cache(cache)
+        launch = _Launch(min(programs, triton.cdiv(n_items, block_rows)), n_items, packed,
+                         block_rows, num_warps)
         if stream is None or _kernel_is_interpreted():
-            self._launch(grid, ids, out, packed, n_items, out_of_range, block_rows, num_warps)
+            self._launch(launch, ids, out, out_of_range, cache, dedupe)
         else:
             with torch.cuda.stream(stream):
-                self._launch(grid, ids, out, packed, n_items, out_of_range, block_rows, num_warps)
+                self._launch(launch, ids, out, out_of_range, cache, dedupe)
         return out
 
-    def _launch(self, grid, ids, out, packed, n_items, out_of_range, block_rows, num_warps):
-        width = self.row_bytes if packed else self.head_dim
-        target = out if packed else out.view(torch.int16)  # the kernel writes BF16 bit patterns
+    def _launch(self, launch: _Launch, ids, out, out_of_range, cache, dedupe) -> None:
+        width = self.row_bytes if launch.packed else self.head_dim
+        target = out if launch.packed else out.view(torch.int16)  # the kernel writes BF16 bits
         counter = out_of_range if out_of_range is not None else self.meta  # unused when not counting
-        _gather_kernel[grid](
-            ids, self.meta, target, counter,
-            n_items, ids.shape[0], self.shard.local_heads, self.shard.owned_heads,
+        leaders = self.leaders(ids) if dedupe else self.meta  # unused without dedupe
+        _gather_kernel[(launch.grid,)](
+            ids, self.meta, target, counter, cache.meta if cache is not None else self.meta, leaders,
+            launch.n_items, ids.shape[0], self.shard.local_heads, self.shard.owned_heads,
             self.shard.head_start,
             ids.stride(0), ids.stride(1), ids.stride(2),
-            out.stride(0) // width, out.stride(1) // width,
+            out.stride(0) // width, out.stride(1) // width, self.n_layers,
             HEAD_DIM=self.head_dim, ROW_BYTES=self.row_bytes,
-            WIDTH=width, BLOCK_W=triton.next_power_of_2(width), BLOCK_ROWS=block_rows,
-            PACKED=packed, ALIGNED=self.aligned, COUNT_BAD=out_of_range is not None,
-            num_warps=num_warps,
+            WIDTH=width, BLOCK_W=triton.next_power_of_2(width), BLOCK_ROWS=launch.block_rows,
+            PACKED=launch.packed, ALIGNED=self.aligned, COUNT_BAD=out_of_range is not None,
+            CACHED=cache is not None, LEADERS_ONLY=dedupe, WAYS=hot_cache.WAYS,
+            KEY_SHIFT=hot_cache.KEY_LAYER_SHIFT, SET_MUL=hot_cache.SET_MULTIPLIER,
+            SKETCH_MUL0=hot_cache.SKETCH_MULTIPLIERS[0], SKETCH_MUL1=hot_cache.SKETCH_MULTIPLIERS[1],
+            num_warps=launch.num_warps,
         )
+        if dedupe:
+            _fanout_kernel[(launch.grid,)](
+                leaders, target, launch.n_items, ids.shape[0], self.shard.local_heads,
+                out.stride(0) // width, out.stride(1) // width,
+                WIDTH=width, BLOCK_W=triton.next_power_of_2(width), BLOCK_ROWS=launch.block_rows,
+                num_warps=launch.num_warps,
+            )
+
+    def leaders(self, ids: Tensor) -> Tensor:
+        """int32 per work item: the first item, in sorted order, that reads the same row.
+
+        Items that read nothing (DEAD, out of the shard's rows or the table, padding heads) get
+        a key of their own, so each leads itself and is still zeroed and counted by the kernel.
+        No host synchronisation: a sort and element-wise ops.
+        """
+        tokens, local = ids.shape[0], self.shard.local_heads
+        owned = self.shard.head_start + self.shard.owned_heads
+        rows = ids[:, :, self.shard.head_start:owned].permute(1, 0, 2).to(torch.int64)
+        lo, hi = self.row_bounds
+        item = torch.arange(self.n_layers * tokens * local, device=ids.device).view(
+            self.n_layers, tokens, local)
+        keys = -1 - item
+        layer = torch.arange(self.n_layers, device=ids.device).view(-1, 1, 1)
+        owned_keys = hot_cache.row_keys(layer, rows)
+        reads = (rows >= lo) & (rows < hi)
+        keys[:, :, :rows.shape[2]] = torch.where(reads, owned_keys, keys[:, :, :rows.shape[2]])
+        ordered, order = torch.sort(keys.view(-1))
+        starts = torch.ones_like(ordered, dtype=torch.bool)
+        starts[1:] = ordered[1:] != ordered[:-1]
+        position = torch.arange(ordered.numel(), device=ids.device)
+        run_start = torch.where(starts, position, 0).cummax(0).values
+        leaders = torch.empty_like(order, dtype=torch.int32)
+        leaders[order] = order[run_start].to(torch.int32)
+        return leaders
+
+    def _check_cache(self, cache: HotCache | None) -> None:
+        if cache is None:
+            return
+        if not isinstance(cache, HotCache):
+            raise TypeError(f"cache must be a HotCache, got {type(cache).__name__}")
+        if cache.device != self.device or cache.layout.row_bytes != self.row_bytes:
+            raise ValueError(f"cache on {cache.device} with {cache.layout.row_bytes}-byte rows "
+                             f"cannot serve a plan on {self.device} with {self.row_bytes}-byte rows")
+        if cache.n_layers != self.n_layers:
+            raise ValueError(f"cache counts {cache.n_layers} layers, the plan has {self.n_layers}")
 
     def _check_ids(self, ids: Tensor) -> None:
         if not isinstance(ids, Tensor):
@@ -387,6 +554,15 @@ class GatherPlan:
         ):
             raise ValueError(f"out_of_range must be one int64 element on {self.device}")
         return num_programs
+
+
+@dataclass(frozen=True)
+class _Launch:
+    grid: int
+    n_items: int
+    packed: bool
+    block_rows: int
+    num_warps: int
 
 
 def gather(

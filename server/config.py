@@ -51,6 +51,17 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("cuda_dispatch", str, "worker",
             "CUDA backend: enqueue gathers on the request loop ('inline') or a thread per GPU ('worker')",
             choices=("inline", "worker")),
+    Setting("hot_cache_gib", float, 2.0,
+            "CUDA backend: HBM hot-row cache per GPU in GiB (rows, keys, sketch); 0 disables it",
+            low=0.0, high=1024.0),
+    Setting("hot_cache_refresh_ms", float, 50.0,
+            "CUDA backend: milliseconds between hot-row cache refreshes", low=1.0, high=60000.0),
+    Setting("dedupe_min_tokens", int, 1024,
+            "CUDA backend: lookups of at least this many tokens read each distinct row once (0: never)",
+            low=0, high=1 << 20),
+    Setting("gather_sm_fraction", float, 1.0,
+            "CUDA backend: fraction of each GPU's SMs the gather may occupy (leaves the model room)",
+            low=0.01, high=1.0),
     Setting("heartbeat_interval", float, 1.0,
             "seconds between client liveness checks; dead clients are freed within two", low=0.05, high=60.0),
     Setting("self_check", bool, True,
@@ -77,6 +88,10 @@ class DaemonConfig:
     max_slots: int
     workers: int
     cuda_dispatch: str
+    hot_cache_gib: float
+    hot_cache_refresh_ms: float
+    dedupe_min_tokens: int
+    gather_sm_fraction: float
     heartbeat_interval: float
     self_check: bool
     metrics_address: str

@@ -18,6 +18,11 @@ the time of the wait call, so the client could only enqueue its wait after the d
 enqueues it at once and the daemon may enqueue its write before or after. Measured by
 benchmarks/completion_mechanisms.py (results under benchmarks/results/).
 
+Each GPU also has a hot-row cache in HBM (kernels/hot_cache.py) that the gathers probe, kept
+filled by a CacheKeeper thread (server/cache_keeper.py), and lookups of at least
+`dedupe_min_tokens` tokens read each distinct row once. The persistent gather grid may be capped
+to a fraction of the SMs, so that prefetched lookups leave the model's kernels room.
+
 The daemon's progress never depends on a client's host once a request is sent, and every kernel
 is loaded and warmed at start (CUDA_MODULE_LOADING=EAGER is set before CUDA initialises), because
 a lazily loaded kernel launched while a stream waits on another process blocks the host.
@@ -30,6 +35,7 @@ import os
 import queue
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,7 +47,9 @@ from engramd.client.geometry import ShardView, TableGeometry
 from engramd.client.ids import ID_DTYPES
 from engramd.client.slab import IDS_READY, ROWS_DONE, SlabLayout
 from engramd.kernels.gather_triton import GatherPlan, LayerTable
+from engramd.kernels.hot_cache import CacheLayout, HotCache
 from engramd.server.backend import Completion, LookupJob
+from engramd.server.cache_keeper import CacheKeeper
 from engramd.server.table_store import HostTable
 
 log = logging.getLogger("engramd.cuda")
@@ -52,10 +60,19 @@ REGISTER_CHUNK = 64 << 30
 GATHER_DELAY_ENV = "ENGRAMD_DEBUG_GATHER_DELAY_MS"
 GATHER_DELAY_MS = float(os.environ.get(GATHER_DELAY_ENV, "0") or 0)
 _CYCLES_PER_MS = 2_000_000  # torch.cuda._sleep counts GPU clock cycles (~2 GHz on H100/H200)
-# Fault injection for tests: a GPU-side delay (ms) before every gather, so that a test can show the
-# client enqueues its consumer work and returns before the rows exist. Never set in production.
-GATHER_DELAY_ENV = "ENGRAMD_DEBUG_GATHER_DELAY_MS"
-_CYCLES_PER_MS = 2_000_000  # torch.cuda._sleep counts GPU clock cycles (~2 GHz on H100/H200)
+
+
+@dataclass(frozen=True)
+class GatherOptions:
+    """How lookups are served on every GPU (config: hot_cache_gib, dedupe_min_tokens, ...)."""
+
+    cache_bytes: int = 2 << 30  # 0: no hot-row cache
+    cache_refresh_s: float = 0.05
+    dedupe_min_tokens: int = 1024  # 0: never dedupe
+    sm_fraction: float = 1.0  # of each GPU's SMs the persistent gather grid may use
+
+    def dedupe(self, tokens: int) -> bool:
+        return 0 < self.dedupe_min_tokens <= tokens
 
 
 class PinnedTables:
@@ -106,7 +123,8 @@ class CudaSlab:
     """A client's slab on its GPU: device memory, its IPC handle, its daemon stream and plan."""
 
     def __init__(self, device_index: int, uuid: str, layout: SlabLayout, plan_tables: list[LayerTable],
-                 shard: ShardView):
+                 shard: ShardView, gpu: GpuState):
+        self.gpu = gpu
         self.device_index = device_index
         self.uuid = uuid
         self.layout = layout
@@ -124,6 +142,7 @@ class CudaSlab:
             self.plan = GatherPlan(plan_tables, shard, device)
             self.out_of_range = torch.zeros(1, dtype=torch.int64, device=device)
         self.enqueued: dict[int, int] = {}  # slot -> seq of the last lookup enqueued on it
+        gpu.streams.add(self.stream)
 
     def counter_address(self, slot: int, word: int) -> int:
         return self.ptr + self.layout.counter_offset(slot, word)
@@ -150,6 +169,7 @@ class CudaSlab:
         if not self.ptr:
             return
         ptr, self.ptr = self.ptr, 0
+        self.gpu.streams.discard(self.stream)
         threading.Thread(target=self._free, args=(ptr,), name="engramd-free", daemon=True).start()
 
     def _free(self, ptr: int) -> None:
@@ -164,6 +184,49 @@ class CudaSlab:
                 check("cudaFree", cuda.cudart.cudaFree(ptr))
         except Exception:
             log.exception("freeing the slab on %s failed", self.uuid)
+
+
+class GpuState:
+    """What the lookups of one GPU share: its cache and keeper, and the streams they run on."""
+
+    def __init__(self, index: int, tables: list[HostTable], layer_tables: list[LayerTable],
+                 geometry: TableGeometry, options: GatherOptions):
+        self.index = index
+        self.device = torch.device("cuda", index)
+        self.options = options
+        self.streams: set[torch.cuda.Stream] = set()  # of live slabs; the keeper's grace waits on them
+        sms = torch.cuda.get_device_properties(index).multi_processor_count
+        self.programs = max(1, int(sms * options.sm_fraction))
+        self.cache: HotCache | None = None
+        self.keeper: CacheKeeper | None = None
+        with torch.cuda.device(index):
+            if options.cache_bytes:
+                layout = CacheLayout.from_budget(options.cache_bytes, geometry.row_bytes)
+                self.cache = HotCache(layout, geometry.n_layers, self.device)
+                views = [cuda.tensor_view(t.address, t.nbytes, self.device).view(t.rows, t.row_bytes)
+                         for t in tables]
+                self.keeper = CacheKeeper(self.cache, views, lambda: list(self.streams),
+                                          interval=options.cache_refresh_s)
+                log.info("GPU %d: hot-row cache of %d rows (%.2f GiB)", index, layout.slots,
+                         layout.nbytes / 2**30)
+            plan = GatherPlan(layer_tables, geometry.shard(0, 1), self.device)
+            plan.warm_up(caches=[self.cache] if self.cache is not None else [])
+            torch.cuda.synchronize(index)
+        self.warm_plan = plan
+
+    def start(self) -> None:
+        if self.keeper is not None:
+            self.keeper.start()
+
+    def cache_stats(self) -> dict[str, Any] | None:
+        if self.keeper is None:
+            return None
+        return self.keeper.stats.snapshot(self.cache.layout.row_bytes) | {
+            "slots": self.cache.layout.slots, "bytes": self.cache.layout.nbytes}
+
+    def close(self) -> None:
+        if self.keeper is not None:
+            self.keeper.close()
 
 
 class GpuWorker:
@@ -207,8 +270,10 @@ def enqueue_lookup(job: LookupJob) -> None:
         with torch.cuda.stream(stream):
             torch.cuda._sleep(int(GATHER_DELAY_MS * _CYCLES_PER_MS))
     if not job.skip:
+        gpu = slab.gpu
         slab.plan(slab.ids(job.slot, job.tokens, ID_DTYPES[job.ids_dtype]),
-                  slab.rows(job.slot, job.tokens), stream=stream, out_of_range=slab.out_of_range)
+                  slab.rows(job.slot, job.tokens), stream=stream, out_of_range=slab.out_of_range,
+                  cache=gpu.cache, dedupe=gpu.options.dedupe(job.tokens), num_programs=gpu.programs)
     cuda.stream_write_u32(stream.cuda_stream, slab.counter_address(job.slot, ROWS_DONE), job.seq)
     slab.enqueued[job.slot] = job.seq
     job.out_of_range = 0  # counted on the GPU (slab.out_of_range); never synchronised per lookup
@@ -218,26 +283,27 @@ class CudaBackend:
     name = "cuda"
     orders_slots = True
 
-    def __init__(self, tables: list[HostTable], geometry: TableGeometry, inline: bool = False):
+    def __init__(self, tables: list[HostTable], geometry: TableGeometry, inline: bool = False,
+                 options: GatherOptions | None = None):
         if not torch.cuda.is_available():
             raise CudaError("no CUDA device is visible")
         self.geometry = geometry
         self.inline = inline
+        self.options = options or GatherOptions()
         self.pinned = PinnedTables(tables)
         self.pinned_bytes = sum(t.nbytes for t in tables)
         self.layer_tables = self.pinned.layer_tables()
         self.uuids = {cuda.device_uuid(i): i for i in range(torch.cuda.device_count())}
         self.workers = {i: GpuWorker(i) for i in self.uuids.values()}
-        self._warm_up()
-
-    def _warm_up(self) -> None:
-        """Compile and load the gather kernels on every GPU before any client can wait on us."""
-        for index in self.workers:
-            plan = GatherPlan(self.layer_tables, self.geometry.shard(0, 1), torch.device("cuda", index))
-            plan.warm_up()
-            if GATHER_DELAY_MS:
-                torch.cuda._sleep(1)
-            torch.cuda.synchronize(index)
+        # Every kernel variant is compiled and loaded on every GPU before any client can wait on us.
+        self.gpus = {i: GpuState(i, tables, self.layer_tables, geometry, self.options)
+                     for i in self.uuids.values()}
+        if GATHER_DELAY_MS:
+            for index in self.gpus:
+                with torch.cuda.device(index):
+                    torch.cuda._sleep(1)
+        for gpu in self.gpus.values():
+            gpu.start()
         log.info("gather kernels warmed on %d GPU(s): %s", len(self.workers), ", ".join(self.uuids))
 
     def allocate_slab(self, device: str, layout: SlabLayout, client_id: int, shard: ShardView) -> CudaSlab:
@@ -247,14 +313,21 @@ class CudaBackend:
         uuid = device[len(prefix):]
         if uuid not in self.uuids:
             raise BadRequestError(f"GPU {uuid} is not visible to the daemon (it sees {sorted(self.uuids)})")
-        return CudaSlab(self.uuids[uuid], uuid, layout, self.layer_tables, shard)
+        index = self.uuids[uuid]
+        return CudaSlab(index, uuid, layout, self.layer_tables, shard, self.gpus[index])
 
     def check_gather(self, ids: torch.Tensor):
         """(where, rows) of a full-shard lookup of `ids` on every GPU, for the start-up self-check."""
         for uuid, index in self.uuids.items():
-            device = torch.device("cuda", index)
-            plan = GatherPlan(self.layer_tables, self.geometry.shard(0, 1), device)
-            yield f"GPU {uuid}", plan(ids.to(device)).cpu()
+            gpu = self.gpus[index]
+            with torch.cuda.device(index):
+                rows = gpu.warm_plan(ids.to(gpu.device), cache=gpu.cache, num_programs=gpu.programs)
+                yield f"GPU {uuid}", rows.cpu()
+
+    def cache_stats(self) -> dict[str, Any]:
+        """Per GPU (by UUID): the hot-row cache's hit rates, admissions and size."""
+        return {uuid: self.gpus[index].cache_stats() for uuid, index in self.uuids.items()
+                if self.gpus[index].cache is not None}
 
     def out_of_range(self, slabs: list[CudaSlab]) -> int:
         """Out-of-range IDs counted on the GPUs so far (synchronises those counters only)."""
@@ -267,6 +340,8 @@ class CudaBackend:
             self.workers[job.slab.device_index].submit(job, done)
 
     def close(self) -> None:
+        for gpu in self.gpus.values():
+            gpu.close()
         for worker in self.workers.values():
             worker.close()
         for index in self.workers:

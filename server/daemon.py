@@ -307,7 +307,8 @@ class Daemon:
             "backend": self.tables.backend.name if self.tables else None,
             "clients": stats.get("clients", []), "lookups": stats.get("lookups", 0),
             "rows": stats.get("rows", 0), "out_of_range": stats.get("out_of_range", 0),
-            "errors": stats.get("errors", {}), "slab_bytes": slab_bytes, "pinned_bytes": pinned})
+            "errors": stats.get("errors", {}), "slab_bytes": slab_bytes, "pinned_bytes": pinned,
+            "hot_cache": self._cache_stats()})
 
     def _in_flight(self) -> int:
         if self.store is None:
@@ -393,7 +394,13 @@ class Daemon:
     def _op_stats(self, identity: bytes, request: protocol.Request) -> list[bytes]:
         stats = self.store.stats() if self.store is not None else {}
         return protocol.encode_reply("stats", request.rid, self.epoch, state=self.state,
-                                     uptime=time.monotonic() - self.started, **stats)
+                                     uptime=time.monotonic() - self.started,
+                                     hot_cache=self._cache_stats(), **stats)
+
+    def _cache_stats(self) -> dict[str, Any]:
+        """Per GPU UUID, the hot-row cache's counters (empty without a cache or a GPU backend)."""
+        backend = self.tables.backend if self.tables is not None else None
+        return backend.cache_stats() if hasattr(backend, "cache_stats") else {}
 
     def _op_drain(self, identity: bytes, request: protocol.Request) -> list[bytes]:
         """Admin: stop accepting, finish in-flight lookups, then exit 0 (as on SIGTERM)."""

@@ -57,6 +57,29 @@ class _SnapshotCollector:
         for device, nbytes in sorted(s["slab_bytes"].items()):
             slabs.add_metric([device], nbytes)
         yield slabs
+        yield from _cache_families(s.get("hot_cache", {}))
+
+
+def _cache_families(caches: dict[str, dict[str, Any]]) -> Iterator[Any]:
+    """Hot-row cache per GPU: reads and hits per layer, hit rate, bytes of host reads saved."""
+    per_layer = [("engramd_cache_reads", "rows read by the gathers (after dedupe)", "reads", CounterMetricFamily),
+                 ("engramd_cache_hits", "rows read from the HBM hot-row cache", "hits", CounterMetricFamily),
+                 ("engramd_cache_hit_rate", "hits / reads since start", "hit_rate", GaugeMetricFamily)]
+    for name, doc, key, kind in per_layer:
+        family = kind(name, doc, labels=["device", "layer"])
+        for device, c in sorted(caches.items()):
+            for layer, value in enumerate(c[key]):
+                family.add_metric([device, str(layer)], value)
+        yield family
+    per_device = [("engramd_cache_bytes_saved", "host bytes not read thanks to the cache", "bytes_saved",
+                   CounterMetricFamily),
+                  ("engramd_cache_admitted", "rows admitted into the cache", "admitted", CounterMetricFamily),
+                  ("engramd_cache_slots", "rows the cache can hold", "slots", GaugeMetricFamily)]
+    for name, doc, key, kind in per_device:
+        family = kind(name, doc, labels=["device"])
+        for device, c in sorted(caches.items()):
+            family.add_metric([device], c[key])
+        yield family
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

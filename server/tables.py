@@ -90,11 +90,15 @@ def build_backend(config: DaemonConfig, geometry: TableGeometry, tables: list[Ho
         return CpuBackend([t.tensor for t in tables], geometry, Path(config.shm_dir), prefix,
                           config.workers)
     try:
-        from engramd.server.cuda_backend import CudaBackend
+        from engramd.server.cuda_backend import CudaBackend, GatherOptions
     except ImportError as exc:
         raise DeviceBackendError(f"cuda backend unavailable: {exc}") from exc
+    options = GatherOptions(cache_bytes=int(config.hot_cache_gib * 2**30),
+                            cache_refresh_s=config.hot_cache_refresh_ms / 1e3,
+                            dedupe_min_tokens=config.dedupe_min_tokens,
+                            sm_fraction=config.gather_sm_fraction)
     try:
-        return CudaBackend(tables, geometry, inline=config.cuda_dispatch == "inline")
+        return CudaBackend(tables, geometry, inline=config.cuda_dispatch == "inline", options=options)
     except Exception as exc:
         raise DeviceBackendError(f"cuda backend failed to start: {exc}") from exc
 

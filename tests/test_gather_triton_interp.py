@@ -288,3 +288,150 @@ def test_matches_reference_at_prefill_scale(kt, world):
     out = kt.GatherPlan(tables, shard)(ids, block_rows=256, num_programs=4)
     want, _ = gather_ref.gather(tables, ids, shard)
     assert_same(out, want, "128 tokens")
+
+
+# ---- hot-row cache and in-request dedupe (kernels/hot_cache.py) ----
+
+def cached_world(kt, geo, tables, resident_fraction: float, seed: int, admit_min: int = 0):
+    """A cache holding a random fraction of each layer's rows, its pool filled from the tables."""
+    from engramd.kernels import hot_cache
+
+    layout = hot_cache.CacheLayout(sets=4, row_bytes=geo.row_bytes, sketch_bits=12, log_entries=4096)
+    cache = hot_cache.HotCache(layout, geo.n_layers, "cpu", admit_min=admit_min)
+    gen = torch.Generator().manual_seed(seed)
+    for layer, table in enumerate(tables):
+        for row in range(table.shape[0]):
+            if torch.rand((), generator=gen) >= resident_fraction:
+                continue
+            key = int(hot_cache.row_keys(torch.tensor(layer), torch.tensor(row)))
+            s = int(hot_cache.set_index(torch.tensor([key]), layout.sets))
+            free = (cache.keys[s] == hot_cache.EMPTY_KEY).nonzero()
+            if len(free):
+                cache.keys[s, free[0, 0]] = key
+                cache.pool[s * hot_cache.WAYS + free[0, 0]] = table[row]
+    return cache
+
+
+def reads_of(geo, ids: torch.Tensor, shard: ShardView) -> list[list[int]]:
+    """Per layer, the rows a lookup of `ids` reads (owned heads, inside the shard's rows)."""
+    out = []
+    for layer, (lo, hi) in enumerate(shard.row_ranges):
+        rows = ids[:, layer, shard.head_start:shard.head_end].reshape(-1).tolist()
+        out.append([r for r in rows if lo <= r < hi])
+    return out
+
+
+@pytest.mark.parametrize("shards", [1, 2, 5])
+@pytest.mark.parametrize("dedupe", [False, True])
+def test_cached_and_deduped_gathers_equal_the_reference(kt, world, shards, dedupe):
+    from engramd.kernels import hot_cache
+
+    geo, tables = world
+    shard = geo.shard(shards - 1, shards)
+    ids = with_boundaries(mixed_ids(geo, 23, seed=40 + shards), shard)
+    cache = cached_world(kt, geo, tables, 0.5, seed=shards)
+    want, want_bad = gather_ref.gather(tables, ids, shard)
+    bad = torch.zeros(1, dtype=torch.int64)
+    got = kt.GatherPlan(tables, shard)(ids, cache=cache, dedupe=dedupe, out_of_range=bad,
+                                       block_rows=BLOCK_ROWS)
+    assert_same(got, want, f"cache, dedupe={dedupe}, shard {shard.rank}/{shards}")
+    assert int(bad) == want_bad
+    resident = set(cache.keys.view(-1).tolist())
+    for layer, rows in enumerate(reads_of(geo, ids, shard)):
+        read = sorted(set(rows)) if dedupe else rows
+        hits = [r for r in read if int(hot_cache.row_keys(torch.tensor(layer), torch.tensor(r))) in resident]
+        assert int(cache.counters[0, layer]) == len(read), f"layer {layer} reads"
+        assert int(cache.counters[1, layer]) == len(hits), f"layer {layer} hits"
+
+
+def test_cache_hits_come_from_the_pool_not_the_table(kt, world):
+    geo, tables = world
+    shard = geo.shard(0, 1)
+    cache = cached_world(kt, geo, tables, 0.6, seed=9)
+    cache.pool[:, :256] ^= 0x01  # resident rows now differ from the table's
+    poisoned = [t.clone() for t in tables]
+    from engramd.kernels import hot_cache
+    for slot, key in enumerate(cache.keys.view(-1).tolist()):
+        if key != hot_cache.EMPTY_KEY:
+            layer, row = key >> hot_cache.KEY_LAYER_SHIFT, key & ((1 << hot_cache.KEY_LAYER_SHIFT) - 1)
+            poisoned[layer][row] = cache.pool[slot]
+    ids = mixed_ids(geo, 17, seed=3)
+    want, _ = gather_ref.gather(poisoned, ids, shard)
+    got = kt.GatherPlan(tables, shard)(ids, cache=cache, block_rows=BLOCK_ROWS)
+    assert_same(got, want, "rows of resident keys read from the pool")
+    assert not torch.equal(want, gather_ref.gather(tables, ids, shard)[0])
+
+
+def test_sketch_and_miss_log_account_for_every_read(kt, world):
+    from engramd.kernels import hot_cache
+
+    geo, tables = world
+    shard = geo.shard(0, 1)
+    cache = cached_world(kt, geo, tables, 0.3, seed=4, admit_min=0)
+    ids = mixed_ids(geo, 29, seed=11)
+    kt.GatherPlan(tables, shard)(ids, cache=cache, block_rows=BLOCK_ROWS)
+    resident = set(cache.keys.view(-1).tolist())
+    keys = [int(hot_cache.row_keys(torch.tensor(layer), torch.tensor(r)))
+            for layer, rows in enumerate(reads_of(geo, ids, shard)) for r in rows]
+    assert cache.sketch.sum(dim=1).tolist() == [len(keys)] * hot_cache.SKETCH_DEPTH
+    counts = {k: keys.count(k) for k in set(keys)}
+    estimates = cache.estimate(torch.tensor(list(counts)))
+    assert all(int(e) >= c for e, c in zip(estimates, counts.values(), strict=True))
+    missed = sorted(k for k in keys if k not in resident)
+    assert int(cache.cursor) == len(missed)
+    assert sorted(cache.log[:len(missed)].tolist()) == missed
+
+
+def test_dedupe_leaders_point_at_the_first_equal_read(kt, world):
+    geo, tables = world
+    shard = geo.shard(1, 2)
+    ids = mixed_ids(geo, 19, seed=8)
+    plan = kt.GatherPlan(tables, shard)
+    leaders = plan.leaders(ids).long()
+    items = torch.arange(leaders.numel())
+    assert torch.equal(leaders[leaders], leaders), "a leader leads itself"
+    layer = items // (19 * shard.local_heads)
+    token = items % (19 * shard.local_heads) // shard.local_heads
+    j = items % shard.local_heads
+    lo = torch.tensor([r[0] for r in shard.row_ranges])[layer]
+    hi = torch.tensor([r[1] for r in shard.row_ranges])[layer]
+    row = torch.where(j < shard.owned_heads,
+                      ids[token, layer, (shard.head_start + j).clamp(max=geo.heads - 1)], -1)
+    reads = (j < shard.owned_heads) & (row >= lo) & (row < hi)
+    follows = leaders != items
+    assert not follows[~reads].any(), "only real reads share a leader"
+    assert torch.equal(row[leaders][follows], row[follows])
+    assert torch.equal(layer[leaders][follows], layer[follows])
+    distinct = len({(int(a), int(b)) for a, b, r in zip(layer, row, reads, strict=True) if r})
+    assert int((~follows & reads).sum()) == distinct
+
+
+def test_keeper_admits_repeated_rows_and_keeps_every_slot_equal_to_its_row(kt, world):
+    from engramd.kernels import hot_cache
+    from engramd.server.cache_keeper import CacheKeeper
+
+    geo, tables = world
+    shard = geo.shard(0, 1)
+    layout = hot_cache.CacheLayout(sets=4, row_bytes=geo.row_bytes, sketch_bits=12, log_entries=1024)
+    cache = hot_cache.HotCache(layout, geo.n_layers, "cpu", admit_min=1)
+    keeper = CacheKeeper(cache, tables, gather_streams=list, margin=0)
+    plan = kt.GatherPlan(tables, shard)
+    gen = torch.Generator().manual_seed(6)
+    hot_ids = torch.randint(0, 3, (12, geo.n_layers, geo.heads), generator=gen)  # 3 rows per layer
+    for _ in range(3):
+        plan(hot_ids, cache=cache, block_rows=BLOCK_ROWS)
+        keeper.refresh()
+    hot_keys = {int(hot_cache.row_keys(torch.tensor(layer), torch.tensor(row)))
+                for layer in range(geo.n_layers) for row in range(3)}
+    resident = cache.keys.view(-1).tolist()
+    assert hot_keys <= set(resident), "every repeated row was admitted"
+    for slot, key in enumerate(resident):
+        if key != hot_cache.EMPTY_KEY:
+            layer, row = key >> hot_cache.KEY_LAYER_SHIFT, key & ((1 << hot_cache.KEY_LAYER_SHIFT) - 1)
+            assert torch.equal(cache.pool[slot], tables[layer][row]), f"slot {slot} (key {key})"
+    reads_before, hits_before = cache.counters.sum(dim=1).tolist()
+    got = plan(hot_ids, cache=cache, block_rows=BLOCK_ROWS)
+    assert_same(got, gather_ref.gather(tables, hot_ids, shard)[0], "rows served from the cache")
+    reads, hits = cache.counters.sum(dim=1).tolist()
+    assert hits - hits_before == reads - reads_before == hot_ids.numel()
+    assert keeper.stats.admitted >= len(hot_keys)

@@ -1,0 +1,222 @@
+"""Dedupe + HBM hot-row cache against the in-process baseline, on real-text and uniform traces (H200).
+
+    python benchmarks/hot_cache_lookup.py --traces .traces [--table-gib 33] [--cache-gib 4] [--out DIR]
+
+One host table of at least 32 GiB with the V4.1 row layout (2 layers x 24 heads x 264 B rows,
+synthetic random bytes; gpu_lookup.geometry_for), filled once in /dev/shm and shared by every
+column. Traces (benchmarks/traces.py): the four texts of the corpus, tokenized, cut into shuffled
+documents and hashed for this geometry, walked in order T tokens at a time. Every token is looked
+up once: the first half of the trace warms the cache up, the second half (documents never seen
+before) is what the rows/s and hit rates report. Uniform traces: fresh random IDs per batch.
+
+Columns, each sample host wall time from submit to `stream.synchronize()`:
+  baseline        the Triton gather+dequant kernel in-process on the pinned table (engines today)
+  inproc_dedupe   the same, each distinct row read once
+  inproc_cache    the same with a hot-row cache and its keeper thread in-process
+  inproc_both     dedupe + cache in-process
+  engramd_plain   engramd (daemon + this process as client), no cache, no dedupe
+  engramd_both    engramd with dedupe + cache (--hot-cache-gib, --dedupe-min-tokens 1)
+Also reported: the highest hit rate any cache could reach on the measured half (rows already seen
+earlier in the trace), and the trace's distinct-row share per batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from daemon_process import start_daemon  # noqa: E402
+from gpu_lookup import INSTANCE, RandomRows, geometry_for, write_sparse_checkpoint  # noqa: E402
+from traces import TextTrace, uniform_batches  # noqa: E402
+
+from engramd.client import EngramClient, cuda  # noqa: E402
+from engramd.kernels import hot_cache  # noqa: E402
+from engramd.kernels.gather_triton import GatherPlan  # noqa: E402
+from engramd.server.cache_keeper import CacheKeeper  # noqa: E402
+from engramd.server.checkpoint import EngramCheckpoint  # noqa: E402
+from engramd.server.cuda_backend import PinnedTables  # noqa: E402
+from engramd.server.table_store import TableStore  # noqa: E402
+
+TOKENS = (256, 4096)
+UNIFORM_BATCHES = 40
+
+
+def summarize(column: str, trace: str, tokens: int, rows_per_batch: int, seconds: list[float],
+              **extra) -> dict:
+    lat = np.array(seconds) * 1e6
+    total_rows = rows_per_batch * len(seconds)
+    row = {"column": column, "trace": trace, "tokens": tokens, "batches": len(seconds),
+           "p50_us": float(np.percentile(lat, 50)), "p99_us": float(np.percentile(lat, 99)),
+           "rows_per_s": float(total_rows / (lat.sum() / 1e6)), **extra}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def run_batches(fn, batches, measure_from: int) -> list[float]:
+    """Run every batch (syncing after each), return the times of batches[measure_from:]."""
+    stream = torch.cuda.current_stream()
+    times = []
+    for i, ids in enumerate(batches):
+        start = time.perf_counter()
+        fn(ids)
+        stream.synchronize()
+        if i >= measure_from:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def seen_before_share(trace_rows: torch.Tensor, measure_from_token: int) -> float:
+    """Share of the measured lookups whose (layer, row) occurred earlier: any cache's ceiling."""
+    n, layers, heads = trace_rows.shape
+    layer = torch.arange(layers, device=trace_rows.device).view(1, -1, 1).expand(n, layers, heads)
+    keys = hot_cache.row_keys(layer.reshape(-1), trace_rows.reshape(-1))
+    order = torch.sort(keys, stable=True).indices
+    ordered = keys[order]
+    first = torch.ones_like(ordered, dtype=torch.bool)
+    first[1:] = ordered[1:] != ordered[:-1]
+    is_first = torch.empty_like(first)
+    is_first[order] = first
+    measured = is_first.view(n, -1)[measure_from_token:]
+    return float(1.0 - measured.float().mean())
+
+
+def in_process_columns(geometry, tables, trace: TextTrace, cache_bytes: int, results: list) -> None:
+    device = torch.device("cuda", 0)
+    pinned = PinnedTables(tables)
+    try:
+        plan = GatherPlan(pinned.layer_tables(), geometry.shard(0, 1), device)
+        views = [cuda.tensor_view(t.address, t.nbytes, device).view(t.rows, t.row_bytes) for t in tables]
+        for tokens in TOKENS:
+            out = torch.empty(plan.output_shape(tokens), dtype=torch.bfloat16, device=device)
+            rows = tokens * geometry.n_layers * geometry.heads
+            for column, dedupe, cached in (("baseline", False, False), ("inproc_dedupe", True, False),
+                                           ("inproc_cache", False, True), ("inproc_both", True, True)):
+                for name, batches, warm in trace_sets(geometry, trace, tokens):
+                    cache, keeper = None, None
+                    if cached:
+                        layout = hot_cache.CacheLayout.from_budget(cache_bytes, geometry.row_bytes)
+                        cache = hot_cache.HotCache(layout, geometry.n_layers, device)
+                        keeper = CacheKeeper(cache, views, lambda: [torch.cuda.current_stream()]).start()
+                    plan.warm_up(caches=[cache] if cache is not None else [])
+
+                    def lookup(ids, out=out, cache=cache, dedupe=dedupe):
+                        plan(ids, out, cache=cache, dedupe=dedupe)
+
+                    times = run_batches(lookup, batches, warm)
+                    extra = {}
+                    if keeper is not None:
+                        keeper.close()
+                        extra = cache_summary(keeper.stats.snapshot(geometry.row_bytes))
+                        del cache
+                    results.append(summarize(column, name, tokens, rows, times, **extra))
+        torch.cuda.synchronize()
+    finally:
+        pinned.close()
+
+
+def trace_sets(geometry, trace: TextTrace, tokens: int):
+    """(name, batches, index of the first measured batch) for the text and the uniform trace."""
+    text = list(trace.batches(tokens, drop_last=True))
+    uniform = uniform_batches(geometry, tokens, UNIFORM_BATCHES + 5, device="cuda", seed=tokens)
+    return [("text", text, len(text) // 2), ("uniform", uniform, 5)]
+
+
+def cache_summary(stats: dict) -> dict:
+    reads, hits = sum(stats["reads"]), sum(stats["hits"])
+    return {"hit_rate_all": hits / reads if reads else 0.0,
+            "hit_rate_per_layer": [round(h, 4) for h in stats["hit_rate"]],
+            "admitted": stats["admitted"], "refreshes": stats["refreshes"],
+            "refresh_ms_last": stats["refresh_ms"]}
+
+
+def engramd_column(column: str, geometry, trace: TextTrace, socket: Path, results: list) -> None:
+    with EngramClient(socket, device="cuda", max_tokens=max(TOKENS), slots=2, timeout=120) as client:
+        stream = torch.cuda.current_stream()
+        for tokens in TOKENS:
+            rows = tokens * geometry.n_layers * geometry.heads
+            for name, batches, warm in trace_sets(geometry, trace, tokens):
+                before = client.stats().get("hot_cache", {})
+                times = run_batches(lambda ids: client.lookup(ids, stream).wait(stream), batches, warm)
+                after = client.stats().get("hot_cache", {})
+                results.append(summarize(column, name, tokens, rows, times, **delta(before, after)))
+
+
+def delta(before: dict, after: dict) -> dict:
+    """Hit rate over one column's batches (warm-up included) from the daemon's counters."""
+    if not after:
+        return {}
+    (uuid, a), = after.items()
+    b = before.get(uuid, {"reads": [0] * len(a["reads"]), "hits": [0] * len(a["hits"])})
+    reads = sum(a["reads"]) - sum(b["reads"])
+    hits = sum(a["hits"]) - sum(b["hits"])
+    return {"hit_rate_all": hits / reads if reads else 0.0, "admitted_total": a["admitted"]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--traces", default=".traces")
+    parser.add_argument("--table-gib", type=float, default=33.0)
+    parser.add_argument("--cache-gib", type=float, default=4.0)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = parser.parse_args()
+    geometry = geometry_for(args.table_gib)
+    trace = TextTrace.load(Path(args.traces), geometry, device="cuda")
+    ceiling = seen_before_share(trace.rows, len(trace) // 2)
+    print(f"trace: {len(trace)} tokens; rows seen earlier in the measured half: {ceiling:.3f}", flush=True)
+    work = Path(tempfile.mkdtemp(prefix="engramd-bench-"))
+    shm = Path(tempfile.mkdtemp(prefix="engramd-bench-", dir="/dev/shm"))
+    results: list[dict] = []
+    proc = None
+    try:
+        write_sparse_checkpoint(geometry, work / "ckpt")
+        with TableStore(shm, INSTANCE) as store:
+            tables = store.open(RandomRows(EngramCheckpoint.open(work / "ckpt")))
+            in_process_columns(geometry, tables, trace, int(args.cache_gib * 2**30), results)
+            del tables
+        daemons = {"engramd_plain": ["--hot-cache-gib", "0", "--dedupe-min-tokens", "0"],
+                   "engramd_both": ["--hot-cache-gib", str(args.cache_gib), "--dedupe-min-tokens", "1"]}
+        for column, flags in daemons.items():
+            proc, socket = start_daemon(work, ["--tables", str(work / "ckpt"), "--shm-dir", str(shm),
+                                               "--instance", INSTANCE, "--backend", "cuda",
+                                               "--max-tokens", str(max(TOKENS)), "--self-check", "false",
+                                               "--metrics-address", "127.0.0.1:0", *flags], timeout=300)
+            engramd_column(column, geometry, trace, socket, results)
+            proc.terminate()
+            proc.wait(60)
+            proc = None
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(60)
+        if (work / "daemon.log").exists():
+            print((work / "daemon.log").read_text()[-3000:])
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
+    stats = {str(t): trace.stats(t).to_dict() for t in TOKENS}
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "table_gib": round(geometry.total_bytes / 2**30, 2), "cache_gib": args.cache_gib,
+            "trace_tokens": len(trace), "measured_from_token": len(trace) // 2,
+            "seen_before_share_measured": ceiling, "trace_stats": stats,
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+            "command": "python benchmarks/hot_cache_lookup.py " + " ".join(
+                a for a in sys.argv[1:] if not a.startswith("/")),
+            "date": time.strftime("%Y-%m-%d")}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "hot_cache_lookup.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

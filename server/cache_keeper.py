@@ -1,0 +1,187 @@
+"""Keeps one device's hot-row cache holding the rows its lookups use most.
+
+A thread per device refreshes the cache (kernels/hot_cache.py) every `interval` seconds when the
+gathers have logged new candidates. Gathers read keys and rows while the keeper changes them, so
+a way changes in four steps, each on the keeper's own stream:
+
+    1. invalidate: the chosen ways' keys become EMPTY        (gathers now miss there: correct)
+    2. grace:      an event on every stream that runs gathers on this device; wait for all
+                   (every gather that could have seen an old key has finished)
+    3. fill:       copy the new rows from the host tables into those ways' pool slots
+    4. publish:    write the new keys                         (the rows are there before the keys)
+
+No gather ever waits for the keeper, and the keeper never waits on a client: a stream held up by
+a slow client only delays step 2 of this refresh, during which those ways simply miss. Gathers
+read keys and rows at L2 (coherent across the device), so a gather that sees a key of step 4 sees
+the rows of step 3. The sketch is halved after every `age_rows` counted reads, so that rows that
+were hot long ago can be displaced.
+
+On a CPU device (tests, with the Triton interpreter) there are no streams: the same steps run in
+order on the calling thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from engramd.kernels import hot_cache
+from engramd.kernels.hot_cache import Admissions, HotCache
+
+log = logging.getLogger("engramd.cache")
+
+GRACE_WARN_S = 5.0
+
+
+@dataclass
+class KeeperStats:
+    refreshes: int = 0
+    admitted: int = 0
+    agings: int = 0
+    reads: list[int] = field(default_factory=list)  # per layer, rows the gathers read
+    hits: list[int] = field(default_factory=list)  # per layer, of them from the cache
+    refresh_ms: float = 0.0  # the last refresh, steps 1-4
+
+    def snapshot(self, row_bytes: int) -> dict:
+        return {"refreshes": self.refreshes, "admitted": self.admitted, "agings": self.agings,
+                "reads": list(self.reads), "hits": list(self.hits),
+                "hit_rate": [h / r if r else 0.0 for h, r in zip(self.hits, self.reads, strict=True)],
+                "bytes_saved": sum(self.hits) * row_bytes, "refresh_ms": round(self.refresh_ms, 3)}
+
+
+class CacheKeeper:
+    """Refreshes `cache` from `tables` (uint8 [rows, row_bytes] views readable on its device)."""
+
+    def __init__(self, cache: HotCache, tables: Sequence[Tensor],
+                 gather_streams: Callable[[], list[torch.cuda.Stream]],
+                 interval: float = 0.05, margin: int = 1, age_rows: int | None = None):
+        self.cache = cache
+        self.tables = list(tables)
+        self.table_rows = torch.tensor([t.shape[0] for t in tables], dtype=torch.int64,
+                                       device=cache.device)
+        self.gather_streams = gather_streams
+        self.interval = interval
+        self.margin = margin
+        self.age_rows = age_rows if age_rows is not None else 8 * cache.layout.slots
+        self.stats = KeeperStats(reads=[0] * cache.n_layers, hits=[0] * cache.n_layers)
+        self._logged = 0  # log entries taken so far
+        self._reads_at_aging = 0
+        self._stream = torch.cuda.Stream(cache.device) if cache.device.type == "cuda" else None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # one refresh at a time (thread, or a caller of refresh())
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> CacheKeeper:
+        self._thread = threading.Thread(target=self._run, name=f"engramd-cache-{self.cache.device}",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _run(self) -> None:
+        if self._stream is not None:
+            torch.cuda.set_device(self.cache.device)
+        while not self._stop.wait(self.interval):
+            try:
+                self.refresh()
+            except Exception:  # the cache only ever loses hits; serving goes on
+                log.exception("refreshing the hot-row cache on %s failed", self.cache.device)
+
+    def refresh(self) -> int:
+        """One refresh cycle; returns how many ways got a new row."""
+        with self._lock, self._on_stream():
+            started = time.perf_counter()
+            self._read_counters()
+            cursor = int(self.cache.cursor.item())
+            candidates = self._candidates(cursor)
+            admitted = 0
+            if candidates.numel():
+                chosen = hot_cache.choose_admissions(self.cache, candidates, self.margin)
+                if len(chosen) and self._change(chosen):
+                    admitted = len(chosen)
+            self._age_if_due()
+            self.stats.refreshes += 1
+            self.stats.admitted += admitted
+            self.stats.refresh_ms = (time.perf_counter() - started) * 1e3
+            return admitted
+
+    def _candidates(self, cursor: int) -> Tensor:
+        entries = self.cache.logged_since(self._logged, cursor)
+        self._logged = cursor
+        entries = entries[hot_cache.valid_keys(entries, self.table_rows)]
+        if not entries.numel():
+            return entries
+        entries = torch.unique(entries)
+        return entries[~self.cache.resident(entries)]
+
+    def _change(self, chosen: Admissions) -> bool:
+        cache = self.cache
+        cache.keys[chosen.sets, chosen.ways] = hot_cache.EMPTY_KEY
+        self._wait_for(self._record(self._stream))
+        if not self._grace():
+            return False  # closing: those ways stay empty, which is safe
+        slots = chosen.slots
+        layers, rows = hot_cache.key_layers(chosen.keys), hot_cache.key_rows(chosen.keys)
+        for layer, table in enumerate(self.tables):
+            mine = layers == layer
+            cache.pool.index_copy_(0, slots[mine], table.index_select(0, rows[mine]))
+        cache.keys[chosen.sets, chosen.ways] = chosen.keys
+        self._wait_for(self._record(self._stream))
+        return True
+
+    def _grace(self) -> bool:
+        """Wait until every gather enqueued so far on this device has finished."""
+        if self._stream is None:
+            return True
+        events = [self._record(stream) for stream in self.gather_streams()]
+        started = time.monotonic()
+        warned = False
+        for event in events:
+            while not event.query():
+                if self._stop.is_set():
+                    return False
+                if not warned and time.monotonic() - started > GRACE_WARN_S:
+                    log.warning("cache refresh on %s waits > %.0f s for a gather stream (a client "
+                                "stream held up?)", self.cache.device, GRACE_WARN_S)
+                    warned = True
+                time.sleep(0.0005)
+        return True
+
+    def _read_counters(self) -> None:
+        reads, hits = self.cache.counters.tolist()
+        self.stats.reads, self.stats.hits = reads, hits
+
+    def _age_if_due(self) -> None:
+        total = sum(self.stats.reads)
+        if total - self._reads_at_aging >= self.age_rows:
+            self.cache.age()
+            self._reads_at_aging = total
+            self.stats.agings += 1
+
+    def _on_stream(self):
+        return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+
+    @staticmethod
+    def _record(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+        if stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    @staticmethod
+    def _wait_for(event: torch.cuda.Event | None) -> None:
+        if event is not None:
+            event.synchronize()

@@ -1,0 +1,109 @@
+"""The hot-row cache's sizing, hashing and choice of what to keep (plain torch on the CPU).
+
+The kernel side (probe, sketch, log, counters) is tested against the gather reference in
+test_gather_triton_interp.py; the refresh protocol on a GPU in tests/gpu/.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engramd.kernels import hot_cache
+from engramd.kernels.hot_cache import WAYS, CacheConfigError, CacheLayout, HotCache
+
+
+def small_cache(sets: int = 16, bits: int = 10) -> HotCache:
+    return HotCache(CacheLayout(sets, 264, bits, 64), n_layers=2, device="cpu")
+
+
+@pytest.mark.parametrize("budget_gib", [0.05, 1, 4])
+def test_layout_fits_its_budget_and_uses_most_of_it(budget_gib):
+    budget = int(budget_gib * 2**30)
+    layout = CacheLayout.from_budget(budget, 264)
+    assert layout.nbytes <= budget
+    assert layout.slots * 264 >= 0.8 * budget, "most of the budget holds rows"
+    assert (1 << layout.sketch_bits) >= min(layout.slots, 1 << hot_cache.MAX_SKETCH_BITS)
+
+
+def test_too_small_a_budget_is_refused_with_the_size():
+    with pytest.raises(CacheConfigError, match="1000 bytes"):
+        CacheLayout.from_budget(1000, 264)
+
+
+def test_set_index_spreads_keys_over_every_set():
+    keys = hot_cache.row_keys(torch.arange(2).repeat_interleave(50_000), torch.arange(100_000) * 7919)
+    sets = hot_cache.set_index(keys, 1000)
+    assert int(sets.min()) >= 0 and int(sets.max()) < 1000
+    counts = torch.bincount(sets, minlength=1000).double()
+    assert counts.std() / counts.mean() < 0.1  # binomial spread is ~0.03 for 100 per set
+
+
+def test_estimates_never_undercount():
+    cache = small_cache(bits=8)  # 256 counters per row: collisions are certain
+    gen = torch.Generator().manual_seed(1)
+    keys = hot_cache.row_keys(torch.randint(0, 2, (3000,), generator=gen),
+                              torch.randint(0, 500, (3000,), generator=gen))
+    for d in range(hot_cache.SKETCH_DEPTH):
+        cache.sketch[d].index_add_(0, hot_cache.sketch_index(keys, d, 8),
+                                   torch.ones_like(keys, dtype=torch.int32))
+    distinct, true_counts = torch.unique(keys, return_counts=True)
+    assert (cache.estimate(distinct) >= true_counts).all()
+
+
+def test_admissions_keep_the_top_ways_of_residents_and_candidates():
+    cache = small_cache(sets=16)
+    gen = torch.Generator().manual_seed(2)
+    cache.sketch.copy_(torch.randint(0, 50, cache.sketch.shape, generator=gen, dtype=torch.int32))
+    pool_keys = torch.unique(hot_cache.row_keys(torch.randint(0, 2, (600,), generator=gen),
+                                                torch.randint(0, 10**6, (600,), generator=gen)))
+    sets = hot_cache.set_index(pool_keys, 16)
+    # fill about half of each set's ways; the rest of the keys are candidates
+    residents = []
+    for s in range(16):
+        mine = pool_keys[sets == s][: WAYS // 2 + s % 3]
+        cache.keys[s, : len(mine)] = mine
+        residents += mine.tolist()
+    candidates = pool_keys[~torch.isin(pool_keys, torch.tensor(residents))]
+    before = cache.keys.clone()
+    chosen = hot_cache.choose_admissions(cache, candidates, margin=0, ratio=1.0)
+    cache.keys[chosen.sets, chosen.ways] = chosen.keys
+    assert torch.isin(chosen.keys, candidates).all()
+    assert len(set(chosen.slots.tolist())) == len(chosen), "one admission per way"
+    for s in range(16):
+        union = torch.cat([before[s][before[s] >= 0], candidates[hot_cache.set_index(candidates, 16) == s]])
+        best = cache.estimate(union).sort(descending=True).values[:WAYS]
+        kept = cache.keys[s][cache.keys[s] >= 0]
+        assert sorted(cache.estimate(kept).tolist()) == sorted(best.tolist()), f"set {s}"
+
+
+def test_noise_level_differences_replace_nothing():
+    cache = small_cache(sets=8, bits=16)
+    gen = torch.Generator().manual_seed(3)
+    # every key about as frequent (uniform traffic): counts 8..11
+    cache.sketch.copy_(torch.randint(8, 12, cache.sketch.shape, generator=gen, dtype=torch.int32))
+    keys = hot_cache.row_keys(torch.zeros(2000, dtype=torch.int64), torch.arange(2000))
+    sets = hot_cache.set_index(keys, 8)
+    for s in range(8):
+        cache.keys[s] = keys[sets == s][:WAYS]
+    others = keys[~hot_cache.HotCache.resident(cache, keys)]
+    assert len(hot_cache.choose_admissions(cache, others)) == 0
+    cache.sketch[:, hot_cache.sketch_index(others[:1], 0, 16)] = 100  # one clearly hotter key
+    cache.sketch[1, hot_cache.sketch_index(others[:1], 1, 16)] = 100
+    assert hot_cache.choose_admissions(cache, others).keys.tolist() == others[:1].tolist()
+
+
+def test_log_window_wraps_around_the_ring():
+    cache = small_cache()
+    cache.log.copy_(torch.arange(64))
+    assert cache.logged_since(60, 66).tolist() == [60, 61, 62, 63, 0, 1]
+    assert cache.logged_since(5, 5 + 64).tolist() == list(range(64))
+    assert cache.logged_since(3, 7).tolist() == [3, 4, 5, 6]
+
+
+def test_valid_keys_rejects_torn_or_foreign_entries():
+    rows = torch.tensor([100, 50])
+    keys = torch.tensor([hot_cache.row_keys(torch.tensor(0), torch.tensor(99)).item(),
+                         hot_cache.row_keys(torch.tensor(1), torch.tensor(50)).item(),
+                         hot_cache.row_keys(torch.tensor(2), torch.tensor(0)).item(), -1, -(2**62)])
+    assert hot_cache.valid_keys(keys, rows).tolist() == [True, False, False, False, False]
