@@ -108,7 +108,7 @@ def in_process_columns(geometry, tables, trace: TextTrace, cache_bytes: int, res
                         layout = hot_cache.CacheLayout.from_budget(cache_bytes, geometry.row_bytes)
                         cache = hot_cache.HotCache(layout, geometry.n_layers, device)
                         keeper = CacheKeeper(cache, views, lambda: [torch.cuda.current_stream()]).start()
-                    plan.warm_up(caches=[cache] if cache is not None else [])
+                    plan.warm_up(caches=[cache], dedupe=[dedupe])
 
                     def lookup(ids, out=out, cache=cache, dedupe=dedupe):
                         plan(ids, out, cache=cache, dedupe=dedupe)

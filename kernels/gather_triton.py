@@ -365,11 +365,14 @@ class GatherPlan:
     def n_layers(self) -> int:
         return len(self.tables)
 
-    def warm_up(self, stream: torch.cuda.Stream | None = None, caches: Sequence[HotCache] = ()) -> None:
+    def warm_up(self, stream: torch.cuda.Stream | None = None,
+                caches: Sequence[HotCache | None] = (None,),
+                dedupe: Sequence[bool] = (False, True)) -> None:
         """Compile and load every kernel variant this plan can launch with the default blocks.
 
-        Give the caches it will be called with: a cache variant warms up on a real cache (a DEAD
-        ID reads, counts and logs nothing).
+        `caches` and `dedupe` are the values it will be called with (each variant compiles for
+        a second or so): a cache variant warms up on the real cache (DEAD IDs read, count and
+        log nothing).
 
         A first launch loads the module lazily, and a process whose stream waits on another
         process must not do that in its hot path (DESIGN.md, data path point 4).
@@ -380,10 +383,10 @@ class GatherPlan:
                              device=self.device)
             for packed in (False, True):
                 for count in (None, counter):
-                    for cache in (None, *caches):
-                        for dedupe in (False, True):
+                    for cache in caches:
+                        for leaders in dedupe:
                             self(ids, packed=packed, stream=stream, out_of_range=count,
-                                 cache=cache, dedupe=dedupe)
+                                 cache=cache, dedupe=leaders)
 
     def output_shape(self, tokens: int, packed: bool = False) -> tuple[int, int, int, int]:
         width = self.row_bytes if packed else self.head_dim

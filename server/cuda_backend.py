@@ -210,7 +210,7 @@ class GpuState:
                 log.info("GPU %d: hot-row cache of %d rows (%.2f GiB)", index, layout.slots,
                          layout.nbytes / 2**30)
             plan = GatherPlan(layer_tables, geometry.shard(0, 1), self.device)
-            plan.warm_up(caches=[self.cache] if self.cache is not None else [])
+            plan.warm_up(caches=[self.cache], dedupe=(False, True) if options.dedupe_min_tokens else (False,))
             torch.cuda.synchronize(index)
         self.warm_plan = plan
 
