@@ -114,6 +114,7 @@ def in_process_columns(geometry, tables, trace: TextTrace, cache_bytes: int, res
                         plan(ids, out, cache=cache, dedupe=dedupe)
 
                     times = run_batches(lookup, batches, warm)
+                    check_last(plan, batches[-1], out)
                     extra = {}
                     if keeper is not None:
                         keeper.close()
@@ -123,6 +124,14 @@ def in_process_columns(geometry, tables, trace: TextTrace, cache_bytes: int, res
         torch.cuda.synchronize()
     finally:
         pinned.close()
+
+
+def check_last(plan: GatherPlan, ids: torch.Tensor, out: torch.Tensor) -> None:
+    """The last batch's rows must equal a plain gather's (a wrong cache row fails the run)."""
+    want = plan(ids)
+    if not torch.equal(want.view(torch.int16), out.view(torch.int16)):
+        bad = int((want.view(torch.int16) != out.view(torch.int16)).sum())
+        raise SystemExit(f"rows differ from the plain gather in {bad} values")
 
 
 def trace_sets(geometry, trace: TextTrace, tokens: int):

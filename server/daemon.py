@@ -282,7 +282,7 @@ class Daemon:
         log.info("%s: stopping (finishing %d in-flight lookups)", reason, self._in_flight())
         self.state = "stopping"
         self.notifier.stopping(f"stopping ({reason})")
-        for client in (self.store.clients.values() if self.store is not None else ()):
+        for client in (list(self.store.clients.values()) if self.store is not None else ()):  # _send may reap
             self._send(client.identity, protocol.encode_notice(self.epoch, "stopping",
                                                                f"daemon is stopping ({reason})"))
 
