@@ -15,7 +15,7 @@ Columns, each sample host wall time from submit to `stream.synchronize()`:
   inproc_cache    the same with a hot-row cache and its keeper thread in-process
   inproc_both     dedupe + cache in-process
   engramd_plain   engramd (daemon + this process as client), no cache, no dedupe
-  engramd_both    engramd with dedupe + cache (--hot-cache-gib, --dedupe-min-tokens 1)
+  engramd_cache   engramd with the cache (--hot-cache-gib), a fresh daemon for each T
 Also reported: the highest hit rate any cache could reach on the measured half (rows already seen
 earlier in the trace), and the trace's distinct-row share per batch.
 """
@@ -48,7 +48,8 @@ from engramd.server.checkpoint import EngramCheckpoint  # noqa: E402
 from engramd.server.cuda_backend import PinnedTables  # noqa: E402
 from engramd.server.table_store import TableStore  # noqa: E402
 
-TOKENS = (256, 4096)
+TOKENS = (256, 4096, 16384)
+SETTLE_S = 0.2  # > the daemon's refresh interval, so its counters are current
 UNIFORM_BATCHES = 40
 
 
@@ -63,17 +64,23 @@ def summarize(column: str, trace: str, tokens: int, rows_per_batch: int, seconds
     return row
 
 
-def run_batches(fn, batches, measure_from: int) -> list[float]:
-    """Run every batch (syncing after each), return the times of batches[measure_from:]."""
+def run_batches(fn, batches, measure_from: int, counters=None) -> tuple[list[float], dict]:
+    """Run every batch (syncing after each); times of batches[measure_from:] and the hit rate
+    over them from `counters()` -> (reads, hits) taken at the boundary and at the end."""
     stream = torch.cuda.current_stream()
     times = []
     for i, ids in enumerate(batches):
+        if i == measure_from and counters is not None:
+            before = counters()
         start = time.perf_counter()
         fn(ids)
         stream.synchronize()
         if i >= measure_from:
             times.append(time.perf_counter() - start)
-    return times
+    if counters is None:
+        return times, {}
+    reads, hits = (a - b for a, b in zip(counters(), before, strict=True))
+    return times, {"hit_rate_measured": hits / reads if reads else 0.0, "reads_measured": reads}
 
 
 def seen_before_share(trace_rows: torch.Tensor, measure_from_token: int) -> float:
@@ -113,12 +120,12 @@ def in_process_columns(geometry, tables, trace: TextTrace, cache_bytes: int, res
                     def lookup(ids, out=out, cache=cache, dedupe=dedupe):
                         plan(ids, out, cache=cache, dedupe=dedupe)
 
-                    times = run_batches(lookup, batches, warm)
+                    counters = (lambda c=cache: c.counters.sum(dim=1).tolist()) if cached else None
+                    times, extra = run_batches(lookup, batches, warm, counters)
                     check_last(plan, batches[-1], out)
-                    extra = {}
                     if keeper is not None:
                         keeper.close()
-                        extra = cache_summary(keeper.stats.snapshot(geometry.row_bytes))
+                        extra |= cache_summary(keeper.stats.snapshot(geometry.row_bytes))
                         del cache
                     results.append(summarize(column, name, tokens, rows, times, **extra))
         torch.cuda.synchronize()
@@ -149,27 +156,22 @@ def cache_summary(stats: dict) -> dict:
             "refresh_ms_last": stats["refresh_ms"]}
 
 
-def engramd_column(column: str, geometry, trace: TextTrace, socket: Path, results: list) -> None:
-    with EngramClient(socket, device="cuda", max_tokens=max(TOKENS), slots=2, timeout=120) as client:
+def engramd_column(column: str, geometry, trace: TextTrace, tokens: int, socket: Path,
+                   results: list) -> None:
+    with EngramClient(socket, device="cuda", max_tokens=tokens, slots=2, timeout=120) as client:
         stream = torch.cuda.current_stream()
-        for tokens in TOKENS:
-            rows = tokens * geometry.n_layers * geometry.heads
-            for name, batches, warm in trace_sets(geometry, trace, tokens):
-                before = client.stats().get("hot_cache", {})
-                times = run_batches(lambda ids: client.lookup(ids, stream).wait(stream), batches, warm)
-                after = client.stats().get("hot_cache", {})
-                results.append(summarize(column, name, tokens, rows, times, **delta(before, after)))
+        rows = tokens * geometry.n_layers * geometry.heads
 
+        def counters() -> tuple[int, int]:
+            time.sleep(SETTLE_S)
+            caches = client.stats().get("hot_cache", {})
+            return (sum(sum(c["reads"]) for c in caches.values()),
+                    sum(sum(c["hits"]) for c in caches.values()))
 
-def delta(before: dict, after: dict) -> dict:
-    """Hit rate over one column's batches (warm-up included) from the daemon's counters."""
-    if not after:
-        return {}
-    (uuid, a), = after.items()
-    b = before.get(uuid, {"reads": [0] * len(a["reads"]), "hits": [0] * len(a["hits"])})
-    reads = sum(a["reads"]) - sum(b["reads"])
-    hits = sum(a["hits"]) - sum(b["hits"])
-    return {"hit_rate_all": hits / reads if reads else 0.0, "admitted_total": a["admitted"]}
+        for name, batches, warm in trace_sets(geometry, trace, tokens):
+            times, extra = run_batches(lambda ids: client.lookup(ids, stream).wait(stream), batches,
+                                       warm, counters if column != "engramd_plain" else None)
+            results.append(summarize(column, name, tokens, rows, times, **extra))
 
 
 def main() -> int:
@@ -193,17 +195,18 @@ def main() -> int:
             tables = store.open(RandomRows(EngramCheckpoint.open(work / "ckpt")))
             in_process_columns(geometry, tables, trace, int(args.cache_gib * 2**30), results)
             del tables
-        daemons = {"engramd_plain": ["--hot-cache-gib", "0", "--dedupe-min-tokens", "0"],
-                   "engramd_both": ["--hot-cache-gib", str(args.cache_gib), "--dedupe-min-tokens", "1"]}
+        daemons = {"engramd_plain": ["--hot-cache-gib", "0"],
+                   "engramd_cache": ["--hot-cache-gib", str(args.cache_gib)]}
         for column, flags in daemons.items():
-            proc, socket = start_daemon(work, ["--tables", str(work / "ckpt"), "--shm-dir", str(shm),
-                                               "--instance", INSTANCE, "--backend", "cuda",
-                                               "--max-tokens", str(max(TOKENS)), "--self-check", "false",
-                                               "--metrics-address", "127.0.0.1:0", *flags], timeout=300)
-            engramd_column(column, geometry, trace, socket, results)
-            proc.terminate()
-            proc.wait(60)
-            proc = None
+            for tokens in TOKENS:  # a fresh daemon (cold cache) for every batch size
+                proc, socket = start_daemon(work, [
+                    "--tables", str(work / "ckpt"), "--shm-dir", str(shm), "--instance", INSTANCE,
+                    "--backend", "cuda", "--max-tokens", str(max(TOKENS)), "--self-check", "false",
+                    "--metrics-address", "127.0.0.1:0", "--dedupe-min-tokens", "0", *flags], timeout=300)
+                engramd_column(column, geometry, trace, tokens, socket, results)
+                proc.terminate()
+                proc.wait(60)
+                proc = None
     finally:
         if proc is not None:
             proc.terminate()

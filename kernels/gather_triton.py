@@ -107,15 +107,11 @@ if triton is not None:
             return tl.load(ptr, mask=mask, other=0)
 
     @triton.jit
-    def _probe_cache(cache_ptr, layer, row, hit, counted, n_layers,
-                     WAYS: tl.constexpr, KEY_SHIFT: tl.constexpr, SET_MUL: tl.constexpr,
-                     SKETCH_MUL0: tl.constexpr, SKETCH_MUL1: tl.constexpr):
-        """Slot of each row in the hot-row cache (-1: miss); counts, logs candidates.
+    def _cache_slot(cache_ptr, key, hit, WAYS: tl.constexpr, SET_MUL: tl.constexpr):
+        """Pool slot of each key in the hot-row cache, -1 on a miss (or where not `hit`).
 
-        Field order of cache_ptr: kernels/hot_cache.META_FIELDS. `hit` marks the rows this
-        lookup reads; `counted` those of them that go into the sketch and the counters.
+        Field order of cache_ptr: kernels/hot_cache.META_FIELDS; hashing as hot_cache.set_index.
         """
-        key = (layer.to(tl.int64) << KEY_SHIFT) | row
         sets = tl.load(cache_ptr + 2)
         set_i = (((key * SET_MUL) >> 32) & 0xFFFFFFFF) * sets >> 32
         ways = tl.arange(0, WAYS)
@@ -124,8 +120,14 @@ if triton is not None:
                            other=-1, cache_modifier=".cg")
         match = (resident == key[:, None]) & hit[:, None]
         way = tl.reduce(tl.where(match, ways[None, :], -1), 1, _max)
-        cached = way >= 0
-        # Count-min sketch: the old counts give the estimate before this lookup.
+        return tl.where(way >= 0, set_i * WAYS + way, -1)
+
+    @triton.jit
+    def _count_and_log(cache_ptr, key, layer, counted, cached, n_layers,
+                       SKETCH_MUL0: tl.constexpr, SKETCH_MUL1: tl.constexpr):
+        """Count the `counted` keys in the sketch, log their repeated misses, add the counters."""
+        # Count-min sketch (hashing as hot_cache.sketch_index): the old counts are the estimate
+        # before this lookup.
         bits = tl.load(cache_ptr + 9)
         sketch = tl.load(cache_ptr + 3).to(tl.pointer_type(tl.int32))
         index0 = ((key * SKETCH_MUL0) >> (64 - bits)) & ((1 << bits) - 1)
@@ -149,7 +151,6 @@ if triton is not None:
             tl.atomic_add(counters + lay, reads, mask=reads > 0)
             hits = tl.reduce((mine & cached).to(tl.int64), 0, _add)
             tl.atomic_add(counters + n_layers + lay, hits, mask=hits > 0)
-        return tl.where(cached, set_i * WAYS + way, -1)
 
     # Integer arguments that change from call to call are not specialised on (value 1,
     # divisibility by 16), so a lookup of a new size never compiles a new variant in the hot
@@ -205,8 +206,8 @@ if triton is not None:
                 tl.atomic_add(bad_ptr, n_bad, mask=n_bad > 0)
             address = base + row * ROW_BYTES
             if CACHED:
-                slot = _probe_cache(cache_ptr, layer, row, hit, hit, n_layers, WAYS, KEY_SHIFT,
-                                    SET_MUL, SKETCH_MUL0, SKETCH_MUL1)
+                key = (layer.to(tl.int64) << KEY_SHIFT) | row
+                slot = _cache_slot(cache_ptr, key, hit, WAYS, SET_MUL)
                 address = tl.where(slot >= 0, tl.load(cache_ptr + 1) + slot * ROW_BYTES, address)
             src = address.to(tl.pointer_type(tl.uint8))
             if ALIGNED:
@@ -219,19 +220,22 @@ if triton is not None:
             dst = out_ptr + out_offset[:, None] + cols[None, :]
             store_mask = live[:, None] & col_ok[None, :]
             raw = _load(src[:, None] + cols[None, :], load_mask, CACHED)
-            if PACKED:
-                tl.store(dst, raw, mask=store_mask)
-            else:
+            if not PACKED:
                 if ALIGNED and ROW_BYTES - HEAD_DIM == 8:
                     # The 8 scale bytes are one aligned little-endian word: one load per row
                     # instead of one byte load per value.
-                    word_src = (src + HEAD_DIM).to(tl.pointer_type(tl.int64))
-                    word = _load(word_src, hit, CACHED)
+                    word = _load((src + HEAD_DIM).to(tl.pointer_type(tl.int64)), hit, CACHED)
                     shift = ((cols // 32) * 8).to(tl.int64)
                     scale = (word[:, None] >> shift[None, :]) & 0xFF
                 else:
-                    scale_src = src[:, None] + HEAD_DIM + cols[None, :] // 32
-                    scale = _load(scale_src, load_mask, CACHED)
+                    scale = _load(src[:, None] + HEAD_DIM + cols[None, :] // 32, load_mask, CACHED)
+            if CACHED:
+                # After the row loads are issued: the bookkeeping overlaps their latency.
+                _count_and_log(cache_ptr, key, layer, hit, slot >= 0, n_layers,
+                               SKETCH_MUL0, SKETCH_MUL1)
+            if PACKED:
+                tl.store(dst, raw, mask=store_mask)
+            else:
                 bits = _bf16_bits(raw.to(tl.int32), scale.to(tl.int32))
                 bits = tl.where(load_mask, bits, 0)
                 tl.store(dst, bits.to(tl.int16), mask=store_mask)

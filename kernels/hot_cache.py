@@ -197,20 +197,20 @@ def choose_admissions(cache: HotCache, candidates: Tensor, margin: int = 1,
     pair that does not, which leaves exactly the top WAYS of the union (ratio 1, margin 0). The
     default demands a clear lead, so estimates that differ only by sketch noise swap nothing.
     """
-    sets_n = cache.layout.sets
-    resident_est = cache.estimate(cache.keys.clamp(min=0))
-    resident_est = torch.where(cache.keys == EMPTY_KEY, -1, resident_est)
-    weakest_est, weakest_way = torch.sort(resident_est, dim=1)
     cand_est = cache.estimate(candidates)
-    cand_set = set_index(candidates, sets_n)
+    cand_set = set_index(candidates, cache.layout.sets)
     order = torch.argsort(cand_est, descending=True, stable=True)
     order = order[torch.argsort(cand_set[order], stable=True)]
     cand_set, cand_est, cand_key = cand_set[order], cand_est[order], candidates[order]
+    # Only the sets that have candidates are read (a refresh must not scan the whole cache).
+    touched, cand_touched = torch.unique_consecutive(cand_set, return_inverse=True)
+    keys = cache.keys[touched]
+    resident_est = torch.where(keys == EMPTY_KEY, -1, cache.estimate(keys.clamp(min=0)))
+    weakest_est, weakest_way = torch.sort(resident_est, dim=1)
     first = torch.searchsorted(cand_set, cand_set)
     rank = torch.arange(cand_set.numel(), device=cand_set.device) - first
-    in_reach = rank < WAYS
     paired = rank.clamp(max=WAYS - 1)
-    resident = weakest_est[cand_set, paired]
+    resident = weakest_est[cand_touched, paired]
     bar = torch.where(resident < 0, resident, resident * ratio) + margin
-    win = in_reach & (cand_est > bar)
-    return Admissions(cand_set[win], weakest_way[cand_set[win], paired[win]], cand_key[win])
+    win = (rank < WAYS) & (cand_est > bar)
+    return Admissions(cand_set[win], weakest_way[cand_touched[win], paired[win]], cand_key[win])

@@ -56,7 +56,7 @@ SETTINGS: tuple[Setting, ...] = (
             low=0.0, high=1024.0),
     Setting("hot_cache_refresh_ms", float, 50.0,
             "CUDA backend: milliseconds between hot-row cache refreshes", low=1.0, high=60000.0),
-    Setting("dedupe_min_tokens", int, 1024,
+    Setting("dedupe_min_tokens", int, 0,
             "CUDA backend: lookups of at least this many tokens read each distinct row once (0: never)",
             low=0, high=1 << 20),
     Setting("gather_sm_fraction", float, 1.0,
