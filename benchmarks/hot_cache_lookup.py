@@ -49,6 +49,9 @@ from engramd.server.cuda_backend import PinnedTables  # noqa: E402
 from engramd.server.table_store import TableStore  # noqa: E402
 
 TOKENS = (256, 4096, 16384)
+IN_PROCESS = (("baseline", False, False), ("inproc_dedupe", True, False),  # (column, dedupe, cache)
+              ("inproc_cache", False, True), ("inproc_both", True, True))
+COLUMNS = [c for c, _, _ in IN_PROCESS] + ["engramd_plain", "engramd_cache"]
 SETTLE_S = 0.2  # > the daemon's refresh interval, so its counters are current
 UNIFORM_BATCHES = 40
 
@@ -98,7 +101,8 @@ def seen_before_share(trace_rows: torch.Tensor, measure_from_token: int) -> floa
     return float(1.0 - measured.float().mean())
 
 
-def in_process_columns(geometry, tables, trace: TextTrace, cache_bytes: int, results: list) -> None:
+def in_process_columns(geometry, tables, trace: TextTrace, cache_bytes: int, columns: list[str],
+                       results: list) -> None:
     device = torch.device("cuda", 0)
     pinned = PinnedTables(tables)
     try:
@@ -107,8 +111,9 @@ def in_process_columns(geometry, tables, trace: TextTrace, cache_bytes: int, res
         for tokens in TOKENS:
             out = torch.empty(plan.output_shape(tokens), dtype=torch.bfloat16, device=device)
             rows = tokens * geometry.n_layers * geometry.heads
-            for column, dedupe, cached in (("baseline", False, False), ("inproc_dedupe", True, False),
-                                           ("inproc_cache", False, True), ("inproc_both", True, True)):
+            for column, dedupe, cached in IN_PROCESS:
+                if column not in columns:
+                    continue
                 for name, batches, warm in trace_sets(geometry, trace, tokens):
                     cache, keeper = None, None
                     if cached:
@@ -179,6 +184,7 @@ def main() -> int:
     parser.add_argument("--traces", default=".traces")
     parser.add_argument("--table-gib", type=float, default=33.0)
     parser.add_argument("--cache-gib", type=float, default=4.0)
+    parser.add_argument("--columns", nargs="+", choices=COLUMNS, default=COLUMNS)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     geometry = geometry_for(args.table_gib)
@@ -193,11 +199,12 @@ def main() -> int:
         write_sparse_checkpoint(geometry, work / "ckpt")
         with TableStore(shm, INSTANCE) as store:
             tables = store.open(RandomRows(EngramCheckpoint.open(work / "ckpt")))
-            in_process_columns(geometry, tables, trace, int(args.cache_gib * 2**30), results)
+            in_process_columns(geometry, tables, trace, int(args.cache_gib * 2**30), args.columns,
+                               results)
             del tables
         daemons = {"engramd_plain": ["--hot-cache-gib", "0"],
                    "engramd_cache": ["--hot-cache-gib", str(args.cache_gib)]}
-        for column, flags in daemons.items():
+        for column, flags in ((c, f) for c, f in daemons.items() if c in args.columns):
             for tokens in TOKENS:  # a fresh daemon (cold cache) for every batch size
                 proc, socket = start_daemon(work, [
                     "--tables", str(work / "ckpt"), "--shm-dir", str(shm), "--instance", INSTANCE,
@@ -222,7 +229,7 @@ def main() -> int:
             "seen_before_share_measured": ceiling, "trace_stats": stats,
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
             "command": "python benchmarks/hot_cache_lookup.py " + " ".join(
-                a for a in sys.argv[1:] if not a.startswith("/")),
+                "DIR" if a.startswith("/") else a for a in sys.argv[1:]),
             "date": time.strftime("%Y-%m-%d")}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -114,7 +114,7 @@ class HotCache:
     """One device's cache arrays and the int64 `meta` row the gather kernel reads them through."""
 
     def __init__(self, layout: CacheLayout, n_layers: int, device: torch.device | str,
-                 admit_min: int = 2):
+                 admit_min: int = 3):
         if admit_min < 0:
             raise CacheConfigError(f"admit_min must be >= 0, got {admit_min}")
         self.layout = layout
@@ -187,7 +187,7 @@ class Admissions:
 
 
 def choose_admissions(cache: HotCache, candidates: Tensor, margin: int = 1,
-                      ratio: float = 1.5) -> Admissions:
+                      ratio: float = 1.5, limit: int | None = None) -> Admissions:
     """Per set, keep the WAYS keys of highest estimate among residents and candidates.
 
     `candidates` are distinct keys not resident now. In a set, the best candidate is paired with
@@ -196,6 +196,8 @@ def choose_admissions(cache: HotCache, candidates: Tensor, margin: int = 1,
     Because candidates fall and residents rise along the pairing, the swaps stop at the first
     pair that does not, which leaves exactly the top WAYS of the union (ratio 1, margin 0). The
     default demands a clear lead, so estimates that differ only by sketch noise swap nothing.
+    An empty way takes a candidate seen more than `cache.admit_min` times: filling a way costs one
+    host read, so a row must be likely to come back. At most `limit` swaps, the hottest first.
     """
     cand_est = cache.estimate(candidates)
     cand_set = set_index(candidates, cache.layout.sets)
@@ -211,6 +213,8 @@ def choose_admissions(cache: HotCache, candidates: Tensor, margin: int = 1,
     rank = torch.arange(cand_set.numel(), device=cand_set.device) - first
     paired = rank.clamp(max=WAYS - 1)
     resident = weakest_est[cand_touched, paired]
-    bar = torch.where(resident < 0, resident, resident * ratio) + margin
-    win = (rank < WAYS) & (cand_est > bar)
+    bar = torch.where(resident < 0, cache.admit_min, resident * ratio + margin)
+    win = ((rank < WAYS) & (cand_est > bar)).nonzero().view(-1)
+    if limit is not None and win.numel() > limit:
+        win = win[torch.topk(cand_est[win], limit).indices]
     return Admissions(cand_set[win], weakest_way[cand_touched[win], paired[win]], cand_key[win])

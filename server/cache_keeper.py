@@ -14,7 +14,7 @@ No gather ever waits for the keeper, and the keeper never waits on a client: a s
 a slow client only delays step 2 of this refresh, during which those ways simply miss. Gathers
 read keys and rows at L2 (coherent across the device), so a gather that sees a key of step 4 sees
 the rows of step 3. The sketch is halved after every `age_rows` counted reads, so that rows that
-were hot long ago can be displaced.
+were hot long ago can be displaced, and at most `max_admissions` ways change per refresh.
 
 On a CPU device (tests, with the Triton interpreter) there are no streams: the same steps run in
 order on the calling thread.
@@ -69,7 +69,12 @@ class CacheKeeper:
         self.gather_streams = gather_streams
         self.interval = interval
         self.margin = margin
-        self.age_rows = age_rows if age_rows is not None else 8 * cache.layout.slots
+        # Halving once per sketch width of reads keeps a counter's noise (other keys' reads) near
+        # one, far below the admission bar, whatever the traffic.
+        self.age_rows = age_rows if age_rows is not None else 1 << cache.layout.sketch_bits
+        # Admissions per refresh at most: each costs a host read, and a burst of them would
+        # compete with the gathers' own reads (a cold cache fills in 128 refreshes).
+        self.max_admissions = max(1024, cache.layout.slots // 128)
         self.stats = KeeperStats(reads=[0] * cache.n_layers, hits=[0] * cache.n_layers)
         self._logged = 0  # log entries taken so far
         self._reads_at_aging = 0
@@ -108,7 +113,8 @@ class CacheKeeper:
             candidates = self._candidates(cursor)
             admitted = 0
             if candidates.numel():
-                chosen = hot_cache.choose_admissions(self.cache, candidates, self.margin)
+                chosen = hot_cache.choose_admissions(self.cache, candidates, self.margin,
+                                                     limit=self.max_admissions)
                 if len(chosen) and self._change(chosen):
                     admitted = len(chosen)
             self._age_if_due()

@@ -59,7 +59,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("dedupe_min_tokens", int, 0,
             "CUDA backend: lookups of at least this many tokens read each distinct row once (0: never)",
             low=0, high=1 << 20),
-    Setting("gather_sm_fraction", float, 1.0,
+    Setting("gather_sm_fraction", float, 0.5,
             "CUDA backend: fraction of each GPU's SMs the gather may occupy (leaves the model room)",
             low=0.01, high=1.0),
     Setting("heartbeat_interval", float, 1.0,

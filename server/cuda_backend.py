@@ -69,7 +69,7 @@ class GatherOptions:
     cache_bytes: int = 2 << 30  # 0: no hot-row cache
     cache_refresh_s: float = 0.05
     dedupe_min_tokens: int = 0  # 0: never (on real text it costs more than it saves: hot_cache_lookup)
-    sm_fraction: float = 1.0  # of each GPU's SMs the persistent gather grid may use
+    sm_fraction: float = 0.5  # of each GPU's SMs the persistent gather grid may use (sm_cap)
 
     def dedupe(self, tokens: int) -> bool:
         return 0 < self.dedupe_min_tokens <= tokens

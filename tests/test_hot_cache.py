@@ -13,8 +13,8 @@ from engramd.kernels import hot_cache
 from engramd.kernels.hot_cache import WAYS, CacheConfigError, CacheLayout, HotCache
 
 
-def small_cache(sets: int = 16, bits: int = 10) -> HotCache:
-    return HotCache(CacheLayout(sets, 264, bits, 64), n_layers=2, device="cpu")
+def small_cache(sets: int = 16, bits: int = 10, admit_min: int = 3) -> HotCache:
+    return HotCache(CacheLayout(sets, 264, bits, 64), n_layers=2, device="cpu", admit_min=admit_min)
 
 
 @pytest.mark.parametrize("budget_gib", [0.05, 1, 4])
@@ -52,7 +52,7 @@ def test_estimates_never_undercount():
 
 
 def test_admissions_keep_the_top_ways_of_residents_and_candidates():
-    cache = small_cache(sets=16)
+    cache = small_cache(sets=16, admit_min=0)
     gen = torch.Generator().manual_seed(2)
     cache.sketch.copy_(torch.randint(0, 50, cache.sketch.shape, generator=gen, dtype=torch.int32))
     pool_keys = torch.unique(hot_cache.row_keys(torch.randint(0, 2, (600,), generator=gen),
@@ -107,3 +107,17 @@ def test_valid_keys_rejects_torn_or_foreign_entries():
                          hot_cache.row_keys(torch.tensor(1), torch.tensor(50)).item(),
                          hot_cache.row_keys(torch.tensor(2), torch.tensor(0)).item(), -1, -(2**62)])
     assert hot_cache.valid_keys(keys, rows).tolist() == [True, False, False, False, False]
+
+
+def test_empty_ways_take_only_rows_seen_more_than_admit_min_times_and_at_most_limit():
+    cache = small_cache(sets=4, bits=16, admit_min=3)
+    keys = hot_cache.row_keys(torch.zeros(64, dtype=torch.int64), torch.arange(64))
+    counts = torch.arange(64, dtype=torch.int32) % 6  # 0..5 lookups each
+    for d in range(hot_cache.SKETCH_DEPTH):
+        cache.sketch[d].index_put_((hot_cache.sketch_index(keys, d, 16),), counts, accumulate=True)
+    chosen = hot_cache.choose_admissions(cache, keys)
+    estimates = cache.estimate(chosen.keys)
+    assert len(chosen) > 0 and (estimates > 3).all()
+    assert set(keys[cache.estimate(keys) > 3].tolist()) >= set(chosen.keys.tolist())
+    capped = hot_cache.choose_admissions(cache, keys, limit=2)
+    assert len(capped) == 2 and (cache.estimate(capped.keys) == 5).all()
