@@ -11,11 +11,13 @@ before) is what the rows/s and hit rates report. Uniform traces: fresh random ID
 
 Columns, each sample host wall time from submit to `stream.synchronize()`:
   baseline        the Triton gather+dequant kernel in-process on the pinned table (engines today)
+  inproc_sorted   the same, rows read in sorted order from 1,024 tokens on
   inproc_dedupe   the same, each distinct row read once
-  inproc_cache    the same with a hot-row cache and its keeper thread in-process
+  inproc_cache    sorted, with a hot-row cache and its keeper thread in-process
   inproc_both     dedupe + cache in-process
-  engramd_plain   engramd (daemon + this process as client), no cache, no dedupe
-  engramd_cache   engramd with the cache (--hot-cache-gib), a fresh daemon for each T
+  engramd_plain   engramd (daemon + this process as client), default config without the cache
+  engramd_cache   engramd's default config with a --cache-gib cache, a fresh daemon for each T
+(The daemon's defaults: sorted reads from 1,024 tokens, no dedupe, gather on half the SMs.)
 Also reported: the highest hit rate any cache could reach on the measured half (rows already seen
 earlier in the trace), and the trace's distinct-row share per batch.
 """
@@ -49,9 +51,12 @@ from engramd.server.cuda_backend import PinnedTables  # noqa: E402
 from engramd.server.table_store import TableStore  # noqa: E402
 
 TOKENS = (256, 4096, 16384)
-IN_PROCESS = (("baseline", False, False), ("inproc_dedupe", True, False),  # (column, dedupe, cache)
-              ("inproc_cache", False, True), ("inproc_both", True, True))
-COLUMNS = [c for c, _, _ in IN_PROCESS] + ["engramd_plain", "engramd_cache"]
+SORT_MIN_TOKENS = 1024  # the daemon's default sort_min_tokens
+IN_PROCESS = (  # (column, dedupe, cache, sorted reads from SORT_MIN_TOKENS on)
+    ("baseline", False, False, False), ("inproc_sorted", False, False, True),
+    ("inproc_dedupe", True, False, False), ("inproc_cache", False, True, True),
+    ("inproc_both", True, True, False))
+COLUMNS = [c[0] for c in IN_PROCESS] + ["engramd_plain", "engramd_cache"]
 SETTLE_S = 0.2  # > the daemon's refresh interval, so its counters are current
 UNIFORM_BATCHES = 40
 
@@ -111,7 +116,7 @@ def in_process_columns(geometry, tables, trace: TextTrace, cache_bytes: int, col
         for tokens in TOKENS:
             out = torch.empty(plan.output_shape(tokens), dtype=torch.bfloat16, device=device)
             rows = tokens * geometry.n_layers * geometry.heads
-            for column, dedupe, cached in IN_PROCESS:
+            for column, dedupe, cached, sorted_reads in IN_PROCESS:
                 if column not in columns:
                     continue
                 for name, batches, warm in trace_sets(geometry, trace, tokens):
@@ -120,10 +125,11 @@ def in_process_columns(geometry, tables, trace: TextTrace, cache_bytes: int, col
                         layout = hot_cache.CacheLayout.from_budget(cache_bytes, geometry.row_bytes)
                         cache = hot_cache.HotCache(layout, geometry.n_layers, device)
                         keeper = CacheKeeper(cache, views, lambda: [torch.cuda.current_stream()]).start()
-                    plan.warm_up(caches=[cache], dedupe=[dedupe])
+                    sort = sorted_reads and tokens >= SORT_MIN_TOKENS
+                    plan.warm_up(caches=[cache], dedupe=[dedupe], sort=[sort])
 
-                    def lookup(ids, out=out, cache=cache, dedupe=dedupe):
-                        plan(ids, out, cache=cache, dedupe=dedupe)
+                    def lookup(ids, out=out, cache=cache, dedupe=dedupe, sort=sort):
+                        plan(ids, out, cache=cache, dedupe=dedupe, sort=sort)
 
                     counters = (lambda c=cache: c.counters.sum(dim=1).tolist()) if cached else None
                     times, extra = run_batches(lookup, batches, warm, counters)

@@ -24,6 +24,7 @@ synchronise: work is queued on the current (or given) stream and the caller orde
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -160,14 +161,14 @@ if triton is not None:
         "ids_stride_t", "ids_stride_l", "ids_stride_h", "out_rows_l", "out_rows_t", "n_layers",
     ])
     def _gather_kernel(
-        ids_ptr, meta_ptr, out_ptr, bad_ptr, cache_ptr, lead_ptr,
+        ids_ptr, meta_ptr, out_ptr, bad_ptr, cache_ptr, lead_ptr, order_ptr,
         n_items, tokens, local_heads, owned_heads, head_start,
         ids_stride_t, ids_stride_l, ids_stride_h,
         out_rows_l, out_rows_t, n_layers,
         HEAD_DIM: tl.constexpr, ROW_BYTES: tl.constexpr,
         WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_ROWS: tl.constexpr,
         PACKED: tl.constexpr, ALIGNED: tl.constexpr, COUNT_BAD: tl.constexpr,
-        CACHED: tl.constexpr, LEADERS_ONLY: tl.constexpr, WAYS: tl.constexpr,
+        CACHED: tl.constexpr, LEADERS_ONLY: tl.constexpr, ORDERED: tl.constexpr, WAYS: tl.constexpr,
         KEY_SHIFT: tl.constexpr, SET_MUL: tl.constexpr,
         SKETCH_MUL0: tl.constexpr, SKETCH_MUL1: tl.constexpr,
     ):
@@ -177,7 +178,9 @@ if triton is not None:
         next to each other in the output. Every output row of every item is written: the row
         when the ID is owned, zeros otherwise, so the output needs no clearing beforehand.
         With LEADERS_ONLY, only items that lead their run of equal rows (lead_ptr[i] == i) are
-        done; _fanout_kernel then copies each leader's output to its followers.
+        done; _fanout_kernel then copies each leader's output to its followers. With ORDERED,
+        the k-th item done is order_ptr[k] (items sorted by row: neighbouring reads then share
+        address translations, see benchmarks/results/h200/gather_layouts.md).
         """
         cols = tl.arange(0, BLOCK_W)
         col_ok = cols < WIDTH
@@ -186,6 +189,8 @@ if triton is not None:
         for block in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
             item = block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
             live = item < n_items
+            if ORDERED:
+                item = tl.load(order_ptr + item, mask=live, other=0)
             if LEADERS_ONLY:
                 live = live & (tl.load(lead_ptr + item, mask=live, other=-1) == item)
             layer = item // per_layer
@@ -371,10 +376,11 @@ class GatherPlan:
 
     def warm_up(self, stream: torch.cuda.Stream | None = None,
                 caches: Sequence[HotCache | None] = (None,),
-                dedupe: Sequence[bool] = (False, True)) -> None:
+                dedupe: Sequence[bool] = (False, True),
+                sort: Sequence[bool] = (False, True)) -> None:
         """Compile and load every kernel variant this plan can launch with the default blocks.
 
-        `caches` and `dedupe` are the values it will be called with (each variant compiles for
+        `caches`, `dedupe` and `sort` are the values it will be called with (each variant compiles for
         a second or so): a cache variant warms up on the real cache (DEAD IDs read, count and
         log nothing).
 
@@ -387,10 +393,9 @@ class GatherPlan:
                              device=self.device)
             for packed in (False, True):
                 for count in (None, counter):
-                    for cache in caches:
-                        for leaders in dedupe:
-                            self(ids, packed=packed, stream=stream, out_of_range=count,
-                                 cache=cache, dedupe=leaders)
+                    for cache, leaders, ordered in itertools.product(caches, dedupe, sort):
+                        self(ids, packed=packed, stream=stream, out_of_range=count,
+                             cache=cache, dedupe=leaders, sort=ordered)
 
     def output_shape(self, tokens: int, packed: bool = False) -> tuple[int, int, int, int]:
         width = self.row_bytes if packed else self.head_dim
@@ -409,6 +414,7 @@ class GatherPlan:
         num_warps: int = DEFAULT_NUM_WARPS,
         cache: HotCache | None = None,
         dedupe: bool = False,
+        sort: bool = False,
     ) -> Tensor:
         """Queue the lookup of `ids` [T, n_layers, heads] into `out` (allocated when None).
 
@@ -421,6 +427,7 @@ class GatherPlan:
         `cache`: read rows resident in this device's hot-row cache from HBM, count every row in
         its sketch and log repeated misses (kernels/hot_cache.py). `dedupe`: read each distinct
         (layer, row) once (a sort, the gather of the leaders, then a copy to the followers).
+        `sort`: read the rows in sorted order (a sort of the IDs first; no synchronisation).
 
         Grid size, measured on an H200 (8 M-row table, 393 K random rows): reads over UVA from
         pinned host memory run at 53-61 M rows/s whatever num_programs and block_rows are; from
@@ -438,19 +445,23 @@ class GatherPlan:
         launch = _Launch(min(programs, triton.cdiv(n_items, block_rows)), n_items, packed,
                          block_rows, num_warps)
         if stream is None or _kernel_is_interpreted():
-            self._launch(launch, ids, out, out_of_range, cache, dedupe)
+            self._launch(launch, ids, out, out_of_range, cache, dedupe, sort)
         else:
             with torch.cuda.stream(stream):
-                self._launch(launch, ids, out, out_of_range, cache, dedupe)
+                self._launch(launch, ids, out, out_of_range, cache, dedupe, sort)
         return out
 
-    def _launch(self, launch: _Launch, ids, out, out_of_range, cache, dedupe) -> None:
+    def _launch(self, launch: _Launch, ids, out, out_of_range, cache, dedupe, sort) -> None:
         width = self.row_bytes if launch.packed else self.head_dim
         target = out if launch.packed else out.view(torch.int16)  # the kernel writes BF16 bits
         counter = out_of_range if out_of_range is not None else self.meta  # unused when not counting
-        leaders = self.leaders(ids) if dedupe else self.meta  # unused without dedupe
+        keys = self.item_keys(ids) if dedupe or sort else None
+        ordered, order = torch.sort(keys) if keys is not None else (None, None)
+        leaders = _leaders(ordered, order) if dedupe else self.meta  # unused without dedupe
+        order = order.to(torch.int32) if sort else self.meta  # unused without sort
         _gather_kernel[(launch.grid,)](
             ids, self.meta, target, counter, cache.meta if cache is not None else self.meta, leaders,
+            order,
             launch.n_items, ids.shape[0], self.shard.local_heads, self.shard.owned_heads,
             self.shard.head_start,
             ids.stride(0), ids.stride(1), ids.stride(2),
@@ -458,7 +469,7 @@ class GatherPlan:
             HEAD_DIM=self.head_dim, ROW_BYTES=self.row_bytes,
             WIDTH=width, BLOCK_W=triton.next_power_of_2(width), BLOCK_ROWS=launch.block_rows,
             PACKED=launch.packed, ALIGNED=self.aligned, COUNT_BAD=out_of_range is not None,
-            CACHED=cache is not None, LEADERS_ONLY=dedupe, WAYS=hot_cache.WAYS,
+            CACHED=cache is not None, LEADERS_ONLY=dedupe, ORDERED=sort, WAYS=hot_cache.WAYS,
             KEY_SHIFT=hot_cache.KEY_LAYER_SHIFT, SET_MUL=hot_cache.SET_MULTIPLIER,
             SKETCH_MUL0=hot_cache.SKETCH_MULTIPLIERS[0], SKETCH_MUL1=hot_cache.SKETCH_MULTIPLIERS[1],
             num_warps=launch.num_warps,
@@ -472,11 +483,15 @@ class GatherPlan:
             )
 
     def leaders(self, ids: Tensor) -> Tensor:
-        """int32 per work item: the first item, in sorted order, that reads the same row.
+        """int32 per work item: the first item, in sorted order, that reads the same row."""
+        return _leaders(*torch.sort(self.item_keys(ids)))
+
+    def item_keys(self, ids: Tensor) -> Tensor:
+        """int64 per work item (kernel order): the hot-cache key of the row it reads.
 
         Items that read nothing (DEAD, out of the shard's rows or the table, padding heads) get
-        a key of their own, so each leads itself and is still zeroed and counted by the kernel.
-        No host synchronisation: a sort and element-wise ops.
+        a negative key of their own, so that each leads itself under dedupe and is still zeroed
+        and counted by the kernel. No host synchronisation.
         """
         tokens, local = ids.shape[0], self.shard.local_heads
         owned = self.shard.head_start + self.shard.owned_heads
@@ -486,17 +501,10 @@ class GatherPlan:
             self.n_layers, tokens, local)
         keys = -1 - item
         layer = torch.arange(self.n_layers, device=ids.device).view(-1, 1, 1)
-        owned_keys = hot_cache.row_keys(layer, rows)
         reads = (rows >= lo) & (rows < hi)
-        keys[:, :, :rows.shape[2]] = torch.where(reads, owned_keys, keys[:, :, :rows.shape[2]])
-        ordered, order = torch.sort(keys.view(-1))
-        starts = torch.ones_like(ordered, dtype=torch.bool)
-        starts[1:] = ordered[1:] != ordered[:-1]
-        position = torch.arange(ordered.numel(), device=ids.device)
-        run_start = torch.where(starts, position, 0).cummax(0).values
-        leaders = torch.empty_like(order, dtype=torch.int32)
-        leaders[order] = order[run_start].to(torch.int32)
-        return leaders
+        width = rows.shape[2]
+        keys[:, :, :width] = torch.where(reads, hot_cache.row_keys(layer, rows), keys[:, :, :width])
+        return keys.view(-1)
 
     def _check_cache(self, cache: HotCache | None) -> None:
         if cache is None:
@@ -561,6 +569,17 @@ class GatherPlan:
         ):
             raise ValueError(f"out_of_range must be one int64 element on {self.device}")
         return num_programs
+
+
+def _leaders(ordered: Tensor, order: Tensor) -> Tensor:
+    """For keys sorted as `ordered` = keys[order]: each item's first item of equal key."""
+    starts = torch.ones_like(ordered, dtype=torch.bool)
+    starts[1:] = ordered[1:] != ordered[:-1]
+    position = torch.arange(ordered.numel(), device=ordered.device)
+    run_start = torch.where(starts, position, 0).cummax(0).values
+    leaders = torch.empty_like(order, dtype=torch.int32)
+    leaders[order] = order[run_start].to(torch.int32)
+    return leaders
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("dedupe_min_tokens", int, 0,
             "CUDA backend: lookups of at least this many tokens read each distinct row once (0: never)",
             low=0, high=1 << 20),
+    Setting("sort_min_tokens", int, 1024,
+            "CUDA backend: lookups of at least this many tokens read their rows in sorted order (0: never)",
+            low=0, high=1 << 20),
     Setting("gather_sm_fraction", float, 0.5,
             "CUDA backend: fraction of each GPU's SMs the gather may occupy (leaves the model room)",
             low=0.01, high=1.0),
@@ -91,6 +94,7 @@ class DaemonConfig:
     hot_cache_gib: float
     hot_cache_refresh_ms: float
     dedupe_min_tokens: int
+    sort_min_tokens: int
     gather_sm_fraction: float
     heartbeat_interval: float
     self_check: bool

@@ -96,6 +96,7 @@ def build_backend(config: DaemonConfig, geometry: TableGeometry, tables: list[Ho
     options = GatherOptions(cache_bytes=int(config.hot_cache_gib * 2**30),
                             cache_refresh_s=config.hot_cache_refresh_ms / 1e3,
                             dedupe_min_tokens=config.dedupe_min_tokens,
+                            sort_min_tokens=config.sort_min_tokens,
                             sm_fraction=config.gather_sm_fraction)
     try:
         return CudaBackend(tables, geometry, inline=config.cuda_dispatch == "inline", options=options)

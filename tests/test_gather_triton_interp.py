@@ -323,7 +323,8 @@ def reads_of(geo, ids: torch.Tensor, shard: ShardView) -> list[list[int]]:
 
 @pytest.mark.parametrize("shards", [1, 2, 5])
 @pytest.mark.parametrize("dedupe", [False, True])
-def test_cached_and_deduped_gathers_equal_the_reference(kt, world, shards, dedupe):
+@pytest.mark.parametrize("sort", [False, True])
+def test_cached_and_deduped_gathers_equal_the_reference(kt, world, shards, dedupe, sort):
     from engramd.kernels import hot_cache
 
     geo, tables = world
@@ -332,9 +333,9 @@ def test_cached_and_deduped_gathers_equal_the_reference(kt, world, shards, dedup
     cache = cached_world(kt, geo, tables, 0.5, seed=shards)
     want, want_bad = gather_ref.gather(tables, ids, shard)
     bad = torch.zeros(1, dtype=torch.int64)
-    got = kt.GatherPlan(tables, shard)(ids, cache=cache, dedupe=dedupe, out_of_range=bad,
+    got = kt.GatherPlan(tables, shard)(ids, cache=cache, dedupe=dedupe, sort=sort, out_of_range=bad,
                                        block_rows=BLOCK_ROWS)
-    assert_same(got, want, f"cache, dedupe={dedupe}, shard {shard.rank}/{shards}")
+    assert_same(got, want, f"cache, dedupe={dedupe}, sort={sort}, shard {shard.rank}/{shards}")
     assert int(bad) == want_bad
     resident = set(cache.keys.view(-1).tolist())
     for layer, rows in enumerate(reads_of(geo, ids, shard)):
@@ -435,3 +436,17 @@ def test_keeper_admits_repeated_rows_and_keeps_every_slot_equal_to_its_row(kt, w
     reads, hits = cache.counters.sum(dim=1).tolist()
     assert hits - hits_before == reads - reads_before == hot_ids.numel()
     assert keeper.stats.admitted >= len(hot_keys)
+
+
+@pytest.mark.parametrize("shards", [1, 4])
+@pytest.mark.parametrize("packed", [False, True])
+def test_sorted_reads_equal_the_reference(kt, world, shards, packed):
+    geo, tables = world
+    shard = geo.shard(shards - 1, shards)
+    ids = with_boundaries(mixed_ids(geo, 21, seed=70 + shards), shard)
+    want, want_bad = gather_ref.gather(tables, ids, shard, packed=packed)
+    bad = torch.zeros(1, dtype=torch.int64)
+    got = kt.GatherPlan(tables, shard)(ids, sort=True, packed=packed, out_of_range=bad,
+                                       block_rows=BLOCK_ROWS)
+    assert_same(got, want, f"sorted, packed={packed}, shard {shard.rank}/{shards}")
+    assert int(bad) == want_bad
