@@ -64,7 +64,7 @@ def test_gathers_stay_exact_while_the_keeper_refreshes(world):
     keeper = CacheKeeper(cache, uva, gather_streams=lambda: streams, interval=0.002,
                          age_rows=200_000).start()
     plan = GatherPlan(host, geo.shard(0, 1), device)
-    plan.warm_up(caches=[cache])
+    plan.warm_up(caches=[cache])  # every dedupe and sort variant
     gen = torch.Generator().manual_seed(1)
     try:
         for round_ in range(12):
@@ -74,7 +74,7 @@ def test_gathers_stay_exact_while_the_keeper_refreshes(world):
                 stream = streams[i % 2]
                 with torch.cuda.stream(stream):
                     on_gpu = ids.to(device, non_blocking=False)
-                    out = plan(on_gpu, stream=stream, cache=cache, dedupe=i % 4 == 0)
+                    out = plan(on_gpu, stream=stream, cache=cache, dedupe=i % 4 == 0, sort=i % 3 == 0)
                 batch.append((ids, out))
             torch.cuda.synchronize()
             for k, (ids, out) in enumerate(batch):
