@@ -148,7 +148,7 @@ class CudaSlab:
             self.plan = GatherPlan(plan_tables, shard, device)
             self.out_of_range = torch.zeros(1, dtype=torch.int64, device=device)
         self.enqueued: dict[int, int] = {}  # slot -> seq of the last lookup enqueued on it
-        gpu.streams.add(self.stream)
+        gpu.slabs.add(self)
 
     def counter_address(self, slot: int, word: int) -> int:
         return self.ptr + self.layout.counter_offset(slot, word)
@@ -175,7 +175,7 @@ class CudaSlab:
         if not self.ptr:
             return
         ptr, self.ptr = self.ptr, 0
-        self.gpu.streams.discard(self.stream)
+        self.gpu.slabs.discard(self)
         threading.Thread(target=self._free, args=(ptr,), name="engramd-free", daemon=True).start()
 
     def _free(self, ptr: int) -> None:
@@ -200,7 +200,7 @@ class GpuState:
         self.index = index
         self.device = torch.device("cuda", index)
         self.options = options
-        self.streams: set[torch.cuda.Stream] = set()  # of live slabs; the keeper's grace waits on them
+        self.slabs: set[CudaSlab] = set()  # live ones; the keeper's grace waits on their streams
         sms = torch.cuda.get_device_properties(index).multi_processor_count
         self.programs = max(1, int(sms * options.sm_fraction))
         self.cache: HotCache | None = None
@@ -211,7 +211,7 @@ class GpuState:
                 self.cache = HotCache(layout, geometry.n_layers, self.device)
                 views = [cuda.tensor_view(t.address, t.nbytes, self.device).view(t.rows, t.row_bytes)
                          for t in tables]
-                self.keeper = CacheKeeper(self.cache, views, lambda: list(self.streams),
+                self.keeper = CacheKeeper(self.cache, views, self.gather_streams,
                                           interval=options.cache_refresh_s)
                 log.info("GPU %d: hot-row cache of %d rows (%.2f GiB)", index, layout.slots,
                          layout.nbytes / 2**30)
@@ -220,6 +220,10 @@ class GpuState:
                          sort=(False, True) if options.sort_min_tokens else (False,))
             torch.cuda.synchronize(index)
         self.warm_plan = plan
+
+    def gather_streams(self) -> list[torch.cuda.Stream]:
+        # Streams come from torch's per-device pool, so clients may share one: dedupe them.
+        return list({slab.stream for slab in list(self.slabs)})
 
     def start(self) -> None:
         if self.keeper is not None:
