@@ -29,15 +29,29 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from engramd.client.errors import ConfigError
 from engramd.kernels import hot_cache
 from engramd.kernels.hot_cache import Admissions, HotCache
 
 log = logging.getLogger("engramd.cache")
 
 GRACE_WARN_S = 5.0
+
+
+def load_warm_ids(path: str, n_layers: int, heads: int) -> Tensor:
+    """The row IDs of a warm-up trace file (.npy, integers [N, n_layers, heads]) as a CPU tensor."""
+    try:
+        ids = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"hot_cache_warm_file {path}: cannot read it as .npy ({exc})") from None
+    if ids.dtype.kind not in "iu" or ids.ndim != 3 or ids.shape[1:] != (n_layers, heads):
+        raise ConfigError(f"hot_cache_warm_file {path}: expected integer row IDs [N, {n_layers}, "
+                          f"{heads}], got {ids.dtype} {list(ids.shape)}")
+    return torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
 
 
 @dataclass
@@ -121,6 +135,31 @@ class CacheKeeper:
             self.stats.refreshes += 1
             self.stats.admitted += admitted
             self.stats.refresh_ms = (time.perf_counter() - started) * 1e3
+            return admitted
+
+    def warm(self, row_ids: Tensor) -> int:
+        """Count a trace of row IDs [N, n_layers, heads] into the sketch and admit what it makes
+        hot (call before serving, or any time: the refresh protocol applies). Returns admissions.
+
+        DEAD and out-of-table IDs are skipped. The counts age like the kernel's.
+        """
+        if row_ids.dim() != 3 or row_ids.shape[1] != self.cache.n_layers:
+            raise ValueError(f"warm-up IDs must be [N, {self.cache.n_layers}, heads], got "
+                             f"{tuple(row_ids.shape)}")
+        with self._lock, self._on_stream():
+            ids = row_ids.to(self.cache.device, torch.int64)
+            layers = torch.arange(ids.shape[1], device=ids.device).view(1, -1, 1).expand_as(ids)
+            keys = hot_cache.row_keys(layers, ids).reshape(-1)
+            keys = keys[hot_cache.valid_keys(keys, self.table_rows)]
+            bits = self.cache.layout.sketch_bits
+            ones = torch.ones_like(keys, dtype=torch.int32)
+            for depth in range(hot_cache.SKETCH_DEPTH):
+                self.cache.sketch[depth].index_add_(0, hot_cache.sketch_index(keys, depth, bits), ones)
+            candidates = torch.unique(keys)
+            candidates = candidates[~self.cache.resident(candidates)]
+            chosen = hot_cache.choose_admissions(self.cache, candidates, self.margin)
+            admitted = len(chosen) if len(chosen) and self._change(chosen) else 0
+            self.stats.admitted += admitted
             return admitted
 
     def _candidates(self, cursor: int) -> Tensor:

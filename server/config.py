@@ -54,6 +54,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("hot_cache_gib", float, 2.0,
             "CUDA backend: HBM hot-row cache per GPU in GiB (rows, keys, sketch); 0 disables it",
             low=0.0, high=1024.0),
+    Setting("hot_cache_warm_file", str, "",
+            "CUDA backend: .npy of row IDs [N, layers, heads] (as EngramHasher.hash returns them) "
+            "counted into every GPU's cache before serving; empty: start cold"),
     Setting("hot_cache_refresh_ms", float, 50.0,
             "CUDA backend: milliseconds between hot-row cache refreshes", low=1.0, high=60000.0),
     Setting("dedupe_min_tokens", int, 0,
@@ -92,6 +95,7 @@ class DaemonConfig:
     workers: int
     cuda_dispatch: str
     hot_cache_gib: float
+    hot_cache_warm_file: str
     hot_cache_refresh_ms: float
     dedupe_min_tokens: int
     sort_min_tokens: int

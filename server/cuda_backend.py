@@ -35,7 +35,7 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -73,6 +73,7 @@ class GatherOptions:
     # 256 where the sort costs more than it saves (gather_layouts).
     sort_min_tokens: int = 1024
     sm_fraction: float = 0.5  # of each GPU's SMs the persistent gather grid may use (sm_cap)
+    warm_ids: torch.Tensor | None = field(default=None, compare=False)  # [N, L, H] to warm caches
 
     def dedupe(self, tokens: int) -> bool:
         return 0 < self.dedupe_min_tokens <= tokens
@@ -215,6 +216,9 @@ class GpuState:
                                           interval=options.cache_refresh_s)
                 log.info("GPU %d: hot-row cache of %d rows (%.2f GiB)", index, layout.slots,
                          layout.nbytes / 2**30)
+                if options.warm_ids is not None:
+                    admitted = self.keeper.warm(options.warm_ids)
+                    log.info("GPU %d: %d rows admitted from the warm-up trace", index, admitted)
             plan = GatherPlan(layer_tables, geometry.shard(0, 1), self.device)
             plan.warm_up(caches=[self.cache], dedupe=(False, True) if options.dedupe_min_tokens else (False,),
                          sort=(False, True) if options.sort_min_tokens else (False,))

@@ -29,7 +29,7 @@ from typing import Any
 import zmq
 
 from engramd.client import protocol
-from engramd.client.errors import EngramError, InternalError, NotReadyError
+from engramd.client.errors import ConfigError, EngramError, InternalError, NotReadyError
 from engramd.client.geometry import TableGeometry
 from engramd.server.config import DaemonConfig
 from engramd.server.metrics import Metrics
@@ -266,7 +266,8 @@ class Daemon:
         self._on_loaded(loaded)
 
     def _event_load_failed(self, exc: BaseException) -> None:
-        status = EXIT_DEVICE if getattr(exc, "device_error", False) else EXIT_TABLES
+        status = (EXIT_DEVICE if getattr(exc, "device_error", False)
+                  else EXIT_CONFIG if isinstance(exc, ConfigError) else EXIT_TABLES)
         self._halt = DaemonHalt(f"cannot load tables: {exc}", status)
 
     def _event_signal(self, signum: int) -> None:

@@ -87,13 +87,19 @@ def build_backend(config: DaemonConfig, geometry: TableGeometry, tables: list[Ho
     name = choose_backend_name(config.backend)
     if name == "cpu":
         from engramd.server.cpu_backend import CpuBackend
+        if config.hot_cache_warm_file:
+            log.warning("hot_cache_warm_file is ignored: the cpu backend has no hot-row cache")
         return CpuBackend([t.tensor for t in tables], geometry, Path(config.shm_dir), prefix,
                           config.workers)
     try:
+        from engramd.server.cache_keeper import load_warm_ids
         from engramd.server.cuda_backend import CudaBackend, GatherOptions
     except ImportError as exc:
         raise DeviceBackendError(f"cuda backend unavailable: {exc}") from exc
-    options = GatherOptions(cache_bytes=int(config.hot_cache_gib * 2**30),
+    warm_ids = None
+    if config.hot_cache_warm_file and config.hot_cache_gib:
+        warm_ids = load_warm_ids(config.hot_cache_warm_file, geometry.n_layers, geometry.heads)
+    options = GatherOptions(cache_bytes=int(config.hot_cache_gib * 2**30), warm_ids=warm_ids,
                             cache_refresh_s=config.hot_cache_refresh_ms / 1e3,
                             dedupe_min_tokens=config.dedupe_min_tokens,
                             sort_min_tokens=config.sort_min_tokens,

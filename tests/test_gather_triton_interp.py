@@ -450,3 +450,25 @@ def test_sorted_reads_equal_the_reference(kt, world, shards, packed):
                                        block_rows=BLOCK_ROWS)
     assert_same(got, want, f"sorted, packed={packed}, shard {shard.rank}/{shards}")
     assert int(bad) == want_bad
+
+
+def test_warming_from_a_trace_admits_its_repeated_rows_only(kt, world):
+    from engramd.kernels import hot_cache
+    from engramd.server.cache_keeper import CacheKeeper
+
+    geo, tables = world
+    layout = hot_cache.CacheLayout(sets=8, row_bytes=geo.row_bytes, sketch_bits=14, log_entries=1024)
+    cache = hot_cache.HotCache(layout, geo.n_layers, "cpu", admit_min=3)
+    keeper = CacheKeeper(cache, tables, gather_streams=list)
+    trace = torch.full((10, geo.n_layers, geo.heads), DEAD_ID)
+    trace[:, :, 0] = 1  # row 1 of each layer: 10 lookups
+    trace[0, :, 1] = 2  # row 2: once
+    trace[0, 0, 2] = geo.rows[0] + 5  # past the table: skipped
+    assert keeper.warm(trace) == geo.n_layers
+    resident = set(cache.keys.view(-1).tolist()) - {hot_cache.EMPTY_KEY}
+    assert resident == {int(hot_cache.row_keys(torch.tensor(layer), torch.tensor(1)))
+                        for layer in range(geo.n_layers)}
+    ids = torch.ones((4, geo.n_layers, geo.heads), dtype=torch.int64)
+    got = kt.GatherPlan(tables, geo.shard(0, 1))(ids, cache=cache, block_rows=BLOCK_ROWS)
+    assert_same(got, gather_ref.gather(tables, ids, geo.shard(0, 1))[0], "rows of the warmed cache")
+    assert cache.counters[1].sum() == cache.counters[0].sum() == ids.numel()

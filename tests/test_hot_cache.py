@@ -121,3 +121,22 @@ def test_empty_ways_take_only_rows_seen_more_than_admit_min_times_and_at_most_li
     assert set(keys[cache.estimate(keys) > 3].tolist()) >= set(chosen.keys.tolist())
     capped = hot_cache.choose_admissions(cache, keys, limit=2)
     assert len(capped) == 2 and (cache.estimate(capped.keys) == 5).all()
+
+
+def test_warm_file_loads_integer_row_ids_and_names_the_file_when_wrong(tmp_path):
+    import numpy as np
+
+    from engramd.client.errors import ConfigError
+    from engramd.server.cache_keeper import load_warm_ids
+
+    good = tmp_path / "warm.npy"
+    np.save(good, np.arange(2 * 2 * 3, dtype=np.int32).reshape(2, 2, 3))
+    ids = load_warm_ids(str(good), n_layers=2, heads=3)
+    assert ids.dtype == torch.int64 and ids.tolist() == np.arange(12).reshape(2, 2, 3).tolist()
+    wrong_shape, floats, text = tmp_path / "shape.npy", tmp_path / "floats.npy", tmp_path / "t.npy"
+    np.save(wrong_shape, np.zeros((4, 3, 3), dtype=np.int64))
+    np.save(floats, np.zeros((4, 2, 3), dtype=np.float32))
+    text.write_text("not an array")
+    for path in (wrong_shape, floats, text, tmp_path / "missing.npy"):
+        with pytest.raises(ConfigError, match=path.name):
+            load_warm_ids(str(path), n_layers=2, heads=3)

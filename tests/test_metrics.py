@@ -1,0 +1,34 @@
+"""The Prometheus exposition of the hot-row cache counters (a GPU daemon's snapshot, built by hand)."""
+
+from __future__ import annotations
+
+from prometheus_client.exposition import generate_latest
+
+from engramd.server.metrics import Metrics
+
+
+def snapshot(hot_cache: dict) -> dict:
+    return {"ready": True, "progress": 1.0, "uptime": 3.0, "epoch": "e", "backend": "cuda",
+            "clients": [], "lookups": 0, "rows": 0, "out_of_range": 0, "errors": {},
+            "slab_bytes": {}, "pinned_bytes": 0, "hot_cache": hot_cache}
+
+
+def test_cache_counters_are_exposed_per_gpu_and_layer():
+    metrics = Metrics()
+    metrics.publish(snapshot({"GPU-a": {"reads": [100, 40], "hits": [25, 10], "hit_rate": [0.25, 0.25],
+                                        "bytes_saved": 35 * 264, "admitted": 7, "slots": 1024}}))
+    text = generate_latest(metrics.registry).decode()
+    assert 'engramd_cache_reads_total{device="GPU-a",layer="0"} 100.0' in text
+    assert 'engramd_cache_hits_total{device="GPU-a",layer="1"} 10.0' in text
+    assert 'engramd_cache_hit_rate{device="GPU-a",layer="1"} 0.25' in text
+    assert f'engramd_cache_bytes_saved_total{{device="GPU-a"}} {35 * 264}.0' in text
+    assert 'engramd_cache_slots{device="GPU-a"} 1024.0' in text
+
+
+def test_no_cache_exposes_empty_families():
+    metrics = Metrics()
+    metrics.publish(snapshot({}))
+    text = generate_latest(metrics.registry).decode()
+    samples = [line for line in text.splitlines()
+               if line.startswith("engramd_cache_") and not line.startswith("#")]
+    assert "# TYPE engramd_cache_hits_total counter" in text and samples == []
