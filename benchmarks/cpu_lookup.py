@@ -14,9 +14,7 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -28,7 +26,7 @@ from engramd.client.geometry import V41_FLASH_CONFIG, TableGeometry
 from engramd.server.synthetic import write_synthetic_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
-from daemon_process import start_daemon  # noqa: E402
+from daemon_process import bench_folders, running_daemon  # noqa: E402
 
 TOKENS = (1, 16, 256, 4096)
 
@@ -62,25 +60,17 @@ def main() -> int:
     geometry = TableGeometry.from_config({**{k: v for k, v in V41_FLASH_CONFIG.items()
                                              if k != "engram_num_embeddings"},
                                           "engram_vocab_size": args.vocab})
-    work = Path(tempfile.mkdtemp(prefix="engramd-bench-"))
-    shm = Path(tempfile.mkdtemp(prefix="engramd-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
-    proc = None
-    try:
+    with bench_folders(show_log=False) as (work, shm):
         print(f"writing {geometry.total_bytes / 1e9:.2f} GB synthetic checkpoint", file=sys.stderr)
         write_synthetic_checkpoint(geometry, work / "ckpt", seed=1)
-        proc, socket = start_daemon(work, ["--tables", str(work / "ckpt"), "--shm-dir", str(shm),
-                                           "--instance", "bench", "--backend", "cpu",
-                                           "--workers", str(args.workers)])
-        rng = np.random.default_rng(0)
-        with EngramClient(socket, max_tokens=max(TOKENS), slots=2, timeout=120) as client:
-            results = [time_lookups(client, list(geometry.rows), t, args.iters if t < 4096 else args.iters // 4, rng)
-                       for t in TOKENS]
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(30)
-        shutil.rmtree(work, ignore_errors=True)
-        shutil.rmtree(shm, ignore_errors=True)
+        with running_daemon(work, ["--tables", str(work / "ckpt"), "--shm-dir", str(shm),
+                                   "--instance", "bench", "--backend", "cpu",
+                                   "--workers", str(args.workers)]) as socket:
+            rng = np.random.default_rng(0)
+            with EngramClient(socket, max_tokens=max(TOKENS), slots=2, timeout=120) as client:
+                results = [time_lookups(client, list(geometry.rows), t,
+                                        args.iters if t < 4096 else args.iters // 4, rng)
+                           for t in TOKENS]
 
     meta = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}",
             "python": platform.python_version(), "torch": torch.__version__,

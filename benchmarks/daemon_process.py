@@ -1,10 +1,16 @@
-"""Start `engramd serve` for a benchmark and wait until it is ready (shared by the scripts here)."""
+"""Start `engramd serve` for a benchmark and wait until it is ready (shared by the scripts here),
+and the temporary folders a benchmark's tables and daemon live in."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from engramd.client.connection import probe
@@ -36,3 +42,31 @@ def start_daemon(workdir: Path, flags: list[str], timeout: float = 600.0,
         time.sleep(0.1)
     proc.kill()
     raise SystemExit(f"daemon not ready in {timeout:.0f} s:\n{log_path.read_text()}")
+
+
+@contextmanager
+def running_daemon(workdir: Path, flags: list[str], timeout: float = 600.0) -> Iterator[Path]:
+    """start_daemon; yields its socket and stops the daemon (SIGTERM, then wait) on the way out."""
+    proc, socket = start_daemon(workdir, flags, timeout)
+    try:
+        yield socket
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+@contextmanager
+def bench_folders(show_log: bool = True) -> Iterator[tuple[Path, Path]]:
+    """(work folder, folder in /dev/shm) for one run; both removed at the end, after the tail of
+    the daemon log in the work folder is printed when `show_log`."""
+    work = Path(tempfile.mkdtemp(prefix="engramd-bench-"))
+    shm_root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    shm = Path(tempfile.mkdtemp(prefix="engramd-bench-", dir=shm_root))
+    try:
+        yield work, shm
+    finally:
+        log = work / "daemon.log"
+        if show_log and log.exists():
+            print(log.read_text()[-4000:])
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)

@@ -20,23 +20,21 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from engramd.client import EngramClient, cuda
+from engramd.client import EngramClient
 from engramd.client.geometry import V41_FLASH_CONFIG, TableGeometry
 from engramd.kernels.gather_triton import GatherPlan
 from engramd.server.checkpoint import EngramCheckpoint, scale_name, weight_name
 from engramd.server.table_store import TableStore
 
 sys.path.insert(0, str(Path(__file__).parent))
-from daemon_process import start_daemon  # noqa: E402
+from daemon_process import bench_folders, running_daemon  # noqa: E402
 
 TOKENS = (1, 16, 256, 4096, 16384)
 INSTANCE = "bench"
@@ -120,8 +118,7 @@ def in_process_columns(geometry: TableGeometry, tables, results: list[dict]) -> 
 
     pinned = PinnedTables(tables)
     try:
-        uva = [cuda.tensor_view(t.address, t.nbytes, torch.device("cuda")).view(t.rows, t.row_bytes)
-               for t in tables]
+        uva = pinned.row_views(torch.device("cuda"))
         plan = GatherPlan(pinned.layer_tables(), geometry.shard(0, 1), torch.device("cuda"))
         plan.warm_up()
         time_in_process(geometry, uva, plan, results)
@@ -176,11 +173,8 @@ def main() -> int:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     geometry = geometry_for(args.table_gib)
-    work = Path(tempfile.mkdtemp(prefix="engramd-bench-"))
-    shm = Path(tempfile.mkdtemp(prefix="engramd-bench-", dir="/dev/shm"))
     results: list[dict] = []
-    proc = None
-    try:
+    with bench_folders() as (work, shm):
         write_sparse_checkpoint(geometry, work / "ckpt")
         started = time.monotonic()
         with TableStore(shm, INSTANCE) as store:
@@ -190,24 +184,13 @@ def main() -> int:
             in_process_columns(geometry, tables, results)
             del tables
         for dispatch in args.dispatch:
-            proc, socket = start_daemon(work, ["--tables", str(work / "ckpt"), "--shm-dir", str(shm),
-                                               "--instance", INSTANCE, "--backend", "cuda",
-                                               "--max-tokens", str(max(TOKENS)),
-                                               "--cuda-dispatch", dispatch,
-                                               # random tables over a sparse checkpoint
-                                               "--self-check", "false"], timeout=300)
-            engramd_column(geometry, socket, dispatch, results)
-            proc.terminate()
-            proc.wait(60)
-            proc = None
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(60)
-        if (work / "daemon.log").exists():
-            print((work / "daemon.log").read_text()[-4000:])
-        shutil.rmtree(work, ignore_errors=True)
-        shutil.rmtree(shm, ignore_errors=True)
+            with running_daemon(work, ["--tables", str(work / "ckpt"), "--shm-dir", str(shm),
+                                       "--instance", INSTANCE, "--backend", "cuda",
+                                       "--max-tokens", str(max(TOKENS)),
+                                       "--cuda-dispatch", dispatch,
+                                       # random tables over a sparse checkpoint
+                                       "--self-check", "false"], timeout=300) as socket:
+                engramd_column(geometry, socket, dispatch, results)
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "table_gib": round(geometry.total_bytes / 2**30, 2), "rows": list(geometry.rows),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",

@@ -28,9 +28,7 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -38,11 +36,11 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from daemon_process import start_daemon  # noqa: E402
+from daemon_process import bench_folders, running_daemon  # noqa: E402
 from gpu_lookup import INSTANCE, RandomRows, geometry_for, write_sparse_checkpoint  # noqa: E402
 from traces import TextTrace, uniform_batches  # noqa: E402
 
-from engramd.client import EngramClient, cuda  # noqa: E402
+from engramd.client import EngramClient  # noqa: E402
 from engramd.kernels import hot_cache  # noqa: E402
 from engramd.kernels.gather_triton import GatherPlan  # noqa: E402
 from engramd.server.cache_keeper import CacheKeeper  # noqa: E402
@@ -112,7 +110,7 @@ def in_process_columns(geometry, tables, trace: TextTrace, cache_bytes: int, col
     pinned = PinnedTables(tables)
     try:
         plan = GatherPlan(pinned.layer_tables(), geometry.shard(0, 1), device)
-        views = [cuda.tensor_view(t.address, t.nbytes, device).view(t.rows, t.row_bytes) for t in tables]
+        views = pinned.row_views(device)
         for tokens in TOKENS:
             out = torch.empty(plan.output_shape(tokens), dtype=torch.bfloat16, device=device)
             rows = tokens * geometry.n_layers * geometry.heads
@@ -225,11 +223,8 @@ def main() -> int:
     trace = TextTrace.load(Path(args.traces), geometry, device="cuda")
     ceiling = seen_before_share(trace.rows, len(trace) // 2)
     print(f"trace: {len(trace)} tokens; rows seen earlier in the measured half: {ceiling:.3f}", flush=True)
-    work = Path(tempfile.mkdtemp(prefix="engramd-bench-"))
-    shm = Path(tempfile.mkdtemp(prefix="engramd-bench-", dir="/dev/shm"))
     results: list[dict] = []
-    proc = None
-    try:
+    with bench_folders() as (work, shm):
         write_sparse_checkpoint(geometry, work / "ckpt")
         with TableStore(shm, INSTANCE) as store:
             tables = store.open(RandomRows(EngramCheckpoint.open(work / "ckpt")))
@@ -240,22 +235,12 @@ def main() -> int:
                    "engramd_cache": ["--hot-cache-gib", str(args.cache_gib)]}
         for column, flags in ((c, f) for c, f in daemons.items() if c in args.columns):
             for tokens in TOKENS:  # a fresh daemon (cold cache) for every batch size
-                proc, socket = start_daemon(work, [
-                    "--tables", str(work / "ckpt"), "--shm-dir", str(shm), "--instance", INSTANCE,
-                    "--backend", "cuda", "--max-tokens", str(max(TOKENS)), "--self-check", "false",
-                    "--metrics-address", "127.0.0.1:0", "--dedupe-min-tokens", "0", *flags], timeout=300)
-                engramd_column(column, geometry, trace, tokens, socket, results)
-                proc.terminate()
-                proc.wait(60)
-                proc = None
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(60)
-        if (work / "daemon.log").exists():
-            print((work / "daemon.log").read_text()[-3000:])
-        shutil.rmtree(work, ignore_errors=True)
-        shutil.rmtree(shm, ignore_errors=True)
+                with running_daemon(work, [
+                        "--tables", str(work / "ckpt"), "--shm-dir", str(shm), "--instance", INSTANCE,
+                        "--backend", "cuda", "--max-tokens", str(max(TOKENS)), "--self-check", "false",
+                        "--metrics-address", "127.0.0.1:0", "--dedupe-min-tokens", "0", *flags],
+                        timeout=300) as socket:
+                    engramd_column(column, geometry, trace, tokens, socket, results)
     stats = {str(t): trace.stats(t).to_dict() for t in TOKENS}
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "table_gib": round(geometry.total_bytes / 2**30, 2), "cache_gib": args.cache_gib,

@@ -193,9 +193,7 @@ if triton is not None:
                 item = tl.load(order_ptr + item, mask=live, other=0)
             if LEADERS_ONLY:
                 live = live & (tl.load(lead_ptr + item, mask=live, other=-1) == item)
-            layer = item // per_layer
-            token = (item - layer * per_layer) // local_heads
-            j = item - layer * per_layer - token * local_heads
+            layer, token, j = _decode(item, per_layer, local_heads)
             owned = live & (j < owned_heads)
             id_offset = (token.to(tl.int64) * ids_stride_t + layer.to(tl.int64) * ids_stride_l
                          + (head_start + j).to(tl.int64) * ids_stride_h)
@@ -220,8 +218,7 @@ if triton is not None:
             load_mask = hit[:, None] & col_ok[None, :]
             # Output strides come in rows, so every row start is a known multiple of WIDTH
             # and the stores vectorise.
-            out_offset = (layer.to(tl.int64) * out_rows_l + token.to(tl.int64) * out_rows_t
-                          + j.to(tl.int64)) * WIDTH
+            out_offset = _out_row(layer, token, j, out_rows_l, out_rows_t) * WIDTH
             dst = out_ptr + out_offset[:, None] + cols[None, :]
             store_mask = live[:, None] & col_ok[None, :]
             raw = _load(src[:, None] + cols[None, :], load_mask, CACHED)
@@ -261,16 +258,23 @@ if triton is not None:
             leader = tl.load(lead_ptr + item, mask=item < n_items, other=0).to(tl.int32)
             follows = (item < n_items) & (leader != item)
             mask = follows[:, None] & col_ok[None, :]
-            src = _out_row(leader, per_layer, local_heads, out_rows_l, out_rows_t) * WIDTH
-            dst = _out_row(item, per_layer, local_heads, out_rows_l, out_rows_t) * WIDTH
+            lead_layer, lead_token, lead_j = _decode(leader, per_layer, local_heads)
+            layer, token, j = _decode(item, per_layer, local_heads)
+            src = _out_row(lead_layer, lead_token, lead_j, out_rows_l, out_rows_t) * WIDTH
+            dst = _out_row(layer, token, j, out_rows_l, out_rows_t) * WIDTH
             values = tl.load(out_ptr + src[:, None] + cols[None, :], mask=mask, other=0)
             tl.store(out_ptr + dst[:, None] + cols[None, :], values, mask=mask)
 
     @triton.jit
-    def _out_row(item, per_layer, local_heads, out_rows_l, out_rows_t):
+    def _decode(item, per_layer, local_heads):
+        """Work item -> (layer, token, local head j): the nesting every kernel here walks."""
         layer = item // per_layer
         token = (item - layer * per_layer) // local_heads
-        j = item - layer * per_layer - token * local_heads
+        return layer, token, item - layer * per_layer - token * local_heads
+
+    @triton.jit
+    def _out_row(layer, token, j, out_rows_l, out_rows_t):
+        """Index, in rows, of item (layer, token, j)'s row in an output with these row strides."""
         return layer.to(tl.int64) * out_rows_l + token.to(tl.int64) * out_rows_t + j.to(tl.int64)
 
 

@@ -140,7 +140,7 @@ class HotCache:
         """Count-min estimate (never below the true count since the last aging) of each key."""
         bits = self.layout.sketch_bits
         counts = [self.sketch[d][sketch_index(keys, d, bits)] for d in range(SKETCH_DEPTH)]
-        return torch.minimum(*counts) if SKETCH_DEPTH == 2 else torch.stack(counts).amin(0)
+        return torch.stack(counts).amin(0)
 
     def age(self) -> None:
         """Halve every count, so that what was hot long ago can be displaced (racy by design:

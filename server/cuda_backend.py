@@ -117,6 +117,11 @@ class PinnedTables:
     def layer_tables(self) -> list[LayerTable]:
         return [LayerTable(t.address, t.rows, t.row_bytes, owner=self) for t in self.tables]
 
+    def row_views(self, device: torch.device) -> list[torch.Tensor]:
+        """uint8 [rows, row_bytes] CUDA tensors over the registered tables (reads go over UVA)."""
+        return [cuda.tensor_view(t.address, t.nbytes, device).view(t.rows, t.row_bytes)
+                for t in self.tables]
+
     def close(self) -> None:
         for address in self._chunks:
             try:
@@ -196,7 +201,7 @@ class CudaSlab:
 class GpuState:
     """What the lookups of one GPU share: its cache and keeper, and the streams they run on."""
 
-    def __init__(self, index: int, tables: list[HostTable], layer_tables: list[LayerTable],
+    def __init__(self, index: int, pinned: PinnedTables, layer_tables: list[LayerTable],
                  geometry: TableGeometry, options: GatherOptions):
         self.index = index
         self.device = torch.device("cuda", index)
@@ -210,9 +215,7 @@ class GpuState:
             if options.cache_bytes:
                 layout = CacheLayout.from_budget(options.cache_bytes, geometry.row_bytes)
                 self.cache = HotCache(layout, geometry.n_layers, self.device)
-                views = [cuda.tensor_view(t.address, t.nbytes, self.device).view(t.rows, t.row_bytes)
-                         for t in tables]
-                self.keeper = CacheKeeper(self.cache, views, self.gather_streams,
+                self.keeper = CacheKeeper(self.cache, pinned.row_views(self.device), self.gather_streams,
                                           interval=options.cache_refresh_s)
                 log.info("GPU %d: hot-row cache of %d rows (%.2f GiB)", index, layout.slots,
                          layout.nbytes / 2**30)
@@ -312,7 +315,7 @@ class CudaBackend:
         self.uuids = {cuda.device_uuid(i): i for i in range(torch.cuda.device_count())}
         self.workers = {i: GpuWorker(i) for i in self.uuids.values()}
         # Every kernel variant is compiled and loaded on every GPU before any client can wait on us.
-        self.gpus = {i: GpuState(i, tables, self.layer_tables, geometry, self.options)
+        self.gpus = {i: GpuState(i, self.pinned, self.layer_tables, geometry, self.options)
                      for i in self.uuids.values()}
         if GATHER_DELAY_MS:
             for index in self.gpus:

@@ -3,17 +3,26 @@
 Reads the Engram tensors with the `safetensors` library (not engramd's reader), decodes FP8 E4M3
 and UE8M0 from their bit patterns in float64 numpy (not torch's float8), and gathers with plain
 numpy indexing following ENGRAM_REFERENCE.md's output contract. Shares no code with engramd's
-kernels.
+kernels. Also the helpers the kernel tests share: bit-exact comparison with NaN by position, the
+small two-layer geometry, and loading a module afresh under Triton's CPU interpreter.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from safetensors import safe_open
+
+from engramd.client.geometry import TableGeometry
 
 
 def decode_e4m3(bits: np.ndarray) -> np.ndarray:
@@ -106,3 +115,58 @@ def bucket_ids(rng: np.random.Generator, tokens: int, sizes: list[list[int]]) ->
             out[:, layer, head] = offset + rng.integers(0, size, size=tokens)
             offset += size
     return out
+
+
+def assert_same(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """Bit equality (BF16 NaN by position: the reference may set a NaN's sign bit); a failure
+    reports how many elements differ and the first indices."""
+    actual, expected = actual.cpu(), expected.cpu()
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype, what
+    if actual.dtype == torch.bfloat16:
+        nan_a, nan_e = torch.isnan(actual), torch.isnan(expected)
+        a, e = actual.view(torch.int16), expected.view(torch.int16)
+        bad = (nan_a != nan_e) | (~nan_e & (a != e))
+    else:
+        a, e = actual, expected
+        bad = a != e
+    if bad.any():
+        where = bad.nonzero()[:8].tolist()
+        shown = ", ".join(f"{tuple(i)}: got {a[tuple(i)].item()} want {e[tuple(i)].item()}"
+                          for i in where)
+        pytest.fail(f"{what}: {int(bad.sum())} of {bad.numel()} elements differ; first: {shown}")
+
+
+def small_geometry() -> TableGeometry:
+    """Two layers of 24 heads over tiny buckets: every row of the tables is cheap to check."""
+    return TableGeometry.from_config({
+        "engram_layer_ids": [1, 14],
+        "engram_max_ngram_size": 4,
+        "engram_n_heads": 8,
+        "engram_head_dim": 256,
+        "engram_vocab_size": 20,
+        "engram_compressed_vocab_size": 100,
+        "engram_pad_token_id": 2,
+    }, source="small test geometry")
+
+
+@contextmanager
+def triton_interpreter() -> Iterator[None]:
+    """TRITON_INTERPRET=1 while kernels are defined (triton.jit picks the interpreter then)."""
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+def exec_fresh(name: str, origin: str):
+    """A private copy of the module at `origin`, registered as `name` (drop it when done)."""
+    spec = importlib.util.spec_from_file_location(name, origin)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module

@@ -10,12 +10,12 @@ dequant it calls), so compiled copies imported elsewhere in the session are left
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from reference import assert_same, exec_fresh, small_geometry, triton_interpreter
 
 from engramd.client.geometry import DEAD_ID, ShardView, TableGeometry
 from engramd.kernels import gather_ref
@@ -28,35 +28,22 @@ LAUNCH = {"num_programs": 3, "block_rows": BLOCK_ROWS, "num_warps": 4}
 GATHER_TRITON = "engramd.kernels.gather_triton"
 
 
-def _exec_fresh(name: str, origin: str):
-    spec = importlib.util.spec_from_file_location(name, origin)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def gl():
     """benchmarks/gather_layouts.py with its kernel and gather_triton's dequant interpreted."""
-    saved_env = os.environ.get("TRITON_INTERPRET")
     saved_module = sys.modules.get(GATHER_TRITON)
-    os.environ["TRITON_INTERPRET"] = "1"
     names = ("engramd_gather_triton_interpreted_for_layouts", "gather_layouts_interpreted")
     try:
-        # The benchmark imports _bf16_bits from gather_triton: give it the interpreted copy.
-        sys.modules[GATHER_TRITON] = _exec_fresh(names[0], importlib.util.find_spec(
-            GATHER_TRITON).origin)
-        module = _exec_fresh(names[1], str(BENCHMARK))
+        with triton_interpreter():
+            # The benchmark imports _bf16_bits from gather_triton: give it the interpreted copy.
+            sys.modules[GATHER_TRITON] = exec_fresh(names[0], importlib.util.find_spec(
+                GATHER_TRITON).origin)
+            module = exec_fresh(names[1], str(BENCHMARK))
     finally:
         if saved_module is None:
             sys.modules.pop(GATHER_TRITON, None)
         else:
             sys.modules[GATHER_TRITON] = saved_module
-        if saved_env is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = saved_env
     assert module.kernels_interpreted()
     _skip_if_interpreter_too_old(module)
     yield module
@@ -77,18 +64,6 @@ def _skip_if_interpreter_too_old(module) -> None:
         if "0-dimensional" not in str(exc):
             raise
         pytest.skip(f"this Triton's interpreter cannot run the kernel: {exc}")
-
-
-def small_geometry() -> TableGeometry:
-    return TableGeometry.from_config({
-        "engram_layer_ids": [1, 14],
-        "engram_max_ngram_size": 4,
-        "engram_n_heads": 8,
-        "engram_head_dim": 256,
-        "engram_vocab_size": 20,
-        "engram_compressed_vocab_size": 100,
-        "engram_pad_token_id": 2,
-    }, source="small test geometry")
 
 
 class Layouts:
@@ -141,19 +116,6 @@ def with_boundaries(ids: torch.Tensor, shard: ShardView) -> torch.Tensor:
         for k, head in enumerate(range(shard.head_start, shard.head_end)):
             extra[0, layer, head] = (lo - 1, lo, hi - 1, hi)[k % 4]
     return torch.cat([ids, extra])
-
-
-def assert_same(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    """Bit equality, BF16 NaN by position; the failure names the first differing indices."""
-    assert actual.shape == expected.shape and actual.dtype == expected.dtype, what
-    nan_a, nan_e = torch.isnan(actual), torch.isnan(expected)
-    a, e = actual.view(torch.int16), expected.view(torch.int16)
-    bad = (nan_a != nan_e) | (~nan_e & (a != e))
-    if bad.any():
-        where = bad.nonzero()[:8].tolist()
-        shown = ", ".join(f"{tuple(i)}: got {a[tuple(i)].item()} want {e[tuple(i)].item()}"
-                          for i in where)
-        pytest.fail(f"{what}: {int(bad.sum())} of {bad.numel()} values differ; first: {shown}")
 
 
 def poisoned(shape) -> torch.Tensor:

@@ -9,12 +9,12 @@ in test_gather_ref.py; here the kernel must reproduce it bit for bit (NaN compar
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 
 import numpy as np
 import pytest
 import torch
+from reference import assert_same, exec_fresh, small_geometry, triton_interpreter
 
 from engramd.client.geometry import DEAD_ID, ShardView, TableGeometry
 from engramd.kernels import gather_ref
@@ -28,20 +28,9 @@ SHARD_COUNTS = (1, 2, 4, 5, 7)
 @pytest.fixture(scope="module")
 def kt():
     """A private copy of engramd.kernels.gather_triton whose kernel runs in the interpreter."""
-    spec = importlib.util.find_spec("engramd.kernels.gather_triton")
     name = "engramd_gather_triton_interpreted"
-    fresh = importlib.util.spec_from_file_location(name, spec.origin)
-    module = importlib.util.module_from_spec(fresh)
-    saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    sys.modules[name] = module  # dataclasses resolve annotations through sys.modules
-    try:
-        fresh.loader.exec_module(module)
-    finally:
-        if saved is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
+    with triton_interpreter():
+        module = exec_fresh(name, importlib.util.find_spec("engramd.kernels.gather_triton").origin)
     assert module._kernel_is_interpreted()
     _skip_if_interpreter_too_old(module)
     yield module
@@ -61,21 +50,9 @@ def _skip_if_interpreter_too_old(module) -> None:
         pytest.skip(f"this Triton's interpreter cannot run the kernel: {exc}")
 
 
-def geometry() -> TableGeometry:
-    return TableGeometry.from_config({
-        "engram_layer_ids": [1, 14],
-        "engram_max_ngram_size": 4,
-        "engram_n_heads": 8,
-        "engram_head_dim": 256,
-        "engram_vocab_size": 20,
-        "engram_compressed_vocab_size": 100,
-        "engram_pad_token_id": 2,
-    }, source="small test geometry")
-
-
 @pytest.fixture(scope="module")
 def world():
-    geo = geometry()
+    geo = small_geometry()
     gen = torch.Generator().manual_seed(5)
     tables = [torch.randint(0, 256, (rows, geo.row_bytes), dtype=torch.uint8, generator=gen)
               for rows in geo.rows]
@@ -102,23 +79,6 @@ def with_boundaries(ids: torch.Tensor, shard: ShardView) -> torch.Tensor:
         for k, head in enumerate(range(shard.head_start, shard.head_end)):
             extra[0, layer, head] = (lo - 1, lo, hi - 1, hi)[k % 4]
     return torch.cat([ids, extra])
-
-
-def assert_same(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    """Bit equality; BF16 NaN compared by position. Reports the first failing indices."""
-    assert actual.shape == expected.shape and actual.dtype == expected.dtype, what
-    if actual.dtype == torch.bfloat16:
-        nan_a, nan_e = torch.isnan(actual), torch.isnan(expected)
-        a, e = actual.view(torch.int16), expected.view(torch.int16)
-        bad = (nan_a != nan_e) | (~nan_e & (a != e))
-    else:
-        a, e = actual, expected
-        bad = a != e
-    if bad.any():
-        where = bad.nonzero()[:8].tolist()
-        shown = ", ".join(f"{tuple(i)}: got {a[tuple(i)].item()} want {e[tuple(i)].item()}"
-                          for i in where)
-        pytest.fail(f"{what}: {int(bad.sum())} of {bad.numel()} elements differ; first: {shown}")
 
 
 def one_layer_shard(rows: int, heads: int) -> ShardView:

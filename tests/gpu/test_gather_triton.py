@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from reference import assert_same
 
 from engramd.client.geometry import DEAD_ID, ShardView, TableGeometry
 from engramd.kernels import gather_ref
@@ -96,24 +97,6 @@ def with_boundaries(ids: torch.Tensor, shard: ShardView) -> torch.Tensor:
 
 def reference(tables_cpu, ids: torch.Tensor, shard: ShardView, packed=False):
     return gather_ref.gather(tables_cpu, ids.cpu(), shard, packed=packed)
-
-
-def assert_same(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    """Bit equality (BF16 NaN by position); reports the first failing indices."""
-    actual = actual.cpu()
-    assert actual.shape == expected.shape and actual.dtype == expected.dtype, what
-    if actual.dtype == torch.bfloat16:
-        nan_a, nan_e = torch.isnan(actual), torch.isnan(expected)
-        a, e = actual.view(torch.int16), expected.view(torch.int16)
-        bad = (nan_a != nan_e) | (~nan_e & (a != e))
-    else:
-        a, e = actual, expected
-        bad = a != e
-    if bad.any():
-        where = bad.nonzero()[:8].tolist()
-        shown = ", ".join(f"{tuple(i)}: got {a[tuple(i)].item()} want {e[tuple(i)].item()}"
-                          for i in where)
-        pytest.fail(f"{what}: {int(bad.sum())} of {bad.numel()} elements differ; first: {shown}")
 
 
 @pytest.fixture(scope="module")

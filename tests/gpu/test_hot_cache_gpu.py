@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from reference import assert_same
 
 from engramd.client import cuda
 from engramd.client.geometry import DEAD_ID, TableGeometry
@@ -36,13 +37,6 @@ def world():
     uva = [cuda.tensor_view(t.data_ptr(), t.numel(), torch.device("cuda", 0)).view(t.shape)
            for t in host]
     return geo, host, uva
-
-
-def assert_same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    """Bit equality; BF16 NaN compared by position (the reference may set a NaN's sign bit)."""
-    nan_got, nan_want = torch.isnan(got), torch.isnan(want)
-    bad = (nan_got != nan_want) | (~nan_want & (got.view(torch.int16) != want.view(torch.int16)))
-    assert not bad.any(), f"{what}: {int(bad.sum())} wrong values, first at {bad.nonzero()[:4].tolist()}"
 
 
 def skewed_ids(geo: TableGeometry, gen: torch.Generator) -> torch.Tensor:
