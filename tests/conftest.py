@@ -21,6 +21,63 @@ sys.path.insert(0, str(Path(__file__).parent))
 from reference import ReferenceTables  # noqa: E402
 
 START_TIMEOUT_S = 60.0
+LEAK_GRACE_S = 5.0  # a killed child may take a moment to be reaped by its parent
+# Temporary names this suite creates (conftest's folders, daemons' table and slab files).
+_OUR_TEMP_PREFIXES = ("egd-", "engramd")
+
+
+def _children() -> dict[int, str]:
+    """Live child processes of this process (pid -> command line), zombies excluded."""
+    me, found = os.getpid(), {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        state, ppid = stat.rsplit(") ", 1)[1].split()[:2]
+        if int(ppid) == me and state != "Z":
+            found[int(entry)] = cmdline.replace(b"\0", b" ").decode(errors="replace").strip()
+    return found
+
+
+def _long_lived_helpers() -> set[int]:
+    """Children that outlive a test on purpose: multiprocessing's forkserver and resource
+    tracker (started once, on first use, and kept for the session)."""
+    from multiprocessing import forkserver, resource_tracker
+
+    pids = {getattr(forkserver._forkserver, "_forkserver_pid", None),
+            getattr(resource_tracker._resource_tracker, "_pid", None)}
+    return {pid for pid in pids if pid}
+
+
+def _our_temp_entries() -> set[str]:
+    names = set()
+    for folder in {tempfile.gettempdir(), "/dev/shm"}:
+        if os.path.isdir(folder):
+            names |= {f"{folder}/{n}" for n in os.listdir(folder) if n.startswith(_OUR_TEMP_PREFIXES)}
+    return names
+
+
+@pytest.fixture(autouse=True)
+def no_leaks():
+    """Fail a test that leaves child processes or this suite's temporary files behind."""
+    children, temps = set(_children()), _our_temp_entries()
+    yield
+    deadline = time.monotonic() + LEAK_GRACE_S
+    while True:
+        leaked = {p: c for p, c in _children().items()
+                  if p not in children and p not in _long_lived_helpers()}
+        if not leaked or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    for pid in leaked:
+        os.kill(pid, signal.SIGKILL)  # so one leak does not fail the tests after it too
+    left = _our_temp_entries() - temps
+    assert not leaked, f"child processes left running: {leaked}"
+    assert not left, f"temporary files left behind: {sorted(left)}"
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""Client death: a killed client's slab is freed within two heartbeat periods; live ones stay.
+"""Client death: a killed client is retired within two heartbeat periods and its slab freed once
+its in-flight lookups finish; live ones stay.
 
 Real `engramd serve` processes (conftest's `daemon_factory`, heartbeat interval HEARTBEAT_S) and
 real client processes running the client library. Rows of the well-behaved clients are compared
@@ -36,10 +37,17 @@ from engramd.client import EngramClient
 from engramd.client.connection import probe
 
 HEARTBEAT_S = 0.2  # what conftest's DaemonProcess passes as --heartbeat-interval
-REAP_DEADLINE_S = 2 * HEARTBEAT_S
-# Our own polling (every 10 ms) and the kernel's delivery of SIGKILL add to what the daemon
-# takes; this margin covers them, not the daemon.
-MEASURE_SLACK_S = 0.1
+# The daemon's promise (README, "Client death"): a client whose process died is retired within
+# RETIRE_PERIODS heartbeat periods, and its slab is freed as soon as its in-flight lookups finish.
+RETIRE_PERIODS = 2
+# What a loaded 2-core machine may add on top: the kernel's delivery of SIGKILL, the daemon's
+# and this test's wake-ups (seen: up to ~0.3 s beside a CPU hog). The tight figure is measured by
+# benchmarks/reap_latency.py, not here.
+SCHEDULING_MARGIN_S = 1.0
+RETIRE_DEADLINE_S = RETIRE_PERIODS * HEARTBEAT_S + SCHEDULING_MARGIN_S
+# Freeing waits for the client's in-flight gathers (a CPU gather of 4,096 tokens takes ~0.3 s
+# idle, several times that on a loaded machine): a bound that only says "no hang".
+FREE_TIMEOUT_S = 30.0
 KILL_CYCLES = 100
 FD_SLACK = 3  # ZeroMQ may keep a socket or two for a moment after a peer goes
 IDLE_PERIODS = 15  # heartbeat periods a live idle client must survive
@@ -145,6 +153,20 @@ def wait_until(condition, timeout: float, step: float = 0.01) -> float:
     return time.monotonic() - start
 
 
+def live_client_ids(daemon) -> list[int]:
+    return [c["client_id"] for c in probe(daemon.socket, "stats", 5.0).fields["clients"]]
+
+
+def assert_retired_then_freed(daemon, client_id: int, slab: Path) -> None:
+    """The daemon's promise for a dead client: retired in time, then freed without hanging."""
+    took = wait_until(lambda: client_id not in live_client_ids(daemon), timeout=FREE_TIMEOUT_S)
+    assert took <= RETIRE_DEADLINE_S, (
+        f"client {client_id} retired {took:.3f} s after its death; the daemon promises "
+        f"{RETIRE_PERIODS} heartbeat periods ({RETIRE_PERIODS * HEARTBEAT_S:.1f} s) and this "
+        f"test allows {SCHEDULING_MARGIN_S} s more")
+    wait_until(lambda: not slab.exists(), timeout=FREE_TIMEOUT_S)
+
+
 def stats_cli(daemon) -> dict:
     result = subprocess.run([*engramd_command(), "stats", "--socket", str(daemon.socket), "--json"],
                             capture_output=True, text=True, timeout=30)
@@ -212,11 +234,11 @@ def stop_load(threads: list[LoadThread]) -> None:
 def test_killed_idle_client_is_freed_within_two_heartbeats(daemon_factory, reference):
     daemon = daemon_factory()
     doomed = Doomed(daemon.socket, seed=5, mode="idle")
-    slab = slab_of(daemon, doomed.wait_registered())
+    client_id = doomed.wait_registered()
+    slab = slab_of(daemon, client_id)
     with EngramClient(daemon.socket, max_tokens=16) as survivor:
         doomed.kill()
-        took = wait_until(lambda: not slab.exists(), timeout=5.0)
-        assert took <= REAP_DEADLINE_S + MEASURE_SLACK_S, f"slab freed after {took:.3f} s"
+        assert_retired_then_freed(daemon, client_id, slab)
         clients = probe(daemon.socket, "stats", 5.0).fields["clients"]
         assert [c["client_id"] for c in clients] == [survivor.client_id]
         ids = random_ids(np.random.default_rng(0), 16, reference.rows, reference.heads)
@@ -237,8 +259,7 @@ def test_client_killed_mid_lookup_is_freed_and_others_stay_correct(daemon_factor
 
         wait_until(in_flight, timeout=10.0, step=0.002)
         doomed.kill()  # a 4096-token gather is running for it right now
-        took = wait_until(lambda: not slab.exists(), timeout=5.0)
-        assert took <= REAP_DEADLINE_S + MEASURE_SLACK_S, f"slab freed after {took:.3f} s"
+        assert_retired_then_freed(daemon, client_id, slab)
         rng = np.random.default_rng(1)
         for i in range(5):
             ids = random_ids(rng, 32, reference.rows, reference.heads)
@@ -292,11 +313,11 @@ def test_killed_client_not_yet_waited_for_is_freed(daemon_factory):
     proc = subprocess.Popen([sys.executable, "-c", ZOMBIE_CLIENT, str(daemon.socket)],
                             stdout=subprocess.PIPE, text=True)
     try:
-        slab = slab_of(daemon, int(proc.stdout.readline()))
+        client_id = int(proc.stdout.readline())
+        slab = slab_of(daemon, client_id)
         os.kill(proc.pid, signal.SIGKILL)
         wait_until(lambda: Path(f"/proc/{proc.pid}/stat").read_text().split(") ")[1][0] == "Z", 5.0)
-        took = wait_until(lambda: not slab.exists(), timeout=5.0)
-        assert took <= REAP_DEADLINE_S + MEASURE_SLACK_S, f"slab freed after {took:.3f} s"
+        assert_retired_then_freed(daemon, client_id, slab)
     finally:
         proc.kill()
         proc.wait()
@@ -357,9 +378,12 @@ def test_client_dead_before_its_registration_is_read_leaves_nothing(daemon_facto
         daemon.proc.send_signal(signal.SIGCONT)
         child.kill()
         child.wait()
-    time.sleep(REAP_DEADLINE_S + MEASURE_SLACK_S)
-    assert probe(daemon.socket, "stats", 5.0).fields["clients"] == []
-    assert not slab_files(daemon)
+    # The daemon reads the request (and registers it: the PID was checked only by the reply's
+    # failure), then whatever it made of it must be gone within the promise.
+    wait_until(lambda: probe(daemon.socket, "stats", 5.0).fields["registrations"] == 1,
+               timeout=FREE_TIMEOUT_S)
+    wait_until(lambda: not live_client_ids(daemon) and not slab_files(daemon),
+               timeout=RETIRE_DEADLINE_S)
 
 
 def test_kill_cycles_under_load_leak_nothing(daemon_factory, reference):
@@ -384,7 +408,7 @@ def test_kill_cycles_under_load_leak_nothing(daemon_factory, reference):
                 time.sleep(rng.uniform(0.0, 0.1))  # idle, mid-lookup, or between lookups
             doomed.kill()
             assert daemon.proc.poll() is None, daemon.log()
-        wait_until(lambda: len(slab_files(daemon)) == 2, timeout=REAP_DEADLINE_S + 1.0)
+        wait_until(lambda: len(slab_files(daemon)) == 2, timeout=FREE_TIMEOUT_S)
         assert sorted(slab_files(daemon)) == sorted(slab_of(daemon, c).name for c in live_ids)
         stats = stats_cli(daemon)
         assert sorted(c["client_id"] for c in stats["clients"]) == live_ids
