@@ -37,6 +37,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=1)
     parser.add_argument("--iters", type=int, default=2000)
+    parser.add_argument("--top", type=int, default=30, help="entries of each profile to print")
     parser.add_argument("--out", default=tempfile.mkdtemp(prefix="engramd-prof-"))
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="egd-prof-"))
@@ -63,9 +64,9 @@ def main() -> int:
     daemon.terminate()
     daemon.wait(60)
     print("=== client ===")
-    print(top(pstats.Stats(profile)))
+    print(top(pstats.Stats(profile), args.top))
     print("=== daemon ===")
-    print(top(pstats.Stats(str(out / "daemon.prof"))))
+    print(top(pstats.Stats(str(out / "daemon.prof")), args.top))
     return 0
 
 

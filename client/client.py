@@ -48,7 +48,7 @@ from engramd.client.errors import (
 )
 from engramd.client.geometry import ShardView, TableGeometry
 from engramd.client.ids import dtype_name
-from engramd.client.slab import IDS_READY, ROWS_DONE, SlabLayout
+from engramd.client.slab import IDS_READY, ROWS_DONE, SlabLayout, SlotViews
 
 log = logging.getLogger("engramd.client")
 
@@ -60,19 +60,23 @@ WATCHDOG_S = 0.1
 class LookupFuture:
     """The pending rows of one lookup."""
 
-    def __init__(self, client: EngramClient, rid: int, slot: int, seq: int, tokens: int):
+    def __init__(self, client: EngramClient, rid: int, slot: int, seq: int, tokens: int,
+                 acked: bool = True):
         self._client = client
         self.rid = rid
         self.slot = slot
         self.seq = seq
         self.tokens = tokens
         self.out_of_range = 0
-        self._replied = False
+        # GPU lookups are not acknowledged when they succeed (completion is the slot's counter),
+        # so there is no reply to wait for; an error reply still arrives and is kept here.
+        self._replied = not acked
         self._error: EngramError | None = None
         self.consumers: list[torch.cuda.Stream] = []  # GPU: streams that waited on these rows
 
     def done(self) -> bool:
-        """True once the daemon answered (on the GPU: the gather is enqueued, not finished)."""
+        """True once the host has nothing left to wait for: on the CPU, the daemon's reply with
+        the rows written; on the GPU, always (the rows are ready in stream order, see wait())."""
         if not self._replied and self._client._conn.poll_reply(self.rid):
             self._collect(None)
         return self._replied
@@ -85,7 +89,10 @@ class LookupFuture:
             stream = torch.cuda.current_stream(self._client.device.index)
             self._client._stream_wait(self, stream)
             stream.synchronize()
+            self._client._take_in()  # an error the daemon sent for it has arrived by now
             self._client._check_alive()
+            if self._error is not None:
+                raise self._error
         return rows.clone() if copy else rows
 
     def wait(self, stream: torch.cuda.Stream | None = None) -> torch.Tensor:
@@ -93,8 +100,8 @@ class LookupFuture:
         client = self._client
         if client.device.type != "cuda":
             return self.result()
+        client._take_in()
         client._check_alive()
-        self.done()
         if self._error is not None:
             raise self._error
         stream = stream or torch.cuda.current_stream(client.device.index)
@@ -152,21 +159,26 @@ class _CudaSlabView:
         self.device = device
         with torch.cuda.device(device):
             self.ptr = cuda.ipc_open(bytes(wire["handle"]))
-            self.buffer = cuda.tensor_view(self.ptr, layout.size, device)
+            self.views = SlotViews(layout, cuda.tensor_view(self.ptr, layout.size, device))
             self.side_stream = cuda.new_stream(device.index)
+        self.ops = cuda.StreamOps()
+        # Counter and ID addresses of every slot, as the handles the hot path passes to CUDA.
+        self.ids_ready = [self.ops.pointer(self.counter(s, IDS_READY)) for s in range(layout.slots)]
+        self.rows_done = [self.ops.pointer(self.counter(s, ROWS_DONE)) for s in range(layout.slots)]
+        self.ids_address = [self.ptr + layout.ids_offset(s) for s in range(layout.slots)]
 
     def counter(self, slot: int, word: int) -> int:
         return self.ptr + self.layout.counter_offset(slot, word)
 
     def ids(self, slot: int, tokens: int, dtype: torch.dtype) -> torch.Tensor:
-        return self.layout.ids_view(self.buffer, slot, tokens, dtype)
+        return self.views.ids(slot, tokens, dtype)
 
     def rows(self, slot: int, tokens: int) -> torch.Tensor:
-        return self.layout.rows_view(self.buffer, slot, tokens)
+        return self.views.rows(slot, tokens)
 
     def close(self) -> None:
         torch.cuda.synchronize(self.device)
-        del self.buffer
+        self.views.close()
         with torch.cuda.device(self.device):
             self._cuda.ipc_close(self.ptr)
 
@@ -197,6 +209,8 @@ class EngramClient:
         self._dead: str | None = None
         self._pending: dict[int, LookupFuture] = {}
         self.client_id: int | None = None
+        self.mps: dict[str, Any] | None = None
+        self._warned_mps = False
         try:
             self._connect()
         except BaseException:
@@ -252,14 +266,23 @@ class EngramClient:
 
     def _register(self, tp_rank: int, tp_size: int, max_tokens: int, slots: int, name: str,
                   timeout: float) -> None:
-        wire_device = "cpu"
+        wire_device, mps = "cpu", None
         if self.device.type == "cuda":
             from engramd.client.cuda import device_uuid
+            from engramd.client.mps import mps_state
             wire_device = f"cuda:{device_uuid(self.device.index)}"
+            mps = mps_state(self.device.index).to_wire()
         reply = self._conn.call("register", timeout, pid=os.getpid(), device=wire_device,
                                 tp_rank=tp_rank, tp_size=tp_size, max_tokens=max_tokens,
-                                slots=slots, name=name)
+                                slots=slots, name=name, mps=mps)
         f = reply.fields
+        self.mps = f.get("mps")  # GPU clients: {"daemon", "client", "shared"}; CPU: None
+        if self.mps is not None and not self.mps["shared"] and not self._warned_mps:
+            self._warned_mps = True
+            log.warning("engramd serves this GPU without a shared MPS server: each lookup's gather "
+                        "waits for this process's kernels instead of overlapping them (measured on "
+                        "an H200: +0.4-0.7 ms per decode step). Run nvidia-cuda-mps-control -d for "
+                        "the daemon and the engines (README, 'MPS').")
         self.client_id = int(f["client_id"])
         self.epoch = reply.epoch
         self.geometry = TableGeometry.from_config(f["geometry"], source="daemon register reply")
@@ -311,6 +334,7 @@ class EngramClient:
         """
         if self._conn is None:
             raise DaemonUnavailableError("client is closed")
+        self._take_in()
         if self._daemon_gone():
             self._reconnect()
         ids = self._check_ids(hash_ids)
@@ -326,38 +350,39 @@ class EngramClient:
         return self._track(LookupFuture(self, rid, slot, seq, ids.shape[0]))
 
     def _lookup_cuda(self, ids: torch.Tensor, stream: torch.cuda.Stream) -> LookupFuture:
-        from engramd.client import cuda
-
+        """The served hot path: a handful of calls on handles built at registration."""
+        slab = self._slab
         slot = self._next_slot
         self._next_slot = (slot + 1) % self.slots
-        self._after_previous_use(slot, stream)
+        raw = stream.cuda_stream
+        self._after_previous_use(slot, stream, raw)
         seq = next(self._seqs)
         tokens = ids.shape[0]
-        with torch.cuda.stream(stream):  # one copy, no conversion kernel: the slot keeps the dtype
-            self._slab.ids(slot, tokens, ids.dtype).copy_(ids, non_blocking=True)
-        cuda.stream_write_u32(stream.cuda_stream, self._slab.counter(slot, IDS_READY), seq)
+        # One copy, no conversion kernel: the slot keeps the caller's dtype.
+        if ids.is_cuda and ids.device == self.device and ids.is_contiguous():
+            slab.ops.copy(raw, slab.ids_address[slot], ids.data_ptr(), ids.numel() * ids.element_size())
+        else:
+            with torch.cuda.stream(stream):
+                slab.ids(slot, tokens, ids.dtype).copy_(ids, non_blocking=True)
+        slab.ops.write_u32(raw, slab.ids_ready[slot], seq)
         rid = self._conn.send("lookup", None, client_id=self.client_id, slot=slot, seq=seq,
                               tokens=tokens, ids_dtype=dtype_name(ids.dtype),
-                              ids_shape=list(ids.shape), inline=False)
-        self._collect_replies()
-        return self._track(LookupFuture(self, rid, slot, seq, tokens))
+                              ids_shape=[tokens, ids.shape[1], ids.shape[2]], inline=False,
+                              ack=False)
+        return self._track(LookupFuture(self, rid, slot, seq, tokens, acked=False))
 
-    def _after_previous_use(self, slot: int, stream: torch.cuda.Stream) -> None:
+    def _after_previous_use(self, slot: int, stream: torch.cuda.Stream, raw: int) -> None:
         """`stream` must not touch the slot before its previous lookup and readers are done."""
-        from engramd.client import cuda
-
         previous = self._pending.pop(slot, None)
         if previous is None:
             return
-        cuda.stream_wait_u32(stream.cuda_stream, self._slab.counter(slot, ROWS_DONE), previous.seq)
+        self._slab.ops.wait_u32(raw, self._slab.rows_done[slot], previous.seq)
         for consumer in previous.consumers:
             if consumer != stream:
                 stream.wait_stream(consumer)
 
     def _stream_wait(self, future: LookupFuture, stream: torch.cuda.Stream) -> None:
-        from engramd.client import cuda
-
-        cuda.stream_wait_u32(stream.cuda_stream, self._slab.counter(future.slot, ROWS_DONE), future.seq)
+        self._slab.ops.wait_u32(stream.cuda_stream, self._slab.rows_done[future.slot], future.seq)
         if stream not in future.consumers:
             future.consumers.append(stream)
 
@@ -365,15 +390,23 @@ class EngramClient:
         self._pending[future.slot] = future
         return future
 
-    def _collect_replies(self) -> None:
-        """Route replies that arrived (GPU lookups are not awaited); keep a failed lookup's error."""
-        self._conn.collect()
-        for future in list(self._pending.values()):
-            if not future._replied and self._conn.has_reply(future.rid):
+    def _take_in(self) -> None:
+        """Read what the daemon sent, without waiting: notices, and error replies to GPU lookups
+        (kept on their futures, raised by their wait()/result())."""
+        conn = self._conn
+        if conn is None:
+            return
+        conn.collect()
+        if self.device.type != "cuda" or not conn.has_replies():
+            return
+        for future in self._pending.values():
+            if future._error is None and conn.has_reply(future.rid):
                 try:
-                    future._collect(0)
-                except EngramError:
-                    pass  # kept on the future; raised by its wait()/result()
+                    conn.wait(future.rid, 0, "lookup")
+                except EngramError as exc:
+                    future._error = exc
+        for rid, error in conn.take_stale_errors():  # their slots were reused meanwhile
+            log.warning("lookup (rid %d) failed after its slot was reused: %s", rid, error)
 
     def _check_ids(self, ids: torch.Tensor) -> torch.Tensor:
         if not isinstance(ids, torch.Tensor):
@@ -429,10 +462,10 @@ class EngramClient:
             cuda.stream_write_u32(slab.side_stream.cuda_stream, slab.counter(future.slot, ROWS_DONE), future.seq)
 
     def _daemon_gone(self) -> bool:
-        """The daemon of our registration died or said it is stopping (a reconnect may help)."""
+        """The daemon of our registration died or said it is stopping (a reconnect may help).
+        Reads only what _take_in() has collected."""
         if self._conn is None:
             return False
-        self._conn.collect()
         watch = self._conn.daemon_watch
         # GPU clients: the watchdog thread reads /proc and sets _dead, off the lookup path.
         cpu_watch = watch is not None and self.device.type == "cpu"
@@ -457,6 +490,7 @@ class EngramClient:
 
     def close(self) -> None:
         """Release the registration and the slab mapping. Safe to call twice."""
+        self._take_in()
         if self._conn is not None and self.client_id is not None and not self._daemon_gone():
             for future in list(self._pending.values()):
                 try:

@@ -18,7 +18,7 @@ from typing import Any
 import zmq
 
 from engramd.client import protocol
-from engramd.client.errors import DaemonUnavailableError, ReplyTimeoutError
+from engramd.client.errors import DaemonUnavailableError, EngramError, ReplyTimeoutError
 from engramd.client.procwatch import ProcessWatch
 
 POLL_S = 0.1
@@ -52,7 +52,10 @@ class Connection:
         """Send a request; returns its rid. Payload frames are sent without copying."""
         rid = next(self._rids)
         frames = protocol.encode_request(op, rid, payload, **fields)
-        self._sock.send_multipart(frames, copy=False)
+        if len(frames) == 1:
+            self._sock.send(frames[0])  # a small header alone: one call, no multipart bookkeeping
+        else:
+            self._sock.send_multipart(frames, copy=False)
         return rid
 
     def wait(self, rid: int, timeout: float | None, what: str) -> protocol.Reply:
@@ -83,6 +86,20 @@ class Connection:
     def has_reply(self, rid: int) -> bool:
         return rid in self._replies
 
+    def has_replies(self) -> bool:
+        return bool(self._replies)
+
+    def take_stale_errors(self) -> list[tuple[int, EngramError]]:
+        """Remove the replies nobody waits for any more (all of them), returning their errors."""
+        stale, self._replies = self._replies, {}
+        errors = []
+        for rid, frames in stale.items():
+            try:
+                protocol.decode_reply(frames)
+            except EngramError as exc:
+                errors.append((rid, exc))
+        return errors
+
     def _wait_frames(self, rid: int, timeout: float | None, what: str) -> list[bytes]:
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
@@ -104,7 +121,11 @@ class Connection:
         return self._replies.pop(rid)
 
     def _collect(self, timeout_ms: int) -> None:
-        if not self._sock.poll(timeout_ms, zmq.POLLIN):
+        # Without waiting, ask the socket's event flags: Socket.poll builds a Poller per call.
+        if timeout_ms <= 0:
+            if not self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                return
+        elif not self._sock.poll(timeout_ms, zmq.POLLIN):
             return
         while True:
             try:

@@ -99,6 +99,53 @@ def stream_wait_u32(stream: int, address: int, value: int) -> None:
         cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ))
 
 
+class StreamOps:
+    """The hot path's CUDA calls on handles built once (cuda-python objects cost ~1 us each).
+
+    One per process side (client or daemon). Streams are cached by their raw handle: torch keeps
+    a stream object alive for as long as its handle is in use, and a pool stream's handle is
+    reused for the same stream, so the cache never names a dead stream for another one.
+    """
+
+    def __init__(self) -> None:
+        _require()
+        self._streams: dict[int, Any] = {}
+        self._write_flags = cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
+        self._wait_flags = cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+        self._ok = cu.CUresult.CUDA_SUCCESS
+
+    def stream(self, raw: int) -> Any:
+        handle = self._streams.get(raw)
+        if handle is None:
+            handle = self._streams[raw] = cu.CUstream(raw)
+        return handle
+
+    @staticmethod
+    def pointer(address: int) -> Any:
+        """A device pointer handle, for addresses used on every call (slab counters)."""
+        return cu.CUdeviceptr(address)
+
+    def write_u32(self, stream: int, address: Any, value: int) -> None:
+        """As stream_write_u32, with `address` from `pointer()`."""
+        (err,) = cu.cuStreamWriteValue32(self.stream(stream), address, value & 0xFFFFFFFF,
+                                         self._write_flags)
+        if err != self._ok:
+            check("cuStreamWriteValue32", (err,))
+
+    def wait_u32(self, stream: int, address: Any, value: int) -> None:
+        """As stream_wait_u32, with `address` from `pointer()`."""
+        (err,) = cu.cuStreamWaitValue32(self.stream(stream), address, value & 0xFFFFFFFF,
+                                        self._wait_flags)
+        if err != self._ok:
+            check("cuStreamWaitValue32", (err,))
+
+    def copy(self, stream: int, dst: int, src: int, nbytes: int) -> None:
+        """Device-to-device copy of `nbytes` on `stream` (ordered like a kernel on it)."""
+        (err,) = cu.cuMemcpyAsync(dst, src, nbytes, self.stream(stream))
+        if err != self._ok:
+            check(f"cuMemcpyAsync({nbytes} bytes)", (err,))
+
+
 class DeviceMemory:
     """Raw device memory described by `__cuda_array_interface__`, for `torch.as_tensor`."""
 

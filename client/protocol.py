@@ -20,7 +20,9 @@ Operations and their request fields (types checked by `decode_request`):
                -> client_id, token, heartbeat_interval, geometry (config.json fields), shard,
                   slab (layout of the slab)
     lookup     client_id, slot, seq, tokens, ids_dtype ("int32"|"int64"), ids_shape [T, L, H],
-               inline (IDs in payload frame 0, else already in the slot)  -> slot, seq, out_of_range
+               inline (IDs in payload frame 0, else already in the slot), ack (optional, default
+               true; false: no reply unless the lookup fails, for GPU clients whose completion is
+               the slot's counter)  -> slot, seq, out_of_range
     release    client_id                                  -> {}
     heartbeat  client_id (or None for a plain liveness probe), token (from register; lets a
                second connection of the client vouch for it)  -> {}
@@ -76,6 +78,7 @@ _REQUEST_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
         "ids_dtype": (str,),
         "ids_shape": (list,),
         "inline": (bool,),
+        "ack": (bool,),
     },
     "release": {"client_id": _INT},
     "heartbeat": {"client_id": (int, type(None)), "token": (str,)},
@@ -84,10 +87,17 @@ _REQUEST_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "drain": {},
 }
 _OPTIONAL: dict[str, dict[str, Any]] = {
-    "register": {"name": ""},
+    "register": {"name": "", "mps": None},
+    "lookup": {"ack": True},
     "heartbeat": {"client_id": None, "token": ""},
 }
 OPERATIONS = tuple(_REQUEST_FIELDS)
+
+
+def _with_origin(error: EngramError, op: str, rid: int) -> EngramError:
+    """Attach what was decoded of the failed request, so its error reply can be matched."""
+    error.request_op, error.request_rid = op, rid
+    return error
 
 
 @dataclass
@@ -96,6 +106,7 @@ class Request:
     rid: int
     fields: dict[str, Any]
     payload: list[bytes] = field(default_factory=list)
+    received: float = 0.0  # perf_counter() when the daemon read it
 
 
 @dataclass
@@ -146,15 +157,27 @@ def peek_rid(frames: list[bytes]) -> tuple[str, int]:
 
 
 def decode_request(frames: list[bytes]) -> Request:
-    """Decode and type-check a request. Raises a typed EngramError naming what was wrong."""
+    """Decode (once) and type-check a request. Raises a typed EngramError naming what was wrong,
+    with `request_op` and `request_rid` set to what could be read of them ("" and 0 if nothing)."""
     if not frames:
-        raise ProtocolError("empty message")
-    header = _unpack_header(frames[0])
+        raise _with_origin(ProtocolError("empty message"), "", 0)
+    try:
+        header = _unpack_header(frames[0])
+    except EngramError as exc:  # a header too large to decode is still read for its rid
+        raise _with_origin(exc, *peek_rid(frames)) from None
+    op, rid = header.get("op"), header.get("rid")
+    origin = (op if isinstance(op, str) else "", rid if isinstance(rid, int) else 0)
+    try:
+        return _typed_request(header, op, rid, frames)
+    except EngramError as exc:
+        raise _with_origin(exc, *origin) from None
+
+
+def _typed_request(header: dict[str, Any], op: Any, rid: Any, frames: list[bytes]) -> Request:
     _check_payload(frames[1:])
     version = header.get("v")
     if version != PROTOCOL_VERSION:
         raise VersionError(f"protocol version {version!r} not supported; this daemon speaks {PROTOCOL_VERSION}")
-    op, rid = header.get("op"), header.get("rid")
     if not isinstance(rid, int) or isinstance(rid, bool):
         raise ProtocolError(f"field 'rid' must be an int, got {rid!r}")
     if not isinstance(op, str) or op not in _REQUEST_FIELDS:

@@ -99,3 +99,46 @@ class SlabLayout:
         if int(data.get("size", layout.size)) != layout.size:
             raise ValueError(f"slab size {data['size']} disagrees with the layout's {layout.size}")
         return layout
+
+
+class SlotViews:
+    """Tensor views of one slab's slots, made once per (slot, tokens[, dtype]) and then reused.
+
+    Slicing and viewing a slab costs several microseconds per lookup; decode steps repeat a few
+    token counts, so both sides of the hot path keep the views they made. A view handed out is
+    shared by every lookup of that slot and size: callers may read and write its data, never
+    change its shape in place.
+    """
+
+    MAX_VIEWS = 4096  # per slab; past it the cache starts over (token counts are few in practice)
+
+    def __init__(self, layout: SlabLayout, buffer: torch.Tensor):
+        self.layout = layout
+        self.buffer = buffer
+        self._rows: dict[tuple[int, int], torch.Tensor] = {}
+        self._ids: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+
+    def rows(self, slot: int, tokens: int) -> torch.Tensor:
+        view = self._rows.get((slot, tokens))
+        if view is None:
+            view = self._remember(self._rows, (slot, tokens),
+                                  self.layout.rows_view(self.buffer, slot, tokens))
+        return view
+
+    def ids(self, slot: int, tokens: int, dtype: torch.dtype) -> torch.Tensor:
+        view = self._ids.get((slot, tokens, dtype))
+        if view is None:
+            view = self._remember(self._ids, (slot, tokens, dtype),
+                                  self.layout.ids_view(self.buffer, slot, tokens, dtype))
+        return view
+
+    def _remember(self, cache: dict, key: tuple, view: torch.Tensor) -> torch.Tensor:
+        if len(cache) >= self.MAX_VIEWS:
+            cache.clear()
+        cache[key] = view
+        return view
+
+    def close(self) -> None:
+        self._rows.clear()
+        self._ids.clear()
+        del self.buffer

@@ -27,6 +27,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -448,6 +449,7 @@ class GatherPlan:
         self._check_cache(cache)
         launch = _Launch(min(programs, triton.cdiv(n_items, block_rows)), n_items, packed,
                          block_rows, num_warps)
+        self._launched = None
         if stream is None or _kernel_is_interpreted():
             self._launch(launch, ids, out, out_of_range, cache, dedupe, sort)
         else:
@@ -458,26 +460,15 @@ class GatherPlan:
     def _launch(self, launch: _Launch, ids, out, out_of_range, cache, dedupe, sort) -> None:
         width = self.row_bytes if launch.packed else self.head_dim
         target = out if launch.packed else out.view(torch.int16)  # the kernel writes BF16 bits
-        counter = out_of_range if out_of_range is not None else self.meta  # unused when not counting
         keys = self.item_keys(ids) if dedupe or sort else None
         ordered, order = torch.sort(keys) if keys is not None else (None, None)
         leaders = _leaders(ordered, order) if dedupe else self.meta  # unused without dedupe
         order = order.to(torch.int32) if sort else self.meta  # unused without sort
-        _gather_kernel[(launch.grid,)](
-            ids, self.meta, target, counter, cache.meta if cache is not None else self.meta, leaders,
-            order,
-            launch.n_items, ids.shape[0], self.shard.local_heads, self.shard.owned_heads,
-            self.shard.head_start,
-            ids.stride(0), ids.stride(1), ids.stride(2),
-            out.stride(0) // width, out.stride(1) // width, self.n_layers,
-            HEAD_DIM=self.head_dim, ROW_BYTES=self.row_bytes,
-            WIDTH=width, BLOCK_W=triton.next_power_of_2(width), BLOCK_ROWS=launch.block_rows,
-            PACKED=launch.packed, ALIGNED=self.aligned, COUNT_BAD=out_of_range is not None,
-            CACHED=cache is not None, LEADERS_ONLY=dedupe, ORDERED=sort, WAYS=hot_cache.WAYS,
-            KEY_SHIFT=hot_cache.KEY_LAYER_SHIFT, SET_MUL=hot_cache.SET_MULTIPLIER,
-            SKETCH_MUL0=hot_cache.SKETCH_MULTIPLIERS[0], SKETCH_MUL1=hot_cache.SKETCH_MULTIPLIERS[1],
-            num_warps=launch.num_warps,
-        )
+        args = self.kernel_args(
+            ids, target, out_of_range, cache, leaders, order, launch, ids.shape[0],
+            ids.stride(), (out.stride(0) // width, out.stride(1) // width), dedupe, sort)
+        # The compiled kernel (None under the interpreter), for SlotGather's direct launches.
+        self._launched = _gather_kernel[(launch.grid,)](**args, num_warps=launch.num_warps)
         if dedupe:
             _fanout_kernel[(launch.grid,)](
                 leaders, target, launch.n_items, ids.shape[0], self.shard.local_heads,
@@ -485,6 +476,27 @@ class GatherPlan:
                 WIDTH=width, BLOCK_W=triton.next_power_of_2(width), BLOCK_ROWS=launch.block_rows,
                 num_warps=launch.num_warps,
             )
+
+    def kernel_args(self, ids, target, out_of_range, cache, leaders, order, launch: _Launch,
+                    tokens: int, ids_strides, out_strides, dedupe: bool, sort: bool) -> dict:
+        """_gather_kernel's arguments by name; pointers may be tensors or raw addresses."""
+        width = self.row_bytes if launch.packed else self.head_dim
+        return dict(
+            ids_ptr=ids, meta_ptr=self.meta, out_ptr=target,
+            bad_ptr=out_of_range if out_of_range is not None else self.meta,  # unused unless counting
+            cache_ptr=cache.meta if cache is not None else self.meta, lead_ptr=leaders,
+            order_ptr=order, n_items=launch.n_items, tokens=tokens,
+            local_heads=self.shard.local_heads, owned_heads=self.shard.owned_heads,
+            head_start=self.shard.head_start, ids_stride_t=ids_strides[0],
+            ids_stride_l=ids_strides[1], ids_stride_h=ids_strides[2], out_rows_l=out_strides[0],
+            out_rows_t=out_strides[1], n_layers=self.n_layers,
+            HEAD_DIM=self.head_dim, ROW_BYTES=self.row_bytes,
+            WIDTH=width, BLOCK_W=triton.next_power_of_2(width), BLOCK_ROWS=launch.block_rows,
+            PACKED=launch.packed, ALIGNED=self.aligned, COUNT_BAD=out_of_range is not None,
+            CACHED=cache is not None, LEADERS_ONLY=dedupe, ORDERED=sort, WAYS=hot_cache.WAYS,
+            KEY_SHIFT=hot_cache.KEY_LAYER_SHIFT, SET_MUL=hot_cache.SET_MULTIPLIER,
+            SKETCH_MUL0=hot_cache.SKETCH_MULTIPLIERS[0], SKETCH_MUL1=hot_cache.SKETCH_MULTIPLIERS[1],
+        )
 
     def leaders(self, ids: Tensor) -> Tensor:
         """int32 per work item: the first item, in sorted order, that reads the same row."""
@@ -573,6 +585,61 @@ class GatherPlan:
         ):
             raise ValueError(f"out_of_range must be one int64 element on {self.device}")
         return num_programs
+
+
+class SlotGather:
+    """The plain gather (no sort, no dedupe) of one plan into fixed memory: a slab's slots.
+
+    The served hot path calls it once per lookup with raw addresses. The first launch of each
+    ID dtype goes through the plan's checked call and keeps the compiled kernel it returns;
+    later launches hand the argument list straight to that kernel (no binding, no stream
+    context: ~10 us less host time per lookup). Under the interpreter, and if the compiled
+    kernel refuses a direct launch (another Triton's launcher), every launch takes the checked
+    path. Either way the same kernel variant runs with the same arguments.
+    """
+
+    def __init__(self, plan: GatherPlan, out_of_range: Tensor, cache: HotCache | None,
+                 num_programs: int, block_rows: int = DEFAULT_BLOCK_ROWS,
+                 num_warps: int = DEFAULT_NUM_WARPS) -> None:
+        plan._check_launch(num_programs, block_rows, num_warps, out_of_range)
+        plan._check_cache(cache)
+        self.plan = plan
+        self.out_of_range = out_of_range
+        self.cache = cache
+        self.programs = num_programs
+        self.block_rows = block_rows
+        self.num_warps = num_warps
+        self.items_per_token = plan.n_layers * plan.shard.local_heads
+        self._kernels: dict[torch.dtype, Any] = {}
+        self._direct = not _kernel_is_interpreted()
+
+    def __call__(self, ids: Tensor, out: Tensor, stream: torch.cuda.Stream) -> None:
+        """Queue the gather of `ids` [T, L, heads] (contiguous) into `out` (a slot's rows)."""
+        kernel = self._kernels.get(ids.dtype) if self._direct else None
+        if kernel is None:
+            self._checked(ids, out, stream)
+            return
+        n_items = self.items_per_token * ids.shape[0]
+        launch = _Launch(min(self.programs, triton.cdiv(n_items, self.block_rows)), n_items,
+                         False, self.block_rows, self.num_warps)
+        plan = self.plan
+        args = plan.kernel_args(ids.data_ptr(), out.data_ptr(), self.out_of_range, self.cache,
+                                plan.meta, plan.meta, launch, ids.shape[0], ids.stride(),
+                                (ids.shape[0] * plan.shard.local_heads, plan.shard.local_heads),
+                                False, False)
+        try:
+            kernel[(launch.grid, 1, 1)](*[args[name] for name in _gather_kernel.arg_names],
+                                        stream=stream.cuda_stream)
+        except TypeError:  # this Triton's launcher takes other arguments: stay on the checked path
+            self._direct = False
+            self._checked(ids, out, stream)
+
+    def _checked(self, ids: Tensor, out: Tensor, stream: torch.cuda.Stream) -> None:
+        plan = self.plan
+        plan(ids, out, stream=stream, out_of_range=self.out_of_range, cache=self.cache,
+             num_programs=self.programs, block_rows=self.block_rows, num_warps=self.num_warps)
+        if plan._launched is not None and ids.shape[0] > 0:
+            self._kernels[ids.dtype] = plan._launched
 
 
 def _leaders(ordered: Tensor, order: Tensor) -> Tensor:

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from engramd.client.geometry import ShardView
+from engramd.client.mps import MpsState
 from engramd.client.slab import SlabLayout
 
 
@@ -58,5 +59,8 @@ class Backend(Protocol):
 
     def submit(self, job: LookupJob, done: Completion) -> None:
         """Start the lookup; call `done(job)` exactly once from any thread, errors in `job.error`."""
+
+    def mps_states(self) -> dict[str, MpsState]:
+        """Per GPU UUID, whether the daemon's work there goes through an MPS server (CPU: {})."""
 
     def close(self) -> None: ...

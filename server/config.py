@@ -48,8 +48,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_tokens", int, 16384, "largest max_tokens a client may register", low=1, high=1 << 20),
     Setting("max_slots", int, 16, "largest slot count a client may register", low=1, high=256),
     Setting("workers", int, 2, "CPU backend gather threads", low=1, high=256),
-    Setting("cuda_dispatch", str, "worker",
-            "CUDA backend: enqueue gathers on the request loop ('inline') or a thread per GPU ('worker')",
+    Setting("cuda_dispatch", str, "inline",
+            "CUDA backend: enqueue gathers on the request loop ('inline', no thread hop) or a "
+            "thread per GPU ('worker')",
             choices=("inline", "worker")),
     Setting("hot_cache_gib", float, 2.0,
             "CUDA backend: HBM hot-row cache per GPU in GiB (rows, keys, sketch); 0 disables it",
@@ -69,7 +70,8 @@ SETTINGS: tuple[Setting, ...] = (
             "CUDA backend: fraction of each GPU's SMs the gather may occupy (leaves the model room)",
             low=0.01, high=1.0),
     Setting("heartbeat_interval", float, 1.0,
-            "seconds between client liveness checks; dead clients are freed within two", low=0.05, high=60.0),
+            "seconds between client liveness checks; a dead client is retired within two (its slab "
+            "is freed once its in-flight lookups finish)", low=0.05, high=60.0),
     Setting("self_check", bool, True,
             "before ready: sampled lookups through the serving kernel must equal the checkpoint"),
     Setting("metrics_address", str, "127.0.0.1:9464",

@@ -101,6 +101,9 @@ class CpuBackend:
         job.context["enqueued"] = time.perf_counter()  # on the CPU: the rows are written
         done(job)
 
+    def mps_states(self) -> dict:
+        return {}  # no GPU, so nothing to share
+
     def check_gather(self, ids: torch.Tensor):
         """(where, rows) of a full-shard lookup of `ids`, for the start-up self-check."""
         yield "cpu", gather(self.tables, ids, self.geometry.shard(0, 1))[0]

@@ -45,8 +45,9 @@ from engramd.client.cuda import CudaError, check
 from engramd.client.errors import BadRequestError, ResourceError
 from engramd.client.geometry import ShardView, TableGeometry
 from engramd.client.ids import ID_DTYPES
-from engramd.client.slab import IDS_READY, ROWS_DONE, SlabLayout
-from engramd.kernels.gather_triton import GatherPlan, LayerTable
+from engramd.client.mps import MpsState, mps_state
+from engramd.client.slab import IDS_READY, ROWS_DONE, SlabLayout, SlotViews
+from engramd.kernels.gather_triton import GatherPlan, LayerTable, SlotGather
 from engramd.kernels.hot_cache import CacheLayout, HotCache
 from engramd.server.backend import Completion, LookupJob
 from engramd.server.cache_keeper import CacheKeeper
@@ -135,8 +136,9 @@ class CudaSlab:
     """A client's slab on its GPU: device memory, its IPC handle, its daemon stream and plan."""
 
     def __init__(self, device_index: int, uuid: str, layout: SlabLayout, plan_tables: list[LayerTable],
-                 shard: ShardView, gpu: GpuState):
+                 shard: ShardView, gpu: GpuState, ops: cuda.StreamOps):
         self.gpu = gpu
+        self.ops = ops
         self.device_index = device_index
         self.uuid = uuid
         self.layout = layout
@@ -150,9 +152,14 @@ class CudaSlab:
             self.handle = cuda.ipc_handle_bytes(self.ptr)
             self.stream = cuda.new_stream(device_index)
             device = torch.device("cuda", device_index)
-            self.buffer = cuda.tensor_view(self.ptr, layout.size, device)
+            self.views = SlotViews(layout, cuda.tensor_view(self.ptr, layout.size, device))
             self.plan = GatherPlan(plan_tables, shard, device)
             self.out_of_range = torch.zeros(1, dtype=torch.int64, device=device)
+            self.gather = SlotGather(self.plan, self.out_of_range, gpu.cache, gpu.programs)
+        # What every lookup passes to CUDA, built once: the stream's handle, the counters'.
+        self.raw_stream = self.stream.cuda_stream
+        self.ids_ready = [ops.pointer(self.counter_address(s, IDS_READY)) for s in range(layout.slots)]
+        self.rows_done = [ops.pointer(self.counter_address(s, ROWS_DONE)) for s in range(layout.slots)]
         self.enqueued: dict[int, int] = {}  # slot -> seq of the last lookup enqueued on it
         gpu.slabs.add(self)
 
@@ -160,10 +167,10 @@ class CudaSlab:
         return self.ptr + self.layout.counter_offset(slot, word)
 
     def ids(self, slot: int, tokens: int, dtype: torch.dtype) -> torch.Tensor:
-        return self.layout.ids_view(self.buffer, slot, tokens, dtype)
+        return self.views.ids(slot, tokens, dtype)
 
     def rows(self, slot: int, tokens: int) -> torch.Tensor:
-        return self.layout.rows_view(self.buffer, slot, tokens)
+        return self.views.rows(slot, tokens)
 
     def wire(self) -> dict[str, Any]:
         return {"kind": "cuda_ipc", "handle": self.handle, "device_uuid": self.uuid,
@@ -192,7 +199,7 @@ class CudaSlab:
                     cuda.stream_write_u32(side.cuda_stream, ptr + self.layout.counter_offset(slot, IDS_READY), seq)
                 self.stream.synchronize()
                 side.synchronize()
-                del self.buffer
+                self.views.close()
                 check("cudaFree", cuda.cudart.cudaFree(ptr))
         except Exception:
             log.exception("freeing the slab on %s failed", self.uuid)
@@ -282,20 +289,27 @@ def run_job(job: LookupJob, done: Completion) -> None:
 def enqueue_lookup(job: LookupJob) -> None:
     """Daemon stream: wait for the client's IDs, gather into the slot, mark the rows done."""
     slab: CudaSlab = job.slab
-    stream = slab.stream
-    cuda.stream_wait_u32(stream.cuda_stream, slab.counter_address(job.slot, IDS_READY), job.seq)
+    slot, seq, raw = job.slot, job.seq, slab.raw_stream
+    slab.ops.wait_u32(raw, slab.ids_ready[slot], seq)
     if GATHER_DELAY_MS:
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(slab.stream):
             torch.cuda._sleep(int(GATHER_DELAY_MS * _CYCLES_PER_MS))
     if not job.skip:
-        gpu = slab.gpu
-        slab.plan(slab.ids(job.slot, job.tokens, ID_DTYPES[job.ids_dtype]),
-                  slab.rows(job.slot, job.tokens), stream=stream, out_of_range=slab.out_of_range,
-                  cache=gpu.cache, dedupe=gpu.options.dedupe(job.tokens),
-                  sort=gpu.options.sort(job.tokens), num_programs=gpu.programs)
-    cuda.stream_write_u32(stream.cuda_stream, slab.counter_address(job.slot, ROWS_DONE), job.seq)
-    slab.enqueued[job.slot] = job.seq
+        _gather(slab, slot, job.tokens, ID_DTYPES[job.ids_dtype])
+    slab.ops.write_u32(raw, slab.rows_done[slot], seq)
+    slab.enqueued[slot] = seq
     job.out_of_range = 0  # counted on the GPU (slab.out_of_range); never synchronised per lookup
+
+
+def _gather(slab: CudaSlab, slot: int, tokens: int, dtype: torch.dtype) -> None:
+    gpu = slab.gpu
+    ids, rows = slab.ids(slot, tokens, dtype), slab.rows(slot, tokens)
+    options = gpu.options
+    if options.dedupe(tokens) or options.sort(tokens):  # large lookups: host cost is noise here
+        slab.plan(ids, rows, stream=slab.stream, out_of_range=slab.out_of_range, cache=gpu.cache,
+                  dedupe=options.dedupe(tokens), sort=options.sort(tokens), num_programs=gpu.programs)
+    else:
+        slab.gather(ids, rows, slab.stream)
 
 
 class CudaBackend:
@@ -308,11 +322,16 @@ class CudaBackend:
             raise CudaError("no CUDA device is visible")
         self.geometry = geometry
         self.inline = inline
+        self._inline_device: int | None = None
         self.options = options or GatherOptions()
         self.pinned = PinnedTables(tables)
         self.pinned_bytes = sum(t.nbytes for t in tables)
         self.layer_tables = self.pinned.layer_tables()
         self.uuids = {cuda.device_uuid(i): i for i in range(torch.cuda.device_count())}
+        self.ops = cuda.StreamOps()
+        self.mps = {uuid: mps_state(index) for uuid, index in self.uuids.items()}
+        for uuid, state in self.mps.items():
+            log.info("GPU %s: MPS %s", uuid, f"on (server {state.server})" if state.enabled else "off")
         self.workers = {i: GpuWorker(i) for i in self.uuids.values()}
         # Every kernel variant is compiled and loaded on every GPU before any client can wait on us.
         self.gpus = {i: GpuState(i, self.pinned, self.layer_tables, geometry, self.options)
@@ -333,7 +352,7 @@ class CudaBackend:
         if uuid not in self.uuids:
             raise BadRequestError(f"GPU {uuid} is not visible to the daemon (it sees {sorted(self.uuids)})")
         index = self.uuids[uuid]
-        return CudaSlab(index, uuid, layout, self.layer_tables, shard, self.gpus[index])
+        return CudaSlab(index, uuid, layout, self.layer_tables, shard, self.gpus[index], self.ops)
 
     def check_gather(self, ids: torch.Tensor):
         """(where, rows) of a full-shard lookup of `ids` on every GPU, for the start-up self-check."""
@@ -342,6 +361,9 @@ class CudaBackend:
             with torch.cuda.device(index):
                 rows = gpu.warm_plan(ids.to(gpu.device), cache=gpu.cache, num_programs=gpu.programs)
                 yield f"GPU {uuid}", rows.cpu()
+
+    def mps_states(self) -> dict[str, MpsState]:
+        return self.mps
 
     def cache_stats(self) -> dict[str, Any]:
         """Per GPU (by UUID): the hot-row cache's hit rates, admissions and size."""
@@ -354,6 +376,10 @@ class CudaBackend:
 
     def submit(self, job: LookupJob, done: Completion) -> None:
         if self.inline:  # enqueueing is asynchronous, so the request loop may do it itself
+            index = job.slab.device_index
+            if index != self._inline_device:  # launches go to the current device's context
+                torch.cuda.set_device(index)
+                self._inline_device = index
             run_job(job, done)
         else:
             self.workers[job.slab.device_index].submit(job, done)

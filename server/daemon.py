@@ -19,6 +19,7 @@ import os
 import queue
 import select
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -49,6 +50,7 @@ EXIT_DEVICE = 69  # EX_UNAVAILABLE: the requested device backend cannot start
 EXIT_CONFIG = 78  # EX_CONFIG
 
 DRAIN_TIMEOUT_S = 30.0
+SWITCH_INTERVAL_S = 0.0002
 
 
 class DaemonHalt(Exception):
@@ -119,6 +121,7 @@ class Daemon:
         self._sock: zmq.Socket | None = None
         self._loader: threading.Thread | None = None
         self._halt: DaemonHalt | None = None
+        self._loop_thread: int | None = None  # the thread of serve_forever
         self.notifier = Notifier()
         self.metrics = Metrics()
         self._last_status = 0.0
@@ -200,6 +203,12 @@ class Daemon:
     # -- loop -----------------------------------------------------------------------------------
 
     def serve_forever(self) -> int:
+        self._loop_thread = threading.get_ident()
+        # The loop is the latency-critical thread; the others (cache keeper, metrics, loader) are
+        # not. A thread that wants the GIL waits up to the switch interval for a running one to
+        # let go, so the default 5 ms would be added to a lookup whenever a background thread
+        # runs Python at the moment a request arrives.
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
@@ -227,7 +236,7 @@ class Daemon:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:
                 return
-            self._handle(frames)
+            self._handle(frames, time.perf_counter())
 
     def _drain_events(self) -> None:
         try:
@@ -256,7 +265,8 @@ class Daemon:
             self.store.count_error(exc.code)
             self._send(identity, protocol.encode_error("lookup", rid, self.epoch, exc))
             return
-        self._send(identity, protocol.encode_reply("lookup", rid, self.epoch, **fields))
+        if job.context["ack"]:
+            self._send(identity, protocol.encode_reply("lookup", rid, self.epoch, **fields))
 
     def _event_loaded(self, loaded: LoadedTables) -> None:
         if self.state == "stopping":
@@ -309,7 +319,7 @@ class Daemon:
             "clients": stats.get("clients", []), "lookups": stats.get("lookups", 0),
             "rows": stats.get("rows", 0), "out_of_range": stats.get("out_of_range", 0),
             "errors": stats.get("errors", {}), "slab_bytes": slab_bytes, "pinned_bytes": pinned,
-            "hot_cache": self._cache_stats()})
+            "hot_cache": self._cache_stats(), "mps": self._mps()})
 
     def _in_flight(self) -> int:
         if self.store is None:
@@ -321,17 +331,19 @@ class Daemon:
 
     # -- requests -------------------------------------------------------------------------------
 
-    def _handle(self, frames: list[bytes]) -> None:
+    def _handle(self, frames: list[bytes], received: float) -> None:
         if len(frames) < 2:
             return  # an identity alone: nothing to answer
         identity, body = frames[0], frames[1:]
-        op, rid = protocol.peek_rid(body)
+        op, rid = "", 0
         try:
             request = protocol.decode_request(body)
-            op = request.op
+            op, rid = request.op, request.rid
+            request.received = received
             reply = getattr(self, f"_op_{request.op}")(identity, request)
         except EngramError as exc:
             self._count_error(exc)
+            op, rid = getattr(exc, "request_op", op), getattr(exc, "request_rid", rid)
             reply = protocol.encode_error(op, rid, self.epoch, exc)
         except Exception as exc:  # a bug must not take the daemon down for everyone
             log.exception("internal error handling %r", op)
@@ -372,11 +384,15 @@ class Daemon:
         if store is None:
             raise NotReadyError(f"lookup: daemon is {self.state}")
         store.start_lookup(identity, request.fields, request.payload, self._on_done,
-                           {"identity": identity, "rid": request.rid})
-        return None  # answered on completion
+                           {"identity": identity, "rid": request.rid, "ack": request.fields["ack"],
+                            "received": request.received})
+        return None  # answered on completion (GPU lookups without ack: only if they fail)
 
     def _on_done(self, job: Any) -> None:
-        self.post("done", job)
+        if threading.get_ident() == self._loop_thread:
+            self._event_done(job)  # enqueued inline: no need to go round the event queue
+        else:
+            self.post("done", job)
 
     def _op_release(self, identity: bytes, request: protocol.Request) -> list[bytes]:
         if self.store is None:
@@ -396,7 +412,12 @@ class Daemon:
         stats = self.store.stats() if self.store is not None else {}
         return protocol.encode_reply("stats", request.rid, self.epoch, state=self.state,
                                      uptime=time.monotonic() - self.started,
-                                     hot_cache=self._cache_stats(), **stats)
+                                     hot_cache=self._cache_stats(), mps=self._mps(), **stats)
+
+    def _mps(self) -> dict[str, Any]:
+        """Per GPU UUID, the daemon's MPS state there (empty on the CPU backend or while loading)."""
+        backend = self.tables.backend if self.tables is not None else None
+        return {uuid: s.to_wire() for uuid, s in backend.mps_states().items()} if backend else {}
 
     def _cache_stats(self) -> dict[str, Any]:
         """Per GPU UUID, the hot-row cache's counters (empty without a cache or a GPU backend)."""
@@ -414,7 +435,7 @@ class Daemon:
             "health", request.rid, self.epoch, live=True, ready=self.state == "ready",
             state=self.state, progress=round(self.progress, 4), pid=os.getpid(),
             uptime=round(time.monotonic() - self.started, 3),
-            backend=self.tables.backend.name if self.tables else None)
+            backend=self.tables.backend.name if self.tables else None, mps=self._mps())
 
     # -- stop -----------------------------------------------------------------------------------
 

@@ -57,6 +57,13 @@ class _SnapshotCollector:
         for device, nbytes in sorted(s["slab_bytes"].items()):
             slabs.add_metric([device], nbytes)
         yield slabs
+        mps = GaugeMetricFamily("engramd_mps_enabled",
+                                "1 when the daemon's contexts on this GPU go through an MPS server "
+                                "(served lookups overlap the clients' kernels only then)",
+                                labels=["device"])
+        for device, state in sorted(s.get("mps", {}).items()):
+            mps.add_metric([device], int(state["enabled"]))
+        yield mps
         yield from _cache_families(s.get("hot_cache", {}))
 
 

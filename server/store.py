@@ -28,6 +28,7 @@ from engramd.client.errors import (
 )
 from engramd.client.geometry import GeometryError, ShardView, TableGeometry
 from engramd.client.ids import ID_DTYPES, ids_from_bytes
+from engramd.client.mps import MpsState
 from engramd.client.procwatch import ProcessWatch
 from engramd.client.slab import SlabLayout
 from engramd.server.backend import Backend, Completion, LookupJob, Slab
@@ -60,6 +61,7 @@ class ClientRecord:
     slab: Slab
     watch: ProcessWatch
     token: str
+    mps_shared: bool | None = None  # GPU clients: do daemon and client share an MPS server there
     in_flight: Counter[int] = field(default_factory=Counter)  # slot -> jobs not yet completed
     releasing: bool = False
     lookups: int = 0
@@ -72,7 +74,8 @@ class ClientRecord:
         return {"client_id": self.client_id, "pid": self.watch.pid, "name": self.name,
                 "device": self.device, "tp_rank": self.tp_rank, "tp_size": self.tp_size,
                 "lookups": self.lookups, "rows": self.rows, "out_of_range": self.out_of_range,
-                "errors": self.errors, "in_flight": sum(self.in_flight.values())}
+                "errors": self.errors, "in_flight": sum(self.in_flight.values()),
+                "mps_shared": self.mps_shared}
 
 
 class LookupStore:
@@ -100,11 +103,12 @@ class LookupStore:
             n_layers=self.geometry.n_layers, heads=self.geometry.heads,
             local_heads=shard.local_heads, head_dim=self.geometry.head_dim)
         client_id = self._next_id
+        mps = self._mps_report(req["device"], req.get("mps"))
         slab = self.backend.allocate_slab(req["device"], layout, client_id, shard)
         self._next_id += 1
         record = ClientRecord(client_id, identity, str(req.get("name", ""))[:128], req["device"],
                               req["tp_rank"], req["tp_size"], shard, slab, ProcessWatch(req["pid"]),
-                              secrets.token_hex(16))
+                              secrets.token_hex(16), mps_shared=mps["shared"] if mps else None)
         self.clients[client_id] = record
         self.totals["registrations"] += 1
         log.info("registered client %d (pid %d, %s, tp %d/%d, %d slots x %d tokens, slab %d B)",
@@ -116,7 +120,22 @@ class LookupStore:
                 "shard": {"rank": shard.rank, "shards": shard.shards, "head_start": shard.head_start,
                           "head_end": shard.head_end, "local_heads": shard.local_heads,
                           "row_ranges": [list(r) for r in shard.row_ranges]},
-                "slab": slab.wire()}
+                "slab": slab.wire(), "mps": mps}
+
+    def _mps_report(self, device: str, reported: Any) -> dict[str, Any] | None:
+        """GPU clients: the daemon's and the client's MPS state there, and whether they share."""
+        daemon = self.backend.mps_states().get(device.removeprefix("cuda:")) if device.startswith("cuda:") else None
+        if daemon is None:
+            return None
+        client = MpsState.from_wire(reported)
+        shared = client is not None and daemon.shares_with(client)
+        if not shared:
+            log.warning("a client on %s is served without a shared MPS server (daemon: %s, client: %s): "
+                        "the daemon's gathers time-slice with the client's kernels instead of "
+                        "overlapping them; run nvidia-cuda-mps-control for both (README, 'MPS')",
+                        device, daemon, client)
+        return {"daemon": daemon.to_wire(), "client": client.to_wire() if client else None,
+                "shared": shared}
 
     def _shard_for(self, req: dict[str, Any]) -> ShardView:
         if req["tp_size"] < 1 or req["tp_size"] > self.geometry.heads * 64:
@@ -203,7 +222,7 @@ class LookupStore:
             record.errors += 1
             self._release_refused(record, req, done)
             raise
-        job.context = {**context, "received": time.perf_counter()}
+        job.context = context if "received" in context else {**context, "received": time.perf_counter()}
         record.in_flight[job.slot] += 1
         self.backend.submit(job, done)
         return job

@@ -22,8 +22,9 @@ from reference import ReferenceTables  # noqa: E402
 
 START_TIMEOUT_S = 60.0
 LEAK_GRACE_S = 5.0  # a killed child may take a moment to be reaped by its parent
-# Temporary names this suite creates (conftest's folders, daemons' table and slab files).
-_OUR_TEMP_PREFIXES = ("egd-", "engramd")
+# The temporary folders this suite creates (short_tempdir, shm_tempdir); daemons under test keep
+# their sockets, tables and slabs inside them.
+_OUR_TEMP_PREFIXES = ("egd-", "engramd-test-")
 
 
 def _children() -> dict[int, str]:

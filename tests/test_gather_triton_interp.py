@@ -432,3 +432,54 @@ def test_warming_from_a_trace_admits_its_repeated_rows_only(kt, world):
     got = kt.GatherPlan(tables, geo.shard(0, 1))(ids, cache=cache, block_rows=BLOCK_ROWS)
     assert_same(got, gather_ref.gather(tables, ids, geo.shard(0, 1))[0], "rows of the warmed cache")
     assert cache.counters[1].sum() == cache.counters[0].sum() == ids.numel()
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+@pytest.mark.parametrize("cached", [False, True])
+def test_slot_gather_fills_slab_slots_like_the_reference(kt, world, shards, cached):
+    """The served hot path's launcher (kernels.gather_triton.SlotGather) over a slab's slots:
+    every size and dtype in a row, rows and out-of-range counts equal to the reference."""
+    from engramd.client.slab import SlabLayout, SlotViews
+
+    geo, tables = world
+    shard = geo.shard(shards - 1, shards)
+    layout = SlabLayout(slots=2, max_tokens=9, n_layers=geo.n_layers, heads=geo.heads,
+                        local_heads=shard.local_heads, head_dim=geo.head_dim)
+    views = SlotViews(layout, torch.zeros(layout.size, dtype=torch.uint8))
+    cache = cached_world(kt, geo, tables, 0.5, seed=3) if cached else None
+    bad = torch.zeros(1, dtype=torch.int64)
+    launch = kt.SlotGather(kt.GatherPlan(tables, shard), bad, cache, num_programs=4,
+                           block_rows=BLOCK_ROWS)
+    expected_bad = 0
+    for step, (tokens, dtype) in enumerate([(1, torch.int64), (9, torch.int64), (4, torch.int32),
+                                            (9, torch.int32), (2, torch.int64)]):
+        slot = step % 2
+        ids = mixed_ids(geo, tokens, seed=70 + step, dtype=dtype)
+        views.ids(slot, tokens, dtype).copy_(ids)
+        launch(views.ids(slot, tokens, dtype), views.rows(slot, tokens), stream=None)
+        want, want_bad = gather_ref.gather(tables, ids, shard)
+        expected_bad += want_bad
+        assert_same(views.rows(slot, tokens), want, f"step {step}: {tokens} tokens of {dtype}")
+    assert int(bad) == expected_bad
+
+
+def test_slot_views_are_the_layouts_views_made_once():
+    from engramd.client.slab import SlabLayout, SlotViews
+
+    layout = SlabLayout(slots=3, max_tokens=5, n_layers=2, heads=24, local_heads=6, head_dim=256)
+    buffer = torch.arange(layout.size, dtype=torch.int64).to(torch.uint8)
+    views = SlotViews(layout, buffer)
+    for slot in range(3):
+        for tokens in (1, 5):
+            rows = views.rows(slot, tokens)
+            assert rows is views.rows(slot, tokens)
+            want = layout.rows_view(buffer, slot, tokens)
+            assert rows.shape == want.shape and rows.data_ptr() == want.data_ptr()
+            ids = views.ids(slot, tokens, torch.int32)
+            assert ids is views.ids(slot, tokens, torch.int32)
+            assert ids.data_ptr() == layout.ids_view(buffer, slot, tokens, torch.int32).data_ptr()
+    views.MAX_VIEWS = 2
+    first = views.rows(0, 2)
+    views.rows(0, 3), views.rows(0, 4)  # past the bound: the cache starts over
+    again = views.rows(0, 2)
+    assert again is not first and (again.shape, again.data_ptr()) == (first.shape, first.data_ptr())

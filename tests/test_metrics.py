@@ -32,3 +32,12 @@ def test_no_cache_exposes_empty_families():
     samples = [line for line in text.splitlines()
                if line.startswith("engramd_cache_") and not line.startswith("#")]
     assert "# TYPE engramd_cache_hits_total counter" in text and samples == []
+
+
+def test_mps_state_is_exposed_per_gpu():
+    metrics = Metrics()
+    metrics.publish({**snapshot({}), "mps": {"GPU-a": {"enabled": True, "server": "1:2"},
+                                             "GPU-b": {"enabled": False, "server": ""}}})
+    text = generate_latest(metrics.registry).decode()
+    assert 'engramd_mps_enabled{device="GPU-a"} 1.0' in text
+    assert 'engramd_mps_enabled{device="GPU-b"} 0.0' in text

@@ -72,3 +72,25 @@ def test_daemonset_shares_the_runtime_folder_and_probes_health():
     assert container["livenessProbe"]["exec"]["command"][:3] == ["engramd", "health", "--live"]
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     assert mounts["runtime"] == "/run/engramd" and mounts["shm"] == "/dev/shm"
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["CUDA_MPS_PIPE_DIRECTORY"] == mounts["mps-pipe"] == volumes["mps-pipe"]["hostPath"]["path"]
+
+
+def test_mps_unit_and_engramd_unit_share_one_pipe_folder():
+    units = {}
+    for name in ("engramd", "nvidia-mps"):
+        unit = configparser.ConfigParser(strict=False, interpolation=None)
+        unit.optionxform = str
+        unit.read(ROOT / "packaging" / f"{name}.service")
+        units[name] = unit
+
+    def pipe(unit) -> str:
+        env = dict(e.split("=", 1) for e in unit["Service"]["Environment"].split())
+        return env["CUDA_MPS_PIPE_DIRECTORY"]
+
+    engramd, mps = units["engramd"], units["nvidia-mps"]
+    assert "nvidia-mps.service" in engramd["Unit"]["Wants"] and "nvidia-mps.service" in engramd["Unit"]["After"]
+    assert pipe(engramd) == pipe(mps) and not pipe(engramd).startswith("/tmp")  # PrivateTmp hides /tmp
+    assert pipe(engramd).removeprefix("/run/") == mps["Service"]["RuntimeDirectory"]
+    assert pipe(engramd) in engramd["Service"]["ReadWritePaths"]
+    assert "nvidia-cuda-mps-control -f" in mps["Service"]["ExecStart"]

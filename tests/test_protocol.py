@@ -80,3 +80,33 @@ def test_error_classes_have_distinct_codes():
     from engramd.client.errors import ERROR_CLASSES
     assert all(cls.code == code for code, cls in ERROR_CLASSES.items())
     assert NotReadyError("x").code == "not_ready"
+
+
+@pytest.mark.parametrize("frames, op, rid", [
+    ([msgpack.packb({"v": 99, "op": "health", "rid": 12})], "health", 12),
+    ([msgpack.packb({"v": 1, "op": "explode", "rid": 13})], "explode", 13),
+    ([msgpack.packb({"v": 1, "op": "release", "rid": 14})], "release", 14),
+    ([msgpack.packb({"v": 1, "op": 5, "rid": 15})], "", 15),
+    ([msgpack.packb({"v": 1, "op": "health", "rid": 16, "pad": "x" * protocol.MAX_HEADER_BYTES})],
+     "health", 16),
+    ([b"\xc1\xff\x00"], "", 0),
+    ([], "", 0),
+])
+def test_decode_errors_name_the_request_they_answer(frames, op, rid):
+    """The daemon decodes a header once: a refused request's op and rid come with the error."""
+    with pytest.raises(protocol.EngramError) as info:
+        protocol.decode_request(frames)
+    assert (info.value.request_op, info.value.request_rid) == (op, rid)
+
+
+def test_lookup_ack_defaults_to_true_and_travels():
+    frames = protocol.encode_request("lookup", 3, None, **{**LOOKUP_FIELDS, "inline": False})
+    assert protocol.decode_request(frames).fields["ack"] is True
+    frames = protocol.encode_request("lookup", 4, None, **{**LOOKUP_FIELDS, "inline": False}, ack=False)
+    assert protocol.decode_request(frames).fields["ack"] is False
+
+
+def test_lookup_ack_must_be_a_bool():
+    frames = [msgpack.packb({"v": 1, "op": "lookup", "rid": 5, **LOOKUP_FIELDS, "ack": "no"})]
+    with pytest.raises(ProtocolError, match="'ack' has wrong type"):
+        protocol.decode_request(frames)

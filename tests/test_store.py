@@ -33,6 +33,7 @@ class FakeBackend:
 
     def __init__(self, orders_slots: bool):
         self.orders_slots = orders_slots
+        self.mps = {}  # GPU UUID -> MpsState, as a CUDA backend reports it
         self.jobs = []
         self.slabs = []
 
@@ -42,6 +43,9 @@ class FakeBackend:
 
     def submit(self, job, done):
         self.jobs.append(job)
+
+    def mps_states(self):
+        return self.mps
 
     def close(self):
         pass
@@ -144,3 +148,47 @@ def test_dead_clients_are_reaped_and_idle_live_ones_are_not():
     assert backend.slabs[1].closed and dead not in store.clients
     assert store.reap_dead() == [] and live in store.clients
     assert store.stats()["reaped"] == 1
+
+
+def test_registration_reports_whether_daemon_and_gpu_client_share_mps(caplog):
+    from engramd.client.mps import MpsState
+
+    store, backend = make_store(orders_slots=True)
+    backend.mps = {"GPU-a": MpsState(True, "7:42"), "GPU-b": MpsState(False, "")}
+    shared = {"enabled": True, "server": "7:42"}
+    cases = [("cuda:GPU-a", shared, True), ("cuda:GPU-a", {"enabled": True, "server": "7:43"}, False),
+             ("cuda:GPU-a", None, False), ("cuda:GPU-a", {"enabled": "yes"}, False),
+             ("cuda:GPU-b", {"enabled": False, "server": ""}, False)]
+    for device, reported, expected in cases:
+        reply = store.register(b"x", {"pid": os.getpid(), "device": device, "tp_rank": 0,
+                                      "tp_size": 1, "max_tokens": 8, "slots": 2, "mps": reported})
+        assert reply["mps"]["shared"] is expected, (device, reported, reply["mps"])
+        record = store.clients[reply["client_id"]]
+        assert record.summary()["mps_shared"] is expected
+        store.release(b"x", reply["client_id"])
+    assert sum("without a shared MPS server" in m for m in caplog.messages) == 4
+    cpu = store.register(b"y", {"pid": os.getpid(), "device": "cpu", "tp_rank": 0, "tp_size": 1,
+                                "max_tokens": 8, "slots": 2})
+    assert cpu["mps"] is None
+
+
+def test_mps_state_identity_follows_the_folder_not_its_name(tmp_path, monkeypatch):
+    from engramd.client.mps import MpsState, pipe_directory, server_identity
+
+    (tmp_path / "pipe").mkdir()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "alias").symlink_to(tmp_path / "pipe")
+    assert server_identity(str(tmp_path / "pipe")) == server_identity(str(tmp_path / "alias")) != ""
+    assert server_identity(str(tmp_path / "pipe")) != server_identity(str(tmp_path / "other"))
+    assert server_identity(str(tmp_path / "missing")) == ""
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "alias"))
+    assert pipe_directory() == str(tmp_path / "alias")
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY")
+    assert pipe_directory() == "/tmp/nvidia-mps"
+    on = MpsState(True, "1:2")
+    assert on.shares_with(MpsState(True, "1:2")) and not on.shares_with(MpsState(True, "1:3"))
+    assert not MpsState(False, "").shares_with(MpsState(False, ""))
+    assert not MpsState(True, "").shares_with(MpsState(True, ""))
+    assert MpsState.from_wire(on.to_wire()) == on
+    assert MpsState.from_wire({"enabled": True, "server": "x" * 65}) is None
+    assert MpsState.from_wire([True]) is None

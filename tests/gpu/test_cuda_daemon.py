@@ -106,3 +106,31 @@ def test_daemon_killed_mid_lookup_releases_the_stream(daemon_factory, reference)
         client.lookup(ids)
     client.close()
     assert released_s < 2.0, f"stream released after {released_s:.2f} s"
+
+
+def mps_control_running() -> bool:
+    """Independent of CUDA's answer: an MPS control daemon process is alive and its pipe folder
+    (the one this process would use) exists."""
+    from engramd.client.mps import pipe_directory
+
+    names = []
+    for entry in Path("/proc").iterdir():
+        try:
+            names.append((entry / "comm").read_text().strip())
+        except OSError:
+            continue
+    return "nvidia-cuda-mps" in " ".join(names) and Path(pipe_directory()).is_dir()
+
+
+def test_mps_report_matches_reality(daemon_factory):
+    """Registration, stats and health say whether daemon and client share MPS, and that agrees
+    with whether an MPS control daemon serves this run (the GPU tests run with and without)."""
+    daemon = daemon_factory(extra=CUDA)
+    running = mps_control_running()
+    with EngramClient(daemon.socket, device="cuda:0", max_tokens=4) as client:
+        assert client.mps["shared"] is running, client.mps
+        assert client.mps["daemon"]["enabled"] is running and client.mps["client"]["enabled"] is running
+        stats = client.stats()
+        assert [c["mps_shared"] for c in stats["clients"]] == [running]
+        assert {s["enabled"] for s in stats["mps"].values()} == {running}
+        assert {s["enabled"] for s in client.health()["mps"].values()} == {running}

@@ -266,3 +266,39 @@ def test_rejects_bad_arguments(world):
         plan(ids, torch.empty(2, 3, 12, 256, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="runs on a CUDA device"):
         gt.GatherPlan(tables_gpu, geo.shard(0, 2), device="cpu")
+
+
+@pytest.mark.parametrize("shards", [1, 4])
+@pytest.mark.parametrize("cached", [False, True])
+def test_slot_gather_direct_launches_equal_the_reference(world, shards, cached):
+    """The served hot path launches the compiled kernel directly (SlotGather): after the first
+    launch of each dtype it must really take that path, and give the reference's rows and
+    out-of-range counts for every size."""
+    from engramd.client.slab import SlabLayout, SlotViews
+    from engramd.kernels import hot_cache
+
+    geo, tables_cpu, tables_gpu = world
+    shard = geo.shard(shards - 1, shards)
+    layout = SlabLayout(slots=2, max_tokens=4097, n_layers=geo.n_layers, heads=geo.heads,
+                        local_heads=shard.local_heads, head_dim=geo.head_dim)
+    views = SlotViews(layout, torch.zeros(layout.size, dtype=torch.uint8, device=CUDA))
+    cache = (hot_cache.HotCache(hot_cache.CacheLayout.from_budget(8 << 20, geo.row_bytes),
+                                geo.n_layers, CUDA) if cached else None)
+    bad = torch.zeros(1, dtype=torch.int64, device=CUDA)
+    launch = gt.SlotGather(gt.GatherPlan(tables_gpu, shard, CUDA), bad, cache, num_programs=66)
+    stream = torch.cuda.Stream(CUDA)
+    expected_bad = 0
+    sizes = [(t, d) for d in (torch.int64, torch.int32) for t in (1, 16, 1, 256, 4097, 3)]
+    for step, (tokens, dtype) in enumerate(sizes):
+        slot = step % 2
+        ids = with_boundaries(mixed_ids(geo, tokens, seed=300 + step), shard).to(dtype)
+        views.ids(slot, tokens, dtype).copy_(ids.to(CUDA))
+        torch.cuda.synchronize()
+        launch(views.ids(slot, tokens, dtype), views.rows(slot, tokens), stream)
+        stream.synchronize()
+        want, want_bad = reference(tables_cpu, ids, shard)
+        expected_bad += want_bad
+        assert_same(views.rows(slot, tokens).cpu(), want, f"step {step}: {tokens} x {dtype}")
+    assert launch._direct and set(launch._kernels) == {torch.int32, torch.int64}, \
+        "the direct launch path was not taken"
+    assert int(bad) == expected_bad

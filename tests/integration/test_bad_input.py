@@ -126,3 +126,32 @@ def test_daemon_keeps_serving_a_good_client_through_a_flood_of_bad_input(served,
     assert errors.get("bad_message", 0) >= 20 * 4
     assert errors.get("unknown_op", 0) == 20
     assert daemon.proc.poll() is None
+
+
+def test_lookup_without_ack_is_answered_only_when_it_fails(served, reference):
+    """`ack=false` (what GPU clients send): a served lookup gets no reply, its rows are written
+    all the same; a refused one still gets its typed error, matched by rid."""
+    daemon, raw = served
+    reply = register(raw, max_tokens=2)
+    client_id, path = reply["client_id"], reply["slab"]["path"]
+    ids = random_ids(np.random.default_rng(5), 2, reference.rows, reference.heads).astype(np.int32)
+    raw.send_multipart([header(op="lookup", client_id=client_id, **{**LOOKUP, "rid": 21}, ack=False),
+                        ids.tobytes()])
+    bad = {**LOOKUP, "rid": 22, "slot": 5}
+    assert roundtrip(raw, [header(op="lookup", client_id=client_id, **bad, ack=False),
+                           IDS_FRAME])["rid"] == 22  # the only reply: the silent one sent none
+    stats = {}
+    for _ in range(200):  # the silent lookup is done once stats count it
+        raw.send_multipart([header(op="stats", rid=23)])
+        stats = msgpack.unpackb(raw.recv_multipart()[0])
+        if stats["lookups"] == 1:
+            break
+    assert stats["lookups"] == 1 and stats["errors"] == {"bad_request": 1}, stats
+    from engramd.client.slab import SlabLayout
+    layout = SlabLayout.from_wire(reply["slab"]["layout"])
+    slab = torch.from_file(path, shared=False, size=layout.size, dtype=torch.uint8)
+    rows = layout.rows_view(slab, 0, 2).double().numpy()
+    assert np.array_equal(rows, reference.expected(ids)), "rows of the unacknowledged lookup"
+    raw.setsockopt(zmq.RCVTIMEO, 300)
+    with pytest.raises(zmq.Again):
+        raw.recv_multipart()  # and no late acknowledgement either

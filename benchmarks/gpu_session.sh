@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# GPU checks and timings in one go, for a lent GPU machine that has torch, Triton and
+# cuda-python but no pyzmq and no network (wheels come in .whl/, see benchmarks/results/h200/README.md).
+#
+#   bash benchmarks/gpu_session.sh OUT PHASE...
+#
+# Phases: tests (tests/gpu without MPS), tests-mps (the cross-process GPU tests under MPS),
+# lookup (benchmarks/gpu_lookup.py, both MPS modes), step (benchmarks/model_step.py, both modes),
+# lookup-variants (under MPS, inline dispatch: daemon defaults vs no cache and all SMs),
+# step-long (under MPS, 150 steps a cell at 256 and 4,096 tokens).
+# Logs and results are packed into OUT/results.tgz (one file); each phase's exit code is
+# printed at the end.
+set -u
+final=$1; shift
+out=$(mktemp -d)
+trap 'tar czf "$final/results.tgz" -C "$out" .' EXIT
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 CUDA_MODULE_LOADING=EAGER
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 \
+    || { tail -20 "$out/install.log"; exit 1; }
+
+mps_start() {
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
+  mkdir -p /tmp/mps /tmp/mpslog && nvidia-cuda-mps-control -d
+}
+mps_stop() {
+  echo quit | nvidia-cuda-mps-control; sleep 1
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+}
+
+phase_tests() { python3 -m pytest tests/gpu -q --durations=5 2>&1 | tee "$out/gpu_tests.log"; }
+phase_tests_mps() {
+  mps_start
+  python3 -m pytest tests/gpu/test_cuda_daemon.py tests/gpu/test_adapter_gpu.py -q 2>&1 \
+    | tee "$out/gpu_tests_mps.log"
+  local rc=${PIPESTATUS[0]}
+  mps_stop
+  return "$rc"
+}
+phase_lookup() {
+  python3 benchmarks/gpu_lookup.py --table-gib 16 --mps both --out "$out/lookup" 2>&1 \
+    | tee "$out/lookup.log" | tail -30
+}
+phase_step() {
+  python3 benchmarks/model_step.py --mps both --out "$out/step" 2>&1 | tee "$out/step.log" | tail -30
+}
+
+phase_lookup_variants() {
+  local common=(--table-gib 16 --mps on --dispatch inline)
+  python3 benchmarks/gpu_lookup.py "${common[@]}" --out "$out/variants/default" 2>&1 \
+    | tee "$out/variants_default.log" | tail -9 &&
+  python3 benchmarks/gpu_lookup.py "${common[@]}" --out "$out/variants/plain" \
+    --daemon-args='--hot-cache-gib 0 --gather-sm-fraction 1.0' 2>&1 \
+    | tee "$out/variants_plain.log" | tail -9
+}
+phase_step_long() {
+  python3 benchmarks/model_step.py --mps on --steps 150 --tokens 256 4096 --out "$out/step_long" \
+    2>&1 | tee "$out/step_long.log" | tail -12
+}
+
+declare -A status
+for phase in "$@"; do
+  echo "=== $phase $(date -u +%H:%M:%S)"
+  set -o pipefail
+  "phase_${phase//-/_}"
+  status[$phase]=$?
+  set +o pipefail
+done
+for phase in "$@"; do echo "phase $phase: exit ${status[$phase]}"; done

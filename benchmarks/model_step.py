@@ -1,0 +1,517 @@
+"""Model step: what an Engram lookup adds to a forward step that hides it behind matmuls (H200).
+
+    python benchmarks/model_step.py --out DIR                  # without MPS
+    python benchmarks/model_step.py --mps both --out DIR       # without, then with MPS, merged
+    python benchmarks/model_step.py --replot DIR               # model_step.md/.png again from JSON
+
+One "model step" stands for a forward pass that prefetches its rows:
+  submit a lookup of T tokens (fresh random row IDs [T, 2, 24] int64 every step, drawn on the GPU
+  before timing) -> LEAD bf16 [4096 x 4096] @ [4096 x 4096] matmuls (torch.mm into preallocated
+  tensors) -> wait for the rows -> consume them (their column sum is written into the next
+  matmul's operand, so the rows are on the critical path) -> 4 more matmuls.
+Variants:
+  compute  the matmuls alone, no lookup: the floor
+  inproc   GatherPlan (kernels/gather_triton.py) in this process on a side stream, over its own
+           registration of the same shared-memory table, sorted reads from 1,024 tokens on (the
+           daemon's default sort_min_tokens) and one program per SM: the best in-process path.
+           The main stream waits on an event recorded after the gather.
+  engramd  EngramClient(socket, device="cuda:0", max_tokens=max T, slots=2) against one
+           `engramd serve` process (benchmarks/daemon_process.py; its defaults, plus
+           --daemon-args): lookup() -> matmuls -> future.wait(stream)
+Modes:
+  pipelined  the host runs ahead; one torch.cuda.synchronize() after N steps; reported: total / N
+  synced     synchronize after every step; reported: p50 of the per-step wall times
+Grid: T in {1, 16, 256, 4096} x LEAD in {1, 4, 12} (--tokens, --lead), each cell after 3 untimed
+steps of its own. The host table (--table-gib of V4.1-width rows, random bytes in /dev/shm, a
+sparse checkpoint that the daemon re-attaches) is built as in gpu_lookup.py. Every kernel this
+process launches behind a wait on the daemon is warmed up first (lazy loading would otherwise
+block the host there; DEVICE.md).
+
+Rows: at every T, one batch of IDs (5% of them -1) goes through engramd and the in-process gather;
+both must equal gather_ref (plain torch, on the CPU, over the same /dev/shm bytes) and each other
+bit for bit (a gather is a copy; NaN counts as equal to NaN). The script exits 1 if any differs.
+
+--mps on|both (benchmarks/mps.py): each mode runs in a fresh child process, a private MPS server
+around the `on` one (the daemon and the benchmark process are both its clients); every cell and
+run in the JSON says which. Writes DIR/model_step.json (all cells, us), DIR/model_step.md (printed
+last, with engramd/inproc ratios) and DIR/model_step.png (step time vs T per lead and mode; solid:
+no MPS, dashed: MPS); with both modes, each child's own files are in DIR/mps_off and DIR/mps_on.
+About 1-2 minutes per MPS mode on an H200 at the defaults (filling the table is 10-20 s of it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from engramd.client import EngramClient
+from engramd.client.geometry import TableGeometry
+from engramd.kernels import gather_ref
+from engramd.kernels.gather_triton import GatherPlan
+
+# Benchmark helpers beside this file; node_run.fill_tables fills the table as gpu_lookup.py does
+# (its sparse checkpoint and RandomRows, through a TableStore) and returns where the files are.
+sys.path.insert(0, str(Path(__file__).parent))
+from daemon_process import bench_folders, running_daemon  # noqa: E402
+from gpu_lookup import geometry_for  # noqa: E402
+from mps import (  # noqa: E402
+    gpu_processes,
+    mps_argument,
+    mps_modes,
+    needs_children,
+    require_mps_state,
+    run_children,
+)
+from node_client import MappedTable, bitwise_mismatches  # noqa: E402
+from node_run import INSTANCE, fill_tables  # noqa: E402
+
+TOKENS = (1, 16, 256, 4096)
+LEADS = (1, 4, 12)
+TAIL = 4  # matmuls after the rows are consumed
+MATMUL_N = 4096
+VARIANTS = ("compute", "inproc", "engramd")
+MODES = ("pipelined", "synced")
+WARM_STEPS = 3  # untimed steps before every cell (first use of its IDs' sizes, slots, events)
+SORT_MIN_TOKENS = 1024  # the daemon's default sort_min_tokens
+DEAD_FRACTION = 0.05  # of the check IDs: -1
+SPIN_UP_S = 1.0  # matmuls before the first cell, so clocks and cuBLAS heuristics have settled
+JSON_NAME, MD_NAME, PNG_NAME = "model_step.json", "model_step.md", "model_step.png"
+COLORS = {"compute": "tab:gray", "inproc": "tab:blue", "engramd": "tab:red"}
+
+
+def draw_ids(geometry: TableGeometry, tokens: int, count: int) -> list[Tensor]:
+    """`count` batches of uniform row IDs [T, n_layers, heads] int64, each layer within its rows.
+
+    randint per layer rather than scaled rand: float32 rand cannot reach every row of a table
+    of tens of millions of rows.
+    """
+    layers = [torch.randint(0, rows, (count, tokens, 1, geometry.heads), device="cuda")
+              for rows in geometry.rows]
+    return list(torch.cat(layers, dim=2).unbind(0))
+
+
+class Bench:
+    """The matmul operands, the in-process plan, the engramd client and one step per variant."""
+
+    def __init__(self, geometry: TableGeometry, specs: list[dict], socket: Path, max_tokens: int):
+        from engramd.server.cuda_backend import PinnedTables
+
+        self.geometry = geometry
+        self.shard = geometry.shard(0, 1)
+        self.main = torch.cuda.current_stream()
+        self.side = torch.cuda.Stream()
+        self.ready = torch.cuda.Event()
+        self.a = torch.randn(MATMUL_N, MATMUL_N, device="cuda").bfloat16()
+        self.b = torch.randn(MATMUL_N, MATMUL_N, device="cuda").bfloat16()
+        self.c = torch.empty_like(self.a)
+        # This process maps and registers the daemon's table files itself (as an engine with its
+        # own tables would); pinned pages are shared, nothing is copied.
+        self.mapped = [MappedTable(s["path"], s["data_offset"], s["rows"], s["row_bytes"])
+                       for s in specs]
+        self.pinned = PinnedTables(self.mapped)
+        self.plan = GatherPlan(self.pinned.layer_tables(), self.shard, torch.device("cuda", 0))
+        self.plan.warm_up(dedupe=(False,))
+        self.outs: dict[int, Tensor] = {}
+        self.client = EngramClient(socket, device="cuda:0", max_tokens=max_tokens, slots=2,
+                                   timeout=120)
+        self.steps: dict[str, Callable[[Tensor, int], None]] = {
+            "compute": self.step_compute, "inproc": self.step_inproc, "engramd": self.step_engramd}
+
+    def close(self) -> None:
+        torch.cuda.synchronize()  # no gather may still read the pages we unregister
+        self.client.close()
+        self.pinned.close()
+        for table in self.mapped:
+            table.close()
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def matmuls(self, count: int) -> None:
+        for _ in range(count):
+            torch.mm(self.a, self.b, out=self.c)
+
+    def consume(self, rows: Tensor) -> None:
+        """Sum the rows over tokens, layers and heads into the next matmul's first operand."""
+        head_dim = rows.shape[-1]
+        torch.sum(rows.view(-1, head_dim), dim=0, out=self.a[0, :head_dim])
+
+    def step_compute(self, ids: Tensor, lead: int) -> None:
+        self.matmuls(lead + TAIL)
+
+    def step_inproc(self, ids: Tensor, lead: int) -> None:
+        # The side stream waits for the main one: the previous step's reader of the output
+        # buffer is done before this gather overwrites it (as engramd's slot reuse guarantees).
+        self.side.wait_stream(self.main)
+        rows = self.plan(ids, self.out(ids.shape[0]), stream=self.side,
+                         sort=ids.shape[0] >= SORT_MIN_TOKENS)
+        self.ready.record(self.side)
+        self.matmuls(lead)
+        self.main.wait_event(self.ready)
+        self.consume(rows)
+        self.matmuls(TAIL)
+
+    def step_engramd(self, ids: Tensor, lead: int) -> None:
+        future = self.client.lookup(ids, self.main)
+        self.matmuls(lead)
+        rows = future.wait(self.main)
+        self.consume(rows)
+        self.matmuls(TAIL)
+
+    def out(self, tokens: int) -> Tensor:
+        if tokens not in self.outs:
+            self.outs[tokens] = torch.empty(self.plan.output_shape(tokens), dtype=torch.bfloat16,
+                                            device="cuda")
+        return self.outs[tokens]
+
+    # -- warming up and checking ---------------------------------------------------------------
+
+    def spin_up(self) -> None:
+        """About SPIN_UP_S of matmuls: cuBLAS picks its kernel, the clocks rise."""
+        self.matmuls(3)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        self.matmuls(20)
+        torch.cuda.synchronize()
+        per = (time.perf_counter() - start) / 20
+        self.matmuls(max(1, int(SPIN_UP_S / per)))
+        torch.cuda.synchronize()
+
+    def warm_consumers(self, tokens: int) -> None:
+        """Load the kernels launched behind a wait for T tokens while no stream waits on anyone.
+
+        The sum's kernel variant depends on the reduction's size, so each T gets its own.
+        """
+        self.consume(self.out(tokens).zero_())
+        self.matmuls(1)
+        torch.cuda.synchronize()
+
+    def check_rows(self, tokens: int) -> dict[str, Any]:
+        """engramd, in-process and gather_ref rows of one ID batch, compared bit for bit."""
+        ids = draw_ids(self.geometry, tokens, 1)[0]
+        ids.masked_fill_(torch.rand(ids.shape, device="cuda") < DEAD_FRACTION, -1)
+        torch.cuda.synchronize()
+        view = self.client.lookup(ids, self.main).wait(self.main)
+        torch.cuda.synchronize()
+        served = view.cpu()
+        # The sum's kernel may differ for the slab's alignment: load it now, while nothing waits.
+        self.consume(view)
+        torch.cuda.synchronize()
+        poisoned = torch.full(self.plan.output_shape(tokens), float("nan"), dtype=torch.bfloat16,
+                              device="cuda")  # a row the kernel never writes cannot pass
+        local = self.plan(ids, poisoned, sort=tokens >= SORT_MIN_TOKENS)
+        torch.cuda.synchronize()
+        local = local.cpu()
+        reference = [torch.from_numpy(t.array) for t in self.mapped]
+        want, _ = gather_ref.gather(reference, ids.cpu(), self.shard)
+        pairs = {"engramd_vs_ref": (served, want), "inproc_vs_ref": (local, want),
+                 "engramd_vs_inproc": (served, local)}
+        result: dict[str, Any] = {"tokens": tokens, "sorted_inproc": tokens >= SORT_MIN_TOKENS}
+        for name, (actual, expected) in pairs.items():
+            wrong, first = bitwise_mismatches(actual, expected)
+            result[name] = wrong
+            if wrong:
+                result[f"{name}_first"] = first
+        result["exact"] = all(result[name] == 0 for name in pairs)
+        counts = ", ".join(f"{name} {result[name]}" for name in pairs)
+        print(f"T={tokens}: rows {'exact' if result['exact'] else 'DIFFER'} (mismatches: {counts})",
+              flush=True)
+        return result
+
+
+# -- timing --------------------------------------------------------------------------------------
+
+
+def time_pipelined(step: Callable[[Tensor, int], None], pool: list[Tensor], lead: int) -> dict:
+    for ids in pool[:WARM_STEPS]:
+        step(ids, lead)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for ids in pool[WARM_STEPS:]:
+        step(ids, lead)
+    torch.cuda.synchronize()
+    steps = len(pool) - WARM_STEPS
+    return {"step_us": (time.perf_counter() - start) / steps * 1e6, "steps": steps}
+
+
+def time_synced(step: Callable[[Tensor, int], None], pool: list[Tensor], lead: int) -> dict:
+    for ids in pool[:WARM_STEPS]:
+        step(ids, lead)
+    torch.cuda.synchronize()
+    samples = []
+    for ids in pool[WARM_STEPS:]:
+        start = time.perf_counter()
+        step(ids, lead)
+        torch.cuda.synchronize()
+        samples.append(time.perf_counter() - start)
+    lat = np.array(samples) * 1e6
+    return {"step_us": float(np.percentile(lat, 50)), "p90_us": float(np.percentile(lat, 90)),
+            "mean_us": float(lat.mean()), "steps": len(lat)}
+
+
+TIMERS = {"pipelined": time_pipelined, "synced": time_synced}
+
+
+def run_grid(bench: Bench, tokens: Sequence[int], leads: Sequence[int], steps: int,
+             mps: bool) -> tuple[list[dict], list[dict]]:
+    """Every (T, lead, mode, variant) cell, variants interleaved so that drift hits them alike."""
+    cells, checks = [], []
+    bench.spin_up()
+    for t in tokens:
+        bench.warm_consumers(t)
+        checks.append(bench.check_rows(t))
+        for lead in leads:
+            line = []
+            for mode in MODES:
+                for variant in VARIANTS:
+                    pool = draw_ids(bench.geometry, t, steps + WARM_STEPS)  # fresh every cell
+                    torch.cuda.synchronize()
+                    cell = TIMERS[mode](bench.steps[variant], pool, lead)
+                    cells.append({"mps": mps, "mode": mode, "variant": variant, "tokens": t,
+                                  "lead": lead, **cell})
+                    line.append(f"{mode[:4]} {variant} {cell['step_us']:.0f}")
+            print(f"{'MPS' if mps else 'no MPS'} T={t} lead={lead}: " + ", ".join(line) + " us",
+                  flush=True)
+    return cells, checks
+
+
+# -- one run (one MPS mode, this process) -----------------------------------------------------
+
+
+def daemon_flags(work: Path, shm: Path, max_tokens: int, extra: str) -> list[str]:
+    return ["--tables", str(work / "ckpt"), "--shm-dir", str(shm), "--instance", INSTANCE,
+            "--backend", "cuda", "--max-tokens", str(max_tokens),
+            "--self-check", "false",  # random tables over a sparse checkpoint
+            "--metrics-address", "127.0.0.1:0",  # no port that another run could hold
+            *shlex.split(extra)]  # last: the caller's flags win
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """Fill the table, start the daemon, run the grid; one run's report (see merge)."""
+    started = time.monotonic()
+    mps = require_mps_state(args.mps == "on")
+    tokens, leads = sorted(set(args.tokens)), sorted(set(args.lead))
+    geometry = geometry_for(args.table_gib)
+    with bench_folders() as (work, shm):
+        specs = fill_tables(geometry, work / "ckpt", shm, "cuda")
+        flags = daemon_flags(work, shm, max(tokens), args.daemon_args)
+        with running_daemon(work, flags, timeout=300) as socket:
+            bench = Bench(geometry, specs, socket, max(tokens))
+            try:
+                processes = gpu_processes()  # while the daemon and this process both hold the GPU
+                served_mps = getattr(bench.client, "mps", None)  # the daemon's verdict, if it sends one
+                cells, checks = run_grid(bench, tokens, leads, args.steps, mps["mps"])
+            finally:
+                bench.close()
+    run = {**mps, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "triton": _triton_version(), "table_gib": round(geometry.total_bytes / 2**30, 2),
+           "rows": list(geometry.rows), "steps": args.steps, "warm_steps": WARM_STEPS,
+           "matmul": f"bf16 [{MATMUL_N} x {MATMUL_N}] @ [{MATMUL_N} x {MATMUL_N}], torch.mm",
+           "tail_matmuls": TAIL, "daemon_args": args.daemon_args, "gpu_processes": processes,
+           "engramd_mps": served_mps,
+           "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+           "command": _command(), "date": time.strftime("%Y-%m-%d %H:%M"),
+           "seconds": round(time.monotonic() - started, 1),
+           "rows_exact": all(c["exact"] for c in checks), "checks": checks}
+    return {"meta": _top_meta(), "runs": [run], "cells": cells}
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
+
+
+def _command() -> str:
+    return "python benchmarks/model_step.py " + shlex.join(sys.argv[1:])
+
+
+def _top_meta() -> dict:
+    return {"benchmark": "model_step", "command": _command(), "date": time.strftime("%Y-%m-%d")}
+
+
+def merge(reports: list[dict]) -> dict:
+    """One report of several runs (one per MPS mode): runs and cells concatenated."""
+    return {"meta": _top_meta(), "runs": [r for rep in reports for r in rep["runs"]],
+            "cells": [c for rep in reports for c in rep["cells"]]}
+
+
+# -- report --------------------------------------------------------------------------------------
+
+
+def markdown(report: dict) -> str:
+    runs, cells = report["runs"], report["cells"]
+    first = runs[0] if runs else {}
+    lines = [f"# Model step on {first.get('gpu', '?')} ({report['meta']['date']})", "",
+             f"Step = lookup of T tokens -> LEAD {first.get('matmul', 'bf16 matmuls')} -> wait for "
+             f"the rows -> consume them (column sum into the next matmul's operand) -> "
+             f"{first.get('tail_matmuls', TAIL)} more matmuls. Host table {first.get('table_gib')} "
+             f"GiB, fresh random IDs every step, {first.get('steps')} timed steps per cell after "
+             f"{first.get('warm_steps')} untimed ones. pipelined: one synchronize after all steps, "
+             "time / steps; synced: synchronize after every step, p50. Times in us; compute = "
+             "matmuls alone, inproc = GatherPlan on a side stream in this process (sorted from "
+             f"{SORT_MIN_TOKENS} tokens), engramd = daemon process, this process its client. "
+             f"Command: `{report['meta']['command']}`.", ""]
+    for run in runs:
+        rows = "exact (engramd = in-process = gather_ref at every T)" if run["rows_exact"] else \
+            "MISMATCH: " + json.dumps([c for c in run["checks"] if not c["exact"]])
+        lines.append(f"- MPS {'on' if run['mps'] else 'off'}: {run['mps_server']}; GPU processes "
+                     f"seen: {run.get('gpu_processes')}; daemon args `{run['daemon_args']}`; "
+                     f"rows {rows}; {run['seconds']} s")
+    lines += ["", "| MPS | T | lead | pipelined compute | pipelined inproc | pipelined engramd | "
+              "engramd / inproc | synced compute | synced inproc | synced engramd | "
+              "engramd / inproc |", "|---|---:|---:|" + "---:|" * 8]
+    by = {(c["mps"], c["mode"], c["variant"], c["tokens"], c["lead"]): c["step_us"] for c in cells}
+    for mps, t, lead in sorted({(c["mps"], c["tokens"], c["lead"]) for c in cells}):
+        row = [("on" if mps else "off"), str(t), str(lead)]
+        for mode in MODES:
+            values = [by.get((mps, mode, v, t, lead)) for v in VARIANTS]
+            row += [_us(v) for v in values]
+            row.append(_ratio(values[2], values[1]))
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _us(value: float | None) -> str:
+    return "" if value is None else f"{value:.0f}"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "" if a is None or not b else f"{a / b:.2f}"
+
+
+def plot(json_path: Path, png_path: Path) -> None:
+    """Step time vs T, one panel per (mode, lead); a line per variant, dashed under MPS."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    report = json.loads(json_path.read_text())
+    cells = report["cells"]
+    leads = sorted({c["lead"] for c in cells})
+    modes = [m for m in MODES if any(c["mode"] == m for c in cells)]
+    fig, axes = plt.subplots(len(modes), len(leads), figsize=(4.2 * len(leads), 3.6 * len(modes)),
+                             squeeze=False)
+    for row, mode in enumerate(modes):
+        for col, lead in enumerate(leads):
+            _panel(axes[row][col], cells, mode, lead)
+    axes[0][0].legend(fontsize=7)
+    gpu = report["runs"][0]["gpu"] if report["runs"] else "?"
+    fig.suptitle(f"Model step: lookup -> LEAD matmuls -> wait -> consume -> {TAIL} matmuls ({gpu})",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+
+
+def _panel(ax, cells: list[dict], mode: str, lead: int) -> None:
+    tokens = sorted({c["tokens"] for c in cells})
+    for variant in VARIANTS:
+        for mps in (False, True):
+            points = sorted((c["tokens"], c["step_us"]) for c in cells
+                            if (c["mode"], c["variant"], c["lead"], c["mps"]) == (mode, variant, lead, mps))
+            if points:
+                xs, ys = zip(*points, strict=True)
+                ax.plot(xs, ys, marker="o", color=COLORS[variant], linestyle="--" if mps else "-",
+                        label=f"{variant}{', MPS' if mps else ''}")
+    ax.set_xscale("log")
+    ax.set_xticks(tokens)
+    ax.set_xticklabels([str(t) for t in tokens])
+    ax.minorticks_off()
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("tokens per lookup")
+    ax.set_ylabel("step time, us" + (" (p50)" if mode == "synced" else " (total / steps)"))
+    ax.set_title(f"{mode}, lead {lead}", fontsize=9)
+    ax.grid(True, alpha=0.3)
+
+
+def write_report(out: Path, report: dict) -> None:
+    """JSON, markdown and plot into `out`; the markdown is printed last."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / JSON_NAME).write_text(json.dumps(report, indent=2) + "\n")
+    render(out)
+
+
+def render(out: Path) -> None:
+    report = json.loads((out / JSON_NAME).read_text())
+    text = markdown(report)
+    (out / MD_NAME).write_text(text)
+    try:
+        plot(out / JSON_NAME, out / PNG_NAME)
+    except ImportError as exc:  # the numbers stand without the picture; --replot makes it later
+        print(f"no plot ({exc}); `python benchmarks/model_step.py --replot {out}` makes it",
+              flush=True)
+    print(text, flush=True)
+
+
+# -- entry ---------------------------------------------------------------------------------------
+
+
+def run_parent(args: argparse.Namespace) -> int:
+    """--mps on/both: a child process per mode (mps.run_children), their reports merged."""
+    out = Path(args.out)
+    children = run_children(Path(__file__).resolve(), mps_modes(args), out)
+    reports = []
+    for child in children:
+        path = child.out / JSON_NAME
+        if path.exists():
+            report = json.loads(path.read_text())
+            for run in report["runs"]:
+                run["mps_log_tail"] = child.mps_log
+            reports.append(report)
+        else:
+            print(f"[{child.key}] wrote no {path} (exit {child.returncode})", flush=True)
+    if reports:
+        write_report(out, merge(reports))
+    ok = len(reports) == len(children) and all(c.returncode == 0 for c in children)
+    return 0 if ok else 1
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--table-gib", type=float, default=16.0)
+    parser.add_argument("--steps", type=int, default=50, help="timed steps per cell")
+    parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
+    parser.add_argument("--lead", type=int, nargs="+", default=list(LEADS),
+                        help="matmuls between the lookup and the wait for its rows")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--daemon-args", default="",
+                        help="extra `engramd serve` flags, one string split like a shell's "
+                             "(write it with '=': --daemon-args='--hot-cache-gib 0')")
+    parser.add_argument("--replot", metavar="DIR",
+                        help=f"only re-make {MD_NAME} and {PNG_NAME} from DIR/{JSON_NAME}")
+    mps_argument(parser)
+    args = parser.parse_args(argv)
+    if args.steps < 1 or min(args.tokens) < 1 or min(args.lead) < 0:
+        parser.error("--steps and --tokens must be >= 1, --lead >= 0")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.replot:
+        render(Path(args.replot))
+        return 0
+    if needs_children(args):
+        return run_parent(args)  # this process never touches CUDA: MPS starts around a child
+    report = measure(args)
+    write_report(Path(args.out), report)
+    return 0 if all(run["rows_exact"] for run in report["runs"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
