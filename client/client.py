@@ -47,11 +47,14 @@ from engramd.client.errors import (
     ReplyTimeoutError,
 )
 from engramd.client.geometry import ShardView, TableGeometry
+from engramd.client.handles import HANDLE_TIMEOUT_S, fetch_tables, handle_socket_path
 from engramd.client.ids import dtype_name
+from engramd.client.mapped import DeviceCounterReader, LocalSlots, MappedTables, mapped_gather
 from engramd.client.slab import IDS_READY, ROWS_DONE, SlabLayout, SlotViews
 
 log = logging.getLogger("engramd.client")
 
+MODES = ("auto", "served", "mapped")
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_RECONNECT_S = 60.0  # how long lookup() waits for a restarted daemon before giving up
 WATCHDOG_S = 0.1
@@ -73,6 +76,7 @@ class LookupFuture:
         self._replied = not acked
         self._error: EngramError | None = None
         self.consumers: list[torch.cuda.Stream] = []  # GPU: streams that waited on these rows
+        self.event: torch.cuda.Event | None = None  # mapped GPU lookups: recorded after the gather
 
     def done(self) -> bool:
         """True once the host has nothing left to wait for: on the CPU, the daemon's reply with
@@ -196,14 +200,23 @@ class EngramClient:
     def __init__(self, socket_path: str | os.PathLike | None = None, device: str | torch.device = "cpu",
                  tp_rank: int = 0, tp_size: int = 1, max_tokens: int = 1024, slots: int = 2,
                  timeout: float = DEFAULT_TIMEOUT_S, name: str = "",
-                 reconnect_timeout: float = DEFAULT_RECONNECT_S):
+                 reconnect_timeout: float = DEFAULT_RECONNECT_S, mode: str = "auto"):
+        if mode not in MODES:
+            raise BadRequestError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
         self.socket_path = Path(socket_path or default_socket_path())
         self.device = _resolve_device(device)
+        self.requested_mode = mode
+        self.mode: str | None = None  # what the daemon granted: "served" or "mapped"
         self.timeout = timeout
         self.reconnect_timeout = reconnect_timeout
         self._registration = (tp_rank, tp_size, max_tokens, slots, name)
         self._conn: Connection | None = None
-        self._slab: _ShmSlabView | _CudaSlabView | None = None
+        self._slab: _ShmSlabView | _CudaSlabView | LocalSlots | None = None
+        self._mapped: MappedTables | None = None
+        self._gather: Any = None  # mapped: the gather this process runs
+        self._side: torch.cuda.Stream | None = None  # mapped GPU clients gather on it
+        self._out_of_range: DeviceCounterReader | None = None  # mapped GPU: their device count
+        self.counts = {"lookups": 0, "rows": 0, "out_of_range": 0}  # mapped: told to the daemon
         self._watchdog: threading.Thread | None = None
         self._closing: threading.Event | None = None
         self._dead: str | None = None
@@ -256,6 +269,9 @@ class EngramClient:
         if self._watchdog is not None:
             self._watchdog.join()
             self._watchdog = None
+        if self._mapped is not None:  # first: it synchronises the device, so no gather of ours
+            self._mapped.close()      # still reads the old mapping or writes our slots
+            self._mapped, self._gather, self._side = None, None, None
         if self._slab is not None:
             self._slab.close()
             self._slab = None
@@ -274,8 +290,9 @@ class EngramClient:
             mps = mps_state(self.device.index).to_wire()
         reply = self._conn.call("register", timeout, pid=os.getpid(), device=wire_device,
                                 tp_rank=tp_rank, tp_size=tp_size, max_tokens=max_tokens,
-                                slots=slots, name=name, mps=mps)
+                                slots=slots, name=name, mps=mps, mode=self.requested_mode)
         f = reply.fields
+        self.mode = f.get("mode", "served")
         self.mps = f.get("mps")  # GPU clients: {"daemon", "client", "shared"}; CPU: None
         if self.mps is not None and not self.mps["shared"] and not self._warned_mps:
             self._warned_mps = True
@@ -289,8 +306,11 @@ class EngramClient:
         self.shard: ShardView = self.geometry.shard(tp_rank, tp_size)
         if self.shard.local_heads != f["shard"]["local_heads"]:
             raise InternalError(f"daemon and client disagree on the shard: {f['shard']!r}")
-        self.layout = SlabLayout.from_wire(f["slab"]["layout"])
-        if f["slab"]["kind"] == "cuda_ipc":
+        self.layout = SlabLayout.from_wire(f["layout"] if f.get("layout") else f["slab"]["layout"])
+        if self.mode == "mapped":
+            self._map_tables(int(f["client_id"]), f.get("token", ""),
+                             int(f.get("gather", {}).get("sort_min_tokens", 0)))
+        elif f["slab"]["kind"] == "cuda_ipc":
             self._slab = _CudaSlabView(f["slab"], self.layout, self.device)
             self._warm_up()
         else:
@@ -302,6 +322,19 @@ class EngramClient:
                                       float(f.get("heartbeat_interval", 1.0))),
             name="engramd-watchdog", daemon=True)
         self._watchdog.start()
+
+    def _map_tables(self, client_id: int, token: str, sort_min_tokens: int) -> None:
+        """Mapped mode: the tables' descriptors over the handle socket, mapped read-only."""
+        grants = fetch_tables(handle_socket_path(self.socket_path), client_id, token,
+                              timeout=min(self.timeout, HANDLE_TIMEOUT_S))
+        self._mapped = MappedTables(grants, self.geometry, self.device)
+        self._slab = LocalSlots(self.layout, self.device)
+        self._gather = mapped_gather(self.shard, self._mapped, self.device, sort_min_tokens)
+        if self.device.type == "cuda":
+            from engramd.client import cuda
+
+            self._side = cuda.new_stream(self.device.index)
+            self._out_of_range = DeviceCounterReader(self._gather.out_of_range)
 
     def _warm_up(self) -> None:
         """Load the kernels a lookup launches now, not while a stream waits on the daemon.
@@ -338,6 +371,8 @@ class EngramClient:
         if self._daemon_gone():
             self._reconnect()
         ids = self._check_ids(hash_ids)
+        if self.mode == "mapped":
+            return self._lookup_mapped(ids, stream)
         if self.device.type == "cuda":
             return self._lookup_cuda(ids, stream or torch.cuda.current_stream(self.device.index))
         slot = self._claim_slot()
@@ -371,6 +406,40 @@ class EngramClient:
                               ack=False)
         return self._track(LookupFuture(self, rid, slot, seq, tokens, acked=False))
 
+    def _lookup_mapped(self, ids: torch.Tensor, stream: torch.cuda.Stream | None) -> LookupFuture:
+        """Mapped mode: this process gathers from its mapping of the daemon's tables. On a GPU
+        the gather runs on a side stream after `stream`'s earlier work (the IDs' producers) and
+        after the previous readers of the slot; wait() makes a stream wait for its event."""
+        slot = self._next_slot
+        self._next_slot = (slot + 1) % self.slots
+        tokens = ids.shape[0]
+        out = self._slab.rows(slot, tokens)
+        future = LookupFuture(self, 0, slot, next(self._seqs), tokens, acked=False)
+        if self.device.type == "cpu":
+            self._pending.pop(slot, None)
+            future.out_of_range = self._gather(ids.to("cpu"), out, None)
+            self.counts["out_of_range"] += future.out_of_range
+        else:
+            future.event = self._gather_on_side(ids, out, slot, stream)
+        self.counts["lookups"] += 1
+        self.counts["rows"] += tokens * self.geometry.n_layers * self.shard.owned_heads
+        return self._track(future)
+
+    def _gather_on_side(self, ids: torch.Tensor, out: torch.Tensor, slot: int,
+                        stream: torch.cuda.Stream | None) -> torch.cuda.Event:
+        side = self._side
+        stream = stream or torch.cuda.current_stream(self.device.index)
+        ids = ids.to(self.device, non_blocking=True) if ids.device != self.device else ids
+        previous = self._pending.pop(slot, None)
+        for consumer in previous.consumers if previous is not None else ():
+            side.wait_stream(consumer)  # its readers are done before the rows are overwritten
+        side.wait_stream(stream)
+        ids.record_stream(side)  # the caller may free the IDs once lookup() returns
+        self._gather(ids, out, side)
+        event = torch.cuda.Event()
+        event.record(side)
+        return event
+
     def _after_previous_use(self, slot: int, stream: torch.cuda.Stream, raw: int) -> None:
         """`stream` must not touch the slot before its previous lookup and readers are done."""
         previous = self._pending.pop(slot, None)
@@ -382,7 +451,10 @@ class EngramClient:
                 stream.wait_stream(consumer)
 
     def _stream_wait(self, future: LookupFuture, stream: torch.cuda.Stream) -> None:
-        self._slab.ops.wait_u32(stream.cuda_stream, self._slab.rows_done[future.slot], future.seq)
+        if future.event is not None:  # mapped: the gather ran on this process's side stream
+            stream.wait_event(future.event)
+        else:
+            self._slab.ops.wait_u32(stream.cuda_stream, self._slab.rows_done[future.slot], future.seq)
         if stream not in future.consumers:
             future.consumers.append(stream)
 
@@ -445,14 +517,33 @@ class EngramClient:
             while not closing.wait(WATCHDOG_S):
                 if self.device.type == "cuda" and watch is not None and watch.alive() is False:
                     self._dead = f"daemon (pid {watch.pid}) died; results of in-flight lookups are invalid"
-                    self._release_waits()
+                    if self.mode == "served":  # mapped clients wait on nothing of the daemon's
+                        self._release_waits()
                     return
                 if time.monotonic() >= next_beat:
                     next_beat = time.monotonic() + interval
-                    beat.send("heartbeat", client_id=client_id, token=token)
+                    beat.send("heartbeat", client_id=client_id, token=token,
+                              counts=self._heartbeat_counts())
                 beat.discard_replies()
         finally:
             beat.close()
+
+    def _heartbeat_counts(self) -> dict[str, int] | None:
+        """Mapped clients: cumulative counts for the daemon's stats (GPU out-of-range IDs as the
+        device counter read by the last finished copy; never a host sync of the model's work)."""
+        if self.mode != "mapped":
+            return None
+        counts = dict(self.counts)
+        if self.device.type == "cuda":
+            counts["out_of_range"] = self._out_of_range.read()
+        return counts
+
+    def _final_counts(self) -> dict[str, int]:
+        """Mapped clients at release, the device idle: exact counts, the last word on them."""
+        counts = dict(self.counts)
+        if self.device.type == "cuda":
+            counts["out_of_range"] = int(self._gather.out_of_range.item())
+        return counts
 
     def _release_waits(self) -> None:
         from engramd.client import cuda
@@ -497,11 +588,17 @@ class EngramClient:
                     future._collect(self.timeout)
                 except EngramError:
                     pass
+            counts = None
+            if self._mapped is not None:  # synchronises first: our gathers write our slots
+                self._mapped.close()
+                self._mapped = None
+                counts = self._final_counts()
             slab, self._slab = self._slab, None
             if slab is not None:
                 slab.close()  # a GPU slab: waits for this process's streams first
             try:
-                self._conn.call("release", min(self.timeout, 5.0), client_id=self.client_id)
+                self._conn.call("release", min(self.timeout, 5.0), client_id=self.client_id,
+                                counts=counts)
             except EngramError:
                 pass  # the daemon is gone or already forgot us: nothing left to release
         self._disconnect()

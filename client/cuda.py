@@ -21,6 +21,7 @@ except ImportError:  # pragma: no cover - cuda-python is a dependency; keep the 
     cu = cudart = None
 
 IPC_HANDLE_BYTES = 64
+REGISTER_CHUNK = 64 << 30  # the largest range registered in one call (DESIGN.md, host tier)
 
 
 class CudaError(RuntimeError):
@@ -97,6 +98,49 @@ def stream_wait_u32(stream: int, address: int, value: int) -> None:
     check("cuStreamWaitValue32", cu.cuStreamWaitValue32(
         cu.CUstream(stream), cu.CUdeviceptr(address), value & 0xFFFFFFFF,
         cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ))
+
+
+class HostRegistration:
+    """cudaHostRegister of host ranges (Portable|Mapped, optionally ReadOnly), in chunks of at most
+    REGISTER_CHUNK, each checked to be device-visible at its own address (unified addressing:
+    one host copy serves every GPU). close() unregisters; a failed start unregisters what it did.
+    """
+
+    def __init__(self, ranges: list[tuple[int, int]], read_only: bool = False):
+        _require()
+        self._chunks: list[int] = []
+        flags = cudart.cudaHostRegisterPortable | cudart.cudaHostRegisterMapped
+        if read_only:  # the pages are the daemon's; this process only reads them
+            flags |= cudart.cudaHostRegisterReadOnly
+        try:
+            for address, nbytes in ranges:
+                self._register(address, nbytes, flags)
+        except BaseException:
+            self.close()
+            raise
+
+    def _register(self, address: int, nbytes: int, flags: int) -> None:
+        for start in range(0, nbytes, REGISTER_CHUNK):
+            size = min(REGISTER_CHUNK, nbytes - start)
+            check(f"cudaHostRegister({size} bytes at +{start})",
+                  cudart.cudaHostRegister(address + start, size, flags))
+            self._chunks.append(address + start)
+            device_ptr = int(check("cudaHostGetDevicePointer",
+                                   cudart.cudaHostGetDevicePointer(address + start, 0)))
+            if device_ptr != address + start:
+                raise CudaError(f"registered host memory at {address + start:#x} maps to device "
+                                f"address {device_ptr:#x}; engramd needs unified addressing")
+
+    def close(self) -> None:
+        chunks, self._chunks = self._chunks, []
+        errors = []
+        for address in chunks:
+            try:
+                check("cudaHostUnregister", cudart.cudaHostUnregister(address))
+            except CudaError as exc:
+                errors.append(str(exc))
+        if errors:
+            raise CudaError("; ".join(errors))
 
 
 class StreamOps:

@@ -16,16 +16,21 @@ Every message is a multipart message; msgpack is the only encoding (never pickle
 
 Operations and their request fields (types checked by `decode_request`):
 
-    register   pid, device ("cpu" or "cuda:GPU-<uuid>"), tp_rank, tp_size, max_tokens, slots
-               -> client_id, token, heartbeat_interval, geometry (config.json fields), shard,
-                  slab (layout of the slab)
+    register   pid, device ("cpu" or "cuda:GPU-<uuid>"), tp_rank, tp_size, max_tokens, slots,
+               optional: name, mode ("auto"|"served"|"mapped", default served), mps (GPU: the
+               client's MPS state)
+               -> client_id, token, mode (the one granted), heartbeat_interval, geometry
+                  (config.json fields), shard, layout (of the slots), slab (served: how to open
+                  it; mapped: null, the tables come over the handle socket, client/handles.py),
+                  gather (mapped: the daemon's sort policy), mps
     lookup     client_id, slot, seq, tokens, ids_dtype ("int32"|"int64"), ids_shape [T, L, H],
                inline (IDs in payload frame 0, else already in the slot), ack (optional, default
                true; false: no reply unless the lookup fails, for GPU clients whose completion is
                the slot's counter)  -> slot, seq, out_of_range
-    release    client_id                                  -> {}
+    release    client_id, counts (optional; mapped clients: the final cumulative counts)  -> {}
     heartbeat  client_id (or None for a plain liveness probe), token (from register; lets a
-               second connection of the client vouch for it)  -> {}
+               second connection of the client vouch for it), counts (mapped clients: cumulative
+               lookups, rows, out_of_range)  -> {}
     stats      -                                          -> clients, lookups, rows, errors, ...
     health     -                                          -> live, ready, state, progress
     drain      -   (admin) stop accepting, finish in-flight, exit -> in_flight
@@ -89,7 +94,8 @@ _REQUEST_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
 _OPTIONAL: dict[str, dict[str, Any]] = {
     "register": {"name": "", "mps": None},
     "lookup": {"ack": True},
-    "heartbeat": {"client_id": None, "token": ""},
+    "heartbeat": {"client_id": None, "token": "", "counts": None},
+    "release": {"counts": None},
 }
 OPERATIONS = tuple(_REQUEST_FIELDS)
 

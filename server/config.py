@@ -48,6 +48,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_tokens", int, 16384, "largest max_tokens a client may register", low=1, high=1 << 20),
     Setting("max_slots", int, 16, "largest slot count a client may register", low=1, high=256),
     Setting("workers", int, 2, "CPU backend gather threads", low=1, high=256),
+    Setting("client_modes", str, "served,mapped",
+            "how clients may be served: 'served' (the daemon gathers into the client's slab), "
+            "'mapped' (the client maps the tables and gathers itself), or both, comma-separated",
+            pattern=r"(served|mapped)(,(served|mapped))?"),
     Setting("cuda_dispatch", str, "inline",
             "CUDA backend: enqueue gathers on the request loop ('inline', no thread hop) or a "
             "thread per GPU ('worker')",
@@ -95,6 +99,7 @@ class DaemonConfig:
     max_tokens: int
     max_slots: int
     workers: int
+    client_modes: str
     cuda_dispatch: str
     hot_cache_gib: float
     hot_cache_warm_file: str

@@ -55,7 +55,6 @@ from engramd.server.table_store import HostTable
 
 log = logging.getLogger("engramd.cuda")
 
-REGISTER_CHUNK = 64 << 30
 # Fault injection for tests: a GPU-side delay (ms) before every gather, so that a test can show the
 # client enqueues its consumer work and returns before the rows exist. Never set in production.
 GATHER_DELAY_ENV = "ENGRAMD_DEBUG_GATHER_DELAY_MS"
@@ -88,32 +87,11 @@ class PinnedTables:
 
     def __init__(self, tables: list[HostTable]):
         self.tables = tables
-        self._chunks: list[int] = []
         started = time.monotonic()
-        total = 0
-        try:
-            for table in tables:
-                total += self._register(table.address, table.nbytes)
-        except BaseException:
-            self.close()
-            raise
-        seconds = time.monotonic() - started
+        self._registration = cuda.HostRegistration([(t.address, t.nbytes) for t in tables])
+        total, seconds = sum(t.nbytes for t in tables), time.monotonic() - started
         log.info("pinned %.2f GB of host tables in %.2f s (%.1f GB/s)", total / 1e9, seconds,
                  total / 1e9 / max(seconds, 1e-9))
-
-    def _register(self, address: int, nbytes: int) -> int:
-        flags = cuda.cudart.cudaHostRegisterPortable | cuda.cudart.cudaHostRegisterMapped
-        for start in range(0, nbytes, REGISTER_CHUNK):
-            size = min(REGISTER_CHUNK, nbytes - start)
-            check(f"cudaHostRegister({size} bytes at +{start})",
-                  cuda.cudart.cudaHostRegister(address + start, size, flags))
-            self._chunks.append(address + start)
-            device_ptr = int(check("cudaHostGetDevicePointer",
-                                   cuda.cudart.cudaHostGetDevicePointer(address + start, 0)))
-            if device_ptr != address + start:
-                raise CudaError(f"registered host memory at {address + start:#x} maps to device "
-                                f"address {device_ptr:#x}; engramd needs unified addressing")
-        return nbytes
 
     def layer_tables(self) -> list[LayerTable]:
         return [LayerTable(t.address, t.rows, t.row_bytes, owner=self) for t in self.tables]
@@ -124,12 +102,10 @@ class PinnedTables:
                 for t in self.tables]
 
     def close(self) -> None:
-        for address in self._chunks:
-            try:
-                check("cudaHostUnregister", cuda.cudart.cudaHostUnregister(address))
-            except CudaError as exc:
-                log.error("%s", exc)
-        self._chunks = []
+        try:
+            self._registration.close()
+        except CudaError as exc:  # stopping goes on: the process is about to let go of them anyway
+            log.error("%s", exc)
 
 
 class CudaSlab:

@@ -30,9 +30,18 @@ from typing import Any
 import zmq
 
 from engramd.client import protocol
-from engramd.client.errors import ConfigError, EngramError, InternalError, NotReadyError
+from engramd.client.errors import (
+    ConfigError,
+    EngramError,
+    InternalError,
+    NotReadyError,
+    ProtocolError,
+    UnknownOperationError,
+)
 from engramd.client.geometry import TableGeometry
+from engramd.client.handles import error_reply, handle_socket_path
 from engramd.server.config import DaemonConfig
+from engramd.server.handle_server import HandleServer
 from engramd.server.metrics import Metrics
 from engramd.server.notify import Notifier
 from engramd.server.selfcheck import run_self_check
@@ -121,6 +130,8 @@ class Daemon:
         self._sock: zmq.Socket | None = None
         self._loader: threading.Thread | None = None
         self._halt: DaemonHalt | None = None
+        self._handles: HandleServer | None = None
+        self._table_fds: list[int] = []  # read-only descriptors of the tables, for mapped clients
         self._loop_thread: int | None = None  # the thread of serve_forever
         self.notifier = Notifier()
         self.metrics = Metrics()
@@ -160,6 +171,7 @@ class Daemon:
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._on_signal)
         log.info("engramd epoch %s listening on %s (pid %d)", self.epoch, path, os.getpid())
+        self._handles = HandleServer(handle_socket_path(path), self._ask_handles, self.epoch)
         self.metrics.serve(self.config.metrics_address)
         self.state = "loading"
         self.notifier.status("loading tables")
@@ -187,9 +199,12 @@ class Daemon:
 
     def _on_loaded(self, loaded: LoadedTables) -> None:
         self.tables = loaded
+        self._table_fds = [os.open(t.path, os.O_RDONLY | os.O_CLOEXEC) for t in loaded.tables]
         self.geometry = loaded.geometry
         limits = Limits(self.config.max_clients, self.config.max_tokens, self.config.max_slots,
-                        self.config.heartbeat_interval)
+                        self.config.heartbeat_interval,
+                        modes=tuple(self.config.client_modes.split(",")),
+                        sort_min_tokens=self.config.sort_min_tokens)
         self.store = LookupStore(loaded.geometry, loaded.backend, limits)
         self.state = "ready"
         self.progress = 1.0
@@ -310,7 +325,8 @@ class Daemon:
         stats = self.store.stats() if self.store is not None else {}
         slab_bytes: dict[str, int] = {}
         for client in (self.store.clients.values() if self.store is not None else ()):
-            slab_bytes[client.device] = slab_bytes.get(client.device, 0) + client.slab.layout.size
+            if client.slab is not None:
+                slab_bytes[client.device] = slab_bytes.get(client.device, 0) + client.slab.layout.size
         pinned = getattr(self.tables.backend, "pinned_bytes", 0) if self.tables else 0
         self.metrics.publish({
             "ready": self.state == "ready", "progress": self.progress,
@@ -397,7 +413,7 @@ class Daemon:
     def _op_release(self, identity: bytes, request: protocol.Request) -> list[bytes]:
         if self.store is None:
             raise NotReadyError(f"release: daemon is {self.state}")
-        self.store.release(identity, request.fields["client_id"])
+        self.store.release(identity, request.fields["client_id"], request.fields.get("counts"))
         return protocol.encode_reply("release", request.rid, self.epoch)
 
     def _op_heartbeat(self, identity: bytes, request: protocol.Request) -> list[bytes]:
@@ -405,7 +421,8 @@ class Daemon:
         if client_id is not None:
             if self.store is None:
                 raise NotReadyError(f"heartbeat: daemon is {self.state}")
-            self.store.heartbeat(identity, client_id, request.fields["token"])
+            self.store.heartbeat(identity, client_id, request.fields["token"],
+                                 request.fields.get("counts"))
         return protocol.encode_reply("heartbeat", request.rid, self.epoch)
 
     def _op_stats(self, identity: bytes, request: protocol.Request) -> list[bytes]:
@@ -430,6 +447,36 @@ class Daemon:
             self._begin_stop("drain requested")
         return protocol.encode_reply("drain", request.rid, self.epoch, in_flight=self._in_flight())
 
+    # -- the handle socket (server/handle_server.py; wire in client/handles.py) -------------------
+
+    def _ask_handles(self, request: dict[str, Any], future: Any) -> None:
+        self.post("grant", (request, future))  # from the handle thread: the store is this loop's
+
+    def _event_grant(self, item: tuple[dict[str, Any], Any]) -> None:
+        request, future = item
+        if not future.set_running_or_notify_cancel():
+            return  # the asker gave up waiting
+        try:
+            future.set_result(self._grant(request))
+        except EngramError as exc:
+            self._count_error(exc)
+            future.set_result((error_reply(exc, self.epoch), []))
+
+    def _grant(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        """A mapped client's tables: read-only descriptors, once per registration."""
+        if request.get("op") != "tables":
+            raise UnknownOperationError(f"handle socket: unknown operation {request.get('op')!r}")
+        client_id, token = request.get("client_id"), request.get("token")
+        if type(client_id) is not int or not isinstance(token, str):
+            raise ProtocolError("handle socket: 'tables' needs an int client_id and a str token")
+        record = self._serving_store("tables").grant_tables(client_id, token)
+        tables = [{"layer_id": t.layer_id, "rows": t.rows, "row_bytes": t.row_bytes,
+                   "data_offset": t.data_offset, "file_bytes": os.fstat(fd).st_size}
+                  for t, fd in zip(self.tables.tables, self._table_fds, strict=True)]
+        log.info("client %d (pid %d) took read-only descriptors of %d tables", client_id,
+                 record.watch.pid, len(tables))
+        return {"status": "ok", "epoch": self.epoch, "tables": tables}, [os.dup(fd) for fd in self._table_fds]
+
     def _op_health(self, identity: bytes, request: protocol.Request) -> list[bytes]:
         return protocol.encode_reply(
             "health", request.rid, self.epoch, live=True, ready=self.state == "ready",
@@ -440,6 +487,11 @@ class Daemon:
     # -- stop -----------------------------------------------------------------------------------
 
     def close(self) -> None:
+        if self._handles is not None:
+            self._handles.close()
+        for fd in self._table_fds:
+            os.close(fd)
+        self._table_fds = []
         self.metrics.close()
         if self.tables is not None:
             self.tables.backend.close()  # waits for running gathers

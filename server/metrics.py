@@ -35,6 +35,12 @@ class _SnapshotCollector:
         yield _gauge("engramd_load_progress", "fraction of the tables loaded or re-attached", s["progress"])
         yield _gauge("engramd_uptime_seconds", "seconds since the daemon started", s["uptime"])
         yield _gauge("engramd_clients", "registered clients", len(s["clients"]))
+        modes = GaugeMetricFamily("engramd_clients_by_mode",
+                                  "registered clients by mode (served: the daemon gathers; mapped: "
+                                  "the client gathers from its mapping of the tables)", labels=["mode"])
+        for mode in ("served", "mapped"):
+            modes.add_metric([mode], sum(c.get("mode", "served") == mode for c in s["clients"]))
+        yield modes
         yield _gauge("engramd_table_bytes_pinned", "host table bytes registered with CUDA", s["pinned_bytes"])
         info = InfoMetricFamily("engramd_epoch", "the daemon run's epoch and backend")
         info.add_metric([], {"epoch": s["epoch"], "backend": s["backend"] or "none"})

@@ -36,12 +36,17 @@ from engramd.server.backend import Backend, Completion, LookupJob, Slab
 log = logging.getLogger("engramd.store")
 
 
+MODES = ("served", "mapped")  # how a client is served; "auto" asks the daemon to choose
+
+
 @dataclass(frozen=True)
 class Limits:
     max_clients: int
     max_tokens: int
     max_slots: int
     heartbeat_interval: float = 1.0
+    modes: tuple[str, ...] = MODES  # the modes this daemon allows (config: client_modes)
+    sort_min_tokens: int = 1024  # told to mapped clients, whose gathers follow the daemon's policy
 
 
 # A client whose PID the daemon cannot see (another PID namespace) is declared gone after this
@@ -58,9 +63,11 @@ class ClientRecord:
     tp_rank: int
     tp_size: int
     shard: ShardView
-    slab: Slab
+    slab: Slab | None  # None for a mapped client: it gathers from its own mapping of the tables
     watch: ProcessWatch
     token: str
+    mode: str = "served"
+    granted: bool = False  # mapped: the tables' descriptors were handed out (once per registration)
     mps_shared: bool | None = None  # GPU clients: do daemon and client share an MPS server there
     in_flight: Counter[int] = field(default_factory=Counter)  # slot -> jobs not yet completed
     releasing: bool = False
@@ -75,7 +82,7 @@ class ClientRecord:
                 "device": self.device, "tp_rank": self.tp_rank, "tp_size": self.tp_size,
                 "lookups": self.lookups, "rows": self.rows, "out_of_range": self.out_of_range,
                 "errors": self.errors, "in_flight": sum(self.in_flight.values()),
-                "mps_shared": self.mps_shared}
+                "mps_shared": self.mps_shared, "mode": self.mode}
 
 
 class LookupStore:
@@ -104,23 +111,57 @@ class LookupStore:
             local_heads=shard.local_heads, head_dim=self.geometry.head_dim)
         client_id = self._next_id
         mps = self._mps_report(req["device"], req.get("mps"))
-        slab = self.backend.allocate_slab(req["device"], layout, client_id, shard)
+        mode = self._mode_for(req.get("mode"), mps)
+        slab = self.backend.allocate_slab(req["device"], layout, client_id, shard) if mode == "served" else None
         self._next_id += 1
         record = ClientRecord(client_id, identity, str(req.get("name", ""))[:128], req["device"],
                               req["tp_rank"], req["tp_size"], shard, slab, ProcessWatch(req["pid"]),
-                              secrets.token_hex(16), mps_shared=mps["shared"] if mps else None)
+                              secrets.token_hex(16), mps_shared=mps["shared"] if mps else None,
+                              mode=mode)
         self.clients[client_id] = record
         self.totals["registrations"] += 1
-        log.info("registered client %d (pid %d, %s, tp %d/%d, %d slots x %d tokens, slab %d B)",
-                 client_id, req["pid"], req["device"], req["tp_rank"], req["tp_size"],
-                 layout.slots, layout.max_tokens, layout.size)
-        return {"client_id": client_id, "token": record.token,
+        log.info("registered client %d (pid %d, %s, tp %d/%d, %s, %d slots x %d tokens%s)",
+                 client_id, req["pid"], req["device"], req["tp_rank"], req["tp_size"], mode,
+                 layout.slots, layout.max_tokens, f", slab {layout.size} B" if slab else "")
+        return {"client_id": client_id, "token": record.token, "mode": mode,
+                "layout": layout.to_wire(), "gather": {"sort_min_tokens": self.limits.sort_min_tokens},
                 "heartbeat_interval": self.limits.heartbeat_interval,
                 "geometry": self.geometry.to_config(),
                 "shard": {"rank": shard.rank, "shards": shard.shards, "head_start": shard.head_start,
                           "head_end": shard.head_end, "local_heads": shard.local_heads,
                           "row_ranges": [list(r) for r in shard.row_ranges]},
-                "slab": slab.wire(), "mps": mps}
+                "slab": slab.wire() if slab else None, "mps": mps}
+
+    def _mode_for(self, asked: Any, mps: dict[str, Any] | None) -> str:
+        """The mode a registration gets: the one asked for if allowed; for "auto", served where
+        the daemon's gathers can overlap the client's kernels (CPU, or a shared MPS server)."""
+        allowed = self.limits.modes
+        if asked is None:  # a client that predates modes: what it expects is a slab
+            asked = "served"
+        if asked == "auto":
+            preferred = "served" if mps is None or mps["shared"] else "mapped"
+            return preferred if preferred in allowed else allowed[0]
+        if asked not in MODES:
+            raise BadRequestError(f"mode {asked!r}: expected auto, served or mapped")
+        if asked not in allowed:
+            raise BadRequestError(f"mode {asked!r} is not allowed by this daemon "
+                                  f"(client_modes = {','.join(allowed)})")
+        return asked
+
+    def grant_tables(self, client_id: int, token: str) -> ClientRecord:
+        """A mapped client asks for the tables' descriptors (handle socket): once per
+        registration, with the registration's token."""
+        record = self.clients.get(client_id)
+        if (record is None or record.releasing or not isinstance(token, str)
+                or not secrets.compare_digest(token.encode(), record.token.encode())):
+            raise NotRegisteredError(f"no live registration {client_id!r} with that token")
+        if record.mode != "mapped":
+            raise BadRequestError(f"client {client_id} is served: the daemon gathers for it")
+        if record.granted:
+            raise BadRequestError(f"client {client_id} already took its tables (a token grants once)")
+        record.granted = True
+        record.last_seen = time.monotonic()
+        return record
 
     def _mps_report(self, device: str, reported: Any) -> dict[str, Any] | None:
         """GPU clients: the daemon's and the client's MPS state there, and whether they share."""
@@ -155,13 +196,23 @@ class LookupStore:
         record.last_seen = time.monotonic()
         return record
 
-    def heartbeat(self, identity: bytes, client_id: int, token: str) -> None:
-        """A sign of life from the client's own connection, or from another one with its token."""
+    def heartbeat(self, identity: bytes, client_id: int, token: str, counts: Any = None) -> None:
+        """A sign of life from the client's own connection, or from another one with its token.
+        Mapped clients report their cumulative lookup counts with it."""
         record = self.clients.get(client_id)
-        if record is not None and not record.releasing and token and secrets.compare_digest(token, record.token):
-            record.last_seen = time.monotonic()
-            return
-        self.client(identity, client_id)  # raises NotRegisteredError unless it is that connection
+        if record is None or record.releasing or not token or not secrets.compare_digest(token, record.token):
+            record = self.client(identity, client_id)  # NotRegisteredError unless it is that connection
+        record.last_seen = time.monotonic()
+        if record.mode == "mapped" and isinstance(counts, dict):
+            self._take_counts(record, counts)
+
+    def _take_counts(self, record: ClientRecord, counts: dict[str, Any]) -> None:
+        """Cumulative counts, so a lost heartbeat loses nothing; they only ever grow."""
+        for name in ("lookups", "rows", "out_of_range"):
+            value = counts.get(name)
+            if type(value) is int and value > getattr(record, name):
+                self.totals[name] += value - getattr(record, name)
+                setattr(record, name, value)
 
     def retire_identity(self, identity: bytes, why: str) -> list[int]:
         """The connection is gone (the socket said so): retire its clients."""
@@ -171,8 +222,12 @@ class LookupStore:
             self._retire(record, why)
         return [c.client_id for c in gone]
 
-    def release(self, identity: bytes, client_id: int) -> None:
-        self._retire(self.client(identity, client_id), "released")
+    def release(self, identity: bytes, client_id: int, counts: Any = None) -> None:
+        """The client is done; a mapped one reports its final counts with it."""
+        record = self.client(identity, client_id)
+        if record.mode == "mapped" and isinstance(counts, dict):
+            self._take_counts(record, counts)
+        self._retire(record, "released")
 
     def _retire(self, record: ClientRecord, why: str) -> None:
         record.releasing = True
@@ -183,8 +238,9 @@ class LookupStore:
 
     def _free(self, record: ClientRecord) -> None:
         self.clients.pop(record.client_id, None)
-        self.totals["out_of_range"] += self._device_out_of_range([record.slab])
-        record.slab.close()
+        if record.slab is not None:
+            self.totals["out_of_range"] += self._device_out_of_range([record.slab])
+            record.slab.close()
 
     def _device_out_of_range(self, slabs: list[Slab]) -> int:
         """Out-of-range IDs a GPU backend counted on the device (never synchronised per lookup)."""
@@ -216,6 +272,10 @@ class LookupStore:
     def start_lookup(self, identity: bytes, req: dict[str, Any], payload: list[bytes],
                      done: Completion, context: dict[str, Any]) -> LookupJob:
         record = self.client(identity, req["client_id"])
+        if record.slab is None:
+            record.errors += 1
+            raise BadRequestError(f"client {record.client_id} is registered in mapped mode: it "
+                                  "gathers from its own mapping of the tables, not through the daemon")
         try:
             job = self._validate_lookup(record, req, payload)
         except EngramError:
@@ -300,7 +360,8 @@ class LookupStore:
 
     def stats(self) -> dict[str, Any]:
         live = [c for c in self.clients.values() if not c.releasing]
-        out_of_range = self.totals["out_of_range"] + self._device_out_of_range([c.slab for c in live])
+        out_of_range = self.totals["out_of_range"] + self._device_out_of_range(
+            [c.slab for c in live if c.slab is not None])
         return {"clients": [c.summary() for c in live],
                 "lookups": self.totals["lookups"], "rows": self.totals["rows"],
                 "out_of_range": out_of_range,

@@ -41,3 +41,13 @@ def test_mps_state_is_exposed_per_gpu():
     text = generate_latest(metrics.registry).decode()
     assert 'engramd_mps_enabled{device="GPU-a"} 1.0' in text
     assert 'engramd_mps_enabled{device="GPU-b"} 0.0' in text
+
+
+def test_clients_are_counted_by_mode():
+    metrics = Metrics()
+    clients = [{"client_id": i, "pid": 1, "name": "", "device": "cpu", "lookups": 0, "rows": 0,
+                "mode": mode} for i, mode in enumerate(["served", "mapped", "mapped"])]
+    metrics.publish({**snapshot({}), "clients": clients})
+    text = generate_latest(metrics.registry).decode()
+    assert 'engramd_clients_by_mode{mode="served"} 1.0' in text
+    assert 'engramd_clients_by_mode{mode="mapped"} 2.0' in text

@@ -192,3 +192,59 @@ def test_mps_state_identity_follows_the_folder_not_its_name(tmp_path, monkeypatc
     assert MpsState.from_wire(on.to_wire()) == on
     assert MpsState.from_wire({"enabled": True, "server": "x" * 65}) is None
     assert MpsState.from_wire([True]) is None
+
+
+def test_auto_mode_serves_where_mps_is_shared_and_maps_elsewhere():
+    from engramd.client.mps import MpsState
+
+    store, backend = make_store(orders_slots=True)
+    backend.mps = {"GPU-a": MpsState(True, "1:1")}
+
+    def mode_of(reported_server: str, **over) -> str:
+        reply = store.register(b"x", {"pid": os.getpid(), "device": "cuda:GPU-a", "tp_rank": 0,
+                                      "tp_size": 1, "max_tokens": 8, "slots": 2, "mode": "auto",
+                                      "mps": {"enabled": True, "server": reported_server}, **over})
+        store.release(b"x", reply["client_id"])
+        assert (reply["slab"] is None) == (reply["mode"] == "mapped")
+        return reply["mode"]
+
+    assert mode_of("1:1") == "served"
+    assert mode_of("9:9") == "mapped"
+    assert len(backend.slabs) == 1  # a mapped client gets no slab
+    store.limits = Limits(2, 64, 4, modes=("served",))
+    assert mode_of("9:9") == "served"  # auto takes what the daemon allows
+
+
+def test_mapped_registration_grants_once_and_refuses_served_lookups():
+    store, backend = make_store()
+    reply = store.register(b"m", {"pid": os.getpid(), "device": "cpu", "tp_rank": 0, "tp_size": 1,
+                                  "max_tokens": 8, "slots": 2, "mode": "mapped"})
+    client_id, token = reply["client_id"], reply["token"]
+    with pytest.raises(NotRegisteredError):
+        store.grant_tables(client_id, token[::-1])
+    with pytest.raises(NotRegisteredError):
+        store.grant_tables(client_id + 1, token)
+    assert store.grant_tables(client_id, token).client_id == client_id
+    with pytest.raises(BadRequestError, match="grants once"):
+        store.grant_tables(client_id, token)
+    lookup = {"client_id": client_id, "slot": 0, "seq": 1, "tokens": 1, "ids_dtype": "int64",
+              "ids_shape": [1, 2, 24], "inline": True}
+    with pytest.raises(BadRequestError, match="mapped mode"):
+        store.start_lookup(b"m", lookup, [np.zeros((1, 2, 24)).tobytes()], lambda job: None, {})
+    assert backend.jobs == [] and backend.slabs == []
+
+
+def test_mapped_counts_from_heartbeats_only_grow_and_survive_the_client():
+    store, _ = make_store()
+    reply = store.register(b"m", {"pid": os.getpid(), "device": "cpu", "tp_rank": 0, "tp_size": 1,
+                                  "max_tokens": 8, "slots": 2, "mode": "mapped"})
+    client_id, token = reply["client_id"], reply["token"]
+    store.heartbeat(b"other-connection", client_id, token, {"lookups": 4, "rows": 40, "out_of_range": 1})
+    store.heartbeat(b"m", client_id, "", {"lookups": 3, "rows": "lots", "out_of_range": 1})  # stale
+    stats = store.stats()
+    assert (stats["lookups"], stats["rows"], stats["out_of_range"]) == (4, 40, 1)
+    assert stats["clients"][0]["lookups"] == 4
+    store.heartbeat(b"m", client_id, token, {"lookups": 6, "rows": 60, "out_of_range": 1})
+    store.release(b"m", client_id)
+    stats = store.stats()
+    assert (stats["lookups"], stats["rows"], stats["clients"]) == (6, 60, [])

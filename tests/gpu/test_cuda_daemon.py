@@ -14,6 +14,7 @@ from conftest import run_client_processes
 from reference import bucket_ids, random_ids
 
 from engramd.client import DaemonUnavailableError, EngramClient
+from engramd.client.connection import probe
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 WORKER = Path(__file__).resolve().parents[1] / "integration" / "client_worker.py"
@@ -27,16 +28,18 @@ def assert_exact(rows: torch.Tensor, expected: np.ndarray, what: str) -> None:
     assert wrong.size == 0, f"{what}: {len(wrong)} wrong values, first at {wrong[:5].tolist()}"
 
 
-def test_three_client_processes_on_one_gpu(daemon_factory, reference, tmp_path):
+def test_served_and_mapped_client_processes_on_one_gpu(daemon_factory, reference, tmp_path):
     daemon = daemon_factory(extra=CUDA)
-    views = [(0, 1), (1, 2), (3, 4), (4, 7)]
+    views = [(0, 1, "served"), (1, 2, "mapped"), (3, 4, "served"), (4, 7, "mapped")]
     commands = [[sys.executable, str(WORKER), "--socket", str(daemon.socket), "--device", "cuda",
                  "--out", str(tmp_path / f"c{i}.npz"), "--tp-rank", str(r), "--tp-size", str(s),
                  "--seed", str(i), "--tokens", "1", "16", "256", "4097", "--rounds", "2", "--slots", "3",
-                 "--dtype", "int32" if i % 2 else "int64"] for i, (r, s) in enumerate(views)]
+                 "--dtype", "int32" if i % 2 else "int64", "--mode", mode]
+                for i, (r, s, mode) in enumerate(views)]
     run_client_processes(commands, timeout=300)
-    for i, (rank, shards) in enumerate(views):
+    for i, (rank, shards, mode) in enumerate(views):
         data = np.load(tmp_path / f"c{i}.npz")
+        assert str(data["mode"]) == mode
         for k in range(8):
             ids, rows = data[f"ids{k}"], data[f"rows{k}"]
             expected = reference.expected(ids, rank, shards)
@@ -45,8 +48,9 @@ def test_three_client_processes_on_one_gpu(daemon_factory, reference, tmp_path):
     assert daemon.stop() == 0, daemon.log()
 
 
+@pytest.mark.parametrize("mode", ["served", "mapped"])
 @pytest.mark.parametrize("kind", ["random", "repeated", "sorted", "dead", "out_of_range", "buckets"])
-def test_gpu_rows_match_reference(daemon_factory, reference, kind):
+def test_gpu_rows_match_reference(daemon_factory, reference, kind, mode):
     daemon = daemon_factory(extra=CUDA)
     rng = np.random.default_rng(hash(kind) % 2**32)
     ids = random_ids(rng, 300, reference.rows, reference.heads, dead=0.0, out_of_range=0.0)
@@ -60,7 +64,8 @@ def test_gpu_rows_match_reference(daemon_factory, reference, kind):
         ids = random_ids(rng, 300, reference.rows, reference.heads, dead=0.2, out_of_range=0.5)
     elif kind == "buckets":
         ids = bucket_ids(rng, 300, reference.bucket_sizes)
-    with EngramClient(daemon.socket, device="cuda", max_tokens=512, slots=2) as client:
+    with EngramClient(daemon.socket, device="cuda", max_tokens=512, slots=2, mode=mode) as client:
+        assert client.mode == mode
         for dtype in (torch.int64, torch.int32):
             source = torch.from_numpy(np.clip(ids, -2**31, 2**31 - 1)).to(dtype).cuda()
             rows = client.lookup(source).wait()
@@ -72,7 +77,7 @@ def test_no_host_sync_consumer_reads_the_right_rows(daemon_factory, reference):
     delay_ms = 400
     daemon = daemon_factory(extra=CUDA, env={"ENGRAMD_DEBUG_GATHER_DELAY_MS": str(delay_ms)})
     rng = np.random.default_rng(1)
-    with EngramClient(daemon.socket, device="cuda", max_tokens=256, slots=2) as client:
+    with EngramClient(daemon.socket, device="cuda", max_tokens=256, slots=2, mode="served") as client:
         warm = torch.from_numpy(random_ids(rng, 64, reference.rows, reference.heads)).cuda()
         _ = client.lookup(warm).wait().float() * 1.0  # load the consumer's kernels (lazy loading)
         torch.cuda.synchronize()
@@ -93,7 +98,8 @@ def test_no_host_sync_consumer_reads_the_right_rows(daemon_factory, reference):
 
 def test_daemon_killed_mid_lookup_releases_the_stream(daemon_factory, reference):
     daemon = daemon_factory(extra=CUDA, env={"ENGRAMD_DEBUG_GATHER_DELAY_MS": "5000"})
-    client = EngramClient(daemon.socket, device="cuda", max_tokens=16, slots=2)
+    client = EngramClient(daemon.socket, device="cuda", max_tokens=16, slots=2, mode="served",
+                          reconnect_timeout=1.0)  # no restart comes: give up at once
     ids = torch.zeros((4, 2, 24), dtype=torch.int64, device="cuda")
     rows = client.lookup(ids).wait()
     _ = rows.float().sum()
@@ -106,6 +112,35 @@ def test_daemon_killed_mid_lookup_releases_the_stream(daemon_factory, reference)
         client.lookup(ids)
     client.close()
     assert released_s < 2.0, f"stream released after {released_s:.2f} s"
+
+
+def test_mapped_lookup_enqueues_without_a_host_sync(daemon_factory, reference):
+    """A mapped lookup whose IDs are produced late on the caller's stream: lookup, wait and the
+    consumer are enqueued at once, the gather runs after the IDs, the consumer after the gather."""
+    delay_ms = 400
+    daemon = daemon_factory(extra=CUDA)
+    rng = np.random.default_rng(2)
+    with EngramClient(daemon.socket, device="cuda", max_tokens=256, slots=2, mode="mapped") as client:
+        warm = torch.from_numpy(random_ids(rng, 64, reference.rows, reference.heads)).cuda()
+        _ = client.lookup(warm).wait().float() * 1.0
+        torch.cuda.synchronize()
+        ids = torch.from_numpy(random_ids(rng, 64, reference.rows, reference.heads)).cuda()
+        late = torch.full_like(ids, -1)
+        stream = torch.cuda.current_stream()
+        started = time.perf_counter()
+        torch.cuda._sleep(int(delay_ms * 2_000_000))  # the IDs' producer is slow
+        late.copy_(ids)
+        rows = client.lookup(late).wait()
+        consumed = rows.float() * 1.0
+        enqueue_s = time.perf_counter() - started
+        pending = not stream.query()
+        stream.synchronize()
+        waited_s = time.perf_counter() - started
+    assert enqueue_s < delay_ms / 1000 / 4, f"lookup+wait+consumer took {enqueue_s * 1e3:.1f} ms to enqueue"
+    assert pending and waited_s >= delay_ms / 1000 * 0.8
+    assert_exact(consumed, reference.expected(ids.cpu().numpy()), "late IDs, mapped")
+    stats = probe(daemon.socket, "stats", 5.0).fields
+    assert stats["clients"] == [] and stats["lookups"] >= 1  # counts came with its heartbeats
 
 
 def mps_control_running() -> bool:
@@ -129,6 +164,7 @@ def test_mps_report_matches_reality(daemon_factory):
     running = mps_control_running()
     with EngramClient(daemon.socket, device="cuda:0", max_tokens=4) as client:
         assert client.mps["shared"] is running, client.mps
+        assert client.mode == ("served" if running else "mapped")  # what auto makes of it
         assert client.mps["daemon"]["enabled"] is running and client.mps["client"]["enabled"] is running
         stats = client.stats()
         assert [c["mps_shared"] for c in stats["clients"]] == [running]

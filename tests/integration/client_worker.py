@@ -1,7 +1,7 @@
 """A client process for integration tests: seeded lookups against a daemon, results saved to .npz.
 
     python client_worker.py --socket S --out F.npz [--tp-rank R --tp-size N --seed K
-                            --tokens T [T ...] --rounds N --dtype int32|int64]
+                            --tokens T [T ...] --rounds N --dtype int32|int64 --mode M]
 
 Random IDs include -1 (DEAD), IDs past the table and negative IDs. The test compares the saved
 rows with an independent reference computed from the checkpoint.
@@ -34,12 +34,15 @@ def main() -> int:
     parser.add_argument("--slots", type=int, default=2)
     parser.add_argument("--dtype", choices=("int32", "int64"), default="int64")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--mode", choices=("auto", "served", "mapped"), default="auto")
     args = parser.parse_args()
 
     rng = np.random.default_rng(args.seed)
     saved: dict[str, np.ndarray] = {}
     with EngramClient(args.socket, device=args.device, tp_rank=args.tp_rank, tp_size=args.tp_size,
-                      max_tokens=max(args.tokens), slots=args.slots, timeout=60) as client:
+                      max_tokens=max(args.tokens), slots=args.slots, timeout=60,
+                      mode=args.mode) as client:
+        saved["mode"] = np.array(client.mode)
         rows = list(client.geometry.rows)
         heads = client.geometry.heads
         batches = [list(args.tokens) for _ in range(args.rounds)]

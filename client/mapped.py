@@ -1,0 +1,153 @@
+"""Mapped mode: the client maps the daemon's tables read-only and gathers on its own.
+
+Where the daemon's gathers cannot overlap the model's kernels (no MPS server shared on the GPU),
+a client does what an in-process engine does, on the daemon's one copy of the tables: it gets
+read-only descriptors of the table files over the handle socket (client/handles.py), maps them,
+and runs the same gather (the Triton kernel on its GPU, the reference on the CPU) into slots of
+its own memory. The daemon keeps the tables, their lifetime, health and metrics.
+
+What this is not: the client's lookup logic (client.py holds it, for both modes).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+
+from engramd.client.errors import InternalError
+from engramd.client.geometry import ShardView, TableGeometry
+from engramd.client.handles import TableGrant
+from engramd.client.slab import SlabLayout, SlotViews
+
+
+class MappedTables:
+    """Read-only mappings of the daemon's tables; on a GPU, registered for UVA reads."""
+
+    def __init__(self, grants: list[TableGrant], geometry: TableGeometry, device: torch.device):
+        self.device = device
+        self._maps: list[mmap.mmap] = []
+        self._registration: Any = None
+        try:
+            self._check(grants, geometry)
+            for grant in grants:
+                self._maps.append(mmap.mmap(grant.fd, grant.file_bytes, mmap.MAP_SHARED, mmap.PROT_READ))
+        finally:
+            for grant in grants:
+                os.close(grant.fd)  # the mappings keep the files; the descriptors are not needed
+        # numpy views: a read-only mapping exports a read-only buffer, which numpy accepts as is.
+        self.rows = [np.frombuffer(m, dtype=np.uint8, count=g.rows * g.row_bytes, offset=g.data_offset)
+                     .reshape(g.rows, g.row_bytes) for m, g in zip(self._maps, grants, strict=True)]
+        if device.type == "cuda":
+            self._register()
+
+    @staticmethod
+    def _check(grants: list[TableGrant], geometry: TableGeometry) -> None:
+        got = [(g.rows, g.row_bytes) for g in grants]
+        want = [(rows, geometry.row_bytes) for rows in geometry.rows]
+        if got != want:
+            raise InternalError(f"the daemon granted tables of {got} (rows, row bytes); its "
+                                f"geometry says {want}")
+        for g in grants:
+            if g.data_offset % mmap.PAGESIZE or g.data_offset + g.rows * g.row_bytes > g.file_bytes:
+                raise InternalError(f"table of layer {g.layer_id}: rows at {g.data_offset} do not "
+                                    f"fit a {g.file_bytes}-byte file")
+
+    def _register(self) -> None:
+        from engramd.client import cuda
+
+        self._registration = cuda.HostRegistration(
+            [(a.ctypes.data, a.nbytes) for a in self.rows], read_only=True)
+
+    def cpu_tensors(self) -> list[torch.Tensor]:
+        """uint8 [rows, row_bytes] CPU tensors over the mappings (never written)."""
+        with warnings.catch_warnings():  # torch warns that the buffer is read-only: it is meant to be
+            warnings.simplefilter("ignore", UserWarning)
+            return [torch.from_numpy(a) for a in self.rows]
+
+    def layer_tables(self) -> list[Any]:
+        """The kernel's view: device-visible addresses of the registered rows (UVA)."""
+        from engramd.kernels.gather_triton import LayerTable
+
+        return [LayerTable(a.ctypes.data, a.shape[0], a.shape[1], owner=self) for a in self.rows]
+
+    def close(self) -> None:
+        """Unmap (a GPU client synchronises its device first: gathers may still read the rows)."""
+        if self._registration is not None:
+            torch.cuda.synchronize(self.device)
+            self._registration.close()
+            self._registration = None
+        self.rows = []
+        for m in self._maps:
+            try:
+                m.close()
+            except BufferError:
+                pass  # a tensor over it is still alive; the mapping goes with it
+        self._maps = []
+
+
+class LocalSlots:
+    """A mapped client's own slot memory, laid out like a slab (client/slab.py) so that results
+    are the same contiguous [n_layers, T, local_heads, head_dim] views in both modes."""
+
+    def __init__(self, layout: SlabLayout, device: torch.device):
+        self.layout = layout
+        self.views = SlotViews(layout, torch.zeros(layout.size, dtype=torch.uint8, device=device))
+
+    def rows(self, slot: int, tokens: int) -> torch.Tensor:
+        return self.views.rows(slot, tokens)
+
+    def close(self) -> None:
+        self.views.close()
+
+
+def mapped_gather(shard: ShardView, tables: MappedTables, device: torch.device, sort_min_tokens: int):
+    """The gather a mapped client runs: fn(ids, out, stream) -> out_of_range (CPU) or None."""
+    if device.type == "cpu":
+        from engramd.kernels.gather_ref import gather
+
+        cpu_tables = tables.cpu_tensors()
+
+        def gather_cpu(ids: torch.Tensor, out: torch.Tensor, stream: Any) -> int:
+            return gather(cpu_tables, ids, shard, out=out)[1]
+
+        return gather_cpu
+    from engramd.kernels.gather_triton import GatherPlan
+
+    plan = GatherPlan(tables.layer_tables(), shard, device)
+    plan.warm_up(sort=(False, True) if sort_min_tokens else (False,), dedupe=(False,))
+    counter = torch.zeros(1, dtype=torch.int64, device=device)
+
+    def gather_gpu(ids: torch.Tensor, out: torch.Tensor, stream: Any) -> None:
+        plan(ids, out, stream=stream, out_of_range=counter,
+             sort=0 < sort_min_tokens <= ids.shape[0])
+
+    gather_gpu.out_of_range = counter  # type: ignore[attr-defined]
+    return gather_gpu
+
+
+class DeviceCounterReader:
+    """A device counter's value as of its last finished copy to the host, so that a background
+    thread can report it without ever synchronising the streams that count into it."""
+
+    def __init__(self, counter: torch.Tensor):
+        self.counter = counter
+        self._host = torch.zeros(1, dtype=counter.dtype).pin_memory()
+        self._stream = torch.cuda.Stream(counter.device)
+        self._copied: torch.cuda.Event | None = None
+        self._value = 0
+
+    def read(self) -> int:
+        if self._copied is not None and self._copied.query():
+            self._value = int(self._host[0])
+            self._copied = None
+        if self._copied is None:  # the next reading starts now and is taken next time
+            with torch.cuda.stream(self._stream):
+                self._host.copy_(self.counter, non_blocking=True)
+                self._copied = torch.cuda.Event()
+                self._copied.record(self._stream)
+        return self._value

@@ -1,0 +1,96 @@
+"""The daemon's end of the handle socket (client/handles.py has the wire format).
+
+A thread accepts one connection at a time, reads its one request within HANDLE_TIMEOUT_S, and
+asks the request loop for the answer, because the registrations belong to the loop's thread: the
+loop checks the token and hands back the reply and the descriptors to send (duplicates made for
+this one message, closed here once sent). Nothing here knows about clients or tables.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+from engramd.client.errors import ProtocolError
+from engramd.client.handles import HANDLE_TIMEOUT_S, error_reply, recv_message, send_message
+
+log = logging.getLogger("engramd.handles")
+
+# Posts a request to the loop; the future gets (reply header, descriptors to send).
+Ask = Callable[[dict[str, Any], futures.Future], None]
+
+
+class HandleServer:
+    def __init__(self, path: Path, ask: Ask, epoch: str):
+        self.path = path
+        self._ask = ask
+        self._epoch = epoch
+        path.unlink(missing_ok=True)  # stale: the caller holds the daemon's socket lock
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(str(path))
+        os.chmod(path, 0o660)  # like the ZeroMQ socket: the runtime folder's group may connect
+        self._listener.listen(64)
+        self._listener.settimeout(0.2)  # so that close() is noticed
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="engramd-handles", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._closing.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._closing.is_set():
+                    return
+                raise
+            with conn:
+                conn.settimeout(HANDLE_TIMEOUT_S)
+                self._answer(conn)
+
+    def _answer(self, conn: socket.socket) -> None:
+        fds: list[int] = []
+        try:
+            request, stray = recv_message(conn)
+            for fd in stray:  # a client has no business sending descriptors
+                os.close(fd)
+            reply, fds = self._ask_loop(request)
+            send_message(conn, reply, fds)
+        except ProtocolError as exc:
+            self._try_send(conn, error_reply(exc, self._epoch))
+        except (OSError, TimeoutError) as exc:
+            log.warning("handle socket: dropped a connection (%s)", exc)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _ask_loop(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        future: futures.Future = futures.Future()
+        self._ask(request, future)
+        try:
+            return future.result(timeout=HANDLE_TIMEOUT_S)
+        except futures.TimeoutError:
+            if not future.cancel():  # answered just now: its descriptors must not leak
+                for fd in future.result()[1]:
+                    os.close(fd)
+            raise ProtocolError(f"the daemon did not answer within {HANDLE_TIMEOUT_S} s") from None
+
+    def _try_send(self, conn: socket.socket, reply: dict[str, Any]) -> None:
+        try:
+            send_message(conn, reply)
+        except OSError:
+            pass  # the peer went away; nothing was handed out
+
+    def close(self) -> None:
+        self._closing.set()
+        self._thread.join()
+        self._listener.close()
+        self.path.unlink(missing_ok=True)
+

@@ -1,0 +1,230 @@
+"""Mapped mode on the CPU backend: clients that map the daemon's tables and gather themselves.
+
+A real daemon and real client processes, as in test_daemon_lookups.py. Covered: served and
+mapped clients of one daemon at once (rows exact against the independent reference), mode
+negotiation (forced, forbidden, auto), the handle socket (read-only descriptors, bad, foreign and
+replayed tokens refused), counts reported with heartbeats, a mapped client across a daemon
+restart, and a killed mapped client.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+import zmq
+from conftest import run_client_processes
+from reference import random_ids
+from test_daemon_lookups import assert_rows_equal, check_worker_output
+
+from engramd.client import BadRequestError, EngramClient, NotRegisteredError
+from engramd.client.connection import probe
+from engramd.client.errors import ProtocolError
+from engramd.client.handles import fetch_tables, handle_socket_path, recv_message, send_message
+
+WORKER = Path(__file__).parent / "client_worker.py"
+HEARTBEAT_S = 0.2  # conftest's DaemonProcess passes this interval
+
+
+def wait_until(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"condition not met within {timeout} s"
+        time.sleep(0.02)
+
+
+def test_served_and_mapped_clients_of_one_daemon_get_exact_rows(daemon_factory, reference, tmp_path):
+    daemon = daemon_factory()
+    runs = [("served", 0, 1), ("mapped", 0, 1), ("mapped", 1, 2), ("served", 1, 2), ("mapped", 4, 5)]
+    commands = [[sys.executable, str(WORKER), "--socket", str(daemon.socket), "--out",
+                 str(tmp_path / f"{i}.npz"), "--mode", mode, "--tp-rank", str(rank),
+                 "--tp-size", str(shards), "--seed", str(40 + i), "--tokens", "1", "16", "200"]
+                for i, (mode, rank, shards) in enumerate(runs)]
+    run_client_processes(commands)
+    for i, (mode, rank, shards) in enumerate(runs):
+        path = tmp_path / f"{i}.npz"
+        assert str(np.load(path)["mode"]) == mode
+        assert check_worker_output(path, reference, rank, shards) == 6
+
+
+def test_mapped_out_of_range_count_matches_the_served_one(daemon_factory, reference):
+    daemon = daemon_factory()
+    ids = random_ids(np.random.default_rng(3), 64, reference.rows, reference.heads)
+    counts = {}
+    for mode in ("served", "mapped"):
+        with EngramClient(daemon.socket, mode=mode, max_tokens=64) as client:
+            future = client.lookup(torch.from_numpy(ids))
+            assert_rows_equal(future.result().double().numpy(), reference.expected(ids), mode)
+            counts[mode] = future.out_of_range
+    assert counts["served"] == counts["mapped"] > 0
+
+
+def test_auto_mode_and_forbidden_modes(daemon_factory):
+    both = daemon_factory()
+    with EngramClient(both.socket) as client:
+        assert client.mode == "served"  # a CPU client: nothing to overlap, the daemon gathers
+    served_only = daemon_factory(instance="s", extra=["--client-modes", "served"])
+    with pytest.raises(BadRequestError, match=r"mode 'mapped' is not allowed .*client_modes = served"):
+        EngramClient(served_only.socket, mode="mapped")
+    mapped_only = daemon_factory(instance="m", extra=["--client-modes", "mapped"])
+    with EngramClient(mapped_only.socket) as client:
+        assert client.mode == "mapped"  # auto takes what the daemon allows
+    with pytest.raises(BadRequestError, match="mode 'served' is not allowed"):
+        EngramClient(mapped_only.socket, mode="served")
+    with pytest.raises(BadRequestError, match="mode 'sideways'"):
+        EngramClient(both.socket, mode="sideways")
+
+
+def raw_register(daemon, mode: str) -> dict:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    sock.connect(f"ipc://{daemon.socket}")
+    sock.send_multipart([msgpack.packb({"v": 1, "op": "register", "rid": 1, "pid": os.getpid(),
+                                        "device": "cpu", "tp_rank": 0, "tp_size": 1,
+                                        "max_tokens": 4, "slots": 1, "mode": mode})])
+    reply = msgpack.unpackb(sock.recv_multipart()[0])
+    assert reply["status"] == "ok", reply
+    return {"reply": reply, "sock": sock}
+
+
+def test_handle_socket_grants_read_only_descriptors_once_per_token(daemon_factory, reference):
+    daemon = daemon_factory()
+    path = handle_socket_path(daemon.socket)
+    assert oct(path.stat().st_mode & 0o777) == "0o660"
+    mapped = raw_register(daemon, "mapped")
+    client_id, token = mapped["reply"]["client_id"], mapped["reply"]["token"]
+    with pytest.raises(NotRegisteredError):
+        fetch_tables(path, client_id, "0" * len(token))  # forged
+    grants = fetch_tables(path, client_id, token)
+    try:
+        assert [g.rows for g in grants] == list(reference.rows)
+        for grant in grants:
+            assert fcntl.fcntl(grant.fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
+            with pytest.raises(PermissionError):
+                mmap.mmap(grant.fd, grant.file_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            view = mmap.mmap(grant.fd, grant.file_bytes, mmap.MAP_SHARED, mmap.PROT_READ)
+            assert len(view) == grant.file_bytes
+            view.close()
+    finally:
+        for grant in grants:
+            os.close(grant.fd)
+    with pytest.raises(BadRequestError, match="grants once"):
+        fetch_tables(path, client_id, token)  # replayed
+    served = raw_register(daemon, "served")
+    with pytest.raises(BadRequestError, match="is served"):
+        fetch_tables(path, served["reply"]["client_id"], served["reply"]["token"])
+    for registration in (mapped, served):
+        registration["sock"].close(0)
+
+
+def test_handle_socket_answers_garbage_with_a_typed_error_and_keeps_serving(daemon_factory):
+    daemon = daemon_factory()
+    path = handle_socket_path(daemon.socket)
+    for request in ({"op": "tables", "client_id": "1", "token": 5}, {"op": "format"}):
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.settimeout(5)
+        conn.connect(str(path))
+        send_message(conn, request)
+        reply, fds = recv_message(conn, 8)
+        conn.close()
+        assert reply["status"] == "error" and reply["code"] in ("bad_message", "unknown_op"), reply
+        assert fds == []
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.settimeout(5)
+    conn.connect(str(path))
+    conn.sendall(b"\xff\xff\xff\xff")  # a length past the limit
+    reply, _ = recv_message(conn, 8)
+    conn.close()
+    assert reply["code"] == "bad_message"
+    with pytest.raises(ProtocolError):
+        recv_message(_closed_pair(), 8)
+    with EngramClient(daemon.socket, mode="mapped") as client:
+        assert client.mode == "mapped"
+
+
+def _closed_pair() -> socket.socket:
+    mine, theirs = socket.socketpair()
+    theirs.close()
+    return mine
+
+
+def test_mapped_counts_reach_the_daemon_with_heartbeats(daemon_factory, reference):
+    daemon = daemon_factory()
+    rng = np.random.default_rng(8)
+    with EngramClient(daemon.socket, mode="mapped", max_tokens=32) as client:
+        for _ in range(5):
+            client.lookup(torch.from_numpy(random_ids(rng, 32, reference.rows, reference.heads))).result()
+        rows = 5 * 32 * 2 * 24
+
+        def reported() -> bool:
+            stats = probe(daemon.socket, "stats", 5.0).fields
+            mine = [c for c in stats["clients"] if c["client_id"] == client.client_id]
+            return stats["lookups"] == 5 and mine[0]["rows"] == rows and mine[0]["mode"] == "mapped"
+
+        wait_until(reported, timeout=20 * HEARTBEAT_S)
+        assert client.counts["out_of_range"] > 0
+        wait_until(lambda: probe(daemon.socket, "stats", 5.0).fields["out_of_range"]
+                   == client.counts["out_of_range"], timeout=20 * HEARTBEAT_S)
+    stats = probe(daemon.socket, "stats", 5.0).fields
+    assert stats["lookups"] == 5 and stats["rows"] == rows  # kept after the client is gone
+
+
+def test_mapped_client_follows_a_restarted_daemon(daemon_factory, reference):
+    first = daemon_factory(instance="again")
+    ids = random_ids(np.random.default_rng(4), 16, reference.rows, reference.heads)
+    client = EngramClient(first.socket, mode="mapped", timeout=10, reconnect_timeout=60)
+    try:
+        assert_rows_equal(client.lookup(torch.from_numpy(ids)).result().double().numpy(),
+                          reference.expected(ids), "before the restart")
+        old_epoch = client.epoch
+        first.proc.kill()
+        first.proc.wait()
+        second = daemon_factory(instance="again", shm_dir=first.shm_dir, workdir=first.workdir)
+        assert second.health()["ready"]
+        rows = client.lookup(torch.from_numpy(ids)).result()  # re-registers and maps again
+        assert client.epoch != old_epoch and client.mode == "mapped"
+        assert_rows_equal(rows.double().numpy(), reference.expected(ids), "after the restart")
+    finally:
+        client.close()
+
+
+KILLED_MAPPED = textwrap.dedent("""
+    import sys, time, torch
+    from engramd.client import EngramClient
+    client = EngramClient(sys.argv[1], mode="mapped", max_tokens=8)
+    client.lookup(torch.zeros((8, 2, 24), dtype=torch.int64)).result()
+    print(client.client_id, flush=True)
+    time.sleep(600)
+""")
+
+
+def test_killed_mapped_client_is_retired_and_leaks_no_descriptor(daemon_factory):
+    daemon = daemon_factory()
+    pid = daemon.proc.pid
+    with EngramClient(daemon.socket, mode="mapped"):
+        pass  # the daemon's first grant: anything it opens once for good is open from here on
+    fds_before = len(os.listdir(f"/proc/{pid}/fd"))
+    for _ in range(3):
+        proc = subprocess.Popen([sys.executable, "-c", KILLED_MAPPED, str(daemon.socket)],
+                                stdout=subprocess.PIPE, text=True)
+        client_id = int(proc.stdout.readline())
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+        wait_until(lambda gone=client_id: all(
+            c["client_id"] != gone for c in probe(daemon.socket, "stats", 5.0).fields["clients"]))
+    wait_until(lambda: len(os.listdir(f"/proc/{pid}/fd")) <= fds_before + 3, timeout=5.0)
+    assert probe(daemon.socket, "stats", 5.0).fields["clients"] == []
