@@ -10,14 +10,19 @@ the GPU before timing), T in {1, 16, 256, 4096, 16384} tokens x 2 layers x 24 he
   (b) the Triton gather+dequant kernel in-process on the pinned table (what engines do today),
   (b2) the same with sort=True (rows read in sorted order, as the daemon does from its
        sort_min_tokens, 1,024, on): the best in-process path at large T, shown at every T,
-  (c) engramd: daemon process + this process as client, submit -> rows ready on our stream,
-      once per --dispatch mode (a fresh daemon each).
-Each sample is host wall time from submit to `stream.synchronize()` returning. For (c) also, per
-lookup, the client's host time of lookup() + wait() (from before lookup() to after wait() returns,
-nothing synchronised in between), and after each T the daemon's own request-received ->
-gather-enqueued p50 (`client.stats()["dispatch_us"]`). The daemon keeps its last 4,096 lookups, so
-that figure covers this T and the smaller ones before it; meta["daemon_dispatch_us"] holds it for
-the whole column. A markdown table of all of it is printed last.
+  (c) engramd: daemon process + this process as its served client (mode="served": the daemon
+      gathers), submit -> rows ready on our stream, once per --dispatch mode (a fresh daemon each),
+  (d) engramd mapped: this process as a mapped client of the same daemon (mode="mapped": it maps
+      the daemon's tables read-only and gathers on a side stream of its own), timed as (c); run
+      once, beside the first --dispatch mode's column (dispatch is the daemon's, mapped lookups
+      never reach it).
+Each sample is host wall time from submit to `stream.synchronize()` returning. For (c) and (d)
+also, per lookup, the client's host time of lookup() + wait() (from before lookup() to after
+wait() returns, nothing synchronised in between), and for (c) after each T the daemon's own
+request-received -> gather-enqueued p50 (`client.stats()["dispatch_us"]`). The daemon keeps its
+last 4,096 lookups, so that figure covers this T and the smaller ones before it;
+meta["daemon_dispatch_us"] holds it for the whole column. meta["mapped"] says how long the mapped
+client took to attach. A markdown table of all of it is printed last.
 
 --mps on|both (benchmarks/mps.py): each mode runs in a fresh child process, a private MPS server
 around the `on` one, which the daemon and the benchmark process then share. One mode writes
@@ -68,7 +73,9 @@ LABELS = {
     "b2_triton_in_process_sorted": "(b2) in-process sorted",
     "c_engramd_worker": "(c) engramd end to end (worker dispatch)",
     "c_engramd_inline": "(c') engramd end to end (inline dispatch)",
+    "d_engramd_mapped": "(d) engramd mapped",
 }
+MAPPED_COLUMN = "d_engramd_mapped"
 
 
 def geometry_for(table_gib: float) -> TableGeometry:
@@ -177,10 +184,17 @@ def time_in_process(geometry: TableGeometry, uva: list[torch.Tensor], plan: Gath
             print(results[-1], flush=True)
 
 
-def engramd_column(geometry: TableGeometry, socket: Path, dispatch: str, results: list[dict]) -> dict:
-    """Column (c) for one daemon; returns what the daemon reported after the whole column."""
-    name = f"c_engramd_{dispatch}"
-    with EngramClient(socket, device="cuda", max_tokens=max(TOKENS), slots=2, timeout=120) as client:
+def engramd_column(geometry: TableGeometry, socket: Path, dispatch: str, results: list[dict],
+                   mode: str = "served") -> dict:
+    """Column (c) for one daemon (mode "served"), or (d) (mode "mapped", same timing); returns
+    what the daemon reported after the whole column."""
+    name = f"c_engramd_{dispatch}" if mode == "served" else MAPPED_COLUMN
+    started = time.perf_counter()
+    with EngramClient(socket, device="cuda", max_tokens=max(TOKENS), slots=2, timeout=120,
+                      mode=mode) as client:
+        attach_s = time.perf_counter() - started
+        if client.mode != mode:
+            raise SystemExit(f"asked for mode {mode!r}, the daemon granted {client.mode!r}")
         stream = torch.cuda.current_stream()
         processes = gpu_processes()  # while the daemon and this process both hold the GPU
         for tokens in TOKENS:
@@ -199,10 +213,12 @@ def engramd_column(geometry: TableGeometry, socket: Path, dispatch: str, results
             row["client_enqueue_us_p50"] = float(np.percentile(lat, 50))  # report_gpu.py reads it
             row["client_lookup_wait_us"] = {"p50": row["client_enqueue_us_p50"],
                                             "p99": float(np.percentile(lat, 99))}
-            row["daemon_dispatch_us"] = client.stats().get("dispatch_us")
+            if mode == "served":  # mapped lookups never reach the daemon
+                row["daemon_dispatch_us"] = client.stats().get("dispatch_us")
             results.append(row)
             print(row, flush=True)
-        return {"dispatch_us": client.stats().get("dispatch_us"), "gpu_processes": processes,
+        return {"dispatch_us": client.stats().get("dispatch_us") if mode == "served" else None,
+                "gpu_processes": processes, "mode": client.mode, "attach_s": round(attach_s, 3),
                 "engramd_mps": getattr(client, "mps", None)}  # the daemon's verdict, if it sends one
 
 
@@ -236,6 +252,10 @@ def print_table(data: dict, heading: str) -> None:
         print("daemon dispatch (request received -> gather enqueued) over each whole column: "
               + ", ".join(f"{k} p50 {v['p50']:.0f} us, p99 {v['p99']:.0f} us (n {v['n']})"
                           for k, v in dispatch.items()))
+    mapped = meta.get("mapped")
+    if mapped:
+        print(f"(d) mapped client: attached in {mapped['attach_s']:.2f} s (granted mode "
+              f"{mapped['mode']}), beside the {mapped['dispatch']} daemon")
     print("\n".join(markdown(data["results"])), flush=True)
 
 
@@ -281,6 +301,7 @@ def main() -> int:
     geometry = geometry_for(args.table_gib)
     results: list[dict] = []
     daemon: dict[str, dict] = {}
+    mapped: dict | None = None
     with bench_folders() as (work, shm):
         write_sparse_checkpoint(geometry, work / "ckpt")
         started = time.monotonic()
@@ -290,7 +311,7 @@ def main() -> int:
                   flush=True)
             in_process_columns(geometry, tables, results)
             del tables
-        for dispatch in args.dispatch:
+        for index, dispatch in enumerate(args.dispatch):
             with running_daemon(work, ["--tables", str(work / "ckpt"), "--shm-dir", str(shm),
                                        "--instance", INSTANCE, "--backend", "cuda",
                                        "--max-tokens", str(max(TOKENS)),
@@ -299,6 +320,9 @@ def main() -> int:
                                        "--self-check", "false", *shlex.split(args.daemon_args)],
                                  timeout=300) as socket:
                 daemon[dispatch] = engramd_column(geometry, socket, dispatch, results)
+                if index == 0:  # (d) once: the daemon's dispatch mode does not touch it
+                    mapped = {"dispatch": dispatch,
+                              **engramd_column(geometry, socket, dispatch, results, "mapped")}
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "table_gib": round(geometry.total_bytes / 2**30, 2), "rows": list(geometry.rows),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
@@ -306,7 +330,8 @@ def main() -> int:
             "date": time.strftime("%Y-%m-%d"), **mps,
             "gpu_processes": {k: v["gpu_processes"] for k, v in daemon.items()},
             "engramd_mps": {k: v["engramd_mps"] for k, v in daemon.items()},
-            "daemon_dispatch_us": {k: v["dispatch_us"] for k, v in daemon.items()}}
+            "daemon_dispatch_us": {k: v["dispatch_us"] for k, v in daemon.items()},
+            "mapped": mapped}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     data = {"meta": meta, "results": results}

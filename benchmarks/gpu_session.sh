@@ -4,10 +4,13 @@
 #
 #   bash benchmarks/gpu_session.sh OUT PHASE...
 #
-# Phases: tests (tests/gpu without MPS), tests-mps (the cross-process GPU tests under MPS),
-# lookup (benchmarks/gpu_lookup.py, both MPS modes), step (benchmarks/model_step.py, both modes),
+# Phases: tests (tests/gpu without MPS), tests-daemon (its end-to-end files alone), tests-mps (the cross-process GPU tests under MPS),
+# lookup (benchmarks/gpu_lookup.py, both MPS modes; with the mapped column (d)),
+# step (benchmarks/model_step.py, both modes, all four variants: compute, inproc, engramd served,
+# mapped), step-mapped (the same as step: its name for runs that want the mapped variant),
 # lookup-variants (under MPS, inline dispatch: daemon defaults vs no cache and all SMs),
-# step-long (under MPS, 150 steps a cell at 256 and 4,096 tokens).
+# step-long (under MPS, 150 steps a cell at 256 and 4,096 tokens),
+# attach (benchmarks/mapped_attach.py, 16 GiB: mapped client attach, daemon restart to ready).
 # Logs and results are packed into OUT/results.tgz (one file); each phase's exit code is
 # printed at the end.
 set -u
@@ -31,6 +34,10 @@ mps_stop() {
 }
 
 phase_tests() { python3 -m pytest tests/gpu -q --durations=5 2>&1 | tee "$out/gpu_tests.log"; }
+phase_tests_daemon() {  # the end-to-end GPU tests alone (served and mapped clients), no MPS
+  python3 -m pytest tests/gpu/test_cuda_daemon.py tests/gpu/test_adapter_gpu.py -q --durations=5 \
+    2>&1 | tee "$out/gpu_tests_daemon.log"
+}
 phase_tests_mps() {
   mps_start
   python3 -m pytest tests/gpu/test_cuda_daemon.py tests/gpu/test_adapter_gpu.py -q 2>&1 \
@@ -44,7 +51,13 @@ phase_lookup() {
     | tee "$out/lookup.log" | tail -30
 }
 phase_step() {
+  # all variants by default (compute, inproc, engramd, mapped)
   python3 benchmarks/model_step.py --mps both --out "$out/step" 2>&1 | tee "$out/step.log" | tail -30
+}
+phase_step_mapped() { phase_step; }
+phase_attach() {
+  python3 benchmarks/mapped_attach.py --table-gib 16 --out "$out/attach" 2>&1 \
+    | tee "$out/attach.log" | tail -45
 }
 
 phase_lookup_variants() {
@@ -67,5 +80,6 @@ for phase in "$@"; do
   "phase_${phase//-/_}"
   status[$phase]=$?
   set +o pipefail
+  tar czf "$final/results.tgz" -C "$out" .  # after every phase: a later one may run out of time
 done
 for phase in "$@"; do echo "phase $phase: exit ${status[$phase]}"; done

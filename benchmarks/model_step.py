@@ -2,6 +2,7 @@
 
     python benchmarks/model_step.py --out DIR                  # without MPS
     python benchmarks/model_step.py --mps both --out DIR       # without, then with MPS, merged
+    python benchmarks/model_step.py --variants compute mapped  # only some variants
     python benchmarks/model_step.py --replot DIR               # model_step.md/.png again from JSON
 
 One "model step" stands for a forward pass that prefetches its rows:
@@ -15,9 +16,15 @@ Variants:
            registration of the same shared-memory table, sorted reads from 1,024 tokens on (the
            daemon's default sort_min_tokens) and one program per SM: the best in-process path.
            The main stream waits on an event recorded after the gather.
-  engramd  EngramClient(socket, device="cuda:0", max_tokens=max T, slots=2) against one
-           `engramd serve` process (benchmarks/daemon_process.py; its defaults, plus
-           --daemon-args): lookup() -> matmuls -> future.wait(stream)
+  engramd  EngramClient(socket, device="cuda:0", max_tokens=max T, slots=2, mode="served")
+           against one `engramd serve` process (benchmarks/daemon_process.py; its defaults, plus
+           --daemon-args): the daemon gathers; lookup() -> matmuls -> future.wait(stream)
+  mapped   the same with mode="mapped", against the same daemon: this process maps the daemon's
+           table files read-only (descriptors over the handle socket), registers them with CUDA
+           and runs the gather on the client's own side stream (client/mapped.py); the same
+           lookup() -> matmuls -> future.wait(stream) (an event wait)
+--variants picks some of them (default all four). The in-process plan is built in every run: the
+row check below needs it.
 Modes:
   pipelined  the host runs ahead; one torch.cuda.synchronize() after N steps; reported: total / N
   synced     synchronize after every step; reported: p50 of the per-step wall times
@@ -27,16 +34,18 @@ sparse checkpoint that the daemon re-attaches) is built as in gpu_lookup.py. Eve
 process launches behind a wait on the daemon is warmed up first (lazy loading would otherwise
 block the host there; DEVICE.md).
 
-Rows: at every T, one batch of IDs (5% of them -1) goes through engramd and the in-process gather;
-both must equal gather_ref (plain torch, on the CPU, over the same /dev/shm bytes) and each other
-bit for bit (a gather is a copy; NaN counts as equal to NaN). The script exits 1 if any differs.
+Rows: at every T, one batch of IDs (5% of them -1) goes through engramd (served), the mapped
+client (each where its variant runs) and the in-process gather; each must equal gather_ref (plain
+torch, on the CPU, over the same /dev/shm bytes) and the in-process rows bit for bit (a gather is
+a copy; NaN counts as equal to NaN). The script exits 1 if any differs.
 
 --mps on|both (benchmarks/mps.py): each mode runs in a fresh child process, a private MPS server
 around the `on` one (the daemon and the benchmark process are both its clients); every cell and
 run in the JSON says which. Writes DIR/model_step.json (all cells, us), DIR/model_step.md (printed
-last, with engramd/inproc ratios) and DIR/model_step.png (step time vs T per lead and mode; solid:
-no MPS, dashed: MPS); with both modes, each child's own files are in DIR/mps_off and DIR/mps_on.
-About 1-2 minutes per MPS mode on an H200 at the defaults (filling the table is 10-20 s of it).
+last, with engramd/inproc and mapped/inproc ratios) and DIR/model_step.png (step time vs T per
+lead and mode; solid: no MPS, dashed: MPS); with both modes, each child's own files are in
+DIR/mps_off and DIR/mps_on. About 1-2 minutes per MPS mode on an H200 at the defaults (filling the
+table is 10-20 s of it, the mapped client's attach a few s).
 """
 
 from __future__ import annotations
@@ -81,14 +90,18 @@ TOKENS = (1, 16, 256, 4096)
 LEADS = (1, 4, 12)
 TAIL = 4  # matmuls after the rows are consumed
 MATMUL_N = 4096
-VARIANTS = ("compute", "inproc", "engramd")
+VARIANTS = ("compute", "inproc", "engramd", "mapped")
+CLIENT_VARIANTS = ("engramd", "mapped")  # EngramClient variants; their rows are checked
+CLIENT_MODES = {"engramd": "served", "mapped": "mapped"}  # variant -> EngramClient mode
 MODES = ("pipelined", "synced")
+DEFAULT_STEPS = 40  # timed steps per cell (4 variants x 40 take about what 3 x 50 took)
 WARM_STEPS = 3  # untimed steps before every cell (first use of its IDs' sizes, slots, events)
 SORT_MIN_TOKENS = 1024  # the daemon's default sort_min_tokens
 DEAD_FRACTION = 0.05  # of the check IDs: -1
 SPIN_UP_S = 1.0  # matmuls before the first cell, so clocks and cuBLAS heuristics have settled
 JSON_NAME, MD_NAME, PNG_NAME = "model_step.json", "model_step.md", "model_step.png"
-COLORS = {"compute": "tab:gray", "inproc": "tab:blue", "engramd": "tab:red"}
+COLORS = {"compute": "tab:gray", "inproc": "tab:blue", "engramd": "tab:red", "mapped": "tab:green"}
+LABELS = {"engramd": "engramd", "mapped": "mapped", "inproc": "in-process"}  # in the row check's line
 
 
 def draw_ids(geometry: TableGeometry, tokens: int, count: int) -> list[Tensor]:
@@ -103,9 +116,11 @@ def draw_ids(geometry: TableGeometry, tokens: int, count: int) -> list[Tensor]:
 
 
 class Bench:
-    """The matmul operands, the in-process plan, the engramd client and one step per variant."""
+    """The matmul operands, the in-process plan, the clients of the variants that run (served
+    and mapped) and one step per variant."""
 
-    def __init__(self, geometry: TableGeometry, specs: list[dict], socket: Path, max_tokens: int):
+    def __init__(self, geometry: TableGeometry, specs: list[dict], socket: Path, max_tokens: int,
+                 variants: Sequence[str] = VARIANTS):
         from engramd.server.cuda_backend import PinnedTables
 
         self.geometry = geometry
@@ -124,14 +139,38 @@ class Bench:
         self.plan = GatherPlan(self.pinned.layer_tables(), self.shard, torch.device("cuda", 0))
         self.plan.warm_up(dedupe=(False,))
         self.outs: dict[int, Tensor] = {}
-        self.client = EngramClient(socket, device="cuda:0", max_tokens=max_tokens, slots=2,
-                                   timeout=120)
+        self.variants = [v for v in VARIANTS if v in variants]
+        # The clients, one per client variant that runs: "engramd" (served: the daemon gathers
+        # into its slab) and "mapped" (this process gathers from its mapping of the daemon's
+        # tables); the default mode is "auto" now, so each is asked for explicitly.
+        self.clients: dict[str, EngramClient] = {}
+        self.attach_s: dict[str, float] = {}  # client construction, end to end
+        try:
+            for variant in CLIENT_VARIANTS:
+                if variant in self.variants:
+                    self._add_client(variant, socket, max_tokens)
+        except BaseException:
+            self.close()
+            raise
         self.steps: dict[str, Callable[[Tensor, int], None]] = {
-            "compute": self.step_compute, "inproc": self.step_inproc, "engramd": self.step_engramd}
+            "compute": self.step_compute, "inproc": self.step_inproc, "engramd": self.step_engramd,
+            "mapped": self.step_mapped}
+
+    def _add_client(self, variant: str, socket: Path, max_tokens: int) -> None:
+        start = time.perf_counter()
+        client = EngramClient(socket, device="cuda:0", max_tokens=max_tokens, slots=2, timeout=120,
+                              mode=CLIENT_MODES[variant])
+        self.attach_s[variant] = round(time.perf_counter() - start, 3)
+        self.clients[variant] = client
+        if client.mode != CLIENT_MODES[variant]:
+            raise SystemExit(f"{variant}: asked for mode {CLIENT_MODES[variant]!r}, the daemon "
+                             f"granted {client.mode!r}")
 
     def close(self) -> None:
         torch.cuda.synchronize()  # no gather may still read the pages we unregister
-        self.client.close()
+        for client in self.clients.values():
+            client.close()  # a mapped one unregisters its own mapping of the tables
+        self.clients = {}
         self.pinned.close()
         for table in self.mapped:
             table.close()
@@ -163,7 +202,16 @@ class Bench:
         self.matmuls(TAIL)
 
     def step_engramd(self, ids: Tensor, lead: int) -> None:
-        future = self.client.lookup(ids, self.main)
+        future = self.clients["engramd"].lookup(ids, self.main)
+        self.matmuls(lead)
+        rows = future.wait(self.main)
+        self.consume(rows)
+        self.matmuls(TAIL)
+
+    def step_mapped(self, ids: Tensor, lead: int) -> None:
+        # The client gathers on its own side stream after the main stream's earlier work (the
+        # previous step's readers of the slot included); wait() is an event wait.
+        future = self.clients["mapped"].lookup(ids, self.main)
         self.matmuls(lead)
         rows = future.wait(self.main)
         self.consume(rows)
@@ -198,16 +246,20 @@ class Bench:
         torch.cuda.synchronize()
 
     def check_rows(self, tokens: int) -> dict[str, Any]:
-        """engramd, in-process and gather_ref rows of one ID batch, compared bit for bit."""
+        """engramd (served), mapped, in-process and gather_ref rows of one ID batch, compared bit
+        for bit (the clients of the variants that run)."""
         ids = draw_ids(self.geometry, tokens, 1)[0]
         ids.masked_fill_(torch.rand(ids.shape, device="cuda") < DEAD_FRACTION, -1)
         torch.cuda.synchronize()
-        view = self.client.lookup(ids, self.main).wait(self.main)
-        torch.cuda.synchronize()
-        served = view.cpu()
-        # The sum's kernel may differ for the slab's alignment: load it now, while nothing waits.
-        self.consume(view)
-        torch.cuda.synchronize()
+        got: dict[str, Tensor] = {}
+        for variant, client in self.clients.items():
+            view = client.lookup(ids, self.main).wait(self.main)
+            torch.cuda.synchronize()
+            got[variant] = view.cpu()
+            # The sum's kernel may differ for the slot's alignment: load it now, while nothing
+            # waits.
+            self.consume(view)
+            torch.cuda.synchronize()
         poisoned = torch.full(self.plan.output_shape(tokens), float("nan"), dtype=torch.bfloat16,
                               device="cuda")  # a row the kernel never writes cannot pass
         local = self.plan(ids, poisoned, sort=tokens >= SORT_MIN_TOKENS)
@@ -215,8 +267,16 @@ class Bench:
         local = local.cpu()
         reference = [torch.from_numpy(t.array) for t in self.mapped]
         want, _ = gather_ref.gather(reference, ids.cpu(), self.shard)
-        pairs = {"engramd_vs_ref": (served, want), "inproc_vs_ref": (local, want),
-                 "engramd_vs_inproc": (served, local)}
+        # The names of the original three pairs are kept (older JSON has just those).
+        pairs: dict[str, tuple[Tensor, Tensor]] = {}
+        if "engramd" in got:
+            pairs["engramd_vs_ref"] = (got["engramd"], want)
+        pairs["inproc_vs_ref"] = (local, want)
+        if "engramd" in got:
+            pairs["engramd_vs_inproc"] = (got["engramd"], local)
+        if "mapped" in got:
+            pairs["mapped_vs_ref"] = (got["mapped"], want)
+            pairs["mapped_vs_inproc"] = (got["mapped"], local)
         result: dict[str, Any] = {"tokens": tokens, "sorted_inproc": tokens >= SORT_MIN_TOKENS}
         for name, (actual, expected) in pairs.items():
             wrong, first = bitwise_mismatches(actual, expected)
@@ -274,7 +334,7 @@ def run_grid(bench: Bench, tokens: Sequence[int], leads: Sequence[int], steps: i
         for lead in leads:
             line = []
             for mode in MODES:
-                for variant in VARIANTS:
+                for variant in bench.variants:
                     pool = draw_ids(bench.geometry, t, steps + WARM_STEPS)  # fresh every cell
                     torch.cuda.synchronize()
                     cell = TIMERS[mode](bench.steps[variant], pool, lead)
@@ -307,10 +367,15 @@ def measure(args: argparse.Namespace) -> dict:
         specs = fill_tables(geometry, work / "ckpt", shm, "cuda")
         flags = daemon_flags(work, shm, max(tokens), args.daemon_args)
         with running_daemon(work, flags, timeout=300) as socket:
-            bench = Bench(geometry, specs, socket, max(tokens))
+            bench = Bench(geometry, specs, socket, max(tokens), args.variants)
             try:
                 processes = gpu_processes()  # while the daemon and this process both hold the GPU
-                served_mps = getattr(bench.client, "mps", None)  # the daemon's verdict, if it sends one
+                # the daemon's verdicts on MPS, per client (absent: its variant did not run)
+                served_mps = getattr(bench.clients.get("engramd"), "mps", None)
+                mapped = bench.clients.get("mapped")
+                mapped_meta = None if mapped is None else {
+                    "mode": mapped.mode, "mps": mapped.mps, "attach_s": bench.attach_s["mapped"]}
+                attach_s = dict(bench.attach_s)
                 cells, checks = run_grid(bench, tokens, leads, args.steps, mps["mps"])
             finally:
                 bench.close()
@@ -319,7 +384,8 @@ def measure(args: argparse.Namespace) -> dict:
            "rows": list(geometry.rows), "steps": args.steps, "warm_steps": WARM_STEPS,
            "matmul": f"bf16 [{MATMUL_N} x {MATMUL_N}] @ [{MATMUL_N} x {MATMUL_N}], torch.mm",
            "tail_matmuls": TAIL, "daemon_args": args.daemon_args, "gpu_processes": processes,
-           "engramd_mps": served_mps,
+           "engramd_mps": served_mps, "variants": list(args.variants), "mapped": mapped_meta,
+           "client_attach_s": attach_s,
            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
            "command": _command(), "date": time.strftime("%Y-%m-%d %H:%M"),
            "seconds": round(time.monotonic() - started, 1),
@@ -363,26 +429,50 @@ def markdown(report: dict) -> str:
              f"{first.get('warm_steps')} untimed ones. pipelined: one synchronize after all steps, "
              "time / steps; synced: synchronize after every step, p50. Times in us; compute = "
              "matmuls alone, inproc = GatherPlan on a side stream in this process (sorted from "
-             f"{SORT_MIN_TOKENS} tokens), engramd = daemon process, this process its client. "
+             f"{SORT_MIN_TOKENS} tokens), engramd = daemon process, this process its served client "
+             "(the daemon gathers), mapped = this process a mapped client of the same daemon (it "
+             "gathers on its own side stream from its read-only mapping of the daemon's tables). "
              f"Command: `{report['meta']['command']}`.", ""]
     for run in runs:
-        rows = "exact (engramd = in-process = gather_ref at every T)" if run["rows_exact"] else \
-            "MISMATCH: " + json.dumps([c for c in run["checks"] if not c["exact"]])
         lines.append(f"- MPS {'on' if run['mps'] else 'off'}: {run['mps_server']}; GPU processes "
                      f"seen: {run.get('gpu_processes')}; daemon args `{run['daemon_args']}`; "
-                     f"rows {rows}; {run['seconds']} s")
-    lines += ["", "| MPS | T | lead | pipelined compute | pipelined inproc | pipelined engramd | "
-              "engramd / inproc | synced compute | synced inproc | synced engramd | "
-              "engramd / inproc |", "|---|---:|---:|" + "---:|" * 8]
+                     f"rows {_rows_verdict(run)}; {_attach_note(run)}{run['seconds']} s")
+    # The variants present in the cells (older JSON: compute, inproc, engramd), each mode's
+    # ratios to inproc after its step times.
+    variants = [v for v in VARIANTS if any(c["variant"] == v for c in cells)]
+    ratios = [v for v in CLIENT_VARIANTS if v in variants and "inproc" in variants]
+    header = ["MPS", "T", "lead"]
+    for mode in MODES:
+        header += [f"{mode} {v}" for v in variants] + [f"{v} / inproc" for v in ratios]
+    lines += ["", "| " + " | ".join(header) + " |",
+              "|---|---:|---:|" + "---:|" * (len(header) - 3)]
     by = {(c["mps"], c["mode"], c["variant"], c["tokens"], c["lead"]): c["step_us"] for c in cells}
     for mps, t, lead in sorted({(c["mps"], c["tokens"], c["lead"]) for c in cells}):
         row = [("on" if mps else "off"), str(t), str(lead)]
         for mode in MODES:
-            values = [by.get((mps, mode, v, t, lead)) for v in VARIANTS]
-            row += [_us(v) for v in values]
-            row.append(_ratio(values[2], values[1]))
+            values = {v: by.get((mps, mode, v, t, lead)) for v in variants}
+            row += [_us(values[v]) for v in variants]
+            row += [_ratio(values[v], values["inproc"]) for v in ratios]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _rows_verdict(run: dict) -> str:
+    """"exact (engramd = in-process = gather_ref at every T)", naming what was compared."""
+    if not run["rows_exact"]:
+        return "MISMATCH: " + json.dumps([c for c in run["checks"] if not c["exact"]])
+    checks = run.get("checks") or [{}]
+    compared = [k.removesuffix("_vs_ref") for k in checks[0] if k.endswith("_vs_ref")]
+    compared.sort(key=lambda name: list(LABELS).index(name) if name in LABELS else len(LABELS))
+    names = " = ".join(LABELS.get(name, name) for name in compared) or "nothing"
+    return f"exact ({names} = gather_ref at every T)"
+
+
+def _attach_note(run: dict) -> str:
+    mapped = run.get("mapped")
+    if not mapped:
+        return ""
+    return f"mapped client attached in {mapped['attach_s']:.2f} s (granted mode {mapped['mode']}); "
 
 
 def _us(value: float | None) -> str:
@@ -484,10 +574,14 @@ def run_parent(args: argparse.Namespace) -> int:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--table-gib", type=float, default=16.0)
-    parser.add_argument("--steps", type=int, default=50, help="timed steps per cell")
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="timed steps per cell")
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     parser.add_argument("--lead", type=int, nargs="+", default=list(LEADS),
                         help="matmuls between the lookup and the wait for its rows")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
+                        help="the variants to time (default: all four); the rows of each "
+                             "client variant that runs (engramd, mapped) are checked against "
+                             "gather_ref and the in-process gather")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     parser.add_argument("--daemon-args", default="",
                         help="extra `engramd serve` flags, one string split like a shell's "
@@ -498,6 +592,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.steps < 1 or min(args.tokens) < 1 or min(args.lead) < 0:
         parser.error("--steps and --tokens must be >= 1, --lead >= 0")
+    args.variants = [v for v in VARIANTS if v in args.variants]  # the table's order, once each
     return args
 
 

@@ -294,7 +294,7 @@ class EngramClient:
         f = reply.fields
         self.mode = f.get("mode", "served")
         self.mps = f.get("mps")  # GPU clients: {"daemon", "client", "shared"}; CPU: None
-        if self.mps is not None and not self.mps["shared"] and not self._warned_mps:
+        if self.mode == "served" and self.mps is not None and not self.mps["shared"] and not self._warned_mps:
             self._warned_mps = True
             log.warning("engramd serves this GPU without a shared MPS server: each lookup's gather "
                         "waits for this process's kernels instead of overlapping them (measured on "

@@ -112,6 +112,11 @@ class LookupStore:
         client_id = self._next_id
         mps = self._mps_report(req["device"], req.get("mps"))
         mode = self._mode_for(req.get("mode"), mps)
+        if mode == "served" and mps is not None and not mps["shared"]:
+            log.warning("a client on %s is served without a shared MPS server (daemon: %s, client: %s): "
+                        "the daemon's gathers time-slice with the client's kernels instead of "
+                        "overlapping them; run nvidia-cuda-mps-control for both (README, 'MPS'), "
+                        "or register it in mapped mode", req["device"], mps["daemon"], mps["client"])
         slab = self.backend.allocate_slab(req["device"], layout, client_id, shard) if mode == "served" else None
         self._next_id += 1
         record = ClientRecord(client_id, identity, str(req.get("name", ""))[:128], req["device"],
@@ -170,11 +175,6 @@ class LookupStore:
             return None
         client = MpsState.from_wire(reported)
         shared = client is not None and daemon.shares_with(client)
-        if not shared:
-            log.warning("a client on %s is served without a shared MPS server (daemon: %s, client: %s): "
-                        "the daemon's gathers time-slice with the client's kernels instead of "
-                        "overlapping them; run nvidia-cuda-mps-control for both (README, 'MPS')",
-                        device, daemon, client)
         return {"daemon": daemon.to_wire(), "client": client.to_wire() if client else None,
                 "shared": shared}
 

@@ -1,0 +1,477 @@
+"""Mapped attach: how long a mapped client takes to attach, and a daemon restart to ready (H200).
+
+    python benchmarks/mapped_attach.py [--table-gib 16] [--repeat 3] [--restarts 1] [--out DIR]
+
+A host table of --table-gib (V4.1 row width, random bytes in /dev/shm, over a sparse checkpoint)
+is filled as gpu_lookup.py fills it, and one `engramd serve --backend cuda --self-check false`
+re-attaches it (plus --daemon-args). Then, --repeat times:
+  attach   `EngramClient(sock, device="cuda:0", mode="mapped", max_tokens=256)` constructed, end
+           to end (register over ZeroMQ, descriptors over the handle socket, mmap +
+           cudaHostRegister(ReadOnly) of every table, local slots, gather plan and warm-up, side
+           stream, watchdog); then its first lookup (1 token, lookup + wait + synchronize) and
+           its close() (synchronize, cudaHostUnregister, release)
+  split    the pieces of the same, timed one by one on a registration of their own, the way
+           client.py makes them: register (mode "mapped", this GPU's UUID) on a Connection,
+           fetch_tables (client/handles.py), a separate mmap of the granted descriptors (mmap
+           alone), MappedTables (client/mapped.py: mmap + cudaHostRegister ReadOnly),
+           mapped_gather (GatherPlan + warm-up), MappedTables.close (unregister), release
+The first repeat also loads the gather kernels into this process (later ones find them loaded).
+Registration GB/s = table bytes / MappedTables time; the projection to the V4.1-Flash tables (2
+layers x 94.4 GiB, 189 GiB) scales that part and keeps the rest.
+
+Then --restarts times: the daemon is stopped (SIGTERM, waited for) and started again on the same
+shm folder and instance; timed from the start to the first `health` answer (live) and to
+`health` ready, polled every POLL_S with engramd.client.connection.probe (as `engramd health`
+does). The daemon's log gives its own split (re-attach verification, pinning and its GB/s, kernel
+warm-up), and whether it re-attached. GB/s = table bytes / start-to-ready. The daemon here is
+started by this script (the command of daemon_process.start_daemon, polled more finely) so it can
+be stopped and restarted in the middle.
+
+Writes DIR/mapped_attach.json and DIR/mapped_attach.md; the tables are printed last. About 1-2
+minutes at 16 GiB on an H200 (filling the table is 10-20 s of it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import platform
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from engramd.client import EngramClient
+from engramd.client.connection import Connection, probe
+from engramd.client.errors import EngramError
+from engramd.client.geometry import V41_FLASH_CONFIG, TableGeometry
+from engramd.client.handles import fetch_tables, handle_socket_path
+from engramd.client.mapped import MappedTables, mapped_gather
+from engramd.server.checkpoint import EngramCheckpoint
+from engramd.server.table_store import TableStore
+
+sys.path.insert(0, str(Path(__file__).parent))
+from daemon_process import bench_folders  # noqa: E402
+from gpu_lookup import INSTANCE, RandomRows, geometry_for, random_ids, write_sparse_checkpoint  # noqa: E402
+from mps import mps_state  # noqa: E402
+
+POLL_S = 0.01  # health probes while the daemon starts
+START_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 60.0
+MAX_TOKENS = 256
+DEVICE = "cuda:0"
+JSON_NAME, MD_NAME = "mapped_attach.json", "mapped_attach.md"
+V41 = TableGeometry.from_config(V41_FLASH_CONFIG)  # 2 layers x 384 M rows x 264 B: 189 GiB
+
+# The daemon's log lines (server/cli.py: "%(asctime)s %(levelname)s %(name)s: %(message)s").
+LOG_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \S+ \S+: (.*)$")
+LOG_EVENTS = {
+    "listening": re.compile(r"listening on"),
+    "reattached": re.compile(r"re-attached .*, ([\d.]+) GB, verified in ([\d.]+) s"),
+    "loading": re.compile(r"loading ([\d.]+) GB into"),
+    "pinned": re.compile(r"pinned ([\d.]+) GB of host tables in ([\d.]+) s"),
+    "kernels": re.compile(r"gather kernels warmed"),
+    "ready": re.compile(r"ready: .* ([\d.]+) GB of tables (re-attached|loaded)"),
+}
+
+
+# -- the daemon ----------------------------------------------------------------------------------
+
+
+def daemon_flags(work: Path, shm: Path, extra: str) -> list[str]:
+    return ["--tables", str(work / "ckpt"), "--shm-dir", str(shm), "--instance", INSTANCE,
+            "--backend", "cuda",
+            "--self-check", "false",  # random tables over a sparse checkpoint
+            "--metrics-address", "127.0.0.1:0",  # no port that another run could hold
+            *shlex.split(extra)]  # last: the caller's flags win
+
+
+class Daemon:
+    """`engramd serve` started, timed to live and ready, and stopped, again and again."""
+
+    def __init__(self, work: Path, flags: list[str]):
+        self.work = work
+        self.flags = flags
+        self.socket = work / "engramd.sock"
+        self.log_path = work / "daemon.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> dict[str, Any]:
+        """Start it (the command of daemon_process.start_daemon); returns the timings."""
+        offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        command = [sys.executable, "-m", "engramd.server.cli", "serve", "--socket",
+                   str(self.socket), *self.flags]
+        wall = time.time()
+        started = time.perf_counter()
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        live_s = None
+        while True:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"daemon exited with {self.proc.returncode}:\n"
+                                 f"{self.log_path.read_text()[-4000:]}")
+            try:
+                fields = probe(self.socket, "health", 1.0).fields
+            except EngramError:
+                fields = None
+            now = time.perf_counter() - started
+            if fields is not None:
+                if live_s is None:
+                    live_s = now
+                if fields.get("ready"):
+                    break
+            if now > START_TIMEOUT_S:
+                self.kill()
+                raise SystemExit(f"daemon not ready in {START_TIMEOUT_S:.0f} s:\n"
+                                 f"{self.log_path.read_text()[-4000:]}")
+            time.sleep(POLL_S)
+        return {"live_s": round(live_s, 3), "ready_s": round(now, 3), "pid": self.proc.pid,
+                "log": parse_log(self.log_path, offset, wall)}
+
+    def stop(self) -> float:
+        """SIGTERM and wait for the exit; returns the seconds it took."""
+        started = time.perf_counter()
+        self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(STOP_TIMEOUT_S)
+        self.proc = None
+        if code != 0:
+            raise SystemExit(f"daemon exited with {code} on SIGTERM:\n"
+                             f"{self.log_path.read_text()[-4000:]}")
+        return time.perf_counter() - started
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+
+def parse_log(path: Path, offset: int, popen_wall: float) -> dict[str, Any]:
+    """The daemon's own account of one start: seconds after the spawn at which each step was
+    logged (the log's clock, millisecond stamps), GB and seconds it says it re-attached/pinned."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        text = f.read().decode(errors="replace")
+    out: dict[str, Any] = {"at_s": {}, "verify_s": 0.0, "reattached_gb": 0.0}
+    for line in text.splitlines():
+        match = LOG_LINE.match(line)
+        if not match:
+            continue
+        stamp = datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        message = match.group(2)
+        for name, pattern in LOG_EVENTS.items():
+            found = pattern.search(message)
+            if not found:
+                continue
+            out["at_s"].setdefault(name, round(stamp - popen_wall, 3))
+            if name == "reattached":
+                out["reattached_gb"] += float(found.group(1))
+                out["verify_s"] += float(found.group(2))
+            elif name == "pinned":
+                out["pinned_gb"], out["pin_s"] = float(found.group(1)), float(found.group(2))
+                out["pin_gb_s"] = round(out["pinned_gb"] / max(out["pin_s"], 1e-9), 2)
+            elif name == "ready":
+                out["tables_gb"], out["how"] = float(found.group(1)), found.group(2)
+    out["verify_s"] = round(out["verify_s"], 3)
+    out["reattached_gb"] = round(out["reattached_gb"], 2)
+    return out
+
+
+# -- the attach ----------------------------------------------------------------------------------
+
+
+def attach_end_to_end(socket: Path, geometry: TableGeometry) -> dict[str, Any]:
+    """One EngramClient(mode="mapped") constructed, used once and closed, each step timed."""
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    client = EngramClient(socket, device=DEVICE, mode="mapped", max_tokens=MAX_TOKENS)
+    attach_s = time.perf_counter() - started
+    try:
+        if client.mode != "mapped":
+            raise SystemExit(f"asked for mode 'mapped', the daemon granted {client.mode!r}")
+        ids = random_ids(geometry, 1, 1)[0]
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        client.lookup(ids).wait()
+        torch.cuda.synchronize()
+        first_lookup_ms = (time.perf_counter() - started) * 1e3
+    finally:
+        started = time.perf_counter()
+        client.close()
+        close_s = time.perf_counter() - started
+    return {"attach_s": attach_s, "first_lookup_ms": first_lookup_ms, "close_s": close_s,
+            "granted_mode": client.mode}
+
+
+def attach_split(socket: Path) -> dict[str, Any]:
+    """The pieces of a mapped attach, as client.py makes them, on a registration of their own."""
+    from engramd.client.cuda import device_uuid
+    from engramd.client.mps import mps_state as client_mps_state
+
+    device = torch.device(DEVICE)
+    out: dict[str, Any] = {}
+    conn = Connection(socket)
+    tables = None
+    try:
+        started = time.perf_counter()
+        reply = conn.call("register", 30.0, pid=os.getpid(), device=f"cuda:{device_uuid(0)}",
+                          tp_rank=0, tp_size=1, max_tokens=MAX_TOKENS, slots=2,
+                          name="mapped_attach", mps=client_mps_state(0).to_wire(), mode="mapped")
+        out["register_ms"] = (time.perf_counter() - started) * 1e3
+        f = reply.fields
+        if f.get("mode") != "mapped":
+            raise SystemExit(f"raw registration: asked for mode 'mapped', got {f.get('mode')!r}")
+        client_id = int(f["client_id"])
+        try:
+            geometry = TableGeometry.from_config(f["geometry"], source="daemon register reply")
+            started = time.perf_counter()
+            grants = fetch_tables(handle_socket_path(socket), client_id, f["token"])
+            out["fetch_ms"] = (time.perf_counter() - started) * 1e3
+            out["tables_bytes"] = sum(g.rows * g.row_bytes for g in grants)
+            out["mmap_ms"] = mmap_alone(grants) * 1e3
+            started = time.perf_counter()
+            tables = MappedTables(grants, geometry, device)  # closes the grants' descriptors
+            out["map_register_s"] = time.perf_counter() - started
+            out["register_gb_s"] = out["tables_bytes"] / 1e9 / out["map_register_s"]
+            started = time.perf_counter()
+            mapped_gather(geometry.shard(0, 1), tables, device,
+                          int(f.get("gather", {}).get("sort_min_tokens", 0)))
+            torch.cuda.synchronize()
+            out["gather_prep_s"] = time.perf_counter() - started
+            started = time.perf_counter()
+            tables.close()
+            tables = None
+            out["unregister_s"] = time.perf_counter() - started
+        finally:
+            if tables is not None:
+                tables.close()
+            try:
+                conn.call("release", 5.0, client_id=client_id)
+            except EngramError as exc:  # e.g. reaped: a PID the daemon cannot see, no heartbeats
+                out["release_error"] = str(exc)
+    finally:
+        conn.close()
+    return out
+
+
+def mmap_alone(grants: list) -> float:
+    """Seconds to map the granted files read-only as MappedTables does, on duplicates of the
+    descriptors (the mappings are dropped at once; nothing is registered)."""
+    fds = [os.dup(g.fd) for g in grants]
+    maps = []
+    try:
+        started = time.perf_counter()
+        for fd, g in zip(fds, grants, strict=True):
+            maps.append(mmap.mmap(fd, g.file_bytes, mmap.MAP_SHARED, mmap.PROT_READ))
+        return time.perf_counter() - started
+    finally:
+        for m in maps:
+            m.close()
+        for fd in fds:
+            os.close(fd)
+
+
+# -- the run -------------------------------------------------------------------------------------
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    started_run = time.monotonic()
+    if not torch.cuda.is_available():
+        raise SystemExit("mapped_attach needs a CUDA GPU")
+    geometry = geometry_for(args.table_gib)
+    attach, restarts = [], []
+    with bench_folders() as (work, shm):
+        write_sparse_checkpoint(geometry, work / "ckpt")
+        started = time.monotonic()
+        with TableStore(shm, INSTANCE) as store:
+            tables = store.open(RandomRows(EngramCheckpoint.open(work / "ckpt")))
+            del tables
+        fill_s = time.monotonic() - started
+        print(f"filled {geometry.total_bytes / 2**30:.1f} GiB in {fill_s:.1f} s", flush=True)
+        daemon = Daemon(work, daemon_flags(work, shm, args.daemon_args))
+        try:
+            first = daemon.start()
+            print(f"daemon ready in {first['ready_s']:.2f} s (first start): {first['log']}",
+                  flush=True)
+            for repeat in range(args.repeat):
+                row = {"repeat": repeat + 1, **attach_end_to_end(daemon.socket, geometry),
+                       **attach_split(daemon.socket)}
+                attach.append(row)
+                print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()},
+                      flush=True)
+            for repeat in range(args.restarts):
+                stop_s = daemon.stop()
+                socket_left = daemon.socket.exists()
+                timing = daemon.start()
+                restart = {"repeat": repeat + 1, "stop_s": round(stop_s, 3),
+                           "socket_left_after_stop": socket_left, **timing,
+                           "sigterm_to_ready_s": round(stop_s + timing["ready_s"], 3),
+                           "gb_s": round(geometry.total_bytes / 1e9 / timing["ready_s"], 2)}
+                restarts.append(restart)
+                print(restart, flush=True)
+        finally:
+            daemon.kill()
+    return {"meta": {"benchmark": "mapped_attach", "gpu": torch.cuda.get_device_name(),
+                     "torch": torch.__version__, "table_gib": round(geometry.total_bytes / 2**30, 2),
+                     "table_bytes": geometry.total_bytes, "rows": list(geometry.rows),
+                     "max_tokens": MAX_TOKENS, "daemon_args": args.daemon_args,
+                     "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+                     **mps_state(False),
+                     "command": "python benchmarks/mapped_attach.py " + shlex.join(sys.argv[1:]),
+                     "date": time.strftime("%Y-%m-%d %H:%M"), "fill_s": round(fill_s, 1),
+                     "seconds": round(time.monotonic() - started_run, 1)},
+            "first_start": first, "attach": attach, "restarts": restarts,
+            "projection": projection(geometry, attach, restarts)}
+
+
+def _median(rows: list[dict], key: str) -> float | None:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return float(np.median(values)) if values else None
+
+
+def projection(geometry: TableGeometry, attach: list[dict], restarts: list[dict]) -> dict:
+    """V4.1-Flash's 189 GiB: the registration (and the daemon's pinning) at the measured GB/s,
+    the rest of each figure as measured (independent of the table's size)."""
+    out: dict[str, Any] = {"table_gib": round(V41.total_bytes / 2**30, 2),
+                           "table_bytes": V41.total_bytes,
+                           "scale": round(V41.total_bytes / geometry.total_bytes, 3)}
+    rate, register_s, attach_s = (_median(attach, k) for k in
+                                  ("register_gb_s", "map_register_s", "attach_s"))
+    if rate:
+        out["register_s"] = round(V41.total_bytes / 1e9 / rate, 2)
+        out["attach_s"] = round(attach_s - register_s + out["register_s"], 2)
+    pins = [r["log"] for r in restarts if r["log"].get("pin_gb_s")]
+    if pins:
+        pin_rate = float(np.median([p["pin_gb_s"] for p in pins]))
+        pin_s = float(np.median([p["pin_s"] for p in pins]))
+        out["daemon_pin_s"] = round(V41.total_bytes / 1e9 / pin_rate, 2)
+        out["restart_ready_s"] = round(_median(restarts, "ready_s") - pin_s + out["daemon_pin_s"], 2)
+    return out
+
+
+# -- report --------------------------------------------------------------------------------------
+
+ATTACH_ROWS = (  # key, label, digits
+    ("attach_s", "EngramClient(mode=\"mapped\") constructed, end to end, s", 3),
+    ("first_lookup_ms", "first lookup (1 token, lookup + wait + synchronize), ms", 2),
+    ("close_s", "close() (synchronize, unregister, release), s", 3),
+    ("register_ms", "split: register over ZeroMQ, ms", 2),
+    ("fetch_ms", "split: fetch_tables (handle socket), ms", 2),
+    ("mmap_ms", "split: mmap of the granted files alone, ms", 3),
+    ("map_register_s", "split: MappedTables (mmap + cudaHostRegister ReadOnly), s", 3),
+    ("register_gb_s", "split: registration GB/s (table bytes / MappedTables)", 2),
+    ("gather_prep_s", "split: mapped_gather (plan + warm-up), s", 3),
+    ("unregister_s", "split: MappedTables.close (cudaHostUnregister), s", 3),
+)
+RESTART_ROWS = (
+    ("stop_s", "SIGTERM -> exited, s"),
+    ("live_s", "start -> first health answer (live), s"),
+    ("ready_s", "start -> health ready, s"),
+    ("sigterm_to_ready_s", "SIGTERM -> ready again, s"),
+    ("gb_s", "GB/s of the tables (bytes / start -> ready)"),
+    ("log.at_s.listening", "daemon log: listening, s after the spawn"),
+    ("log.verify_s", "daemon log: re-attach verification (all layers), s"),
+    ("log.at_s.pinned", "daemon log: pinned, s after the spawn"),
+    ("log.pin_s", "daemon log: pinning, s"),
+    ("log.pin_gb_s", "daemon log: pinning GB/s"),
+    ("log.at_s.kernels", "daemon log: gather kernels warmed, s after the spawn"),
+    ("log.at_s.ready", "daemon log: ready, s after the spawn"),
+    ("log.how", "tables (daemon log)"),
+)
+
+
+def _get(row: dict, dotted: str) -> Any:
+    for part in dotted.split("."):
+        if not isinstance(row, dict):
+            return None
+        row = row.get(part)
+    return row
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def markdown(report: dict) -> str:
+    meta, attach, restarts = report["meta"], report["attach"], report["restarts"]
+    proj, first = report["projection"], report["first_start"]
+    lines = [f"# Mapped attach on {meta['gpu']} ({meta['date']})", "",
+             f"Host table {meta['table_gib']} GiB ({meta['table_bytes'] / 1e9:.2f} GB, rows per "
+             f"layer {meta['rows']}) in /dev/shm, one daemon (`--backend cuda --self-check false "
+             f"{meta['daemon_args']}`), MPS {'on' if meta.get('mps') else 'off'}; filled in "
+             f"{meta['fill_s']} s; run {meta['seconds']} s. Command: `{meta['command']}`. The "
+             "first repeat also loads the gather kernels into this process.", "",
+             "| mapped client attach | " + " | ".join(f"#{r['repeat']}" for r in attach)
+             + " | median |", "|---|" + "---:|" * (len(attach) + 1)]
+    for key, label, digits in ATTACH_ROWS:
+        values = [r.get(key) for r in attach]
+        lines.append(f"| {label} | " + " | ".join(_fmt(v, digits) for v in values)
+                     + f" | {_fmt(_median(attach, key), digits)} |")
+    lines += ["", f"Daemon first start (tables already in /dev/shm): live {first['live_s']} s, "
+              f"ready {first['ready_s']} s ({first['log'].get('how', '?')}).", ""]
+    if restarts:
+        lines += ["| daemon restart, same shm folder and instance | "
+                  + " | ".join(f"#{r['repeat']}" for r in restarts) + " |",
+                  "|---|" + "---:|" * len(restarts)]
+        for key, label in RESTART_ROWS:
+            lines.append(f"| {label} | " + " | ".join(_fmt(_get(r, key), 2) for r in restarts)
+                         + " |")
+        lines.append("")
+    lines += [f"Projection to {proj['table_gib']} GiB (V4.1-Flash, 2 layers x "
+              f"{V41.table_bytes(0) / 2**30:.1f} GiB; x{proj['scale']} the bytes here), the "
+              "size-bound part scaled at the measured GB/s, the rest as measured:", "",
+              "| figure | seconds |", "|---|---:|",
+              f"| mapped client: registration (MappedTables) | {_fmt(proj.get('register_s'), 1)} |",
+              f"| mapped client: attach end to end | {_fmt(proj.get('attach_s'), 1)} |",
+              f"| daemon: pinning | {_fmt(proj.get('daemon_pin_s'), 1)} |",
+              f"| daemon: restart to ready | {_fmt(proj.get('restart_ready_s'), 1)} |"]
+    return "\n".join(lines) + "\n"
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--table-gib", type=float, default=16.0)
+    parser.add_argument("--repeat", type=int, default=3, help="mapped attaches (each: end to end, "
+                        "then split)")
+    parser.add_argument("--restarts", type=int, default=1, help="daemon restarts to time")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--daemon-args", default="",
+                        help="extra `engramd serve` flags, split like a shell's (write it with '=')")
+    args = parser.parse_args()
+    if args.repeat < 1 or args.restarts < 0 or args.table_gib <= 0:
+        parser.error("--repeat must be >= 1, --restarts >= 0, --table-gib > 0")
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    report = measure(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / JSON_NAME).write_text(json.dumps(report, indent=2) + "\n")
+    text = markdown(report)
+    (out / MD_NAME).write_text(text)
+    print(text, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
