@@ -228,3 +228,54 @@ def test_killed_mapped_client_is_retired_and_leaks_no_descriptor(daemon_factory)
             c["client_id"] != gone for c in probe(daemon.socket, "stats", 5.0).fields["clients"]))
     wait_until(lambda: len(os.listdir(f"/proc/{pid}/fd")) <= fds_before + 3, timeout=5.0)
     assert probe(daemon.socket, "stats", 5.0).fields["clients"] == []
+
+
+TOUCHING_MAPPED = textwrap.dedent("""
+    import sys, torch
+    from engramd.client import EngramClient
+    client = EngramClient(sys.argv[1], mode="mapped", max_tokens=1024)
+    heads, top = client.geometry.heads, max(client.geometry.rows)
+    every_row = torch.arange(-(-top // heads) * heads).view(-1, 1, heads).expand(-1, 2, heads)
+    for start in range(0, every_row.shape[0], 1024):  # reads every row of both tables
+        client.lookup(every_row[start:start + 1024].contiguous()).result()
+    print("ready", flush=True)
+    sys.stdin.readline()
+    client.close()
+""")
+
+
+def table_memory(pid: int) -> tuple[int, int]:
+    """(Rss, Pss) in bytes of this process's mappings of the daemon's table files."""
+    rss = pss = 0
+    inside = False
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
+            inside = len(fields) >= 6 and fields[5].endswith(".tbl")
+        elif inside and fields[0] in ("Rss:", "Pss:"):
+            value = int(fields[1]) * 1024
+            rss, pss = (rss + value, pss) if fields[0] == "Rss:" else (rss, pss + value)
+    return rss, pss
+
+
+def test_daemon_and_mapped_clients_hold_one_copy_of_the_tables(daemon_factory, reference):
+    daemon = daemon_factory()
+    table_bytes = sum(reference.rows) * 264
+    clients = [subprocess.Popen([sys.executable, "-c", TOUCHING_MAPPED, str(daemon.socket)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+               for _ in range(3)]
+    try:
+        for proc in clients:
+            assert proc.stdout.readline().strip() == "ready"
+        memory = {pid: table_memory(pid) for pid in [daemon.proc.pid] + [p.pid for p in clients]}
+    finally:
+        for proc in clients:
+            proc.stdin.close()
+            proc.wait(30)
+            proc.stdout.close()
+    for pid, (rss, _) in memory.items():
+        assert rss >= 0.95 * table_bytes, f"pid {pid} has only {rss} of {table_bytes} table bytes resident"
+    total_pss = sum(pss for _, pss in memory.values())
+    # Four processes each have every page resident, yet their proportional shares add up to one
+    # copy (rounding: a page-aligned file holds a little more than its rows).
+    assert 0.95 * table_bytes <= total_pss <= 1.05 * table_bytes + 4 * 2 * 4096, (total_pss, table_bytes)
