@@ -22,9 +22,10 @@ from reference import ReferenceTables  # noqa: E402
 
 START_TIMEOUT_S = 60.0
 LEAK_GRACE_S = 5.0  # a killed child may take a moment to be reaped by its parent
-# The temporary folders this suite creates (short_tempdir, shm_tempdir); daemons under test keep
-# their sockets, tables and slabs inside them.
-_OUR_TEMP_PREFIXES = ("egd-", "engramd-test-")
+# The temporary folders this process made (short_tempdir, shm_tempdir); daemons under test keep
+# their sockets, tables and slabs inside them. Other runs on the machine make folders of the
+# same names, so the leak check follows these paths, not name patterns.
+_made_temp_dirs: set[Path] = set()
 
 
 def _children() -> dict[int, str]:
@@ -54,12 +55,8 @@ def _long_lived_helpers() -> set[int]:
     return {pid for pid in pids if pid}
 
 
-def _our_temp_entries() -> set[str]:
-    names = set()
-    for folder in {tempfile.gettempdir(), "/dev/shm"}:
-        if os.path.isdir(folder):
-            names |= {f"{folder}/{n}" for n in os.listdir(folder) if n.startswith(_OUR_TEMP_PREFIXES)}
-    return names
+def _our_temp_entries() -> set[Path]:
+    return {path for path in _made_temp_dirs if path.exists()}
 
 
 @pytest.fixture(autouse=True)
@@ -97,12 +94,16 @@ def reference(demo_checkpoint) -> ReferenceTables:
 
 def short_tempdir(prefix: str) -> Path:
     """ipc:// socket paths must stay under ~100 bytes, so sockets live in a short temp folder."""
-    return Path(tempfile.mkdtemp(prefix=prefix))
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    _made_temp_dirs.add(path)
+    return path
 
 
 def shm_tempdir() -> Path:
     base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    return Path(tempfile.mkdtemp(prefix="engramd-test-", dir=base))
+    path = Path(tempfile.mkdtemp(prefix="engramd-test-", dir=base))
+    _made_temp_dirs.add(path)
+    return path
 
 
 def engramd_command() -> list[str]:
