@@ -50,7 +50,7 @@ from engramd.client.geometry import ShardView, TableGeometry
 from engramd.client.handles import HANDLE_TIMEOUT_S, fetch_tables, handle_socket_path
 from engramd.client.ids import dtype_name
 from engramd.client.mapped import DeviceCounterReader, LocalSlots, MappedTables, mapped_gather
-from engramd.client.slab import IDS_READY, ROWS_DONE, SlabLayout, SlotViews
+from engramd.client.slab import FAILED, IDS_READY, ROWS_DONE, SlabLayout, SlotViews
 
 log = logging.getLogger("engramd.client")
 
@@ -93,8 +93,10 @@ class LookupFuture:
             stream = torch.cuda.current_stream(self._client.device.index)
             self._client._stream_wait(self, stream)
             stream.synchronize()
-            self._client._take_in()  # an error the daemon sent for it has arrived by now
+            self._client._take_in()
             self._client._check_alive()
+            if self._error is None and self._client._daemon_failed(self):
+                self._error = self._client._error_of(self)
             if self._error is not None:
                 raise self._error
         return rows.clone() if copy else rows
@@ -173,6 +175,11 @@ class _CudaSlabView:
 
     def counter(self, slot: int, word: int) -> int:
         return self.ptr + self.layout.counter_offset(slot, word)
+
+    def failed_seq(self, slot: int) -> int:
+        """The slot's FAILED word (a small device-to-host copy: call it after a sync only)."""
+        words = self.views.buffer[:self.layout.counters_bytes].view(torch.int32)
+        return int(words[self.layout.counter_offset(slot, FAILED) // 4].item()) & 0xFFFFFFFF
 
     def ids(self, slot: int, tokens: int, dtype: torch.dtype) -> torch.Tensor:
         return self.views.ids(slot, tokens, dtype)
@@ -261,6 +268,9 @@ class EngramClient:
                         f"(last: {exc.message}); raise reconnect_timeout to wait longer") from None
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
+            except BaseException:
+                self._disconnect()  # never left half-registered: the next call starts afresh
+                raise
 
     def _disconnect(self) -> None:
         """Drop the connection and the slab mapping without talking to the daemon."""
@@ -269,16 +279,23 @@ class EngramClient:
         if self._watchdog is not None:
             self._watchdog.join()
             self._watchdog = None
-        if self._mapped is not None:  # first: it synchronises the device, so no gather of ours
-            self._mapped.close()      # still reads the old mapping or writes our slots
-            self._mapped, self._gather, self._side = None, None, None
-        if self._slab is not None:
-            self._slab.close()
-            self._slab = None
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-        self.client_id = None
+        try:
+            self._unmap()  # first: it synchronises the device, so no gather of ours still reads
+        finally:           # the old mapping or writes our slots
+            if self._slab is not None:
+                self._slab.close()
+                self._slab = None
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+            self.client_id = None
+
+    def _unmap(self) -> None:
+        """Mapped mode: let go of the tables and of everything built on them."""
+        mapped = self._mapped
+        self._mapped, self._gather, self._side, self._out_of_range = None, None, None, None
+        if mapped is not None:
+            mapped.close()
 
     def _register(self, tp_rank: int, tp_size: int, max_tokens: int, slots: int, name: str,
                   timeout: float) -> None:
@@ -291,6 +308,17 @@ class EngramClient:
         reply = self._conn.call("register", timeout, pid=os.getpid(), device=wire_device,
                                 tp_rank=tp_rank, tp_size=tp_size, max_tokens=max_tokens,
                                 slots=slots, name=name, mps=mps, mode=self.requested_mode)
+        try:
+            self._adopt(reply, tp_rank, tp_size)
+        except BaseException:  # the daemon registered us: it must not keep that for nothing
+            try:
+                self._conn.call("release", min(timeout, 2.0), client_id=int(reply.fields["client_id"]))
+            except EngramError:
+                pass
+            raise
+
+    def _adopt(self, reply: Any, tp_rank: int, tp_size: int) -> None:
+        """Build what the register reply describes: the slab view or the mapped tables."""
         f = reply.fields
         self.mode = f.get("mode", "served")
         self.mps = f.get("mps")  # GPU clients: {"daemon", "client", "shared"}; CPU: None
@@ -302,6 +330,7 @@ class EngramClient:
                         "the daemon and the engines (README, 'MPS').")
         self.client_id = int(f["client_id"])
         self.epoch = reply.epoch
+        self.counts = {"lookups": 0, "rows": 0, "out_of_range": 0}  # this registration's
         self.geometry = TableGeometry.from_config(f["geometry"], source="daemon register reply")
         self.shard: ShardView = self.geometry.shard(tp_rank, tp_size)
         if self.shard.local_heads != f["shard"]["local_heads"]:
@@ -429,7 +458,9 @@ class EngramClient:
                         stream: torch.cuda.Stream | None) -> torch.cuda.Event:
         side = self._side
         stream = stream or torch.cuda.current_stream(self.device.index)
-        ids = ids.to(self.device, non_blocking=True) if ids.device != self.device else ids
+        if ids.device != self.device:
+            with torch.cuda.stream(stream):  # the side stream waits for `stream` below
+                ids = ids.to(self.device, non_blocking=True)
         previous = self._pending.pop(slot, None)
         for consumer in previous.consumers if previous is not None else ():
             side.wait_stream(consumer)  # its readers are done before the rows are overwritten
@@ -461,6 +492,21 @@ class EngramClient:
     def _track(self, future: LookupFuture) -> LookupFuture:
         self._pending[future.slot] = future
         return future
+
+    def _daemon_failed(self, future: LookupFuture) -> bool:
+        """Served GPU lookups, after a sync: did the daemon mark this lookup as not served?"""
+        if future.event is not None or not isinstance(self._slab, _CudaSlabView):
+            return False
+        return self._slab.failed_seq(future.slot) == future.seq & 0xFFFFFFFF
+
+    def _error_of(self, future: LookupFuture) -> EngramError:
+        """The daemon's error reply for a lookup it marked failed (it sends one for each)."""
+        try:
+            self._conn.wait(future.rid, min(self.timeout, 5.0), f"the error of lookup {future.rid}")
+        except EngramError as exc:
+            return exc
+        return InternalError(f"the daemon marked lookup {future.rid} (slot {future.slot}) as not "
+                             "served but sent no error for it")
 
     def _take_in(self) -> None:
         """Read what the daemon sent, without waiting: notices, and error replies to GPU lookups
@@ -542,6 +588,7 @@ class EngramClient:
         """Mapped clients at release, the device idle: exact counts, the last word on them."""
         counts = dict(self.counts)
         if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the side stream's gathers count into it
             counts["out_of_range"] = int(self._gather.out_of_range.item())
         return counts
 
@@ -590,9 +637,8 @@ class EngramClient:
                     pass
             counts = None
             if self._mapped is not None:  # synchronises first: our gathers write our slots
-                self._mapped.close()
-                self._mapped = None
                 counts = self._final_counts()
+                self._unmap()
             slab, self._slab = self._slab, None
             if slab is not None:
                 slab.close()  # a GPU slab: waits for this process's streams first

@@ -146,10 +146,11 @@ class HostRegistration:
 class StreamOps:
     """The hot path's CUDA calls on handles built once (cuda-python objects cost ~1 us each).
 
-    One per process side (client or daemon). Streams are cached by their raw handle: torch keeps
-    a stream object alive for as long as its handle is in use, and a pool stream's handle is
-    reused for the same stream, so the cache never names a dead stream for another one.
+    One per process side (client or daemon). A CUstream only wraps the raw handle, so the cache
+    by handle can never be stale; it is bounded for callers that pass many short-lived streams.
     """
+
+    MAX_STREAMS = 64
 
     def __init__(self) -> None:
         _require()
@@ -161,6 +162,8 @@ class StreamOps:
     def stream(self, raw: int) -> Any:
         handle = self._streams.get(raw)
         if handle is None:
+            if len(self._streams) >= self.MAX_STREAMS:
+                self._streams.clear()
             handle = self._streams[raw] = cu.CUstream(raw)
         return handle
 

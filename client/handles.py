@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,14 +66,17 @@ def send_message(sock: socket.socket, header: dict[str, Any], fds: list[int] | N
         sock.sendall(data)
 
 
-def recv_message(sock: socket.socket, max_fds: int = 0) -> tuple[dict[str, Any], list[int]]:
-    """One framed message and the descriptors that came with it (the caller owns them)."""
+def recv_message(sock: socket.socket, max_fds: int = 0,
+                 deadline: float | None = None) -> tuple[dict[str, Any], list[int]]:
+    """One framed message and the descriptors that came with it (the caller owns them), read
+    before `deadline` (time.monotonic()) if given: TimeoutError past it, however slowly the
+    peer trickles its bytes."""
     fds: list[int] = []
     try:
-        (length,) = _LENGTH.unpack(_recv_exactly(sock, _LENGTH.size, max_fds, fds))
+        (length,) = _LENGTH.unpack(_recv_exactly(sock, _LENGTH.size, max_fds, fds, deadline))
         if length > MAX_MESSAGE_BYTES:
             raise ProtocolError(f"handle message of {length} bytes exceeds {MAX_MESSAGE_BYTES}")
-        body = _recv_exactly(sock, length, max_fds, fds)
+        body = _recv_exactly(sock, length, max_fds, fds, deadline)
         try:
             header = msgpack.unpackb(body, raw=False)
         except Exception as exc:  # msgpack raises several unrelated types for bad input
@@ -85,9 +89,15 @@ def recv_message(sock: socket.socket, max_fds: int = 0) -> tuple[dict[str, Any],
     return header, fds
 
 
-def _recv_exactly(sock: socket.socket, size: int, max_fds: int, fds: list[int]) -> bytes:
+def _recv_exactly(sock: socket.socket, size: int, max_fds: int, fds: list[int],
+                  deadline: float | None) -> bytes:
     data = b""
     while len(data) < size:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"handle message not complete in time ({len(data)} of {size} bytes)")
+            sock.settimeout(left)
         chunk, got, _, _ = socket.recv_fds(sock, size - len(data), max_fds)
         fds.extend(got)
         if not chunk:
@@ -107,15 +117,15 @@ def fetch_tables(path: str | os.PathLike, client_id: int, token: str,
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
     try:
-        try:
-            sock.connect(str(path))
-        except OSError as exc:
-            raise DaemonUnavailableError(f"no handle socket at {path}: {exc.strerror}") from None
+        sock.connect(str(path))
         send_message(sock, {"op": "tables", "client_id": client_id, "token": token})
-        try:
-            reply, fds = recv_message(sock, MAX_FDS)
-        except TimeoutError:
-            raise DaemonUnavailableError(f"no answer on {path} within {timeout:.1f} s") from None
+        reply, fds = recv_message(sock, MAX_FDS, deadline=time.monotonic() + timeout)
+    except TimeoutError:
+        raise DaemonUnavailableError(f"no answer on {path} within {timeout:.1f} s") from None
+    except OSError as exc:  # no socket, or the daemon went away mid-request
+        raise DaemonUnavailableError(f"handle socket {path}: {exc.strerror or exc}") from None
+    except ProtocolError as exc:
+        raise DaemonUnavailableError(f"handle socket {path}: {exc.message}") from None
     finally:
         sock.close()
     if reply.get("status") != "ok":

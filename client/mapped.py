@@ -32,6 +32,7 @@ class MappedTables:
         self.device = device
         self._maps: list[mmap.mmap] = []
         self._registration: Any = None
+        self.rows: list[np.ndarray] = []
         try:
             self._check(grants, geometry)
             for grant in grants:
@@ -39,11 +40,16 @@ class MappedTables:
         finally:
             for grant in grants:
                 os.close(grant.fd)  # the mappings keep the files; the descriptors are not needed
-        # numpy views: a read-only mapping exports a read-only buffer, which numpy accepts as is.
-        self.rows = [np.frombuffer(m, dtype=np.uint8, count=g.rows * g.row_bytes, offset=g.data_offset)
-                     .reshape(g.rows, g.row_bytes) for m, g in zip(self._maps, grants, strict=True)]
-        if device.type == "cuda":
-            self._register()
+        try:
+            # numpy views: a read-only mapping exports a read-only buffer, which numpy takes as is.
+            self.rows = [np.frombuffer(m, dtype=np.uint8, count=g.rows * g.row_bytes,
+                                       offset=g.data_offset).reshape(g.rows, g.row_bytes)
+                         for m, g in zip(self._maps, grants, strict=True)]
+            if device.type == "cuda":
+                self._register()
+        except BaseException:
+            self.close()
+            raise
 
     @staticmethod
     def _check(grants: list[TableGrant], geometry: TableGeometry) -> None:
@@ -77,17 +83,19 @@ class MappedTables:
 
     def close(self) -> None:
         """Unmap (a GPU client synchronises its device first: gathers may still read the rows)."""
-        if self._registration is not None:
-            torch.cuda.synchronize(self.device)
-            self._registration.close()
-            self._registration = None
-        self.rows = []
-        for m in self._maps:
-            try:
-                m.close()
-            except BufferError:
-                pass  # a tensor over it is still alive; the mapping goes with it
-        self._maps = []
+        registration, self._registration = self._registration, None
+        try:
+            if registration is not None:
+                torch.cuda.synchronize(self.device)
+                registration.close()
+        finally:
+            self.rows = []
+            for m in self._maps:
+                try:
+                    m.close()
+                except BufferError:
+                    pass  # a tensor over it is still alive; the mapping goes with it
+            self._maps = []
 
 
 class LocalSlots:

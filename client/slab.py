@@ -4,7 +4,7 @@ One slab per registered client (a shared-memory file on the CPU backend, one cud
 the client's GPU on the CUDA backend). Both sides compute the layout from the same numbers with
 this module; the daemon also sends it in the register reply and the client checks they agree::
 
-    offset 0            counters  [slots] x 64 B   (u32 ids_ready, u32 rows_done)
+    offset 0            counters  [slots] x 64 B   (u32 ids_ready, u32 rows_done, u32 failed)
     ids_offset(s)       hash IDs  int32|int64 [T, n_layers, heads]             one block per slot
     rows_offset(s)      rows      bf16  [n_layers, T, local_heads, head_dim]   packed by actual T
 
@@ -25,8 +25,10 @@ BLOCK_ALIGN = 4096
 COUNTER_STRIDE = 64
 IDS_ITEMSIZE = 8  # room for int64; a lookup's IDs sit in the caller's dtype (int32 or int64)
 ROW_ITEMSIZE = 2  # bf16
-# Counter words inside a slot's 64-byte counter line (u32 each).
-IDS_READY, ROWS_DONE = 0, 1
+# Counter words inside a slot's 64-byte counter line (u32 each). FAILED holds the seq of the
+# slot's last lookup the daemon could not serve (refused, or its gather failed to enqueue): it is
+# written before that lookup's ROWS_DONE, so a reader that has seen ROWS_DONE sees it too.
+IDS_READY, ROWS_DONE, FAILED = 0, 1, 2
 
 
 def _align(value: int, to: int) -> int:

@@ -46,7 +46,7 @@ from engramd.client.errors import BadRequestError, ResourceError
 from engramd.client.geometry import ShardView, TableGeometry
 from engramd.client.ids import ID_DTYPES
 from engramd.client.mps import MpsState, mps_state
-from engramd.client.slab import IDS_READY, ROWS_DONE, SlabLayout, SlotViews
+from engramd.client.slab import FAILED, IDS_READY, ROWS_DONE, SlabLayout, SlotViews
 from engramd.kernels.gather_triton import GatherPlan, LayerTable, SlotGather
 from engramd.kernels.hot_cache import CacheLayout, HotCache
 from engramd.server.backend import Completion, LookupJob
@@ -136,6 +136,7 @@ class CudaSlab:
         self.raw_stream = self.stream.cuda_stream
         self.ids_ready = [ops.pointer(self.counter_address(s, IDS_READY)) for s in range(layout.slots)]
         self.rows_done = [ops.pointer(self.counter_address(s, ROWS_DONE)) for s in range(layout.slots)]
+        self.failed = [ops.pointer(self.counter_address(s, FAILED)) for s in range(layout.slots)]
         self.enqueued: dict[int, int] = {}  # slot -> seq of the last lookup enqueued on it
         gpu.slabs.add(self)
 
@@ -267,13 +268,19 @@ def enqueue_lookup(job: LookupJob) -> None:
     slab: CudaSlab = job.slab
     slot, seq, raw = job.slot, job.seq, slab.raw_stream
     slab.ops.wait_u32(raw, slab.ids_ready[slot], seq)
-    if GATHER_DELAY_MS:
-        with torch.cuda.stream(slab.stream):
-            torch.cuda._sleep(int(GATHER_DELAY_MS * _CYCLES_PER_MS))
-    if not job.skip:
-        _gather(slab, slot, job.tokens, ID_DTYPES[job.ids_dtype])
-    slab.ops.write_u32(raw, slab.rows_done[slot], seq)
-    slab.enqueued[slot] = seq
+    served = False
+    try:
+        if GATHER_DELAY_MS:
+            with torch.cuda.stream(slab.stream):
+                torch.cuda._sleep(int(GATHER_DELAY_MS * _CYCLES_PER_MS))
+        if not job.skip:
+            _gather(slab, slot, job.tokens, ID_DTYPES[job.ids_dtype])
+            served = True
+    finally:  # whatever happened, the client's streams must not wait for ROWS_DONE forever
+        if not served:
+            slab.ops.write_u32(raw, slab.failed[slot], seq)
+        slab.ops.write_u32(raw, slab.rows_done[slot], seq)
+        slab.enqueued[slot] = seq
     job.out_of_range = 0  # counted on the GPU (slab.out_of_range); never synchronised per lookup
 
 

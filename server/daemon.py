@@ -36,6 +36,7 @@ from engramd.client.errors import (
     InternalError,
     NotReadyError,
     ProtocolError,
+    ResourceError,
     UnknownOperationError,
 )
 from engramd.client.geometry import TableGeometry
@@ -199,7 +200,8 @@ class Daemon:
 
     def _on_loaded(self, loaded: LoadedTables) -> None:
         self.tables = loaded
-        self._table_fds = [os.open(t.path, os.O_RDONLY | os.O_CLOEXEC) for t in loaded.tables]
+        self._table_fds = [os.open(t.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+                           for t in loaded.tables]
         self.geometry = loaded.geometry
         limits = Limits(self.config.max_clients, self.config.max_tokens, self.config.max_slots,
                         self.config.heartbeat_interval,
@@ -223,7 +225,14 @@ class Daemon:
         # not. A thread that wants the GIL waits up to the switch interval for a running one to
         # let go, so the default 5 ms would be added to a lookup whenever a background thread
         # runs Python at the moment a request arrives.
+        previous_interval = sys.getswitchinterval()
         sys.setswitchinterval(SWITCH_INTERVAL_S)
+        try:
+            return self._loop()
+        finally:
+            sys.setswitchinterval(previous_interval)
+
+    def _loop(self) -> int:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
@@ -458,7 +467,10 @@ class Daemon:
             return  # the asker gave up waiting
         try:
             future.set_result(self._grant(request))
-        except EngramError as exc:
+        except Exception as exc:  # every asker gets its answer; the loop keeps serving
+            if not isinstance(exc, EngramError):
+                log.exception("handle socket: granting tables failed")
+                exc = InternalError(f"granting tables failed: {type(exc).__name__}: {exc}")
             self._count_error(exc)
             future.set_result((error_reply(exc, self.epoch), []))
 
@@ -470,12 +482,21 @@ class Daemon:
         if type(client_id) is not int or not isinstance(token, str):
             raise ProtocolError("handle socket: 'tables' needs an int client_id and a str token")
         record = self._serving_store("tables").grant_tables(client_id, token)
-        tables = [{"layer_id": t.layer_id, "rows": t.rows, "row_bytes": t.row_bytes,
-                   "data_offset": t.data_offset, "file_bytes": os.fstat(fd).st_size}
-                  for t, fd in zip(self.tables.tables, self._table_fds, strict=True)]
+        fds: list[int] = []
+        try:
+            tables = [{"layer_id": t.layer_id, "rows": t.rows, "row_bytes": t.row_bytes,
+                       "data_offset": t.data_offset, "file_bytes": os.fstat(fd).st_size}
+                      for t, fd in zip(self.tables.tables, self._table_fds, strict=True)]
+            for fd in self._table_fds:
+                fds.append(os.dup(fd))
+        except OSError as exc:  # out of descriptors: nothing handed out, the token stays good
+            for fd in fds:
+                os.close(fd)
+            record.granted = False
+            raise ResourceError(f"cannot pass the tables' descriptors now: {exc.strerror}") from None
         log.info("client %d (pid %d) took read-only descriptors of %d tables", client_id,
                  record.watch.pid, len(tables))
-        return {"status": "ok", "epoch": self.epoch, "tables": tables}, [os.dup(fd) for fd in self._table_fds]
+        return {"status": "ok", "epoch": self.epoch, "tables": tables}, fds
 
     def _op_health(self, identity: bytes, request: protocol.Request) -> list[bytes]:
         return protocol.encode_reply(

@@ -1,9 +1,10 @@
 """The daemon's end of the handle socket (client/handles.py has the wire format).
 
-A thread accepts one connection at a time, reads its one request within HANDLE_TIMEOUT_S, and
-asks the request loop for the answer, because the registrations belong to the loop's thread: the
-loop checks the token and hands back the reply and the descriptors to send (duplicates made for
-this one message, closed here once sent). Nothing here knows about clients or tables.
+A thread accepts connections and serves each on a thread of its own (at most MAX_CONNECTIONS at
+once): it reads the one request before an absolute deadline (HANDLE_TIMEOUT_S from the accept)
+and asks the request loop for the answer, because the registrations belong to the loop's thread:
+the loop checks the token and hands back the reply and the descriptors to send (duplicates made
+for this one message, closed here once sent). Nothing here knows about clients or tables.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
@@ -21,6 +23,8 @@ from engramd.client.errors import ProtocolError
 from engramd.client.handles import HANDLE_TIMEOUT_S, error_reply, recv_message, send_message
 
 log = logging.getLogger("engramd.handles")
+
+MAX_CONNECTIONS = 16
 
 # Posts a request to the loop; the future gets (reply header, descriptors to send).
 Ask = Callable[[dict[str, Any], futures.Future], None]
@@ -38,6 +42,9 @@ class HandleServer:
         self._listener.listen(64)
         self._listener.settimeout(0.2)  # so that close() is noticed
         self._closing = threading.Event()
+        # A connection each on a thread of its own, at most MAX_CONNECTIONS at once: a slow or
+        # silent peer holds one of them until its deadline, never the others.
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._thread = threading.Thread(target=self._serve, name="engramd-handles", daemon=True)
         self._thread.start()
 
@@ -47,21 +54,34 @@ class HandleServer:
                 conn, _ = self._listener.accept()
             except TimeoutError:
                 continue
-            except OSError:
+            except OSError as exc:  # out of descriptors, an aborted connection: keep serving
                 if self._closing.is_set():
                     return
-                raise
-            with conn:
-                conn.settimeout(HANDLE_TIMEOUT_S)
-                self._answer(conn)
+                log.warning("handle socket: accept failed (%s)", exc)
+                self._closing.wait(0.05)
+                continue
+            if not self._slots.acquire(blocking=False):
+                log.warning("handle socket: %d connections already open; refusing one", MAX_CONNECTIONS)
+                conn.close()
+                continue
+            threading.Thread(target=self._connection, args=(conn,), name="engramd-handle",
+                             daemon=True).start()
 
-    def _answer(self, conn: socket.socket) -> None:
+    def _connection(self, conn: socket.socket) -> None:
+        try:
+            with conn:
+                self._answer(conn, time.monotonic() + HANDLE_TIMEOUT_S)
+        except Exception:  # a bug must not end the handle socket for everyone
+            log.exception("handle socket: unexpected error")
+        finally:
+            self._slots.release()
+
+    def _answer(self, conn: socket.socket, deadline: float) -> None:
         fds: list[int] = []
         try:
-            request, stray = recv_message(conn)
-            for fd in stray:  # a client has no business sending descriptors
-                os.close(fd)
+            request, _ = recv_message(conn, deadline=deadline)
             reply, fds = self._ask_loop(request)
+            conn.settimeout(max(0.01, deadline - time.monotonic()))
             send_message(conn, reply, fds)
         except ProtocolError as exc:
             self._try_send(conn, error_reply(exc, self._epoch))
@@ -78,7 +98,7 @@ class HandleServer:
             return future.result(timeout=HANDLE_TIMEOUT_S)
         except futures.TimeoutError:
             if not future.cancel():  # answered just now: its descriptors must not leak
-                for fd in future.result()[1]:
+                for fd in future.result(timeout=HANDLE_TIMEOUT_S)[1]:
                     os.close(fd)
             raise ProtocolError(f"the daemon did not answer within {HANDLE_TIMEOUT_S} s") from None
 
@@ -89,8 +109,8 @@ class HandleServer:
             pass  # the peer went away; nothing was handed out
 
     def close(self) -> None:
+        """Stop accepting; connections in progress end by their own deadline."""
         self._closing.set()
         self._thread.join()
         self._listener.close()
         self.path.unlink(missing_ok=True)
-

@@ -111,7 +111,7 @@ class LookupStore:
             local_heads=shard.local_heads, head_dim=self.geometry.head_dim)
         client_id = self._next_id
         mps = self._mps_report(req["device"], req.get("mps"))
-        mode = self._mode_for(req.get("mode"), mps)
+        mode = self._mode_for(req.get("mode"), req["device"], mps)
         if mode == "served" and mps is not None and not mps["shared"]:
             log.warning("a client on %s is served without a shared MPS server (daemon: %s, client: %s): "
                         "the daemon's gathers time-slice with the client's kernels instead of "
@@ -137,14 +137,15 @@ class LookupStore:
                           "row_ranges": [list(r) for r in shard.row_ranges]},
                 "slab": slab.wire() if slab else None, "mps": mps}
 
-    def _mode_for(self, asked: Any, mps: dict[str, Any] | None) -> str:
+    def _mode_for(self, asked: Any, device: str, mps: dict[str, Any] | None) -> str:
         """The mode a registration gets: the one asked for if allowed; for "auto", served where
-        the daemon's gathers can overlap the client's kernels (CPU, or a shared MPS server)."""
+        the daemon's gathers can overlap the client's kernels (a CPU client, or a GPU whose MPS
+        server the daemon shares), mapped elsewhere (also a GPU this daemon does not drive)."""
         allowed = self.limits.modes
         if asked is None:  # a client that predates modes: what it expects is a slab
             asked = "served"
         if asked == "auto":
-            preferred = "served" if mps is None or mps["shared"] else "mapped"
+            preferred = "served" if device == "cpu" or (mps is not None and mps["shared"]) else "mapped"
             return preferred if preferred in allowed else allowed[0]
         if asked not in MODES:
             raise BadRequestError(f"mode {asked!r}: expected auto, served or mapped")
@@ -200,7 +201,8 @@ class LookupStore:
         """A sign of life from the client's own connection, or from another one with its token.
         Mapped clients report their cumulative lookup counts with it."""
         record = self.clients.get(client_id)
-        if record is None or record.releasing or not token or not secrets.compare_digest(token, record.token):
+        if (record is None or record.releasing or not token
+                or not secrets.compare_digest(token.encode(), record.token.encode())):
             record = self.client(identity, client_id)  # NotRegisteredError unless it is that connection
         record.last_seen = time.monotonic()
         if record.mode == "mapped" and isinstance(counts, dict):

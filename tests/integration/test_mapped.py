@@ -108,6 +108,10 @@ def test_handle_socket_grants_read_only_descriptors_once_per_token(daemon_factor
     client_id, token = mapped["reply"]["client_id"], mapped["reply"]["token"]
     with pytest.raises(NotRegisteredError):
         fetch_tables(path, client_id, "0" * len(token))  # forged
+    other = raw_register(daemon, "mapped")
+    with pytest.raises(NotRegisteredError):
+        fetch_tables(path, client_id, other["reply"]["token"])  # another registration's token
+    other["sock"].close(0)
     grants = fetch_tables(path, client_id, token)
     try:
         assert [g.rows for g in grants] == list(reference.rows)
@@ -279,3 +283,23 @@ def test_daemon_and_mapped_clients_hold_one_copy_of_the_tables(daemon_factory, r
     # Four processes each have every page resident, yet their proportional shares add up to one
     # copy (rounding: a page-aligned file holds a little more than its rows).
     assert 0.95 * table_bytes <= total_pss <= 1.05 * table_bytes + 4 * 2 * 4096, (total_pss, table_bytes)
+
+
+def test_silent_handle_peers_block_no_one_and_not_the_stop(daemon_factory):
+    """Peers that connect to the handle socket and send nothing (or trickle) hold a connection
+    each until its deadline; a mapped client attaches meanwhile, and SIGTERM still stops."""
+    daemon = daemon_factory()
+    path = handle_socket_path(daemon.socket)
+    silent = []
+    for _ in range(3):
+        peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        peer.connect(str(path))
+        silent.append(peer)
+    silent[0].sendall(b"\x10")  # the first byte of a length, and no more
+    try:
+        with EngramClient(daemon.socket, mode="mapped") as client:
+            assert client.mode == "mapped"
+        assert daemon.stop() == 0, daemon.log()
+    finally:
+        for peer in silent:
+            peer.close()
