@@ -12,7 +12,8 @@ gets read-only descriptors of the tables it may read. One request per connection
                        error: {"v", "status": "error", "code", "message", "epoch"}
 
 A token is good for one grant: a replayed or forged one gets a typed error and no descriptor.
-The daemon answers each connection within HANDLE_TIMEOUT_S or closes it.
+The daemon reads each request within HANDLE_TIMEOUT_S of the connection (however slowly a peer
+sends it) and answers it, or closes the connection.
 """
 
 from __future__ import annotations
