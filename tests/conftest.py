@@ -59,6 +59,16 @@ def _our_temp_entries() -> set[Path]:
     return {path for path in _made_temp_dirs if path.exists()}
 
 
+def wait_until(condition, timeout: float, step: float = 0.01) -> float:
+    """Seconds until `condition()` held; raises AssertionError after `timeout`."""
+    start = time.monotonic()
+    while not condition():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"condition not met within {timeout} s")
+        time.sleep(step)
+    return time.monotonic() - start
+
+
 @pytest.fixture(autouse=True)
 def no_leaks():
     """Fail a test that leaves child processes or this suite's temporary files behind."""

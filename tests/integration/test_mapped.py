@@ -17,7 +17,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import msgpack
@@ -25,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 import zmq
-from conftest import run_client_processes
+from conftest import run_client_processes, wait_until
 from reference import random_ids
 from test_daemon_lookups import assert_rows_equal, check_worker_output
 
@@ -36,13 +35,6 @@ from engramd.client.handles import fetch_tables, handle_socket_path, recv_messag
 
 WORKER = Path(__file__).parent / "client_worker.py"
 HEARTBEAT_S = 0.2  # conftest's DaemonProcess passes this interval
-
-
-def wait_until(condition, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"condition not met within {timeout} s"
-        time.sleep(0.02)
 
 
 def test_served_and_mapped_clients_of_one_daemon_get_exact_rows(daemon_factory, reference, tmp_path):
@@ -229,7 +221,8 @@ def test_killed_mapped_client_is_retired_and_leaks_no_descriptor(daemon_factory)
         proc.wait()
         proc.stdout.close()
         wait_until(lambda gone=client_id: all(
-            c["client_id"] != gone for c in probe(daemon.socket, "stats", 5.0).fields["clients"]))
+            c["client_id"] != gone for c in probe(daemon.socket, "stats", 5.0).fields["clients"]),
+            timeout=10.0)
     wait_until(lambda: len(os.listdir(f"/proc/{pid}/fd")) <= fds_before + 3, timeout=5.0)
     assert probe(daemon.socket, "stats", 5.0).fields["clients"] == []
 

@@ -30,7 +30,7 @@ import msgpack
 import numpy as np
 import torch
 import zmq
-from conftest import engramd_command
+from conftest import engramd_command, wait_until
 from reference import random_ids
 
 from engramd.client import EngramClient
@@ -141,16 +141,6 @@ def slab_mappings(pid: int) -> int:
         if len(fields) == 6 and ".slab" in fields[5]:
             paths.add(fields[5])
     return len(paths)
-
-
-def wait_until(condition, timeout: float, step: float = 0.01) -> float:
-    """Seconds until `condition()` held; raises AssertionError after `timeout`."""
-    start = time.monotonic()
-    while not condition():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"condition not met within {timeout} s")
-        time.sleep(step)
-    return time.monotonic() - start
 
 
 def live_client_ids(daemon) -> list[int]:
