@@ -1,6 +1,7 @@
 # engramd node daemon. Build: docker build -t engramd .
-# Run beside inference engines (see README): share the runtime folder (socket) with them,
-# give /dev/shm room for the tables, and use --ipc=host --pid=host for legacy CUDA IPC.
+# Run beside inference engines (see README, "Containers"): share the runtime folder (its two
+# sockets) with them and give this container's /dev/shm room for the tables. No host IPC or PID
+# namespace: slabs and tables reach the engines as file descriptors over the handle socket.
 FROM nvidia/cuda:12.8.1-runtime-ubuntu24.04 AS base
 
 FROM base AS build

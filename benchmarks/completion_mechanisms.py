@@ -37,6 +37,23 @@ def event_handle_bytes(event) -> bytes:
     return ctypes.string_at(handle.getPtr(), 64)
 
 
+def ipc_handle_bytes(ptr: int) -> bytes:
+    """Legacy CUDA IPC memory handle (what slabs used before descriptors), as bytes."""
+    handle = check("cudaIpcGetMemHandle", cuda.cudart.cudaIpcGetMemHandle(ptr))
+    return ctypes.string_at(handle.getPtr(), 64)
+
+
+def ipc_open(data: bytes) -> int:
+    handle = cuda.cudart.cudaIpcMemHandle_t()
+    ctypes.memmove(handle.getPtr(), data, 64)
+    return int(check("cudaIpcOpenMemHandle", cuda.cudart.cudaIpcOpenMemHandle(
+        handle, cuda.cudart.cudaIpcMemLazyEnablePeerAccess)))
+
+
+def ipc_close(ptr: int) -> None:
+    check("cudaIpcCloseMemHandle", cuda.cudart.cudaIpcCloseMemHandle(ptr))
+
+
 def open_event(data: bytes):
     handle = cuda.cudart.cudaIpcEventHandle_t()
     ctypes.memmove(handle.getPtr(), data, 64)
@@ -55,7 +72,7 @@ def producer(address: str) -> None:
     with torch.cuda.stream(stream):
         work.fill_(1.0)  # load the kernel before any cross-process wait exists
     torch.cuda.synchronize()
-    sock.send_multipart([cuda.ipc_handle_bytes(ptr), event_handle_bytes(event)])
+    sock.send_multipart([ipc_handle_bytes(ptr), event_handle_bytes(event)])
     while True:
         mode, seq = sock.recv_multipart()
         if mode == b"stop":
@@ -76,7 +93,7 @@ def consumer(iters: int) -> dict:
     sock.bind(address)
     child = subprocess.Popen([sys.executable, __file__, "--producer", address])
     mem, ev = sock.recv_multipart()
-    ptr = cuda.ipc_open(mem)
+    ptr = ipc_open(mem)
     event = open_event(ev)
     stream = torch.cuda.current_stream()
     results = {}
@@ -105,7 +122,7 @@ def consumer(iters: int) -> dict:
     sock.send_multipart([b"stop", b"0"])
     child.wait(30)
     torch.cuda.synchronize()
-    cuda.ipc_close(ptr)
+    ipc_close(ptr)
     return results
 
 

@@ -4,7 +4,8 @@
 #
 #   bash benchmarks/gpu_session.sh OUT PHASE...
 #
-# Phases: tests (tests/gpu without MPS), tests-daemon (its end-to-end files alone), tests-mps (the cross-process GPU tests under MPS),
+# Phases: tests (tests/gpu without MPS), tests-daemon (its end-to-end files alone),
+# tests-containers (namespaced clients, descriptor slabs), tests-mps (the cross-process GPU tests under MPS),
 # lookup (benchmarks/gpu_lookup.py, both MPS modes; with the mapped column (d)),
 # step (benchmarks/model_step.py, both modes, all four variants: compute, inproc, engramd served,
 # mapped), step-mapped (the same as step: its name for runs that want the mapped variant),
@@ -38,10 +39,13 @@ phase_tests_daemon() {  # the end-to-end GPU tests alone (served and mapped clie
   python3 -m pytest tests/gpu/test_cuda_daemon.py tests/gpu/test_adapter_gpu.py -q --durations=5 \
     2>&1 | tee "$out/gpu_tests_daemon.log"
 }
+phase_tests_containers() {  # namespaced clients and descriptor slabs alone, no MPS
+  python3 -m pytest tests/gpu/test_containers_gpu.py -q --durations=5 2>&1 | tee "$out/gpu_tests_containers.log"
+}
 phase_tests_mps() {
   mps_start
-  python3 -m pytest tests/gpu/test_cuda_daemon.py tests/gpu/test_adapter_gpu.py -q 2>&1 \
-    | tee "$out/gpu_tests_mps.log"
+  python3 -m pytest tests/gpu/test_cuda_daemon.py tests/gpu/test_adapter_gpu.py \
+    tests/gpu/test_containers_gpu.py -q 2>&1 | tee "$out/gpu_tests_mps.log"
   local rc=${PIPESTATUS[0]}
   mps_stop
   return "$rc"

@@ -12,7 +12,7 @@ re-attaches it (plus --daemon-args). Then, --repeat times:
            its close() (synchronize, cudaHostUnregister, release)
   split    the pieces of the same, timed one by one on a registration of their own, the way
            client.py makes them: register (mode "mapped", this GPU's UUID) on a Connection,
-           fetch_tables (client/handles.py), a separate mmap of the granted descriptors (mmap
+           attach (client/handles.py), a separate mmap of the granted descriptors (mmap
            alone), MappedTables (client/mapped.py: mmap + cudaHostRegister ReadOnly),
            mapped_gather (GatherPlan + warm-up), MappedTables.close (unregister), release
 The first repeat also loads the gather kernels into this process (later ones find them loaded).
@@ -55,7 +55,7 @@ from engramd.client import EngramClient
 from engramd.client.connection import Connection, probe
 from engramd.client.errors import EngramError
 from engramd.client.geometry import V41_FLASH_CONFIG, TableGeometry
-from engramd.client.handles import fetch_tables, handle_socket_path
+from engramd.client.handles import attach, handle_socket_path
 from engramd.client.mapped import MappedTables, mapped_gather
 from engramd.server.checkpoint import EngramCheckpoint
 from engramd.server.table_store import TableStore
@@ -239,12 +239,14 @@ def attach_split(socket: Path) -> dict[str, Any]:
         try:
             geometry = TableGeometry.from_config(f["geometry"], source="daemon register reply")
             started = time.perf_counter()
-            grants = fetch_tables(handle_socket_path(socket), client_id, f["token"])
+            attached = attach(handle_socket_path(socket), client_id, f["token"])
+            grants = attached.tables
             out["fetch_ms"] = (time.perf_counter() - started) * 1e3
             out["tables_bytes"] = sum(g.rows * g.row_bytes for g in grants)
             out["mmap_ms"] = mmap_alone(grants) * 1e3
             started = time.perf_counter()
-            tables = MappedTables(grants, geometry, device)  # closes the grants' descriptors
+            tables = MappedTables(grants, geometry, device)
+            attached.close_descriptors()  # the mappings keep the files
             out["map_register_s"] = time.perf_counter() - started
             out["register_gb_s"] = out["tables_bytes"] / 1e9 / out["map_register_s"]
             started = time.perf_counter()
@@ -370,7 +372,7 @@ ATTACH_ROWS = (  # key, label, digits
     ("first_lookup_ms", "first lookup (1 token, lookup + wait + synchronize), ms", 2),
     ("close_s", "close() (synchronize, unregister, release), s", 3),
     ("register_ms", "split: register over ZeroMQ, ms", 2),
-    ("fetch_ms", "split: fetch_tables (handle socket), ms", 2),
+    ("fetch_ms", "split: attach (handle socket), ms", 2),
     ("mmap_ms", "split: mmap of the granted files alone, ms", 3),
     ("map_register_s", "split: MappedTables (mmap + cudaHostRegister ReadOnly), s", 3),
     ("register_gb_s", "split: registration GB/s (table bytes / MappedTables)", 2),

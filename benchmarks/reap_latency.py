@@ -59,6 +59,19 @@ def wait_for(condition, timeout: float = 60.0) -> float:
     return time.monotonic() - start
 
 
+def slab_descriptors(pid: int) -> set[str]:
+    """The daemon's slabs: memfd descriptors named engramd-slab-c<id> (server/cpu_backend.py)."""
+    found = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("/memfd:engramd-slab-c"):
+            found.add(target.split(" ")[0])
+    return found
+
+
 def in_flight(socket: Path, client_id: int) -> bool:
     return any(c["client_id"] == client_id and c["in_flight"]
                for c in probe(socket, "stats", 5.0).fields["clients"])
@@ -68,7 +81,9 @@ def one_kill(socket: Path, shm: Path, mode: str) -> tuple[float, float]:
     proc = subprocess.Popen([sys.executable, "-c", CLIENT, str(socket), mode],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     client_id = int(proc.stdout.readline())
-    (slab,) = shm.glob(f"*.c{client_id}.slab")
+    daemon_pid = probe(socket, "health", 5.0).fields["pid"]
+    slab = f"/memfd:engramd-slab-c{client_id}"
+    assert slab in slab_descriptors(daemon_pid), slab
     if mode == "busy":
         wait_for(lambda: in_flight(socket, client_id))
     killed = time.monotonic()
@@ -76,7 +91,7 @@ def one_kill(socket: Path, shm: Path, mode: str) -> tuple[float, float]:
     wait_for(lambda: all(c["client_id"] != client_id
                          for c in probe(socket, "stats", 5.0).fields["clients"]))
     retired = time.monotonic() - killed
-    wait_for(lambda: not slab.exists())
+    wait_for(lambda: slab not in slab_descriptors(daemon_pid))
     freed = time.monotonic() - killed
     proc.wait()
     return retired, freed

@@ -1,26 +1,28 @@
 """engramd client library: the public contract (geometry, wire protocol, errors) and the client.
 
     from engramd.client import EngramClient
+
+Names are imported on first use (PEP 562), so that a light user of the package (the CLI's
+`health`, which must answer a probe in well under a second) never loads torch.
 """
 
-from engramd.client.client import EngramClient, LookupFuture
-from engramd.client.errors import (
-    BadIdsError,
-    BadRequestError,
-    DaemonUnavailableError,
-    EngramError,
-    NotReadyError,
-    NotRegisteredError,
-    ProtocolError,
-    ReplyTimeoutError,
-)
-from engramd.client.geometry import DEAD_ID, ShardView, TableGeometry
-from engramd.client.hashing import EngramHasher, HashState
+from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_HOMES = {
+    "EngramClient": "client", "LookupFuture": "client",
+    "BadIdsError": "errors", "BadRequestError": "errors", "DaemonUnavailableError": "errors",
+    "EngramError": "errors", "NotReadyError": "errors", "NotRegisteredError": "errors",
+    "PermissionDeniedError": "errors", "ProtocolError": "errors", "ReplyTimeoutError": "errors",
+    "DEAD_ID": "geometry", "ShardView": "geometry", "TableGeometry": "geometry",
+    "EngramHasher": "hashing", "HashState": "hashing",
+}
 __all__ = [
-    "DEAD_ID",
     "BadIdsError",
     "BadRequestError",
+    "DEAD_ID",
     "DaemonUnavailableError",
     "EngramClient",
     "EngramError",
@@ -29,8 +31,38 @@ __all__ = [
     "LookupFuture",
     "NotReadyError",
     "NotRegisteredError",
+    "PermissionDeniedError",
     "ProtocolError",
     "ReplyTimeoutError",
     "ShardView",
     "TableGeometry",
 ]
+
+if TYPE_CHECKING:
+    from engramd.client.client import EngramClient, LookupFuture
+    from engramd.client.errors import (
+        BadIdsError,
+        BadRequestError,
+        DaemonUnavailableError,
+        EngramError,
+        NotReadyError,
+        NotRegisteredError,
+        PermissionDeniedError,
+        ProtocolError,
+        ReplyTimeoutError,
+    )
+    from engramd.client.geometry import DEAD_ID, ShardView, TableGeometry
+    from engramd.client.hashing import EngramHasher, HashState
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'engramd.client' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"engramd.client.{home}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -6,8 +6,9 @@
         rows = future.wait()                  # GPU: the current stream waits; no host sync
         rows = future.result()                # blocking form (CPU and GPU)
 
-Rows live in one of the client's `slots` of the daemon's slab (a shared-memory file on the CPU
-backend, device memory shared over CUDA IPC on the GPU backend); a result is a view of that
+Rows live in one of the client's `slots` of the daemon's slab (anonymous shared memory on the CPU
+backend, device memory on the GPU backend, either passed as a file descriptor over the handle
+socket); in mapped mode, in this process's own slots. A result is a view of that
 memory, valid until `slots` further lookups have been submitted on this client (`copy=True` keeps
 a private copy). Slots are reused round-robin and never overwritten while a consumer may still
 read them: on the CPU the previous lookup's reply is awaited; on the GPU the new IDs are written
@@ -17,9 +18,10 @@ GPU path, per lookup (see server/cuda_backend.py for the daemon's half):
     caller stream:    [wait for the slot's previous consumers] copy IDs -> slot; IDS_READY = seq
     LOOKUP message -> daemon (no reply awaited)
     wait(stream):     stream waits ROWS_DONE >= seq
-If the daemon dies, a watchdog thread satisfies every pending wait from a side stream within
-WATCHDOG_S, so no stream of this process hangs, and every later call raises
-DaemonUnavailableError. One client object serves one thread.
+If the daemon dies (or retires the registration: either way its end of the lease closes), a
+watchdog thread satisfies every pending wait from a side stream within WATCHDOG_S, so no stream
+of this process hangs, and every later call raises DaemonUnavailableError until the next lookup()
+re-registers. One client object serves one thread.
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ import itertools
 import logging
 import mmap
 import os
+import socket
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +51,13 @@ from engramd.client.errors import (
     ReplyTimeoutError,
 )
 from engramd.client.geometry import ShardView, TableGeometry
-from engramd.client.handles import HANDLE_TIMEOUT_S, fetch_tables, handle_socket_path
+from engramd.client.handles import (
+    HANDLE_TIMEOUT_S,
+    Attachment,
+    attach,
+    handle_socket_path,
+    lease_closed,
+)
 from engramd.client.ids import dtype_name
 from engramd.client.mapped import DeviceCounterReader, LocalSlots, MappedTables, mapped_gather
 from engramd.client.slab import FAILED, IDS_READY, ROWS_DONE, SlabLayout, SlotViews
@@ -58,6 +68,19 @@ MODES = ("auto", "served", "mapped")
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_RECONNECT_S = 60.0  # how long lookup() waits for a restarted daemon before giving up
 WATCHDOG_S = 0.1
+
+# Leases of this process's clients. A child made by fork() must not hold them: a lease is closed
+# by the kernel when its last holder exits, so a child outliving its parent would keep a dead
+# parent's registration alive.
+_LEASES: weakref.WeakSet[socket.socket] = weakref.WeakSet()
+
+
+def _drop_leases_in_child() -> None:
+    for lease in list(_LEASES):
+        lease.close()
+
+
+os.register_at_fork(after_in_child=_drop_leases_in_child)
 
 
 class LookupFuture:
@@ -128,19 +151,15 @@ class LookupFuture:
             raise self._error
 
 
-class _ShmSlabView:
-    """The client's mapping of a CPU-backend slab."""
+class _MemfdSlabView:
+    """The client's mapping of a CPU-backend slab (a memfd passed over the handle socket)."""
 
-    def __init__(self, wire: dict[str, Any], layout: SlabLayout):
+    def __init__(self, fd: int, layout: SlabLayout):
         self.layout = layout
-        fd = os.open(wire["path"], os.O_RDWR)
-        try:
-            size = os.fstat(fd).st_size
-            if size < layout.size:
-                raise InternalError(f"slab {wire['path']} has {size} bytes, layout needs {layout.size}")
-            self._map = mmap.mmap(fd, layout.size, mmap.MAP_SHARED)
-        finally:
-            os.close(fd)
+        size = os.fstat(fd).st_size
+        if size < layout.size:
+            raise InternalError(f"slab descriptor has {size} bytes, the layout needs {layout.size}")
+        self._map = mmap.mmap(fd, layout.size, mmap.MAP_SHARED)
         self.buffer = torch.frombuffer(self._map, dtype=torch.uint8)
 
     def rows(self, slot: int, tokens: int) -> torch.Tensor:
@@ -155,16 +174,16 @@ class _ShmSlabView:
 
 
 class _CudaSlabView:
-    """The client's IPC mapping of a GPU slab (opened once, closed with the client)."""
+    """The client's mapping of a GPU slab (device memory passed as a descriptor), opened once."""
 
-    def __init__(self, wire: dict[str, Any], layout: SlabLayout, device: torch.device):
+    def __init__(self, fd: int, wire: dict[str, Any], layout: SlabLayout, device: torch.device):
         from engramd.client import cuda
 
-        self._cuda = cuda
         self.layout = layout
         self.device = device
+        self.memory = cuda.DeviceAllocation.from_descriptor(fd, int(wire["bytes"]), device.index)
+        self.ptr = self.memory.ptr
         with torch.cuda.device(device):
-            self.ptr = cuda.ipc_open(bytes(wire["handle"]))
             self.views = SlotViews(layout, cuda.tensor_view(self.ptr, layout.size, device))
             self.side_stream = cuda.new_stream(device.index)
         self.ops = cuda.StreamOps()
@@ -190,8 +209,10 @@ class _CudaSlabView:
     def close(self) -> None:
         torch.cuda.synchronize(self.device)
         self.views.close()
-        with torch.cuda.device(self.device):
-            self._cuda.ipc_close(self.ptr)
+        self.memory.close()
+        from engramd.client import cuda
+
+        cuda.STREAMS.give(self.side_stream)  # idle: the device was synchronised
 
 
 def _resolve_device(device: str | torch.device) -> torch.device:
@@ -218,7 +239,8 @@ class EngramClient:
         self.reconnect_timeout = reconnect_timeout
         self._registration = (tp_rank, tp_size, max_tokens, slots, name)
         self._conn: Connection | None = None
-        self._slab: _ShmSlabView | _CudaSlabView | LocalSlots | None = None
+        self._slab: _MemfdSlabView | _CudaSlabView | LocalSlots | None = None
+        self._lease: socket.socket | None = None  # the daemon frees us when it closes
         self._mapped: MappedTables | None = None
         self._gather: Any = None  # mapped: the gather this process runs
         self._side: torch.cuda.Stream | None = None  # mapped GPU clients gather on it
@@ -272,19 +294,25 @@ class EngramClient:
                 self._disconnect()  # never left half-registered: the next call starts afresh
                 raise
 
-    def _disconnect(self) -> None:
-        """Drop the connection and the slab mapping without talking to the daemon."""
+    def _stop_watchdog(self) -> None:
         if self._closing is not None:
             self._closing.set()
         if self._watchdog is not None:
             self._watchdog.join()
             self._watchdog = None
+
+    def _disconnect(self) -> None:
+        """Drop the connection and the slab mapping without talking to the daemon."""
+        self._stop_watchdog()
         try:
             self._unmap()  # first: it synchronises the device, so no gather of ours still reads
         finally:           # the old mapping or writes our slots
             if self._slab is not None:
                 self._slab.close()
                 self._slab = None
+            if self._lease is not None:
+                self._lease.close()
+                self._lease = None
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
@@ -292,10 +320,15 @@ class EngramClient:
 
     def _unmap(self) -> None:
         """Mapped mode: let go of the tables and of everything built on them."""
-        mapped = self._mapped
+        mapped, side = self._mapped, self._side
         self._mapped, self._gather, self._side, self._out_of_range = None, None, None, None
         if mapped is not None:
             mapped.close()
+        if side is not None:
+            from engramd.client import cuda
+
+            torch.cuda.synchronize(self.device)  # our gathers ran on it
+            cuda.STREAMS.give(side)
 
     def _register(self, tp_rank: int, tp_size: int, max_tokens: int, slots: int, name: str,
                   timeout: float) -> None:
@@ -335,28 +368,45 @@ class EngramClient:
         self.shard: ShardView = self.geometry.shard(tp_rank, tp_size)
         if self.shard.local_heads != f["shard"]["local_heads"]:
             raise InternalError(f"daemon and client disagree on the shard: {f['shard']!r}")
-        self.layout = SlabLayout.from_wire(f["layout"] if f.get("layout") else f["slab"]["layout"])
-        if self.mode == "mapped":
-            self._map_tables(int(f["client_id"]), f.get("token", ""),
-                             int(f.get("gather", {}).get("sort_min_tokens", 0)))
-        elif f["slab"]["kind"] == "cuda_ipc":
-            self._slab = _CudaSlabView(f["slab"], self.layout, self.device)
-            self._warm_up()
-        else:
-            self._slab = _ShmSlabView(f["slab"], self.layout)
-        if "daemon_pid" in f:
-            self._conn.watch_daemon(int(f["daemon_pid"]))
+        self.layout = SlabLayout.from_wire(f["layout"])
+        attachment = attach(handle_socket_path(self.socket_path), self.client_id, f["token"],
+                            timeout=min(self.timeout, HANDLE_TIMEOUT_S))
+        self._lease = attachment.lease
+        _LEASES.add(self._lease)
+        try:
+            self._take_attachment(attachment, int(f.get("gather", {}).get("sort_min_tokens", 0)))
+        finally:
+            attachment.close_descriptors()  # what was mapped keeps its memory
+        self._conn.watch_daemon(self._lease_gone)
         self._watchdog = threading.Thread(
             target=self._watch, args=(self._closing, self.client_id, f.get("token", ""),
                                       float(f.get("heartbeat_interval", 1.0))),
             name="engramd-watchdog", daemon=True)
         self._watchdog.start()
 
-    def _map_tables(self, client_id: int, token: str, sort_min_tokens: int) -> None:
-        """Mapped mode: the tables' descriptors over the handle socket, mapped read-only."""
-        grants = fetch_tables(handle_socket_path(self.socket_path), client_id, token,
-                              timeout=min(self.timeout, HANDLE_TIMEOUT_S))
-        self._mapped = MappedTables(grants, self.geometry, self.device)
+    def _take_attachment(self, attachment: Attachment, sort_min_tokens: int) -> None:
+        """Map what the attach passed: the slab (served) or the tables (mapped)."""
+        if self.mode == "mapped":
+            self._map_tables(attachment, sort_min_tokens)
+        elif attachment.slab is None or attachment.slab_fd is None:
+            raise InternalError("the daemon attached a served client without a slab")
+        elif attachment.slab.get("kind") == "cuda_vmm":
+            self._slab = _CudaSlabView(attachment.slab_fd, attachment.slab, self.layout, self.device)
+            self._warm_up()
+        elif attachment.slab.get("kind") == "memfd" and self.device.type == "cpu":
+            self._slab = _MemfdSlabView(attachment.slab_fd, self.layout)
+        else:
+            raise InternalError(f"slab of kind {attachment.slab.get('kind')!r} for a {self.device} client")
+
+    def _lease_gone(self) -> str | None:
+        lease = self._lease
+        if lease is None or lease_closed(lease):
+            return "the daemon closed this client's lease (it exited, or retired the client)"
+        return None
+
+    def _map_tables(self, attachment: Attachment, sort_min_tokens: int) -> None:
+        """Mapped mode: the tables' descriptors, mapped read-only."""
+        self._mapped = MappedTables(attachment.tables, self.geometry, self.device)
         self._slab = LocalSlots(self.layout, self.device)
         self._gather = mapped_gather(self.shard, self._mapped, self.device, sort_min_tokens)
         if self.device.type == "cuda":
@@ -554,15 +604,15 @@ class EngramClient:
 
     def _watch(self, closing: threading.Event, client_id: int, token: str, interval: float) -> None:
         """Background thread: heartbeats on a connection of its own (so a daemon that cannot see
-        our PID knows we live), and for GPU clients, release of every stream wait on the
-        daemon's counters if the daemon dies."""
-        watch = self._conn.daemon_watch
+        our process knows we live), and for GPU clients, release of every stream wait on the
+        daemon's counters once the lease closes (the daemon died or retired us)."""
         beat = Connection(self.socket_path)
         next_beat = 0.0
         try:
             while not closing.wait(WATCHDOG_S):
-                if self.device.type == "cuda" and watch is not None and watch.alive() is False:
-                    self._dead = f"daemon (pid {watch.pid}) died; results of in-flight lookups are invalid"
+                gone = self._lease_gone() if self.device.type == "cuda" else None
+                if gone is not None:
+                    self._dead = f"{gone}; results of in-flight lookups are invalid"
                     if self.mode == "served":  # mapped clients wait on nothing of the daemon's
                         self._release_waits()
                     return
@@ -580,8 +630,9 @@ class EngramClient:
         if self.mode != "mapped":
             return None
         counts = dict(self.counts)
-        if self.device.type == "cuda":
-            counts["out_of_range"] = self._out_of_range.read()
+        reader = self._out_of_range  # None once unmapped (close or reconnect on another thread)
+        if self.device.type == "cuda" and reader is not None:
+            counts["out_of_range"] = reader.read()
         return counts
 
     def _final_counts(self) -> dict[str, int]:
@@ -600,15 +651,14 @@ class EngramClient:
             cuda.stream_write_u32(slab.side_stream.cuda_stream, slab.counter(future.slot, ROWS_DONE), future.seq)
 
     def _daemon_gone(self) -> bool:
-        """The daemon of our registration died or said it is stopping (a reconnect may help).
-        Reads only what _take_in() has collected."""
+        """The daemon of our registration died, retired us, or said it is stopping (a reconnect
+        may help). Reads only what _take_in() has collected, and the lease without waiting."""
         if self._conn is None:
             return False
-        watch = self._conn.daemon_watch
-        # GPU clients: the watchdog thread reads /proc and sets _dead, off the lookup path.
-        cpu_watch = watch is not None and self.device.type == "cpu"
+        # GPU clients: the watchdog thread watches the lease and sets _dead, off the lookup path.
+        cpu_watch = self.device.type == "cpu" and self._lease is not None
         return (self._dead is not None or self._conn.notice == "stopping"
-                or (cpu_watch and watch.alive() is False))
+                or (cpu_watch and self._lease_gone() is not None))
 
     def _check_alive(self) -> None:
         if self._conn is None:
@@ -642,6 +692,7 @@ class EngramClient:
             slab, self._slab = self._slab, None
             if slab is not None:
                 slab.close()  # a GPU slab: waits for this process's streams first
+            self._stop_watchdog()  # releasing closes the lease: that is no death to report
             try:
                 self._conn.call("release", min(self.timeout, 5.0), client_id=self.client_id,
                                 counts=counts)

@@ -1,9 +1,9 @@
 """A request/reply channel to the daemon: one DEALER socket, replies routed to callers by rid.
 
 Shared by the client library and the CLI. Every wait is bounded: a caller either gets its reply,
-or a DaemonUnavailableError that says what it waited for and for how long. While waiting, the
-daemon's process is watched (when its PID is visible), so a daemon killed mid-request is noticed
-within about POLL_S, not at the timeout.
+or a DaemonUnavailableError that says what it waited for and for how long. While waiting, a
+registered client's lease is watched (client/handles.py), so a daemon killed mid-request is
+noticed within about POLL_S, not at the timeout.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import itertools
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +20,18 @@ import zmq
 
 from engramd.client import protocol
 from engramd.client.errors import DaemonUnavailableError, EngramError, ReplyTimeoutError
-from engramd.client.procwatch import ProcessWatch
 
 POLL_S = 0.1
 
 
+SOCKET_ENV = "ENGRAMD_SOCKET"
+
+
 def default_socket_path() -> str:
-    """/run/engramd for root (systemd's RuntimeDirectory), else a per-user folder in the temp dir."""
+    """$ENGRAMD_SOCKET if set; else /run/engramd for root (systemd's RuntimeDirectory), else a
+    per-user folder in the temp dir."""
+    if os.environ.get(SOCKET_ENV):
+        return os.environ[SOCKET_ENV]
     if os.geteuid() == 0:
         return "/run/engramd/engramd.sock"
     return str(Path(tempfile.gettempdir()) / f"engramd-{os.geteuid()}" / "engramd.sock")
@@ -41,12 +47,13 @@ class Connection:
         self._sock.connect(f"ipc://{self.socket_path}")
         self._rids = itertools.count(1)
         self._replies: dict[int, list[bytes]] = {}
-        self.daemon_watch: ProcessWatch | None = None
+        self._gone: Callable[[], str | None] | None = None
         self.epoch: str | None = None
         self.notice: str | None = None  # last unsolicited event from the daemon ("stopping")
 
-    def watch_daemon(self, pid: int) -> None:
-        self.daemon_watch = ProcessWatch(pid)
+    def watch_daemon(self, gone: Callable[[], str | None]) -> None:
+        """While waiting, ask `gone()`: why the daemon can no longer answer, or None."""
+        self._gone = gone
 
     def send(self, op: str, payload: list[Any] | None = None, **fields: Any) -> int:
         """Send a request; returns its rid. Payload frames are sent without copying."""
@@ -109,13 +116,12 @@ class Connection:
                 raise ReplyTimeoutError(
                     f"no reply to {what} from {self.socket_path} within {timeout:.1f} s "
                     "(is the daemon running? raise the client's timeout if it is busy)")
-            if self.daemon_watch is not None and self.daemon_watch.alive() is False:
+            gone = self._gone() if self._gone is not None else None
+            if gone is not None:
                 self._collect(0)
                 if rid in self._replies:
                     break
-                raise DaemonUnavailableError(
-                    f"daemon (pid {self.daemon_watch.pid}) exited while waiting for {what}",
-                    epoch=self.epoch)
+                raise DaemonUnavailableError(f"{gone} while waiting for {what}", epoch=self.epoch)
             left = POLL_S if deadline is None else max(0.0, min(POLL_S, deadline - time.monotonic()))
             self._collect(int(left * 1000))
         return self._replies.pop(rid)

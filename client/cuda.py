@@ -2,14 +2,14 @@
 
 One checker turns cuda-python's `(err, *values)` tuples into values or a CudaError naming the call.
 The rest are the few operations both sides of the GPU data path share: device UUIDs (processes see
-different device indices under CUDA_VISIBLE_DEVICES, UUIDs are the same), IPC memory handles as
-bytes, stream memory operations on 32-bit counters, and viewing raw device memory as a torch tensor.
+different device indices under CUDA_VISIBLE_DEVICES, UUIDs are the same), device memory shared
+as file descriptors, stream memory operations on 32-bit counters, and viewing raw device memory as a torch tensor.
 Imported only where CUDA is used; nothing here runs at import time.
 """
 
 from __future__ import annotations
 
-import ctypes
+import threading
 from typing import Any
 
 import torch
@@ -20,7 +20,6 @@ try:
 except ImportError:  # pragma: no cover - cuda-python is a dependency; keep the message clear
     cu = cudart = None
 
-IPC_HANDLE_BYTES = 64
 REGISTER_CHUNK = 64 << 30  # the largest range registered in one call (DESIGN.md, host tier)
 
 
@@ -66,24 +65,100 @@ def device_uuid(index: int) -> str:
     return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
 
-def ipc_handle_bytes(ptr: int) -> bytes:
-    handle = check("cudaIpcGetMemHandle", cudart.cudaIpcGetMemHandle(ptr))
-    return ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES)
+class DeviceAllocation:
+    """Device memory from CUDA's virtual memory API, shareable as a POSIX file descriptor.
+
+    The daemon creates one per served client's slab and passes its descriptor over the handle
+    socket; the client imports it. Each side maps the physical allocation at an address of its
+    own and lets go of it with close(); the memory is freed when the last holder has let go, so
+    a client that is slow to let go never reads freed memory. Unlike legacy CUDA IPC handles,
+    a descriptor needs no shared IPC or PID namespace.
+    """
+
+    def __init__(self, handle: Any, size: int, device_index: int):
+        self.size = size
+        self.device_index = device_index
+        self._handle = handle
+        self.ptr = 0
+        try:
+            with torch.cuda.device(device_index):
+                make_current(device_index)
+                self.ptr = int(check("cuMemAddressReserve",
+                                     cu.cuMemAddressReserve(size, _granularity(device_index), 0, 0)))
+                check("cuMemMap", cu.cuMemMap(self.ptr, size, 0, handle, 0))
+                access = cu.CUmemAccessDesc()
+                access.location = _device_location(device_index)
+                access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+                check("cuMemSetAccess", cu.cuMemSetAccess(self.ptr, size, [access], 1))
+        except BaseException:
+            self.close()
+            raise
+
+    @classmethod
+    def create(cls, device_index: int, size: int) -> DeviceAllocation:
+        """`size` bytes (rounded up to the allocation granularity) on device `device_index`."""
+        _require()
+        make_current(device_index)
+        granularity = _granularity(device_index)
+        size = (size + granularity - 1) // granularity * granularity
+        handle = check("cuMemCreate", cu.cuMemCreate(size, _allocation_prop(device_index), 0))
+        return cls(handle, size, device_index)
+
+    @classmethod
+    def from_descriptor(cls, fd: int, size: int, device_index: int) -> DeviceAllocation:
+        """Import a peer's allocation of `size` bytes; the caller still owns (and closes) `fd`."""
+        _require()
+        make_current(device_index)
+        handle = check("cuMemImportFromShareableHandle", cu.cuMemImportFromShareableHandle(
+            fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))
+        return cls(handle, size, device_index)
+
+    def descriptor(self) -> int:
+        """A new POSIX descriptor of the allocation (the caller closes it)."""
+        return int(check("cuMemExportToShareableHandle", cu.cuMemExportToShareableHandle(
+            self._handle, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0)))
+
+    def close(self) -> None:
+        """Unmap and release this process's hold (the device must be done with the memory)."""
+        ptr, handle, self.ptr, self._handle = self.ptr, self._handle, 0, None
+        with torch.cuda.device(self.device_index):
+            make_current(self.device_index)
+            if ptr:
+                check("cuMemUnmap", cu.cuMemUnmap(ptr, self.size))
+                check("cuMemAddressFree", cu.cuMemAddressFree(ptr, self.size))
+            if handle is not None:
+                check("cuMemRelease", cu.cuMemRelease(handle))
 
 
-def ipc_open(data: bytes) -> int:
-    """Map a peer's allocation into this process (current device); returns the device pointer."""
-    if len(data) != IPC_HANDLE_BYTES:
-        raise CudaError(f"IPC handle must be {IPC_HANDLE_BYTES} bytes, got {len(data)}")
-    handle = cudart.cudaIpcMemHandle_t()
-    ctypes.memmove(handle.getPtr(), data, IPC_HANDLE_BYTES)
-    ptr = check("cudaIpcOpenMemHandle",
-                cudart.cudaIpcOpenMemHandle(handle, cudart.cudaIpcMemLazyEnablePeerAccess))
-    return int(ptr)
+def make_current(device_index: int) -> None:
+    """Make the device's primary context current in this thread, for driver API calls.
+
+    torch.cuda.device() alone does not in a fresh thread (it skips cudaSetDevice when the index
+    is already the thread's default), and driver calls then fail with INVALID_CONTEXT.
+    cudaSetDevice initialises the primary context and, unlike cudaFree(0), never synchronises.
+    """
+    check("cudaSetDevice", cudart.cudaSetDevice(device_index))
 
 
-def ipc_close(ptr: int) -> None:
-    check("cudaIpcCloseMemHandle", cudart.cudaIpcCloseMemHandle(ptr))
+def _device_location(device_index: int) -> Any:
+    location = cu.CUmemLocation()
+    location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    location.id = int(check("cuDeviceGet", cu.cuDeviceGet(device_index)))
+    return location
+
+
+def _allocation_prop(device_index: int) -> Any:
+    prop = cu.CUmemAllocationProp()
+    prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location = _device_location(device_index)
+    prop.requestedHandleTypes = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    return prop
+
+
+def _granularity(device_index: int) -> int:
+    return int(check("cuMemGetAllocationGranularity", cu.cuMemGetAllocationGranularity(
+        _allocation_prop(device_index),
+        cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)))
 
 
 def stream_write_u32(stream: int, address: int, value: int) -> None:
@@ -211,7 +286,40 @@ def tensor_view(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
     return torch.as_tensor(DeviceMemory(ptr, nbytes), device=device)
 
 
+class IdleStreams:
+    """Non-blocking streams of this process's own, handed out one holder at a time.
+
+    Not torch's pooled streams: the pool hands the same few streams out again and again, so a
+    "new" one may be a stream that already waits on a counter another process never writes (a
+    dead client's), and work put on it would wait behind that forever. A stream taken here
+    belongs to its taker until it gives it back idle (synchronised); it is then handed out
+    again rather than destroyed, because torch may still hold uses recorded on it.
+    """
+
+    def __init__(self) -> None:
+        self._idle: dict[int, list[torch.cuda.Stream]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, device_index: int) -> torch.cuda.Stream:
+        with self._lock:
+            idle = self._idle.get(device_index)
+            if idle:
+                return idle.pop()
+        _require()
+        with torch.cuda.device(device_index):
+            raw = check("cudaStreamCreateWithFlags",
+                        cudart.cudaStreamCreateWithFlags(cudart.cudaStreamNonBlocking))
+        return torch.cuda.ExternalStream(int(raw), device=torch.device("cuda", device_index))
+
+    def give(self, stream: torch.cuda.Stream) -> None:
+        """Back to the pool; the caller has synchronised it (nothing of its own is queued)."""
+        with self._lock:
+            self._idle.setdefault(stream.device.index, []).append(stream)
+
+
+STREAMS = IdleStreams()
+
+
 def new_stream(device_index: int) -> torch.cuda.Stream:
-    """A non-blocking stream: it must never serialise with a client's legacy default stream."""
-    with torch.cuda.device(device_index):
-        return torch.cuda.Stream(device=device_index)
+    """A stream of the caller's own (STREAMS.take); give it back with STREAMS.give once idle."""
+    return STREAMS.take(device_index)

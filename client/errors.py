@@ -74,6 +74,12 @@ class ResourceError(EngramError):
     code = "resource"
 
 
+class PermissionDeniedError(EngramError):
+    """The daemon refused this process by its credentials (config: allowed_uids, allowed_gids)."""
+
+    code = "permission_denied"
+
+
 class InternalError(EngramError):
     code = "internal"
 
@@ -108,6 +114,7 @@ ERROR_CLASSES: dict[str, type[EngramError]] = {
         SlotBusyError,
         NotReadyError,
         ResourceError,
+        PermissionDeniedError,
         InternalError,
         DaemonUnavailableError,
         ReplyTimeoutError,

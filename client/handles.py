@@ -1,18 +1,25 @@
-"""The handle socket: file descriptors from the daemon to its registered clients.
+"""The handle socket: file descriptors from the daemon to its clients, and their lease.
 
 Beside the ZeroMQ socket, in the same runtime folder, a plain Unix stream socket carries what
-ZeroMQ cannot: open file descriptors (SCM_RIGHTS). A client never opens a path in the daemon's
-shared-memory folder; it asks here, proving who it is with the token of its registration, and
-gets read-only descriptors of the tables it may read. One request per connection::
+ZeroMQ cannot: open file descriptors (SCM_RIGHTS), and the peer's credentials (SO_PEERCRED). A
+client registers over ZeroMQ, then attaches here, proving who it is with the token of its
+registration; the daemon checks the peer's credentials, allocates what the registration needs
+and passes it as descriptors, so a client never opens a path in a shared folder and needs
+neither the host's IPC nor its PID namespace::
 
-    client -> daemon   [u32 length][msgpack map]  {"v", "op": "tables", "client_id", "token"}
-    daemon -> client   [u32 length][msgpack map]  + SCM_RIGHTS, one descriptor per table
-                       ok:    {"v", "status": "ok", "epoch", "tables": [{layer_id, rows,
-                               row_bytes, data_offset, file_bytes}, ...]}   (descriptor i = table i)
+    client -> daemon   [u32 length][msgpack map]  {"v", "op": "attach", "client_id", "token"}
+    daemon -> client   [u32 length][msgpack map]  + SCM_RIGHTS
+                       ok:    {"v", "status": "ok", "epoch",
+                               "slab": {kind, layout[, device_uuid]} | None,   served: fd 0
+                               "tables": [{layer_id, rows, row_bytes, data_offset, file_bytes}]}
+                                                                               mapped: fd i = table i
                        error: {"v", "status": "error", "code", "message", "epoch"}
 
-A token is good for one grant: a replayed or forged one gets a typed error and no descriptor.
-The daemon reads each request within HANDLE_TIMEOUT_S of the connection (however slowly a peer
+After an ok reply the connection stays open and nothing more is sent on it: it is the
+registration's lease. When the client's process dies, in whatever namespace, the kernel closes
+it and the daemon frees the registration at once; when the daemon retires the registration (or
+dies), it closes its end and the client sees end-of-file. A token is good for one attach. The
+daemon reads each request within HANDLE_TIMEOUT_S of the connection (however slowly a peer
 sends it) and answers it, or closes the connection.
 """
 
@@ -36,7 +43,23 @@ HANDLE_TIMEOUT_S = 5.0
 MAX_MESSAGE_BYTES = 64 * 1024
 MAX_FDS = 64
 _LENGTH = struct.Struct("<I")
+_CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _GRANT_FIELDS = ("layer_id", "rows", "row_bytes", "data_offset", "file_bytes")
+
+
+@dataclass(frozen=True)
+class PeerCredentials:
+    """Who is at the other end of a Unix socket, as the kernel says (SO_PEERCRED), in this
+    process's namespaces: pid 0 when the peer's process is not visible here."""
+
+    pid: int
+    uid: int
+    gid: int
+
+    @classmethod
+    def of(cls, sock: socket.socket) -> PeerCredentials:
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size)
+        return cls(*_CREDENTIALS.unpack(raw))
 
 
 @dataclass(frozen=True)
@@ -112,37 +135,76 @@ def _close_all(fds: list[int]) -> None:
         os.close(fd)
 
 
-def fetch_tables(path: str | os.PathLike, client_id: int, token: str,
-                 timeout: float = HANDLE_TIMEOUT_S) -> list[TableGrant]:
-    """Ask the daemon for the tables of a mapped registration; raises its typed error."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+@dataclass
+class Attachment:
+    """What an attach brought: the lease (an open socket), and a slab or the tables."""
+
+    lease: socket.socket
+    epoch: str
+    slab: dict[str, Any] | None  # served: how the slab descriptor is to be mapped
+    slab_fd: int | None
+    tables: list[TableGrant]
+
+    def close_descriptors(self) -> None:
+        """Close the descriptors not taken over by their users (the lease stays)."""
+        _close_all([self.slab_fd] if self.slab_fd is not None else [])
+        _close_all([t.fd for t in self.tables])
+        self.slab_fd, self.tables = None, []
+
+
+def attach(path: str | os.PathLike, client_id: int, token: str,
+           timeout: float = HANDLE_TIMEOUT_S) -> Attachment:
+    """Attach a registration (its lease begins); raises the daemon's typed error."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     sock.settimeout(timeout)
     try:
         sock.connect(str(path))
-        send_message(sock, {"op": "tables", "client_id": client_id, "token": token})
+        send_message(sock, {"op": "attach", "client_id": client_id, "token": token})
         reply, fds = recv_message(sock, MAX_FDS, deadline=time.monotonic() + timeout)
-    except TimeoutError:
-        raise DaemonUnavailableError(f"no answer on {path} within {timeout:.1f} s") from None
-    except OSError as exc:  # no socket, or the daemon went away mid-request
-        raise DaemonUnavailableError(f"handle socket {path}: {exc.strerror or exc}") from None
-    except ProtocolError as exc:
-        raise DaemonUnavailableError(f"handle socket {path}: {exc.message}") from None
-    finally:
+    except BaseException as exc:
         sock.close()
-    if reply.get("status") != "ok":
-        _close_all(fds)
-        raise error_for_code(str(reply.get("code")), str(reply.get("message")), reply.get("epoch"))
-    tables = reply.get("tables")
-    if not isinstance(tables, list) or len(tables) != len(fds):
-        _close_all(fds)
-        raise ProtocolError(f"handle reply names {len(tables) if isinstance(tables, list) else '?'} "
-                            f"tables but carried {len(fds)} descriptors")
+        if isinstance(exc, TimeoutError):
+            raise DaemonUnavailableError(f"no answer on {path} within {timeout:.1f} s") from None
+        if isinstance(exc, OSError):  # no socket, or the daemon went away mid-request
+            raise DaemonUnavailableError(f"handle socket {path}: {exc.strerror or exc}") from None
+        if isinstance(exc, ProtocolError):
+            raise DaemonUnavailableError(f"handle socket {path}: {exc.message}") from None
+        raise
     try:
-        return [TableGrant(fd, **{k: int(t[k]) for k in _GRANT_FIELDS})
-                for fd, t in zip(fds, tables, strict=True)]
-    except (KeyError, TypeError, ValueError):
+        return _attachment(sock, reply, fds)
+    except BaseException:
+        sock.close()
         _close_all(fds)
-        raise ProtocolError(f"malformed table descriptions in the handle reply: {tables!r:.200}") from None
+        raise
+
+
+def _attachment(sock: socket.socket, reply: dict[str, Any], fds: list[int]) -> Attachment:
+    if reply.get("status") != "ok":
+        raise error_for_code(str(reply.get("code")), str(reply.get("message")), reply.get("epoch"))
+    slab, tables = reply.get("slab"), reply.get("tables") or []
+    wanted = (1 if slab is not None else 0) + (len(tables) if isinstance(tables, list) else 0)
+    if not isinstance(tables, list) or (slab is not None and not isinstance(slab, dict)) \
+            or len(fds) != wanted:
+        raise ProtocolError(f"attach reply describes {wanted} descriptors but carried {len(fds)}")
+    slab_fd = fds[0] if slab is not None else None
+    table_fds = fds[1:] if slab is not None else fds
+    try:
+        grants = [TableGrant(fd, **{k: int(t[k]) for k in _GRANT_FIELDS})
+                  for fd, t in zip(table_fds, tables, strict=True)]
+    except (KeyError, TypeError, ValueError):
+        raise ProtocolError(f"malformed table descriptions in the attach reply: {tables!r:.200}") from None
+    sock.settimeout(None)
+    return Attachment(sock, str(reply.get("epoch")), slab, slab_fd, grants)
+
+
+def lease_closed(lease: socket.socket) -> bool:
+    """Without waiting: has the daemon closed its end of the lease (retired us, or died)?"""
+    try:
+        return lease.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
 
 
 def error_reply(error: EngramError, epoch: str) -> dict[str, Any]:

@@ -12,7 +12,6 @@ What this is not: the client's lookup logic (client.py holds it, for both modes)
 from __future__ import annotations
 
 import mmap
-import os
 import warnings
 from typing import Any
 
@@ -33,14 +32,10 @@ class MappedTables:
         self._maps: list[mmap.mmap] = []
         self._registration: Any = None
         self.rows: list[np.ndarray] = []
-        try:
-            self._check(grants, geometry)
+        self._check(grants, geometry)
+        try:  # the caller closes the descriptors: the mappings keep the files
             for grant in grants:
                 self._maps.append(mmap.mmap(grant.fd, grant.file_bytes, mmap.MAP_SHARED, mmap.PROT_READ))
-        finally:
-            for grant in grants:
-                os.close(grant.fd)  # the mappings keep the files; the descriptors are not needed
-        try:
             # numpy views: a read-only mapping exports a read-only buffer, which numpy takes as is.
             self.rows = [np.frombuffer(m, dtype=np.uint8, count=g.rows * g.row_bytes,
                                        offset=g.data_offset).reshape(g.rows, g.row_bytes)

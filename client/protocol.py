@@ -19,10 +19,11 @@ Operations and their request fields (types checked by `decode_request`):
     register   pid, device ("cpu" or "cuda:GPU-<uuid>"), tp_rank, tp_size, max_tokens, slots,
                optional: name, mode ("auto"|"served"|"mapped", default served), mps (GPU: the
                client's MPS state)
-               -> client_id, token, mode (the one granted), heartbeat_interval, geometry
-                  (config.json fields), shard, layout (of the slots), slab (served: how to open
-                  it; mapped: null, the tables come over the handle socket, client/handles.py),
-                  gather (mapped: the daemon's sort policy), mps
+               -> client_id, token, mode (the one granted), heartbeat_interval, attach_within
+                  (seconds), geometry (config.json fields), shard, layout (of the slots), gather
+                  (mapped: the daemon's sort policy), mps. The client then attaches over the
+                  handle socket (client/handles.py) with its token: that passes the slab or the
+                  tables as descriptors, and the connection becomes the registration's lease.
     lookup     client_id, slot, seq, tokens, ids_dtype ("int32"|"int64"), ids_shape [T, L, H],
                inline (IDs in payload frame 0, else already in the slot), ack (optional, default
                true; false: no reply unless the lookup fails, for GPU clients whose completion is

@@ -1,7 +1,7 @@
 """Layout of a client's slab: the memory the daemon owns and the client reads its rows from.
 
-One slab per registered client (a shared-memory file on the CPU backend, one cudaMalloc block on
-the client's GPU on the CUDA backend). Both sides compute the layout from the same numbers with
+One slab per served client (a memfd on the CPU backend, one VMM allocation on the client's GPU on
+the CUDA backend), passed to the client as a descriptor. Both sides compute the layout from the same numbers with
 this module; the daemon also sends it in the register reply and the client checks they agree::
 
     offset 0            counters  [slots] x 64 B   (u32 ids_ready, u32 rows_done, u32 failed)
@@ -9,7 +9,7 @@ this module; the daemon also sends it in the register reply and the client check
     rows_offset(s)      rows      bf16  [n_layers, T, local_heads, head_dim]   packed by actual T
 
 Every block starts on a 4 KiB boundary; the slab size is a multiple of 2 MiB (the granularity
-of cudaMalloc/IPC). Rows of a lookup of T tokens occupy the first n_layers*T*local_heads*head_dim
+of VMM device allocations). Rows of a lookup of T tokens occupy the first n_layers*T*local_heads*head_dim
 elements of the slot's rows block, so the result is one contiguous tensor.
 """
 

@@ -2,8 +2,8 @@
 
 A backend knows how to allocate a client's slab on the client's device and how to run a lookup
 into one of its slots; it knows nothing of sockets or of client bookkeeping (that is the store's).
-Two implementations: `cpu_backend` (shared-memory slabs, plain-torch reference gather) and
-`cuda_backend` (cudaMalloc slabs exported over CUDA IPC, Triton gather on pinned host tables).
+Two implementations: `cpu_backend` (memfd slabs, plain-torch reference gather) and
+`cuda_backend` (VMM device slabs passed as descriptors, Triton gather on pinned host tables).
 """
 
 from __future__ import annotations
@@ -23,7 +23,10 @@ class Slab(Protocol):
     layout: SlabLayout
 
     def wire(self) -> dict[str, Any]:
-        """What the client needs to open the slab (sent in the register reply)."""
+        """What the client needs to map the slab's descriptor (sent in the attach reply)."""
+
+    def descriptor(self) -> int:
+        """A new file descriptor of the slab's memory, for its client; the caller closes it."""
 
     def close(self) -> None: ...
 
@@ -54,6 +57,9 @@ class Backend(Protocol):
     # True when jobs of one client run in submission order (one queue per device): several
     # lookups may then be in flight on one slot, and a refused one must still release its waiters.
     orders_slots: bool
+
+    def check_device(self, device: str) -> Any:
+        """Raise BadRequestError unless this backend serves `device` ("cpu", "cuda:GPU-<uuid>")."""
 
     def allocate_slab(self, device: str, layout: SlabLayout, client_id: int, shard: ShardView) -> Slab: ...
 

@@ -11,9 +11,11 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -46,6 +48,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(dump_toml(config))
         return 0
     _setup_logging(config.log_level)
+    # `kill -USR1 <pid>` writes every thread's stack to the log: what a stuck daemon is doing.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     return run_daemon(config)
 
 

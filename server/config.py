@@ -39,7 +39,7 @@ SETTINGS: tuple[Setting, ...] = (
             "checkpoint folder (config.json + safetensors shards), or 'demo' for the built-in demo table"),
     Setting("socket", str, "",
             "ZeroMQ ipc socket path; its folder is the runtime folder (0770). Empty: the default"),
-    Setting("shm_dir", str, "/dev/shm", "folder for the shared-memory table and slab files"),
+    Setting("shm_dir", str, "/dev/shm", "folder for the shared-memory table files"),
     Setting("instance", str, "default", "daemon instance name, part of every shared-memory file name",
             pattern=r"[A-Za-z0-9_.-]{1,64}"),
     Setting("backend", str, "auto", "device backend: cpu, cuda, or auto (cuda when a GPU is visible)",
@@ -47,6 +47,16 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_clients", int, 64, "registered clients at most", low=1, high=4096),
     Setting("max_tokens", int, 16384, "largest max_tokens a client may register", low=1, high=1 << 20),
     Setting("max_slots", int, 16, "largest slot count a client may register", low=1, high=256),
+    Setting("allowed_uids", str, "",
+            "comma-separated user ids that may register (checked by the kernel's credentials of "
+            "the handle-socket peer); empty: whoever may open the socket. With allowed_gids, a "
+            "peer passes if either lists it", pattern=r"(\d+(,\d+)*)?"),
+    Setting("allowed_gids", str, "",
+            "comma-separated group ids (the peer's effective gid) that may register; empty: no "
+            "group check", pattern=r"(\d+(,\d+)*)?"),
+    Setting("slab_budget_gib", float, 64.0,
+            "GiB of slabs all served clients may hold together (device and host); a registration "
+            "past it gets a 'resource' error", low=0.001, high=65536.0),
     Setting("workers", int, 2, "CPU backend gather threads", low=1, high=256),
     Setting("client_modes", str, "served,mapped",
             "how clients may be served: 'served' (the daemon gathers into the client's slab), "
@@ -98,6 +108,9 @@ class DaemonConfig:
     max_clients: int
     max_tokens: int
     max_slots: int
+    allowed_uids: str
+    allowed_gids: str
+    slab_budget_gib: float
     workers: int
     client_modes: str
     cuda_dispatch: str

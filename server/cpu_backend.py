@@ -1,4 +1,4 @@
-"""CPU backend: shared-memory slabs and the plain-torch reference gather on a thread pool.
+"""CPU backend: anonymous shared-memory (memfd) slabs and the plain-torch reference gather on a thread pool.
 
 It makes the whole service runnable where there is no GPU (CI, laptops) and is the second
 implementation the CUDA backend is tested against. Completion is the reply message: the client
@@ -7,12 +7,12 @@ reads its rows from the slab once the daemon has answered.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,24 +27,33 @@ from engramd.server.backend import Completion, LookupJob
 log = logging.getLogger("engramd.cpu")
 
 
-class ShmSlab:
-    """A slab in a shared-memory file the client maps by path. Owns the file and the mapping."""
+def slab_name(client_id: int) -> str:
+    """The memfd's name (it shows in /proc/<pid>/fd and maps; it is no path anyone can open)."""
+    return f"engramd-slab-c{client_id}"
 
-    def __init__(self, path: Path, layout: SlabLayout):
-        self.path = path
+
+class MemfdSlab:
+    """A slab in anonymous shared memory (memfd): no name in any folder, passed to its client as
+    a descriptor over the handle socket. Sealed against resizing, so a client holding the
+    descriptor cannot shrink it under the daemon's gathers (which would fault the daemon)."""
+
+    def __init__(self, name: str, layout: SlabLayout):
         self.layout = layout
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
         try:
-            os.fchmod(fd, 0o660)  # the umask must not narrow what the client's group may open
-            # Reserve the pages now: a full /dev/shm must fail here with ENOSPC, not later
-            # with SIGBUS inside a gather.
+            fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        except OSError as exc:
+            raise ResourceError(f"cannot create slab {name}: {exc.strerror}") from None
+        try:
+            os.ftruncate(fd, layout.size)
+            # Reserve the pages now: too little memory must fail here, not with SIGBUS inside a
+            # gather.
             os.posix_fallocate(fd, 0, layout.size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
             self._map = mmap.mmap(fd, layout.size, mmap.MAP_SHARED)
         except OSError as exc:
             os.close(fd)
-            path.unlink(missing_ok=True)
-            raise ResourceError(f"cannot create slab {path} of {layout.size} bytes: {exc.strerror}") from None
-        os.close(fd)
+            raise ResourceError(f"cannot allocate slab {name} of {layout.size} bytes: {exc.strerror}") from None
+        self._fd = fd
         self.buffer = torch.frombuffer(self._map, dtype=torch.uint8)
 
     def ids(self, slot: int, tokens: int, dtype: torch.dtype) -> torch.Tensor:
@@ -54,36 +63,40 @@ class ShmSlab:
         return self.layout.rows_view(self.buffer, slot, tokens)
 
     def wire(self) -> dict[str, Any]:
-        return {"kind": "shm", "path": str(self.path), "layout": self.layout.to_wire()}
+        return {"kind": "memfd", "layout": self.layout.to_wire()}
+
+    def descriptor(self) -> int:
+        """A new descriptor of the slab for its client (the caller closes it once sent)."""
+        return os.dup(self._fd)
 
     def close(self) -> None:
         if self._map is None:
             return
         del self.buffer
+        os.close(self._fd)
         try:
             self._map.close()
         except BufferError:
-            pass  # a view outlives us; the mapping is freed with it, the file is unlinked now
+            pass  # a view outlives us; the memory is freed with it
         self._map = None
-        self.path.unlink(missing_ok=True)
 
 
 class CpuBackend:
     name = "cpu"
     orders_slots = False
 
-    def __init__(self, tables: list[torch.Tensor], geometry: TableGeometry, shm_dir: Path,
-                 file_prefix: str, workers: int):
+    def __init__(self, tables: list[torch.Tensor], geometry: TableGeometry, workers: int):
         self.tables = tables
         self.geometry = geometry
-        self.shm_dir = Path(shm_dir)
-        self.file_prefix = file_prefix
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="engramd-gather")
 
-    def allocate_slab(self, device: str, layout: SlabLayout, client_id: int, shard: ShardView) -> ShmSlab:
+    def check_device(self, device: str) -> None:
         if device != "cpu":
             raise BadRequestError(f"device {device!r} not served: this daemon runs the cpu backend")
-        return ShmSlab(self.shm_dir / f"{self.file_prefix}.c{client_id}.slab", layout)
+
+    def allocate_slab(self, device: str, layout: SlabLayout, client_id: int, shard: ShardView) -> MemfdSlab:
+        self.check_device(device)
+        return MemfdSlab(slab_name(client_id), layout)
 
     def submit(self, job: LookupJob, done: Completion) -> None:
         self._pool.submit(self._run, job, done)
@@ -91,9 +104,12 @@ class CpuBackend:
     def _run(self, job: LookupJob, done: Completion) -> None:
         try:
             slab = job.slab
-            ids = slab.ids(job.slot, job.tokens, ID_DTYPES[job.ids_dtype])
+            # The gather reads its IDs more than once (masks, then indices), so it must read a
+            # private copy: the slab is the client's to write at any time.
             if job.inline_ids is not None:
-                ids.copy_(torch.from_numpy(job.inline_ids.copy()))
+                ids = torch.from_numpy(job.inline_ids.copy())
+            else:
+                ids = slab.ids(job.slot, job.tokens, ID_DTYPES[job.ids_dtype]).clone()
             _, job.out_of_range = gather(self.tables, ids, job.shard, out=slab.rows(job.slot, job.tokens))
         except BaseException as exc:  # reported to the client; the worker must survive
             log.exception("gather failed for client %d slot %d", job.client_id, job.slot)

@@ -1,9 +1,10 @@
-"""CUDA backend: pinned host tables, per-client IPC slabs, one gather worker per GPU.
+"""CUDA backend: pinned host tables, per-client device slabs, one gather worker per GPU.
 
 The host tables (shared-memory files) are registered once with cudaHostRegister (Portable|Mapped)
 in chunks of at most 64 GiB; with unified addressing the device address of a registered byte is
-its host address, so one host copy serves every GPU of the node. Each client gets one cudaMalloc
-slab on its GPU (found by UUID), exported once over CUDA IPC, and its own daemon stream, so a
+its host address, so one host copy serves every GPU of the node. Each client gets one slab on its
+GPU (found by UUID), allocated with CUDA's virtual memory API and passed to the client as a file
+descriptor over the handle socket, and its own daemon stream, so a
 client that stalls its stream stalls nobody else.
 
 Completion is stream-ordered through two 32-bit counters per slot in the slab (client/slab.py):
@@ -109,7 +110,8 @@ class PinnedTables:
 
 
 class CudaSlab:
-    """A client's slab on its GPU: device memory, its IPC handle, its daemon stream and plan."""
+    """A client's slab on its GPU: device memory shareable as a descriptor, its daemon stream
+    and plan."""
 
     def __init__(self, device_index: int, uuid: str, layout: SlabLayout, plan_tables: list[LayerTable],
                  shard: ShardView, gpu: GpuState, ops: cuda.StreamOps):
@@ -118,20 +120,20 @@ class CudaSlab:
         self.device_index = device_index
         self.uuid = uuid
         self.layout = layout
-        self.ptr = 0
-        with torch.cuda.device(device_index):
-            try:
-                self.ptr = int(check("cudaMalloc", cuda.cudart.cudaMalloc(layout.size)))
-            except CudaError as exc:
-                raise ResourceError(f"cannot allocate a {layout.size}-byte slab on {uuid}: {exc}") from None
-            check("cudaMemset", cuda.cudart.cudaMemset(self.ptr, 0, layout.size))
-            self.handle = cuda.ipc_handle_bytes(self.ptr)
-            self.stream = cuda.new_stream(device_index)
-            device = torch.device("cuda", device_index)
-            self.views = SlotViews(layout, cuda.tensor_view(self.ptr, layout.size, device))
-            self.plan = GatherPlan(plan_tables, shard, device)
-            self.out_of_range = torch.zeros(1, dtype=torch.int64, device=device)
-            self.gather = SlotGather(self.plan, self.out_of_range, gpu.cache, gpu.programs)
+        try:
+            self.memory = cuda.DeviceAllocation.create(device_index, layout.size)
+        except CudaError as exc:
+            raise ResourceError(f"cannot allocate a {layout.size}-byte slab on {uuid}: {exc}") from None
+        self.ptr = self.memory.ptr
+        try:
+            self._build(plan_tables, shard)
+        except BaseException:
+            stream = getattr(self, "stream", None)
+            if stream is not None:  # the memset on it is all that touched the slab
+                stream.synchronize()
+                cuda.STREAMS.give(stream)
+            self.memory.close()
+            raise
         # What every lookup passes to CUDA, built once: the stream's handle, the counters'.
         self.raw_stream = self.stream.cuda_stream
         self.ids_ready = [ops.pointer(self.counter_address(s, IDS_READY)) for s in range(layout.slots)]
@@ -139,6 +141,22 @@ class CudaSlab:
         self.failed = [ops.pointer(self.counter_address(s, FAILED)) for s in range(layout.slots)]
         self.enqueued: dict[int, int] = {}  # slot -> seq of the last lookup enqueued on it
         gpu.slabs.add(self)
+
+    def _build(self, plan_tables: list[LayerTable], shard: ShardView) -> None:
+        """Zeroed counters, the daemon stream, the slot views and the gather plan."""
+        gpu, layout, index = self.gpu, self.layout, self.device_index
+        with torch.cuda.device(index):
+            self.stream = cuda.new_stream(index)
+            # On the slab's own stream: a plain cudaMemset runs on the legacy default stream and
+            # would wait for every blocking stream of the process.
+            check("cudaMemsetAsync", cuda.cudart.cudaMemsetAsync(self.ptr, 0, layout.size,
+                                                                 self.stream.cuda_stream))
+            self.stream.synchronize()
+            device = torch.device("cuda", index)
+            self.views = SlotViews(layout, cuda.tensor_view(self.ptr, layout.size, device))
+            self.plan = GatherPlan(plan_tables, shard, device)
+            self.out_of_range = torch.zeros(1, dtype=torch.int64, device=device)
+            self.gather = SlotGather(self.plan, self.out_of_range, gpu.cache, gpu.programs)
 
     def counter_address(self, slot: int, word: int) -> int:
         return self.ptr + self.layout.counter_offset(slot, word)
@@ -150,8 +168,12 @@ class CudaSlab:
         return self.views.rows(slot, tokens)
 
     def wire(self) -> dict[str, Any]:
-        return {"kind": "cuda_ipc", "handle": self.handle, "device_uuid": self.uuid,
+        return {"kind": "cuda_vmm", "device_uuid": self.uuid, "bytes": self.memory.size,
                 "layout": self.layout.to_wire()}
+
+    def descriptor(self) -> int:
+        """A new POSIX descriptor of the slab's memory for its client (closed once sent)."""
+        return self.memory.descriptor()
 
     def close(self) -> None:
         """Free the slab in the background once its daemon stream has drained.
@@ -166,18 +188,21 @@ class CudaSlab:
             return
         ptr, self.ptr = self.ptr, 0
         self.gpu.slabs.discard(self)
+        self.gpu.drain(self)
         threading.Thread(target=self._free, args=(ptr,), name="engramd-free", daemon=True).start()
 
-    def _free(self, ptr: int) -> None:
+    def _free(self, ptr: int) -> None:  # the client's own mapping keeps the memory until it lets go
         try:
             with torch.cuda.device(self.device_index):
-                side = cuda.new_stream(self.device_index)
+                cuda.make_current(self.device_index)  # a thread of its own: driver calls follow
+                release = self.gpu.release_stream
                 for slot, seq in self.enqueued.items():
-                    cuda.stream_write_u32(side.cuda_stream, ptr + self.layout.counter_offset(slot, IDS_READY), seq)
+                    cuda.stream_write_u32(release.cuda_stream, ptr + self.layout.counter_offset(slot, IDS_READY), seq)
                 self.stream.synchronize()
-                side.synchronize()
+                self.gpu.count_freed(self)  # its count is final now: every gather has run
                 self.views.close()
-                check("cudaFree", cuda.cudart.cudaFree(ptr))
+                self.memory.close()
+                cuda.STREAMS.give(self.stream)  # idle: synchronised above
         except Exception:
             log.exception("freeing the slab on %s failed", self.uuid)
 
@@ -195,6 +220,13 @@ class GpuState:
         self.programs = max(1, int(sms * options.sm_fraction))
         self.cache: HotCache | None = None
         self.keeper: CacheKeeper | None = None
+        # Satisfies the waits of freed slabs; carries nothing else, so nothing can block it.
+        self.release_stream = cuda.new_stream(index)
+        # Reads the device's out-of-range counters; copies only, so a read never waits on a gather.
+        self._count_stream = cuda.new_stream(index)
+        self._freed_lock = threading.Lock()
+        self._freed_out_of_range = 0  # counted by slabs already freed
+        self._draining: set[CudaSlab] = set()  # closed, their gathers maybe still running
         with torch.cuda.device(index):
             if options.cache_bytes:
                 layout = CacheLayout.from_budget(options.cache_bytes, geometry.row_bytes)
@@ -213,8 +245,29 @@ class GpuState:
         self.warm_plan = plan
 
     def gather_streams(self) -> list[torch.cuda.Stream]:
-        # Streams come from torch's per-device pool, so clients may share one: dedupe them.
-        return list({slab.stream for slab in list(self.slabs)})
+        return [slab.stream for slab in list(self.slabs)]
+
+    def read_counter(self, counter: torch.Tensor) -> int:
+        """A device counter's value now, synchronising only the copy stream (never a gather)."""
+        with torch.cuda.device(self.index), torch.cuda.stream(self._count_stream):
+            return int(counter.item())
+
+    def drain(self, slab: CudaSlab) -> None:
+        """A closed slab whose gathers may still run: its count stays in until it is final."""
+        with self._freed_lock:
+            self._draining.add(slab)
+
+    def count_freed(self, slab: CudaSlab) -> None:
+        value = self.read_counter(slab.out_of_range)
+        with self._freed_lock:
+            self._freed_out_of_range += value
+            self._draining.discard(slab)
+
+    def out_of_range(self, slabs: list[CudaSlab]) -> int:
+        """Out-of-range IDs counted so far by these live slabs, the draining and the freed ones."""
+        with self._freed_lock:
+            freed, draining = self._freed_out_of_range, list(self._draining)
+        return freed + sum(self.read_counter(s.out_of_range) for s in {*slabs, *draining})
 
     def start(self) -> None:
         if self.keeper is not None:
@@ -327,14 +380,19 @@ class CudaBackend:
             gpu.start()
         log.info("gather kernels warmed on %d GPU(s): %s", len(self.workers), ", ".join(self.uuids))
 
-    def allocate_slab(self, device: str, layout: SlabLayout, client_id: int, shard: ShardView) -> CudaSlab:
+    def check_device(self, device: str) -> int:
+        """The local index of a client's GPU ("cuda:GPU-<uuid>"); BadRequestError if not ours."""
         prefix = "cuda:"
         if not device.startswith(prefix):
             raise BadRequestError(f"device {device!r}: this daemon serves CUDA clients as 'cuda:GPU-<uuid>'")
         uuid = device[len(prefix):]
         if uuid not in self.uuids:
             raise BadRequestError(f"GPU {uuid} is not visible to the daemon (it sees {sorted(self.uuids)})")
-        index = self.uuids[uuid]
+        return self.uuids[uuid]
+
+    def allocate_slab(self, device: str, layout: SlabLayout, client_id: int, shard: ShardView) -> CudaSlab:
+        index = self.check_device(device)
+        uuid = device.removeprefix("cuda:")
         return CudaSlab(index, uuid, layout, self.layer_tables, shard, self.gpus[index], self.ops)
 
     def check_gather(self, ids: torch.Tensor):
@@ -354,8 +412,10 @@ class CudaBackend:
                 if self.gpus[index].cache is not None}
 
     def out_of_range(self, slabs: list[CudaSlab]) -> int:
-        """Out-of-range IDs counted on the GPUs so far (synchronises those counters only)."""
-        return sum(int(s.out_of_range.item()) for s in slabs if s.ptr)
+        """Out-of-range IDs counted on the GPUs so far: by these live slabs, and by every slab
+        already freed (read by its free thread once its gathers had run)."""
+        return sum(gpu.out_of_range([s for s in slabs if s.ptr and s.gpu is gpu])
+                   for gpu in self.gpus.values())
 
     def submit(self, job: LookupJob, done: Completion) -> None:
         if self.inline:  # enqueueing is asynchronous, so the request loop may do it itself

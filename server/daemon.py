@@ -40,7 +40,7 @@ from engramd.client.errors import (
     UnknownOperationError,
 )
 from engramd.client.geometry import TableGeometry
-from engramd.client.handles import error_reply, handle_socket_path
+from engramd.client.handles import PeerCredentials, error_reply, handle_socket_path
 from engramd.server.config import DaemonConfig
 from engramd.server.handle_server import HandleServer
 from engramd.server.metrics import Metrics
@@ -48,6 +48,7 @@ from engramd.server.notify import Notifier
 from engramd.server.selfcheck import run_self_check
 from engramd.server.store import Limits, LookupStore
 from engramd.server.tables import LoadedTables, load_tables
+from engramd.server.throttle import Throttled
 
 log = logging.getLogger("engramd.daemon")
 
@@ -133,10 +134,15 @@ class Daemon:
         self._halt: DaemonHalt | None = None
         self._handles: HandleServer | None = None
         self._table_fds: list[int] = []  # read-only descriptors of the tables, for mapped clients
+        self._poller = zmq.Poller()
+        # Each attached client's lease: our end of its handle-socket connection, polled by the loop.
+        self._leases: dict[int, int] = {}  # client_id -> descriptor
+        self._lease_clients: dict[int, int] = {}  # descriptor -> client_id
         self._loop_thread: int | None = None  # the thread of serve_forever
         self.notifier = Notifier()
         self.metrics = Metrics()
         self._last_status = 0.0
+        self._dropped = Throttled(log)  # a peer that reads no replies must not flood the log
 
     # -- thread-safe event posting --------------------------------------------------------------
 
@@ -203,11 +209,8 @@ class Daemon:
         self._table_fds = [os.open(t.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
                            for t in loaded.tables]
         self.geometry = loaded.geometry
-        limits = Limits(self.config.max_clients, self.config.max_tokens, self.config.max_slots,
-                        self.config.heartbeat_interval,
-                        modes=tuple(self.config.client_modes.split(",")),
-                        sort_min_tokens=self.config.sort_min_tokens)
-        self.store = LookupStore(loaded.geometry, loaded.backend, limits)
+        self.store = LookupStore(loaded.geometry, loaded.backend, limits_of(self.config),
+                                 on_retire=self._end_lease)
         self.state = "ready"
         self.progress = 1.0
         summary = (f"ready: {loaded.backend.name} backend, {loaded.geometry.n_layers} layers, "
@@ -233,17 +236,18 @@ class Daemon:
             sys.setswitchinterval(previous_interval)
 
     def _loop(self) -> int:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._wake_r, zmq.POLLIN)
         interval_ms = int(self.config.heartbeat_interval * 1000)
         next_reap = time.monotonic()
         while self._halt is None:
-            ready = dict(poller.poll(interval_ms))
+            ready = dict(self._poller.poll(interval_ms))
             if self._sock in ready:
                 self._drain_socket()
             if self._wake_r in ready:
                 self._drain_events()
+            for fd in [fd for fd in ready if fd in self._lease_clients]:
+                self._lease_event(fd)
             if self.state == "stopping" and self._nothing_in_flight():
                 break
             if time.monotonic() >= next_reap:
@@ -386,7 +390,7 @@ class Daemon:
         try:
             self._sock.send_multipart([identity, *frames], zmq.NOBLOCK)
         except zmq.Again:
-            log.warning("dropping a reply: the client's queue is full")
+            self._dropped.warning("dropping a reply: the client's queue is full (it reads none)")
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
@@ -401,8 +405,7 @@ class Daemon:
 
     def _op_register(self, identity: bytes, request: protocol.Request) -> list[bytes]:
         fields = self._serving_store("register").register(identity, request.fields)
-        return protocol.encode_reply("register", request.rid, self.epoch, daemon_pid=os.getpid(),
-                                     **fields)
+        return protocol.encode_reply("register", request.rid, self.epoch, **fields)
 
     def _op_lookup(self, identity: bytes, request: protocol.Request) -> None:
         store = self.store
@@ -458,45 +461,89 @@ class Daemon:
 
     # -- the handle socket (server/handle_server.py; wire in client/handles.py) -------------------
 
-    def _ask_handles(self, request: dict[str, Any], future: Any) -> None:
-        self.post("grant", (request, future))  # from the handle thread: the store is this loop's
+    def _ask_handles(self, request: dict[str, Any], peer: PeerCredentials, conn_fd: int,
+                     future: Any) -> None:
+        self.post("attach", (request, peer, conn_fd, future))  # the store is this loop's
 
-    def _event_grant(self, item: tuple[dict[str, Any], Any]) -> None:
-        request, future = item
+    def _event_attach(self, item: tuple[dict[str, Any], PeerCredentials, int, Any]) -> None:
+        request, peer, conn_fd, future = item
         if not future.set_running_or_notify_cancel():
-            return  # the asker gave up waiting
+            return  # the asker gave up waiting (its connection is closing)
         try:
-            future.set_result(self._grant(request))
+            future.set_result(self._attach(request, peer, conn_fd))
         except Exception as exc:  # every asker gets its answer; the loop keeps serving
             if not isinstance(exc, EngramError):
-                log.exception("handle socket: granting tables failed")
-                exc = InternalError(f"granting tables failed: {type(exc).__name__}: {exc}")
+                log.exception("handle socket: attach failed")
+                exc = InternalError(f"attach failed: {type(exc).__name__}: {exc}")
+            log.info("handle socket: refused pid %d uid %d gid %d: %s", peer.pid, peer.uid,
+                     peer.gid, exc.message)
             self._count_error(exc)
             future.set_result((error_reply(exc, self.epoch), []))
 
-    def _grant(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
-        """A mapped client's tables: read-only descriptors, once per registration."""
-        if request.get("op") != "tables":
+    def _attach(self, request: dict[str, Any], peer: PeerCredentials,
+                conn_fd: int) -> tuple[dict[str, Any], list[int]]:
+        """Attach a registration: its slab (served) or the tables' read-only descriptors
+        (mapped); the connection becomes its lease."""
+        if request.get("op") != "attach":
             raise UnknownOperationError(f"handle socket: unknown operation {request.get('op')!r}")
         client_id, token = request.get("client_id"), request.get("token")
         if type(client_id) is not int or not isinstance(token, str):
-            raise ProtocolError("handle socket: 'tables' needs an int client_id and a str token")
-        record = self._serving_store("tables").grant_tables(client_id, token)
+            raise ProtocolError("handle socket: 'attach' needs an int client_id and a str token")
+        store = self._serving_store("attach")
+        record = store.attach(client_id, token, peer)
         fds: list[int] = []
         try:
-            tables = [{"layer_id": t.layer_id, "rows": t.rows, "row_bytes": t.row_bytes,
-                       "data_offset": t.data_offset, "file_bytes": os.fstat(fd).st_size}
-                      for t, fd in zip(self.tables.tables, self._table_fds, strict=True)]
-            for fd in self._table_fds:
-                fds.append(os.dup(fd))
-        except OSError as exc:  # out of descriptors: nothing handed out, the token stays good
+            lease = os.dup(conn_fd)
+            fds.append(lease)
+            reply = {"status": "ok", "epoch": self.epoch, "slab": None, "tables": []}
+            if record.slab is not None:
+                reply["slab"] = record.slab.wire()
+                fds.append(record.slab.descriptor())
+            else:
+                reply["tables"] = [
+                    {"layer_id": t.layer_id, "rows": t.rows, "row_bytes": t.row_bytes,
+                     "data_offset": t.data_offset, "file_bytes": os.fstat(fd).st_size}
+                    for t, fd in zip(self.tables.tables, self._table_fds, strict=True)]
+                fds.extend(os.dup(fd) for fd in self._table_fds)
+        except Exception as exc:  # out of descriptors, or the device would not export
             for fd in fds:
                 os.close(fd)
-            record.granted = False
-            raise ResourceError(f"cannot pass the tables' descriptors now: {exc.strerror}") from None
-        log.info("client %d (pid %d) took read-only descriptors of %d tables", client_id,
-                 record.watch.pid, len(tables))
-        return {"status": "ok", "epoch": self.epoch, "tables": tables}, fds
+            store.retire_client(client_id, "retired (its descriptors could not be passed)")
+            if isinstance(exc, OSError):
+                raise ResourceError(f"cannot pass descriptors now: {exc.strerror}") from None
+            raise
+        self._begin_lease(client_id, lease)
+        return reply, fds[1:]
+
+    def _begin_lease(self, client_id: int, fd: int) -> None:
+        os.set_blocking(fd, False)
+        self._leases[client_id] = fd
+        self._lease_clients[fd] = client_id
+        self._poller.register(fd, zmq.POLLIN)
+
+    def _end_lease(self, record: Any) -> None:
+        """The store retired a registration: close our end of its lease (the client sees EOF)."""
+        fd = self._leases.pop(record.client_id, None)
+        if fd is None:
+            return
+        del self._lease_clients[fd]
+        self._poller.unregister(fd)
+        os.close(fd)
+
+    def _lease_event(self, fd: int) -> None:
+        """The lease is readable: end-of-file means the client's process let go of it (exit,
+        kill -9, close) in whatever namespace it runs. Clients send nothing else on it."""
+        try:
+            data = os.read(fd, 4096)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        client_id = self._lease_clients[fd]
+        if data:
+            log.warning("client %d sent %d bytes on its lease; dropping the client", client_id, len(data))
+        self.store.retire_client(client_id, "reaped (its lease closed)" if not data
+                                 else "retired (it broke the lease protocol)")
 
     def _op_health(self, identity: bytes, request: protocol.Request) -> list[bytes]:
         return protocol.encode_reply(
@@ -510,6 +557,9 @@ class Daemon:
     def close(self) -> None:
         if self._handles is not None:
             self._handles.close()
+        for fd in self._lease_clients:
+            os.close(fd)
+        self._leases, self._lease_clients = {}, {}
         for fd in self._table_fds:
             os.close(fd)
         self._table_fds = []
@@ -527,6 +577,17 @@ class Daemon:
         self._lock.release()
         os.close(self._wake_r)
         os.close(self._wake_w)
+
+
+def limits_of(config: DaemonConfig) -> Limits:
+    return Limits(config.max_clients, config.max_tokens, config.max_slots, config.heartbeat_interval,
+                  modes=tuple(config.client_modes.split(",")), sort_min_tokens=config.sort_min_tokens,
+                  allowed_uids=_id_set(config.allowed_uids), allowed_gids=_id_set(config.allowed_gids),
+                  slab_budget=int(config.slab_budget_gib * 2**30))
+
+
+def _id_set(listed: str) -> frozenset[int] | None:
+    return frozenset(int(x) for x in listed.split(",")) if listed else None
 
 
 def run_daemon(config: DaemonConfig) -> int:

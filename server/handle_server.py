@@ -1,10 +1,11 @@
 """The daemon's end of the handle socket (client/handles.py has the wire format).
 
 A thread accepts connections and serves each on a thread of its own (at most MAX_CONNECTIONS at
-once): it reads the one request before an absolute deadline (HANDLE_TIMEOUT_S from the accept)
-and asks the request loop for the answer, because the registrations belong to the loop's thread:
-the loop checks the token and hands back the reply and the descriptors to send (duplicates made
-for this one message, closed here once sent). Nothing here knows about clients or tables.
+once): it reads the one request before an absolute deadline (HANDLE_TIMEOUT_S from the accept),
+reads the peer's kernel credentials, and asks the request loop for the answer, because the
+registrations belong to the loop's thread: the loop checks them, keeps a duplicate of the
+connection as the registration's lease, and hands back the reply and the descriptors to send
+(made for this one message, closed here once sent). Nothing here knows about clients or tables.
 """
 
 from __future__ import annotations
@@ -20,14 +21,22 @@ from pathlib import Path
 from typing import Any
 
 from engramd.client.errors import ProtocolError
-from engramd.client.handles import HANDLE_TIMEOUT_S, error_reply, recv_message, send_message
+from engramd.client.handles import (
+    HANDLE_TIMEOUT_S,
+    PeerCredentials,
+    error_reply,
+    recv_message,
+    send_message,
+)
+from engramd.server.throttle import Throttled
 
 log = logging.getLogger("engramd.handles")
 
 MAX_CONNECTIONS = 16
 
-# Posts a request to the loop; the future gets (reply header, descriptors to send).
-Ask = Callable[[dict[str, Any], futures.Future], None]
+# Posts (request, peer, connection descriptor) to the loop; the future gets (reply header,
+# descriptors to send).
+Ask = Callable[[dict[str, Any], PeerCredentials, int, futures.Future], None]
 
 
 class HandleServer:
@@ -45,6 +54,8 @@ class HandleServer:
         # A connection each on a thread of its own, at most MAX_CONNECTIONS at once: a slow or
         # silent peer holds one of them until its deadline, never the others.
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        # What a peer can provoke at will is logged once per interval (server/throttle.py).
+        self._accept_failed, self._refused, self._dropped = Throttled(log), Throttled(log), Throttled(log)
         self._thread = threading.Thread(target=self._serve, name="engramd-handles", daemon=True)
         self._thread.start()
 
@@ -57,11 +68,12 @@ class HandleServer:
             except OSError as exc:  # out of descriptors, an aborted connection: keep serving
                 if self._closing.is_set():
                     return
-                log.warning("handle socket: accept failed (%s)", exc)
+                self._accept_failed.warning("handle socket: accept failed (%s)", exc)
                 self._closing.wait(0.05)
                 continue
             if not self._slots.acquire(blocking=False):
-                log.warning("handle socket: %d connections already open; refusing one", MAX_CONNECTIONS)
+                self._refused.warning("handle socket: %d connections already open; refusing one",
+                                      MAX_CONNECTIONS)
                 conn.close()
                 continue
             threading.Thread(target=self._connection, args=(conn,), name="engramd-handle",
@@ -80,20 +92,21 @@ class HandleServer:
         fds: list[int] = []
         try:
             request, _ = recv_message(conn, deadline=deadline)
-            reply, fds = self._ask_loop(request)
+            reply, fds = self._ask_loop(request, PeerCredentials.of(conn), conn.fileno())
             conn.settimeout(max(0.01, deadline - time.monotonic()))
             send_message(conn, reply, fds)
         except ProtocolError as exc:
             self._try_send(conn, error_reply(exc, self._epoch))
         except (OSError, TimeoutError) as exc:
-            log.warning("handle socket: dropped a connection (%s)", exc)
+            self._dropped.warning("handle socket: dropped a connection (%s)", exc)
         finally:
             for fd in fds:
                 os.close(fd)
 
-    def _ask_loop(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+    def _ask_loop(self, request: dict[str, Any], peer: PeerCredentials,
+                  conn_fd: int) -> tuple[dict[str, Any], list[int]]:
         future: futures.Future = futures.Future()
-        self._ask(request, future)
+        self._ask(request, peer, conn_fd, future)
         try:
             return future.result(timeout=HANDLE_TIMEOUT_S)
         except futures.TimeoutError:

@@ -1,7 +1,10 @@
 """The lookup store: registered clients, their slabs and slots, lookup validation and statistics.
 
 It knows nothing of ZeroMQ: the daemon hands it decoded request fields and a peer identity, and
-gets back reply fields or a typed EngramError. All methods run on the daemon's main thread; the
+gets back reply fields or a typed EngramError. A registration is made in two steps: `register`
+(ZeroMQ) reserves a place, `attach` (the handle socket, with the peer's kernel credentials)
+checks who the peer is and only then allocates its slab; the daemon keeps the attaching
+connection as the registration's lease and is told through `on_retire` when a registration ends. All methods run on the daemon's main thread; the
 backend's workers only call the completion callback, which the daemon brings back to that thread
 before `finish_lookup`. Tests drive the store in-process.
 """
@@ -12,6 +15,7 @@ import logging
 import secrets
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,20 +27,32 @@ from engramd.client.errors import (
     EngramError,
     InternalError,
     NotRegisteredError,
+    PermissionDeniedError,
     ResourceError,
     SlotBusyError,
 )
 from engramd.client.geometry import GeometryError, ShardView, TableGeometry
+from engramd.client.handles import PeerCredentials
 from engramd.client.ids import ID_DTYPES, ids_from_bytes
 from engramd.client.mps import MpsState
-from engramd.client.procwatch import ProcessWatch
 from engramd.client.slab import SlabLayout
 from engramd.server.backend import Backend, Completion, LookupJob, Slab
+from engramd.server.procwatch import ProcessWatch
 
 log = logging.getLogger("engramd.store")
 
 
 MODES = ("served", "mapped")  # how a client is served; "auto" asks the daemon to choose
+
+
+# A client is alive as long as its lease (handle-socket connection) is open. Besides, one that
+# sent nothing for this many heartbeat intervals is retired unless its process is visibly alive
+# here (a hung client in another PID namespace).
+HEARTBEAT_MISSES = 5
+# A registration not attached within this many seconds is retired. Not tied to the heartbeat:
+# attaches queue behind each other's slab allocations (20 GPU clients starting at once take
+# seconds), and an unattached registration holds nothing but its place and its budget.
+ATTACH_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -47,11 +63,24 @@ class Limits:
     heartbeat_interval: float = 1.0
     modes: tuple[str, ...] = MODES  # the modes this daemon allows (config: client_modes)
     sort_min_tokens: int = 1024  # told to mapped clients, whose gathers follow the daemon's policy
+    # Who may attach, by the kernel's credentials of the handle-socket peer (None: whoever can
+    # open the socket). A peer passes when its uid or its gid is listed.
+    allowed_uids: frozenset[int] | None = None
+    allowed_gids: frozenset[int] | None = None
+    slab_budget: int = 64 << 30  # bytes of slabs of all served clients together
 
+    def allows(self, peer: PeerCredentials) -> bool:
+        if self.allowed_uids is None and self.allowed_gids is None:
+            return True
+        return peer.uid in (self.allowed_uids or ()) or peer.gid in (self.allowed_gids or ())
 
-# A client whose PID the daemon cannot see (another PID namespace) is declared gone after this
-# many heartbeat intervals without any message from it; visible PIDs are checked directly.
-HEARTBEAT_MISSES = 5
+    attach_timeout: float = ATTACH_TIMEOUT_S
+
+    @property
+    def silence_s(self) -> float:
+        """How long a client whose process is not visible here may send nothing."""
+        return HEARTBEAT_MISSES * self.heartbeat_interval
+
 
 
 @dataclass
@@ -63,11 +92,13 @@ class ClientRecord:
     tp_rank: int
     tp_size: int
     shard: ShardView
-    slab: Slab | None  # None for a mapped client: it gathers from its own mapping of the tables
-    watch: ProcessWatch
+    layout: SlabLayout
+    claimed_pid: int  # what the client said; its process as the kernel saw it is in `peer`
     token: str
     mode: str = "served"
-    granted: bool = False  # mapped: the tables' descriptors were handed out (once per registration)
+    slab: Slab | None = None  # served, once attached; mapped clients gather from their own mapping
+    peer: PeerCredentials | None = None  # set by attach
+    watch: ProcessWatch | None = None  # the peer's process, when visible here (a diagnostic)
     mps_shared: bool | None = None  # GPU clients: do daemon and client share an MPS server there
     in_flight: Counter[int] = field(default_factory=Counter)  # slot -> jobs not yet completed
     releasing: bool = False
@@ -75,10 +106,17 @@ class ClientRecord:
     rows: int = 0
     out_of_range: int = 0
     errors: int = 0
-    last_seen: float = field(default_factory=time.monotonic)
+    last_seen: float = field(default_factory=lambda: time.monotonic())
+    registered_at: float = field(default_factory=lambda: time.monotonic())
+
+    @property
+    def attached(self) -> bool:
+        return self.peer is not None
 
     def summary(self) -> dict[str, Any]:
-        return {"client_id": self.client_id, "pid": self.watch.pid, "name": self.name,
+        pid = self.peer.pid if self.peer is not None and self.peer.pid else self.claimed_pid
+        return {"client_id": self.client_id, "pid": pid, "name": self.name,
+                "uid": self.peer.uid if self.peer is not None else None, "attached": self.attached,
                 "device": self.device, "tp_rank": self.tp_rank, "tp_size": self.tp_size,
                 "lookups": self.lookups, "rows": self.rows, "out_of_range": self.out_of_range,
                 "errors": self.errors, "in_flight": sum(self.in_flight.values()),
@@ -86,10 +124,12 @@ class ClientRecord:
 
 
 class LookupStore:
-    def __init__(self, geometry: TableGeometry, backend: Backend, limits: Limits):
+    def __init__(self, geometry: TableGeometry, backend: Backend, limits: Limits,
+                 on_retire: Callable[[ClientRecord], None] = lambda record: None):
         self.geometry = geometry
         self.backend = backend
         self.limits = limits
+        self._on_retire = on_retire  # the daemon lets go of the registration's lease
         self.clients: dict[int, ClientRecord] = {}
         self._next_id = 1
         self.totals: Counter[str] = Counter()
@@ -109,33 +149,44 @@ class LookupStore:
             max_tokens=_bounded("max_tokens", req["max_tokens"], 1, self.limits.max_tokens),
             n_layers=self.geometry.n_layers, heads=self.geometry.heads,
             local_heads=shard.local_heads, head_dim=self.geometry.head_dim)
-        client_id = self._next_id
         mps = self._mps_report(req["device"], req.get("mps"))
         mode = self._mode_for(req.get("mode"), req["device"], mps)
+        if mode == "served":
+            self.backend.check_device(req["device"])
+            self._check_budget(layout)
         if mode == "served" and mps is not None and not mps["shared"]:
             log.warning("a client on %s is served without a shared MPS server (daemon: %s, client: %s): "
                         "the daemon's gathers time-slice with the client's kernels instead of "
                         "overlapping them; run nvidia-cuda-mps-control for both (README, 'MPS'), "
                         "or register it in mapped mode", req["device"], mps["daemon"], mps["client"])
-        slab = self.backend.allocate_slab(req["device"], layout, client_id, shard) if mode == "served" else None
+        client_id = self._next_id
         self._next_id += 1
         record = ClientRecord(client_id, identity, str(req.get("name", ""))[:128], req["device"],
-                              req["tp_rank"], req["tp_size"], shard, slab, ProcessWatch(req["pid"]),
+                              req["tp_rank"], req["tp_size"], shard, layout, req["pid"],
                               secrets.token_hex(16), mps_shared=mps["shared"] if mps else None,
                               mode=mode)
         self.clients[client_id] = record
         self.totals["registrations"] += 1
-        log.info("registered client %d (pid %d, %s, tp %d/%d, %s, %d slots x %d tokens%s)",
+        log.info("registered client %d (pid %d as it says, %s, tp %d/%d, %s, %d slots x %d tokens)",
                  client_id, req["pid"], req["device"], req["tp_rank"], req["tp_size"], mode,
-                 layout.slots, layout.max_tokens, f", slab {layout.size} B" if slab else "")
+                 layout.slots, layout.max_tokens)
         return {"client_id": client_id, "token": record.token, "mode": mode,
                 "layout": layout.to_wire(), "gather": {"sort_min_tokens": self.limits.sort_min_tokens},
                 "heartbeat_interval": self.limits.heartbeat_interval,
+                "attach_within": self.limits.attach_timeout,
                 "geometry": self.geometry.to_config(),
                 "shard": {"rank": shard.rank, "shards": shard.shards, "head_start": shard.head_start,
                           "head_end": shard.head_end, "local_heads": shard.local_heads,
                           "row_ranges": [list(r) for r in shard.row_ranges]},
-                "slab": slab.wire() if slab else None, "mps": mps}
+                "mps": mps}
+
+    def _check_budget(self, layout: SlabLayout) -> None:
+        """Slabs are reserved at registration (allocated at attach) against one budget."""
+        held = sum(c.layout.size for c in self.clients.values() if c.mode == "served")
+        if held + layout.size > self.limits.slab_budget:
+            raise ResourceError(f"a slab of {layout.size} bytes would exceed the slab budget "
+                                f"({held} of {self.limits.slab_budget} bytes held; config: "
+                                "slab_budget_gib); register fewer slots or max_tokens")
 
     def _mode_for(self, asked: Any, device: str, mps: dict[str, Any] | None) -> str:
         """The mode a registration gets: the one asked for if allowed; for "auto", served where
@@ -154,19 +205,28 @@ class LookupStore:
                                   f"(client_modes = {','.join(allowed)})")
         return asked
 
-    def grant_tables(self, client_id: int, token: str) -> ClientRecord:
-        """A mapped client asks for the tables' descriptors (handle socket): once per
-        registration, with the registration's token."""
+    def attach(self, client_id: int, token: str, peer: PeerCredentials) -> ClientRecord:
+        """The second step of a registration, over the handle socket: the peer proves it made the
+        registration (its token, good once) and passes the credentials check; then its slab is
+        allocated (served). A refused peer's registration is retired with nothing allocated."""
         record = self.clients.get(client_id)
         if (record is None or record.releasing or not isinstance(token, str)
                 or not secrets.compare_digest(token.encode(), record.token.encode())):
             raise NotRegisteredError(f"no live registration {client_id!r} with that token")
-        if record.mode != "mapped":
-            raise BadRequestError(f"client {client_id} is served: the daemon gathers for it")
-        if record.granted:
-            raise BadRequestError(f"client {client_id} already took its tables (a token grants once)")
-        record.granted = True
+        if record.attached:
+            raise BadRequestError(f"client {client_id} is attached already (a token attaches once)")
+        if not self.limits.allows(peer):
+            self._retire(record, f"refused (peer uid {peer.uid} gid {peer.gid} pid {peer.pid})")
+            raise PermissionDeniedError(f"uid {peer.uid} / gid {peer.gid} may not use this daemon "
+                                        "(config: allowed_uids, allowed_gids)")
+        if record.mode == "served":
+            record.slab = self.backend.allocate_slab(record.device, record.layout, client_id,
+                                                     record.shard)
+        record.peer = peer
+        record.watch = ProcessWatch(peer.pid) if peer.pid > 0 else None
         record.last_seen = time.monotonic()
+        log.info("client %d attached: pid %d uid %d gid %d%s", client_id, peer.pid, peer.uid,
+                 peer.gid, f", slab {record.layout.size} B" if record.slab else "")
         return record
 
     def _mps_report(self, device: str, reported: Any) -> dict[str, Any] | None:
@@ -216,6 +276,13 @@ class LookupStore:
                 self.totals[name] += value - getattr(record, name)
                 setattr(record, name, value)
 
+    def retire_client(self, client_id: int, why: str) -> None:
+        """The registration's lease closed (the client's process is gone, or it let go)."""
+        record = self.clients.get(client_id)
+        if record is not None and not record.releasing:
+            self.totals["reaped"] += 1
+            self._retire(record, why)
+
     def retire_identity(self, identity: bytes, why: str) -> list[int]:
         """The connection is gone (the socket said so): retire its clients."""
         gone = [c for c in self.clients.values() if c.identity == identity and not c.releasing]
@@ -235,35 +302,39 @@ class LookupStore:
         record.releasing = True
         log.info("client %d %s (%d lookups in flight)", record.client_id, why,
                  sum(record.in_flight.values()))
+        self._on_retire(record)
         if not record.in_flight:
             self._free(record)
 
     def _free(self, record: ClientRecord) -> None:
         self.clients.pop(record.client_id, None)
         if record.slab is not None:
-            self.totals["out_of_range"] += self._device_out_of_range([record.slab])
             record.slab.close()
 
     def _device_out_of_range(self, slabs: list[Slab]) -> int:
-        """Out-of-range IDs a GPU backend counted on the device (never synchronised per lookup)."""
+        """Out-of-range IDs a GPU backend counted on the device (never synchronised per lookup):
+        by these live slabs and by those it freed."""
         count = getattr(self.backend, "out_of_range", None)
         return count(slabs) if count is not None else 0
 
     def reap_dead(self) -> list[int]:
-        """Retire clients whose process is gone, or, when their PID is not visible here, that
-        sent nothing for HEARTBEAT_MISSES intervals. A live client is never reaped: its PID is
-        visible, or its library heartbeats from a background thread."""
-        silent_since = time.monotonic() - HEARTBEAT_MISSES * self.limits.heartbeat_interval
+        """Retire what the leases cannot: registrations never attached within `attach_timeout`,
+        and clients silent for `silence_s` whose process is not visibly alive here (hung, or in
+        another PID namespace). A live client is never reaped: its library heartbeats from a background
+        thread, and a frozen one (SIGSTOP) is visibly alive."""
+        now = time.monotonic()
         dead = []
         for c in self.clients.values():
             if c.releasing:
                 continue
-            alive = c.watch.alive()
-            if alive is False:
+            alive = c.watch.alive() if c.watch is not None else None
+            if not c.attached and c.registered_at < now - self.limits.attach_timeout:
+                dead.append((c, f"reaped (never attached within {self.limits.attach_timeout:.0f} s)"))
+            elif alive is False:
                 dead.append((c, f"reaped (process {c.watch.pid} is gone)"))
-            elif alive is None and c.last_seen < silent_since:
-                dead.append((c, f"reaped (PID {c.watch.pid} not visible, no heartbeat for "
-                                f"{HEARTBEAT_MISSES} intervals)"))
+            elif c.attached and alive is None and c.last_seen < now - self.limits.silence_s:
+                dead.append((c, f"reaped (no heartbeat for {HEARTBEAT_MISSES} intervals, "
+                                "process not visible here)"))
         for record, why in dead:
             self.totals["reaped"] += 1
             self._retire(record, why)
@@ -276,6 +347,8 @@ class LookupStore:
         record = self.client(identity, req["client_id"])
         if record.slab is None:
             record.errors += 1
+            if record.mode == "served":
+                raise NotRegisteredError(f"client {record.client_id} has not attached (handle socket)")
             raise BadRequestError(f"client {record.client_id} is registered in mapped mode: it "
                                   "gathers from its own mapping of the tables, not through the daemon")
         try:
@@ -363,8 +436,10 @@ class LookupStore:
     def stats(self) -> dict[str, Any]:
         live = [c for c in self.clients.values() if not c.releasing]
         out_of_range = self.totals["out_of_range"] + self._device_out_of_range(
-            [c.slab for c in live if c.slab is not None])
+            [c.slab for c in self.clients.values() if c.slab is not None])
+        slabs = [c.slab for c in self.clients.values() if c.slab is not None]  # releasing ones too
         return {"clients": [c.summary() for c in live],
+                "slabs": len(slabs), "slab_bytes": sum(s.layout.size for s in slabs),
                 "lookups": self.totals["lookups"], "rows": self.totals["rows"],
                 "out_of_range": out_of_range,
                 "registrations": self.totals["registrations"], "reaped": self.totals["reaped"],

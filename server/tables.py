@@ -82,15 +82,13 @@ def choose_backend_name(requested: str) -> str:
         return "cpu"
 
 
-def build_backend(config: DaemonConfig, geometry: TableGeometry, tables: list[HostTable],
-                  prefix: str) -> Backend:
+def build_backend(config: DaemonConfig, geometry: TableGeometry, tables: list[HostTable]) -> Backend:
     name = choose_backend_name(config.backend)
     if name == "cpu":
         from engramd.server.cpu_backend import CpuBackend
         if config.hot_cache_warm_file:
             log.warning("hot_cache_warm_file is ignored: the cpu backend has no hot-row cache")
-        return CpuBackend([t.tensor for t in tables], geometry, Path(config.shm_dir), prefix,
-                          config.workers)
+        return CpuBackend([t.tensor for t in tables], geometry, config.workers)
     try:
         from engramd.server.cache_keeper import load_warm_ids
         from engramd.server.cuda_backend import CudaBackend, GatherOptions
@@ -108,14 +106,6 @@ def build_backend(config: DaemonConfig, geometry: TableGeometry, tables: list[Ho
         return CudaBackend(tables, geometry, inline=config.cuda_dispatch == "inline", options=options)
     except Exception as exc:
         raise DeviceBackendError(f"cuda backend failed to start: {exc}") from exc
-
-
-def remove_stale_slabs(shm_dir: Path, instance: str, keep_prefix: str) -> None:
-    """Slab files of an earlier run of this instance (we hold its lock, so that run is dead)."""
-    for path in shm_dir.glob(f"engramd.{instance}.*.slab"):
-        if not path.name.startswith(keep_prefix + "."):
-            log.info("removing stale slab %s", path)
-            path.unlink(missing_ok=True)
 
 
 # Fault injection for tests and drills: seconds to stall before loading, so that a "starting"
@@ -145,9 +135,7 @@ def load_tables(config: DaemonConfig, progress: Callable[[float], None]) -> Load
         seconds = time.monotonic() - started
         log.info("tables %s in %.2f s (%.2f GB/s)", "re-attached" if reattached else "loaded",
                  seconds, total / 1e9 / max(seconds, 1e-9))
-        prefix = f"engramd.{config.instance}.{os.getpid()}"
-        remove_stale_slabs(Path(config.shm_dir), config.instance, keep_prefix=prefix)
-        backend = build_backend(config, geometry, tables, prefix)
+        backend = build_backend(config, geometry, tables)
     except BaseException:
         store.close()
         raise

@@ -210,6 +210,55 @@ def daemon_factory(demo_checkpoint):
         shutil.rmtree(path, ignore_errors=True)
 
 
+SLAB_MEMFD = "/memfd:engramd-slab-c"  # how the daemon's slabs show in /proc (server/cpu_backend.py)
+
+
+def slab_files(pid: int) -> set[str]:
+    """The slabs a daemon process holds open: its memfd descriptors, read from /proc."""
+    names = set()
+    fd_dir = Path(f"/proc/{pid}/fd")
+    for fd in os.listdir(fd_dir):
+        try:
+            target = os.readlink(fd_dir / fd)
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith(SLAB_MEMFD):
+            names.add(target.split(" ")[0])
+    return names
+
+
+UNSHARE = ["unshare", "--pid", "--ipc", "--mount", "--fork", "--mount-proc"]
+
+
+def namespaced(command: list[str], private_shm: bool = True) -> list[str]:
+    """`command` as pid 1 of new PID, IPC and mount namespaces, with a private /dev/shm unless
+    told otherwise (an MPS client needs its server's): as an engine in a container of its own
+    sees the machine."""
+    script = ('mount -t tmpfs engramd-private /dev/shm && ' if private_shm else '') + 'exec "$@"'
+    return [*UNSHARE, "sh", "-c", script, "sh", *command]
+
+
+def _namespaces_unavailable() -> str | None:
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return "needs root and unshare"
+    run = subprocess.run(namespaced(["true"]), capture_output=True, text=True, timeout=30)
+    return None if run.returncode == 0 else f"unshare failed here: {run.stderr.strip()}"
+
+
+NAMESPACES_UNAVAILABLE = _namespaces_unavailable()  # None where namespaced clients can run
+
+
+def attach_raw(socket_path: Path, reply: dict, keep_descriptors: bool = False):
+    """The second step of a registration made with raw messages: attach over the handle socket
+    (client/handles.py). Keep the returned attachment: its lease is the registration's life."""
+    from engramd.client.handles import attach, handle_socket_path
+
+    attached = attach(handle_socket_path(socket_path), reply["client_id"], reply["token"])
+    if not keep_descriptors:
+        attached.close_descriptors()
+    return attached
+
+
 def run_client_processes(commands: list[list[str]], timeout: float = 120.0) -> None:
     """Run client scripts as separate processes concurrently; fail with their output if any fails."""
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for cmd in commands]

@@ -60,7 +60,7 @@ def test_daemonset_shares_the_runtime_folder_and_probes_health():
     doc = yaml.safe_load((ROOT / "packaging" / "kubernetes" / "daemonset.yaml").read_text())
     assert doc["kind"] == "DaemonSet"
     pod = doc["spec"]["template"]["spec"]
-    assert pod["hostIPC"] is True and pod["hostPID"] is True
+    assert not pod.get("hostIPC") and not pod.get("hostPID"), "descriptors need no host namespaces"
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["runtime"]["hostPath"]["path"] == "/run/engramd"
     assert volumes["shm"]["emptyDir"]["medium"] == "Memory"
@@ -70,6 +70,9 @@ def test_daemonset_shares_the_runtime_folder_and_probes_health():
     for probe in ("startupProbe", "readinessProbe"):
         assert container[probe]["exec"]["command"][:2] == ["engramd", "health"]
     assert container["livenessProbe"]["exec"]["command"][:3] == ["engramd", "health", "--live"]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):  # the default is 1 s
+        command = container[probe]["exec"]["command"]
+        assert container[probe]["timeoutSeconds"] > float(command[command.index("--timeout") + 1])
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     assert mounts["runtime"] == "/run/engramd" and mounts["shm"] == "/dev/shm"
     env = {e["name"]: e["value"] for e in container["env"]}
@@ -94,3 +97,25 @@ def test_mps_unit_and_engramd_unit_share_one_pipe_folder():
     assert pipe(engramd).removeprefix("/run/") == mps["Service"]["RuntimeDirectory"]
     assert pipe(engramd) in engramd["Service"]["ReadWritePaths"]
     assert "nvidia-cuda-mps-control -f" in mps["Service"]["ExecStart"]
+
+
+def test_engine_pod_example_shares_only_the_runtime_folder_and_mps():
+    daemonset = yaml.safe_load((ROOT / "packaging" / "kubernetes" / "daemonset.yaml").read_text())
+    daemon_pod = daemonset["spec"]["template"]["spec"]
+    (daemon,) = daemon_pod["containers"]
+    engine_pod = yaml.safe_load((ROOT / "packaging" / "kubernetes" / "engine-pod.yaml").read_text())
+    spec = engine_pod["spec"]
+    assert not spec.get("hostIPC") and not spec.get("hostPID") and not spec.get("hostNetwork")
+    volumes = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"]}
+    daemon_volumes = {v["name"]: v.get("hostPath", {}).get("path") for v in daemon_pod["volumes"]}
+    assert volumes["engramd-runtime"] == daemon_volumes["runtime"]
+    assert volumes["mps-pipe"] == daemon_volumes["mps-pipe"]
+    (engine,) = spec["containers"]
+    mounts = {m["name"]: m["mountPath"] for m in engine["volumeMounts"]}
+    env = {e["name"]: e["value"] for e in engine["env"]}
+    assert Path(env["ENGRAMD_SOCKET"]).parent == Path(mounts["engramd-runtime"])
+    assert env["CUDA_MPS_PIPE_DIRECTORY"] == mounts["mps-pipe"] and mounts["mps-shm"] == "/dev/shm"
+    # The sockets are 0660 for engramd's group, and MPS serves one UID: the same ids as engramd.
+    daemon_ids = daemon["securityContext"]
+    assert spec["securityContext"]["runAsUser"] == daemon_ids["runAsUser"]
+    assert daemon_ids["runAsGroup"] in spec["securityContext"]["supplementalGroups"]

@@ -1,4 +1,5 @@
-"""The lookup store in-process: registration, slot lifecycle, refused lookups, release and reaping."""
+"""The lookup store in-process: registration and attach, slot lifecycle, refused lookups, release,
+reaping, credentials and budgets."""
 
 from __future__ import annotations
 
@@ -9,9 +10,17 @@ import sys
 import numpy as np
 import pytest
 
-from engramd.client.errors import BadIdsError, BadRequestError, NotRegisteredError, SlotBusyError
+from engramd.client.errors import (
+    BadIdsError,
+    BadRequestError,
+    NotRegisteredError,
+    PermissionDeniedError,
+    ResourceError,
+    SlotBusyError,
+)
 from engramd.client.geometry import TableGeometry
-from engramd.server.store import Limits, LookupStore
+from engramd.client.handles import PeerCredentials
+from engramd.server.store import ATTACH_TIMEOUT_S, HEARTBEAT_MISSES, Limits, LookupStore
 
 
 class FakeSlab:
@@ -37,6 +46,10 @@ class FakeBackend:
         self.jobs = []
         self.slabs = []
 
+    def check_device(self, device):
+        if device != "cpu" and device.removeprefix("cuda:") not in self.mps:
+            raise BadRequestError(f"device {device!r} not served")
+
     def allocate_slab(self, device, layout, client_id, shard):
         self.slabs.append(FakeSlab(layout))
         return self.slabs[-1]
@@ -51,15 +64,22 @@ class FakeBackend:
         pass
 
 
-def make_store(orders_slots: bool = False) -> tuple[LookupStore, FakeBackend]:
+def make_store(orders_slots: bool = False, **limits) -> tuple[LookupStore, FakeBackend]:
     backend = FakeBackend(orders_slots)
-    return LookupStore(TableGeometry.named("demo"), backend, Limits(2, 64, 4)), backend
+    return LookupStore(TableGeometry.named("demo"), backend, Limits(2, 64, 4, **limits)), backend
+
+
+def me(pid: int | None = None) -> PeerCredentials:
+    return PeerCredentials(pid if pid is not None else os.getpid(), os.getuid(), os.getgid())
 
 
 def register(store: LookupStore, identity: bytes = b"a", pid: int | None = None, **over) -> int:
-    req = {"pid": pid if pid is not None else os.getpid(), "device": "cpu", "tp_rank": 0,
-           "tp_size": 1, "max_tokens": 8, "slots": 2, **over}
-    return store.register(identity, req)["client_id"]
+    """Register and attach, as the daemon does over its two sockets."""
+    req = {"pid": os.getpid(), "device": "cpu", "tp_rank": 0, "tp_size": 1, "max_tokens": 8,
+           "slots": 2, **over}
+    reply = store.register(identity, req)
+    store.attach(reply["client_id"], reply["token"], me(pid))
+    return reply["client_id"]
 
 
 def lookup_req(client_id: int, slot: int = 0, seq: int = 1, tokens: int = 2, **over) -> dict:
@@ -204,8 +224,9 @@ def test_auto_mode_serves_where_mps_is_shared_and_maps_elsewhere():
         reply = store.register(b"x", {"pid": os.getpid(), "device": "cuda:GPU-a", "tp_rank": 0,
                                       "tp_size": 1, "max_tokens": 8, "slots": 2, "mode": "auto",
                                       "mps": {"enabled": True, "server": reported_server}, **over})
+        record = store.attach(reply["client_id"], reply["token"], me())
         store.release(b"x", reply["client_id"])
-        assert (reply["slab"] is None) == (reply["mode"] == "mapped")
+        assert (record.slab is None) == (reply["mode"] == "mapped")
         return reply["mode"]
 
     assert mode_of("1:1") == "served"
@@ -215,18 +236,18 @@ def test_auto_mode_serves_where_mps_is_shared_and_maps_elsewhere():
     assert mode_of("9:9") == "served"  # auto takes what the daemon allows
 
 
-def test_mapped_registration_grants_once_and_refuses_served_lookups():
+def test_a_token_attaches_once_and_mapped_clients_are_refused_served_lookups():
     store, backend = make_store()
     reply = store.register(b"m", {"pid": os.getpid(), "device": "cpu", "tp_rank": 0, "tp_size": 1,
                                   "max_tokens": 8, "slots": 2, "mode": "mapped"})
     client_id, token = reply["client_id"], reply["token"]
     with pytest.raises(NotRegisteredError):
-        store.grant_tables(client_id, token[::-1])
+        store.attach(client_id, token[::-1], me())
     with pytest.raises(NotRegisteredError):
-        store.grant_tables(client_id + 1, token)
-    assert store.grant_tables(client_id, token).client_id == client_id
-    with pytest.raises(BadRequestError, match="grants once"):
-        store.grant_tables(client_id, token)
+        store.attach(client_id + 1, token, me())
+    assert store.attach(client_id, token, me()).client_id == client_id
+    with pytest.raises(BadRequestError, match="attaches once"):
+        store.attach(client_id, token, me())
     lookup = {"client_id": client_id, "slot": 0, "seq": 1, "tokens": 1, "ids_dtype": "int64",
               "ids_shape": [1, 2, 24], "inline": True}
     with pytest.raises(BadRequestError, match="mapped mode"):
@@ -248,3 +269,51 @@ def test_mapped_counts_from_heartbeats_only_grow_and_survive_the_client():
     store.release(b"m", client_id)
     stats = store.stats()
     assert (stats["lookups"], stats["rows"], stats["clients"]) == (6, 60, [])
+
+
+def test_a_peer_outside_the_allowed_ids_is_refused_with_nothing_allocated():
+    uid, gid = os.getuid(), os.getgid()
+    store, backend = make_store(allowed_uids=frozenset({uid + 1}), allowed_gids=frozenset({gid + 1}))
+    reply = store.register(b"a", {"pid": os.getpid(), "device": "cpu", "tp_rank": 0, "tp_size": 1,
+                                  "max_tokens": 8, "slots": 2})
+    with pytest.raises(PermissionDeniedError, match=f"uid {uid} / gid {gid}"):
+        store.attach(reply["client_id"], reply["token"], me())
+    assert backend.slabs == [] and store.clients == {}
+    for allowed in ({"allowed_uids": frozenset({uid})}, {"allowed_gids": frozenset({gid})},
+                    {"allowed_uids": frozenset({uid + 1}), "allowed_gids": frozenset({gid})}):
+        store, backend = make_store(**allowed)
+        register(store)
+        assert len(backend.slabs) == 1, allowed
+
+
+def test_unattached_and_silent_invisible_clients_are_reaped_after_the_silence(monkeypatch):
+    from engramd.server import store as store_module
+
+    now = [1000.0]
+    monkeypatch.setattr(store_module.time, "monotonic", lambda: now[0])
+    store, backend = make_store(heartbeat_interval=1.0)
+    pending = store.register(b"p", {"pid": os.getpid(), "device": "cpu", "tp_rank": 0,
+                                    "tp_size": 1, "max_tokens": 8, "slots": 2})["client_id"]
+    invisible = register(store, identity=b"i", pid=0)  # SO_PEERCRED says 0: not visible here
+    now[0] += HEARTBEAT_MISSES - 0.01
+    assert store.reap_dead() == []
+    now[0] += 0.02
+    assert store.reap_dead() == [invisible]
+    assert backend.slabs[0].closed and list(store.clients) == [pending]
+    now[0] += ATTACH_TIMEOUT_S - HEARTBEAT_MISSES - 0.02  # just before the attach deadline
+    assert store.reap_dead() == []
+    now[0] += 0.02
+    assert store.reap_dead() == [pending] and store.clients == {}
+
+
+def test_slabs_are_reserved_against_one_budget_at_registration():
+    store, backend = make_store(slab_budget=5 << 20)
+    store.limits = Limits(3, 64, 4, slab_budget=5 << 20)
+    first = register(store)  # 8 tokens x 2 slots: one 2 MiB granule
+    register(store, identity=b"b")
+    with pytest.raises(ResourceError, match="slab budget"):
+        store.register(b"c", {"pid": os.getpid(), "device": "cpu", "tp_rank": 0, "tp_size": 1,
+                              "max_tokens": 8, "slots": 2})
+    store.release(b"a", first)
+    register(store, identity=b"c")  # the released slab's bytes are free again
+    assert len(backend.slabs) == 3

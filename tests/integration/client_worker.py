@@ -10,6 +10,7 @@ rows with an independent reference computed from the checkpoint.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -43,6 +44,9 @@ def main() -> int:
                       max_tokens=max(args.tokens), slots=args.slots, timeout=60,
                       mode=args.mode) as client:
         saved["mode"] = np.array(client.mode)
+        saved["pid"] = np.array(os.getpid())  # 1 in a PID namespace of its own
+        saved["shm_entries"] = np.array(len(os.listdir("/dev/shm")))
+        saved["mps_shared"] = np.array(bool(client.mps and client.mps["shared"]))
         rows = list(client.geometry.rows)
         heads = client.geometry.heads
         batches = [list(args.tokens) for _ in range(args.rounds)]

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import time
+from pathlib import Path
 
 import msgpack
 import numpy as np
 import pytest
 import torch
 import zmq
+from conftest import attach_raw
 from reference import random_ids
 
 from engramd.client import EngramClient
@@ -27,6 +30,8 @@ def served(daemon_factory):
     raw.connect(f"ipc://{daemon.socket}")
     yield daemon, raw
     raw.close(0)
+    while _LEASES:
+        _LEASES.pop().close()
 
 
 def roundtrip(raw: zmq.Socket, frames: list[bytes]) -> dict:
@@ -34,10 +39,19 @@ def roundtrip(raw: zmq.Socket, frames: list[bytes]) -> dict:
     return msgpack.unpackb(raw.recv_multipart()[0])
 
 
+_LEASES = []  # attached raw registrations live as long as their lease
+
+
 def register(raw: zmq.Socket, **over) -> dict:
+    """A raw registration, attached when the daemon accepted it (as the client library does)."""
     fields = {**dict(v=1, op="register", rid=1, pid=os.getpid(), device="cpu", tp_rank=0,
                      tp_size=1, max_tokens=4, slots=2), **over}
-    return roundtrip(raw, [msgpack.packb(fields)])
+    reply = roundtrip(raw, [msgpack.packb(fields)])
+    if reply["status"] == "ok":
+        endpoint = raw.getsockopt_string(zmq.LAST_ENDPOINT).removeprefix("ipc://")
+        reply["attached"] = attach_raw(Path(endpoint), reply, keep_descriptors=True)
+        _LEASES.append(reply["attached"].lease)
+    return reply
 
 
 def header(**fields) -> bytes:
@@ -134,7 +148,7 @@ def test_lookup_without_ack_is_answered_only_when_it_fails(served, reference):
     all the same; a refused one still gets its typed error, matched by rid."""
     daemon, raw = served
     reply = register(raw, max_tokens=2)
-    client_id, path = reply["client_id"], reply["slab"]["path"]
+    client_id, attached = reply["client_id"], reply["attached"]
     ids = random_ids(np.random.default_rng(5), 2, reference.rows, reference.heads).astype(np.int32)
     raw.send_multipart([header(op="lookup", client_id=client_id, **{**LOOKUP, "rid": 21}, ack=False),
                         ids.tobytes()])
@@ -150,8 +164,10 @@ def test_lookup_without_ack_is_answered_only_when_it_fails(served, reference):
         time.sleep(0.01)
     assert stats["lookups"] == 1 and stats["errors"] == {"bad_request": 1}, stats
     from engramd.client.slab import SlabLayout
-    layout = SlabLayout.from_wire(reply["slab"]["layout"])
-    slab = torch.from_file(path, shared=False, size=layout.size, dtype=torch.uint8)
+    layout = SlabLayout.from_wire(attached.slab["layout"])
+    with mmap.mmap(attached.slab_fd, layout.size, mmap.MAP_SHARED, mmap.PROT_READ) as view:
+        slab = torch.frombuffer(bytearray(view), dtype=torch.uint8)
+    attached.close_descriptors()
     rows = layout.rows_view(slab, 0, 2).double().numpy()
     assert np.array_equal(rows, reference.expected(ids)), "rows of the unacknowledged lookup"
     raw.setsockopt(zmq.RCVTIMEO, 300)

@@ -31,7 +31,7 @@ from test_daemon_lookups import assert_rows_equal, check_worker_output
 from engramd.client import BadRequestError, EngramClient, NotRegisteredError
 from engramd.client.connection import probe
 from engramd.client.errors import ProtocolError
-from engramd.client.handles import fetch_tables, handle_socket_path, recv_message, send_message
+from engramd.client.handles import attach, handle_socket_path, recv_message, send_message
 
 WORKER = Path(__file__).parent / "client_worker.py"
 HEARTBEAT_S = 0.2  # conftest's DaemonProcess passes this interval
@@ -92,36 +92,45 @@ def raw_register(daemon, mode: str) -> dict:
     return {"reply": reply, "sock": sock}
 
 
-def test_handle_socket_grants_read_only_descriptors_once_per_token(daemon_factory, reference):
+def test_attach_passes_read_only_tables_and_a_sealed_slab_once_per_token(daemon_factory, reference):
     daemon = daemon_factory()
     path = handle_socket_path(daemon.socket)
     assert oct(path.stat().st_mode & 0o777) == "0o660"
     mapped = raw_register(daemon, "mapped")
     client_id, token = mapped["reply"]["client_id"], mapped["reply"]["token"]
     with pytest.raises(NotRegisteredError):
-        fetch_tables(path, client_id, "0" * len(token))  # forged
+        attach(path, client_id, "0" * len(token))  # forged
     other = raw_register(daemon, "mapped")
     with pytest.raises(NotRegisteredError):
-        fetch_tables(path, client_id, other["reply"]["token"])  # another registration's token
+        attach(path, client_id, other["reply"]["token"])  # another registration's token
     other["sock"].close(0)
-    grants = fetch_tables(path, client_id, token)
+    attached = attach(path, client_id, token)
     try:
-        assert [g.rows for g in grants] == list(reference.rows)
-        for grant in grants:
+        assert attached.slab is None and [g.rows for g in attached.tables] == list(reference.rows)
+        for grant in attached.tables:
             assert fcntl.fcntl(grant.fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
             with pytest.raises(PermissionError):
                 mmap.mmap(grant.fd, grant.file_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             view = mmap.mmap(grant.fd, grant.file_bytes, mmap.MAP_SHARED, mmap.PROT_READ)
             assert len(view) == grant.file_bytes
             view.close()
+        with pytest.raises(BadRequestError, match="attaches once"):
+            attach(path, client_id, token)  # replayed
     finally:
-        for grant in grants:
-            os.close(grant.fd)
-    with pytest.raises(BadRequestError, match="grants once"):
-        fetch_tables(path, client_id, token)  # replayed
+        attached.close_descriptors()
+        attached.lease.close()
     served = raw_register(daemon, "served")
-    with pytest.raises(BadRequestError, match="is served"):
-        fetch_tables(path, served["reply"]["client_id"], served["reply"]["token"])
+    slab = attach(path, served["reply"]["client_id"], served["reply"]["token"])
+    try:
+        assert slab.slab["kind"] == "memfd" and slab.tables == []
+        seals = fcntl.fcntl(slab.slab_fd, fcntl.F_GET_SEALS)
+        assert seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW and seals & fcntl.F_SEAL_SEAL
+        with pytest.raises(PermissionError):  # a client cannot shrink the slab under the daemon
+            os.ftruncate(slab.slab_fd, 4096)
+        assert os.fstat(slab.slab_fd).st_size == slab.slab["layout"]["size"]
+    finally:
+        slab.close_descriptors()
+        slab.lease.close()
     for registration in (mapped, served):
         registration["sock"].close(0)
 
@@ -129,7 +138,7 @@ def test_handle_socket_grants_read_only_descriptors_once_per_token(daemon_factor
 def test_handle_socket_answers_garbage_with_a_typed_error_and_keeps_serving(daemon_factory):
     daemon = daemon_factory()
     path = handle_socket_path(daemon.socket)
-    for request in ({"op": "tables", "client_id": "1", "token": 5}, {"op": "format"}):
+    for request in ({"op": "attach", "client_id": "1", "token": 5}, {"op": "format"}):
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.settimeout(5)
         conn.connect(str(path))

@@ -1,10 +1,12 @@
-"""Access control by file modes: who may talk to the daemon and open its shared-memory files.
+"""Access control: file modes decide who may talk to the daemon; credentials who may register.
 
-The daemon (running as the test's user, root) makes its runtime folder 0770 and its socket 0660,
-table files 0640 and slab files 0660, all owned by its own group. A process of another user
-outside that group must get nothing: no connection (a permission error, or the client library's
-DaemonUnavailableError), no table bytes, no slab. A member of the group is let in; that positive
-control shows the refusals come from the modes and not from a broken test.
+The daemon (running as the test's user, root) makes its runtime folder 0770, its two sockets
+0660 and its table files 0640, all owned by its own group; slabs have no name at all (they are
+passed as descriptors). A process of another user outside that group must get nothing: no
+connection (a permission error, or the client library's DaemonUnavailableError), no table bytes.
+A member of the group is let in; that positive control shows the refusals come from the modes
+and not from a broken test. With `allowed_uids`, a member whose uid is not listed is refused at
+attach by its kernel credentials (SO_PEERCRED), with a typed error and nothing allocated.
 
 The outsider is `nobody`. Its checks run two ways:
 - `setpriv --reuid=nobody --regid=<nobody's group> --clear-groups` runs a stdlib-only script
@@ -33,9 +35,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import slab_files
 from reference import random_ids
 
 from engramd.client import EngramClient
+from engramd.client.connection import probe
+from engramd.client.handles import handle_socket_path
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
                                 reason="needs root and setpriv to run a process as nobody")
@@ -67,6 +72,7 @@ CLIENT = textwrap.dedent("""
     import json, os, sys
     import numpy as np, torch
     from engramd.client import DaemonUnavailableError, EngramClient
+    from engramd.client.errors import PermissionDeniedError
     socket, uid, gid, groups, ids = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]), np.array(json.loads(sys.argv[5]))
     with EngramClient(socket, max_tokens=len(ids), timeout=10) as warm:  # every lazy import, as root
         warm.lookup(torch.from_numpy(ids)).result()
@@ -79,6 +85,8 @@ CLIENT = textwrap.dedent("""
         print(json.dumps({"outcome": "rows", "rows": rows.tolist()}))
     except DaemonUnavailableError as exc:
         print(json.dumps({"outcome": "unavailable", "error": str(exc)}))
+    except PermissionDeniedError as exc:
+        print(json.dumps({"outcome": "refused", "error": str(exc)}))
     except PermissionError as exc:
         print(json.dumps({"outcome": "permission", "error": str(exc)}))
 """)
@@ -125,39 +133,42 @@ def mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
 
 
-def test_runtime_folder_socket_and_files_have_the_documented_modes(served):
+def test_runtime_folder_sockets_and_tables_have_the_documented_modes(served):
     daemon, _ = served
-    tables, slabs = sorted(daemon.shm_dir.glob("*.tbl")), sorted(daemon.shm_dir.glob("*.slab"))
-    assert len(tables) == 2 and len(slabs) == 1, (tables, slabs)
+    tables = sorted(daemon.shm_dir.glob("*.tbl"))
+    assert len(tables) == 2 and not [p for p in daemon.shm_dir.iterdir() if p.suffix not in (".tbl", ".lock")]
+    assert len(slab_files(daemon.proc.pid)) == 1  # the client's slab: a descriptor, not a file
     found = {"runtime folder": mode(daemon.socket.parent), "socket": mode(daemon.socket),
-             **{p.name: mode(p) for p in tables + slabs}}
-    wanted = {"runtime folder": 0o770, "socket": 0o660, **{p.name: 0o640 for p in tables},
-              **{p.name: 0o660 for p in slabs}}
+             "handle socket": mode(handle_socket_path(daemon.socket)),
+             **{p.name: mode(p) for p in tables}}
+    wanted = {"runtime folder": 0o770, "socket": 0o660, "handle socket": 0o660,
+              **{p.name: 0o640 for p in tables}}
     assert found == wanted, {k: oct(v) for k, v in found.items()}
 
 
-def test_outsider_cannot_connect_or_open_tables_and_slabs(served):
+def test_outsider_cannot_connect_or_open_tables(served):
     daemon, _ = served
-    files = sorted(daemon.shm_dir.glob("*.tbl")) + sorted(daemon.shm_dir.glob("*.slab"))
-    denied = run_probe(daemon.socket, files, groups=None)
-    assert denied == {"connect": "EACCES", **{f"{p}:{m}": "EACCES" for p in files for m in ("r", "rw")}}
+    files = sorted(daemon.shm_dir.glob("*.tbl"))
+    for socket_path in (daemon.socket, handle_socket_path(daemon.socket)):
+        denied = run_probe(socket_path, files, groups=None)
+        assert denied == {"connect": "EACCES", **{f"{p}:{m}": "EACCES" for p in files for m in ("r", "rw")}}
 
     runtime = daemon.socket.parent
     os.chmod(runtime, 0o771)  # the folder may be passed: only the socket's own mode decides
     try:
         assert run_probe(daemon.socket, [], groups=None) == {"connect": "EACCES"}
+        assert run_probe(handle_socket_path(daemon.socket), [], groups=None) == {"connect": "EACCES"}
     finally:
         os.chmod(runtime, 0o770)
 
 
-def test_member_of_the_daemons_group_may_connect_and_open(served):
+def test_member_of_the_daemons_group_may_connect_and_read_tables(served):
     daemon, _ = served
     group = daemon.socket.stat().st_gid
-    tables, slabs = sorted(daemon.shm_dir.glob("*.tbl")), sorted(daemon.shm_dir.glob("*.slab"))
-    allowed = run_probe(daemon.socket, tables + slabs, groups=[group])
+    tables = sorted(daemon.shm_dir.glob("*.tbl"))
+    allowed = run_probe(daemon.socket, tables, groups=[group])
     wanted = {"connect": "ok", **{f"{p}:r": "ok" for p in tables},
-              **{f"{p}:rw": "EACCES" for p in tables},  # tables are read-only for the group
-              **{f"{p}:{m}": "ok" for p in slabs for m in ("r", "rw")}}
+              **{f"{p}:rw": "EACCES" for p in tables}}  # tables are read-only for the group
     assert allowed == wanted
 
 
@@ -188,4 +199,18 @@ def test_outsider_client_gets_no_rows_and_a_member_gets_correct_ones(served, ref
     rows = np.array(member["rows"], dtype=np.float64)
     wrong = np.argwhere(rows != reference.expected(ids))
     assert wrong.size == 0, f"{len(wrong)} wrong values, first at {wrong[:5].tolist()}"
-    assert len(list(daemon.shm_dir.glob("*.slab"))) == 1, "the member released its slab"
+    assert len(slab_files(daemon.proc.pid)) == 1, "the member released its slab"
+
+
+def test_member_whose_uid_is_not_allowed_is_refused_at_attach(daemon_factory, reference):
+    """allowed_uids = root only: the group lets `nobody` connect, its credentials do not let it
+    register; it gets a typed error and the daemon allocates nothing for it."""
+    daemon = daemon_factory(extra=["--allowed-uids", "0"])
+    for folder in (daemon.workdir, daemon.shm_dir):
+        os.chmod(folder, 0o755)
+    ids = random_ids(np.random.default_rng(10), 4, reference.rows, reference.heads)
+    refused = run_client_as_outsider(daemon, ids, groups=[daemon.socket.stat().st_gid])
+    assert refused["outcome"] == "refused" and "may not use this daemon" in refused["error"], refused
+    assert not slab_files(daemon.proc.pid)
+    stats = probe(daemon.socket, "stats", 5.0).fields
+    assert stats["clients"] == [] and stats["errors"].get("permission_denied") == 1, stats

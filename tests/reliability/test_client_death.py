@@ -30,11 +30,13 @@ import msgpack
 import numpy as np
 import torch
 import zmq
-from conftest import engramd_command, wait_until
+from conftest import SLAB_MEMFD, engramd_command, wait_until
+from conftest import slab_files as slab_files_of
 from reference import random_ids
 
 from engramd.client import EngramClient
 from engramd.client.connection import probe
+from engramd.server.store import ATTACH_TIMEOUT_S
 
 HEARTBEAT_S = 0.2  # what conftest's DaemonProcess passes as --heartbeat-interval
 # The daemon's promise (README, "Client death"): a client whose process died is retired within
@@ -55,7 +57,9 @@ WARMUP_CYCLES = 5
 # Pause between a load client's lookups: the load stays continuous, but leaves the two cores
 # some room for the kill cycles' own process starts.
 LOAD_PAUSE_S = 0.005
-INVISIBLE_REAP_PERIODS = 10  # missed heartbeats after which a client may be declared gone
+# A registration never attached is retired after the store's attach deadline; the margin is
+# this test's, for a loaded machine.
+ATTACH_DEADLINE_S = ATTACH_TIMEOUT_S + SCHEDULING_MARGIN_S
 
 _forkserver: multiprocessing.context.BaseContext | None = None
 
@@ -120,13 +124,13 @@ class Doomed:
 
 
 def slab_files(daemon) -> set[str]:
-    return {p.name for p in daemon.shm_dir.glob("*.slab")}
+    return slab_files_of(daemon.proc.pid)
 
 
-def slab_of(daemon, client_id: int) -> Path:
-    found = list(daemon.shm_dir.glob(f"*.c{client_id}.slab"))
-    assert len(found) == 1, (client_id, sorted(slab_files(daemon)))
-    return found[0]
+def slab_of(daemon, client_id: int) -> str:
+    name = f"{SLAB_MEMFD}{client_id}"
+    assert name in slab_files(daemon), (client_id, sorted(slab_files(daemon)))
+    return name
 
 
 def fd_count(pid: int) -> int:
@@ -134,11 +138,11 @@ def fd_count(pid: int) -> int:
 
 
 def slab_mappings(pid: int) -> int:
-    """Slab files the daemon still has mapped (a mapping outliving its client is a leak)."""
+    """Slabs the daemon still has mapped (a mapping outliving its client is a leak)."""
     paths = set()
     for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
         fields = line.split(maxsplit=5)  # address perms offset dev inode [path[ (deleted)]]
-        if len(fields) == 6 and ".slab" in fields[5]:
+        if len(fields) == 6 and fields[5].startswith(SLAB_MEMFD):
             paths.add(fields[5])
     return len(paths)
 
@@ -147,14 +151,14 @@ def live_client_ids(daemon) -> list[int]:
     return [c["client_id"] for c in probe(daemon.socket, "stats", 5.0).fields["clients"]]
 
 
-def assert_retired_then_freed(daemon, client_id: int, slab: Path) -> None:
+def assert_retired_then_freed(daemon, client_id: int, slab: str) -> None:
     """The daemon's promise for a dead client: retired in time, then freed without hanging."""
     took = wait_until(lambda: client_id not in live_client_ids(daemon), timeout=FREE_TIMEOUT_S)
     assert took <= RETIRE_DEADLINE_S, (
         f"client {client_id} retired {took:.3f} s after its death; the daemon promises "
         f"{RETIRE_PERIODS} heartbeat periods ({RETIRE_PERIODS * HEARTBEAT_S:.1f} s) and this "
         f"test allows {SCHEDULING_MARGIN_S} s more")
-    wait_until(lambda: not slab.exists(), timeout=FREE_TIMEOUT_S)
+    wait_until(lambda: slab not in slab_files(daemon), timeout=FREE_TIMEOUT_S)
 
 
 def stats_cli(daemon) -> dict:
@@ -314,9 +318,10 @@ def test_killed_client_not_yet_waited_for_is_freed(daemon_factory):
         proc.stdout.close()
 
 
-def test_client_with_invisible_pid_is_reaped_after_its_connection_goes(daemon_factory):
-    """A client in another PID namespace reports a PID the daemon cannot see (ProcessWatch says
-    None). Once it is gone (connection closed, no heartbeats), its slab must still be freed."""
+def test_registration_never_attached_is_retired(daemon_factory):
+    """A registration whose client never attaches (it died, or claims a PID that is not its
+    own) holds no slab and is retired after the attach deadline; the claimed PID counts for
+    nothing."""
     daemon = daemon_factory()
     invisible_pid = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # never a live PID
     raw = zmq.Context.instance().socket(zmq.DEALER)
@@ -329,8 +334,8 @@ def test_client_with_invisible_pid_is_reaped_after_its_connection_goes(daemon_fa
     reply = msgpack.unpackb(raw.recv_multipart()[0])
     raw.close(0)
     assert reply["status"] == "ok", reply
-    slab = slab_of(daemon, reply["client_id"])
-    wait_until(lambda: not slab.exists(), timeout=INVISIBLE_REAP_PERIODS * HEARTBEAT_S)
+    assert reply["client_id"] in live_client_ids(daemon) and not slab_files(daemon)
+    wait_until(lambda: reply["client_id"] not in live_client_ids(daemon), timeout=ATTACH_DEADLINE_S)
 
 
 EARLY_DEATH_CLIENT = textwrap.dedent("""
@@ -368,12 +373,12 @@ def test_client_dead_before_its_registration_is_read_leaves_nothing(daemon_facto
         daemon.proc.send_signal(signal.SIGCONT)
         child.kill()
         child.wait()
-    # The daemon reads the request (and registers it: the PID was checked only by the reply's
-    # failure), then whatever it made of it must be gone within the promise.
+    # The daemon reads the request and registers it; never attached, it holds nothing and is
+    # gone within the promise for unattached registrations.
     wait_until(lambda: probe(daemon.socket, "stats", 5.0).fields["registrations"] == 1,
                timeout=FREE_TIMEOUT_S)
-    wait_until(lambda: not live_client_ids(daemon) and not slab_files(daemon),
-               timeout=RETIRE_DEADLINE_S)
+    assert not slab_files(daemon)
+    wait_until(lambda: not live_client_ids(daemon), timeout=ATTACH_DEADLINE_S)
 
 
 def test_kill_cycles_under_load_leak_nothing(daemon_factory, reference):
@@ -399,7 +404,7 @@ def test_kill_cycles_under_load_leak_nothing(daemon_factory, reference):
             doomed.kill()
             assert daemon.proc.poll() is None, daemon.log()
         wait_until(lambda: len(slab_files(daemon)) == 2, timeout=FREE_TIMEOUT_S)
-        assert sorted(slab_files(daemon)) == sorted(slab_of(daemon, c).name for c in live_ids)
+        assert sorted(slab_files(daemon)) == sorted(slab_of(daemon, c) for c in live_ids)
         stats = stats_cli(daemon)
         assert sorted(c["client_id"] for c in stats["clients"]) == live_ids
         assert stats["registrations"] - stats["reaped"] == 2 and stats["reaped"] >= registered

@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 import torch
 import zmq
+from conftest import attach_raw
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from reference import random_ids
@@ -283,6 +284,8 @@ class RawPeer:
     """The fuzzer's DEALER: sends batches and drains exactly one reply per message."""
 
     def __init__(self, socket_path):
+        self.socket_path = socket_path
+        self.leases = []  # of its attached registrations
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(f"ipc://{socket_path}")
@@ -316,6 +319,8 @@ class RawPeer:
 
     def close(self) -> None:
         self.sock.close(0)
+        for lease in self.leases:
+            lease.close()
 
 
 def check_reply(reply: dict, epoch: str, ctx: Context) -> None:
@@ -347,9 +352,11 @@ def fuzz_target(daemon_factory):
 
 
 def register_raw(raw: RawPeer) -> tuple[int, str]:
+    """The raw peer's own registration, attached (its lease kept on the peer)."""
     reply = raw.call("register", 1, pid=os.getpid(), device="cpu", tp_rank=0, tp_size=1,
                      max_tokens=RAW_MAX_TOKENS, slots=RAW_SLOTS)
     assert reply["status"] == "ok", reply
+    raw.leases.append(attach_raw(raw.socket_path, reply).lease)
     return reply["client_id"], reply["epoch"]
 
 

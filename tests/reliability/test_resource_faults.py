@@ -3,9 +3,9 @@
 Real `engramd serve` processes (conftest's `daemon_factory`). What each fault must produce:
 
 - tables that do not fit the shm folder: a clear start-up error naming the folder and the bytes,
-  exit status 66, and no *.tbl or *.slab file left behind;
-- a slab that does not fit (a real small tmpfs, when this machine lets the test mount one): a
-  typed `resource` error for that registration only; the daemon keeps serving;
+  exit status 66, and no *.tbl file left behind;
+- a slab past the slab budget: a typed `resource` error for that registration only, naming the
+  setting; the daemon keeps serving;
 - a table file truncated, emptied, overwritten or replaced by a symlink between two runs: the
   restarted daemon notices, removes it (never the symlink's target), reloads from the
   checkpoint, and serves rows equal to the independent reference;
@@ -23,8 +23,6 @@ import os
 import re
 import shutil
 import struct
-import subprocess
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,7 +31,7 @@ import numpy as np
 import pytest
 import torch
 import zmq
-from conftest import DaemonProcess, shm_tempdir, short_tempdir
+from conftest import DaemonProcess, shm_tempdir, short_tempdir, slab_files
 from reference import random_ids
 
 from engramd.client import EngramClient
@@ -53,7 +51,7 @@ def assert_serves_reference_rows(daemon, reference, seed: int) -> None:
 
 
 def leftovers(shm_dir: Path) -> list[str]:
-    return sorted(p.name for p in shm_dir.iterdir() if p.suffix in (".tbl", ".slab"))
+    return sorted(p.name for p in shm_dir.iterdir() if p.suffix == ".tbl")
 
 
 def write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int], bytes | int]]) -> None:
@@ -113,33 +111,14 @@ def test_tables_larger_than_the_shm_folder_refuse_to_start(daemon_factory, tmp_p
     assert not daemon.socket.exists()
 
 
-@pytest.fixture
-def small_tmpfs():
-    """A 16 MiB tmpfs (the demo tables take about 8.5 MB); skipped where mounting is refused."""
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("needs root to mount a tmpfs")
-    path = Path(tempfile.mkdtemp(prefix="engramd-tmpfs-"))
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m,mode=0700", "tmpfs", str(path)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        path.rmdir()
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
-        path.rmdir()
-
-
-def test_slab_that_does_not_fit_gets_a_typed_error_and_the_daemon_serves_on(small_tmpfs, daemon_factory,
-                                                                            reference):
-    daemon = daemon_factory(shm_dir=small_tmpfs)
+def test_slab_past_the_budget_gets_a_typed_error_and_the_daemon_serves_on(daemon_factory, reference):
+    daemon = daemon_factory(extra=["--slab-budget-gib", "0.004"])  # about 4 MiB of slabs in all
     raw = zmq.Context.instance().socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
     raw.setsockopt(zmq.RCVTIMEO, 10_000)
     raw.connect(f"ipc://{daemon.socket}")
     try:
-        # 4 slots x 1024 tokens: about 100 MiB of slab, far more than the tmpfs has left.
+        # 4 slots x 1024 tokens: about 100 MiB of slab, far past the budget.
         raw.send_multipart([msgpack.packb({"v": 1, "op": "register", "rid": 1, "pid": os.getpid(),
                                            "device": "cpu", "tp_rank": 0, "tp_size": 1,
                                            "max_tokens": 1024, "slots": 4})])
@@ -147,11 +126,10 @@ def test_slab_that_does_not_fit_gets_a_typed_error_and_the_daemon_serves_on(smal
     finally:
         raw.close(0)
     assert reply["status"] == "error" and reply["code"] == "resource", reply
-    assert str(small_tmpfs) in reply["message"], reply["message"]
-    assert not list(small_tmpfs.glob("*.slab")), "a refused slab leaves no file"
+    assert "slab budget" in reply["message"] and "slab_budget_gib" in reply["message"], reply["message"]
+    assert not slab_files(daemon.proc.pid), "a refused registration holds no slab"
     assert_serves_reference_rows(daemon, reference, seed=1)  # a 2 MiB slab still fits
     assert daemon.stop() == 0
-    assert leftovers(small_tmpfs) == sorted(p.name for p in small_tmpfs.glob("*.tbl"))
 
 
 # -- table files damaged between runs ----------------------------------------------------------

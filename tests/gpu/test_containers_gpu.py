@@ -1,0 +1,190 @@
+"""GPU clients in PID, IPC and mount namespaces of their own (tests/integration/test_namespaces.py
+has the CPU half): rows exact in both modes through descriptors (a VMM slab, the tables), and
+twenty killed namespaced clients leave no slab and no device memory behind.
+
+Without MPS the clients also get a private /dev/shm. Under MPS (CUDA_MPS_PIPE_DIRECTORY set) they
+keep the MPS server's pipe folder and /dev/shm, which MPS clients need, and served clients must
+report that they share the daemon's server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import NAMESPACES_UNAVAILABLE, namespaced, run_client_processes, wait_until
+
+from engramd.client.connection import probe
+
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+              pytest.mark.skipif(NAMESPACES_UNAVAILABLE is not None, reason=str(NAMESPACES_UNAVAILABLE))]
+WORKER = Path(__file__).resolve().parents[1] / "integration" / "client_worker.py"
+CUDA = ["--backend", "cuda"]
+KILLED = 20
+UNDER_MPS = bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY"))
+LEAK_SLACK_BYTES = 64 << 20  # far below one round of slabs (20 x 50 MiB and more)
+
+
+def test_namespaced_gpu_clients_get_exact_rows_in_both_modes(daemon_factory, reference, tmp_path):
+    daemon = daemon_factory(extra=CUDA)
+    runs = [("served", 0, 1), ("mapped", 0, 1), ("served", 1, 2), ("mapped", 1, 2)]
+    commands = [namespaced([sys.executable, str(WORKER), "--socket", str(daemon.socket),
+                            "--device", "cuda", "--out", str(tmp_path / f"{i}.npz"), "--mode", mode,
+                            "--tp-rank", str(rank), "--tp-size", str(shards), "--seed", str(80 + i),
+                            "--tokens", "1", "16", "256", "4097", "--slots", "3"],
+                           private_shm=not UNDER_MPS)
+                for i, (mode, rank, shards) in enumerate(runs)]
+    run_client_processes(commands, timeout=300)
+    for i, (mode, rank, shards) in enumerate(runs):
+        data = np.load(tmp_path / f"{i}.npz")
+        assert str(data["mode"]) == mode and int(data["pid"]) == 1
+        if mode == "served":
+            assert bool(data["mps_shared"]) == UNDER_MPS
+        for k in range(8):
+            expected = reference.expected(data[f"ids{k}"], rank, shards)
+            wrong = np.argwhere(data[f"rows{k}"].astype(np.float64) != expected)
+            assert wrong.size == 0, f"client {i} lookup {k}: first wrong {wrong[:5].tolist()}"
+    assert daemon.stop() == 0, daemon.log()
+
+
+BUSY_CLIENT = textwrap.dedent("""
+    import sys, torch
+    from engramd.client import EngramClient
+    client = EngramClient(sys.argv[1], device="cuda", max_tokens=4096, slots=4, mode="served")
+    ids = torch.randint(0, 10_000, (4096, 2, 24), device="cuda")
+    client.lookup(ids).result()
+    print(client.client_id, flush=True)
+    while True:  # killed at some point of this
+        client.lookup(ids).wait()
+""")
+
+
+def kill_round(daemon) -> tuple[float, float]:
+    """KILLED busy namespaced clients, killed at once; (stats answered, no slab left) in s."""
+    procs = [subprocess.Popen(namespaced([sys.executable, "-c", BUSY_CLIENT, str(daemon.socket)],
+                                         private_shm=not UNDER_MPS),
+                              stdout=subprocess.PIPE, text=True) for _ in range(KILLED)]
+    try:
+        ids = [int(p.stdout.readline()) for p in procs]
+        stats = probe(daemon.socket, "stats", 10.0).fields
+        assert sorted(c["client_id"] for c in stats["clients"]) == sorted(ids)
+        assert stats["slabs"] == KILLED and stats["slab_bytes"] > KILLED * (8 << 20)
+        pids = [c["pid"] for c in stats["clients"]]  # in the daemon's namespace (SO_PEERCRED)
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        try:
+            probe(daemon.socket, "stats", 120.0)  # no hang: the loop answers
+        except Exception:
+            daemon.proc.send_signal(signal.SIGUSR1)  # the daemon logs its threads' stacks
+            time.sleep(1)
+            raise AssertionError(daemon.log()[-20000:]) from None
+        answered = time.monotonic() - killed
+        gone = answered + wait_until(lambda: probe(daemon.socket, "stats", 60.0).fields["slabs"] == 0,
+                                     timeout=60.0)
+        stats = probe(daemon.socket, "stats", 10.0).fields
+        assert stats["clients"] == [] and stats["slab_bytes"] == 0
+        return answered, gone
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(30)
+            p.stdout.close()
+
+
+def settled_free_memory() -> int:
+    """Free device memory once the killed clients' contexts are torn down (it stops rising)."""
+    last, free = -1, torch.cuda.mem_get_info()[0]
+    while free > last:
+        time.sleep(1.0)
+        last, free = free, torch.cuda.mem_get_info()[0]
+    return free
+
+
+def test_twenty_killed_namespaced_gpu_clients_leave_no_slab_and_no_memory(daemon_factory):
+    """Two rounds of KILLED killed clients: every slab is freed within a bound, and the second
+    round leaves the GPU's free memory where the first left it (the daemon's allocator cache
+    is warm by then, so any loss is a leak)."""
+    daemon = daemon_factory(extra=CUDA)
+    torch.cuda.init()
+    first = kill_round(daemon)
+    free_after_first = settled_free_memory()
+    second = kill_round(daemon)
+    free_after_second = settled_free_memory()
+    print(f"{KILLED} killed, twice: stats answered after {first[0]:.3f} / {second[0]:.3f} s, no slab "
+          f"left after {first[1]:.3f} / {second[1]:.3f} s; free memory {free_after_first / 2**30:.2f}"
+          f" -> {free_after_second / 2**30:.2f} GiB")
+    assert free_after_second >= free_after_first - LEAK_SLACK_BYTES
+    assert probe(daemon.socket, "stats", 10.0).fields["reaped"] == 2 * KILLED
+    assert daemon.proc.poll() is None
+
+
+IMPORTER = textwrap.dedent("""
+    import sys, torch
+    from engramd.client import cuda
+    fd, size = int(sys.argv[1]), int(sys.argv[2])
+    memory = cuda.DeviceAllocation.from_descriptor(fd, size, 0)
+    view = cuda.tensor_view(memory.ptr, size, torch.device("cuda", 0))
+    print(int(view[: 1 << 20].to(torch.int64).sum()), flush=True)
+    view[:4096].fill_(7)  # the exporter must see this write
+    torch.cuda.synchronize()
+    memory.close()
+""")
+
+
+def test_device_allocation_is_shared_through_a_descriptor():
+    from engramd.client import cuda
+
+    memory = cuda.DeviceAllocation.create(0, 3 << 20)  # rounded up to the granularity
+    assert memory.size % (2 << 20) == 0 and memory.size >= 3 << 20
+    view = cuda.tensor_view(memory.ptr, memory.size, torch.device("cuda", 0))
+    pattern = torch.arange(1 << 20, device="cuda", dtype=torch.int64) % 251
+    view[: 1 << 20].copy_(pattern.to(torch.uint8))
+    torch.cuda.synchronize()
+    fd = memory.descriptor()
+    try:
+        run = subprocess.run([sys.executable, "-c", IMPORTER, str(fd), str(memory.size)],
+                             pass_fds=[fd], capture_output=True, text=True, timeout=120)
+    finally:
+        os.close(fd)
+    assert run.returncode == 0, run.stderr
+    assert int(run.stdout) == int(pattern.sum())
+    assert int(view[:4096].to(torch.int64).sum()) == 7 * 4096
+    del view
+    memory.close()
+
+
+def test_new_streams_are_never_shared():
+    """Slab streams must be the slab's own: torch's pool hands out 32 streams per device again
+    and again, and a slab on a stream that waits for a dead client's counter would wait too."""
+    from engramd.client import cuda
+
+    streams = [cuda.new_stream(0) for _ in range(100)]
+    try:
+        assert len({s.cuda_stream for s in streams}) == 100
+        pooled = {torch.cuda.Stream().cuda_stream for _ in range(64)}
+        assert not pooled & {s.cuda_stream for s in streams}
+        blocked, free = streams[0], streams[1]
+        counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+        cuda.stream_wait_u32(blocked.cuda_stream, counter.data_ptr(), 1)  # waits until released
+        done = torch.cuda.Event()
+        with torch.cuda.stream(free):
+            torch.ones(1, device="cuda").sum()
+        done.record(free)
+        done.synchronize()  # would hang if `free` were `blocked`
+        cuda.stream_write_u32(free.cuda_stream, counter.data_ptr(), 1)
+        blocked.synchronize()
+    finally:
+        torch.cuda.synchronize()
+        for s in streams:
+            cuda.STREAMS.give(s)
+    again = cuda.new_stream(0)  # an idle stream given back is handed out again
+    assert again.cuda_stream in {s.cuda_stream for s in streams}
+    cuda.STREAMS.give(again)
