@@ -183,9 +183,13 @@ class _CudaSlabView:
         self.device = device
         self.memory = cuda.DeviceAllocation.from_descriptor(fd, int(wire["bytes"]), device.index)
         self.ptr = self.memory.ptr
-        with torch.cuda.device(device):
-            self.views = SlotViews(layout, cuda.tensor_view(self.ptr, layout.size, device))
-            self.side_stream = cuda.new_stream(device.index)
+        try:
+            with torch.cuda.device(device):
+                self.views = SlotViews(layout, cuda.tensor_view(self.ptr, layout.size, device))
+                self.side_stream = cuda.new_stream(device.index)
+        except BaseException:
+            self.memory.close()
+            raise
         self.ops = cuda.StreamOps()
         # Counter and ID addresses of every slot, as the handles the hot path passes to CUDA.
         self.ids_ready = [self.ops.pointer(self.counter(s, IDS_READY)) for s in range(layout.slots)]
@@ -369,25 +373,28 @@ class EngramClient:
         if self.shard.local_heads != f["shard"]["local_heads"]:
             raise InternalError(f"daemon and client disagree on the shard: {f['shard']!r}")
         self.layout = SlabLayout.from_wire(f["layout"])
+        # Attaching may wait behind other clients' slab allocations: the caller's whole timeout.
         attachment = attach(handle_socket_path(self.socket_path), self.client_id, f["token"],
-                            timeout=min(self.timeout, HANDLE_TIMEOUT_S))
+                            timeout=max(self.timeout, HANDLE_TIMEOUT_S))
         self._lease = attachment.lease
         _LEASES.add(self._lease)
-        try:
-            self._take_attachment(attachment, int(f.get("gather", {}).get("sort_min_tokens", 0)))
-        finally:
-            attachment.close_descriptors()  # what was mapped keeps its memory
         self._conn.watch_daemon(self._lease_gone)
+        # Heartbeats from now on: mapping the tables for a GPU may take seconds.
         self._watchdog = threading.Thread(
             target=self._watch, args=(self._closing, self.client_id, f.get("token", ""),
                                       float(f.get("heartbeat_interval", 1.0))),
             name="engramd-watchdog", daemon=True)
         self._watchdog.start()
+        try:
+            self._take_attachment(attachment, f.get("gather", {}))
+        finally:
+            attachment.close_descriptors()  # what was mapped keeps its memory
 
-    def _take_attachment(self, attachment: Attachment, sort_min_tokens: int) -> None:
-        """Map what the attach passed: the slab (served) or the tables (mapped)."""
+    def _take_attachment(self, attachment: Attachment, gather: dict[str, Any]) -> None:
+        """Map what the attach passed: the slab (served) or the tables (mapped, which gather
+        by the daemon's `gather` policy)."""
         if self.mode == "mapped":
-            self._map_tables(attachment, sort_min_tokens)
+            self._map_tables(attachment, gather)
         elif attachment.slab is None or attachment.slab_fd is None:
             raise InternalError("the daemon attached a served client without a slab")
         elif attachment.slab.get("kind") == "cuda_vmm":
@@ -404,11 +411,13 @@ class EngramClient:
             return "the daemon closed this client's lease (it exited, or retired the client)"
         return None
 
-    def _map_tables(self, attachment: Attachment, sort_min_tokens: int) -> None:
+    def _map_tables(self, attachment: Attachment, gather: dict[str, Any]) -> None:
         """Mapped mode: the tables' descriptors, mapped read-only."""
         self._mapped = MappedTables(attachment.tables, self.geometry, self.device)
         self._slab = LocalSlots(self.layout, self.device)
-        self._gather = mapped_gather(self.shard, self._mapped, self.device, sort_min_tokens)
+        self._gather = mapped_gather(self.shard, self._mapped, self.device,
+                                     int(gather.get("sort_min_tokens", 0)),
+                                     float(gather.get("sm_fraction", 1.0)))
         if self.device.type == "cuda":
             from engramd.client import cuda
 
@@ -610,11 +619,11 @@ class EngramClient:
         next_beat = 0.0
         try:
             while not closing.wait(WATCHDOG_S):
-                gone = self._lease_gone() if self.device.type == "cuda" else None
+                gone = self._lease_gone()
                 if gone is not None:
                     self._dead = f"{gone}; results of in-flight lookups are invalid"
-                    if self.mode == "served":  # mapped clients wait on nothing of the daemon's
-                        self._release_waits()
+                    if self.mode == "served" and self.device.type == "cuda":
+                        self._release_waits()  # mapped clients wait on nothing of the daemon's
                     return
                 if time.monotonic() >= next_beat:
                     next_beat = time.monotonic() + interval
@@ -644,9 +653,13 @@ class EngramClient:
         return counts
 
     def _release_waits(self) -> None:
+        """From the watchdog: satisfy every stream wait on the daemon's counters. close() stops
+        the watchdog before it unmaps the slab, so the slab seen here is mapped."""
         from engramd.client import cuda
 
         slab = self._slab
+        if not isinstance(slab, _CudaSlabView):
+            return  # not mapped yet: nothing waits on it
         for future in list(self._pending.values()):
             cuda.stream_write_u32(slab.side_stream.cuda_stream, slab.counter(future.slot, ROWS_DONE), future.seq)
 
@@ -689,10 +702,14 @@ class EngramClient:
             if self._mapped is not None:  # synchronises first: our gathers write our slots
                 counts = self._final_counts()
                 self._unmap()
+            if isinstance(self._slab, _CudaSlabView):
+                # Our streams may wait on the daemon's counters: if it dies during this sync, the
+                # watchdog (still running) releases them. Then it stops, before the unmap.
+                torch.cuda.synchronize(self.device)
+            self._stop_watchdog()  # releasing closes the lease: that is no death to report
             slab, self._slab = self._slab, None
             if slab is not None:
-                slab.close()  # a GPU slab: waits for this process's streams first
-            self._stop_watchdog()  # releasing closes the lease: that is no death to report
+                slab.close()
             try:
                 self._conn.call("release", min(self.timeout, 5.0), client_id=self.client_id,
                                 counts=counts)

@@ -8,6 +8,7 @@ and passes it as descriptors, so a client never opens a path in a shared folder 
 neither the host's IPC nor its PID namespace::
 
     client -> daemon   [u32 length][msgpack map]  {"v", "op": "attach", "client_id", "token"}
+                                                  or {"v", "op": "drain"} (admin, see below)
     daemon -> client   [u32 length][msgpack map]  + SCM_RIGHTS
                        ok:    {"v", "status": "ok", "epoch",
                                "slab": {kind, layout[, device_uuid]} | None,   served: fd 0
@@ -18,7 +19,9 @@ neither the host's IPC nor its PID namespace::
 After an ok reply the connection stays open and nothing more is sent on it: it is the
 registration's lease. When the client's process dies, in whatever namespace, the kernel closes
 it and the daemon frees the registration at once; when the daemon retires the registration (or
-dies), it closes its end and the client sees end-of-file. A token is good for one attach. The
+dies), it closes its end and the client sees end-of-file. A token is good for one attach.
+Admin operations (drain) come here too, so that the daemon can tell who asks: root and the
+daemon's own user may, others get a `permission_denied` error. The
 daemon reads each request within HANDLE_TIMEOUT_S of the connection (however slowly a peer
 sends it) and answers it, or closes the connection.
 """
@@ -195,6 +198,28 @@ def _attachment(sock: socket.socket, reply: dict[str, Any], fds: list[int]) -> A
         raise ProtocolError(f"malformed table descriptions in the attach reply: {tables!r:.200}") from None
     sock.settimeout(None)
     return Attachment(sock, str(reply.get("epoch")), slab, slab_fd, grants)
+
+
+def admin_request(path: str | os.PathLike, op: str, timeout: float = HANDLE_TIMEOUT_S) -> dict[str, Any]:
+    """An admin operation ("drain"): the daemon decides by this process's kernel credentials.
+    Returns the reply's fields; raises the daemon's typed error."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(str(path))
+        send_message(sock, {"op": op})
+        reply, fds = recv_message(sock, 0, deadline=time.monotonic() + timeout)
+    except TimeoutError:
+        raise DaemonUnavailableError(f"no answer on {path} within {timeout:.1f} s") from None
+    except OSError as exc:
+        raise DaemonUnavailableError(f"handle socket {path}: {exc.strerror or exc}") from None
+    except ProtocolError as exc:
+        raise DaemonUnavailableError(f"handle socket {path}: {exc.message}") from None
+    finally:
+        sock.close()
+    if reply.get("status") != "ok":
+        raise error_for_code(str(reply.get("code")), str(reply.get("message")), reply.get("epoch"))
+    return reply
 
 
 def lease_closed(lease: socket.socket) -> bool:

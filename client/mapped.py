@@ -108,8 +108,11 @@ class LocalSlots:
         self.views.close()
 
 
-def mapped_gather(shard: ShardView, tables: MappedTables, device: torch.device, sort_min_tokens: int):
-    """The gather a mapped client runs: fn(ids, out, stream) -> out_of_range (CPU) or None."""
+def mapped_gather(shard: ShardView, tables: MappedTables, device: torch.device, sort_min_tokens: int,
+                  sm_fraction: float = 1.0):
+    """The gather a mapped client runs: fn(ids, out, stream) -> out_of_range (CPU) or None.
+    On a GPU it follows the daemon's policy: sorted reads from `sort_min_tokens` tokens on, and
+    a persistent grid on `sm_fraction` of the SMs (leaving the model's kernels room)."""
     if device.type == "cpu":
         from engramd.kernels.gather_ref import gather
 
@@ -124,9 +127,11 @@ def mapped_gather(shard: ShardView, tables: MappedTables, device: torch.device, 
     plan = GatherPlan(tables.layer_tables(), shard, device)
     plan.warm_up(sort=(False, True) if sort_min_tokens else (False,), dedupe=(False,))
     counter = torch.zeros(1, dtype=torch.int64, device=device)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    programs = max(1, int(sms * min(1.0, max(0.0, sm_fraction))))
 
     def gather_gpu(ids: torch.Tensor, out: torch.Tensor, stream: Any) -> None:
-        plan(ids, out, stream=stream, out_of_range=counter,
+        plan(ids, out, stream=stream, out_of_range=counter, num_programs=programs,
              sort=0 < sort_min_tokens <= ids.shape[0])
 
     gather_gpu.out_of_range = counter  # type: ignore[attr-defined]

@@ -34,7 +34,8 @@ Operations and their request fields (types checked by `decode_request`):
                lookups, rows, out_of_range)  -> {}
     stats      -                                          -> clients, lookups, rows, errors, ...
     health     -                                          -> live, ready, state, progress
-    drain      -   (admin) stop accepting, finish in-flight, exit -> in_flight
+    drain      -   refused (permission_denied): an admin operation, over the handle socket
+                   (client/handles.py), where the daemon can tell who asks
 
 Besides replies, the daemon may send a client an unsolicited notice (rid 0, op "notice",
 status "ok", `event` e.g. "stopping") to every registered client before it goes away.

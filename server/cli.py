@@ -15,9 +15,11 @@ import faulthandler
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from engramd.client.connection import default_socket_path, probe
@@ -98,9 +100,15 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_drain(args: argparse.Namespace) -> int:
-    """Ask the daemon to stop accepting, finish in-flight lookups and exit; wait until it has."""
-    fields = _probe(args, "drain")
-    if fields is None:
+    """Ask the daemon to stop accepting, finish in-flight lookups and exit; wait until it has.
+    An admin operation: it goes over the handle socket, where the daemon sees who asks."""
+    from engramd.client.handles import admin_request, handle_socket_path
+
+    try:
+        fields = admin_request(handle_socket_path(args.socket or default_socket_path()), "drain",
+                               args.timeout)
+    except EngramError as exc:
+        print(f"engramd drain: {exc.message}", file=sys.stderr)
         return EXIT_NOT_READY
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:
@@ -115,13 +123,33 @@ def cmd_drain(args: argparse.Namespace) -> int:
 
 
 def cmd_make_tables(args: argparse.Namespace) -> int:
-    from engramd.server.synthetic import write_synthetic_checkpoint
+    from engramd.server.checkpoint import CheckpointError
 
     try:
         geometry = TableGeometry.resolve(args.geometry)
     except GeometryError as exc:
         print(f"engramd make-tables: {exc}", file=sys.stderr)
         return 2
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        print(f"engramd make-tables: {out} exists and is not an empty folder; choose a new one",
+              file=sys.stderr)
+        return 2
+    made = not out.exists()
+    try:
+        return _write_tables(geometry, args)
+    except (CheckpointError, OSError) as exc:
+        if made:
+            shutil.rmtree(out, ignore_errors=True)  # nothing half-written stays behind
+        reason = f"{exc.filename}: {exc.strerror}" if isinstance(exc, OSError) and exc.strerror else exc
+        print(f"\nengramd make-tables: {reason}", file=sys.stderr)
+        return 1
+
+
+def _write_tables(geometry: TableGeometry, args: argparse.Namespace) -> int:
+    """Write the checkpoint with a progress line (GB and GB/s) on stderr."""
+    from engramd.server.synthetic import write_synthetic_checkpoint
+
     started = time.monotonic()
     last = [0.0]
 

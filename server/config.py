@@ -54,6 +54,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("allowed_gids", str, "",
             "comma-separated group ids (the peer's effective gid) that may register; empty: no "
             "group check", pattern=r"(\d+(,\d+)*)?"),
+    Setting("max_clients_per_uid", int, 0,
+            "attached clients one user (by its kernel credentials) may hold; 0: only max_clients "
+            "caps them", low=0, high=4096),
     Setting("slab_budget_gib", float, 64.0,
             "GiB of slabs all served clients may hold together (device and host); a registration "
             "past it gets a 'resource' error", low=0.001, high=65536.0),
@@ -81,7 +84,8 @@ SETTINGS: tuple[Setting, ...] = (
             "CUDA backend: lookups of at least this many tokens read their rows in sorted order (0: never)",
             low=0, high=1 << 20),
     Setting("gather_sm_fraction", float, 0.5,
-            "CUDA backend: fraction of each GPU's SMs the gather may occupy (leaves the model room)",
+            "CUDA backend: fraction of each GPU's SMs the gather may occupy (leaves the model room); "
+            "mapped clients' own gathers keep to it too",
             low=0.01, high=1.0),
     Setting("heartbeat_interval", float, 1.0,
             "seconds between client liveness checks; a dead client is retired within two (its slab "
@@ -110,6 +114,7 @@ class DaemonConfig:
     max_slots: int
     allowed_uids: str
     allowed_gids: str
+    max_clients_per_uid: int
     slab_budget_gib: float
     workers: int
     client_modes: str

@@ -127,12 +127,14 @@ class CudaSlab:
         self.ptr = self.memory.ptr
         try:
             self._build(plan_tables, shard)
-        except BaseException:
+        except BaseException as exc:
             stream = getattr(self, "stream", None)
             if stream is not None:  # the memset on it is all that touched the slab
                 stream.synchronize()
                 cuda.STREAMS.give(stream)
             self.memory.close()
+            if isinstance(exc, (CudaError, torch.cuda.OutOfMemoryError)):
+                raise ResourceError(f"cannot set up a slab on {uuid}: {exc}") from None
             raise
         # What every lookup passes to CUDA, built once: the stream's handle, the counters'.
         self.raw_stream = self.stream.cuda_stream

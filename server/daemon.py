@@ -17,6 +17,7 @@ import fcntl
 import logging
 import os
 import queue
+import resource
 import select
 import signal
 import sys
@@ -35,6 +36,7 @@ from engramd.client.errors import (
     EngramError,
     InternalError,
     NotReadyError,
+    PermissionDeniedError,
     ProtocolError,
     ResourceError,
     UnknownOperationError,
@@ -45,6 +47,7 @@ from engramd.server.config import DaemonConfig
 from engramd.server.handle_server import HandleServer
 from engramd.server.metrics import Metrics
 from engramd.server.notify import Notifier
+from engramd.server.ownership import make_own_folder
 from engramd.server.selfcheck import run_self_check
 from engramd.server.store import Limits, LookupStore
 from engramd.server.tables import LoadedTables, load_tables
@@ -87,7 +90,11 @@ class SocketLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o660)
+        try:  # never through a symlink planted where the lock goes (it would overwrite its target)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o660)
+        except OSError as exc:
+            raise DaemonHalt(f"cannot open the lock file {self.path}: {exc.strerror} (a symlink or "
+                             "a folder there? remove it)", EXIT_CONFIG) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -106,12 +113,15 @@ class SocketLock:
 
 
 def prepare_runtime_dir(path: Path) -> None:
-    """Create the runtime folder 0770; its permissions decide who may connect."""
-    if not path.exists():
-        path.mkdir(mode=0o770, parents=True)
-        os.chmod(path, 0o770)  # mkdir's mode is narrowed by the umask
-    elif path.stat().st_uid == os.geteuid() and not path.stat().st_mode & 0o1000:
-        os.chmod(path, 0o770)  # ours and not a shared sticky folder such as /tmp
+    """Create the runtime folder 0770 (its permissions decide who may connect), or check that
+    the one there is ours; DaemonHalt naming it and its owner otherwise."""
+    try:
+        make_own_folder(path, "runtime folder")
+    except ConfigError as exc:
+        raise DaemonHalt(exc.message, EXIT_CONFIG) from None
+    info = os.lstat(path)
+    if info.st_uid == os.geteuid() and not info.st_mode & 0o1000:
+        os.chmod(path, 0o770)  # ours and not a shared sticky folder (mkdir's mode met the umask)
 
 
 class Daemon:
@@ -178,7 +188,8 @@ class Daemon:
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._on_signal)
         log.info("engramd epoch %s listening on %s (pid %d)", self.epoch, path, os.getpid())
-        self._handles = HandleServer(handle_socket_path(path), self._ask_handles, self.epoch)
+        self._handles = HandleServer(handle_socket_path(path), self._ask_handles, self.epoch,
+                                     admit=self._admits)
         self.metrics.serve(self.config.metrics_address)
         self.state = "loading"
         self.notifier.status("loading tables")
@@ -454,47 +465,66 @@ class Daemon:
         return backend.cache_stats() if hasattr(backend, "cache_stats") else {}
 
     def _op_drain(self, identity: bytes, request: protocol.Request) -> list[bytes]:
+        raise PermissionDeniedError("drain is an admin operation and ZeroMQ cannot say who asks: "
+                                    "run `engramd drain` (it asks over the handle socket)")
+
+    def _admin_drain(self, peer: PeerCredentials) -> tuple[dict[str, Any], list[int]]:
         """Admin: stop accepting, finish in-flight lookups, then exit 0 (as on SIGTERM)."""
+        if peer.uid not in (0, os.geteuid()):
+            raise PermissionDeniedError(f"drain is an admin operation: uid {peer.uid} may not "
+                                        f"(root or the daemon's user, uid {os.geteuid()}, may)")
         if self.state != "stopping":
-            self._begin_stop("drain requested")
-        return protocol.encode_reply("drain", request.rid, self.epoch, in_flight=self._in_flight())
+            self._begin_stop(f"drain requested by pid {peer.pid} uid {peer.uid}")
+        return {"status": "ok", "epoch": self.epoch, "in_flight": self._in_flight()}, []
 
     # -- the handle socket (server/handle_server.py; wire in client/handles.py) -------------------
 
-    def _ask_handles(self, request: dict[str, Any], peer: PeerCredentials, conn_fd: int,
+    def _ask_handles(self, request: dict[str, Any], peer: PeerCredentials, connection: int,
                      future: Any) -> None:
-        self.post("attach", (request, peer, conn_fd, future))  # the store is this loop's
+        self.post("attach", (request, peer, connection, future))  # the store is this loop's
+
+    def _admits(self, peer: PeerCredentials) -> bool:
+        """From the handle threads, before a peer's request is read: allowed ids, or an admin."""
+        if peer.uid in (0, os.geteuid()) or limits_of(self.config).allows(peer):
+            return True
+        self.post("refused", peer)  # counted by the loop, which owns the statistics
+        return False
+
+    def _event_refused(self, peer: PeerCredentials) -> None:
+        if self.store is not None:
+            self.store.count_error(PermissionDeniedError.code)
 
     def _event_attach(self, item: tuple[dict[str, Any], PeerCredentials, int, Any]) -> None:
-        request, peer, conn_fd, future = item
+        request, peer, connection, future = item
         if not future.set_running_or_notify_cancel():
-            return  # the asker gave up waiting (its connection is closing)
-        try:
-            future.set_result(self._attach(request, peer, conn_fd))
+            return  # the asker gave up waiting and closed `connection` itself
+        try:  # from here `connection` is ours: kept as a lease, or closed
+            if request.get("op") == "drain":
+                os.close(connection)
+                future.set_result(self._admin_drain(peer))
+                return
+            future.set_result(self._attach(request, peer, connection))
         except Exception as exc:  # every asker gets its answer; the loop keeps serving
             if not isinstance(exc, EngramError):
                 log.exception("handle socket: attach failed")
                 exc = InternalError(f"attach failed: {type(exc).__name__}: {exc}")
-            log.info("handle socket: refused pid %d uid %d gid %d: %s", peer.pid, peer.uid,
-                     peer.gid, exc.message)
+            log.info("handle socket: refused %s from pid %d uid %d gid %d: %s", request.get("op"),
+                     peer.pid, peer.uid, peer.gid, exc.message)
             self._count_error(exc)
             future.set_result((error_reply(exc, self.epoch), []))
 
     def _attach(self, request: dict[str, Any], peer: PeerCredentials,
-                conn_fd: int) -> tuple[dict[str, Any], list[int]]:
+                lease: int) -> tuple[dict[str, Any], list[int]]:
         """Attach a registration: its slab (served) or the tables' read-only descriptors
-        (mapped); the connection becomes its lease."""
-        if request.get("op") != "attach":
-            raise UnknownOperationError(f"handle socket: unknown operation {request.get('op')!r}")
-        client_id, token = request.get("client_id"), request.get("token")
-        if type(client_id) is not int or not isinstance(token, str):
-            raise ProtocolError("handle socket: 'attach' needs an int client_id and a str token")
-        store = self._serving_store("attach")
-        record = store.attach(client_id, token, peer)
-        fds: list[int] = []
+        (mapped); `lease` (a duplicate of the connection, ours) becomes its lease, or is closed."""
         try:
-            lease = os.dup(conn_fd)
-            fds.append(lease)
+            record = self._attach_record(request, peer)
+        except BaseException:
+            os.close(lease)
+            raise
+        client_id, store = record.client_id, self.store
+        fds: list[int] = [lease]
+        try:
             reply = {"status": "ok", "epoch": self.epoch, "slab": None, "tables": []}
             if record.slab is not None:
                 reply["slab"] = record.slab.wire()
@@ -514,6 +544,14 @@ class Daemon:
             raise
         self._begin_lease(client_id, lease)
         return reply, fds[1:]
+
+    def _attach_record(self, request: dict[str, Any], peer: PeerCredentials) -> Any:
+        if request.get("op") != "attach":
+            raise UnknownOperationError(f"handle socket: unknown operation {request.get('op')!r}")
+        client_id, token = request.get("client_id"), request.get("token")
+        if type(client_id) is not int or not isinstance(token, str):
+            raise ProtocolError("handle socket: 'attach' needs an int client_id and a str token")
+        return self._serving_store("attach").attach(client_id, token, peer)
 
     def _begin_lease(self, client_id: int, fd: int) -> None:
         os.set_blocking(fd, False)
@@ -582,16 +620,39 @@ class Daemon:
 def limits_of(config: DaemonConfig) -> Limits:
     return Limits(config.max_clients, config.max_tokens, config.max_slots, config.heartbeat_interval,
                   modes=tuple(config.client_modes.split(",")), sort_min_tokens=config.sort_min_tokens,
+                  sm_fraction=config.gather_sm_fraction,
                   allowed_uids=_id_set(config.allowed_uids), allowed_gids=_id_set(config.allowed_gids),
-                  slab_budget=int(config.slab_budget_gib * 2**30))
+                  slab_budget=int(config.slab_budget_gib * 2**30),
+                  max_clients_per_uid=config.max_clients_per_uid)
 
 
 def _id_set(listed: str) -> frozenset[int] | None:
     return frozenset(int(x) for x in listed.split(",")) if listed else None
 
 
+def raise_open_file_limit() -> int:
+    """Raise the soft limit on open files to the hard one; returns the limit now in force.
+
+    Every peer connection costs the daemon a descriptor, and libzmq aborts the whole process
+    (an assertion in its ipc listener) when an accept fails for want of one: the soft limit
+    (often 1,024) is far too easy for a local peer to reach by opening idle connections.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (OSError, ValueError) as exc:
+            log.warning("cannot raise the open-file limit from %d to %d: %s", soft, hard, exc)
+    if soft != resource.RLIM_INFINITY and soft < 65536:
+        log.warning("open-file limit %d: a local peer can exhaust it with idle connections and "
+                    "stop the daemon; raise it (systemd: LimitNOFILE, docker: --ulimit nofile)", soft)
+    return soft
+
+
 def run_daemon(config: DaemonConfig) -> int:
     """Run until stopped; returns the exit status."""
+    raise_open_file_limit()
     daemon = Daemon(config)
     try:
         daemon.start()

@@ -1,11 +1,14 @@
 """The daemon's end of the handle socket (client/handles.py has the wire format).
 
-A thread accepts connections and serves each on a thread of its own (at most MAX_CONNECTIONS at
-once): it reads the one request before an absolute deadline (HANDLE_TIMEOUT_S from the accept),
-reads the peer's kernel credentials, and asks the request loop for the answer, because the
-registrations belong to the loop's thread: the loop checks them, keeps a duplicate of the
-connection as the registration's lease, and hands back the reply and the descriptors to send
-(made for this one message, closed here once sent). Nothing here knows about clients or tables.
+A thread accepts connections and serves each on a thread of its own, at most MAX_CONNECTIONS at
+once (more wait in the listen backlog, not refused). It reads the peer's kernel credentials
+first and turns away a peer the daemon would refuse anyway, before reading anything; then it
+reads the one request before an absolute deadline (HANDLE_TIMEOUT_S from the accept) and asks
+the request loop for the answer, because the registrations belong to the loop's thread. With
+the request goes a duplicate of the connection: once the loop has taken the request it owns that
+duplicate (it keeps it as the registration's lease, or closes it), and it hands back the reply
+and the descriptors to send (made for this one message, closed here once sent). Nothing here
+knows about clients or tables.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from concurrent import futures
 from pathlib import Path
 from typing import Any
 
-from engramd.client.errors import ProtocolError
+from engramd.client.errors import NotReadyError, PermissionDeniedError, ProtocolError
 from engramd.client.handles import (
     HANDLE_TIMEOUT_S,
     PeerCredentials,
@@ -34,25 +37,30 @@ log = logging.getLogger("engramd.handles")
 
 MAX_CONNECTIONS = 16
 
-# Posts (request, peer, connection descriptor) to the loop; the future gets (reply header,
-# descriptors to send).
+# Posts (request, peer, duplicate of the connection) to the loop; the future gets (reply header,
+# descriptors to send). The loop owns the duplicate once it has set the future running.
 Ask = Callable[[dict[str, Any], PeerCredentials, int, futures.Future], None]
+# Whether the daemon would serve this peer at all (its allowed ids, or an admin).
+Admit = Callable[[PeerCredentials], bool]
+BACKLOG = 256
 
 
 class HandleServer:
-    def __init__(self, path: Path, ask: Ask, epoch: str):
+    def __init__(self, path: Path, ask: Ask, epoch: str, admit: Admit = lambda peer: True):
         self.path = path
         self._ask = ask
+        self._admit = admit
         self._epoch = epoch
         path.unlink(missing_ok=True)  # stale: the caller holds the daemon's socket lock
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(str(path))
         os.chmod(path, 0o660)  # like the ZeroMQ socket: the runtime folder's group may connect
-        self._listener.listen(64)
+        self._listener.listen(BACKLOG)
         self._listener.settimeout(0.2)  # so that close() is noticed
         self._closing = threading.Event()
         # A connection each on a thread of its own, at most MAX_CONNECTIONS at once: a slow or
-        # silent peer holds one of them until its deadline, never the others.
+        # silent peer holds one of them until its deadline, never the others; a burst of
+        # attaches waits in the backlog.
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         # What a peer can provoke at will is logged once per interval (server/throttle.py).
         self._accept_failed, self._refused, self._dropped = Throttled(log), Throttled(log), Throttled(log)
@@ -61,41 +69,53 @@ class HandleServer:
 
     def _serve(self) -> None:
         while not self._closing.is_set():
+            if not self._slots.acquire(timeout=0.2):
+                continue  # all busy: the next connection waits in the backlog
             try:
                 conn, _ = self._listener.accept()
             except TimeoutError:
+                self._slots.release()
                 continue
             except OSError as exc:  # out of descriptors, an aborted connection: keep serving
+                self._slots.release()
                 if self._closing.is_set():
                     return
                 self._accept_failed.warning("handle socket: accept failed (%s)", exc)
                 self._closing.wait(0.05)
                 continue
-            if not self._slots.acquire(blocking=False):
-                self._refused.warning("handle socket: %d connections already open; refusing one",
-                                      MAX_CONNECTIONS)
+            try:
+                threading.Thread(target=self._connection, args=(conn,), name="engramd-handle",
+                                 daemon=True).start()
+            except RuntimeError:  # no thread to be had: let this one go
                 conn.close()
-                continue
-            threading.Thread(target=self._connection, args=(conn,), name="engramd-handle",
-                             daemon=True).start()
+                self._slots.release()
 
     def _connection(self, conn: socket.socket) -> None:
         try:
             with conn:
-                self._answer(conn, time.monotonic() + HANDLE_TIMEOUT_S)
+                peer = PeerCredentials.of(conn)
+                if not self._admit(peer):
+                    self._refused.warning("handle socket: refused pid %d uid %d gid %d",
+                                          peer.pid, peer.uid, peer.gid)
+                    conn.settimeout(1.0)
+                    self._try_send(conn, error_reply(PermissionDeniedError(
+                        f"uid {peer.uid} / gid {peer.gid} may not use this daemon "
+                        "(config: allowed_uids, allowed_gids)"), self._epoch))
+                    return
+                self._answer(conn, peer, time.monotonic() + HANDLE_TIMEOUT_S)
         except Exception:  # a bug must not end the handle socket for everyone
             log.exception("handle socket: unexpected error")
         finally:
             self._slots.release()
 
-    def _answer(self, conn: socket.socket, deadline: float) -> None:
+    def _answer(self, conn: socket.socket, peer: PeerCredentials, deadline: float) -> None:
         fds: list[int] = []
         try:
             request, _ = recv_message(conn, deadline=deadline)
-            reply, fds = self._ask_loop(request, PeerCredentials.of(conn), conn.fileno())
+            reply, fds = self._ask_loop(request, peer, conn)
             conn.settimeout(max(0.01, deadline - time.monotonic()))
             send_message(conn, reply, fds)
-        except ProtocolError as exc:
+        except (ProtocolError, NotReadyError) as exc:
             self._try_send(conn, error_reply(exc, self._epoch))
         except (OSError, TimeoutError) as exc:
             self._dropped.warning("handle socket: dropped a connection (%s)", exc)
@@ -104,16 +124,18 @@ class HandleServer:
                 os.close(fd)
 
     def _ask_loop(self, request: dict[str, Any], peer: PeerCredentials,
-                  conn_fd: int) -> tuple[dict[str, Any], list[int]]:
+                  conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
         future: futures.Future = futures.Future()
-        self._ask(request, peer, conn_fd, future)
+        duplicate = os.dup(conn.fileno())
+        self._ask(request, peer, duplicate, future)
         try:
             return future.result(timeout=HANDLE_TIMEOUT_S)
         except futures.TimeoutError:
-            if not future.cancel():  # answered just now: its descriptors must not leak
-                for fd in future.result(timeout=HANDLE_TIMEOUT_S)[1]:
-                    os.close(fd)
-            raise ProtocolError(f"the daemon did not answer within {HANDLE_TIMEOUT_S} s") from None
+            if future.cancel():  # the loop never took it: the duplicate is still ours
+                os.close(duplicate)
+                raise NotReadyError(f"the daemon did not take the request within "
+                                    f"{HANDLE_TIMEOUT_S} s (busy); retry") from None
+            return future.result()  # taken: the loop answers every request it takes
 
     def _try_send(self, conn: socket.socket, reply: dict[str, Any]) -> None:
         try:

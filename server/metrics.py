@@ -10,14 +10,23 @@ are thread-safe).
 from __future__ import annotations
 
 import logging
+import socket
+import threading
 from collections.abc import Iterator
+from socketserver import ThreadingMixIn
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
-from prometheus_client.exposition import start_http_server
+from prometheus_client.exposition import make_wsgi_app
 
 log = logging.getLogger("engramd.metrics")
+
+# A scrape is one short request: a peer may hold at most this many connections at once, each for
+# at most this long (idle TCP connections once took a thread each, without end).
+MAX_SCRAPERS = 8
+SCRAPE_TIMEOUT_S = 5.0
 
 LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 200e-6, 400e-6, 800e-6, 1.6e-3, 3.2e-3, 6.4e-3,
                    12.8e-3, 25.6e-3, 51.2e-3, 0.1, 0.2, 0.5)
@@ -103,6 +112,39 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(name, doc, value=value)
 
 
+class _QuietHandler(WSGIRequestHandler):
+    timeout = SCRAPE_TIMEOUT_S  # applied to the connection by StreamRequestHandler.setup
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # scrapes are not news
+
+
+class _BoundedServer(ThreadingMixIn, WSGIServer):
+    """A thread per scrape, at most MAX_SCRAPERS at once; connections past that are closed."""
+
+    daemon_threads = True
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self._slots = threading.BoundedSemaphore(MAX_SCRAPERS)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: socket.socket, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: socket.socket, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -122,10 +164,12 @@ class Metrics:
         if int(port) == 0:
             return
         try:
-            self._server, _ = start_http_server(int(port), addr=host or "127.0.0.1", registry=self.registry)
+            self._server = make_server(host or "127.0.0.1", int(port), make_wsgi_app(self.registry),
+                                       server_class=_BoundedServer, handler_class=_QuietHandler)
         except OSError as exc:
             log.error("metrics endpoint %s not started: %s", address, exc)
             return
+        threading.Thread(target=self._server.serve_forever, name="engramd-metrics", daemon=True).start()
         log.info("metrics on http://%s/metrics", address)
 
     def close(self) -> None:

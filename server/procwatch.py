@@ -1,9 +1,12 @@
 """Is a client's process still alive? Answered from /proc, robust against PID reuse.
 
-A PID alone can be reused by an unrelated process after the client dies, so the process start
-time (field 22 of /proc/<pid>/stat) is recorded at registration and compared. When the PID is not
-visible (the client runs in another PID namespace) the answer is None: unknown, and the daemon
-falls back to heartbeats for that client.
+A diagnostic beside the lease (a registration lives as long as its handle-socket connection):
+the daemon retires a client early when its process is visibly gone, and keeps a silent client
+whose process is visibly alive (stopped, say). A PID alone can be reused by an unrelated process
+after the client dies, so the process start time (field 22 of /proc/<pid>/stat) is recorded at
+attach and compared. The answer is None, unknown, when the PID was never visible (another PID
+namespace) or /proc cannot be read right now (out of descriptors): only a process that is
+certainly gone is reported as gone.
 """
 
 from __future__ import annotations
@@ -11,11 +14,21 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def _start_time(pid: int) -> int | None:
+class _Unknown(Exception):
+    """/proc could not answer (not: the process is gone)."""
+
+
+def _stat(pid: int) -> str | None:
+    """/proc/<pid>/stat, or None when no such process exists; _Unknown when it cannot be read."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (OSError, ValueError):
+        return Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
         return None
+    except (OSError, ValueError) as exc:
+        raise _Unknown(exc) from None
+
+
+def _start_time(stat: str) -> int | None:
     # The command name (field 2) may hold spaces and parentheses; fields resume after the last ')'.
     rest = stat[stat.rfind(")") + 2:].split()
     try:
@@ -27,17 +40,20 @@ def _start_time(pid: int) -> int | None:
 class ProcessWatch:
     def __init__(self, pid: int):
         self.pid = pid
-        self.start_time = _start_time(pid) if pid > 0 else None
+        try:
+            stat = _stat(pid) if pid > 0 else None
+        except _Unknown:
+            stat = None
+        self.start_time = _start_time(stat) if stat else None
 
     def alive(self) -> bool | None:
-        """True, False (gone or reused), or None when the PID was never visible."""
+        """True, False (gone, reused, or a zombie), or None when unknown."""
         if self.start_time is None:
             return None
-        now = _start_time(self.pid)
-        if now is None or now != self.start_time:
-            return False
         try:
-            state = Path(f"/proc/{self.pid}/stat").read_text()
-        except OSError:
+            stat = _stat(self.pid)
+        except _Unknown:
+            return None
+        if stat is None or _start_time(stat) != self.start_time:
             return False
-        return state[state.rfind(")") + 2] not in "ZX"  # a zombie has exited already
+        return stat[stat.rfind(")") + 2] not in "ZX"  # a zombie has exited already

@@ -1,6 +1,7 @@
 """Start-up self-check: sampled lookups through the serving kernel against the checkpoint bytes.
 
-Before the daemon says it is ready, it looks up a fixed sample of rows of every layer through the
+Before the daemon says it is ready, it looks up a sample of rows of every layer, drawn afresh
+at every start (a fixed sample could be dodged by a table file crafted to pass it), through the
 backend's own kernel (the Triton kernel on every GPU, or the CPU reference) and compares them
 exactly with the same rows dequantized straight from the checkpoint files. This catches a table
 file that does not hold the checkpoint (a corrupt or foreign re-attach), a broken registration,
@@ -10,6 +11,7 @@ and a kernel that does not run on this machine, before any client sees a wrong r
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 
 import numpy as np
@@ -48,9 +50,10 @@ def expected_rows(checkpoint: EngramCheckpoint, ids: np.ndarray) -> torch.Tensor
     return rows.permute(1, 0, 2, 3).contiguous()
 
 
-def run_self_check(checkpoint: EngramCheckpoint, loaded: LoadedTables) -> None:
+def run_self_check(checkpoint: EngramCheckpoint, loaded: LoadedTables, seed: int | None = None) -> None:
     started = time.monotonic()
-    ids = sample_ids(loaded.geometry.rows, loaded.geometry.heads)
+    seed = secrets.randbits(32) if seed is None else seed
+    ids = sample_ids(loaded.geometry.rows, loaded.geometry.heads, seed=seed)
     expected = expected_rows(checkpoint, ids)
     for where, actual in loaded.backend.check_gather(torch.from_numpy(ids)):
         mismatch = (actual.view(torch.int16) != expected.view(torch.int16)).nonzero()
@@ -60,5 +63,5 @@ def run_self_check(checkpoint: EngramCheckpoint, loaded: LoadedTables) -> None:
                 f"self-check failed on {where}: layer {loaded.geometry.layer_ids[layer]} row "
                 f"{ids[token, layer, head]} differs from the checkpoint ({len(mismatch)} values); "
                 "the table files do not hold this checkpoint or the kernel is broken here")
-    log.info("self-check passed: %d rows per layer match the checkpoint (%.2f s)",
-             ids.shape[0] * ids.shape[2], time.monotonic() - started)
+    log.info("self-check passed: %d rows per layer (sample seed %d) match the checkpoint (%.2f s)",
+             ids.shape[0] * ids.shape[2], seed, time.monotonic() - started)

@@ -46,13 +46,18 @@ MODES = ("served", "mapped")  # how a client is served; "auto" asks the daemon t
 
 
 # A client is alive as long as its lease (handle-socket connection) is open. Besides, one that
-# sent nothing for this many heartbeat intervals is retired unless its process is visibly alive
-# here (a hung client in another PID namespace).
+# sent nothing for this many heartbeat intervals, and at least HUNG_AFTER_S, is retired unless
+# its process is visibly alive here (a hung client in another PID namespace). The floor keeps a
+# live client whose heartbeat thread waits for the GIL a few seconds from being taken for hung.
 HEARTBEAT_MISSES = 5
+HUNG_AFTER_S = 30.0
 # A registration not attached within this many seconds is retired. Not tied to the heartbeat:
 # attaches queue behind each other's slab allocations (20 GPU clients starting at once take
 # seconds), and an unattached registration holds nothing but its place and its budget.
 ATTACH_TIMEOUT_S = 10.0
+# Registrations one connection may hold unattached: a client makes one and attaches it at once,
+# so this only stops a peer from taking every place with registrations it never uses.
+MAX_PENDING_PER_CONNECTION = 4
 
 
 @dataclass(frozen=True)
@@ -63,11 +68,13 @@ class Limits:
     heartbeat_interval: float = 1.0
     modes: tuple[str, ...] = MODES  # the modes this daemon allows (config: client_modes)
     sort_min_tokens: int = 1024  # told to mapped clients, whose gathers follow the daemon's policy
+    sm_fraction: float = 0.5  # of a GPU's SMs a mapped client's gather grid may use, as the daemon's
     # Who may attach, by the kernel's credentials of the handle-socket peer (None: whoever can
     # open the socket). A peer passes when its uid or its gid is listed.
     allowed_uids: frozenset[int] | None = None
     allowed_gids: frozenset[int] | None = None
     slab_budget: int = 64 << 30  # bytes of slabs of all served clients together
+    max_clients_per_uid: int = 0  # attached clients one user may hold (0: no cap but max_clients)
 
     def allows(self, peer: PeerCredentials) -> bool:
         if self.allowed_uids is None and self.allowed_gids is None:
@@ -79,7 +86,7 @@ class Limits:
     @property
     def silence_s(self) -> float:
         """How long a client whose process is not visible here may send nothing."""
-        return HEARTBEAT_MISSES * self.heartbeat_interval
+        return max(HEARTBEAT_MISSES * self.heartbeat_interval, HUNG_AFTER_S)
 
 
 
@@ -134,6 +141,7 @@ class LookupStore:
         self._next_id = 1
         self.totals: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
+        self._device_count = (-float("inf"), 0)  # (when read, out-of-range IDs counted on GPUs)
         # Request received -> GPU work enqueued, for the last lookups (the daemon's own latency).
         self.dispatch_us: deque[float] = deque(maxlen=4096)
 
@@ -143,6 +151,10 @@ class LookupStore:
         live = [c for c in self.clients.values() if not c.releasing]
         if len(live) >= self.limits.max_clients:
             raise ResourceError(f"client limit reached ({self.limits.max_clients} registered)")
+        pending = sum(1 for c in live if c.identity == identity and not c.attached)
+        if pending >= MAX_PENDING_PER_CONNECTION:
+            raise ResourceError(f"{pending} registrations of this connection are not attached yet; "
+                                "attach them (handle socket) before registering more")
         shard = self._shard_for(req)
         layout = SlabLayout(
             slots=_bounded("slots", req["slots"], 1, self.limits.max_slots),
@@ -171,7 +183,9 @@ class LookupStore:
                  client_id, req["pid"], req["device"], req["tp_rank"], req["tp_size"], mode,
                  layout.slots, layout.max_tokens)
         return {"client_id": client_id, "token": record.token, "mode": mode,
-                "layout": layout.to_wire(), "gather": {"sort_min_tokens": self.limits.sort_min_tokens},
+                "layout": layout.to_wire(),
+                "gather": {"sort_min_tokens": self.limits.sort_min_tokens,
+                           "sm_fraction": self.limits.sm_fraction},
                 "heartbeat_interval": self.limits.heartbeat_interval,
                 "attach_within": self.limits.attach_timeout,
                 "geometry": self.geometry.to_config(),
@@ -219,9 +233,20 @@ class LookupStore:
             self._retire(record, f"refused (peer uid {peer.uid} gid {peer.gid} pid {peer.pid})")
             raise PermissionDeniedError(f"uid {peer.uid} / gid {peer.gid} may not use this daemon "
                                         "(config: allowed_uids, allowed_gids)")
+        cap = self.limits.max_clients_per_uid
+        held = sum(1 for c in self.clients.values()
+                   if not c.releasing and c.peer is not None and c.peer.uid == peer.uid)
+        if cap and held >= cap:
+            self._retire(record, f"refused (uid {peer.uid} holds {held} clients)")
+            raise ResourceError(f"uid {peer.uid} holds {held} clients, the most one user may "
+                                "(config: max_clients_per_uid)")
         if record.mode == "served":
-            record.slab = self.backend.allocate_slab(record.device, record.layout, client_id,
-                                                     record.shard)
+            try:
+                record.slab = self.backend.allocate_slab(record.device, record.layout, client_id,
+                                                         record.shard)
+            except BaseException as exc:  # nothing to attach to: the registration goes too
+                self._retire(record, f"retired (no slab: {exc})")
+                raise
         record.peer = peer
         record.watch = ProcessWatch(peer.pid) if peer.pid > 0 else None
         record.last_seen = time.monotonic()
@@ -313,9 +338,16 @@ class LookupStore:
 
     def _device_out_of_range(self, slabs: list[Slab]) -> int:
         """Out-of-range IDs a GPU backend counted on the device (never synchronised per lookup):
-        by these live slabs and by those it freed."""
+        by these live slabs and by those it freed. Reading them copies one counter per slab
+        from the device, so the value is read at most once per heartbeat interval: a flood of
+        `stats` requests must not become a flood of device copies on the request loop."""
         count = getattr(self.backend, "out_of_range", None)
-        return count(slabs) if count is not None else 0
+        if count is None:
+            return 0
+        now = time.monotonic()
+        if now - self._device_count[0] >= self.limits.heartbeat_interval:
+            self._device_count = (now, count(slabs))
+        return self._device_count[1]
 
     def reap_dead(self) -> list[int]:
         """Retire what the leases cannot: registrations never attached within `attach_timeout`,
@@ -435,9 +467,8 @@ class LookupStore:
 
     def stats(self) -> dict[str, Any]:
         live = [c for c in self.clients.values() if not c.releasing]
-        out_of_range = self.totals["out_of_range"] + self._device_out_of_range(
-            [c.slab for c in self.clients.values() if c.slab is not None])
         slabs = [c.slab for c in self.clients.values() if c.slab is not None]  # releasing ones too
+        out_of_range = self.totals["out_of_range"] + self._device_out_of_range(slabs)
         return {"clients": [c.summary() for c in live],
                 "slabs": len(slabs), "slab_bytes": sum(s.layout.size for s in slabs),
                 "lookups": self.totals["lookups"], "rows": self.totals["rows"],

@@ -58,7 +58,11 @@ STATE_LOADING = 1
 STATE_COMPLETE = 2
 HEADER_BYTES = 4096
 PAGE_BYTES = 4096
-FILE_MODE = 0o640  # the group may read the tables (inspection tools); nobody else
+FILE_MODE = 0o640  # while loading: the daemon writes, the group may read (inspection tools)
+# Once loaded, nobody may write, the daemon's own user included: a client of that user holding
+# a read-only descriptor could otherwise reopen it read-write through /proc/self/fd and change
+# every client's rows (root is not held back by modes).
+SEALED_MODE = 0o440
 DEFAULT_CHUNK_BYTES = 64 << 20
 
 # Re-attach verifies a sampled checksum, not a full one. Reading 94 GiB per layer again at a
@@ -491,6 +495,7 @@ class TableStore:
         table = HostTable(_create_mapping(path, layout), path, layout, reattached=False)
         try:
             _fill(table, layout, source, fingerprint, progress, chunk_bytes)
+            seal(path)
         except BaseException as exc:
             # The traceback's frames hold views of the mapping (the chunk being filled); drop
             # their locals so that the unmap happens now rather than when the traceback dies.
@@ -519,15 +524,15 @@ def _close_quietly(table: HostTable) -> None:
 
 
 def _attach(path: Path, layout: _Layout, fingerprint: str) -> HostTable:
-    """Map a complete file after validating header, size and sampled checksum."""
+    """Map a complete file after validating owner, mode, header, size and sampled checksum."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
         raise _InvalidFile(f"cannot open: {exc.strerror}") from exc
     try:
         header = _read_header(fd, layout, fingerprint)
         # Mapping past the end of a file and touching it raises SIGBUS, so sizes come first.
-        mapping = mmap.mmap(fd, layout.file_size, flags=mmap.MAP_SHARED)
+        mapping = _map_sealed(fd, layout.file_size)
     finally:
         os.close(fd)
     table = HostTable(mapping, path, layout, reattached=True)
@@ -544,6 +549,13 @@ def _read_header(fd: int, layout: _Layout, fingerprint: str) -> _Header:
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         raise _InvalidFile("not a regular file")
+    # A file someone else made, or may write, is not ours whatever its header says: its rows
+    # could be anything (a planted file carries a valid header and its own checksum).
+    if st.st_uid != os.geteuid():
+        raise _InvalidFile(f"owned by uid {st.st_uid}, not by this daemon's user {os.geteuid()}")
+    if stat.S_IMODE(st.st_mode) & ~FILE_MODE or st.st_nlink != 1:
+        raise _InvalidFile(f"mode {stat.S_IMODE(st.st_mode):o} with {st.st_nlink} links; the "
+                           f"daemon writes its tables {FILE_MODE:o} with one")
     if st.st_size < HEADER_BYTES:
         raise _InvalidFile(f"truncated to {st.st_size} bytes, shorter than the header")
     header = _Header.unpack(os.pread(fd, _HEADER_LEN, 0))
@@ -551,6 +563,29 @@ def _read_header(fd: int, layout: _Layout, fingerprint: str) -> _Header:
     if st.st_size != layout.file_size:
         raise _InvalidFile(f"file is {st.st_size} bytes, expected {layout.file_size}")
     return header
+
+
+def _map_sealed(fd: int, size: int) -> mmap.mmap:
+    """A shared writable mapping of a sealed (SEALED_MODE) table of ours, which is how the GPU
+    backend registers it: unsealed just long enough to reopen this very file read-write."""
+    os.fchmod(fd, FILE_MODE)
+    try:
+        rw = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+    finally:
+        os.fchmod(fd, SEALED_MODE)
+    try:
+        return mmap.mmap(rw, size, flags=mmap.MAP_SHARED)
+    finally:
+        os.close(rw)
+
+
+def seal(path: Path) -> None:
+    """A table is complete: from now on nobody may open it for writing (SEALED_MODE)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.fchmod(fd, SEALED_MODE)
+    finally:
+        os.close(fd)
 
 
 def _create_mapping(path: Path, layout: _Layout) -> mmap.mmap:

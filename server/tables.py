@@ -20,6 +20,7 @@ from engramd.client.geometry import TableGeometry
 from engramd.server.backend import Backend
 from engramd.server.checkpoint import EngramCheckpoint
 from engramd.server.config import DaemonConfig
+from engramd.server.ownership import check_own_folder, make_own_folder
 from engramd.server.synthetic import write_synthetic_checkpoint
 from engramd.server.table_store import HostTable, LoadProgress, TableStore
 
@@ -51,9 +52,10 @@ def demo_checkpoint(config: DaemonConfig) -> Path:
     base = Path(config.cache_dir) if config.cache_dir else (
         Path(tempfile.gettempdir()) / f"engramd-demo-{os.geteuid()}")
     target = base / f"demo-seed{config.demo_seed}"
+    check_own_folder(base, "demo cache folder")  # planted tables must not be served
     if (target / "model.safetensors.index.json").exists():
         return target
-    base.mkdir(parents=True, exist_ok=True)
+    make_own_folder(base, "demo cache folder", mode=0o755)
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=base))
     try:
         write_synthetic_checkpoint(TableGeometry.named("demo"), staging, seed=config.demo_seed)
@@ -70,6 +72,21 @@ def demo_checkpoint(config: DaemonConfig) -> Path:
 def resolve_checkpoint(config: DaemonConfig) -> EngramCheckpoint:
     path = demo_checkpoint(config) if config.tables == "demo" else Path(config.tables)
     return EngramCheckpoint.open(path)
+
+
+def check_device_backend(requested: str) -> None:
+    """DeviceBackendError now if the cuda backend was asked for and no GPU is visible."""
+    if requested != "cuda":
+        return
+    try:
+        import torch
+
+        visible = torch.cuda.is_available()
+    except Exception as exc:
+        raise DeviceBackendError(f"cuda backend unavailable: {exc}") from exc
+    if not visible:
+        raise DeviceBackendError("backend = cuda, but no CUDA device is visible to this process "
+                                 "(CUDA_VISIBLE_DEVICES, the driver, the container's GPUs?)")
 
 
 def choose_backend_name(requested: str) -> str:
@@ -118,6 +135,7 @@ def load_tables(config: DaemonConfig, progress: Callable[[float], None]) -> Load
     if delay > 0:
         log.warning("%s=%s: stalling before the load", LOAD_DELAY_ENV, delay)
         time.sleep(delay)
+    check_device_backend(config.backend)  # before gigabytes go into shared memory for nothing
     checkpoint = resolve_checkpoint(config)
     geometry = checkpoint.geometry
     total = geometry.total_bytes

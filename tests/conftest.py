@@ -125,7 +125,8 @@ class DaemonProcess:
     """`engramd serve` started as users start it, on a private socket and shm folder."""
 
     def __init__(self, workdir: Path, shm_dir: Path, tables: Path | str, instance: str,
-                 extra: list[str], env: dict[str, str] | None = None):
+                 extra: list[str], env: dict[str, str] | None = None,
+                 nofile: tuple[int, int] | None = None):
         self.env = {**os.environ, **(env or {})}
         self.workdir = workdir
         self.socket = workdir / "run" / "engramd.sock"
@@ -135,12 +136,19 @@ class DaemonProcess:
                      str(self.socket), "--shm-dir", str(shm_dir), "--instance", instance,
                      "--backend", "cpu", "--heartbeat-interval", "0.2",
                      "--metrics-address", "127.0.0.1:0", *extra]
+        self.nofile = nofile  # (soft, hard) open-file limits to start it with
         self.proc: subprocess.Popen | None = None
+
+    def _limits(self) -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, self.nofile)
 
     def start(self) -> DaemonProcess:
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=self.env)
+                                     stdin=subprocess.DEVNULL, env=self.env,
+                                     preexec_fn=self._limits if self.nofile else None)
         return self
 
     def health(self, timeout: float = 1.0) -> dict | None:
@@ -180,20 +188,23 @@ class DaemonProcess:
 
 @pytest.fixture
 def daemon_factory(demo_checkpoint):
-    """Make daemons: factory(tables=, instance=, extra=[flags], shm_dir=, workdir=, start=, ready=, env=)."""
+    """Make daemons: factory(tables=, instance=, extra=[flags], shm_dir=, workdir=, start=, ready=,
+    env=, nofile=(soft, hard))."""
     started: list[DaemonProcess] = []
     dirs: list[Path] = []
 
     def make(tables: Path | str | None = None, instance: str = "t", extra: list[str] | None = None,
              shm_dir: Path | None = None, workdir: Path | None = None, start: bool = True,
-             ready: bool = True, env: dict[str, str] | None = None) -> DaemonProcess:
+             ready: bool = True, env: dict[str, str] | None = None,
+             nofile: tuple[int, int] | None = None) -> DaemonProcess:
         if workdir is None:
             workdir = short_tempdir("egd-")
             dirs.append(workdir)
         if shm_dir is None:
             shm_dir = shm_tempdir()
             dirs.append(shm_dir)
-        daemon = DaemonProcess(workdir, shm_dir, tables or demo_checkpoint, instance, extra or [], env)
+        daemon = DaemonProcess(workdir, shm_dir, tables or demo_checkpoint, instance, extra or [], env,
+                               nofile)
         started.append(daemon)
         if start:
             daemon.start()

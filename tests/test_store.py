@@ -20,7 +20,7 @@ from engramd.client.errors import (
 )
 from engramd.client.geometry import TableGeometry
 from engramd.client.handles import PeerCredentials
-from engramd.server.store import ATTACH_TIMEOUT_S, HEARTBEAT_MISSES, Limits, LookupStore
+from engramd.server.store import ATTACH_TIMEOUT_S, HUNG_AFTER_S, Limits, LookupStore
 
 
 class FakeSlab:
@@ -295,15 +295,16 @@ def test_unattached_and_silent_invisible_clients_are_reaped_after_the_silence(mo
     pending = store.register(b"p", {"pid": os.getpid(), "device": "cpu", "tp_rank": 0,
                                     "tp_size": 1, "max_tokens": 8, "slots": 2})["client_id"]
     invisible = register(store, identity=b"i", pid=0)  # SO_PEERCRED says 0: not visible here
-    now[0] += HEARTBEAT_MISSES - 0.01
+    assert ATTACH_TIMEOUT_S < HUNG_AFTER_S == store.limits.silence_s  # the floor, at 1 s beats
+    now[0] += ATTACH_TIMEOUT_S - 0.01
+    assert store.reap_dead() == []
+    now[0] += 0.02
+    assert store.reap_dead() == [pending] and list(store.clients) == [invisible]
+    now[0] += HUNG_AFTER_S - ATTACH_TIMEOUT_S - 0.02  # just before the silence runs out
     assert store.reap_dead() == []
     now[0] += 0.02
     assert store.reap_dead() == [invisible]
-    assert backend.slabs[0].closed and list(store.clients) == [pending]
-    now[0] += ATTACH_TIMEOUT_S - HEARTBEAT_MISSES - 0.02  # just before the attach deadline
-    assert store.reap_dead() == []
-    now[0] += 0.02
-    assert store.reap_dead() == [pending] and store.clients == {}
+    assert backend.slabs[0].closed and store.clients == {}
 
 
 def test_slabs_are_reserved_against_one_budget_at_registration():

@@ -305,3 +305,14 @@ def test_silent_handle_peers_block_no_one_and_not_the_stop(daemon_factory):
     finally:
         for peer in silent:
             peer.close()
+
+
+def test_mapped_clients_are_told_the_daemons_gather_policy(daemon_factory):
+    """Mapped clients gather themselves, by the daemon's policy: sorted reads from the same
+    token count, and a grid on the same share of the SMs (client/mapped.py applies both)."""
+    daemon = daemon_factory(extra=["--gather-sm-fraction", "0.25", "--sort-min-tokens", "77"])
+    mapped = raw_register(daemon, "mapped")
+    try:
+        assert mapped["reply"]["gather"] == {"sort_min_tokens": 77, "sm_fraction": 0.25}
+    finally:
+        mapped["sock"].close(0)

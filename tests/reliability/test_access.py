@@ -1,7 +1,7 @@
 """Access control: file modes decide who may talk to the daemon; credentials who may register.
 
 The daemon (running as the test's user, root) makes its runtime folder 0770, its two sockets
-0660 and its table files 0640, all owned by its own group; slabs have no name at all (they are
+0660 and its table files 0440 once loaded, all owned by its own group; slabs have no name at all (they are
 passed as descriptors). A process of another user outside that group must get nothing: no
 connection (a permission error, or the client library's DaemonUnavailableError), no table bytes.
 A member of the group is let in; that positive control shows the refusals come from the modes
@@ -142,7 +142,7 @@ def test_runtime_folder_sockets_and_tables_have_the_documented_modes(served):
              "handle socket": mode(handle_socket_path(daemon.socket)),
              **{p.name: mode(p) for p in tables}}
     wanted = {"runtime folder": 0o770, "socket": 0o660, "handle socket": 0o660,
-              **{p.name: 0o640 for p in tables}}
+              **{p.name: 0o440 for p in tables}}
     assert found == wanted, {k: oct(v) for k, v in found.items()}
 
 

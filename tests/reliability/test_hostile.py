@@ -6,19 +6,29 @@ What this is not: access by file modes (test_access.py) or fuzzed messages (test
 
 from __future__ import annotations
 
+import os
+import shutil
+import socket
+import stat
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
+from pathlib import Path
 
 import msgpack
 import numpy as np
+import pytest
 import torch
 import zmq
+from conftest import attach_raw, short_tempdir, slab_files, wait_until
 from reference import random_ids
 
 from engramd.client import EngramClient
 from engramd.client.connection import probe
+from engramd.client.errors import ResourceError
+from engramd.client.handles import admin_request, handle_socket_path
 
 
 def test_ids_scribbled_into_the_slab_during_lookups_change_nothing(daemon_factory, reference):
@@ -93,3 +103,234 @@ def test_unread_replies_do_not_flood_the_log(daemon_factory):
         peer.close(0)
     lines = [line for line in daemon.log().splitlines() if "dropping a reply" in line]
     assert 1 <= len(lines) <= 3, f"{len(lines)} warning lines for one peer's unread replies"
+
+
+IDLE_CONNECTIONS = 300
+
+
+def test_idle_connections_past_the_soft_file_limit_do_not_stop_the_daemon(daemon_factory):
+    """With a soft open-file limit of 160, 300 idle ZeroMQ connections made libzmq abort the
+    daemon (an assertion in its ipc listener). The daemon raises its soft limit to the hard one
+    at start, keeps serving, and its clients' registrations stay alive."""
+    daemon = daemon_factory(nofile=(160, 4096))
+    with EngramClient(daemon.socket, max_tokens=4) as client:
+        ctx = zmq.Context()
+        ctx.setsockopt(zmq.MAX_SOCKETS, IDLE_CONNECTIONS + 100)
+        idle = []
+        try:
+            for _ in range(IDLE_CONNECTIONS):
+                sock = ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(f"ipc://{daemon.socket}")
+                idle.append(sock)
+            time.sleep(1.0)  # libzmq accepts them in the background
+            assert probe(daemon.socket, "health", 10.0).fields["ready"]
+            assert daemon.proc.poll() is None, daemon.log()[-2000:]
+            assert client.lookup(torch.zeros((1, 2, 24), dtype=torch.int64)).result().shape[1] == 1
+        finally:
+            for sock in idle:
+                sock.close(0)
+            ctx.term()
+    assert daemon.proc.poll() is None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def threads_of(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("Threads:")))
+
+
+def test_idle_metrics_connections_hold_a_bounded_number_of_threads(daemon_factory):
+    """Idle TCP connections to the metrics port once took a thread each without end (243 of
+    them also took every descriptor). Now at most MAX_SCRAPERS are served at once, each for at most
+    SCRAPE_TIMEOUT_S; the others are closed, and scrapes work again once the idle ones go."""
+    from engramd.server.metrics import MAX_SCRAPERS, SCRAPE_TIMEOUT_S
+
+    port = free_port()
+    daemon = daemon_factory(extra=["--metrics-address", f"127.0.0.1:{port}"])
+    before = threads_of(daemon.proc.pid)
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(4 * MAX_SCRAPERS)]
+    try:
+        time.sleep(0.5)
+        assert threads_of(daemon.proc.pid) <= before + MAX_SCRAPERS
+        assert probe(daemon.socket, "health", 10.0).fields["ready"]
+    finally:
+        for conn in idle:
+            conn.close()
+    deadline = time.monotonic() + SCRAPE_TIMEOUT_S + 10
+    while True:  # the slots come back as the idle connections close (or time out)
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+                assert b"engramd_ready 1.0" in reply.read()
+            break
+        except OSError:
+            assert time.monotonic() < deadline, "metrics never recovered from the idle connections"
+            time.sleep(0.2)
+    assert daemon.proc.poll() is None
+
+
+NOBODY = 65534
+
+
+def refused_start(daemon, timeout: float = 60.0) -> str:
+    """The daemon's exit status must be EXIT_CONFIG; returns its log."""
+    from engramd.server.daemon import EXIT_CONFIG
+
+    assert daemon.proc.wait(timeout) == EXIT_CONFIG, daemon.log()[-3000:]
+    return daemon.log()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a folder another user owns")
+def test_a_runtime_folder_someone_else_made_is_refused(daemon_factory):
+    """The non-root default runtime folder is /tmp/engramd-<uid>: whoever makes it first could
+    replace the socket. A folder owned by another user is refused, naming it and its owner."""
+    workdir = short_tempdir("egd-")
+    try:
+        (workdir / "run").mkdir()
+        os.chown(workdir / "run", NOBODY, NOBODY)
+        log = refused_start(daemon_factory(workdir=workdir, ready=False))
+        assert f"runtime folder {workdir / 'run'} belongs to uid {NOBODY}" in log
+        assert not (workdir / "run" / "engramd.sock").exists()
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def test_a_symlink_at_the_lock_file_is_refused_and_its_target_untouched(daemon_factory, tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    workdir = short_tempdir("egd-")
+    try:
+        (workdir / "run").mkdir(mode=0o770)
+        (workdir / "run" / "engramd.sock.lock").symlink_to(victim)
+        log = refused_start(daemon_factory(workdir=workdir, ready=False))
+        assert "cannot open the lock file" in log and "symlink" in log
+        assert victim.read_text() == "precious\n"
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a folder another user owns")
+def test_a_demo_cache_folder_someone_else_made_is_refused(daemon_factory, tmp_path):
+    """Tables planted in a demo cache folder someone else made first must not be served."""
+    planted = tmp_path / "cache"
+    planted.mkdir()
+    os.chown(planted, NOBODY, NOBODY)
+    log = refused_start(daemon_factory(tables="demo", extra=["--cache-dir", str(planted)], ready=False))
+    assert f"demo cache folder {planted} belongs to uid {NOBODY}" in log
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to hand a file to another user")
+def test_table_files_someone_else_owns_are_never_reattached(daemon_factory, reference):
+    """Table files with a valid header and a matching checksum, but owned (and writable) by
+    another user, were re-attached and served: that user could change rows at will. They are
+    reloaded from the checkpoint instead, and the new files are the daemon's own, sealed (0440)."""
+    first = daemon_factory(instance="planted")
+    assert first.stop() == 0
+    tables = sorted(first.shm_dir.glob("*.tbl"))
+    for path in tables:  # what an attacker who planted them (or was handed them) would hold
+        os.chown(path, NOBODY, NOBODY)
+        os.chmod(path, 0o666)
+    second = daemon_factory(instance="planted", shm_dir=first.shm_dir, workdir=first.workdir)
+    assert f"owned by uid {NOBODY}" in second.log()
+    for path in sorted(second.shm_dir.glob("*.tbl")):
+        info = path.stat()
+        assert (info.st_uid, stat.S_IMODE(info.st_mode)) == (os.geteuid(), 0o440), path
+    ids = random_ids(np.random.default_rng(14), 64, reference.rows, reference.heads)
+    with EngramClient(second.socket, max_tokens=64) as client:
+        rows = client.lookup(torch.from_numpy(ids)).result().double().numpy()
+    assert np.array_equal(rows, reference.expected(ids))
+
+
+def test_the_self_check_samples_different_rows_at_every_start(daemon_factory):
+    """A fixed sample (always the same 384 rows per layer) let crafted tables pass."""
+    seeds = set()
+    for instance in ("s1", "s2", "s3"):
+        daemon = daemon_factory(instance=instance)
+        line = next(line for line in daemon.log().splitlines() if "self-check passed" in line)
+        seeds.add(line.split("sample seed ")[1].split(")")[0])
+    assert len(seeds) == 3, seeds
+
+
+DRAIN_AS = """
+import os, sys
+from engramd.client.errors import EngramError
+from engramd.client.handles import admin_request
+uid, gid, group = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+os.setgroups([group])
+os.setgid(gid)
+os.setuid(uid)
+try:
+    admin_request(sys.argv[1], "drain", 5.0)
+    print("drained")
+except EngramError as exc:
+    print(exc.code)
+"""
+
+
+def test_drain_needs_an_admin_not_just_a_connection(daemon_factory):
+    """`drain` from any connection stopped the daemon (with exit 0, so a Restart=on-failure unit
+    stayed down). Over ZeroMQ it is refused; over the handle socket a member of the socket's
+    group who is neither root nor the daemon's user is refused; root drains."""
+    daemon = daemon_factory()
+    peer = zmq.Context.instance().socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.setsockopt(zmq.RCVTIMEO, 10_000)
+    peer.connect(f"ipc://{daemon.socket}")
+    peer.send(msgpack.packb({"v": 1, "op": "drain", "rid": 1}))
+    reply = msgpack.unpackb(peer.recv())
+    peer.close(0)
+    assert (reply["status"], reply["code"]) == ("error", "permission_denied"), reply
+    if os.geteuid() == 0:
+        for folder in (daemon.workdir, daemon.socket.parent):
+            os.chmod(folder, 0o755 if folder == daemon.workdir else 0o770)
+        member = subprocess.run([sys.executable, "-c", DRAIN_AS, str(handle_socket_path(daemon.socket)),
+                                 str(NOBODY), str(NOBODY), str(daemon.socket.stat().st_gid)],
+                                capture_output=True, text=True, timeout=60)
+        assert member.stdout.strip() == "permission_denied", member.stdout + member.stderr
+    assert probe(daemon.socket, "health", 5.0).fields["ready"] and daemon.proc.poll() is None
+    assert admin_request(handle_socket_path(daemon.socket), "drain", 5.0)["status"] == "ok"
+    assert daemon.proc.wait(30) == 0
+
+
+def raw_register(peer: zmq.Socket, rid: int) -> dict:
+    peer.send(msgpack.packb({"v": 1, "op": "register", "rid": rid, "pid": os.getpid(), "device": "cpu",
+                             "tp_rank": 0, "tp_size": 1, "max_tokens": 4, "slots": 1}))
+    return msgpack.unpackb(peer.recv())
+
+
+def test_one_connection_cannot_take_every_client_place(daemon_factory, reference):
+    """One connection took all 64 places in 0.08 s with registrations it never used. Now a
+    connection holds at most MAX_PENDING_PER_CONNECTION unattached ones, and a user at most
+    max_clients_per_uid attached ones; a well-behaved client of another connection still gets in."""
+    from engramd.server.store import MAX_PENDING_PER_CONNECTION
+
+    daemon = daemon_factory(extra=["--max-clients", "8", "--max-clients-per-uid", "3"])
+    peer = zmq.Context.instance().socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.setsockopt(zmq.RCVTIMEO, 10_000)
+    peer.connect(f"ipc://{daemon.socket}")
+    try:
+        replies = [raw_register(peer, rid) for rid in range(1, 11)]
+        assert [r["status"] for r in replies] == ["ok"] * MAX_PENDING_PER_CONNECTION + \
+            ["error"] * (10 - MAX_PENDING_PER_CONNECTION)
+        assert "not attached yet" in replies[-1]["message"]
+        leases = [attach_raw(daemon.socket, r).lease for r in replies[:3]]  # the user's 3 places
+        try:
+            with pytest.raises(ResourceError, match="max_clients_per_uid"):
+                attach_raw(daemon.socket, replies[3])
+            assert len(slab_files(daemon.proc.pid)) == 3  # the refused attach got nothing
+        finally:
+            for lease in leases:
+                lease.close()
+        wait_until(lambda: not slab_files(daemon.proc.pid), timeout=10.0)
+        with EngramClient(daemon.socket, max_tokens=4) as good:  # the places came back
+            ids = random_ids(np.random.default_rng(15), 4, reference.rows, reference.heads)
+            rows = good.lookup(torch.from_numpy(ids)).result().double().numpy()
+            assert np.array_equal(rows, reference.expected(ids))
+    finally:
+        peer.close(0)

@@ -263,3 +263,13 @@ def test_enospc_while_creating_a_table_leaves_no_partial_file(demo_checkpoint, t
     assert second in str(failure.value) and str(tmp_path) in str(failure.value)
     names = [p.name for p in tmp_path.glob("*.tbl")]
     assert not [n for n in names if f".{second}." in n], names
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_cuda_backend_without_a_gpu_fails_before_loading_anything(daemon_factory):
+    from engramd.server.daemon import EXIT_DEVICE
+
+    daemon = daemon_factory(extra=["--backend", "cuda"], ready=False)
+    assert daemon.proc.wait(60) == EXIT_DEVICE, daemon.log()[-2000:]
+    assert "no CUDA device is visible" in daemon.log()
+    assert leftovers(daemon.shm_dir) == [], "no table was copied into shared memory"

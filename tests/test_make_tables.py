@@ -1,0 +1,52 @@
+"""`engramd make-tables` on a first run's mistakes: a clear message and a status, no traceback,
+and nothing left behind."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+from conftest import engramd_command
+
+
+def make_tables(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*engramd_command(), "make-tables", *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_a_folder_that_is_not_empty_is_refused(tmp_path):
+    (tmp_path / "keep.txt").write_text("mine")
+    result = make_tables("--out", str(tmp_path))
+    assert result.returncode == 2 and "exists and is not an empty folder" in result.stderr
+    assert "Traceback" not in result.stderr and sorted(p.name for p in tmp_path.iterdir()) == ["keep.txt"]
+
+
+def test_an_unwritable_target_gets_a_message(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    result = make_tables("--out", str(blocker / "tables"))  # a file where a folder must go
+    assert result.returncode == 1 and str(blocker) in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 1 MiB tmpfs, where this machine lets the test mount one."""
+    path = tmp_path / "small"
+    path.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a tmpfs")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(path)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    yield path
+    subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_too_little_disk_leaves_no_folder(small_tmpfs):
+    target = small_tmpfs / "demo"  # the demo tables need about 14 MB
+    result = make_tables("--out", str(target))
+    assert result.returncode == 1 and "are free" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and not target.exists()
