@@ -7,7 +7,7 @@ two heartbeat periods and that its slab goes as soon as its in-flight lookups fi
 assert that promise with a margin for a loaded machine; this script measures the tight figure:
 for `--kills` client processes, each killed with SIGKILL either idle or in the middle of a
 4,096-token lookup, the time from the kill to (a) the client leaving `stats` (retired) and
-(b) its slab file being gone (freed). Reports p50 / p99 / max in milliseconds and in heartbeat
+(b) its slab (a memfd the daemon holds) being gone (freed). Reports p50 / p99 / max in milliseconds and in heartbeat
 periods. Polling every 2 ms adds up to 2 ms to each figure.
 """
 

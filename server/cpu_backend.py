@@ -1,4 +1,5 @@
-"""CPU backend: anonymous shared-memory (memfd) slabs and the plain-torch reference gather on a thread pool.
+"""CPU backend: anonymous shared-memory (memfd) slabs and the plain-torch reference gather on
+worker threads, which take lookups in pieces, client after client (server/fair_queue.py).
 
 It makes the whole service runnable where there is no GPU (CI, laptops) and is the second
 implementation the CUDA backend is tested against. Completion is the reply message: the client
@@ -11,8 +12,9 @@ import fcntl
 import logging
 import mmap
 import os
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,6 +25,7 @@ from engramd.client.ids import ID_DTYPES
 from engramd.client.slab import SlabLayout
 from engramd.kernels.gather_ref import gather
 from engramd.server.backend import Completion, LookupJob
+from engramd.server.fair_queue import FairQueue
 
 log = logging.getLogger("engramd.cpu")
 
@@ -81,6 +84,21 @@ class MemfdSlab:
         self._map = None
 
 
+# Lookups are gathered in pieces of this many tokens, client after client (server/fair_queue.py).
+PIECE_TOKENS = 128
+
+
+@dataclass
+class _Lookup:
+    """One job on its way through the workers: its private IDs and the pieces left."""
+
+    job: LookupJob
+    done: Completion
+    ids: torch.Tensor
+    left: int
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
 class CpuBackend:
     name = "cpu"
     orders_slots = False
@@ -88,7 +106,11 @@ class CpuBackend:
     def __init__(self, tables: list[torch.Tensor], geometry: TableGeometry, workers: int):
         self.tables = tables
         self.geometry = geometry
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="engramd-gather")
+        self._queue = FairQueue()
+        self._workers = [threading.Thread(target=self._work, name=f"engramd-gather{i}", daemon=True)
+                         for i in range(workers)]
+        for worker in self._workers:
+            worker.start()
 
     def check_device(self, device: str) -> None:
         if device != "cpu":
@@ -99,23 +121,39 @@ class CpuBackend:
         return MemfdSlab(slab_name(client_id), layout)
 
     def submit(self, job: LookupJob, done: Completion) -> None:
-        self._pool.submit(self._run, job, done)
+        # The gather reads its IDs more than once (masks, then indices), so it reads a private
+        # copy: the slab is the client's to write at any time.
+        if job.inline_ids is not None:
+            ids = torch.from_numpy(job.inline_ids.copy())
+        else:
+            ids = job.slab.ids(job.slot, job.tokens, ID_DTYPES[job.ids_dtype]).clone()
+        starts = range(0, job.tokens, PIECE_TOKENS)
+        if not starts:  # nothing to gather (the store never sends such a job)
+            done(job)
+            return
+        lookup = _Lookup(job, done, ids, left=len(starts))
+        self._queue.put(job.client_id, ((lookup, t, min(t + PIECE_TOKENS, job.tokens)) for t in starts))
 
-    def _run(self, job: LookupJob, done: Completion) -> None:
+    def _work(self) -> None:
+        while (piece := self._queue.get()) is not None:
+            self._run_piece(*piece)
+
+    def _run_piece(self, lookup: _Lookup, start: int, stop: int) -> None:
+        job, bad, error = lookup.job, 0, None
         try:
-            slab = job.slab
-            # The gather reads its IDs more than once (masks, then indices), so it must read a
-            # private copy: the slab is the client's to write at any time.
-            if job.inline_ids is not None:
-                ids = torch.from_numpy(job.inline_ids.copy())
-            else:
-                ids = slab.ids(job.slot, job.tokens, ID_DTYPES[job.ids_dtype]).clone()
-            _, job.out_of_range = gather(self.tables, ids, job.shard, out=slab.rows(job.slot, job.tokens))
+            rows = job.slab.rows(job.slot, job.tokens)[:, start:stop]
+            _, bad = gather(self.tables, lookup.ids[start:stop], job.shard, out=rows)
         except BaseException as exc:  # reported to the client; the worker must survive
             log.exception("gather failed for client %d slot %d", job.client_id, job.slot)
-            job.error = exc
-        job.context["enqueued"] = time.perf_counter()  # on the CPU: the rows are written
-        done(job)
+            error = exc
+        with lookup.lock:
+            job.out_of_range += bad
+            job.error = job.error or error
+            lookup.left -= 1
+            finished = lookup.left == 0
+        if finished:
+            job.context["enqueued"] = time.perf_counter()  # on the CPU: the rows are written
+            lookup.done(job)
 
     def mps_states(self) -> dict:
         return {}  # no GPU, so nothing to share
@@ -125,5 +163,8 @@ class CpuBackend:
         yield "cpu", gather(self.tables, ids, self.geometry.shard(0, 1))[0]
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        """Finish what is queued, then stop the workers."""
+        self._queue.close()
+        for worker in self._workers:
+            worker.join()
         self.tables = []  # drop the table views so the host tables can be unmapped

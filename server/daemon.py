@@ -64,6 +64,7 @@ EXIT_DEVICE = 69  # EX_UNAVAILABLE: the requested device backend cannot start
 EXIT_CONFIG = 78  # EX_CONFIG
 
 DRAIN_TIMEOUT_S = 30.0
+DEAF_FOR_S = 1.0  # how long a peer whose reply queue was full gets no answers but to lookups
 SWITCH_INTERVAL_S = 0.0002
 
 
@@ -153,6 +154,9 @@ class Daemon:
         self.metrics = Metrics()
         self._last_status = 0.0
         self._dropped = Throttled(log)  # a peer that reads no replies must not flood the log
+        # Peers whose reply queue was full, until when: their requests other than lookups are
+        # not worth the loop's time (nobody reads the answer). Lookups are always served.
+        self._deaf: dict[bytes, float] = {}
 
     # -- thread-safe event posting --------------------------------------------------------------
 
@@ -337,6 +341,8 @@ class Daemon:
                                                                f"daemon is stopping ({reason})"))
 
     def _housekeeping(self) -> None:
+        now = time.perf_counter()
+        self._deaf = {peer: until for peer, until in self._deaf.items() if until > now}
         if self.store is not None:
             self.store.reap_dead()
         if self.state == "loading":
@@ -379,6 +385,8 @@ class Daemon:
         try:
             request = protocol.decode_request(body)
             op, rid = request.op, request.rid
+            if op != "lookup" and identity in self._deaf and self._deaf[identity] > received:
+                return  # it reads no replies: answering costs the others, and tells it nothing
             request.received = received
             reply = getattr(self, f"_op_{request.op}")(identity, request)
         except EngramError as exc:
@@ -402,6 +410,7 @@ class Daemon:
             self._sock.send_multipart([identity, *frames], zmq.NOBLOCK)
         except zmq.Again:
             self._dropped.warning("dropping a reply: the client's queue is full (it reads none)")
+            self._deaf[identity] = time.perf_counter() + DEAF_FOR_S
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
