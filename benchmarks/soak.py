@@ -275,7 +275,7 @@ def _run_in(cfg: SoakConfig, work: Path) -> dict[str, Any]:
         proc.send_signal(signal.SIGTERM)
         exit_code = proc.wait(60)
         proc = None
-        leftover = sorted(p.name for p in shm.iterdir() if p.suffix not in (".tbl", ".lock"))
+        leftover = sorted(p.name for p in shm.rglob("*") if p.is_file() and p.suffix not in (".tbl", ".lock"))
     finally:
         if proc is not None:
             proc.kill()

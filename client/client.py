@@ -166,11 +166,9 @@ class _MemfdSlabView:
         return self.layout.rows_view(self.buffer, slot, tokens)
 
     def close(self) -> None:
-        del self.buffer
-        try:
-            self._map.close()
-        except BufferError:
-            pass  # the caller still holds row views; the mapping goes when they do
+        # Not self._map.close(): row views the caller still holds reference the mapping (torch
+        # does not pin it), so it is unmapped when the last of them goes, not under them.
+        self.buffer, self._map = None, None
 
 
 class _CudaSlabView:
@@ -308,6 +306,8 @@ class EngramClient:
     def _disconnect(self) -> None:
         """Drop the connection and the slab mapping without talking to the daemon."""
         self._stop_watchdog()
+        if isinstance(self._slab, _CudaSlabView):
+            self._release_waits()  # the daemon is gone or going: its counters may never move
         try:
             self._unmap()  # first: it synchronises the device, so no gather of ours still reads
         finally:           # the old mapping or writes our slots

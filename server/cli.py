@@ -138,9 +138,18 @@ def cmd_make_tables(args: argparse.Namespace) -> int:
     made = not out.exists()
     try:
         return _write_tables(geometry, args)
-    except (CheckpointError, OSError) as exc:
+    except (CheckpointError, OSError, KeyboardInterrupt) as exc:
         if made:
             shutil.rmtree(out, ignore_errors=True)  # nothing half-written stays behind
+        elif out.is_dir():  # it was empty: empty it again
+            for entry in out.iterdir():
+                if entry.is_dir():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
+        if isinstance(exc, KeyboardInterrupt):
+            print("\nengramd make-tables: interrupted; nothing was left behind", file=sys.stderr)
+            return 130
         reason = f"{exc.filename}: {exc.strerror}" if isinstance(exc, OSError) and exc.strerror else exc
         print(f"\nengramd make-tables: {reason}", file=sys.stderr)
         return 1

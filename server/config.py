@@ -38,7 +38,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("tables", str, "demo",
             "checkpoint folder (config.json + safetensors shards), or 'demo' for the built-in demo table"),
     Setting("socket", str, "",
-            "ZeroMQ ipc socket path; its folder is the runtime folder (0770). Empty: the default"),
+            "ZeroMQ ipc socket path; its folder is the runtime folder (0750). Empty: the default"),
     Setting("shm_dir", str, "/dev/shm", "folder for the shared-memory table files"),
     Setting("instance", str, "default", "daemon instance name, part of every shared-memory file name",
             pattern=r"[A-Za-z0-9_.-]{1,64}"),
@@ -54,6 +54,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("allowed_gids", str, "",
             "comma-separated group ids (the peer's effective gid) that may register; empty: no "
             "group check", pattern=r"(\d+(,\d+)*)?"),
+    Setting("admin_uids", str, "",
+            "comma-separated user ids that may run admin operations (engramd drain), checked by "
+            "the kernel's credentials; the daemon's own user always may. Root is not implied: "
+            "engines in containers often run as uid 0", pattern=r"(\d+(,\d+)*)?"),
     Setting("max_clients_per_uid", int, 0,
             "attached clients one user (by its kernel credentials) may hold; 0: only max_clients "
             "caps them", low=0, high=4096),
@@ -114,6 +118,7 @@ class DaemonConfig:
     max_slots: int
     allowed_uids: str
     allowed_gids: str
+    admin_uids: str
     max_clients_per_uid: int
     slab_budget_gib: float
     workers: int

@@ -73,15 +73,13 @@ class MemfdSlab:
         return os.dup(self._fd)
 
     def close(self) -> None:
+        """Let go of the slab. The mapping is not closed here: torch views of it do not pin it
+        (closing it would leave them dangling), they hold a reference, so it is unmapped when
+        the last of them goes, at once when there is none."""
         if self._map is None:
             return
-        del self.buffer
         os.close(self._fd)
-        try:
-            self._map.close()
-        except BufferError:
-            pass  # a view outlives us; the memory is freed with it
-        self._map = None
+        self.buffer, self._map = None, None
 
 
 # Lookups are gathered in pieces of this many tokens, client after client (server/fair_queue.py).
@@ -121,6 +119,18 @@ class CpuBackend:
         return MemfdSlab(slab_name(client_id), layout)
 
     def submit(self, job: LookupJob, done: Completion) -> None:
+        try:
+            pieces = self._pieces(job, done)
+            if pieces:
+                self._queue.put(job.client_id, pieces)
+                return
+        except BaseException as exc:  # the job must complete all the same, or its slot never frees
+            log.exception("cannot queue the gather of client %d slot %d", job.client_id, job.slot)
+            job.error = exc
+        job.context["enqueued"] = time.perf_counter()
+        done(job)
+
+    def _pieces(self, job: LookupJob, done: Completion) -> list[tuple[_Lookup, int, int]]:
         # The gather reads its IDs more than once (masks, then indices), so it reads a private
         # copy: the slab is the client's to write at any time.
         if job.inline_ids is not None:
@@ -128,11 +138,8 @@ class CpuBackend:
         else:
             ids = job.slab.ids(job.slot, job.tokens, ID_DTYPES[job.ids_dtype]).clone()
         starts = range(0, job.tokens, PIECE_TOKENS)
-        if not starts:  # nothing to gather (the store never sends such a job)
-            done(job)
-            return
         lookup = _Lookup(job, done, ids, left=len(starts))
-        self._queue.put(job.client_id, ((lookup, t, min(t + PIECE_TOKENS, job.tokens)) for t in starts))
+        return [(lookup, t, min(t + PIECE_TOKENS, job.tokens)) for t in starts]
 
     def _work(self) -> None:
         while (piece := self._queue.get()) is not None:

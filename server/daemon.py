@@ -63,7 +63,8 @@ EXIT_SOCKET_IN_USE = 73  # EX_CANTCREAT: another daemon holds the socket
 EXIT_DEVICE = 69  # EX_UNAVAILABLE: the requested device backend cannot start
 EXIT_CONFIG = 78  # EX_CONFIG
 
-DRAIN_TIMEOUT_S = 30.0
+DRAIN_TIMEOUT_S = 30.0  # stopping waits this long for in-flight lookups, then exits regardless
+RUNTIME_DIR_MODE = 0o750
 DEAF_FOR_S = 1.0  # how long a peer whose reply queue was full gets no answers but to lookups
 SWITCH_INTERVAL_S = 0.0002
 
@@ -114,15 +115,16 @@ class SocketLock:
 
 
 def prepare_runtime_dir(path: Path) -> None:
-    """Create the runtime folder 0770 (its permissions decide who may connect), or check that
+    """Create the runtime folder 0750 (its group may reach the sockets, 0660, but not replace
+    them: connecting needs write permission on a socket, not on its folder), or check that
     the one there is ours; DaemonHalt naming it and its owner otherwise."""
     try:
-        make_own_folder(path, "runtime folder")
+        make_own_folder(path, "runtime folder", mode=RUNTIME_DIR_MODE)
     except ConfigError as exc:
         raise DaemonHalt(exc.message, EXIT_CONFIG) from None
     info = os.lstat(path)
     if info.st_uid == os.geteuid() and not info.st_mode & 0o1000:
-        os.chmod(path, 0o770)  # ours and not a shared sticky folder (mkdir's mode met the umask)
+        os.chmod(path, RUNTIME_DIR_MODE)  # ours, not a shared sticky folder (mkdir met the umask)
 
 
 class Daemon:
@@ -137,6 +139,7 @@ class Daemon:
         self.geometry: TableGeometry | None = None
         self._events: queue.SimpleQueue[_Event] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
+        self._wake_lock = threading.RLock()  # post() may race close(); signal handlers post too
         os.set_blocking(self._wake_w, False)
         self._lock = SocketLock(config.socket_path)
         self._ctx = zmq.Context()
@@ -146,6 +149,9 @@ class Daemon:
         self._handles: HandleServer | None = None
         self._table_fds: list[int] = []  # read-only descriptors of the tables, for mapped clients
         self._poller = zmq.Poller()
+        self._limits = limits_of(config)
+        # Who may run admin operations: the daemon's own user, and whom the config names.
+        self._admins = {os.geteuid(), *(_id_set(config.admin_uids) or ())}
         # Each attached client's lease: our end of its handle-socket connection, polled by the loop.
         self._leases: dict[int, int] = {}  # client_id -> descriptor
         self._lease_clients: dict[int, int] = {}  # descriptor -> client_id
@@ -153,6 +159,7 @@ class Daemon:
         self.notifier = Notifier()
         self.metrics = Metrics()
         self._last_status = 0.0
+        self._stop_deadline = float("inf")
         self._dropped = Throttled(log)  # a peer that reads no replies must not flood the log
         # Peers whose reply queue was full, until when: their requests other than lookups are
         # not worth the loop's time (nobody reads the answer). Lookups are always served.
@@ -162,10 +169,13 @@ class Daemon:
 
     def post(self, kind: str, value: Any = None) -> None:
         self._events.put(_Event(kind, value))
-        try:
-            os.write(self._wake_w, b"!")
-        except BlockingIOError:
-            pass  # the pipe is full, so the loop is already due to wake
+        with self._wake_lock:
+            if self._wake_w < 0:
+                return  # closed: the loop is gone, nobody will read it
+            try:
+                os.write(self._wake_w, b"!")
+            except BlockingIOError:
+                pass  # the pipe is full, so the loop is already due to wake
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         self.post("signal", signum)  # handlers only enqueue
@@ -224,7 +234,7 @@ class Daemon:
         self._table_fds = [os.open(t.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
                            for t in loaded.tables]
         self.geometry = loaded.geometry
-        self.store = LookupStore(loaded.geometry, loaded.backend, limits_of(self.config),
+        self.store = LookupStore(loaded.geometry, loaded.backend, self._limits,
                                  on_retire=self._end_lease)
         self.state = "ready"
         self.progress = 1.0
@@ -264,6 +274,10 @@ class Daemon:
             for fd in [fd for fd in ready if fd in self._lease_clients]:
                 self._lease_event(fd)
             if self.state == "stopping" and self._nothing_in_flight():
+                break
+            if self.state == "stopping" and time.monotonic() > self._stop_deadline:
+                log.warning("stopping with %d lookups still in flight after %.0f s",
+                            self._in_flight(), DRAIN_TIMEOUT_S)
                 break
             if time.monotonic() >= next_reap:
                 next_reap = time.monotonic() + self.config.heartbeat_interval
@@ -335,6 +349,7 @@ class Daemon:
         """Refuse new work, let in-flight lookups finish, tell every client we are going away."""
         log.info("%s: stopping (finishing %d in-flight lookups)", reason, self._in_flight())
         self.state = "stopping"
+        self._stop_deadline = time.monotonic() + DRAIN_TIMEOUT_S
         self.notifier.stopping(f"stopping ({reason})")
         for client in (list(self.store.clients.values()) if self.store is not None else ()):  # _send may reap
             self._send(client.identity, protocol.encode_notice(self.epoch, "stopping",
@@ -479,9 +494,9 @@ class Daemon:
 
     def _admin_drain(self, peer: PeerCredentials) -> tuple[dict[str, Any], list[int]]:
         """Admin: stop accepting, finish in-flight lookups, then exit 0 (as on SIGTERM)."""
-        if peer.uid not in (0, os.geteuid()):
+        if peer.uid not in self._admins:
             raise PermissionDeniedError(f"drain is an admin operation: uid {peer.uid} may not "
-                                        f"(root or the daemon's user, uid {os.geteuid()}, may)")
+                                        f"(admin_uids: {sorted(self._admins)})")
         if self.state != "stopping":
             self._begin_stop(f"drain requested by pid {peer.pid} uid {peer.uid}")
         return {"status": "ok", "epoch": self.epoch, "in_flight": self._in_flight()}, []
@@ -494,7 +509,7 @@ class Daemon:
 
     def _admits(self, peer: PeerCredentials) -> bool:
         """From the handle threads, before a peer's request is read: allowed ids, or an admin."""
-        if peer.uid in (0, os.geteuid()) or limits_of(self.config).allows(peer):
+        if peer.uid in self._admins or self._limits.allows(peer):
             return True
         self.post("refused", peer)  # counted by the loop, which owns the statistics
         return False
@@ -622,8 +637,10 @@ class Daemon:
             self.config.socket_path.unlink(missing_ok=True)
         self._ctx.term()
         self._lock.release()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        with self._wake_lock:
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            self._wake_w = -1
 
 
 def limits_of(config: DaemonConfig) -> Limits:

@@ -3,7 +3,7 @@
 A thread accepts connections and serves each on a thread of its own, at most MAX_CONNECTIONS at
 once (more wait in the listen backlog, not refused). It reads the peer's kernel credentials
 first and turns away a peer the daemon would refuse anyway, before reading anything; then it
-reads the one request before an absolute deadline (HANDLE_TIMEOUT_S from the accept) and asks
+reads the one request before an absolute deadline (REQUEST_DEADLINE_S from the accept) and asks
 the request loop for the answer, because the registrations belong to the loop's thread. With
 the request goes a duplicate of the connection: once the loop has taken the request it owns that
 duplicate (it keeps it as the registration's lease, or closes it), and it hands back the reply
@@ -43,6 +43,10 @@ Ask = Callable[[dict[str, Any], PeerCredentials, int, futures.Future], None]
 # Whether the daemon would serve this peer at all (its allowed ids, or an admin).
 Admit = Callable[[PeerCredentials], bool]
 BACKLOG = 256
+# A client sends its one small request right after connecting: a peer that has not within this
+# long is holding a connection slot, not using it.
+REQUEST_DEADLINE_S = 2.0
+CLOSE_WAIT_S = 2.0  # close() lets connections in progress send their answers for this long
 
 
 class HandleServer:
@@ -62,6 +66,7 @@ class HandleServer:
         # silent peer holds one of them until its deadline, never the others; a burst of
         # attaches waits in the backlog.
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._threads: set[threading.Thread] = set()  # connections in progress
         # What a peer can provoke at will is logged once per interval (server/throttle.py).
         self._accept_failed, self._refused, self._dropped = Throttled(log), Throttled(log), Throttled(log)
         self._thread = threading.Thread(target=self._serve, name="engramd-handles", daemon=True)
@@ -83,10 +88,13 @@ class HandleServer:
                 self._accept_failed.warning("handle socket: accept failed (%s)", exc)
                 self._closing.wait(0.05)
                 continue
+            thread = threading.Thread(target=self._connection, args=(conn,), name="engramd-handle",
+                                      daemon=True)
+            self._threads.add(thread)
             try:
-                threading.Thread(target=self._connection, args=(conn,), name="engramd-handle",
-                                 daemon=True).start()
+                thread.start()
             except RuntimeError:  # no thread to be had: let this one go
+                self._threads.discard(thread)
                 conn.close()
                 self._slots.release()
 
@@ -102,10 +110,11 @@ class HandleServer:
                         f"uid {peer.uid} / gid {peer.gid} may not use this daemon "
                         "(config: allowed_uids, allowed_gids)"), self._epoch))
                     return
-                self._answer(conn, peer, time.monotonic() + HANDLE_TIMEOUT_S)
+                self._answer(conn, peer, time.monotonic() + REQUEST_DEADLINE_S)
         except Exception:  # a bug must not end the handle socket for everyone
             log.exception("handle socket: unexpected error")
         finally:
+            self._threads.discard(threading.current_thread())
             self._slots.release()
 
     def _answer(self, conn: socket.socket, peer: PeerCredentials, deadline: float) -> None:
@@ -113,7 +122,7 @@ class HandleServer:
         try:
             request, _ = recv_message(conn, deadline=deadline)
             reply, fds = self._ask_loop(request, peer, conn)
-            conn.settimeout(max(0.01, deadline - time.monotonic()))
+            conn.settimeout(HANDLE_TIMEOUT_S)
             send_message(conn, reply, fds)
         except (ProtocolError, NotReadyError) as exc:
             self._try_send(conn, error_reply(exc, self._epoch))
@@ -144,8 +153,12 @@ class HandleServer:
             pass  # the peer went away; nothing was handed out
 
     def close(self) -> None:
-        """Stop accepting; connections in progress end by their own deadline."""
+        """Stop accepting, and give the connections in progress CLOSE_WAIT_S to answer (a drain's
+        requester wants to hear that it worked); those left end by their own deadline."""
         self._closing.set()
         self._thread.join()
         self._listener.close()
         self.path.unlink(missing_ok=True)
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        for thread in list(self._threads):
+            thread.join(max(0.0, deadline - time.monotonic()))

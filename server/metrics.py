@@ -23,8 +23,8 @@ from prometheus_client.exposition import make_wsgi_app
 
 log = logging.getLogger("engramd.metrics")
 
-# A scrape is one short request: a peer may hold at most this many connections at once, each for
-# at most this long (idle TCP connections once took a thread each, without end).
+# A scrape is one short request: at most this many are served at once, each for at most this
+# long (idle TCP connections once took a thread each, without end).
 MAX_SCRAPERS = 8
 SCRAPE_TIMEOUT_S = 5.0
 
@@ -113,7 +113,25 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
 
 
 class _QuietHandler(WSGIRequestHandler):
-    timeout = SCRAPE_TIMEOUT_S  # applied to the connection by StreamRequestHandler.setup
+    timeout = SCRAPE_TIMEOUT_S  # per read, applied by StreamRequestHandler.setup
+
+    def setup(self) -> None:
+        super().setup()
+        # And for the whole request: a peer trickling a byte every few seconds must not hold a
+        # thread for ever. Shutting the socket down ends whatever read or write is under way.
+        self._deadline = threading.Timer(SCRAPE_TIMEOUT_S, self._cut)
+        self._deadline.daemon = True
+        self._deadline.start()
+
+    def _cut(self) -> None:
+        try:
+            self.connection.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # already gone
+
+    def finish(self) -> None:
+        self._deadline.cancel()
+        super().finish()
 
     def log_message(self, format: str, *args: Any) -> None:
         pass  # scrapes are not news

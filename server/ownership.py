@@ -31,7 +31,7 @@ def check_own_folder(path: Path, what: str) -> None:
                           "another folder")
     if info.st_mode & stat.S_IWOTH and not info.st_mode & stat.S_ISVTX:
         raise ConfigError(f"{what} {path} is writable by every user (mode "
-                          f"{stat.S_IMODE(info.st_mode):o}); make it 0770 or choose another folder")
+                          f"{stat.S_IMODE(info.st_mode):o}); make it 0750 or choose another folder")
 
 
 def make_own_folder(path: Path, what: str, mode: int = 0o770) -> None:

@@ -58,11 +58,10 @@ STATE_LOADING = 1
 STATE_COMPLETE = 2
 HEADER_BYTES = 4096
 PAGE_BYTES = 4096
-FILE_MODE = 0o640  # while loading: the daemon writes, the group may read (inspection tools)
-# Once loaded, nobody may write, the daemon's own user included: a client of that user holding
-# a read-only descriptor could otherwise reopen it read-write through /proc/self/fd and change
-# every client's rows (root is not held back by modes).
-SEALED_MODE = 0o440
+# The daemon writes, its group may read (inspection tools). A client running as the daemon's own
+# user could change the rows whatever the mode (an owner may chmod through any descriptor): run
+# the daemon as a user of its own (README, "Who may register").
+FILE_MODE = 0o640
 DEFAULT_CHUNK_BYTES = 64 << 20
 
 # Re-attach verifies a sampled checksum, not a full one. Reading 94 GiB per layer again at a
@@ -495,7 +494,6 @@ class TableStore:
         table = HostTable(_create_mapping(path, layout), path, layout, reattached=False)
         try:
             _fill(table, layout, source, fingerprint, progress, chunk_bytes)
-            seal(path)
         except BaseException as exc:
             # The traceback's frames hold views of the mapping (the chunk being filled); drop
             # their locals so that the unmap happens now rather than when the traceback dies.
@@ -532,7 +530,7 @@ def _attach(path: Path, layout: _Layout, fingerprint: str) -> HostTable:
     try:
         header = _read_header(fd, layout, fingerprint)
         # Mapping past the end of a file and touching it raises SIGBUS, so sizes come first.
-        mapping = _map_sealed(fd, layout.file_size)
+        mapping = _map_writable(fd, layout.file_size)
     finally:
         os.close(fd)
     table = HostTable(mapping, path, layout, reattached=True)
@@ -565,27 +563,17 @@ def _read_header(fd: int, layout: _Layout, fingerprint: str) -> _Header:
     return header
 
 
-def _map_sealed(fd: int, size: int) -> mmap.mmap:
-    """A shared writable mapping of a sealed (SEALED_MODE) table of ours, which is how the GPU
-    backend registers it: unsealed just long enough to reopen this very file read-write."""
-    os.fchmod(fd, FILE_MODE)
+def _map_writable(fd: int, size: int) -> mmap.mmap:
+    """A shared writable mapping (how the GPU backend registers tables) of the file `fd` was
+    opened read-only on, reopened through /proc so that the path is not looked up again."""
     try:
         rw = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
-    finally:
-        os.fchmod(fd, SEALED_MODE)
+    except OSError as exc:
+        raise _InvalidFile(f"cannot reopen for mapping: {exc.strerror}") from exc
     try:
         return mmap.mmap(rw, size, flags=mmap.MAP_SHARED)
     finally:
         os.close(rw)
-
-
-def seal(path: Path) -> None:
-    """A table is complete: from now on nobody may open it for writing (SEALED_MODE)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        os.fchmod(fd, SEALED_MODE)
-    finally:
-        os.close(fd)
 
 
 def _create_mapping(path: Path, layout: _Layout) -> mmap.mmap:

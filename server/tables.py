@@ -74,6 +74,15 @@ def resolve_checkpoint(config: DaemonConfig) -> EngramCheckpoint:
     return EngramCheckpoint.open(path)
 
 
+def tables_folder(config: DaemonConfig) -> Path:
+    """The daemon's own folder inside shm_dir, made 0750 if absent: in a shared shm_dir such as
+    /dev/shm anyone may create files, and a file planted at the next table's or the lock's name
+    would stop the daemon from starting (it cannot remove what it does not own)."""
+    folder = Path(config.shm_dir) / f"engramd-{config.instance}"
+    make_own_folder(folder, "table folder", mode=0o750)
+    return folder
+
+
 def check_device_backend(requested: str) -> None:
     """DeviceBackendError now if the cuda backend was asked for and no GPU is visible."""
     if requested != "cuda":
@@ -145,7 +154,7 @@ def load_tables(config: DaemonConfig, progress: Callable[[float], None]) -> Load
         done_before[p.layer_index] = p.done_bytes
         progress(min(1.0, sum(done_before.values()) / max(1, total)))
 
-    store = TableStore(config.shm_dir, config.instance)
+    store = TableStore(tables_folder(config), config.instance)
     started = time.monotonic()
     try:
         tables = store.open(checkpoint, progress=on_progress)

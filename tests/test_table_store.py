@@ -117,7 +117,7 @@ def test_load_matches_source_and_layout(shm: Path):
             assert t.data_offset % 4096 == 0 and t.data_offset >= 4096
             assert t.address % 4096 == 0
             assert not t.reattached
-            assert t.path.stat().st_mode & 0o777 == 0o440  # sealed once loaded
+            assert t.path.stat().st_mode & 0o777 == 0o640
             view = t.array
             assert not view.flags.writeable
             assert view.__array_interface__["data"][0] == t.address

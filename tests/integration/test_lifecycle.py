@@ -68,18 +68,18 @@ def test_restart_reattaches_tables_and_serves_same_rows(daemon_factory, referenc
     with EngramClient(first.socket) as client:
         before = client.lookup(torch.from_numpy(ids)).result(copy=True)
     assert first.stop() == 0
-    tables = sorted(p.name for p in first.shm_dir.glob("*.tbl"))
+    tables = sorted(p.name for p in first.tables_dir.glob("*.tbl"))
     assert len(tables) == 2, tables
 
     second = daemon_factory(instance="keep", shm_dir=first.shm_dir, workdir=first.workdir)
     assert "re-attached" in second.log(), second.log()
-    assert sorted(p.name for p in second.shm_dir.glob("*.tbl")) == tables
+    assert sorted(p.name for p in second.tables_dir.glob("*.tbl")) == tables
     with EngramClient(second.socket) as client:
         after = client.lookup(torch.from_numpy(ids)).result()
         assert torch.equal(before, after)
         assert np.array_equal(after.double().numpy(), reference.expected(ids))
     assert second.stop() == 0
-    assert {p.suffix for p in second.shm_dir.iterdir()} <= {".tbl", ".lock"}, "only tables stay"
+    assert {p.suffix for p in second.tables_dir.iterdir()} <= {".tbl", ".lock"}, "only tables stay"
 
 
 def test_second_daemon_on_the_same_socket_refuses(daemon_factory):

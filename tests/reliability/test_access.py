@@ -1,7 +1,7 @@
 """Access control: file modes decide who may talk to the daemon; credentials who may register.
 
-The daemon (running as the test's user, root) makes its runtime folder 0770, its two sockets
-0660 and its table files 0440 once loaded, all owned by its own group; slabs have no name at all (they are
+The daemon (running as the test's user, root) makes its runtime folder 0750, its two sockets
+0660 and its table files 0640, all owned by its own group; slabs have no name at all (they are
 passed as descriptors). A process of another user outside that group must get nothing: no
 connection (a permission error, or the client library's DaemonUnavailableError), no table bytes.
 A member of the group is let in; that positive control shows the refusals come from the modes
@@ -135,20 +135,20 @@ def mode(path: Path) -> int:
 
 def test_runtime_folder_sockets_and_tables_have_the_documented_modes(served):
     daemon, _ = served
-    tables = sorted(daemon.shm_dir.glob("*.tbl"))
-    assert len(tables) == 2 and not [p for p in daemon.shm_dir.iterdir() if p.suffix not in (".tbl", ".lock")]
+    tables = sorted(daemon.tables_dir.glob("*.tbl"))
+    assert len(tables) == 2 and not [p for p in daemon.tables_dir.iterdir() if p.suffix not in (".tbl", ".lock")]
     assert len(slab_files(daemon.proc.pid)) == 1  # the client's slab: a descriptor, not a file
     found = {"runtime folder": mode(daemon.socket.parent), "socket": mode(daemon.socket),
              "handle socket": mode(handle_socket_path(daemon.socket)),
              **{p.name: mode(p) for p in tables}}
-    wanted = {"runtime folder": 0o770, "socket": 0o660, "handle socket": 0o660,
-              **{p.name: 0o440 for p in tables}}
+    wanted = {"runtime folder": 0o750, "socket": 0o660, "handle socket": 0o660,
+              **{p.name: 0o640 for p in tables}}
     assert found == wanted, {k: oct(v) for k, v in found.items()}
 
 
 def test_outsider_cannot_connect_or_open_tables(served):
     daemon, _ = served
-    files = sorted(daemon.shm_dir.glob("*.tbl"))
+    files = sorted(daemon.tables_dir.glob("*.tbl"))
     for socket_path in (daemon.socket, handle_socket_path(daemon.socket)):
         denied = run_probe(socket_path, files, groups=None)
         assert denied == {"connect": "EACCES", **{f"{p}:{m}": "EACCES" for p in files for m in ("r", "rw")}}
@@ -159,13 +159,13 @@ def test_outsider_cannot_connect_or_open_tables(served):
         assert run_probe(daemon.socket, [], groups=None) == {"connect": "EACCES"}
         assert run_probe(handle_socket_path(daemon.socket), [], groups=None) == {"connect": "EACCES"}
     finally:
-        os.chmod(runtime, 0o770)
+        os.chmod(runtime, 0o750)
 
 
 def test_member_of_the_daemons_group_may_connect_and_read_tables(served):
     daemon, _ = served
     group = daemon.socket.stat().st_gid
-    tables = sorted(daemon.shm_dir.glob("*.tbl"))
+    tables = sorted(daemon.tables_dir.glob("*.tbl"))
     allowed = run_probe(daemon.socket, tables, groups=[group])
     wanted = {"connect": "ok", **{f"{p}:r": "ok" for p in tables},
               **{f"{p}:rw": "EACCES" for p in tables}}  # tables are read-only for the group
@@ -191,7 +191,7 @@ def test_outsider_client_gets_no_rows_and_a_member_gets_correct_ones(served, ref
     try:
         past_folder = run_client_as_outsider(daemon, ids, groups=[])
     finally:
-        os.chmod(runtime, 0o770)
+        os.chmod(runtime, 0o750)
     assert past_folder["outcome"] in ("unavailable", "permission"), past_folder
 
     member = run_client_as_outsider(daemon, ids, groups=[daemon.socket.stat().st_gid])

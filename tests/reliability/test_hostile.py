@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 import zmq
-from conftest import attach_raw, short_tempdir, slab_files, wait_until
+from conftest import attach_raw, shm_tempdir, short_tempdir, slab_files, wait_until
 from reference import random_ids
 
 from engramd.client import EngramClient
@@ -228,18 +228,18 @@ def test_a_demo_cache_folder_someone_else_made_is_refused(daemon_factory, tmp_pa
 def test_table_files_someone_else_owns_are_never_reattached(daemon_factory, reference):
     """Table files with a valid header and a matching checksum, but owned (and writable) by
     another user, were re-attached and served: that user could change rows at will. They are
-    reloaded from the checkpoint instead, and the new files are the daemon's own, sealed (0440)."""
+    reloaded from the checkpoint instead, and the new files are the daemon's own, 0640."""
     first = daemon_factory(instance="planted")
     assert first.stop() == 0
-    tables = sorted(first.shm_dir.glob("*.tbl"))
+    tables = sorted(first.tables_dir.glob("*.tbl"))
     for path in tables:  # what an attacker who planted them (or was handed them) would hold
         os.chown(path, NOBODY, NOBODY)
         os.chmod(path, 0o666)
     second = daemon_factory(instance="planted", shm_dir=first.shm_dir, workdir=first.workdir)
     assert f"owned by uid {NOBODY}" in second.log()
-    for path in sorted(second.shm_dir.glob("*.tbl")):
+    for path in sorted(second.tables_dir.glob("*.tbl")):
         info = path.stat()
-        assert (info.st_uid, stat.S_IMODE(info.st_mode)) == (os.geteuid(), 0o440), path
+        assert (info.st_uid, stat.S_IMODE(info.st_mode)) == (os.geteuid(), 0o640), path
     ids = random_ids(np.random.default_rng(14), 64, reference.rows, reference.heads)
     with EngramClient(second.socket, max_tokens=64) as client:
         rows = client.lookup(torch.from_numpy(ids)).result().double().numpy()
@@ -275,7 +275,8 @@ except EngramError as exc:
 def test_drain_needs_an_admin_not_just_a_connection(daemon_factory):
     """`drain` from any connection stopped the daemon (with exit 0, so a Restart=on-failure unit
     stayed down). Over ZeroMQ it is refused; over the handle socket a member of the socket's
-    group who is neither root nor the daemon's user is refused; root drains."""
+    group who is not an admin (admin_uids; by default the daemon's own user) is refused; the
+    daemon's user drains."""
     daemon = daemon_factory()
     peer = zmq.Context.instance().socket(zmq.DEALER)
     peer.setsockopt(zmq.LINGER, 0)
@@ -287,7 +288,7 @@ def test_drain_needs_an_admin_not_just_a_connection(daemon_factory):
     assert (reply["status"], reply["code"]) == ("error", "permission_denied"), reply
     if os.geteuid() == 0:
         for folder in (daemon.workdir, daemon.socket.parent):
-            os.chmod(folder, 0o755 if folder == daemon.workdir else 0o770)
+            os.chmod(folder, 0o755 if folder == daemon.workdir else 0o750)
         member = subprocess.run([sys.executable, "-c", DRAIN_AS, str(handle_socket_path(daemon.socket)),
                                  str(NOBODY), str(NOBODY), str(daemon.socket.stat().st_gid)],
                                 capture_output=True, text=True, timeout=60)
@@ -334,3 +335,54 @@ def test_one_connection_cannot_take_every_client_place(daemon_factory, reference
             assert np.array_equal(rows, reference.expected(ids))
     finally:
         peer.close(0)
+
+
+def test_a_trickling_metrics_peer_is_cut_off_at_the_deadline(daemon_factory):
+    """A per-read timeout alone let a peer sending a byte every few seconds hold a scrape
+    thread for ever; each scrape now has SCRAPE_TIMEOUT_S in all."""
+    from engramd.server.metrics import SCRAPE_TIMEOUT_S
+
+    port = free_port()
+    daemon = daemon_factory(extra=["--metrics-address", f"127.0.0.1:{port}"])
+    conn = socket.create_connection(("127.0.0.1", port), timeout=5)
+    started = time.monotonic()
+    try:
+        for byte in b"GET /metrics HTTP/1.1\r\n":
+            conn.sendall(bytes([byte]))
+            time.sleep(SCRAPE_TIMEOUT_S / 4)
+            if time.monotonic() - started > 3 * SCRAPE_TIMEOUT_S:
+                break
+    except OSError:
+        pass  # cut off: what the daemon must do
+    conn.settimeout(5)
+    try:
+        assert conn.recv(1024) == b"", "the connection was still served"
+    except OSError:
+        pass  # reset: cut off too
+    finally:
+        conn.close()
+    assert time.monotonic() - started < 3 * SCRAPE_TIMEOUT_S
+    assert daemon.proc.poll() is None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a folder another user owns")
+def test_tables_live_in_a_folder_of_the_daemons_own(daemon_factory):
+    """In a shared shm_dir (/dev/shm) anyone may create files at the names the daemon will use;
+    a planted file it could not remove stopped it from starting (exit 66, again and again under
+    Restart=on-failure). Its tables and lock now live in a folder of its own: a folder someone
+    else made at that name is refused, naming its owner; files planted beside it are ignored."""
+    shm = shm_tempdir()
+    try:
+        os.chmod(shm, 0o1777)  # like /dev/shm
+        (shm / "engramd.t.lock").write_text("planted")
+        os.chown(shm / "engramd.t.lock", NOBODY, NOBODY)
+        daemon = daemon_factory(shm_dir=shm)  # starts: the planted lock is not its lock
+        assert daemon.tables_dir.is_dir() and stat.S_IMODE(daemon.tables_dir.stat().st_mode) == 0o750
+        assert daemon.stop() == 0
+        shutil.rmtree(daemon.tables_dir)
+        daemon.tables_dir.mkdir()
+        os.chown(daemon.tables_dir, NOBODY, NOBODY)
+        log = refused_start(daemon_factory(shm_dir=shm, ready=False))
+        assert f"table folder {daemon.tables_dir} belongs to uid {NOBODY}" in log
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)

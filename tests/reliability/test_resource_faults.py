@@ -51,7 +51,7 @@ def assert_serves_reference_rows(daemon, reference, seed: int) -> None:
 
 
 def leftovers(shm_dir: Path) -> list[str]:
-    return sorted(p.name for p in shm_dir.iterdir() if p.suffix == ".tbl")
+    return sorted(p.name for p in shm_dir.rglob("*.tbl"))
 
 
 def write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int], bytes | int]]) -> None:
@@ -143,7 +143,7 @@ def pristine_tables(tmp_path_factory, demo_checkpoint) -> Path:
     try:
         daemon = DaemonProcess(work, shm, demo_checkpoint, INSTANCE, []).start().wait_ready()
         assert daemon.stop() == 0, daemon.log()
-        for table in shm.glob("*.tbl"):
+        for table in (shm / f"engramd-{INSTANCE}").glob("*.tbl"):
             shutil.copy2(table, keep / table.name)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -198,8 +198,10 @@ def test_damaged_table_file_is_detected_and_reloaded(damage, pristine_tables, da
     shm = shm_tempdir()
     try:
         for table in pristine_tables.glob("*.tbl"):
-            shutil.copy2(table, shm / table.name)
-        victim, other = sorted(shm.glob("*.tbl"))[::1 if len(damage) % 2 else -1]
+            folder = shm / f"engramd-{INSTANCE}"  # the daemon's table folder (server/tables.py)
+            folder.mkdir(mode=0o750, exist_ok=True)
+            shutil.copy2(table, folder / table.name)
+        victim, other = sorted(folder.glob("*.tbl"))[::1 if len(damage) % 2 else -1]
         size = (pristine_tables / victim.name).stat().st_size
         decoy = tmp_path / "decoy.tbl"
         reason = DAMAGE[damage](victim, decoy)
