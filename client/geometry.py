@@ -14,9 +14,11 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+# The kernels' constants, re-exported: they are this module's contract too.
+from engramd.kernels.contract import DEAD_ID as DEAD_ID
+from engramd.kernels.contract import SCALE_BLOCK as SCALE_BLOCK
+
 HEAD_DIM_BYTES_SCALE = 8  # one UE8M0 scale byte per block of 32 values (256 / 32)
-SCALE_BLOCK = 32
-DEAD_ID = -1
 
 # The config.json fields the geometry is computed from, with their types.
 _CONFIG_FIELDS: dict[str, type] = {

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from engramd.client.geometry import DEAD_ID, SCALE_BLOCK, ShardView
+from engramd.kernels.contract import DEAD_ID, SCALE_BLOCK, Shard
 
 # Rows dequantized per step: bounds the float32 temporaries (16 Ki rows x 256 x 4 B = 16 MiB)
 # whatever T is; a prefill chunk of 16 Ki tokens x 24 heads is 384 Ki rows.
@@ -129,7 +129,7 @@ def gather_packed_layer(
 def gather(
     tables: Sequence[Tensor],
     ids: Tensor,
-    shard: ShardView,
+    shard: Shard,
     out: Tensor | None = None,
     packed: bool = False,
 ) -> tuple[Tensor, int]:

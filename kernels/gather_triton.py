@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from engramd.client.geometry import DEAD_ID, ShardView
 from engramd.kernels import hot_cache
+from engramd.kernels.contract import DEAD_ID, Shard
 from engramd.kernels.gather_ref import head_dim_for
 from engramd.kernels.hot_cache import HotCache
 
@@ -352,7 +352,7 @@ class GatherPlan:
     def __init__(
         self,
         tables: Sequence[Tensor | LayerTable],
-        shard: ShardView,
+        shard: Shard,
         device: torch.device | str | None = None,
     ) -> None:
         _require_triton()
@@ -665,7 +665,7 @@ class _Launch:
 def gather(
     tables: Sequence[Tensor | LayerTable],
     ids: Tensor,
-    shard: ShardView,
+    shard: Shard,
     out: Tensor | None = None,
     packed: bool = False,
     num_programs: int | None = None,
@@ -711,7 +711,7 @@ def _common_row_bytes(tables: Sequence[LayerTable]) -> int:
     return row_bytes
 
 
-def _stage_meta(tables: Sequence[LayerTable], shard: ShardView, device: torch.device) -> Tensor:
+def _stage_meta(tables: Sequence[LayerTable], shard: Shard, device: torch.device) -> Tensor:
     rows = []
     for layer, (table, (lo, hi)) in enumerate(zip(tables, shard.row_ranges, strict=True)):
         if not 0 <= lo <= hi <= table.rows:
