@@ -58,6 +58,8 @@ ATTACH_TIMEOUT_S = 10.0
 # Registrations one connection may hold unattached: a client makes one and attaches it at once,
 # so this only stops a peer from taking every place with registrations it never uses.
 MAX_PENDING_PER_CONNECTION = 4
+# When every place is taken, a registration unattached for this long gives its place up.
+PENDING_GRACE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -149,7 +151,7 @@ class LookupStore:
 
     def register(self, identity: bytes, req: dict[str, Any]) -> dict[str, Any]:
         live = [c for c in self.clients.values() if not c.releasing]
-        if len(live) >= self.limits.max_clients:
+        if len(live) >= self.limits.max_clients and not self._evict_unattached(live):
             raise ResourceError(f"client limit reached ({self.limits.max_clients} registered)")
         pending = sum(1 for c in live if c.identity == identity and not c.attached)
         if pending >= MAX_PENDING_PER_CONNECTION:
@@ -193,6 +195,19 @@ class LookupStore:
                           "head_end": shard.head_end, "local_heads": shard.local_heads,
                           "row_ranges": [list(r) for r in shard.row_ranges]},
                 "mps": mps}
+
+    def _evict_unattached(self, live: list[ClientRecord]) -> bool:
+        """Make room by retiring the oldest registration that was never attached although it
+        had PENDING_GRACE_S to: a client attaches within milliseconds of registering, so such
+        a registration is dead or hostile, and registrations over ZeroMQ carry no credentials
+        to refuse them by. Without this, peers that register and never attach hold every place."""
+        stale = [c for c in live if not c.attached
+                 and c.registered_at < time.monotonic() - PENDING_GRACE_S]
+        if not stale:
+            return False
+        self.totals["reaped"] += 1
+        self._retire(min(stale, key=lambda c: c.registered_at), "evicted (never attached)")
+        return True
 
     def _check_budget(self, layout: SlabLayout) -> None:
         """Slabs are reserved at registration (allocated at attach) against one budget."""

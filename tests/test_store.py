@@ -318,3 +318,25 @@ def test_slabs_are_reserved_against_one_budget_at_registration():
     store.release(b"a", first)
     register(store, identity=b"c")  # the released slab's bytes are free again
     assert len(backend.slabs) == 3
+
+
+def test_registrations_never_attached_give_their_places_to_new_ones(monkeypatch):
+    """Peers that register over many connections and never attach held every place for 10 s
+    at a time. When every place is taken, the oldest registration unattached for longer than
+    PENDING_GRACE_S gives its place up; attached clients and fresh registrations never do."""
+    from engramd.server import store as store_module
+
+    now = [500.0]
+    monkeypatch.setattr(store_module.time, "monotonic", lambda: now[0])
+    store, backend = make_store()  # two places
+    attached = register(store, identity=b"good")
+    hostile = store.register(b"h1", {"pid": 1, "device": "cpu", "tp_rank": 0, "tp_size": 1,
+                                     "max_tokens": 8, "slots": 2})["client_id"]
+    fresh = {"pid": os.getpid(), "device": "cpu", "tp_rank": 0, "tp_size": 1, "max_tokens": 8, "slots": 2}
+    with pytest.raises(ResourceError, match="client limit"):
+        store.register(b"new", fresh)  # the unattached one is still within its grace
+    now[0] += store_module.PENDING_GRACE_S + 0.01
+    newcomer = store.register(b"new", fresh)["client_id"]
+    assert sorted(store.clients) == sorted([attached, newcomer]) and hostile not in store.clients
+    with pytest.raises(ResourceError, match="client limit"):
+        store.register(b"later", fresh)  # the newcomer is fresh and the other one attached
