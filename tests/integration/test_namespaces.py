@@ -5,7 +5,7 @@ The daemon runs in this test's namespaces; each client runs under `unshare --pid
 processes, its System V IPC or its shared-memory folder. What it shares is the runtime folder
 (the two sockets), as a container that mounts only that folder would. Covered: exact rows in
 served and mapped mode (the slab and the tables arrive as descriptors), and kill -9 of such a
-client freeing its slab within 1 s (its lease closes; the daemon needs no PID to notice).
+client freeing its slab within the daemon's promise (its lease closes; no PID is needed).
 
 Needs root and a working `unshare` (CI runs as root); skipped elsewhere.
 """
@@ -33,7 +33,11 @@ from test_daemon_lookups import check_worker_output
 from engramd.client.connection import probe
 
 WORKER = Path(__file__).parent / "client_worker.py"
-FREE_WITHIN_S = 1.0  # the promise for a killed client (README, "Client death")
+HEARTBEAT_S = 0.2  # what conftest's DaemonProcess passes
+# The promise for a killed client (README, "Client death"): retired within two heartbeat
+# periods, its idle slab with it; plus what a loaded 2-core machine may add. The tight figure
+# (tens of milliseconds) is benchmarks/reap_latency.py's.
+FREE_DEADLINE_S = 2 * HEARTBEAT_S + 1.0
 pytestmark = pytest.mark.skipif(NAMESPACES_UNAVAILABLE is not None, reason=str(NAMESPACES_UNAVAILABLE))
 
 
@@ -64,7 +68,7 @@ IDLE_CLIENT = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("mode", ["served", "mapped"])
-def test_killed_namespaced_client_is_freed_within_a_second(daemon_factory, mode):
+def test_killed_namespaced_client_is_freed_within_the_promise(daemon_factory, mode):
     daemon = daemon_factory()
     proc = subprocess.Popen(namespaced([sys.executable, "-c", IDLE_CLIENT, str(daemon.socket), mode]),
                             stdout=subprocess.PIPE, text=True)
@@ -83,7 +87,7 @@ def test_killed_namespaced_client_is_freed_within_a_second(daemon_factory, mode)
         took = wait_until(lambda: not [c for c in probe(daemon.socket, "stats", 5.0).fields["clients"]
                                        if c["client_id"] == client_id] and not slab_files(daemon.proc.pid),
                           timeout=10.0, step=0.005)
-        assert took <= FREE_WITHIN_S, f"freed {took:.3f} s after kill -9"
+        assert took <= FREE_DEADLINE_S, f"freed {took:.3f} s after kill -9"
         assert probe(daemon.socket, "stats", 5.0).fields["reaped"] == 1
     finally:
         proc.kill()
