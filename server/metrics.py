@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from socketserver import ThreadingMixIn
 from typing import Any
@@ -118,19 +119,11 @@ class _QuietHandler(WSGIRequestHandler):
     def setup(self) -> None:
         super().setup()
         # And for the whole request: a peer trickling a byte every few seconds must not hold a
-        # thread for ever. Shutting the socket down ends whatever read or write is under way.
-        self._deadline = threading.Timer(SCRAPE_TIMEOUT_S, self._cut)
-        self._deadline.daemon = True
-        self._deadline.start()
-
-    def _cut(self) -> None:
-        try:
-            self.connection.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass  # already gone
+        # thread for ever (the server's reaper cuts connections past their deadline).
+        self.server.watch(self.connection)
 
     def finish(self) -> None:
-        self._deadline.cancel()
+        self.server.forget(self.connection)
         super().finish()
 
     def log_message(self, format: str, *args: Any) -> None:
@@ -144,7 +137,36 @@ class _BoundedServer(ThreadingMixIn, WSGIServer):
 
     def __init__(self, *args: Any, **kwargs: Any):
         self._slots = threading.BoundedSemaphore(MAX_SCRAPERS)
+        self._deadlines: dict[socket.socket, float] = {}  # scrapes in progress
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
         super().__init__(*args, **kwargs)
+        threading.Thread(target=self._reap, name="engramd-metrics-reaper", daemon=True).start()
+
+    def watch(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._deadlines[conn] = time.monotonic() + SCRAPE_TIMEOUT_S
+
+    def forget(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._deadlines.pop(conn, None)
+
+    def _reap(self) -> None:
+        """One thread for every scrape's deadline: shutting an overdue socket down ends
+        whatever read or write its handler is in."""
+        while not self._closed.wait(0.25):
+            now = time.monotonic()
+            with self._lock:
+                overdue = [conn for conn, deadline in self._deadlines.items() if deadline < now]
+            for conn in overdue:
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass  # already gone
+
+    def server_close(self) -> None:
+        self._closed.set()
+        super().server_close()
 
     def process_request(self, request: socket.socket, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
