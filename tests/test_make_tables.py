@@ -51,10 +51,3 @@ def test_too_little_disk_leaves_no_folder(small_tmpfs):
     assert result.returncode == 1 and "are free" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr and not target.exists()
 
-
-def test_too_little_disk_leaves_an_empty_folder_empty(small_tmpfs):
-    target = small_tmpfs / "given"
-    target.mkdir()
-    result = make_tables("--out", str(target))
-    assert result.returncode == 1 and "are free" in result.stderr, result.stderr
-    assert target.is_dir() and list(target.iterdir()) == []
