@@ -11,7 +11,8 @@
 # mapped), step-mapped (the same as step: its name for runs that want the mapped variant),
 # lookup-variants (under MPS, inline dispatch: daemon defaults vs no cache and all SMs),
 # step-long (under MPS, 150 steps a cell at 256 and 4,096 tokens),
-# attach (benchmarks/mapped_attach.py, 16 GiB: mapped client attach, daemon restart to ready).
+# attach (benchmarks/mapped_attach.py, 16 GiB: mapped client attach, daemon restart to ready),
+# tests-kill, tests-kill-mps (the twenty-killed-clients test alone, without and with MPS), unmap-probe (benchmarks/unmap_probe.py).
 # Logs and results are packed into OUT/results.tgz (one file); each phase's exit code is
 # printed at the end.
 set -u
@@ -42,6 +43,17 @@ phase_tests_daemon() {  # the end-to-end GPU tests alone (served and mapped clie
 phase_tests_containers() {  # namespaced clients and descriptor slabs alone, no MPS
   python3 -m pytest tests/gpu/test_containers_gpu.py -q --durations=5 2>&1 | tee "$out/gpu_tests_containers.log"
 }
+phase_tests_kill() {  # the twenty-killed-clients test alone, no MPS
+  python3 -m pytest tests/gpu/test_containers_gpu.py -q -k twenty -s 2>&1 | tee "$out/gpu_tests_kill.log"
+}
+phase_tests_kill_mps() {  # the same under MPS
+  mps_start
+  python3 -m pytest tests/gpu/test_containers_gpu.py -q -k twenty -s 2>&1 | tee "$out/gpu_tests_kill_mps.log"
+  local rc=${PIPESTATUS[0]}
+  mps_stop
+  return "$rc"
+}
+phase_unmap_probe() { python3 benchmarks/unmap_probe.py 2>&1 | tee "$out/unmap_probe.log"; }
 phase_tests_mps() {
   mps_start
   python3 -m pytest tests/gpu/test_cuda_daemon.py tests/gpu/test_adapter_gpu.py \

@@ -267,6 +267,7 @@ class EngramClient:
             raise DaemonUnavailableError(f"no daemon socket at {self.socket_path}")
         self._conn = Connection(self.socket_path)
         self._pending: dict[int, LookupFuture] = {}
+        self._submitted: dict[int, torch.cuda.Event] = {}  # served GPU: per slot, see _await_submitted
         self._next_slot = 0
         self._seqs = itertools.count(1)
         self._dead: str | None = None
@@ -488,6 +489,7 @@ class EngramClient:
             with torch.cuda.stream(stream):
                 slab.ids(slot, tokens, ids.dtype).copy_(ids, non_blocking=True)
         slab.ops.write_u32(raw, slab.ids_ready[slot], seq)
+        self._slot_submitted(slot).record(stream)
         rid = self._conn.send("lookup", None, client_id=self.client_id, slot=slot, seq=seq,
                               tokens=tokens, ids_dtype=dtype_name(ids.dtype),
                               ids_shape=[tokens, ids.shape[1], ids.shape[2]], inline=False,
@@ -531,14 +533,43 @@ class EngramClient:
         return event
 
     def _after_previous_use(self, slot: int, stream: torch.cuda.Stream, raw: int) -> None:
-        """`stream` must not touch the slot before its previous lookup and readers are done."""
+        """`stream` must not touch the slot before its previous lookup and readers are done, and
+        this thread runs at most `slots` lookups ahead of its GPU (see _await_submitted)."""
         previous = self._pending.pop(slot, None)
         if previous is None:
             return
+        self._await_submitted(slot, previous)
         self._slab.ops.wait_u32(raw, self._slab.rows_done[slot], previous.seq)
         for consumer in previous.consumers:
             if consumer != stream:
                 stream.wait_stream(consumer)
+
+    def _slot_submitted(self, slot: int) -> torch.cuda.Event:
+        """The slot's event, recorded where its last lookup's IDs were handed to the daemon."""
+        event = self._submitted.get(slot)
+        if event is None:
+            event = self._submitted[slot] = torch.cuda.Event()
+        return event
+
+    def _await_submitted(self, slot: int, previous: LookupFuture) -> None:
+        """Block until this GPU has handed the slot's previous IDs to the daemon.
+
+        Without it a loop of lookup().wait() runs ahead of the GPU without bound: every request
+        becomes a gather the daemon has queued on a wait for IDs, thousands per client, and a
+        client killed then leaves all of them for the daemon to release. Engines run at most a
+        step or two ahead, so this rarely waits. Bounded by the client's timeout: a stream held
+        up for that long is a fault to report, not to wait out."""
+        event = self._submitted.get(slot)
+        if event is None or event.query():
+            return
+        deadline, pause = time.monotonic() + self.timeout, 20e-6
+        while not event.query():
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise ReplyTimeoutError(f"slot {slot}: lookup {previous.seq} was not handed to the "
+                                        f"daemon within {self.timeout:.1f} s (is its stream held up?)")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
 
     def _stream_wait(self, future: LookupFuture, stream: torch.cuda.Stream) -> None:
         if future.event is not None:  # mapped: the gather ran on this process's side stream

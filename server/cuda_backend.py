@@ -181,10 +181,8 @@ class CudaSlab:
         """Free the slab in the background once its daemon stream has drained.
 
         The store calls this only after every lookup of the client has been enqueued, so the
-        worker no longer touches the slab. The daemon stream may still wait for IDS_READY of a
-        client that died before its stream wrote it: those waits are satisfied from a side
-        stream first (the gathers then read stale IDs into a slab nobody reads), so the drain
-        cannot hang. Freeing runs on its own thread: a slow client must not stall the loop.
+        worker no longer touches the slab. Freeing runs on its own thread: a slow client must
+        not stall the loop.
         """
         if not self.ptr:
             return
@@ -197,16 +195,34 @@ class CudaSlab:
         try:
             with torch.cuda.device(self.device_index):
                 cuda.make_current(self.device_index)  # a thread of its own: driver calls follow
-                release = self.gpu.release_stream
-                for slot, seq in self.enqueued.items():
-                    cuda.stream_write_u32(release.cuda_stream, ptr + self.layout.counter_offset(slot, IDS_READY), seq)
+                released = self._release_waits(ptr)
                 self.stream.synchronize()
+                released.synchronize()  # no write of ours may land after the unmap
                 self.gpu.count_freed(self)  # its count is final now: every gather has run
                 self.views.close()
                 self.memory.close()
                 cuda.STREAMS.give(self.stream)  # idle: synchronised above
         except Exception:
             log.exception("freeing the slab on %s failed", self.uuid)
+
+    def _release_waits(self, ptr: int) -> torch.cuda.Event:
+        """Satisfy every wait on the slab's counters that its client may never satisfy.
+
+        The daemon stream may wait for IDS_READY of a client that died before its stream wrote
+        it: the release stream writes those (the gathers then read stale IDs into a slab nobody
+        reads). The client's streams may wait for ROWS_DONE of a lookup whose request died with
+        it in its socket's queue; in a shared MPS server a dead client's waiting work can hold
+        up every other client's, so after its last gather the daemon stream sets each ROWS_DONE
+        to the largest value. Returns an event recorded after the release stream's writes."""
+        release = self.gpu.release_stream
+        for slot, seq in self.enqueued.items():
+            cuda.stream_write_u32(release.cuda_stream, ptr + self.layout.counter_offset(slot, IDS_READY), seq)
+        for slot in range(self.layout.slots):
+            cuda.stream_write_u32(self.stream.cuda_stream, ptr + self.layout.counter_offset(slot, ROWS_DONE),
+                                  0xFFFFFFFF)
+        event = torch.cuda.Event()
+        event.record(release)
+        return event
 
 
 class GpuState:

@@ -267,12 +267,14 @@ class Daemon:
         next_reap = time.monotonic()
         while self._halt is None:
             ready = dict(self._poller.poll(interval_ms))
+            # Closed leases first: a dead client's queued requests are then dropped, not enqueued
+            # behind waits for IDs it will never write.
+            for fd in [fd for fd in ready if fd in self._lease_clients]:
+                self._lease_event(fd)
             if self._sock in ready:
                 self._drain_socket()
             if self._wake_r in ready:
                 self._drain_events()
-            for fd in [fd for fd in ready if fd in self._lease_clients]:
-                self._lease_event(fd)
             if self.state == "stopping" and self._nothing_in_flight():
                 break
             if self.state == "stopping" and time.monotonic() > self._stop_deadline:

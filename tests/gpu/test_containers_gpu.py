@@ -66,30 +66,53 @@ BUSY_CLIENT = textwrap.dedent("""
 """)
 
 
+def stats_or_stacks(daemon, timeout: float) -> dict:
+    """The daemon's stats; if it does not answer, fail with its log and its threads' stacks."""
+    try:
+        return probe(daemon.socket, "stats", timeout).fields
+    except Exception as exc:
+        exited = daemon.proc.poll()
+        if exited is None:
+            daemon.proc.send_signal(signal.SIGUSR1)  # the daemon logs its threads' stacks
+            time.sleep(1)
+        raise AssertionError(f"{exc} (daemon exit code {exited})\n{daemon.log()[-30000:]}\n"
+                             f"{thread_states(daemon.proc.pid)}") from None
+
+
+def thread_states(pid: int) -> str:
+    """Each thread of `pid` with its state and kernel wait, and every process's (a thread stuck in
+    the driver shows as D there, and does not take the stack-dump signal)."""
+    lines = []
+    for task in sorted(Path(f"/proc/{pid}/task").glob("*")):
+        try:
+            stat = (task / "stat").read_text()
+            stack = (task / "stack").read_text().strip().replace("\n", " | ")
+        except OSError as exc:
+            stat, stack = f"({exc})", ""
+        lines.append(f"{task.name} {stat[stat.find('(') : stat.find(')') + 3]} {stack[:400]}")
+    ps = subprocess.run(["ps", "-eo", "pid,ppid,stat,wchan:32,comm"], capture_output=True, text=True)
+    return "daemon threads:\n" + "\n".join(lines) + "\nprocesses:\n" + ps.stdout
+
+
 def kill_round(daemon) -> tuple[float, float]:
     """KILLED busy namespaced clients, killed at once; (stats answered, no slab left) in s."""
     procs = [subprocess.Popen(namespaced([sys.executable, "-c", BUSY_CLIENT, str(daemon.socket)],
                                          private_shm=not UNDER_MPS),
                               stdout=subprocess.PIPE, text=True) for _ in range(KILLED)]
     try:
-        ids = [int(p.stdout.readline()) for p in procs]
-        stats = probe(daemon.socket, "stats", 10.0).fields
+        ids = [int(p.stdout.readline() or -1) for p in procs]
+        stats = stats_or_stacks(daemon, 10.0)
+        assert -1 not in ids, "a client could not start"
         assert sorted(c["client_id"] for c in stats["clients"]) == sorted(ids)
         assert stats["slabs"] == KILLED and stats["slab_bytes"] > KILLED * (8 << 20)
         pids = [c["pid"] for c in stats["clients"]]  # in the daemon's namespace (SO_PEERCRED)
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
-        try:
-            probe(daemon.socket, "stats", 120.0)  # no hang: the loop answers
-        except Exception:
-            daemon.proc.send_signal(signal.SIGUSR1)  # the daemon logs its threads' stacks
-            time.sleep(1)
-            raise AssertionError(daemon.log()[-20000:]) from None
+        stats_or_stacks(daemon, 120.0)  # no hang: the loop answers
         answered = time.monotonic() - killed
-        gone = answered + wait_until(lambda: probe(daemon.socket, "stats", 60.0).fields["slabs"] == 0,
-                                     timeout=60.0)
-        stats = probe(daemon.socket, "stats", 10.0).fields
+        gone = answered + wait_until(lambda: stats_or_stacks(daemon, 60.0)["slabs"] == 0, timeout=60.0)
+        stats = stats_or_stacks(daemon, 10.0)
         assert stats["clients"] == [] and stats["slab_bytes"] == 0
         return answered, gone
     finally:
