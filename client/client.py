@@ -55,6 +55,7 @@ from engramd.client.handles import (
     HANDLE_TIMEOUT_S,
     Attachment,
     attach,
+    check_access,
     handle_socket_path,
     lease_closed,
 )
@@ -265,6 +266,9 @@ class EngramClient:
         """A fresh connection and registration (first start, or a new daemon epoch)."""
         if not self.socket_path.exists():
             raise DaemonUnavailableError(f"no daemon socket at {self.socket_path}")
+        # One round trip on the handle socket: a daemon that admits only some users drops the
+        # others' ZeroMQ connections unanswered, and this says why instead of a timeout.
+        check_access(handle_socket_path(self.socket_path), timeout or self.timeout)
         self._conn = Connection(self.socket_path)
         self._pending: dict[int, LookupFuture] = {}
         self._submitted: dict[int, torch.cuda.Event] = {}  # served GPU: per slot, see _await_submitted

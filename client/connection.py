@@ -19,7 +19,13 @@ from typing import Any
 import zmq
 
 from engramd.client import protocol
-from engramd.client.errors import DaemonUnavailableError, EngramError, ReplyTimeoutError
+from engramd.client.errors import (
+    DaemonUnavailableError,
+    EngramError,
+    PermissionDeniedError,
+    ReplyTimeoutError,
+)
+from engramd.client.handles import check_access, handle_socket_path
 
 POLL_S = 0.1
 
@@ -157,5 +163,13 @@ def probe(socket_path: str | os.PathLike, op: str, timeout: float) -> protocol.R
     conn = Connection(socket_path)
     try:
         return conn.call(op, timeout)
+    except ReplyTimeoutError:
+        try:  # a daemon that admits only some users drops the others' connections unanswered
+            check_access(handle_socket_path(socket_path), min(timeout, 2.0))
+        except PermissionDeniedError:
+            raise
+        except EngramError:
+            pass  # no clearer answer there: the timeout stands
+        raise
     finally:
         conn.close()

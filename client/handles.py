@@ -200,6 +200,13 @@ def _attachment(sock: socket.socket, reply: dict[str, Any], fds: list[int]) -> A
     return Attachment(sock, str(reply.get("epoch")), slab, slab_fd, grants)
 
 
+def check_access(path: str | os.PathLike, timeout: float = HANDLE_TIMEOUT_S) -> None:
+    """Whether the daemon admits this process (by its kernel credentials): returns if it does,
+    raises PermissionDeniedError if not. With allowed ids configured, the ZeroMQ socket drops a
+    refused peer's connection without a word, so this is how such a peer learns why."""
+    admin_request(path, "hello", timeout)
+
+
 def admin_request(path: str | os.PathLike, op: str, timeout: float = HANDLE_TIMEOUT_S) -> dict[str, Any]:
     """An admin operation ("drain"): the daemon decides by this process's kernel credentials.
     Returns the reply's fields; raises the daemon's typed error."""

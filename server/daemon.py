@@ -66,6 +66,8 @@ EXIT_CONFIG = 78  # EX_CONFIG
 DRAIN_TIMEOUT_S = 30.0  # stopping waits this long for in-flight lookups, then exits regardless
 RUNTIME_DIR_MODE = 0o750
 DEAF_FOR_S = 1.0  # how long a peer whose reply queue was full gets no answers but to lookups
+# The most frames a request may have: the peer's identity, the header, the payload frames.
+MAX_MESSAGE_FRAMES = 2 + protocol.MAX_PAYLOAD_FRAMES
 SWITCH_INTERVAL_S = 0.0002
 
 
@@ -161,6 +163,7 @@ class Daemon:
         self._last_status = 0.0
         self._stop_deadline = float("inf")
         self._dropped = Throttled(log)  # a peer that reads no replies must not flood the log
+        self._oversized = Throttled(log)
         # Peers whose reply queue was full, until when: their requests other than lookups are
         # not worth the loop's time (nobody reads the answer). Lookups are always served.
         self._deaf: dict[bytes, float] = {}
@@ -197,6 +200,7 @@ class Daemon:
         # Sending to a peer that has disconnected fails instead of vanishing: that is how a client
         # that died before its registration was answered is noticed (see _send).
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._admit_only_allowed_peers()
         self._sock.bind(f"ipc://{path}")
         os.chmod(path, 0o660)
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -292,10 +296,28 @@ class Daemon:
     def _drain_socket(self) -> None:
         for _ in range(1024):  # bounded, so completions are not starved by a flood of requests
             try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            self._handle(frames, time.perf_counter())
+            if len(frames) > MAX_MESSAGE_FRAMES:
+                self._refuse_oversized(frames)
+                continue
+            self._handle([frame.bytes for frame in frames], time.perf_counter())
+
+    def _refuse_oversized(self, frames: list[zmq.Frame]) -> None:
+        """A message of more frames than any request has. libzmq limits each frame's size but
+        buffers a message's frames whole, however many, before it hands it over; the daemon
+        drops them uncopied (a copy of gigabytes stalled the loop for seconds) and answers."""
+        identity, count = frames[0].bytes, len(frames) - 1  # the identity is not the peer's
+        size = sum(len(frame) for frame in frames[1:])
+        header = frames[1].bytes if len(frames[1]) <= protocol.MAX_HEADER_BYTES else b""
+        del frames  # frees libzmq's buffers now
+        op, rid = protocol.peek_rid([header])
+        err = ProtocolError(f"a message of {count} frames ({size} bytes) dropped unread: requests "
+                            f"are a header and at most {protocol.MAX_PAYLOAD_FRAMES} payload frame")
+        self._count_error(err)
+        self._oversized.warning("dropped a message of %d bytes with too many frames", size)
+        self._send(identity, protocol.encode_error(op, rid, self.epoch, err))
 
     def _drain_events(self) -> None:
         try:
@@ -504,6 +526,21 @@ class Daemon:
         return {"status": "ok", "epoch": self.epoch, "in_flight": self._in_flight()}, []
 
     # -- the handle socket (server/handle_server.py; wire in client/handles.py) -------------------
+
+    def _admit_only_allowed_peers(self) -> None:
+        """With allowed ids configured, libzmq refuses every other peer when it accepts the
+        connection, by the kernel's credentials (SO_PEERCRED) as the handle socket does: a
+        refused peer cannot send the daemon one byte (a flood, a huge message, a `stats` that
+        names the clients). libzmq also admits members of an allowed group by its group file;
+        the handle socket then checks the effective gid. Admins pass, so `engramd health` and
+        `drain` work for them."""
+        limits = self._limits
+        if limits.allowed_uids is None and limits.allowed_gids is None:
+            return
+        for uid in sorted({*(limits.allowed_uids or ()), *self._admins}):
+            self._sock.setsockopt(zmq.IPC_FILTER_UID, uid)
+        for gid in sorted(limits.allowed_gids or ()):
+            self._sock.setsockopt(zmq.IPC_FILTER_GID, gid)
 
     def _ask_handles(self, request: dict[str, Any], peer: PeerCredentials, connection: int,
                      future: Any) -> None:

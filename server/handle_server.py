@@ -121,7 +121,10 @@ class HandleServer:
         fds: list[int] = []
         try:
             request, _ = recv_message(conn, deadline=deadline)
-            reply, fds = self._ask_loop(request, peer, conn)
+            if request.get("op") == "hello":  # an access check: admitted is all it asks
+                reply = {"status": "ok", "epoch": self._epoch}
+            else:
+                reply, fds = self._ask_loop(request, peer, conn)
             conn.settimeout(HANDLE_TIMEOUT_S)
             send_message(conn, reply, fds)
         except (ProtocolError, NotReadyError) as exc:

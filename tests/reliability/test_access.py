@@ -214,3 +214,52 @@ def test_member_whose_uid_is_not_allowed_is_refused_at_attach(daemon_factory, re
     assert not slab_files(daemon.proc.pid)
     stats = probe(daemon.socket, "stats", 5.0).fields
     assert stats["clients"] == [] and stats["errors"].get("permission_denied") == 1, stats
+
+
+ZMQ_AS = textwrap.dedent("""
+    import json, os, sys
+    import msgpack, zmq
+    from engramd.client.connection import probe
+    from engramd.client.errors import EngramError
+    socket, uid, gid, groups = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
+    os.setgroups(groups)
+    os.setgid(gid)
+    os.setuid(uid)
+    peer = zmq.Context.instance().socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.connect(f"ipc://{socket}")
+    peer.send(msgpack.packb({"v": 1, "op": "health", "rid": 1}))
+    raw = "answered" if peer.poll(3000) else "silent"
+    peer.close(0)
+    try:
+        probed = "ready" if probe(socket, "health", 3.0).fields["ready"] else "not ready"
+    except EngramError as exc:
+        probed = exc.code
+    print(json.dumps({"raw": raw, "probe": probed}))
+""")
+
+
+def zmq_as_outsider(daemon, groups: list[int]) -> dict:
+    uid, gid = outsider_ids()
+    result = subprocess.run([sys.executable, "-c", ZMQ_AS, str(daemon.socket), str(uid), str(gid),
+                             json.dumps(groups)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_with_allowed_ids_the_zeromq_socket_is_closed_to_everyone_else(daemon_factory):
+    """A member of the socket's group whose uid is not allowed used to reach the request loop
+    (floods, a huge message, `stats` naming every client). libzmq now drops its connection at
+    accept, by its kernel credentials: a raw request gets no answer at all, and `probe` says why
+    (permission_denied, from the handle socket). Allowing its group lets the same process in."""
+    outsider_gid = outsider_ids()[1]
+    for allowed, wanted in (("--allowed-uids", {"raw": "silent", "probe": "permission_denied"}),
+                            ("--allowed-gids", {"raw": "answered", "probe": "ready"})):
+        value = "0" if allowed == "--allowed-uids" else str(outsider_gid)
+        daemon = daemon_factory(extra=[allowed, value])
+        for folder in (daemon.workdir, daemon.shm_dir):
+            os.chmod(folder, 0o755)
+        seen = zmq_as_outsider(daemon, groups=[daemon.socket.stat().st_gid])
+        assert seen == wanted, (allowed, seen)
+        assert probe(daemon.socket, "health", 5.0).fields["ready"]  # the daemon's own user passes
+        assert daemon.stop() == 0, daemon.log()

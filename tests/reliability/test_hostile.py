@@ -396,3 +396,26 @@ def test_tables_live_in_a_folder_of_the_daemons_own(daemon_factory):
         assert f"table folder {daemon.tables_dir} belongs to uid {NOBODY}" in log
     finally:
         shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_a_message_of_many_frames_is_dropped_with_a_typed_error(daemon_factory, reference):
+    """libzmq bounds each frame (64 MiB) but hands over a message of any number of them: 4 GiB
+    in 32 MiB frames stalled the loop while it copied them. A message of more frames than any
+    request has is dropped uncopied and answered with a protocol error naming the limit; the
+    daemon keeps serving a good client, rows exact."""
+    daemon = daemon_factory()
+    peer = zmq.Context.instance().socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.setsockopt(zmq.RCVTIMEO, 30_000)
+    peer.connect(f"ipc://{daemon.socket}")
+    header = msgpack.packb({"v": 1, "op": "health", "rid": 7})
+    peer.send_multipart([header, *[bytes(1 << 20)] * 96])  # 96 MiB
+    reply = msgpack.unpackb(peer.recv())
+    peer.close(0)
+    assert (reply["status"], reply["code"], reply["rid"]) == ("error", "bad_message", 7), reply
+    assert f"97 frames ({len(header) + 96 * (1 << 20)} bytes) dropped unread" in reply["message"], reply
+    ids = random_ids(np.random.default_rng(12), 16, reference.rows, reference.heads)
+    with EngramClient(daemon.socket, max_tokens=16) as client:
+        rows = client.lookup(torch.from_numpy(ids)).result().float().numpy()
+    assert np.array_equal(rows.astype(np.float64), reference.expected(ids))
+    assert probe(daemon.socket, "stats", 5.0).fields["errors"]["bad_message"] == 1
