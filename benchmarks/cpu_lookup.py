@@ -22,11 +22,11 @@ import numpy as np
 import torch
 
 from engramd.client import EngramClient
-from engramd.client.geometry import V41_FLASH_CONFIG, TableGeometry
 from engramd.server.synthetic import write_synthetic_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
-from daemon_process import bench_folders, running_daemon  # noqa: E402
+from common.daemon import bench_folders, running_daemon  # noqa: E402
+from common.tables import INSTANCE, v41_geometry  # noqa: E402
 
 TOKENS = (1, 16, 256, 4096)
 
@@ -57,14 +57,12 @@ def main() -> int:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
 
-    geometry = TableGeometry.from_config({**{k: v for k, v in V41_FLASH_CONFIG.items()
-                                             if k != "engram_num_embeddings"},
-                                          "engram_vocab_size": args.vocab})
+    geometry = v41_geometry(args.vocab)
     with bench_folders(show_log=False) as (work, shm):
         print(f"writing {geometry.total_bytes / 1e9:.2f} GB synthetic checkpoint", file=sys.stderr)
         write_synthetic_checkpoint(geometry, work / "ckpt", seed=1)
         with running_daemon(work, ["--tables", str(work / "ckpt"), "--shm-dir", str(shm),
-                                   "--instance", "bench", "--backend", "cpu",
+                                   "--instance", INSTANCE, "--backend", "cpu",
                                    "--workers", str(args.workers)]) as socket:
             rng = np.random.default_rng(0)
             with EngramClient(socket, max_tokens=max(TOKENS), slots=2, timeout=120) as client:

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import subprocess
 import sys
 import threading
@@ -31,11 +29,11 @@ from pathlib import Path
 import numpy as np
 
 from engramd.client.connection import probe
-from engramd.client.geometry import TableGeometry
-from engramd.server.synthetic import write_synthetic_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
-from daemon_process import bench_folders, start_daemon  # noqa: E402
+from common.daemon import bench_folders, start_daemon  # noqa: E402
+from common.report import run_header  # noqa: E402
+from common.tables import cpu_demo_flags  # noqa: E402
 
 GOOD = """
 import json, sys, time, numpy as np, torch
@@ -135,14 +133,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=8.0, help="good client's time per phase")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
-    results = {"machine": f"{platform.node()} ({os.cpu_count()} CPUs)", "date": time.strftime("%Y-%m-%d"),
-               "command": " ".join(sys.argv), "phases": {}}
+    results = {**run_header(), "phases": {}}
     with bench_folders() as (work, shm):
-        tables = work / "tables"
-        write_synthetic_checkpoint(TableGeometry.named("demo"), tables, seed=1)
-        flags = ["--tables", str(tables), "--shm-dir", str(shm), "--backend", "cpu",
-                 "--metrics-address", "127.0.0.1:0"]
-        proc, socket = start_daemon(work, flags)
+        proc, socket = start_daemon(work, cpu_demo_flags(work, shm))
         try:
             for flood in (None, *FLOODS):
                 name = flood or "idle"

@@ -22,7 +22,8 @@ head's bucket, drawn on the device before timing), CUDA events around each itera
 Only one layout's table is held at a time. The kernels are no product code: what wins here is then
 built into kernels/gather_triton.
 
-The helpers (geometry, host layouts, IDs, clock, exact comparison) are shared with sm_cap.py.
+The host layouts, geometry and run metadata here are shared with sm_cap.py; IDs, clock and exact
+comparison come from benchmarks/common.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,9 +46,15 @@ import triton.language as tl
 from torch import Tensor
 
 from engramd.client import cuda as cuda_calls
-from engramd.client.geometry import DEAD_ID, V41_FLASH_CONFIG, ShardView, TableGeometry
+from engramd.client.geometry import DEAD_ID, ShardView, TableGeometry
 from engramd.kernels import gather_ref
 from engramd.kernels.gather_triton import GatherPlan, LayerTable, _bf16_bits
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common.ids import bucket_ids  # noqa: E402
+from common.rows import assert_exact, poisoned  # noqa: E402
+from common.tables import v41_geometry  # noqa: E402
+from common.timing import Clock, timed_steps  # noqa: E402
 
 WEIGHT_BYTES = 256
 SCALE_BYTES = 8
@@ -62,10 +69,6 @@ CHECK_SHARDS = ((0, 1), (1, 4))  # the whole table, and TP rank 1 of 4 (heads 6-
 FILL_ROWS = 1 << 22  # rows generated on the device per step while filling a table (~1.1 GB)
 KEEP_THRESHOLD = 0.03  # a change of layout or ordering has to win by more than this to be kept
 _DEAD = tl.constexpr(DEAD_ID)  # a kernel may read module globals only as constexpr
-
-
-class NotExactError(RuntimeError):
-    """A gather variant did not reproduce gather_ref bit for bit; the message names where."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,11 +248,10 @@ class LayoutPlan:
 
 
 def geometry_for(table_gib: float) -> TableGeometry:
-    """V4.1's shape (2 layers x 24 prime buckets) with buckets sized to `table_gib` of rows in all."""
+    """V4.1's shape with buckets sized to `table_gib` of rows in all (rounded down, unlike
+    common.tables.geometry_for: this script's committed results were measured so)."""
     rows_per_bucket = max(2, int(table_gib * 2**30 / PACKED_ROW / 48))
-    config = {k: v for k, v in V41_FLASH_CONFIG.items() if k != "engram_num_embeddings"}
-    return TableGeometry.from_config({**config, "engram_vocab_size": rows_per_bucket},
-                                     source=f"{table_gib} GiB benchmark geometry")
+    return v41_geometry(rows_per_bucket, source=f"{table_gib} GiB benchmark geometry")
 
 
 def random_rows(layer: int, chunk: int, rows: int, seed: int, device: torch.device) -> Tensor:
@@ -373,24 +375,7 @@ class HostLayout:
 
 
 # ---------------------------------------------------------------------------------------------
-# IDs, ordering, exactness.
-
-
-def random_ids(geometry: TableGeometry, tokens: int, count: int, device: torch.device,
-               generator: torch.Generator, dead_fraction: float = 0.0) -> list[Tensor]:
-    """`count` int64 [tokens, n_layers, heads] batches, uniform in each head's bucket (as hashed)."""
-    primes = torch.tensor(geometry.primes, dtype=torch.int64, device=device)
-    offsets = torch.tensor(geometry.offsets, dtype=torch.int64, device=device)
-    shape = (tokens, geometry.n_layers, geometry.heads)
-    batches = []
-    for _ in range(count):
-        ids = torch.randint(0, 2**62, shape, dtype=torch.int64, device=device, generator=generator)
-        ids = ids % primes + offsets
-        if dead_fraction:
-            dead = torch.rand(shape, device=device, generator=generator) < dead_fraction
-            ids[dead] = DEAD_ID
-        batches.append(ids)
-    return batches
+# Ordering.
 
 
 def sort_per_layer(ids: Tensor) -> tuple[Tensor, Tensor]:
@@ -412,157 +397,8 @@ def put_back(gathered: Tensor, dest: Tensor, out: Tensor) -> Tensor:
     return out
 
 
-def assert_exact(actual: Tensor, expected: Tensor, what: str) -> None:
-    """Bit equality of BF16 rows, NaN compared by position; raises NotExactError naming indices."""
-    actual, expected = actual.cpu(), expected.cpu()
-    if actual.shape != expected.shape or actual.dtype != expected.dtype:
-        raise NotExactError(f"{what}: got {actual.dtype} {tuple(actual.shape)}, "
-                            f"want {expected.dtype} {tuple(expected.shape)}")
-    nan_a, nan_e = torch.isnan(actual), torch.isnan(expected)
-    a, e = actual.view(torch.int16), expected.view(torch.int16)
-    bad = (nan_a != nan_e) | (~nan_e & (a != e))
-    if bad.any():
-        where = bad.nonzero()[:8].tolist()
-        shown = ", ".join(f"{tuple(i)}: got {a[tuple(i)].item():#06x} want {e[tuple(i)].item():#06x}"
-                          for i in where)
-        raise NotExactError(f"{what}: {int(bad.sum())} of {bad.numel()} values differ; first: {shown}")
-
-
-def poisoned(shape: Sequence[int], device: torch.device) -> Tensor:
-    """An output buffer full of NaN, so that a row the kernel never writes cannot pass a check."""
-    return torch.full(tuple(shape), float("nan"), dtype=torch.bfloat16, device=device)
-
-
 # ---------------------------------------------------------------------------------------------
-# Timing: CUDA events on the device, host time on the CPU (where everything runs in order).
-
-_GATE_CYCLES = 40_000_000  # ~20 ms at 2 GHz: the queue fills while the device waits
-
-
-class Clock:
-    """Timestamps on streams, and the device-side gate that lets a run's queue fill first."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.device = device
-
-    def stream(self, stream: torch.cuda.Stream | None):
-        return torch.cuda.stream(stream) if self.cuda and stream is not None else _NoStream()
-
-    def mark(self, stream: torch.cuda.Stream | None = None):
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(stream)
-        return event
-
-    def wait(self, stream: torch.cuda.Stream | None, mark) -> None:
-        if self.cuda:
-            (stream or torch.cuda.current_stream()).wait_event(mark)
-
-    def done(self, mark) -> bool:
-        return mark.query() if self.cuda else True
-
-    def seconds(self, start, end) -> float:
-        return start.elapsed_time(end) / 1e3 if self.cuda else end - start
-
-    def gate(self, stream: torch.cuda.Stream | None) -> None:
-        if self.cuda:
-            with self.stream(stream):
-                torch.cuda._sleep(_GATE_CYCLES)
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-
-
-class _NoStream:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc) -> None:
-        return None
-
-
-class StreamLoop:
-    """Iterations of `step(k)` on one stream, queued at most `depth` ahead of the device.
-
-    marks[0] is the loop's start and marks[k + 1] the end of iteration k, so iteration k took
-    seconds(marks[k], marks[k + 1]). `starved` counts pushes made when nothing was queued any
-    more, i.e. moments the device may have idled on this stream waiting for the host.
-    """
-
-    def __init__(self, clock: Clock, stream, step: Callable[[int], object], depth: int):
-        self.clock, self.stream, self.step, self.depth = clock, stream, step, depth
-        self.marks: list = []
-        self.finished_marks = 0
-        self.starved = 0
-
-    @property
-    def iterations(self) -> int:
-        return max(0, len(self.marks) - 1)
-
-    def begin(self, origin) -> None:
-        self.clock.wait(self.stream, origin)
-        self.marks.append(self.clock.mark(self.stream))
-
-    def pending(self) -> int:
-        while (self.finished_marks < len(self.marks)
-               and self.clock.done(self.marks[self.finished_marks])):
-            self.finished_marks += 1
-        return len(self.marks) - self.finished_marks
-
-    def push(self) -> None:
-        if self.iterations and self.clock.cuda and self.pending() == 0:
-            self.starved += 1
-        with self.clock.stream(self.stream):
-            self.step(self.iterations)
-        self.marks.append(self.clock.mark(self.stream))
-
-    def intervals(self, origin) -> list[tuple[float, float]]:
-        times = [self.clock.seconds(origin, m) for m in self.marks]
-        return list(zip(times, times[1:], strict=False))
-
-
-def run_loops(clock: Clock, loops: Sequence[StreamLoop], counts: Sequence[int | None]):
-    """Run loops together: loop i for counts[i] iterations, or (None) until the counted ones end.
-
-    One push per loop per pass, each kept `depth` deep, so every stream stays fed whatever the
-    relative speeds. Returns the origin mark that every loop started after.
-    """
-    if all(c is None for c in counts):
-        raise ValueError("at least one loop needs an iteration count")
-    clock.gate(loops[0].stream)
-    origin = clock.mark(loops[0].stream)
-    for loop in loops:
-        loop.begin(origin)
-    pairs = list(zip(loops, counts, strict=True))
-    while True:
-        # Open-ended loops are fed until every counted loop has finished on the device.
-        busy = any(c is not None and (loop.iterations < c or loop.pending()) for loop, c in pairs)
-        if not busy:
-            break
-        pushed = False
-        for loop, count in pairs:
-            wanted = loop.iterations < count if count is not None else True
-            if wanted and loop.pending() < loop.depth:
-                loop.push()
-                pushed = True
-        if not pushed:
-            time.sleep(20e-6)
-    clock.sync()
-    return origin
-
-
-def timed_steps(clock: Clock, step: Callable[[int], object], count: int,
-                warm: int = WARM_UP) -> list[float]:
-    """Seconds per iteration of `step(k)`, k = 0..count-1, after `warm` untimed iterations."""
-    for k in range(warm):
-        step(k)
-    clock.sync()
-    loop = StreamLoop(clock, None, lambda k: step(warm + k), depth=8)
-    origin = run_loops(clock, [loop], [count])
-    return [end - start for start, end in loop.intervals(origin)]
+# Results and metadata.
 
 
 def summarize(section: str, variant: str, layout: str, tokens: int, rows: int,
@@ -628,7 +464,7 @@ class References:
 
     def __init__(self, geometry: TableGeometry, settings: Settings):
         generator = torch.Generator(device="cpu").manual_seed(settings.seed + 17)
-        self.ids_cpu = random_ids(geometry, CHECK_TOKENS, 1, torch.device("cpu"), generator,
+        self.ids_cpu = bucket_ids(geometry, CHECK_TOKENS, 1, torch.device("cpu"), generator,
                                   dead_fraction=0.1)[0]
         self.ids = self.ids_cpu.to(settings.device)
         self.shards = [geometry.shard(rank, shards) for rank, shards in CHECK_SHARDS]
@@ -702,12 +538,12 @@ def time_layout(layout: HostLayout, geometry: TableGeometry, s: Settings,
     results = []
     for tokens in s.tokens:
         count = s.iterations[tokens]
-        batches = random_ids(geometry, tokens, count + WARM_UP, s.device, generator)
+        batches = bucket_ids(geometry, tokens, count + WARM_UP, s.device, generator)
         rows = tokens * geometry.n_layers * geometry.heads
         for name, step in layout_variants(gp, local, batches, s).items():
             section = "ordering" if name.startswith(("sort", "presorted")) else "layout"
             results.append(summarize(section, name, layout.name, tokens, rows,
-                                     timed_steps(clock, step, count)))
+                                     timed_steps(clock, step, count, WARM_UP)))
             if "gatherplan" not in name and name != "sort_only":
                 results[-1]["weight_load_bytes"] = local.vector_bytes
             print(_row_text(results[-1]), flush=True)

@@ -38,8 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shlex
 import sys
 import time
@@ -48,15 +46,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engramd.client import EngramClient
-from engramd.client.geometry import V41_FLASH_CONFIG, TableGeometry
+from engramd.client.geometry import TableGeometry
 from engramd.kernels.gather_triton import GatherPlan
-from engramd.server.checkpoint import EngramCheckpoint, scale_name, weight_name
-from engramd.server.table_store import TableStore
 
 sys.path.insert(0, str(Path(__file__).parent))
-from daemon_process import bench_folders, running_daemon  # noqa: E402
+from common.daemon import bench_folders, open_client, running_daemon  # noqa: E402
+from common.ids import scaled_rows  # noqa: E402
+from common.report import machine  # noqa: E402
+from common.tables import INSTANCE, geometry_for, random_tables, reattach_flags  # noqa: E402
 from mps import (  # noqa: E402
+    child_reports,
     gpu_processes,
     mps_argument,
     mps_modes,
@@ -66,7 +65,6 @@ from mps import (  # noqa: E402
 )
 
 TOKENS = (1, 16, 256, 4096, 16384)
-INSTANCE = "bench"
 LABELS = {
     "a_index_select_uva": "(a) index_select over UVA (raw rows)",
     "b_triton_in_process": "(b) Triton gather+dequant, in-process",
@@ -76,53 +74,6 @@ LABELS = {
     "d_engramd_mapped": "(d) engramd mapped",
 }
 MAPPED_COLUMN = "d_engramd_mapped"
-
-
-def geometry_for(table_gib: float) -> TableGeometry:
-    rows_per_bucket = int(table_gib * 2**30 / 264 / 48) + 1
-    config = {k: v for k, v in V41_FLASH_CONFIG.items() if k != "engram_num_embeddings"}
-    return TableGeometry.from_config({**config, "engram_vocab_size": rows_per_bucket})
-
-
-def write_sparse_checkpoint(geometry: TableGeometry, out: Path) -> None:
-    """A valid checkpoint whose tensor bytes are holes: enough to open and fingerprint."""
-    out.mkdir(parents=True)
-    weight_map = {}
-    for i, layer_id in enumerate(geometry.layer_ids):
-        for name, dtype, width in ((weight_name(layer_id), "F8_E4M3", geometry.head_dim),
-                                   (scale_name(layer_id), "F8_E8M0", geometry.scale_bytes)):
-            nbytes = geometry.rows[i] * width
-            header = json.dumps({name: {"dtype": dtype, "shape": [geometry.rows[i], width],
-                                        "data_offsets": [0, nbytes]}}).encode()
-            header += b" " * (-len(header) % 8)
-            path = out / f"{name}.safetensors"
-            with open(path, "wb") as f:
-                f.write(len(header).to_bytes(8, "little") + header)
-                f.truncate(8 + len(header) + nbytes)
-            weight_map[name] = path.name
-    (out / "config.json").write_text(json.dumps(geometry.to_config()))
-    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-
-
-class RandomRows:
-    """Table source for TableStore: random bytes made on the GPU (fast), fingerprint of the ckpt."""
-
-    def __init__(self, checkpoint: EngramCheckpoint):
-        self.geometry = checkpoint.geometry
-        self._fingerprint = checkpoint.fingerprint()
-
-    def fingerprint(self) -> str:
-        return self._fingerprint
-
-    def read_packed(self, layer_index: int, row_start: int, out: np.ndarray) -> None:
-        data = torch.randint(0, 256, out.shape, dtype=torch.uint8, device="cuda")
-        torch.from_numpy(out).copy_(data.cpu())
-
-
-def random_ids(geometry: TableGeometry, tokens: int, count: int) -> list[torch.Tensor]:
-    rows = torch.tensor(geometry.rows, device="cuda").view(1, -1, 1)
-    return [(torch.rand((tokens, geometry.n_layers, geometry.heads), device="cuda") * rows).long()
-            for _ in range(count)]
 
 
 def iterations(tokens: int) -> int:
@@ -179,7 +130,7 @@ def time_in_process(geometry: TableGeometry, uva: list[torch.Tensor], plan: Gath
                    ("b2_triton_in_process_sorted", lambda ids, out=out: plan(ids, out, sort=True)))
         for name, fn in columns:
             # IDs of their own per column: repeated rows would find warm address translations.
-            batches = random_ids(geometry, tokens, iterations(tokens) + 3)
+            batches = scaled_rows(geometry, tokens, iterations(tokens) + 3)
             results.append(summarize(name, tokens, rows, timed(fn, batches)))
             print(results[-1], flush=True)
 
@@ -189,16 +140,12 @@ def engramd_column(geometry: TableGeometry, socket: Path, dispatch: str, results
     """Column (c) for one daemon (mode "served"), or (d) (mode "mapped", same timing); returns
     what the daemon reported after the whole column."""
     name = f"c_engramd_{dispatch}" if mode == "served" else MAPPED_COLUMN
-    started = time.perf_counter()
-    with EngramClient(socket, device="cuda", max_tokens=max(TOKENS), slots=2, timeout=120,
-                      mode=mode) as client:
-        attach_s = time.perf_counter() - started
-        if client.mode != mode:
-            raise SystemExit(f"asked for mode {mode!r}, the daemon granted {client.mode!r}")
+    client, attach_s = open_client(socket, mode, "cuda", max(TOKENS))
+    with client:
         stream = torch.cuda.current_stream()
         processes = gpu_processes()  # while the daemon and this process both hold the GPU
         for tokens in TOKENS:
-            batches = random_ids(geometry, tokens, iterations(tokens) + 3)
+            batches = scaled_rows(geometry, tokens, iterations(tokens) + 3)
             rows = tokens * geometry.n_layers * geometry.heads
             host: list[float] = []  # lookup() + wait(), per lookup
 
@@ -278,11 +225,9 @@ def run_modes(args: argparse.Namespace) -> int:
     if len(children) == 1:
         return children[0].returncode  # it wrote DIR/gpu_lookup.json and printed its table
     modes = {}
-    for child in children:
-        path = child.out / "gpu_lookup.json"
-        if path.exists():
-            modes[child.key] = json.loads(path.read_text())
-            modes[child.key]["meta"]["mps_log_tail"] = child.mps_log
+    for child, report in child_reports(children, "gpu_lookup.json"):
+        report["meta"]["mps_log_tail"] = child.mps_log
+        modes[child.key] = report
     meta = {"command": "python benchmarks/gpu_lookup.py " + " ".join(sys.argv[1:]),
             "date": time.strftime("%Y-%m-%d"), "mps": "both"}
     out.mkdir(parents=True, exist_ok=True)
@@ -303,29 +248,20 @@ def main() -> int:
     daemon: dict[str, dict] = {}
     mapped: dict | None = None
     with bench_folders() as (work, shm):
-        write_sparse_checkpoint(geometry, work / "ckpt")
-        started = time.monotonic()
-        with TableStore(shm, INSTANCE) as store:
-            tables = store.open(RandomRows(EngramCheckpoint.open(work / "ckpt")))
-            print(f"filled {geometry.total_bytes / 2**30:.1f} GiB in {time.monotonic() - started:.1f} s",
-                  flush=True)
+        with random_tables(geometry, work / "ckpt", shm, INSTANCE) as tables:
             in_process_columns(geometry, tables, results)
-            del tables
         for index, dispatch in enumerate(args.dispatch):
-            with running_daemon(work, ["--tables", str(work / "ckpt"), "--shm-dir", str(shm),
-                                       "--instance", INSTANCE, "--backend", "cuda",
-                                       "--max-tokens", str(max(TOKENS)),
-                                       "--cuda-dispatch", dispatch,
-                                       # random tables over a sparse checkpoint
-                                       "--self-check", "false", *shlex.split(args.daemon_args)],
-                                 timeout=300) as socket:
+            flags = [*reattach_flags(work / "ckpt", shm, INSTANCE), "--backend", "cuda",
+                     "--max-tokens", str(max(TOKENS)), "--cuda-dispatch", dispatch,
+                     *shlex.split(args.daemon_args)]
+            with running_daemon(work, flags, timeout=300) as socket:
                 daemon[dispatch] = engramd_column(geometry, socket, dispatch, results)
                 if index == 0:  # (d) once: the daemon's dispatch mode does not touch it
                     mapped = {"dispatch": dispatch,
                               **engramd_column(geometry, socket, dispatch, results, "mapped")}
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "table_gib": round(geometry.total_bytes / 2**30, 2), "rows": list(geometry.rows),
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+            "machine": machine(),
             "command": "python benchmarks/gpu_lookup.py " + " ".join(sys.argv[1:]),
             "date": time.strftime("%Y-%m-%d"), **mps,
             "gpu_processes": {k: v["gpu_processes"] for k, v in daemon.items()},

@@ -11,7 +11,7 @@ carry) is the one timed, and every iteration hashes a fresh batch (the streams m
   hash     `EngramHasher.hash_batch(..., validate=False)`, Triton kernel; tokens/s from host p50.
   lookup   the in-process GatherPlan (gather + dequant to BF16) of exactly the rows that hash
            produced, from a pinned host table of --table-gib GiB of random bytes, geometry from
-           gpu_lookup.geometry_for so that IDs hashed with its primes fall in that table.
+           common.tables.geometry_for so that IDs hashed with its primes fall in that table.
   uniform  the same gather of uniform random IDs (traces.uniform_batches): what reuse in text buys.
   ratio    hash p50 / lookup p50 (host, and GPU).
 
@@ -47,7 +47,7 @@ from engramd.client.hashing import EngramHasher
 from engramd.kernels.gather_triton import GatherPlan
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_lookup import geometry_for  # noqa: E402
+from common.tables import geometry_for  # noqa: E402
 from traces import TextTrace, default_traces_dir, uniform_batches  # noqa: E402
 
 PAGE = 4096

@@ -3,7 +3,7 @@
     python benchmarks/hot_cache_lookup.py --traces .traces [--table-gib 33] [--cache-gib 4] [--out DIR]
 
 One host table of at least 32 GiB with the V4.1 row layout (2 layers x 24 heads x 264 B rows,
-synthetic random bytes; gpu_lookup.geometry_for), filled once in /dev/shm and shared by every
+synthetic random bytes; common/tables.py), filled once in /dev/shm and shared by every
 column. Traces (benchmarks/traces.py): the four texts of the corpus, tokenized, cut into shuffled
 documents and hashed for this geometry, walked in order T tokens at a time. Every token is looked
 up once: the first half of the trace warms the cache up, the second half (documents never seen
@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -36,17 +34,16 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from daemon_process import bench_folders, running_daemon  # noqa: E402
-from gpu_lookup import INSTANCE, RandomRows, geometry_for, write_sparse_checkpoint  # noqa: E402
+from common.daemon import bench_folders, running_daemon  # noqa: E402
+from common.report import machine  # noqa: E402
+from common.tables import INSTANCE, geometry_for, random_tables, reattach_flags  # noqa: E402
 from traces import TextTrace, uniform_batches  # noqa: E402
 
 from engramd.client import EngramClient  # noqa: E402
 from engramd.kernels import hot_cache  # noqa: E402
 from engramd.kernels.gather_triton import GatherPlan  # noqa: E402
 from engramd.server.cache_keeper import CacheKeeper  # noqa: E402
-from engramd.server.checkpoint import EngramCheckpoint  # noqa: E402
 from engramd.server.cuda_backend import PinnedTables  # noqa: E402
-from engramd.server.table_store import TableStore  # noqa: E402
 
 TOKENS = (256, 4096, 16384)
 SORT_MIN_TOKENS = 1024  # the daemon's default sort_min_tokens
@@ -225,28 +222,24 @@ def main() -> int:
     print(f"trace: {len(trace)} tokens; rows seen earlier in the measured half: {ceiling:.3f}", flush=True)
     results: list[dict] = []
     with bench_folders() as (work, shm):
-        write_sparse_checkpoint(geometry, work / "ckpt")
-        with TableStore(shm, INSTANCE) as store:
-            tables = store.open(RandomRows(EngramCheckpoint.open(work / "ckpt")))
+        with random_tables(geometry, work / "ckpt", shm, INSTANCE) as tables:
             in_process_columns(geometry, tables, trace, int(args.cache_gib * 2**30), args.columns,
                                results)
-            del tables
         daemons = {"engramd_plain": ["--hot-cache-gib", "0"],
                    "engramd_cache": ["--hot-cache-gib", str(args.cache_gib)]}
         for column, flags in ((c, f) for c, f in daemons.items() if c in args.columns):
             for tokens in TOKENS:  # a fresh daemon (cold cache) for every batch size
                 with running_daemon(work, [
-                        "--tables", str(work / "ckpt"), "--shm-dir", str(shm), "--instance", INSTANCE,
-                        "--backend", "cuda", "--max-tokens", str(max(TOKENS)), "--self-check", "false",
-                        "--metrics-address", "127.0.0.1:0", "--dedupe-min-tokens", "0", *flags],
-                        timeout=300) as socket:
+                        *reattach_flags(work / "ckpt", shm, INSTANCE), "--backend", "cuda",
+                        "--max-tokens", str(max(TOKENS)), "--metrics-address", "127.0.0.1:0",
+                        "--dedupe-min-tokens", "0", *flags], timeout=300) as socket:
                     engramd_column(column, geometry, trace, tokens, socket, results)
     stats = {str(t): trace.stats(t).to_dict() for t in TOKENS}
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "table_gib": round(geometry.total_bytes / 2**30, 2), "cache_gib": args.cache_gib,
             "trace_tokens": len(trace), "measured_from_token": len(trace) // 2,
             "seen_before_share_measured": ceiling, "trace_stats": stats,
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+            "machine": machine(),
             "command": "python benchmarks/hot_cache_lookup.py " + " ".join(
                 "DIR" if a.startswith("/") else a for a in sys.argv[1:]),
             "date": time.strftime("%Y-%m-%d")}

@@ -3,8 +3,8 @@
     python benchmarks/mapped_attach.py [--table-gib 16] [--repeat 3] [--restarts 1] [--out DIR]
 
 A host table of --table-gib (V4.1 row width, random bytes in /dev/shm, over a sparse checkpoint)
-is filled as gpu_lookup.py fills it, and one `engramd serve --backend cuda --self-check false`
-re-attaches it (plus --daemon-args). Then, --repeat times:
+is filled by common/tables.py, as for gpu_lookup.py, and one `engramd serve --backend cuda
+--self-check false` re-attaches it (plus --daemon-args). Then, --repeat times:
   attach   `EngramClient(sock, device="cuda:0", mode="mapped", max_tokens=256)` constructed, end
            to end (register over ZeroMQ, descriptors over the handle socket, mmap +
            cudaHostRegister(ReadOnly) of every table, local slots, gather plan and warm-up, side
@@ -24,7 +24,7 @@ shm folder and instance; timed from the start to the first `health` answer (live
 `health` ready, polled every POLL_S with engramd.client.connection.probe (as `engramd health`
 does). The daemon's log gives its own split (re-attach verification, pinning and its GB/s, kernel
 warm-up), and whether it re-attached. GB/s = table bytes / start-to-ready. The daemon here is
-started by this script (the command of daemon_process.start_daemon, polled more finely) so it can
+started by this script (the command of common.daemon.start_daemon, polled more finely) so it can
 be stopped and restarted in the middle.
 
 Writes DIR/mapped_attach.json and DIR/mapped_attach.md; the tables are printed last. About 1-2
@@ -37,7 +37,6 @@ import argparse
 import json
 import mmap
 import os
-import platform
 import re
 import shlex
 import signal
@@ -57,12 +56,12 @@ from engramd.client.errors import EngramError
 from engramd.client.geometry import V41_FLASH_CONFIG, TableGeometry
 from engramd.client.handles import attach, handle_socket_path
 from engramd.client.mapped import MappedTables, mapped_gather
-from engramd.server.checkpoint import EngramCheckpoint
-from engramd.server.table_store import TableStore
 
 sys.path.insert(0, str(Path(__file__).parent))
-from daemon_process import bench_folders  # noqa: E402
-from gpu_lookup import INSTANCE, RandomRows, geometry_for, random_ids, write_sparse_checkpoint  # noqa: E402
+from common.daemon import LOG_NAME, SOCKET_NAME, bench_folders, serve_command, stop_process  # noqa: E402
+from common.ids import scaled_rows  # noqa: E402
+from common.report import machine  # noqa: E402
+from common.tables import INSTANCE, fill_tables, geometry_for, reattach_flags  # noqa: E402
 from mps import mps_state  # noqa: E402
 
 POLL_S = 0.01  # health probes while the daemon starts
@@ -89,9 +88,7 @@ LOG_EVENTS = {
 
 
 def daemon_flags(work: Path, shm: Path, extra: str) -> list[str]:
-    return ["--tables", str(work / "ckpt"), "--shm-dir", str(shm), "--instance", INSTANCE,
-            "--backend", "cuda",
-            "--self-check", "false",  # random tables over a sparse checkpoint
+    return [*reattach_flags(work / "ckpt", shm, INSTANCE), "--backend", "cuda",
             "--metrics-address", "127.0.0.1:0",  # no port that another run could hold
             *shlex.split(extra)]  # last: the caller's flags win
 
@@ -102,15 +99,14 @@ class Daemon:
     def __init__(self, work: Path, flags: list[str]):
         self.work = work
         self.flags = flags
-        self.socket = work / "engramd.sock"
-        self.log_path = work / "daemon.log"
+        self.socket = work / SOCKET_NAME
+        self.log_path = work / LOG_NAME
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> dict[str, Any]:
-        """Start it (the command of daemon_process.start_daemon); returns the timings."""
+        """Start it (the command of common.daemon.start_daemon); returns the timings."""
         offset = self.log_path.stat().st_size if self.log_path.exists() else 0
-        command = [sys.executable, "-m", "engramd.server.cli", "serve", "--socket",
-                   str(self.socket), *self.flags]
+        command = serve_command(self.socket, self.flags)
         wall = time.time()
         started = time.perf_counter()
         with open(self.log_path, "ab") as log:
@@ -151,12 +147,7 @@ class Daemon:
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            stop_process(self.proc, STOP_TIMEOUT_S)
         self.proc = None
 
 
@@ -203,7 +194,7 @@ def attach_end_to_end(socket: Path, geometry: TableGeometry) -> dict[str, Any]:
     try:
         if client.mode != "mapped":
             raise SystemExit(f"asked for mode 'mapped', the daemon granted {client.mode!r}")
-        ids = random_ids(geometry, 1, 1)[0]
+        ids = scaled_rows(geometry, 1, 1)[0]
         torch.cuda.synchronize()
         started = time.perf_counter()
         client.lookup(ids).wait()
@@ -297,13 +288,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     geometry = geometry_for(args.table_gib)
     attach, restarts = [], []
     with bench_folders() as (work, shm):
-        write_sparse_checkpoint(geometry, work / "ckpt")
         started = time.monotonic()
-        with TableStore(shm, INSTANCE) as store:
-            tables = store.open(RandomRows(EngramCheckpoint.open(work / "ckpt")))
-            del tables
+        fill_tables(geometry, work / "ckpt", shm, INSTANCE)  # prints how long it took
         fill_s = time.monotonic() - started
-        print(f"filled {geometry.total_bytes / 2**30:.1f} GiB in {fill_s:.1f} s", flush=True)
         daemon = Daemon(work, daemon_flags(work, shm, args.daemon_args))
         try:
             first = daemon.start()
@@ -331,7 +318,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                      "torch": torch.__version__, "table_gib": round(geometry.total_bytes / 2**30, 2),
                      "table_bytes": geometry.total_bytes, "rows": list(geometry.rows),
                      "max_tokens": MAX_TOKENS, "daemon_args": args.daemon_args,
-                     "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+                     "machine": machine(),
                      **mps_state(False),
                      "command": "python benchmarks/mapped_attach.py " + shlex.join(sys.argv[1:]),
                      "date": time.strftime("%Y-%m-%d %H:%M"), "fill_s": round(fill_s, 1),

@@ -17,7 +17,7 @@ Variants:
            daemon's default sort_min_tokens) and one program per SM: the best in-process path.
            The main stream waits on an event recorded after the gather.
   engramd  EngramClient(socket, device="cuda:0", max_tokens=max T, slots=2, mode="served")
-           against one `engramd serve` process (benchmarks/daemon_process.py; its defaults, plus
+           against one `engramd serve` process (benchmarks/common/daemon.py; its defaults, plus
            --daemon-args): the daemon gathers; lookup() -> matmuls -> future.wait(stream)
   mapped   the same with mode="mapped", against the same daemon: this process maps the daemon's
            table files read-only (descriptors over the handle socket), registers them with CUDA
@@ -30,7 +30,7 @@ Modes:
   synced     synchronize after every step; reported: p50 of the per-step wall times
 Grid: T in {1, 16, 256, 4096} x LEAD in {1, 4, 12} (--tokens, --lead), each cell after 3 untimed
 steps of its own. The host table (--table-gib of V4.1-width rows, random bytes in /dev/shm, a
-sparse checkpoint that the daemon re-attaches) is built as in gpu_lookup.py. Every kernel this
+sparse checkpoint that the daemon re-attaches) is built by common/tables.py. Every kernel this
 process launches behind a wait on the daemon is warmed up first (lazy loading would otherwise
 block the host there; DEVICE.md).
 
@@ -52,8 +52,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shlex
 import sys
 import time
@@ -70,12 +68,20 @@ from engramd.client.geometry import TableGeometry
 from engramd.kernels import gather_ref
 from engramd.kernels.gather_triton import GatherPlan
 
-# Benchmark helpers beside this file; node_run.fill_tables fills the table as gpu_lookup.py does
-# (its sparse checkpoint and RandomRows, through a TableStore) and returns where the files are.
 sys.path.insert(0, str(Path(__file__).parent))
-from daemon_process import bench_folders, running_daemon  # noqa: E402
-from gpu_lookup import geometry_for  # noqa: E402
+from common.daemon import bench_folders, open_client, running_daemon  # noqa: E402
+from common.ids import layer_rows  # noqa: E402
+from common.report import machine  # noqa: E402
+from common.rows import bitwise_mismatches, poisoned  # noqa: E402
+from common.tables import (  # noqa: E402
+    INSTANCE,
+    MappedTable,
+    fill_tables,
+    geometry_for,
+    reattach_flags,
+)
 from mps import (  # noqa: E402
+    child_reports,
     gpu_processes,
     mps_argument,
     mps_modes,
@@ -83,8 +89,6 @@ from mps import (  # noqa: E402
     require_mps_state,
     run_children,
 )
-from node_client import MappedTable, bitwise_mismatches  # noqa: E402
-from node_run import INSTANCE, fill_tables  # noqa: E402
 
 TOKENS = (1, 16, 256, 4096)
 LEADS = (1, 4, 12)
@@ -102,17 +106,6 @@ SPIN_UP_S = 1.0  # matmuls before the first cell, so clocks and cuBLAS heuristic
 JSON_NAME, MD_NAME, PNG_NAME = "model_step.json", "model_step.md", "model_step.png"
 COLORS = {"compute": "tab:gray", "inproc": "tab:blue", "engramd": "tab:red", "mapped": "tab:green"}
 LABELS = {"engramd": "engramd", "mapped": "mapped", "inproc": "in-process"}  # in the row check's line
-
-
-def draw_ids(geometry: TableGeometry, tokens: int, count: int) -> list[Tensor]:
-    """`count` batches of uniform row IDs [T, n_layers, heads] int64, each layer within its rows.
-
-    randint per layer rather than scaled rand: float32 rand cannot reach every row of a table
-    of tens of millions of rows.
-    """
-    layers = [torch.randint(0, rows, (count, tokens, 1, geometry.heads), device="cuda")
-              for rows in geometry.rows]
-    return list(torch.cat(layers, dim=2).unbind(0))
 
 
 class Bench:
@@ -157,14 +150,9 @@ class Bench:
             "mapped": self.step_mapped}
 
     def _add_client(self, variant: str, socket: Path, max_tokens: int) -> None:
-        start = time.perf_counter()
-        client = EngramClient(socket, device="cuda:0", max_tokens=max_tokens, slots=2, timeout=120,
-                              mode=CLIENT_MODES[variant])
-        self.attach_s[variant] = round(time.perf_counter() - start, 3)
+        client, attach_s = open_client(socket, CLIENT_MODES[variant], "cuda:0", max_tokens)
+        self.attach_s[variant] = round(attach_s, 3)
         self.clients[variant] = client
-        if client.mode != CLIENT_MODES[variant]:
-            raise SystemExit(f"{variant}: asked for mode {CLIENT_MODES[variant]!r}, the daemon "
-                             f"granted {client.mode!r}")
 
     def close(self) -> None:
         torch.cuda.synchronize()  # no gather may still read the pages we unregister
@@ -248,7 +236,7 @@ class Bench:
     def check_rows(self, tokens: int) -> dict[str, Any]:
         """engramd (served), mapped, in-process and gather_ref rows of one ID batch, compared bit
         for bit (the clients of the variants that run)."""
-        ids = draw_ids(self.geometry, tokens, 1)[0]
+        ids = layer_rows(self.geometry, tokens, 1)[0]
         ids.masked_fill_(torch.rand(ids.shape, device="cuda") < DEAD_FRACTION, -1)
         torch.cuda.synchronize()
         got: dict[str, Tensor] = {}
@@ -260,9 +248,8 @@ class Bench:
             # waits.
             self.consume(view)
             torch.cuda.synchronize()
-        poisoned = torch.full(self.plan.output_shape(tokens), float("nan"), dtype=torch.bfloat16,
-                              device="cuda")  # a row the kernel never writes cannot pass
-        local = self.plan(ids, poisoned, sort=tokens >= SORT_MIN_TOKENS)
+        local = self.plan(ids, poisoned(self.plan.output_shape(tokens), torch.device("cuda")),
+                          sort=tokens >= SORT_MIN_TOKENS)
         torch.cuda.synchronize()
         local = local.cpu()
         reference = [torch.from_numpy(t.array) for t in self.mapped]
@@ -335,7 +322,7 @@ def run_grid(bench: Bench, tokens: Sequence[int], leads: Sequence[int], steps: i
             line = []
             for mode in MODES:
                 for variant in bench.variants:
-                    pool = draw_ids(bench.geometry, t, steps + WARM_STEPS)  # fresh every cell
+                    pool = layer_rows(bench.geometry, t, steps + WARM_STEPS)  # fresh every cell
                     torch.cuda.synchronize()
                     cell = TIMERS[mode](bench.steps[variant], pool, lead)
                     cells.append({"mps": mps, "mode": mode, "variant": variant, "tokens": t,
@@ -350,9 +337,8 @@ def run_grid(bench: Bench, tokens: Sequence[int], leads: Sequence[int], steps: i
 
 
 def daemon_flags(work: Path, shm: Path, max_tokens: int, extra: str) -> list[str]:
-    return ["--tables", str(work / "ckpt"), "--shm-dir", str(shm), "--instance", INSTANCE,
+    return [*reattach_flags(work / "ckpt", shm, INSTANCE),
             "--backend", "cuda", "--max-tokens", str(max_tokens),
-            "--self-check", "false",  # random tables over a sparse checkpoint
             "--metrics-address", "127.0.0.1:0",  # no port that another run could hold
             *shlex.split(extra)]  # last: the caller's flags win
 
@@ -364,7 +350,7 @@ def measure(args: argparse.Namespace) -> dict:
     tokens, leads = sorted(set(args.tokens)), sorted(set(args.lead))
     geometry = geometry_for(args.table_gib)
     with bench_folders() as (work, shm):
-        specs = fill_tables(geometry, work / "ckpt", shm, "cuda")
+        specs = fill_tables(geometry, work / "ckpt", shm, INSTANCE)
         flags = daemon_flags(work, shm, max(tokens), args.daemon_args)
         with running_daemon(work, flags, timeout=300) as socket:
             bench = Bench(geometry, specs, socket, max(tokens), args.variants)
@@ -386,7 +372,7 @@ def measure(args: argparse.Namespace) -> dict:
            "tail_matmuls": TAIL, "daemon_args": args.daemon_args, "gpu_processes": processes,
            "engramd_mps": served_mps, "variants": list(args.variants), "mapped": mapped_meta,
            "client_attach_s": attach_s,
-           "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+           "machine": machine(),
            "command": _command(), "date": time.strftime("%Y-%m-%d %H:%M"),
            "seconds": round(time.monotonic() - started, 1),
            "rows_exact": all(c["exact"] for c in checks), "checks": checks}
@@ -556,15 +542,10 @@ def run_parent(args: argparse.Namespace) -> int:
     out = Path(args.out)
     children = run_children(Path(__file__).resolve(), mps_modes(args), out)
     reports = []
-    for child in children:
-        path = child.out / JSON_NAME
-        if path.exists():
-            report = json.loads(path.read_text())
-            for run in report["runs"]:
-                run["mps_log_tail"] = child.mps_log
-            reports.append(report)
-        else:
-            print(f"[{child.key}] wrote no {path} (exit {child.returncode})", flush=True)
+    for child, report in child_reports(children, JSON_NAME):
+        for run in report["runs"]:
+            run["mps_log_tail"] = child.mps_log
+        reports.append(report)
     if reports:
         write_report(out, merge(reports))
     ok = len(reports) == len(children) and all(c.returncode == 0 for c in children)

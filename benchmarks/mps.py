@@ -25,6 +25,7 @@ child wrote.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import shutil
@@ -258,6 +259,19 @@ def run_children(script: Path, modes: Sequence[bool], out: Path,
         print(f"[{key}] exited with {returncode}", flush=True)
         runs.append(ChildRun(key, on, folder, returncode, log))
     return runs
+
+
+def child_reports(children: Sequence[ChildRun], name: str) -> list[tuple[ChildRun, dict]]:
+    """The JSON report `name` each child wrote into its --out, with the child; a child that
+    wrote none is said on stdout and left out (its exit status tells the caller why)."""
+    reports = []
+    for child in children:
+        path = child.out / name
+        if path.exists():
+            reports.append((child, json.loads(path.read_text())))
+        else:
+            print(f"[{child.key}] wrote no {path} (exit {child.returncode})", flush=True)
+    return reports
 
 
 def mps_state(requested: bool) -> dict[str, Any]:

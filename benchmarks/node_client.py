@@ -31,62 +31,25 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import mmap
 import os
 import sys
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from engramd.client import EngramClient
 from engramd.client.geometry import TableGeometry
 from engramd.kernels import gather_ref
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common.rows import bitwise_mismatches  # noqa: E402
+from common.tables import MappedTable  # noqa: E402
+
 WARM_LOOKUPS = 3  # untimed lookups before each timed loop (first use of each slot)
-
-
-class MappedTable:
-    """A table file mapped MAP_SHARED the way the daemon maps it: what PinnedTables needs.
-
-    The store's HostTable cannot be used here: opening the store takes the instance lock, and the
-    point is that every replica maps the same file on its own, as engines with their own tables do.
-    """
-
-    def __init__(self, path: str, data_offset: int, rows: int, row_bytes: int):
-        self.path = path
-        self.rows = rows
-        self.row_bytes = row_bytes
-        self.nbytes = rows * row_bytes
-        fd = os.open(path, os.O_RDWR)
-        try:
-            self._mapping = mmap.mmap(fd, data_offset + self.nbytes, flags=mmap.MAP_SHARED)
-        finally:
-            os.close(fd)
-        self.array: np.ndarray | None = np.frombuffer(
-            self._mapping, dtype=np.uint8, count=self.nbytes, offset=data_offset,
-        ).reshape(rows, row_bytes)
-        self.address = self.array.ctypes.data  # row 0, as HostTable.address
-
-    def close(self) -> None:
-        self.array = None
-        try:
-            self._mapping.close()
-        except BufferError:
-            pass  # a tensor view is still alive; the mapping goes with it
-
-
-def bitwise_mismatches(actual: torch.Tensor, expected: torch.Tensor) -> tuple[int, list]:
-    """BF16 bit equality, NaN equal to NaN (its payload is not part of the contract)."""
-    if actual.shape != expected.shape:
-        return -1, [f"shape {list(actual.shape)} != {list(expected.shape)}"]
-    nan_a, nan_e = torch.isnan(actual), torch.isnan(expected)
-    bits_a, bits_e = actual.view(torch.int16), expected.view(torch.int16)
-    wrong = ((nan_a != nan_e) | (~nan_e & (bits_a != bits_e))).nonzero()
-    return int(wrong.shape[0]), wrong[:5].tolist()
 
 
 def wait_until(wall_time: float) -> float:

@@ -5,7 +5,7 @@
                                   [--daemon-args "--flag value ..."]
 
 What engramd is for: one host copy of the tables per node, serving every GPU. This script fills one
-table in /dev/shm (V4.1 row width, random bytes, like gpu_lookup.py: the daemon re-attaches it
+table in /dev/shm (V4.1 row width, random bytes, common/tables.py: the daemon re-attaches it
 from a sparse checkpoint), starts one daemon (--backend cuda) and one client process per GPU
 (benchmarks/node_client.py), each with CUDA_VISIBLE_DEVICES set to its GPU's UUID, so device
 indices differ between the processes and only UUIDs match. Steps, in order:
@@ -65,14 +65,13 @@ import torch
 
 from engramd.client.geometry import ShardView, TableGeometry
 from engramd.kernels import gather_ref
-from engramd.server.checkpoint import EngramCheckpoint
-from engramd.server.table_store import TableStore
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from daemon_process import start_daemon  # noqa: E402
-from gpu_lookup import RandomRows, geometry_for, write_sparse_checkpoint  # noqa: E402
-from node_client import bitwise_mismatches  # noqa: E402
+from common.daemon import start_daemon, stop_process  # noqa: E402
+from common.report import cpu_model  # noqa: E402
+from common.rows import bitwise_mismatches  # noqa: E402
+from common.tables import fill_tables, geometry_for, reattach_flags  # noqa: E402
 
 CLIENT_SCRIPT = HERE / "node_client.py"
 REPO = HERE.parent
@@ -235,29 +234,6 @@ def spawn(names_gpus: list[tuple[str, Gpu]], device: str, workdir: Path,
 
 
 # -- tables and the reference -----------------------------------------------------------------
-
-
-class CpuRandomRows(RandomRows):
-    """RandomRows without a GPU (for --backend cpu): seeded numpy bytes."""
-
-    def read_packed(self, layer_index: int, row_start: int, out: np.ndarray) -> None:
-        rng = np.random.default_rng([layer_index, row_start])
-        out[:] = rng.integers(0, 256, size=out.shape, dtype=np.uint8)
-
-
-def fill_tables(geometry: TableGeometry, checkpoint: Path, shm: Path, backend: str) -> list[dict]:
-    """Fill the table files the daemon will re-attach; returns where each layer's rows are."""
-    write_sparse_checkpoint(geometry, checkpoint)
-    source_type = RandomRows if backend == "cuda" else CpuRandomRows
-    started = time.monotonic()
-    with TableStore(shm, INSTANCE) as store:
-        tables = store.open(source_type(EngramCheckpoint.open(checkpoint)))
-        specs = [{"path": str(t.path), "data_offset": t.data_offset, "rows": t.rows,
-                  "row_bytes": t.row_bytes} for t in tables]
-        del tables
-    print(f"filled {geometry.total_bytes / 2**30:.1f} GiB in {time.monotonic() - started:.1f} s",
-          flush=True)
-    return specs
 
 
 class ReferenceTables:
@@ -514,13 +490,7 @@ def tp_step(tp: int, gpus: list[Gpu], args: argparse.Namespace, socket: Path, wo
 
 
 def stop_daemon(proc: subprocess.Popen, checks: Checks) -> None:
-    proc.terminate()
-    try:
-        status = proc.wait(DAEMON_STOP_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        status = "killed"
+    status = stop_process(proc, DAEMON_STOP_S)
     checks.add("daemon stopped cleanly on SIGTERM", status == 0, f"exit status {status}")
 
 
@@ -529,10 +499,8 @@ def stop_daemon(proc: subprocess.Popen, checks: Checks) -> None:
 
 def start_node_daemon(args: argparse.Namespace, work: Path, shm: Path,
                       daemon: list[subprocess.Popen]) -> tuple[subprocess.Popen, Path]:
-    flags = ["--tables", str(work / "ckpt"), "--shm-dir", str(shm), "--instance", INSTANCE,
-             "--backend", args.backend, "--max-tokens", str(args.tokens),
-             "--metrics-address", "127.0.0.1:0",
-             "--self-check", "false"]  # random rows over a sparse checkpoint: nothing to compare
+    flags = [*reattach_flags(work / "ckpt", shm, INSTANCE), "--backend", args.backend,
+             "--max-tokens", str(args.tokens), "--metrics-address", "127.0.0.1:0"]
     if args.cuda_dispatch:
         flags += ["--cuda-dispatch", args.cuda_dispatch]
     flags += shlex.split(args.daemon_args)
@@ -607,7 +575,7 @@ def in_process_phase(args: argparse.Namespace, clients: list[ClientProcess], spe
 def run_node(args: argparse.Namespace, work: Path, shm: Path, gpus: list[Gpu],
              running: list[ClientProcess], daemon: list[subprocess.Popen], checks: Checks) -> dict:
     geometry = geometry_for(args.table_gib)
-    specs = fill_tables(geometry, work / "ckpt", shm, args.backend)
+    specs = fill_tables(geometry, work / "ckpt", shm, INSTANCE, args.backend)
     clients, result = engramd_phase(args, gpus, geometry, specs, work, shm, running, daemon,
                                     checks)
     engramd_runs = result.pop("engramd_runs")
@@ -628,12 +596,7 @@ def cleanup(running: list[ClientProcess], daemon: list[subprocess.Popen], work: 
             client.proc.kill()  # only our own children, by their handles
             client.proc.wait()
     for proc in daemon:
-        proc.terminate()
-        try:
-            proc.wait(DAEMON_STOP_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, DAEMON_STOP_S)
     if failed and (work / "daemon.log").exists():
         print("--- daemon log (tail) ---\n" + (work / "daemon.log").read_text()[-4000:])
     shutil.rmtree(work, ignore_errors=True)
@@ -650,22 +613,13 @@ def machine_info(gpus: list[Gpu], args: argparse.Namespace) -> dict[str, Any]:
     shm = os.statvfs(args.shm_dir)
     return {"machine_kind": kind, "backend": args.backend,
             "gpus_visible": torch.cuda.device_count() if cuda else 0, "gpus_used": names,
-            "cpus": os.cpu_count(), "cpu_model": cpu_model(),
+            "cpus": os.cpu_count(),
+            "cpu_model": cpu_model() or platform.processor() or platform.machine(),
             "ram_gib": round(meminfo().get("MemTotal", 0) / 2**30, 1),
             "shm_gib": round(shm.f_blocks * shm.f_frsize / 2**30, 1),
             "kernel": platform.release(), "python": platform.python_version(),
             "torch": torch.__version__, "cuda": torch.version.cuda if cuda else None,
             "date": time.strftime("%Y-%m-%d")}
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def portable_command(argv: list[str]) -> str:

@@ -23,7 +23,7 @@ import torch
 from engramd.client import EngramClient
 
 sys.path.insert(0, str(Path(__file__).parent))
-from daemon_process import start_daemon  # noqa: E402
+from common.daemon import start_daemon  # noqa: E402
 
 
 def top(stats: pstats.Stats, n: int = 30) -> str:

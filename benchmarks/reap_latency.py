@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -26,11 +25,11 @@ from pathlib import Path
 import numpy as np
 
 from engramd.client.connection import probe
-from engramd.client.geometry import TableGeometry
-from engramd.server.synthetic import write_synthetic_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
-from daemon_process import bench_folders, running_daemon  # noqa: E402
+from common.daemon import bench_folders, running_daemon  # noqa: E402
+from common.report import run_header  # noqa: E402
+from common.tables import cpu_demo_flags  # noqa: E402
 
 POLL_S = 0.002
 # A client process: registers, says its id, then idles or looks up 4,096 tokens back to back.
@@ -110,13 +109,9 @@ def main() -> None:
     parser.add_argument("--heartbeat", type=float, default=0.2, help="daemon heartbeat interval (s)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
-    results = {"machine": f"{platform.node()} ({os.cpu_count()} CPUs)", "date": time.strftime("%Y-%m-%d"),
-               "command": " ".join(sys.argv), "heartbeat_s": args.heartbeat, "modes": {}}
+    results = {**run_header(), "heartbeat_s": args.heartbeat, "modes": {}}
     with bench_folders() as (work, shm):
-        tables = work / "tables"
-        write_synthetic_checkpoint(TableGeometry.named("demo"), tables, seed=1)
-        flags = ["--tables", str(tables), "--shm-dir", str(shm), "--backend", "cpu",
-                 "--heartbeat-interval", str(args.heartbeat), "--metrics-address", "127.0.0.1:0"]
+        flags = [*cpu_demo_flags(work, shm), "--heartbeat-interval", str(args.heartbeat)]
         with running_daemon(work, flags) as socket:
             for mode in ("idle", "busy"):
                 kills = [one_kill(socket, shm, mode) for _ in range(args.kills)]

@@ -17,7 +17,8 @@ as concurrent. Both streams are fed from one host loop that keeps each a few ite
 neither waits on the host. The rows are checked bit for bit against kernels/gather_ref at every grid
 size first. The script stops (NotExactError, RuntimeError) rather than report a broken measurement.
 
-The helpers (table, IDs, clock, stream loops) come from gather_layouts.py beside this file.
+The packed host table and the run metadata come from gather_layouts.py beside this file; IDs,
+clock and stream loops from benchmarks/common.
 """
 
 from __future__ import annotations
@@ -40,17 +41,14 @@ from engramd.kernels import gather_ref
 from engramd.kernels.gather_triton import GatherPlan
 
 sys.path.insert(0, str(Path(__file__).parent))
+from common.ids import bucket_ids  # noqa: E402
+from common.rows import assert_exact, poisoned  # noqa: E402
+from common.timing import Clock, StreamLoop, run_loops  # noqa: E402
 from gather_layouts import (  # noqa: E402
-    Clock,
     HostLayout,
-    StreamLoop,
-    assert_exact,
     device_programs,
     geometry_for,
     kernels_interpreted,
-    poisoned,
-    random_ids,
-    run_loops,
     run_meta,
 )
 
@@ -117,7 +115,7 @@ class Bench:
         self.plan = GatherPlan(layout.layer_tables(), geometry.shard(0, 1), s.device)
         self.out = torch.empty(self.plan.output_shape(s.tokens), dtype=torch.bfloat16,
                                device=s.device)
-        self.ids = IdPool(random_ids(geometry, s.tokens, s.id_batches, s.device, gen))
+        self.ids = IdPool(bucket_ids(geometry, s.tokens, s.id_batches, s.device, gen))
         cuda = s.device.type == "cuda"
         self.mm_stream = torch.cuda.Stream(s.device) if cuda else None
         self.g_stream = torch.cuda.Stream(s.device) if cuda else None
@@ -178,7 +176,7 @@ def iterations_for(seconds: float, estimate: float) -> int:
 def check_gather(bench: Bench, layout: HostLayout, geometry: TableGeometry, s: Settings) -> None:
     """GatherPlan at every grid size against gather_ref (DEAD IDs included); raises if not exact."""
     generator = torch.Generator(device="cpu").manual_seed(s.seed + 17)
-    ids = random_ids(geometry, s.check_tokens, 1, torch.device("cpu"), generator,
+    ids = bucket_ids(geometry, s.check_tokens, 1, torch.device("cpu"), generator,
                      dead_fraction=0.1)[0]
     want, _ = gather_ref.gather(layout.packed_tables(), ids, geometry.shard(0, 1))
     for programs in s.caps:

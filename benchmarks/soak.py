@@ -187,11 +187,11 @@ def sample_process(pid: int) -> dict[str, int]:
 def _prepare_tables(cfg: SoakConfig, work: Path) -> Path:
     if cfg.tables:
         return Path(cfg.tables).resolve()
-    from engramd.client.geometry import V41_FLASH_CONFIG, TableGeometry
+    from common.tables import v41_geometry
+
     from engramd.server.synthetic import write_synthetic_checkpoint
 
-    config = {k: v for k, v in V41_FLASH_CONFIG.items() if k != "engram_num_embeddings"}
-    geometry = TableGeometry.from_config({**config, "engram_vocab_size": cfg.vocab}, source="soak")
+    geometry = v41_geometry(cfg.vocab, source="soak")
     print(f"writing a {geometry.total_bytes / 1e9:.2f} GB synthetic checkpoint", file=sys.stderr)
     return write_synthetic_checkpoint(geometry, work / "ckpt", seed=cfg.seed)
 
@@ -251,7 +251,7 @@ def run(cfg: SoakConfig) -> dict[str, Any]:
 
 
 def _run_in(cfg: SoakConfig, work: Path) -> dict[str, Any]:
-    from daemon_process import start_daemon
+    from common.daemon import start_daemon
 
     from engramd.client.connection import probe
 
@@ -326,15 +326,10 @@ def judge(cfg: SoakConfig, results: list[dict[str, Any]], samples: list[dict[str
 
 
 def machine() -> str:
-    model = ""
-    try:
-        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
     import torch
+    from common.report import cpu_model
 
-    return (f"{platform.machine()} {model}, {os.cpu_count()} CPUs, "
+    return (f"{platform.machine()} {cpu_model() or ''}, {os.cpu_count()} CPUs, "
             f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM, "
             f"{platform.system()} {platform.release()}, Python {platform.python_version()}, "
             f"torch {torch.__version__}")

@@ -1,5 +1,5 @@
-"""Start `engramd serve` for a benchmark and wait until it is ready (shared by the scripts here),
-and the temporary folders a benchmark's tables and daemon live in."""
+"""`engramd serve` for a benchmark: started and waited for until ready, stopped, and the temporary
+folders its tables and socket live in; and a client granted the mode a column asked for."""
 
 from __future__ import annotations
 
@@ -13,8 +13,18 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from engramd.client import EngramClient
 from engramd.client.connection import probe
 from engramd.client.errors import EngramError
+
+SOCKET_NAME = "engramd.sock"
+LOG_NAME = "daemon.log"
+
+
+def serve_command(socket: Path, flags: list[str], python: list[str] | None = None) -> list[str]:
+    """The daemon's command line: `python` (default this interpreter) running the CLI's serve."""
+    return [*(python or [sys.executable]), "-m", "engramd.server.cli", "serve",
+            "--socket", str(socket), *flags]
 
 
 def start_daemon(workdir: Path, flags: list[str], timeout: float = 600.0,
@@ -24,12 +34,11 @@ def start_daemon(workdir: Path, flags: list[str], timeout: float = 600.0,
     `python` replaces the interpreter command (e.g. to run it under cProfile). The daemon's output
     goes to workdir/daemon.log, which is shown if it exits or is not ready within `timeout`.
     """
-    socket = workdir / "engramd.sock"
-    log_path = workdir / "daemon.log"
-    command = [*(python or [sys.executable]), "-m", "engramd.server.cli", "serve",
-               "--socket", str(socket), *flags]
+    socket = workdir / SOCKET_NAME
+    log_path = workdir / LOG_NAME
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(serve_command(socket, flags, python), stdout=log,
+                                stderr=subprocess.STDOUT)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -55,6 +64,17 @@ def running_daemon(workdir: Path, flags: list[str], timeout: float = 600.0) -> I
         proc.wait(60)
 
 
+def stop_process(proc: subprocess.Popen, timeout: float) -> int | str:
+    """SIGTERM, then SIGKILL if it has not exited within `timeout`; its exit status or "killed"."""
+    proc.terminate()
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return "killed"
+
+
 @contextmanager
 def bench_folders(show_log: bool = True) -> Iterator[tuple[Path, Path]]:
     """(work folder, folder in /dev/shm) for one run; both removed at the end, after the tail of
@@ -65,8 +85,22 @@ def bench_folders(show_log: bool = True) -> Iterator[tuple[Path, Path]]:
     try:
         yield work, shm
     finally:
-        log = work / "daemon.log"
+        log = work / LOG_NAME
         if show_log and log.exists():
             print(log.read_text()[-4000:])
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
+
+
+def open_client(socket: Path, mode: str, device: str,
+                max_tokens: int) -> tuple[EngramClient, float]:
+    """An EngramClient (2 slots) that the daemon granted `mode`, and the seconds its construction
+    took, end to end. Refuses a client of another mode: its column would be mislabelled."""
+    started = time.perf_counter()
+    client = EngramClient(socket, device=device, max_tokens=max_tokens, slots=2, timeout=120,
+                          mode=mode)
+    attach_s = time.perf_counter() - started
+    if client.mode != mode:
+        client.close()
+        raise SystemExit(f"asked for mode {mode!r}, the daemon granted {client.mode!r}")
+    return client, attach_s

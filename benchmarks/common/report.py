@@ -1,0 +1,31 @@
+"""Run metadata the benchmarks write beside their results."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+
+def machine() -> str:
+    """The architecture and CPU count, e.g. "x86_64, 16 CPUs"."""
+    return f"{platform.machine()}, {os.cpu_count()} CPUs"
+
+
+def run_header() -> dict[str, str]:
+    """Host name, date and command line, first in the JSON of the CPU-backend benchmarks."""
+    return {"machine": f"{platform.node()} ({os.cpu_count()} CPUs)",
+            "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name from /proc/cpuinfo (None where it names none, as on many ARM hosts)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return None

@@ -1,0 +1,152 @@
+"""The host tables of the benchmarks: V4.1-shaped geometries, random rows in /dev/shm over a
+sparse checkpoint that the daemon re-attaches, and the demo tables of the CPU-backend runs.
+
+The checkpoint holds headers only (its tensor bytes are holes), enough to open and fingerprint:
+the daemon finds complete table files of that fingerprint in the shm folder and re-attaches them,
+so no checkpoint of tens of GB is ever written or read. Its rows are random bytes, so the daemon's
+self-check has nothing to compare against and is switched off (reattach_flags).
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engramd.client.geometry import V41_FLASH_CONFIG, TableGeometry
+from engramd.server.checkpoint import EngramCheckpoint, scale_name, weight_name
+from engramd.server.synthetic import write_synthetic_checkpoint
+from engramd.server.table_store import HostTable, TableStore
+
+INSTANCE = "bench"  # the daemon instance the tables belong to (it names their files)
+ROW_BYTES = 264  # V4.1: 256 E4M3 weights + 8 UE8M0 scales
+ROWS_PER_TOKEN = 48  # 2 layers x 24 heads
+
+
+def v41_geometry(rows_per_bucket: int, source: str = "config") -> TableGeometry:
+    """V4.1's shape (2 layers x 24 prime buckets) with buckets of about `rows_per_bucket` rows."""
+    config = {k: v for k, v in V41_FLASH_CONFIG.items() if k != "engram_num_embeddings"}
+    return TableGeometry.from_config({**config, "engram_vocab_size": rows_per_bucket},
+                                     source=source)
+
+
+def geometry_for(table_gib: float) -> TableGeometry:
+    """A V4.1-shaped table of at least `table_gib` GiB of rows in all."""
+    return v41_geometry(int(table_gib * 2**30 / ROW_BYTES / ROWS_PER_TOKEN) + 1)
+
+
+def write_sparse_checkpoint(geometry: TableGeometry, out: Path) -> None:
+    """A valid checkpoint whose tensor bytes are holes: enough to open and fingerprint."""
+    out.mkdir(parents=True)
+    weight_map = {}
+    for i, layer_id in enumerate(geometry.layer_ids):
+        for name, dtype, width in ((weight_name(layer_id), "F8_E4M3", geometry.head_dim),
+                                   (scale_name(layer_id), "F8_E8M0", geometry.scale_bytes)):
+            nbytes = geometry.rows[i] * width
+            header = json.dumps({name: {"dtype": dtype, "shape": [geometry.rows[i], width],
+                                        "data_offsets": [0, nbytes]}}).encode()
+            header += b" " * (-len(header) % 8)
+            path = out / f"{name}.safetensors"
+            with open(path, "wb") as f:
+                f.write(len(header).to_bytes(8, "little") + header)
+                f.truncate(8 + len(header) + nbytes)
+            weight_map[name] = path.name
+    (out / "config.json").write_text(json.dumps(geometry.to_config()))
+    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+class RandomRows:
+    """Table source for TableStore: random bytes made on the GPU (fast), fingerprint of the ckpt."""
+
+    def __init__(self, checkpoint: EngramCheckpoint):
+        self.geometry = checkpoint.geometry
+        self._fingerprint = checkpoint.fingerprint()
+
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    def read_packed(self, layer_index: int, row_start: int, out: np.ndarray) -> None:
+        data = torch.randint(0, 256, out.shape, dtype=torch.uint8, device="cuda")
+        torch.from_numpy(out).copy_(data.cpu())
+
+
+class CpuRandomRows(RandomRows):
+    """RandomRows without a GPU (for CPU smoke runs): seeded numpy bytes."""
+
+    def read_packed(self, layer_index: int, row_start: int, out: np.ndarray) -> None:
+        rng = np.random.default_rng([layer_index, row_start])
+        out[:] = rng.integers(0, 256, size=out.shape, dtype=np.uint8)
+
+
+@contextmanager
+def random_tables(geometry: TableGeometry, checkpoint: Path, shm: Path, instance: str,
+                  backend: str = "cuda") -> Iterator[list[HostTable]]:
+    """Write the sparse checkpoint to `checkpoint` and fill its tables in `shm` as daemon
+    `instance` would; yields them open (drop every view of them before the block ends)."""
+    write_sparse_checkpoint(geometry, checkpoint)
+    source_type = RandomRows if backend == "cuda" else CpuRandomRows
+    started = time.monotonic()
+    with TableStore(shm, instance) as store:
+        tables = store.open(source_type(EngramCheckpoint.open(checkpoint)))
+        print(f"filled {geometry.total_bytes / 2**30:.1f} GiB in "
+              f"{time.monotonic() - started:.1f} s", flush=True)
+        yield tables
+
+
+def fill_tables(geometry: TableGeometry, checkpoint: Path, shm: Path, instance: str,
+                backend: str = "cuda") -> list[dict]:
+    """random_tables, closed again; returns where each layer's rows are (for MappedTable)."""
+    with random_tables(geometry, checkpoint, shm, instance, backend) as tables:
+        return [{"path": str(t.path), "data_offset": t.data_offset, "rows": t.rows,
+                 "row_bytes": t.row_bytes} for t in tables]
+
+
+def reattach_flags(checkpoint: Path, shm: Path, instance: str) -> list[str]:
+    """`engramd serve` flags of a daemon that re-attaches the tables random_tables filled."""
+    return ["--tables", str(checkpoint), "--shm-dir", str(shm), "--instance", instance,
+            "--self-check", "false"]
+
+
+def cpu_demo_flags(work: Path, shm: Path) -> list[str]:
+    """`engramd serve` flags of a CPU daemon on the demo tables, written to work/tables."""
+    tables = work / "tables"
+    write_synthetic_checkpoint(TableGeometry.named("demo"), tables, seed=1)
+    return ["--tables", str(tables), "--shm-dir", str(shm), "--backend", "cpu",
+            "--metrics-address", "127.0.0.1:0"]
+
+
+class MappedTable:
+    """A table file mapped MAP_SHARED the way the daemon maps it: what PinnedTables needs.
+
+    The store's HostTable cannot be used here: opening the store takes the instance lock, and the
+    point is that a process maps the same file on its own, as engines with their own tables do.
+    """
+
+    def __init__(self, path: str, data_offset: int, rows: int, row_bytes: int):
+        self.path = path
+        self.rows = rows
+        self.row_bytes = row_bytes
+        self.nbytes = rows * row_bytes
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self._mapping = mmap.mmap(fd, data_offset + self.nbytes, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        self.array: np.ndarray | None = np.frombuffer(
+            self._mapping, dtype=np.uint8, count=self.nbytes, offset=data_offset,
+        ).reshape(rows, row_bytes)
+        self.address = self.array.ctypes.data  # row 0, as HostTable.address
+
+    def close(self) -> None:
+        self.array = None
+        try:
+            self._mapping.close()
+        except BufferError:
+            pass  # a tensor view is still alive; the mapping goes with it
