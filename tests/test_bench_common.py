@@ -1,0 +1,100 @@
+"""benchmarks/common: the helpers the benchmark scripts share, on the CPU.
+
+The scripts that use them mostly need a GPU; what they take from here (row comparison, ID draws,
+the sparse checkpoint and its random tables, the daemon's command, the CPU clock) is checked here
+so that a broken helper shows without one.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engramd.client.geometry import DEAD_ID, TableGeometry
+from engramd.server.checkpoint import EngramCheckpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from common import daemon, ids, rows, tables, timing  # noqa: E402
+
+DEMO = TableGeometry.named("demo")
+
+
+def test_bitwise_mismatches_counts_bits_and_takes_nan_as_equal():
+    want = torch.tensor([1.0, float("nan"), 3.0, -0.0], dtype=torch.bfloat16)
+    assert rows.bitwise_mismatches(want.clone(), want) == (0, [])
+    got = torch.tensor([1.0, float("nan"), 4.0, 0.0], dtype=torch.bfloat16)  # -0.0 != 0.0 in bits
+    assert rows.bitwise_mismatches(got, want) == (2, [[2], [3]])
+    assert rows.bitwise_mismatches(got[:2], want)[0] == -1
+
+
+def test_assert_exact_names_the_first_differing_index():
+    want = rows.poisoned((2, 3), torch.device("cpu"))
+    assert bool(torch.isnan(want).all())
+    rows.assert_exact(want.clone(), want, "same")
+    got = want.clone()
+    got[1, 2] = 1.0
+    with pytest.raises(rows.NotExactError, match=r"1 of 6 values differ; first: \(1, 2\)"):
+        rows.assert_exact(got, want, "one value")
+    with pytest.raises(rows.NotExactError, match="want torch.bfloat16"):
+        rows.assert_exact(got.float(), want, "dtype")
+
+
+def test_bucket_ids_fall_in_each_heads_bucket_with_the_dead_share_asked_for():
+    generator = torch.Generator().manual_seed(0)
+    (batch,) = ids.bucket_ids(DEMO, 2000, 1, torch.device("cpu"), generator, dead_fraction=0.25)
+    assert batch.shape == (2000, DEMO.n_layers, DEMO.heads) and batch.dtype == torch.int64
+    dead = batch == DEAD_ID
+    assert 0.2 < dead.float().mean().item() < 0.3
+    lo = torch.tensor(DEMO.offsets).unsqueeze(0).expand_as(batch)
+    hi = lo + torch.tensor(DEMO.primes).unsqueeze(0)
+    live = ~dead
+    assert bool(((batch >= lo) & (batch < hi))[live].all())
+    again = ids.bucket_ids(DEMO, 2000, 1, torch.device("cpu"), torch.Generator().manual_seed(0),
+                           dead_fraction=0.25)[0]
+    assert torch.equal(again, batch)
+
+
+def test_geometry_for_holds_at_least_the_size_asked_for():
+    geometry = tables.geometry_for(0.01)
+    assert (geometry.n_layers, geometry.heads, geometry.row_bytes) == (2, 24, tables.ROW_BYTES)
+    assert 0.01 * 2**30 <= geometry.total_bytes < 0.012 * 2**30
+
+
+def test_random_tables_over_a_sparse_checkpoint(tmp_path: Path):
+    geometry = tables.v41_geometry(50)
+    checkpoint, shm = tmp_path / "ckpt", tmp_path / "shm"
+    shm.mkdir()
+    specs = tables.fill_tables(geometry, checkpoint, shm, tables.INSTANCE, backend="cpu")
+    opened = EngramCheckpoint.open(checkpoint)
+    assert opened.geometry.rows == geometry.rows
+    assert [s["rows"] for s in specs] == list(geometry.rows)
+    for layer, spec in enumerate(specs):
+        mapped = tables.MappedTable(spec["path"], spec["data_offset"], spec["rows"],
+                                    spec["row_bytes"])
+        try:
+            expected = mapped.array.copy()
+            tables.CpuRandomRows(opened).read_packed(layer, 0, expected)
+            assert (mapped.array == expected).all()
+        finally:
+            mapped.close()
+    flags = tables.reattach_flags(checkpoint, shm, tables.INSTANCE)
+    assert flags[flags.index("--self-check") + 1] == "false"
+
+
+def test_serve_command_runs_this_interpreter_unless_told_otherwise(tmp_path: Path):
+    socket = tmp_path / daemon.SOCKET_NAME
+    command = daemon.serve_command(socket, ["--backend", "cpu"])
+    assert command == [sys.executable, "-m", "engramd.server.cli", "serve", "--socket",
+                       str(socket), "--backend", "cpu"]
+    assert daemon.serve_command(socket, [], python=["py", "-X"])[:2] == ["py", "-X"]
+
+
+def test_timed_steps_on_the_cpu_times_every_counted_step_after_the_warm_ones():
+    clock = timing.Clock(torch.device("cpu"))
+    seen: list[int] = []
+    seconds = timing.timed_steps(clock, seen.append, count=5, warm=2)
+    assert seen == list(range(7))
+    assert len(seconds) == 5 and all(s >= 0 for s in seconds)
