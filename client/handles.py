@@ -43,7 +43,8 @@ from engramd.client.protocol import PROTOCOL_VERSION
 
 HANDLE_SOCKET_NAME = "engramd.handles"
 HANDLE_TIMEOUT_S = 5.0
-MAX_MESSAGE_BYTES = 64 * 1024
+MAX_MESSAGE_BYTES = 64 * 1024  # requests, and replies to attach
+MAX_ADMIN_REPLY_BYTES = 4 << 20  # `clients` of a full daemon (4,096 places)
 MAX_FDS = 64
 _LENGTH = struct.Struct("<I")
 _CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -93,16 +94,16 @@ def send_message(sock: socket.socket, header: dict[str, Any], fds: list[int] | N
         sock.sendall(data)
 
 
-def recv_message(sock: socket.socket, max_fds: int = 0,
-                 deadline: float | None = None) -> tuple[dict[str, Any], list[int]]:
+def recv_message(sock: socket.socket, max_fds: int = 0, deadline: float | None = None,
+                 max_bytes: int = MAX_MESSAGE_BYTES) -> tuple[dict[str, Any], list[int]]:
     """One framed message and the descriptors that came with it (the caller owns them), read
     before `deadline` (time.monotonic()) if given: TimeoutError past it, however slowly the
     peer trickles its bytes."""
     fds: list[int] = []
     try:
         (length,) = _LENGTH.unpack(_recv_exactly(sock, _LENGTH.size, max_fds, fds, deadline))
-        if length > MAX_MESSAGE_BYTES:
-            raise ProtocolError(f"handle message of {length} bytes exceeds {MAX_MESSAGE_BYTES}")
+        if length > max_bytes:
+            raise ProtocolError(f"handle message of {length} bytes exceeds {max_bytes}")
         body = _recv_exactly(sock, length, max_fds, fds, deadline)
         try:
             header = msgpack.unpackb(body, raw=False)
@@ -208,14 +209,16 @@ def check_access(path: str | os.PathLike, timeout: float = HANDLE_TIMEOUT_S) -> 
 
 
 def admin_request(path: str | os.PathLike, op: str, timeout: float = HANDLE_TIMEOUT_S) -> dict[str, Any]:
-    """An admin operation ("drain"): the daemon decides by this process's kernel credentials.
+    """An admin operation ("drain", "clients"): the daemon decides by this process's kernel
+    credentials.
     Returns the reply's fields; raises the daemon's typed error."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     sock.settimeout(timeout)
     try:
         sock.connect(str(path))
         send_message(sock, {"op": op})
-        reply, fds = recv_message(sock, 0, deadline=time.monotonic() + timeout)
+        reply, fds = recv_message(sock, 0, deadline=time.monotonic() + timeout,
+                                  max_bytes=MAX_ADMIN_REPLY_BYTES)
     except TimeoutError:
         raise DaemonUnavailableError(f"no answer on {path} within {timeout:.1f} s") from None
     except OSError as exc:

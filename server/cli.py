@@ -85,6 +85,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     fields = _probe(args, "stats")
     if fields is None:
         return EXIT_NOT_READY
+    _add_identities(args, fields.get("clients", []))
     if args.json:
         print(json.dumps(fields, sort_keys=True))
         return 0
@@ -94,9 +95,25 @@ def cmd_stats(args: argparse.Namespace) -> int:
     clients = fields.get("clients", [])
     print(f"clients {len(clients)}")
     for c in clients:
-        print(f"  #{c['client_id']} pid {c['pid']} {c['device']} tp {c['tp_rank']}/{c['tp_size']} "
+        who = f"pid {c['pid']} {c['name'] or '-'} uid {c['uid']}" if "pid" in c else "(who: admins only)"
+        print(f"  #{c['client_id']} {who} {c['device']} tp {c['tp_rank']}/{c['tp_size']} "
               f"lookups {c['lookups']} rows {c['rows']} errors {c['errors']}")
     return 0
+
+
+def _add_identities(args: argparse.Namespace, clients: list[dict[str, Any]]) -> None:
+    """An admin also sees who each client is (pid, name, uid): the daemon tells only them, over
+    the handle socket where it knows who asks. Anyone else gets the counts alone."""
+    from engramd.client.handles import admin_request, handle_socket_path
+
+    try:
+        reply = admin_request(handle_socket_path(args.socket or default_socket_path()), "clients",
+                              args.timeout)
+    except EngramError:
+        return
+    identities = {c["client_id"]: c for c in reply.get("clients", [])}
+    for client in clients:
+        client.update(identities.get(client["client_id"], {}))
 
 
 def cmd_drain(args: argparse.Namespace) -> int:

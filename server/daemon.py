@@ -516,11 +516,21 @@ class Daemon:
         raise PermissionDeniedError("drain is an admin operation and ZeroMQ cannot say who asks: "
                                     "run `engramd drain` (it asks over the handle socket)")
 
+    def _admin_clients(self, peer: PeerCredentials) -> tuple[dict[str, Any], list[int]]:
+        """Admin: who each live client is (pid in the daemon's namespace, name, uid); `stats`
+        over ZeroMQ, open to every member of the socket's group, leaves these out."""
+        self._require_admin(peer, "clients")
+        clients = self.store.who() if self.store is not None else []
+        return {"status": "ok", "epoch": self.epoch, "clients": clients}, []
+
+    def _require_admin(self, peer: PeerCredentials, op: str) -> None:
+        if peer.uid not in self._admins:
+            raise PermissionDeniedError(f"{op} is an admin operation: uid {peer.uid} may not "
+                                        f"(admin_uids: {sorted(self._admins)})")
+
     def _admin_drain(self, peer: PeerCredentials) -> tuple[dict[str, Any], list[int]]:
         """Admin: stop accepting, finish in-flight lookups, then exit 0 (as on SIGTERM)."""
-        if peer.uid not in self._admins:
-            raise PermissionDeniedError(f"drain is an admin operation: uid {peer.uid} may not "
-                                        f"(admin_uids: {sorted(self._admins)})")
+        self._require_admin(peer, "drain")
         if self.state != "stopping":
             self._begin_stop(f"drain requested by pid {peer.pid} uid {peer.uid}")
         return {"status": "ok", "epoch": self.epoch, "in_flight": self._in_flight()}, []
@@ -565,6 +575,9 @@ class Daemon:
             if request.get("op") == "drain":
                 os.close(connection)
                 future.set_result(self._admin_drain(peer))
+                return
+            if request.get("op") == "clients":
+                future.set_result(self._admin_clients(peer))
                 return
             future.set_result(self._attach(request, peer, connection))
         except Exception as exc:  # every asker gets its answer; the loop keeps serving

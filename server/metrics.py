@@ -65,9 +65,11 @@ class _SnapshotCollector:
         per_client = [("engramd_client_lookups", "lookups per client", "lookups"),
                       ("engramd_client_rows", "rows per client", "rows")]
         for name, doc, key in per_client:
-            family = CounterMetricFamily(name, doc, labels=["client_id", "pid", "name", "device"])
+            # No pid or name: the endpoint is open to every local user (engramd stats, as an
+            # admin, says who each client is).
+            family = CounterMetricFamily(name, doc, labels=["client_id", "device"])
             for c in s["clients"]:
-                family.add_metric([str(c["client_id"]), str(c["pid"]), c["name"], c["device"]], c[key])
+                family.add_metric([str(c["client_id"]), c["device"]], c[key])
             yield family
         slabs = GaugeMetricFamily("engramd_slab_bytes", "client slab bytes per device", labels=["device"])
         for device, nbytes in sorted(s["slab_bytes"].items()):

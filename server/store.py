@@ -122,11 +122,16 @@ class ClientRecord:
     def attached(self) -> bool:
         return self.peer is not None
 
-    def summary(self) -> dict[str, Any]:
+    def who(self) -> dict[str, Any]:
+        """Who the client is: for admins only (engramd stats asks over the handle socket)."""
         pid = self.peer.pid if self.peer is not None and self.peer.pid else self.claimed_pid
         return {"client_id": self.client_id, "pid": pid, "name": self.name,
-                "uid": self.peer.uid if self.peer is not None else None, "attached": self.attached,
-                "device": self.device, "tp_rank": self.tp_rank, "tp_size": self.tp_size,
+                "uid": self.peer.uid if self.peer is not None else None}
+
+    def summary(self) -> dict[str, Any]:
+        """What anyone who may connect sees: no pid, name or uid of another user's process."""
+        return {"client_id": self.client_id, "attached": self.attached, "device": self.device,
+                "tp_rank": self.tp_rank, "tp_size": self.tp_size,
                 "lookups": self.lookups, "rows": self.rows, "out_of_range": self.out_of_range,
                 "errors": self.errors, "in_flight": sum(self.in_flight.values()),
                 "mps_shared": self.mps_shared, "mode": self.mode}
@@ -479,6 +484,10 @@ class LookupStore:
 
     def count_error(self, code: str) -> None:
         self.errors[code] += 1
+
+    def who(self) -> list[dict[str, Any]]:
+        """Who each live client is (pid, name, uid): the `clients` admin operation."""
+        return [c.who() for c in self.clients.values() if not c.releasing]
 
     def stats(self) -> dict[str, Any]:
         live = [c for c in self.clients.values() if not c.releasing]

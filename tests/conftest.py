@@ -16,6 +16,7 @@ import pytest
 from engramd.client.connection import probe
 from engramd.client.errors import EngramError
 from engramd.client.geometry import TableGeometry
+from engramd.client.handles import admin_request, handle_socket_path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from reference import ReferenceTables  # noqa: E402
@@ -57,6 +58,13 @@ def _long_lived_helpers() -> set[int]:
 
 def _our_temp_entries() -> set[Path]:
     return {path for path in _made_temp_dirs if path.exists()}
+
+
+def client_pids(socket_path: Path) -> dict[int, int]:
+    """client_id -> pid in the daemon's namespace, as an admin sees them (the test's user is the
+    daemon's, an admin; `stats` leaves pids out)."""
+    reply = admin_request(handle_socket_path(socket_path), "clients", 10.0)
+    return {c["client_id"]: c["pid"] for c in reply["clients"]}
 
 
 def wait_until(condition, timeout: float, step: float = 0.01) -> float:

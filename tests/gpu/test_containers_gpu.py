@@ -19,7 +19,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import NAMESPACES_UNAVAILABLE, namespaced, run_client_processes, wait_until
+from conftest import (
+    NAMESPACES_UNAVAILABLE,
+    client_pids,
+    namespaced,
+    run_client_processes,
+    wait_until,
+)
 
 from engramd.client.connection import probe
 
@@ -105,7 +111,7 @@ def kill_round(daemon) -> tuple[float, float]:
         assert -1 not in ids, "a client could not start"
         assert sorted(c["client_id"] for c in stats["clients"]) == sorted(ids)
         assert stats["slabs"] == KILLED and stats["slab_bytes"] > KILLED * (8 << 20)
-        pids = [c["pid"] for c in stats["clients"]]  # in the daemon's namespace (SO_PEERCRED)
+        pids = list(client_pids(daemon.socket).values())  # in the daemon's namespace (SO_PEERCRED)
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 from conftest import (
     NAMESPACES_UNAVAILABLE,
+    client_pids,
     namespaced,
     run_client_processes,
     slab_files,
@@ -74,11 +75,9 @@ def test_killed_namespaced_client_is_freed_within_the_promise(daemon_factory, mo
                             stdout=subprocess.PIPE, text=True)
     try:
         client_id = int(proc.stdout.readline())
-        (record,) = [c for c in probe(daemon.socket, "stats", 5.0).fields["clients"]
-                     if c["client_id"] == client_id]
         # The daemon knows the client's process by the kernel's credentials of its lease, in
         # the daemon's own PID namespace; the client itself believes it is pid 1.
-        pid = record["pid"]
+        pid = client_pids(daemon.socket)[client_id]
         ns_pids = [line.split()[1:] for line in Path(f"/proc/{pid}/status").read_text().splitlines()
                    if line.startswith("NSpid:")][0]
         assert ns_pids == [str(pid), "1"], ns_pids

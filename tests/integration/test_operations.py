@@ -75,6 +75,7 @@ def test_metrics_endpoint(daemon_factory):
     daemon = daemon_factory(extra=["--metrics-address", f"127.0.0.1:{port}"])
     with EngramClient(daemon.socket, name="metrics-test") as client:
         client.lookup(torch.zeros((5, 2, 24), dtype=torch.int64)).result()
+        client_id = client.client_id
         time.sleep(0.5)  # the loop publishes every heartbeat interval (0.2 s here)
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
@@ -82,7 +83,9 @@ def test_metrics_endpoint(daemon_factory):
     assert values["engramd_ready"] == 1.0 and values["engramd_clients"] == 1.0
     assert values["engramd_lookups_total"] == 1.0 and values["engramd_rows_total"] == 5 * 2 * 24
     assert values["engramd_lookup_dispatch_seconds_count"] == 1.0
-    assert any(k.startswith('engramd_client_lookups_total{') and 'name="metrics-test"' in k for k in values)
+    (per_client,) = [k for k in values if k.startswith("engramd_client_lookups_total{")]
+    assert f'client_id="{client_id}"' in per_client and "pid=" not in per_client \
+        and "name=" not in per_client, per_client  # who a client is: admins only (engramd stats)
     assert any(k.startswith("engramd_epoch_info{") for k in values)
 
 

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 import zmq
-from conftest import attach_raw, shm_tempdir, short_tempdir, slab_files, wait_until
+from conftest import attach_raw, engramd_command, shm_tempdir, short_tempdir, slab_files, wait_until
 from reference import random_ids
 
 from engramd.client import EngramClient
@@ -419,3 +419,42 @@ def test_a_message_of_many_frames_is_dropped_with_a_typed_error(daemon_factory, 
         rows = client.lookup(torch.from_numpy(ids)).result().float().numpy()
     assert np.array_equal(rows.astype(np.float64), reference.expected(ids))
     assert probe(daemon.socket, "stats", 5.0).fields["errors"]["bad_message"] == 1
+
+
+CLIENTS_AS = """
+import os, sys
+from engramd.client.errors import EngramError
+from engramd.client.handles import admin_request
+os.setgroups([int(sys.argv[3])])
+os.setgid(int(sys.argv[2]))
+os.setuid(int(sys.argv[2]))
+try:
+    print(admin_request(sys.argv[1], "clients", 5.0)["clients"])
+except EngramError as exc:
+    print(exc.code)
+"""
+
+
+def test_who_the_clients_are_is_for_admins_only(daemon_factory):
+    """`stats` named every client's pid and name to anyone who could connect. Over ZeroMQ it now
+    gives counts alone; the `clients` admin operation (handle socket, kernel credentials) says
+    who they are, and `engramd stats` shows that to an admin; a member of the socket's group who
+    is not an admin is refused."""
+    daemon = daemon_factory()
+    with EngramClient(daemon.socket, name="private-name") as client:
+        (public,) = probe(daemon.socket, "stats", 5.0).fields["clients"]
+        assert public["client_id"] == client.client_id
+        assert not {"pid", "name", "uid"} & public.keys(), public
+        (private,) = admin_request(handle_socket_path(daemon.socket), "clients", 5.0)["clients"]
+        assert private == {"client_id": client.client_id, "pid": os.getpid(), "name": "private-name",
+                           "uid": os.geteuid()}
+        shown = subprocess.run([*engramd_command(), "stats", "--socket", str(daemon.socket)],
+                               capture_output=True, text=True, timeout=60)
+        assert f"#{client.client_id} pid {os.getpid()} private-name uid {os.geteuid()}" in shown.stdout, shown
+        if os.geteuid() == 0:
+            for folder in (daemon.workdir, daemon.socket.parent):
+                os.chmod(folder, 0o755 if folder == daemon.workdir else 0o750)
+            member = subprocess.run([sys.executable, "-c", CLIENTS_AS, str(handle_socket_path(daemon.socket)),
+                                     str(NOBODY), str(daemon.socket.stat().st_gid)],
+                                    capture_output=True, text=True, timeout=60)
+            assert member.stdout.strip() == "permission_denied", member.stdout + member.stderr
