@@ -74,11 +74,12 @@ def resolve_checkpoint(config: DaemonConfig) -> EngramCheckpoint:
     return EngramCheckpoint.open(path)
 
 
-def tables_folder(config: DaemonConfig) -> Path:
-    """The daemon's own folder inside shm_dir, made 0750 if absent: in a shared shm_dir such as
-    /dev/shm anyone may create files, and a file planted at the next table's or the lock's name
-    would stop the daemon from starting (it cannot remove what it does not own)."""
-    folder = Path(config.shm_dir) / f"engramd-{config.instance}"
+def tables_folder(shm_dir: str | Path, instance: str) -> Path:
+    """Daemon `instance`'s own folder inside shm_dir, made 0750 if absent: in a shared shm_dir
+    such as /dev/shm anyone may create files, and a file planted at the next table's or the
+    lock's name would stop the daemon from starting (it cannot remove what it does not own).
+    Whoever prepares tables for a daemon to re-attach (benchmarks) fills them here."""
+    folder = Path(shm_dir) / f"engramd-{instance}"
     make_own_folder(folder, "table folder", mode=0o750)
     return folder
 
@@ -154,7 +155,7 @@ def load_tables(config: DaemonConfig, progress: Callable[[float], None]) -> Load
         done_before[p.layer_index] = p.done_bytes
         progress(min(1.0, sum(done_before.values()) / max(1, total)))
 
-    store = TableStore(tables_folder(config), config.instance)
+    store = TableStore(tables_folder(config.shm_dir, config.instance), config.instance)
     started = time.monotonic()
     try:
         tables = store.open(checkpoint, progress=on_progress)

@@ -7,13 +7,17 @@ so that a broken helper shows without one.
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import shm_tempdir
 
+from engramd.client import EngramClient
 from engramd.client.geometry import DEAD_ID, TableGeometry
+from engramd.kernels import gather_ref
 from engramd.server.checkpoint import EngramCheckpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -82,6 +86,38 @@ def test_random_tables_over_a_sparse_checkpoint(tmp_path: Path):
             mapped.close()
     flags = tables.reattach_flags(checkpoint, shm, tables.INSTANCE)
     assert flags[flags.index("--self-check") + 1] == "false"
+
+
+def test_a_daemon_reattaches_the_random_tables_instead_of_loading_the_checkpoint(daemon_factory):
+    """The benchmarks fill random rows where the daemon keeps its tables, and start it on the
+    sparse checkpoint (zeros) with the flags here: it must serve the random rows. When the
+    daemon's tables moved into a folder of their own, the fill stayed behind and every GPU
+    benchmark would have served zeros."""
+    geometry = tables.v41_geometry(50)
+    shm = shm_tempdir()
+    try:
+        checkpoint = shm / "ckpt"
+        specs = tables.fill_tables(geometry, checkpoint, shm, tables.INSTANCE, backend="cpu")
+        flags = tables.reattach_flags(checkpoint, shm, tables.INSTANCE)
+        daemon = daemon_factory(tables=checkpoint, instance=tables.INSTANCE, shm_dir=shm,
+                                extra=flags[flags.index("--self-check"):])
+        picked = torch.tensor([[[0] * geometry.heads] * geometry.n_layers,
+                               [[geometry.rows[0] - 1] * geometry.heads, [geometry.rows[1] - 1] * geometry.heads]])
+        with EngramClient(daemon.socket, max_tokens=2) as client:
+            served = client.lookup(picked).result()
+        mapped = [tables.MappedTable(**spec) for spec in specs]
+        try:
+            rows_of = [torch.from_numpy(m.array.reshape(m.rows, m.row_bytes)) for m in mapped]
+            expected = gather_ref.gather(rows_of, picked, geometry.shard(0, 1))[0]
+            assert torch.equal(served.view(torch.int16), expected.view(torch.int16))
+            assert bool((served.view(torch.int16) != 0).any())  # not the checkpoint's zeros
+        finally:
+            del rows_of
+            for m in mapped:
+                m.close()
+        assert "tables re-attached" in daemon.log(), daemon.log()
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
 
 
 def test_serve_command_runs_this_interpreter_unless_told_otherwise(tmp_path: Path):

@@ -24,6 +24,7 @@ from engramd.client.geometry import V41_FLASH_CONFIG, TableGeometry
 from engramd.server.checkpoint import EngramCheckpoint, scale_name, weight_name
 from engramd.server.synthetic import write_synthetic_checkpoint
 from engramd.server.table_store import HostTable, TableStore
+from engramd.server.tables import tables_folder
 
 INSTANCE = "bench"  # the daemon instance the tables belong to (it names their files)
 ROW_BYTES = 264  # V4.1: 256 E4M3 weights + 8 UE8M0 scales
@@ -93,7 +94,7 @@ def random_tables(geometry: TableGeometry, checkpoint: Path, shm: Path, instance
     write_sparse_checkpoint(geometry, checkpoint)
     source_type = RandomRows if backend == "cuda" else CpuRandomRows
     started = time.monotonic()
-    with TableStore(shm, instance) as store:
+    with TableStore(tables_folder(shm, instance), instance) as store:  # where the daemon looks
         tables = store.open(source_type(EngramCheckpoint.open(checkpoint)))
         print(f"filled {geometry.total_bytes / 2**30:.1f} GiB in "
               f"{time.monotonic() - started:.1f} s", flush=True)
