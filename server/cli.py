@@ -175,6 +175,7 @@ def cmd_make_tables(args: argparse.Namespace) -> int:
 def _write_tables(geometry: TableGeometry, args: argparse.Namespace) -> int:
     """Write the checkpoint with a progress line (GB and GB/s) on stderr."""
     from engramd.server.synthetic import write_synthetic_checkpoint
+    from engramd.server.units import size
 
     started = time.monotonic()
     last = [0.0]
@@ -189,7 +190,7 @@ def _write_tables(geometry: TableGeometry, args: argparse.Namespace) -> int:
 
     out = write_synthetic_checkpoint(geometry, args.out, seed=args.seed, progress=progress)
     print(file=sys.stderr)
-    print(f"wrote {geometry.total_bytes / 1e9:.2f} GB of tables ({list(geometry.rows)} rows) to {out}")
+    print(f"wrote {size(geometry.total_bytes)} of tables ({list(geometry.rows)} rows) to {out}")
     return 0
 
 

@@ -100,7 +100,7 @@ SETTINGS: tuple[Setting, ...] = (
             "Prometheus metrics HOST:PORT; port 0 disables the endpoint", pattern=r"[^:\s]*:\d{1,5}"),
     Setting("demo_seed", int, 0, "seed of the built-in demo table", low=0, high=2**32 - 1),
     Setting("cache_dir", str, "",
-            "where the demo checkpoint is written (empty: a folder beside the socket)"),
+            "where the demo checkpoint is written (empty: engramd-demo-<uid> in the temp folder)"),
     Setting("log_level", str, "info", "logging level", choices=("debug", "info", "warning", "error")),
 )
 _BY_KEY = {s.key: s for s in SETTINGS}

@@ -53,6 +53,7 @@ from engramd.kernels.hot_cache import CacheLayout, HotCache
 from engramd.server.backend import Completion, LookupJob
 from engramd.server.cache_keeper import CacheKeeper
 from engramd.server.table_store import HostTable
+from engramd.server.units import size
 
 log = logging.getLogger("engramd.cuda")
 
@@ -91,7 +92,7 @@ class PinnedTables:
         started = time.monotonic()
         self._registration = cuda.HostRegistration([(t.address, t.nbytes) for t in tables])
         total, seconds = sum(t.nbytes for t in tables), time.monotonic() - started
-        log.info("pinned %.2f GB of host tables in %.2f s (%.1f GB/s)", total / 1e9, seconds,
+        log.info("pinned %s of host tables in %.2f s (%.1f GB/s)", size(total), seconds,
                  total / 1e9 / max(seconds, 1e-9))
 
     def layer_tables(self) -> list[LayerTable]:

@@ -50,8 +50,9 @@ from engramd.server.notify import Notifier
 from engramd.server.ownership import make_own_folder
 from engramd.server.selfcheck import run_self_check
 from engramd.server.store import Limits, LookupStore
-from engramd.server.tables import LoadedTables, load_tables
+from engramd.server.tables import LoadedTables, load_tables, tables_folder_path
 from engramd.server.throttle import Throttled
+from engramd.server.units import size
 
 log = logging.getLogger("engramd.daemon")
 
@@ -243,7 +244,7 @@ class Daemon:
         self.state = "ready"
         self.progress = 1.0
         summary = (f"ready: {loaded.backend.name} backend, {loaded.geometry.n_layers} layers, "
-                   f"{loaded.geometry.total_bytes / 1e9:.2f} GB of tables "
+                   f"{size(loaded.geometry.total_bytes)} of tables "
                    f"{'re-attached' if loaded.reattached else 'loaded'}")
         log.info("%s", summary)
         self._publish()
@@ -732,11 +733,15 @@ def run_daemon(config: DaemonConfig) -> int:
     """Run until stopped; returns the exit status."""
     raise_open_file_limit()
     daemon = Daemon(config)
+    status = EXIT_OK
     try:
         daemon.start()
-        return daemon.serve_forever()
+        status = daemon.serve_forever()
     except DaemonHalt as halt:
         log.error("%s", halt.reason)
-        return halt.status
+        status = halt.status
     finally:
         daemon.close()
+        log.info("stopped (exit status %d); the tables stay in %s for the next start", status,
+                 tables_folder_path(config.shm_dir, config.instance))
+    return status

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from engramd.client.geometry import TableGeometry
+from engramd.server.units import size
 
 if TYPE_CHECKING:
     import torch
@@ -339,9 +340,9 @@ class _Meter:
         if self.progress is not None:
             self.progress(report)
         if report.fraction >= self.next_log or done == report.total_bytes:
-            logger.info("L%d (layer %d): %3.0f%% %.2f/%.2f GB, %.2f GB/s",
+            logger.info("L%d (layer %d): %3.0f%% %s of %s, %.2f GB/s",
                         self.layout.layer_id, self.layout.layer_index, 100 * report.fraction,
-                        done / 1e9, report.total_bytes / 1e9, report.gbps)
+                        size(done), size(report.total_bytes), report.gbps)
             self.next_log = (int(report.fraction * 10) + 1) / 10
         return report
 
@@ -466,8 +467,8 @@ class TableStore:
             self._remove(path, str(exc))
             return None
         seconds = time.perf_counter() - start
-        logger.info("L%d (layer %d): re-attached %s, %.2f GB, verified in %.3f s",
-                    layout.layer_id, layout.layer_index, path, layout.nbytes / 1e9, seconds)
+        logger.info("L%d (layer %d): re-attached %s, %s, verified in %.3f s",
+                    layout.layer_id, layout.layer_index, path, size(layout.nbytes), seconds)
         if progress is not None:
             progress(LoadProgress(layout.layer_index, layout.nbytes, layout.nbytes, seconds,
                                   reattached=True))
@@ -489,8 +490,8 @@ class TableStore:
     def _create(self, source: TableSource, layout: _Layout, fingerprint: str,
                 progress: ProgressFn | None, chunk_bytes: int) -> HostTable:
         path = self.table_path(layout.layer_id, fingerprint)
-        logger.info("L%d (layer %d): loading %.2f GB into %s", layout.layer_id,
-                    layout.layer_index, layout.nbytes / 1e9, path)
+        logger.info("L%d (layer %d): loading %s into %s", layout.layer_id,
+                    layout.layer_index, size(layout.nbytes), path)
         table = HostTable(_create_mapping(path, layout), path, layout, reattached=False)
         try:
             _fill(table, layout, source, fingerprint, progress, chunk_bytes)

@@ -74,12 +74,16 @@ def resolve_checkpoint(config: DaemonConfig) -> EngramCheckpoint:
     return EngramCheckpoint.open(path)
 
 
+def tables_folder_path(shm_dir: str | Path, instance: str) -> Path:
+    return Path(shm_dir) / f"engramd-{instance}"
+
+
 def tables_folder(shm_dir: str | Path, instance: str) -> Path:
     """Daemon `instance`'s own folder inside shm_dir, made 0750 if absent: in a shared shm_dir
     such as /dev/shm anyone may create files, and a file planted at the next table's or the
     lock's name would stop the daemon from starting (it cannot remove what it does not own).
     Whoever prepares tables for a daemon to re-attach (benchmarks) fills them here."""
-    folder = Path(shm_dir) / f"engramd-{instance}"
+    folder = tables_folder_path(shm_dir, instance)
     make_own_folder(folder, "table folder", mode=0o750)
     return folder
 

@@ -8,6 +8,7 @@ import uuid
 
 import pytest
 
+from engramd.server import notify
 from engramd.server.notify import Notifier
 
 
@@ -36,7 +37,14 @@ def test_no_socket_is_a_no_op(monkeypatch):
     monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
     notifier = Notifier()
     assert not notifier.enabled
-    notifier.ready("x")  # nothing to send to, nothing raised
+
+    def no_socket(*args, **kwargs):
+        raise AssertionError("a notifier without NOTIFY_SOCKET opened a socket")
+
+    monkeypatch.setattr(notify.socket, "socket", no_socket)
+    notifier.ready("x")
+    notifier.status("y")
+    notifier.stopping()
 
 
 def test_unreachable_socket_is_logged_not_raised(tmp_path, caplog):

@@ -8,6 +8,7 @@ import pytest
 from engramd.client import protocol
 from engramd.client.errors import (
     BadIdsError,
+    InternalError,
     NotReadyError,
     ProtocolError,
     UnknownOperationError,
@@ -40,9 +41,9 @@ def test_reply_round_trip_and_error_reply_raises_typed_error():
 def test_unknown_error_code_maps_to_internal():
     frames = [msgpack.packb({"v": 1, "op": "x", "rid": 1, "status": "error", "code": "weird",
                              "message": "m", "epoch": "e"})]
-    with pytest.raises(Exception) as info:
+    with pytest.raises(InternalError, match="m") as info:
         protocol.decode_reply(frames)
-    assert info.value.code == "internal"
+    assert info.value.code == "internal" and type(info.value) is InternalError
 
 
 @pytest.mark.parametrize("frames, error, text", [

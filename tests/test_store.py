@@ -104,7 +104,7 @@ def test_register_limits_and_identity():
     with pytest.raises(BadRequestError, match="rank 2"):
         register(store, tp_rank=2, tp_size=2)
     register(store, identity=b"b")
-    with pytest.raises(Exception, match="client limit"):
+    with pytest.raises(ResourceError, match="client limit"):
         register(store, identity=b"c")
     with pytest.raises(NotRegisteredError, match="another connection"):
         store.client(b"b", client_id)

@@ -60,6 +60,8 @@ def test_tp_shards_concatenate_to_the_full_rows(daemon_factory, reference):
     ids = torch.from_numpy(ids)
     with EngramClient(daemon.socket) as full_client:
         full = full_client.lookup(ids).result(copy=True)
+    wrong = np.argwhere(full.float().numpy().astype(np.float64) != reference.expected(ids.numpy()))
+    assert wrong.size == 0, f"unsharded rows differ from the reference at {wrong[:5].tolist()}"
     for shards in (2, 4, 5):
         parts = []
         for rank in range(shards):
