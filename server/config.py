@@ -94,6 +94,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("heartbeat_interval", float, 1.0,
             "seconds between client liveness checks; a dead client is retired within two (its slab "
             "is freed once its in-flight lookups finish)", low=0.05, high=60.0),
+    Setting("verify_tables", bool, False,
+            "before serving re-attached tables, compare every row with the checkpoint and reload "
+            "a table that differs anywhere (reads the whole checkpoint: about as long as a load)"),
     Setting("self_check", bool, True,
             "before ready: sampled lookups through the serving kernel must equal the checkpoint"),
     Setting("metrics_address", str, "127.0.0.1:9464",
@@ -131,6 +134,7 @@ class DaemonConfig:
     sort_min_tokens: int
     gather_sm_fraction: float
     heartbeat_interval: float
+    verify_tables: bool
     self_check: bool
     metrics_address: str
     demo_seed: int

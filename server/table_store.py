@@ -373,8 +373,10 @@ class TableStore:
         return self.shm_dir / f"engramd.{self.instance}.L{layer_id}.{fingerprint}.tbl"
 
     def open(self, source: TableSource, progress: ProgressFn | None = None,
-             chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[HostTable]:
-        """Re-attach complete matching files, remove stale ones, load the rest from `source`."""
+             chunk_bytes: int = DEFAULT_CHUNK_BYTES, verify: bool = False) -> list[HostTable]:
+        """Re-attach complete matching files, remove stale ones, load the rest from `source`.
+        With `verify`, every row of a re-attached file is compared with `source` first, and a
+        file that differs anywhere is removed and loaded again."""
         self._require_lock()
         if self.tables:
             raise TableStoreError(f"{self.lock_path}: tables are already open; close() first")
@@ -389,6 +391,8 @@ class TableStore:
             missing = []
             for layout in layouts:
                 table = self._try_attach(layout, fingerprint, progress)
+                if table is not None and verify:
+                    table = self._verified(table, source, chunk_bytes)
                 if table is None:
                     missing.append(layout)
                 else:
@@ -472,6 +476,25 @@ class TableStore:
         if progress is not None:
             progress(LoadProgress(layout.layer_index, layout.nbytes, layout.nbytes, seconds,
                                   reattached=True))
+        return table
+
+    def _verified(self, table: HostTable, source: TableSource, chunk_bytes: int) -> HostTable | None:
+        """`table` if every row equals `source`'s; else None, the file closed and removed."""
+        start, rows = time.perf_counter(), table.array
+        chunk = max(1, chunk_bytes // table.row_bytes)
+        expected = np.empty((min(chunk, table.rows), table.row_bytes), dtype=np.uint8)
+        for row_start in range(0, table.rows, chunk):
+            part = expected[: min(chunk, table.rows - row_start)]
+            source.read_packed(table.layer_index, row_start, part)
+            differs = np.flatnonzero((rows[row_start : row_start + len(part)] != part).any(axis=1))
+            if differs.size:
+                del rows
+                _close_quietly(table)
+                self._remove(table.path, f"row {row_start + int(differs[0])} differs from the "
+                             f"checkpoint ({differs.size} rows in that chunk)")
+                return None
+        logger.info("L%d (layer %d): every row matches the checkpoint (%s verified in %.2f s)",
+                    table.layer_id, table.layer_index, size(table.nbytes), time.perf_counter() - start)
         return table
 
     def _check_space(self, missing: list[_Layout], reused: int) -> None:

@@ -162,7 +162,7 @@ def load_tables(config: DaemonConfig, progress: Callable[[float], None]) -> Load
     store = TableStore(tables_folder(config.shm_dir, config.instance), config.instance)
     started = time.monotonic()
     try:
-        tables = store.open(checkpoint, progress=on_progress)
+        tables = store.open(checkpoint, progress=on_progress, verify=config.verify_tables)
         reattached = all(t.reattached for t in tables)
         seconds = time.monotonic() - started
         log.info("tables %s in %.2f s (%.2f GB/s)", "re-attached" if reattached else "loaded",

@@ -6,6 +6,7 @@ checked byte for byte against a reference computed here with plain numpy.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import subprocess
@@ -440,3 +441,44 @@ def test_sample_ranges_spread_over_large_tables(nbytes: int):
 
 def test_sample_ranges_cover_small_tables():
     assert sample_ranges(1000 * 264, 264, 16, 65536) == [(0, 1000 * 264)]
+
+
+def forge_byte(path: Path, offset: int) -> None:
+    """Flip one byte of a table file and give its header the matching checksum, as someone who
+    can write the file would: only a full comparison can tell."""
+    with open(path, "r+b") as f:
+        header = table_store._Header.unpack(f.read(4096))
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0x5A]))
+        f.seek(header.data_offset)
+        data = np.frombuffer(f.read(header.rows * header.row_bytes), dtype=np.uint8)
+        checksum = table_store.sampled_checksum(data, header.row_bytes, header.sample_blocks,
+                                                header.sample_block_bytes)
+        f.seek(0)
+        f.write(dataclasses.replace(header, checksum=checksum).pack())
+
+
+def test_verify_reloads_a_reattached_table_that_differs_in_one_byte(shm: Path, caplog):
+    """A re-attach checks the header, not the rows: one byte changed in the middle of a table
+    (a same-user process writing through its mapping, a memory fault) is served as it is. With
+    `verify`, every row is compared first: the differing table alone is removed and loaded
+    again, the intact one is kept."""
+    geometry = small_geometry()
+    load(shm, FakeSource(geometry))
+    with TableStore(shm, "test") as store:
+        victim = store.open(FakeSource(geometry), chunk_bytes=CHUNK)[1]
+        path, offset = victim.path, victim.data_offset + 250 * victim.row_bytes + 7
+    forge_byte(path, offset)
+    with TableStore(shm, "test") as store:
+        unverified = store.open(FakeSource(geometry), chunk_bytes=CHUNK)
+        assert all(t.reattached for t in unverified)
+        assert unverified[1].array[250, 7] != pattern(1, 250, 1, geometry.row_bytes)[0, 7]
+    with caplog.at_level(logging.INFO, logger="engramd.tables"), TableStore(shm, "test") as store:
+        source = FakeSource(geometry)
+        tables = store.open(source, chunk_bytes=CHUNK, verify=True)
+        check_tables(tables, geometry)
+        assert [t.reattached for t in tables] == [True, False]
+    assert "row 250 differs from the checkpoint" in caplog.text
+    assert "every row matches the checkpoint" in caplog.text
