@@ -1,0 +1,144 @@
+"""The vLLM plugin: DeepSeek-V4.1 in vLLM takes its Engram rows from engramd.
+
+    pip install engramd            # beside vllm==0.33.0; registers the plugin
+    ENGRAMD_SOCKET=/run/engramd/engramd.sock vllm serve deepseek-ai/DeepSeek-V4.1-Flash ...
+
+vLLM runs `register()` once in every one of its processes (the `vllm.general_plugins` entry
+point `engramd`; `VLLM_PLUGINS` may filter it). Without `ENGRAMD_SOCKET` it does nothing. With
+it, it first checks that the installed vLLM is a version this plugin was written against and that
+every seam it replaces has the signature it expects, and raises `VllmPluginError` naming what
+changed otherwise: a seam that moved would otherwise leave the model reading a table nobody
+loaded. Then it replaces, on vLLM's `Engram` class, the methods that own the table
+(engramd.client.vllm_engram holds the replacements and says what each does).
+`ENGRAMD_MODE` (auto | served | mapped, default auto) picks the client mode.
+
+What it is not: the replacements themselves, and nothing that vLLM's own hashing does (the hash
+IDs are vLLM's, computed once per forward by its `NgramHashState`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+from collections.abc import Callable
+
+from engramd.client.connection import SOCKET_ENV
+
+log = logging.getLogger("engramd.vllm")
+
+MODE_ENV = "ENGRAMD_MODE"
+SUPPORTED_VLLM = ("0.33.0",)
+ENGRAM_MODULE = "vllm.models.deepseek_v41.common.engram"
+
+# The seams of vLLM's Engram code the plugin replaces or relies on, with the parameters each must
+# take: (class name or None for a module function, attribute, parameter names).
+SEAMS: tuple[tuple[str | None, str, tuple[str, ...]], ...] = (
+    ("Engram", "__init__", ("self", "config", "quant_config", "layout", "layer_hash_index",
+                            "use_sequence_parallel", "prefix", "prefetch_stream")),
+    ("Engram", "_create_embedding", ("self", "layout", "layer_hash_index")),
+    ("Engram", "_init_staging", ("self", "max_tokens", "head_dim")),
+    ("Engram", "prepare_embeddings", ("self", "hash_ids")),
+    ("Engram", "_start_prefetch", ("self", "hash_ids", "rows")),
+    ("Engram", "_finish_prefetch", ("self", "event")),
+    ("Engram", "_ready_rows", ("self", "num_tokens")),
+    ("Engram", "embed", ("self", "hash_ids")),
+    ("ParallelEngramEmbedding", "_allocate_weights", ("self",)),
+    ("ParallelEngramEmbedding", "lookup", ("self", "indices", "out", "background")),
+    ("ParallelEngramEmbedding", "forward", ("self", "indices")),
+    (None, "_engram_head_shard_weight_loader", ("param", "loaded_weight")),
+    (None, "eager_break_during_capture", ("fn",)),
+)
+
+# Calls the replacements depend on: vLLM's method must still make them (names it looks up).
+CALLS: tuple[tuple[str, str, str], ...] = (
+    ("Engram", "__init__", "_create_embedding"),
+    ("Engram", "__init__", "_init_staging"),
+    ("Engram", "embed", "_ready_rows"),
+)
+
+# vLLM's host work around a lookup sits in eager breaks of its breakable CUDA graphs; the
+# replacements keep that wrapper, so vLLM's own methods must still carry it.
+WRAPPED = (("Engram", "_start_prefetch"), ("Engram", "_finish_prefetch"))
+
+
+class VllmPluginError(RuntimeError):
+    """The installed vLLM is not one the engramd plugin can serve, or serving it failed."""
+
+
+def enabled() -> bool:
+    return bool(os.environ.get(SOCKET_ENV))
+
+
+def register() -> None:
+    """The `vllm.general_plugins` entry point: with ENGRAMD_SOCKET set, check vLLM and install."""
+    if not enabled():
+        return
+    import importlib
+
+    import vllm
+
+    check_version(vllm.__version__)
+    engram = importlib.import_module(ENGRAM_MODULE)
+    check_seams(engram)
+    from engramd.client import vllm_engram
+
+    if vllm_engram.install(engram, os.environ[SOCKET_ENV], os.environ.get(MODE_ENV, "auto")):
+        log.info("engramd plugin installed: Engram rows come from the daemon at %s",
+                 os.environ[SOCKET_ENV])
+
+
+def check_version(version: str) -> None:
+    if version not in SUPPORTED_VLLM:
+        raise VllmPluginError(
+            f"{SOCKET_ENV} is set but vLLM {version} is installed; the engramd plugin supports "
+            f"vLLM {', '.join(SUPPORTED_VLLM)} only (its Engram seams change between releases). "
+            f"Install a supported vLLM, or unset {SOCKET_ENV} to run vLLM's own Engram tables.")
+
+
+def check_seams(engram_module) -> None:
+    """Raise VllmPluginError listing every seam that is missing or changed."""
+    changes = [*_signature_changes(engram_module), *_call_changes(engram_module),
+               *_wrapper_changes(engram_module)]
+    if changes:
+        raise VllmPluginError(
+            f"{SOCKET_ENV} is set but vLLM's Engram code ({ENGRAM_MODULE}) is not what the engramd "
+            f"plugin was written against: {'; '.join(changes)}. Refusing to serve Engram rows.")
+
+
+def _seam(engram_module, owner: str | None, name: str) -> Callable | None:
+    holder = getattr(engram_module, owner, None) if owner else engram_module
+    return getattr(holder, name, None) if holder is not None else None
+
+
+def _signature_changes(engram_module) -> list[str]:
+    changes = []
+    for owner, name, expected in SEAMS:
+        where = f"{owner}.{name}" if owner else name
+        seam = _seam(engram_module, owner, name)
+        if seam is None:
+            changes.append(f"{where} is missing")
+            continue
+        got = tuple(inspect.signature(seam).parameters)
+        if got != expected:
+            changes.append(f"{where} takes ({', '.join(got)}), expected ({', '.join(expected)})")
+    return changes
+
+
+def _call_changes(engram_module) -> list[str]:
+    changes = []
+    for owner, name, callee in CALLS:
+        seam = _seam(engram_module, owner, name)
+        code = getattr(inspect.unwrap(seam), "__code__", None) if seam is not None else None
+        if code is not None and callee not in code.co_names:
+            changes.append(f"{owner}.{name} no longer calls {callee}")
+    return changes
+
+
+def _wrapper_changes(engram_module) -> list[str]:
+    changes = []
+    for owner, name in WRAPPED:
+        seam = _seam(engram_module, owner, name)
+        if seam is not None and not hasattr(seam, "__wrapped__"):
+            changes.append(f"{owner}.{name} is no longer wrapped by eager_break_during_capture")
+    return changes

@@ -1,0 +1,305 @@
+"""What the vLLM plugin puts in place of vLLM's Engram tables (see engramd.client.vllm).
+
+One `EngramClient` per vLLM worker process, registered with vLLM's TP rank and size, so each rank
+gets its head shard; every Engram layer of the process shares it. Per forward:
+
+    model.forward:  NgramHashState -> hashes [T, layers, 24]        (vLLM's own hashing)
+    each layer's prepare_embeddings(hashes[:, i])   -> ProcessRows.hand(i, ids)
+        the last local layer's IDs complete the step -> client.lookup([T, layers, 24])
+    the first layer's _ready_rows(T)                -> ProcessRows.ready(i, T)
+        the current stream waits for the rows (GPU: stream order, no host sync; CPU: the reply),
+        and every layer's rows are copied into its staged_rows
+
+`staged_rows` stays a persistent buffer of the layer's own, as in vLLM: graph segments replayed
+after `_ready_rows` read it at the address they were captured with, and the client's rows of a
+lookup of T tokens are packed by T (client/slab.py), so layer i's rows move with T. The host work
+(the lookup message, the stream wait) runs inside vLLM's `eager_break_during_capture`, as vLLM's
+own offloaded prefetch does, so it runs at every replay of a breakable CUDA graph; a full-graph
+capture, which would replay none of it, is refused.
+
+What replaces what, on vLLM's classes (vLLM binds the classes at import, so attributes of the
+classes are replaced, not the classes):
+- `Engram._create_embedding` -> `EngramdEmbedding`: zero-row table parameters whose weight loader
+  checks the checkpoint's table against the daemon's and keeps nothing, so the checkpoint still
+  loads; no DP sharding (`dp_size` 1: the daemon holds the whole table once per node, so each
+  replica looks its own tokens up and vLLM's DP hash gather and `EngramBatch` stay off).
+- `Engram._init_staging`: the staging buffer, and no prefetch stream or event (the client's
+  lookup overlaps on its own; vLLM's decode-time WKV prefetch therefore stays off).
+- `Engram.prepare_embeddings`, `Engram._ready_rows`: above.
+Engram modules built before the plugin was installed keep vLLM's own path.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+
+import torch
+from torch import nn
+from vllm.models.deepseek_v41.common.engram import (
+    ParallelEngramEmbedding,
+    eager_break_during_capture,
+)
+
+from engramd.client.client import EngramClient, LookupFuture
+from engramd.client.geometry import DEAD_ID, SCALE_BLOCK, TableGeometry
+from engramd.client.vllm import VllmPluginError
+
+log = logging.getLogger("engramd.vllm")
+
+REPLACED = ("_create_embedding", "_init_staging", "prepare_embeddings", "_ready_rows")
+SLOTS = 1  # rows are copied out within the step that looked them up (ProcessRows.take_rows)
+
+_originals: dict[str, object] = {}  # vLLM's own methods, for modules built before install
+_settings = {"socket": "", "mode": "auto"}  # where and how the process's client registers
+_process_rows: ProcessRows | None = None
+
+
+def install(engram_module, socket_path: str, mode: str) -> bool:
+    """Replace the seams on vLLM's Engram class; False if this process did already."""
+    cls = engram_module.Engram
+    if _originals:
+        return False
+    _settings.update(socket=socket_path, mode=mode)
+    _originals.update({name: getattr(cls, name) for name in REPLACED})
+    cls._create_embedding = _create_embedding
+    cls._init_staging = _init_staging
+    cls.prepare_embeddings = _prepare_embeddings
+    cls._ready_rows = _ready_rows
+    return True
+
+
+# -- the process's client ----------------------------------------------------------------------
+
+class ProcessRows:
+    """The process's client and the lookup of the current forward, shared by its Engram layers."""
+
+    def __init__(self, client: EngramClient):
+        self.client = client
+        self.staged: dict[int, torch.Tensor] = {}  # layer index -> [max_tokens, local_heads, dim]
+        self._ids: dict[int, torch.Tensor] = {}  # this step's IDs, per layer, until all are in
+        self._future: LookupFuture | None = None
+        self._tokens = 0
+
+    @property
+    def geometry(self) -> TableGeometry:
+        return self.client.geometry
+
+    def staging(self, layer: int) -> torch.Tensor:
+        """The layer's persistent rows buffer (its `staged_rows`)."""
+        shard = self.client.shard
+        self.staged[layer] = torch.zeros(
+            (self.client.max_tokens, shard.local_heads, self.geometry.head_dim),
+            dtype=torch.bfloat16, device=self.client.device)
+        return self.staged[layer]
+
+    def hand(self, layer: int, hash_ids: torch.Tensor) -> None:
+        """One layer's `[T, heads]` IDs of this step; the last local layer's submit the lookup."""
+        if layer in self._ids:  # a new step began before every layer of the last one handed in
+            self._submit()
+        self._ids[layer] = hash_ids
+        if len(self._ids) == len(self.staged):
+            self._submit()
+
+    def _submit(self) -> None:
+        self.take_rows()  # the one slot is about to be reused
+        parts, self._ids = self._ids, {}
+        first = next(iter(parts.values()))
+        self._tokens = first.shape[0]
+        if self._tokens == 0:
+            return
+        # Layers of other pipeline stages (and any that did not hand in) look up nothing.
+        ids = first.new_full((self._tokens, self.geometry.n_layers, self.geometry.heads), DEAD_ID)
+        for layer, part in parts.items():
+            ids[:, layer] = part
+        self._future = self.client.lookup(ids)
+
+    def ready(self, layer: int, num_tokens: int) -> torch.Tensor:
+        """The layer's rows of the first `num_tokens` tokens, valid in the current stream's order."""
+        if self._ids:
+            self._submit()
+        if num_tokens > self._tokens:
+            raise VllmPluginError(f"Engram layer {layer} asked for {num_tokens} tokens of rows; "
+                                  f"this step looked up {self._tokens}")
+        self.take_rows()
+        return self.staged[layer][:num_tokens]
+
+    def take_rows(self) -> None:
+        """Copy the pending lookup's rows of every layer into the staged buffers: after the stream
+        wait (GPU: in stream order, no host sync; CPU: the reply), once per lookup. The copies are
+        the slot's last readers, so the next lookup into it waits for nothing but stream order."""
+        future, self._future = self._future, None
+        if future is None:
+            return
+        rows = future.wait()
+        for layer, staged in self.staged.items():
+            staged[:self._tokens].copy_(rows[layer])
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def process_rows(layout) -> ProcessRows:
+    """The process's ProcessRows, registered on first use (inside vLLM's model construction, where
+    its parallel state and config are set) and checked against the model's Engram layout."""
+    global _process_rows
+    if _process_rows is None:
+        client = _register_client()
+        try:
+            _check_geometry(client.geometry, layout, client.socket_path)
+        except BaseException:
+            client.close()
+            raise
+        _process_rows = ProcessRows(client)
+        atexit.register(_process_rows.close)
+    return _process_rows
+
+
+def _register_client() -> EngramClient:
+    from vllm.config import get_current_vllm_config
+    from vllm.distributed import (
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+    )
+
+    tp_rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    max_tokens = get_current_vllm_config().scheduler_config.max_num_batched_tokens
+    client = EngramClient(_settings["socket"], device=_device(), tp_rank=tp_rank, tp_size=tp_size,
+                          max_tokens=max_tokens, slots=SLOTS, name=f"vllm-tp{tp_rank}",
+                          mode=_settings["mode"])
+    log.info("engramd client %d (%s, pid %d): TP rank %d of %d, heads %d..%d, up to %d tokens",
+             client.client_id, client.mode, os.getpid(), tp_rank, tp_size,
+             client.shard.head_start, client.shard.head_end, max_tokens)
+    return client
+
+
+def _device() -> torch.device:
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.accelerator.current_device_index())
+
+
+def _check_geometry(geometry: TableGeometry, layout, socket_path) -> None:
+    """The daemon must serve the tables the model's config describes (bucket primes included)."""
+    ours = (geometry.layer_ids, geometry.max_ngram, geometry.heads_per_order, geometry.head_dim,
+            geometry.primes, geometry.rows)
+    flat_primes = tuple(tuple(p for order in layer for p in order) for layer in layout.primes)
+    theirs = (tuple(layout.layer_ids), layout.max_ngram_size, layout.n_heads, layout.head_dim,
+              flat_primes, tuple(layout.num_embeddings))
+    if ours != theirs:
+        raise VllmPluginError(
+            f"the engramd daemon at {socket_path} serves Engram tables of layers "
+            f"{list(geometry.layer_ids)} with {list(geometry.rows)} rows, the model's config has "
+            f"layers {list(layout.layer_ids)} with {list(layout.num_embeddings)} rows (or their "
+            "n-gram orders, heads, head size or bucket primes differ): start the daemon on this "
+            "model's checkpoint")
+
+
+# -- the table: EngramdEmbedding ---------------------------------------------------------------
+
+class EngramdEmbedding(ParallelEngramEmbedding):
+    """vLLM's `ParallelEngramEmbedding` with no table: the attributes vLLM reads (shard, sizes),
+    zero-row parameters, and `lookup` answered by the daemon.
+
+    vLLM's __init__ is not run: it allocates the table and may form DP peer groups."""
+
+    def __init__(self, rows: ProcessRows, layout, layer_index: int):
+        nn.Module.__init__(self)
+        shard = rows.client.shard
+        self.rows = rows
+        self.layer_index = layer_index
+        self.num_embeddings = layout.num_embeddings[layer_index]
+        self.dim, self.block_size = layout.head_dim, SCALE_BLOCK
+        self.n_hash_cols, self.part_n_hash_cols = layout.n_hash_cols, shard.local_heads
+        self.tp_size, self.dp_size, self.peer_rows = shard.shards, 1, 0
+        self.cpu_offload, self.dp_shared_memory, self.use_thp = False, False, False
+        self.head_start = shard.head_start
+        self.vocab_start_idx, self.vocab_end_idx = shard.row_ranges[layer_index]
+        self.part_num_embeddings = 0  # rows held here
+        self.weight = self._empty_parameter(torch.float8_e4m3fn, self.dim)
+        self.weight_scale_inv = self._empty_parameter(torch.uint8, self.dim // self.block_size)
+
+    def _empty_parameter(self, dtype: torch.dtype, width: int) -> nn.Parameter:
+        from vllm.model_executor.utils import set_weight_attrs
+
+        param = nn.Parameter(torch.empty(0, width, dtype=dtype), requires_grad=False)
+        set_weight_attrs(param, {"weight_loader": self._skip_checkpoint_table})
+        return param
+
+    def _skip_checkpoint_table(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        """The checkpoint's table is the daemon's to load: keep nothing, but refuse one whose
+        shape is not the table the daemon serves."""
+        expected = (self.num_embeddings, param.shape[1])
+        if tuple(loaded_weight.shape) != expected:
+            raise VllmPluginError(
+                f"checkpoint Engram tensor of layer {self.rows.geometry.layer_ids[self.layer_index]} "
+                f"has shape {list(loaded_weight.shape)}; the daemon serves {list(expected)}")
+
+    def lookup(self, indices: torch.Tensor, out: torch.Tensor, background: bool = False) -> None:
+        """vLLM's direct lookup (`[T, heads]` IDs into `[T, local_heads, dim]` bf16), through a
+        lookup of its own: for callers other than the staged path (vLLM's `forward`)."""
+        if out.dtype != torch.bfloat16:
+            raise VllmPluginError(f"engramd serves bf16 Engram rows; a lookup into {out.dtype} "
+                                  "(vLLM's packed FP8 path, EngramBatch) cannot be served")
+        if indices.shape[0] == 0:
+            return
+        geometry = self.rows.geometry
+        ids = indices.new_full((indices.shape[0], geometry.n_layers, geometry.heads), DEAD_ID)
+        ids[:, self.layer_index] = indices
+        self.rows.take_rows()  # this lookup takes the slot the staged rows are still in
+        out.copy_(self.rows.client.lookup(ids).wait()[self.layer_index])
+
+
+# -- the replaced Engram methods ---------------------------------------------------------------
+
+def _served(engram) -> bool:
+    return isinstance(getattr(engram, "embed_tokens", None), EngramdEmbedding)
+
+
+def _create_embedding(self, layout, layer_hash_index):
+    return EngramdEmbedding(process_rows(layout), layout, layer_hash_index)
+
+
+def _init_staging(self, max_tokens, head_dim):
+    if not _served(self):
+        return _originals["_init_staging"](self, max_tokens, head_dim)
+    self.staged_rows = self.embed_tokens.rows.staging(self.layer_hash_index)
+    self._prefetch_stream, self._prefetch_done = None, None
+
+
+def _prepare_embeddings(self, hash_ids):
+    if not _served(self):
+        return _originals["prepare_embeddings"](self, hash_ids)
+    _hand_ids(self, hash_ids)
+
+
+def _ready_rows(self, num_tokens):
+    if not _served(self):
+        return _originals["_ready_rows"](self, num_tokens)
+    _ready(self, num_tokens)
+    return self.staged_rows[:num_tokens]
+
+
+# Host work of every step: in eager breaks, so breakable CUDA graphs run it at every replay.
+
+@eager_break_during_capture
+def _hand_ids(engram, hash_ids: torch.Tensor) -> None:
+    _refuse_capture()
+    engram.embed_tokens.rows.hand(engram.layer_hash_index, hash_ids)
+
+
+@eager_break_during_capture
+def _ready(engram, num_tokens: int) -> None:
+    _refuse_capture()
+    engram.embed_tokens.rows.ready(engram.layer_hash_index, num_tokens)
+
+
+def _refuse_capture() -> None:
+    """Inside an eager break no capture is running; a capture here would record this step's
+    lookup once and replay its rows forever."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise VllmPluginError(
+            "engramd lookups are host work at every step and cannot be captured into a full CUDA "
+            "graph: run vLLM with breakable CUDA graphs (VLLM_USE_BREAKABLE_CUDAGRAPH=1, "
+            "cudagraph_mode PIECEWISE) or --enforce-eager")
