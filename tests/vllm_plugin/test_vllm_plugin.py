@@ -1,0 +1,144 @@
+"""The vLLM plugin against vLLM 0.33.0's own Engram modules and a real daemon process.
+
+The comparisons run in worker processes (worker.py): vLLM's parallel state is per process, and
+the plugin is installed the way vLLM installs it, through the entry point, in each of them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import vllm
+
+from engramd.client import vllm as plugin
+
+WORKER = Path(__file__).with_name("worker.py")
+WORKER_TIMEOUT_S = 300  # vLLM's kernels under Triton's interpreter: tens of seconds each
+
+
+def run_workers(commands: list[list[str]]) -> None:
+    """Run worker processes side by side (TP ranks meet in gloo); fail with the output of each
+    that failed. (tests/conftest.py has the same helper; this folder's conftest shadows its name.)"""
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for cmd in commands]
+    outputs = []
+    for proc in procs:
+        try:
+            outputs.append(proc.communicate(timeout=WORKER_TIMEOUT_S)[0])
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            outputs.append(proc.communicate()[0] + "\n(timed out)")
+    failed = [out for proc, out in zip(procs, outputs, strict=True) if proc.returncode != 0]
+    assert not failed, "\n\n".join(failed)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def worker(daemon, checkpoint: Path, port: int, rank: int = 0, world: int = 1,
+           mode: str = "auto", sp: bool = False) -> list[str]:
+    return [sys.executable, str(WORKER), "--socket", str(daemon.socket), "--checkpoint",
+            str(checkpoint), "--rank", str(rank), "--world", str(world), "--port", str(port),
+            "--mode", mode, *(["--sp"] if sp else [])]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["served", "mapped"])
+def test_rows_embed_and_forward_are_vllms_and_the_ids_its_hashes(daemon_factory, demo_checkpoint, mode):
+    daemon = daemon_factory()
+    run_workers([worker(daemon, demo_checkpoint, free_port(), mode=mode)])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
+def test_two_tensor_parallel_ranks_each_get_their_head_shard(daemon_factory, demo_checkpoint, sp):
+    daemon = daemon_factory()
+    port = free_port()
+    run_workers([worker(daemon, demo_checkpoint, port, rank, 2, sp=sp) for rank in (0, 1)])
+
+
+ENTRY_POINT_PROBE = """
+import os
+os.environ.pop("ENGRAMD_SOCKET", None)
+from vllm.models.deepseek_v41.common.engram import Engram
+before = dict(vars(Engram))
+from vllm.plugins import load_general_plugins, load_plugins_by_group
+assert "engramd" in load_plugins_by_group("vllm.general_plugins"), "no engramd entry point"
+load_general_plugins()
+import sys
+assert dict(vars(Engram)) == before, "the plugin changed vLLM without ENGRAMD_SOCKET"
+assert "engramd.client.vllm_engram" not in sys.modules
+print("untouched")
+"""
+
+
+def test_entry_point_loads_and_does_nothing_without_the_setting():
+    run = subprocess.run([sys.executable, "-c", ENTRY_POINT_PROBE], capture_output=True, text=True,
+                         timeout=WORKER_TIMEOUT_S, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+    assert run.returncode == 0 and "untouched" in run.stdout, run.stdout + run.stderr
+
+
+def test_another_vllm_version_fails_closed(monkeypatch):
+    monkeypatch.setenv("ENGRAMD_SOCKET", "/nonexistent/engramd.sock")
+    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    with pytest.raises(plugin.VllmPluginError, match=r"vLLM 0\.34\.0 is installed.*supports vLLM 0\.33\.0"):
+        plugin.register()
+
+
+def engram_module():
+    import importlib
+
+    return importlib.import_module(plugin.ENGRAM_MODULE)
+
+
+def test_vllm_0_33_has_every_seam():
+    plugin.check_seams(engram_module())
+
+
+def test_changed_seams_fail_closed_naming_each():
+    real = engram_module()
+
+    class Engram(real.Engram):
+        def _ready_rows(self, num_tokens, stream):  # a new parameter
+            raise AssertionError
+
+        def _start_prefetch(self, hash_ids, rows):  # lost its eager-break wrapper
+            raise AssertionError
+
+        def embed(self, hash_ids):  # reads its rows some other way
+            raise AssertionError
+
+    changed = types.SimpleNamespace(**{**vars(real), "Engram": Engram})
+    del changed._engram_head_shard_weight_loader
+    with pytest.raises(plugin.VllmPluginError) as error:
+        plugin.check_seams(changed)
+    message = str(error.value)
+    for expected in ("Engram._ready_rows takes (self, num_tokens, stream), expected (self, num_tokens)",
+                     "_engram_head_shard_weight_loader is missing",
+                     "Engram.embed no longer calls _ready_rows",
+                     "Engram._start_prefetch is no longer wrapped by eager_break_during_capture"):
+        assert expected in message, message
+
+
+def test_a_daemon_serving_other_tables_is_refused(demo_checkpoint):
+    from engramd.client import vllm_engram
+    from engramd.client.geometry import TableGeometry
+
+    config = json.loads((demo_checkpoint / "config.json").read_text())
+    served = TableGeometry.from_config(config)
+    layout = engram_module().EngramLayout
+    vllm_engram._check_geometry(served, layout(types.SimpleNamespace(**config)), "sock")
+    del config["engram_num_embeddings"]
+    other = TableGeometry.from_config({**config, "engram_vocab_size": served.vocab_size + 100})
+    with pytest.raises(plugin.VllmPluginError, match="start the daemon on this model's checkpoint"):
+        vllm_engram._check_geometry(served, layout(types.SimpleNamespace(**other.to_config())), "sock")

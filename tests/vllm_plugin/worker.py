@@ -1,0 +1,251 @@
+"""One vLLM worker process of the plugin tests: vLLM's own Engram modules beside the plugin's.
+
+    python worker.py --socket S --checkpoint DIR --rank R --world W --port P [--sp] [--mode M]
+
+Builds, on one TP rank (gloo, CPU, vLLM's kernels under Triton's interpreter), vLLM's Engram
+modules with their tables loaded from the checkpoint (the reference), then loads the plugins as
+vLLM does (`load_general_plugins`, with ENGRAMD_SOCKET set), builds the same modules again (now
+served by the daemon), and checks step by step that the rows, `embed` and `forward` are the same
+bits, and that the IDs the daemon got are the hashes vLLM's `NgramHashState` computed (and that
+engramd's own hasher agrees). Exits non-zero with the first difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from unittest import mock
+
+os.environ.update(VLLM_TARGET_DEVICE="cpu", TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+
+import torch  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+
+HIDDEN, HC_MULT = 64, 2
+PREFIX = "model.layers.{}.engram"
+
+
+def parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    for flag in ("--socket", "--checkpoint", "--mode"):
+        parser.add_argument(flag, default="auto")
+    for flag in ("--rank", "--world", "--port"):
+        parser.add_argument(flag, type=int, default=0)
+    parser.add_argument("--sp", action="store_true", help="sequence parallelism")
+    return parser.parse_args()
+
+
+def model_config(checkpoint: Path) -> types.SimpleNamespace:
+    config = json.loads((checkpoint / "config.json").read_text())
+    return types.SimpleNamespace(**config, hidden_size=HIDDEN, hc_mult=HC_MULT, rms_norm_eps=1e-6)
+
+
+def checkpoint_tensors(checkpoint: Path, layer_id: int) -> dict[str, torch.Tensor]:
+    index = json.loads((checkpoint / "model.safetensors.index.json").read_text())["weight_map"]
+    out = {}
+    for suffix, param in (("weight", "weight"), ("scale", "weight_scale_inv")):
+        name = f"layers.{layer_id}.engram.embed.{suffix}"
+        with safe_open(checkpoint / index[name], framework="pt") as shard:
+            out[param] = shard.get_tensor(name)
+    return out
+
+
+def vllm_config():
+    """The config vLLM's Engram modules read: in-process tables (the reference's)."""
+    from vllm.config import VllmConfig
+    from vllm.config.engram import EngramConfig
+
+    config = VllmConfig()
+    config.engram_config = EngramConfig(cpu_offload=False)
+    return config
+
+
+@contextmanager
+def parallel_state(args: argparse.Namespace) -> Iterator[None]:
+    """vLLM's parallel state over gloo, one TP group of all the processes."""
+    from vllm.distributed import parallel_state as state
+
+    state.init_distributed_environment(
+        world_size=args.world, rank=args.rank, local_rank=args.rank, backend="gloo",
+        distributed_init_method=f"tcp://127.0.0.1:{args.port}")
+    try:
+        state.initialize_model_parallel(args.world)
+        yield
+    finally:
+        state.destroy_model_parallel()
+        state.destroy_distributed_environment()
+
+
+def build_layers(engram, hf, layout, sp: bool) -> list:
+    """The model's Engram layers, in the model's dtype as vLLM's loader builds them."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        return [engram.Engram(hf, None, layout, index, sp, PREFIX.format(layer_id))
+                for index, layer_id in enumerate(layout.layer_ids)]
+    finally:
+        torch.set_default_dtype(default)
+
+
+def load_tables(layers, layout, checkpoint: Path) -> None:
+    """Through each parameter's own weight_loader, as vLLM's model loader calls it."""
+    for layer, layer_id in zip(layers, layout.layer_ids, strict=True):
+        for name, tensor in checkpoint_tensors(checkpoint, layer_id).items():
+            param = getattr(layer.embed_tokens, name)
+            param.weight_loader(param, tensor)
+
+
+def refuses_other_table(param, head_dim: int, error: type[Exception]) -> None:
+    """A checkpoint whose table is not the daemon's shape fails to load (fail closed)."""
+    try:
+        param.weight_loader(param, torch.zeros(7, head_dim, dtype=torch.float8_e4m3fn))
+    except error:
+        return
+    raise AssertionError("a checkpoint table of 7 rows loaded against the daemon's")
+
+
+def copy_projections(reference, served) -> None:
+    """The plugin replaces only the table: the same wkv, q and k weights on both."""
+    generator = torch.Generator().manual_seed(11)
+    for ref, ours in zip(reference, served, strict=True):
+        for name in ("q_weight", "k_weight"):
+            getattr(ref, name).data.copy_(torch.randn(getattr(ref, name).shape, generator=generator))
+        ref.wkv.weight.data.copy_(torch.randn(ref.wkv.weight.shape, generator=generator) * 0.02)
+        for name in ("q_weight", "k_weight"):
+            getattr(ours, name).data.copy_(getattr(ref, name).data)
+        ours.wkv.weight.data.copy_(ref.wkv.weight.data)
+    for layer in (*reference, *served):  # as vLLM's loader finishes every layer (CPU GEMM setup)
+        layer.wkv.quant_method.process_weights_after_loading(layer.wkv)
+
+
+def same_bits(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    """Exact equality, NaN included (a gather is a copy); names the first differing index."""
+    assert got.shape == want.shape, f"{name}: shape {list(got.shape)} != {list(want.shape)}"
+    assert got.dtype == want.dtype, f"{name}: dtype {got.dtype} != {want.dtype}"
+    bits = torch.int16 if got.element_size() == 2 else torch.int32
+    differ = (got.contiguous().view(bits) != want.contiguous().view(bits)).nonzero()
+    assert differ.numel() == 0, f"{name}: {differ.shape[0]} values differ, first at {differ[:3].tolist()}"
+
+
+def vllm_hashes(engram, layout, tokenizer_dir: Path):
+    """A chunk of two requests hashed by vLLM's NgramHashState (V2 runner: stateless): request 0
+    starts its sequence, request 1 continues at position 100 with three look-back tokens."""
+    settings = types.SimpleNamespace(
+        use_v2_model_runner=True,
+        model_config=types.SimpleNamespace(tokenizer=str(tokenizer_dir), trust_remote_code=False,
+                                           revision=None))
+    hasher = engram.NgramHashState(settings, layout, types.SimpleNamespace(block_size=64))
+    generator = torch.Generator().manual_seed(5)
+    lengths = (37, 23)
+    tokens = torch.randint(0, 128_000, (sum(lengths),), generator=generator, dtype=torch.int32)
+    positions = torch.cat([torch.arange(n) + start for n, start in zip(lengths, (0, 100), strict=True)])
+    lookback = torch.tensor([[-1, -1, -1], torch.randint(0, 128_000, (3,), generator=generator).tolist()])
+    starts = torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int32)
+    dead = torch.zeros(tokens.shape[0], dtype=torch.bool)
+    hashes = hasher(tokens, positions, starts, dead, lookback, torch.zeros_like(lookback, dtype=torch.bool),
+                    None, None)
+    return hashes, (tokens, starts, lookback)
+
+
+def engramd_hashes(checkpoint: Path, tokens, starts, lookback) -> torch.Tensor:
+    """The same chunk through engramd's own hasher (an independent implementation)."""
+    from engramd.client.geometry import TableGeometry
+    from engramd.client.hashing import EngramHasher, HashState
+    from engramd.client.token_map import build_token_map, default_tokenizer_path
+
+    hasher = EngramHasher(TableGeometry.from_file(checkpoint / "config.json"),
+                          build_token_map(default_tokenizer_path()))
+    # engramd's carry is oldest first, vLLM's look-back newest first; -1 is "before the start".
+    history = lookback.flip(1)
+    state = HashState(history.clamp(min=0).to(torch.int64), history < 0)
+    rows, _ = hasher.hash_batch(tokens.to(torch.int64), starts.to(torch.int64), state=state)
+    return rows
+
+
+def raw_ids(rows: tuple[int, ...], tokens: int) -> torch.Tensor:
+    """Row IDs straight into the table, -1 (DEAD) and every shard's rows among them."""
+    generator = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randint(-1, n, (tokens, 24), generator=generator) for n in rows], dim=1)
+    return ids.to(torch.int32)
+
+
+def compare_step(name: str, reference, served, ids: torch.Tensor, args, world: int) -> None:
+    tokens = ids.shape[0]
+    for ref, ours in zip(reference, served, strict=True):
+        ref.prepare_embeddings(ids[:, ref.layer_hash_index])
+        ours.prepare_embeddings(ids[:, ours.layer_hash_index])
+    generator = torch.Generator().manual_seed(tokens)
+    local = -(-tokens // world) if args.sp else tokens
+    hidden = torch.randn((local, HC_MULT, HIDDEN), generator=generator).to(torch.bfloat16)
+    mask = torch.rand(tokens, generator=generator) > 0.2
+    for ref, ours in zip(reference, served, strict=True):
+        layer_ids = ids[:, ref.layer_hash_index]
+        where = f"{name}, layer {ref.layer_hash_index}, rank {args.rank}"
+        same_bits(f"{where}: rows", ours._ready_rows(tokens), ref._ready_rows(tokens))
+        same_bits(f"{where}: embed", ours.embed(layer_ids), ref.embed(layer_ids))
+        same_bits(f"{where}: forward", ours(hidden, layer_ids, mask), ref(hidden, layer_ids, mask))
+        if not args.sp:  # vLLM's own ParallelEngramEmbedding.forward, through the plugin's lookup
+            same_bits(f"{where}: embed_tokens", ours.embed_tokens(layer_ids), ref.embed_tokens(layer_ids))
+
+
+def main() -> None:
+    args = parse()
+    checkpoint = Path(args.checkpoint)
+    hf = model_config(checkpoint)
+    from engramd.client.token_map import default_tokenizer_path
+
+    device = types.SimpleNamespace(multi_processor_count=4)
+    with mock.patch("torch.cuda.get_device_properties", lambda *_: device), \
+         mock.patch("torch.accelerator.current_device_index", lambda: 0):
+        from vllm.config import set_current_vllm_config
+        from vllm.models.deepseek_v41.common import engram
+
+        with set_current_vllm_config(vllm_config()), parallel_state(args):
+            layout = engram.EngramLayout(hf)
+            reference = build_layers(engram, hf, layout, args.sp)
+            load_tables(reference, layout, checkpoint)
+
+            os.environ.update(ENGRAMD_SOCKET=args.socket, ENGRAMD_MODE=args.mode)
+            from vllm.plugins import load_general_plugins
+
+            load_general_plugins()
+            from engramd.client import vllm_engram
+
+            assert engram.Engram._ready_rows is vllm_engram._ready_rows, "the entry point did not install"
+            served = build_layers(engram, hf, layout, args.sp)
+            run_checks(engram, layout, checkpoint, reference, served, args, vllm_engram,
+                       default_tokenizer_path().parent)
+    print(f"rank {args.rank}: all equal ({vllm_engram._process_rows.client.mode} mode)")
+
+
+def run_checks(engram, layout, checkpoint, reference, served, args, vllm_engram, tokenizer_dir) -> None:
+    rows = vllm_engram._process_rows
+    load_tables(served, layout, checkpoint)  # skipped, but the checkpoint loads
+    assert all(layer.embed_tokens.weight.shape[0] == 0 for layer in served), "a table was kept"
+    refuses_other_table(served[0].embed_tokens.weight, layout.head_dim, vllm_engram.VllmPluginError)
+    copy_projections(reference, served)
+
+    sent = []
+    lookup = rows.client.lookup
+    rows.client.lookup = lambda ids, *rest: (sent.append(ids.clone()), lookup(ids, *rest))[1]
+    hashes, chunk = vllm_hashes(engram, layout, tokenizer_dir)
+    same_bits("vLLM's hashes vs engramd's hasher", hashes, engramd_hashes(checkpoint, *chunk).to(hashes.dtype))
+    compare_step("hashed chunk", reference, served, hashes, args, args.world)
+    same_bits("IDs of the step's one lookup, every layer's", sent[0], hashes)
+    for tokens in (5, 64, 1):  # decode-sized and prefill-sized steps reuse the one slot
+        compare_step(f"raw IDs x {tokens}", reference, served, raw_ids(layout.num_embeddings, tokens),
+                     args, args.world)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except AssertionError as exc:
+        print(f"FAILED: {exc}", file=sys.stderr)
+        sys.exit(1)
