@@ -52,7 +52,7 @@ from engramd.kernels.gather_triton import GatherPlan, LayerTable, SlotGather
 from engramd.kernels.hot_cache import CacheLayout, HotCache
 from engramd.server.backend import Completion, LookupJob
 from engramd.server.cache_keeper import CacheKeeper
-from engramd.server.table_store import HostTable
+from engramd.server.host_tables import HostTable
 from engramd.server.units import size
 
 log = logging.getLogger("engramd.cuda")

@@ -1,7 +1,7 @@
 """The engramd process: socket, request loop, table loading, signals and shutdown.
 
-The daemon owns the transport and the lifecycle; the lookup store (store.py) owns the clients,
-the table store (table_store.py) the host tables, the backend the device work. One thread runs
+The daemon owns the transport and the lifecycle; the client registry (registry.py) owns the
+clients, the table store (host_tables.py) the host tables, the backend the device work. One thread runs
 the ZeroMQ loop; tables load on a background thread so that `health` answers (not ready) while
 they do; gathers run on the backend's workers, whose completions come back to the loop through
 an event queue and a wake-up pipe (ZeroMQ sockets are not thread-safe).
@@ -48,9 +48,9 @@ from engramd.server.handle_server import HandleServer
 from engramd.server.metrics import Metrics
 from engramd.server.notify import Notifier
 from engramd.server.ownership import make_own_folder
+from engramd.server.registry import ClientRegistry, Limits
 from engramd.server.selfcheck import run_self_check
-from engramd.server.store import Limits, LookupStore
-from engramd.server.tables import LoadedTables, load_tables, tables_folder_path
+from engramd.server.table_loader import LoadedTables, load_tables, tables_folder_path
 from engramd.server.throttle import Throttled
 from engramd.server.units import size
 
@@ -137,7 +137,7 @@ class Daemon:
         self.state = "starting"
         self.progress = 0.0
         self.started = time.monotonic()
-        self.store: LookupStore | None = None
+        self.registry: ClientRegistry | None = None
         self.tables: LoadedTables | None = None
         self.geometry: TableGeometry | None = None
         self._events: queue.SimpleQueue[_Event] = queue.SimpleQueue()
@@ -239,7 +239,7 @@ class Daemon:
         self._table_fds = [os.open(t.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
                            for t in loaded.tables]
         self.geometry = loaded.geometry
-        self.store = LookupStore(loaded.geometry, loaded.backend, self._limits,
+        self.registry = ClientRegistry(loaded.geometry, loaded.backend, self._limits,
                                  on_retire=self._end_lease)
         self.state = "ready"
         self.progress = 1.0
@@ -336,15 +336,15 @@ class Daemon:
 
     def _event_done(self, job: Any) -> None:
         if job.context.get("silent"):
-            self.store.finish_lookup(job)
+            self.registry.finish_lookup(job)
             return
         if "enqueued" in job.context:
             self.metrics.latency.observe(job.context["enqueued"] - job.context["received"])
         identity, rid = job.context["identity"], job.context["rid"]
         try:
-            fields = self.store.finish_lookup(job)
+            fields = self.registry.finish_lookup(job)
         except EngramError as exc:
-            self.store.count_error(exc.code)
+            self.registry.count_error(exc.code)
             self._send(identity, protocol.encode_error("lookup", rid, self.epoch, exc))
             return
         if job.context["ack"]:
@@ -376,15 +376,15 @@ class Daemon:
         self.state = "stopping"
         self._stop_deadline = time.monotonic() + DRAIN_TIMEOUT_S
         self.notifier.stopping(f"stopping ({reason})")
-        for client in (list(self.store.clients.values()) if self.store is not None else ()):  # _send may reap
+        for client in (list(self.registry.clients.values()) if self.registry is not None else ()):  # _send may reap
             self._send(client.identity, protocol.encode_notice(self.epoch, "stopping",
                                                                f"daemon is stopping ({reason})"))
 
     def _housekeeping(self) -> None:
         now = time.perf_counter()
         self._deaf = {peer: until for peer, until in self._deaf.items() if until > now}
-        if self.store is not None:
-            self.store.reap_dead()
+        if self.registry is not None:
+            self.registry.reap_dead()
         if self.state == "loading":
             self.notifier.status(f"loading tables: {self.progress:.0%}")
         if self.notifier.watchdog_interval is not None:
@@ -392,9 +392,9 @@ class Daemon:
         self._publish()
 
     def _publish(self) -> None:
-        stats = self.store.stats() if self.store is not None else {}
+        stats = self.registry.stats() if self.registry is not None else {}
         slab_bytes: dict[str, int] = {}
-        for client in (self.store.clients.values() if self.store is not None else ()):
+        for client in (self.registry.clients.values() if self.registry is not None else ()):
             if client.slab is not None:
                 slab_bytes[client.device] = slab_bytes.get(client.device, 0) + client.slab.layout.size
         pinned = getattr(self.tables.backend, "pinned_bytes", 0) if self.tables else 0
@@ -408,9 +408,9 @@ class Daemon:
             "hot_cache": self._cache_stats(), "mps": self._mps()})
 
     def _in_flight(self) -> int:
-        if self.store is None:
+        if self.registry is None:
             return 0
-        return sum(sum(c.in_flight.values()) for c in self.store.clients.values())
+        return sum(sum(c.in_flight.values()) for c in self.registry.clients.values())
 
     def _nothing_in_flight(self) -> bool:
         return self._in_flight() == 0
@@ -442,8 +442,8 @@ class Daemon:
             self._send(identity, reply)
 
     def _count_error(self, exc: EngramError) -> None:
-        if self.store is not None:
-            self.store.count_error(exc.code)
+        if self.registry is not None:
+            self.registry.count_error(exc.code)
 
     def _send(self, identity: bytes, frames: list[bytes]) -> None:
         try:
@@ -454,26 +454,26 @@ class Daemon:
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
-            if self.store is not None:  # the peer is gone: whatever it registered goes too
-                self.store.retire_identity(identity, "reaped (its connection is gone)")
+            if self.registry is not None:  # the peer is gone: whatever it registered goes too
+                self.registry.retire_identity(identity, "reaped (its connection is gone)")
 
-    def _serving_store(self, op: str) -> LookupStore:
-        if self.state != "ready" or self.store is None:
+    def _serving_registry(self, op: str) -> ClientRegistry:
+        if self.state != "ready" or self.registry is None:
             raise NotReadyError(f"{op}: daemon is {self.state} "
                                 f"(tables {self.progress:.0%} loaded); retry when `engramd health` says ready")
-        return self.store
+        return self.registry
 
     def _op_register(self, identity: bytes, request: protocol.Request) -> list[bytes]:
-        fields = self._serving_store("register").register(identity, request.fields)
+        fields = self._serving_registry("register").register(identity, request.fields)
         return protocol.encode_reply("register", request.rid, self.epoch, **fields)
 
     def _op_lookup(self, identity: bytes, request: protocol.Request) -> None:
-        store = self.store
-        if store is None:
+        registry = self.registry
+        if registry is None:
             raise NotReadyError(f"lookup: daemon is {self.state}")
-        store.start_lookup(identity, request.fields, request.payload, self._on_done,
-                           {"identity": identity, "rid": request.rid, "ack": request.fields["ack"],
-                            "received": request.received})
+        registry.start_lookup(identity, request.fields, request.payload, self._on_done,
+                              {"identity": identity, "rid": request.rid, "ack": request.fields["ack"],
+                               "received": request.received})
         return None  # answered on completion (GPU lookups without ack: only if they fail)
 
     def _on_done(self, job: Any) -> None:
@@ -483,22 +483,22 @@ class Daemon:
             self.post("done", job)
 
     def _op_release(self, identity: bytes, request: protocol.Request) -> list[bytes]:
-        if self.store is None:
+        if self.registry is None:
             raise NotReadyError(f"release: daemon is {self.state}")
-        self.store.release(identity, request.fields["client_id"], request.fields.get("counts"))
+        self.registry.release(identity, request.fields["client_id"], request.fields.get("counts"))
         return protocol.encode_reply("release", request.rid, self.epoch)
 
     def _op_heartbeat(self, identity: bytes, request: protocol.Request) -> list[bytes]:
         client_id = request.fields["client_id"]
         if client_id is not None:
-            if self.store is None:
+            if self.registry is None:
                 raise NotReadyError(f"heartbeat: daemon is {self.state}")
-            self.store.heartbeat(identity, client_id, request.fields["token"],
+            self.registry.heartbeat(identity, client_id, request.fields["token"],
                                  request.fields.get("counts"))
         return protocol.encode_reply("heartbeat", request.rid, self.epoch)
 
     def _op_stats(self, identity: bytes, request: protocol.Request) -> list[bytes]:
-        stats = self.store.stats() if self.store is not None else {}
+        stats = self.registry.stats() if self.registry is not None else {}
         return protocol.encode_reply("stats", request.rid, self.epoch, state=self.state,
                                      uptime=time.monotonic() - self.started,
                                      hot_cache=self._cache_stats(), mps=self._mps(), **stats)
@@ -521,7 +521,7 @@ class Daemon:
         """Admin: who each live client is (pid in the daemon's namespace, name, uid); `stats`
         over ZeroMQ, open to every member of the socket's group, leaves these out."""
         self._require_admin(peer, "clients")
-        clients = self.store.who() if self.store is not None else []
+        clients = self.registry.who() if self.registry is not None else []
         return {"status": "ok", "epoch": self.epoch, "clients": clients}, []
 
     def _require_admin(self, peer: PeerCredentials, op: str) -> None:
@@ -555,7 +555,7 @@ class Daemon:
 
     def _ask_handles(self, request: dict[str, Any], peer: PeerCredentials, connection: int,
                      future: Any) -> None:
-        self.post("attach", (request, peer, connection, future))  # the store is this loop's
+        self.post("attach", (request, peer, connection, future))  # the registry is this loop's
 
     def _admits(self, peer: PeerCredentials) -> bool:
         """From the handle threads, before a peer's request is read: allowed ids, or an admin."""
@@ -565,8 +565,8 @@ class Daemon:
         return False
 
     def _event_refused(self, peer: PeerCredentials) -> None:
-        if self.store is not None:
-            self.store.count_error(PermissionDeniedError.code)
+        if self.registry is not None:
+            self.registry.count_error(PermissionDeniedError.code)
 
     def _event_attach(self, item: tuple[dict[str, Any], PeerCredentials, int, Any]) -> None:
         request, peer, connection, future = item
@@ -599,7 +599,7 @@ class Daemon:
         except BaseException:
             os.close(lease)
             raise
-        client_id, store = record.client_id, self.store
+        client_id, registry = record.client_id, self.registry
         fds: list[int] = [lease]
         try:
             reply = {"status": "ok", "epoch": self.epoch, "slab": None, "tables": []}
@@ -615,7 +615,7 @@ class Daemon:
         except Exception as exc:  # out of descriptors, or the device would not export
             for fd in fds:
                 os.close(fd)
-            store.retire_client(client_id, "retired (its descriptors could not be passed)")
+            registry.retire_client(client_id, "retired (its descriptors could not be passed)")
             if isinstance(exc, OSError):
                 raise ResourceError(f"cannot pass descriptors now: {exc.strerror}") from None
             raise
@@ -628,7 +628,7 @@ class Daemon:
         client_id, token = request.get("client_id"), request.get("token")
         if type(client_id) is not int or not isinstance(token, str):
             raise ProtocolError("handle socket: 'attach' needs an int client_id and a str token")
-        return self._serving_store("attach").attach(client_id, token, peer)
+        return self._serving_registry("attach").attach(client_id, token, peer)
 
     def _begin_lease(self, client_id: int, fd: int) -> None:
         os.set_blocking(fd, False)
@@ -637,7 +637,7 @@ class Daemon:
         self._poller.register(fd, zmq.POLLIN)
 
     def _end_lease(self, record: Any) -> None:
-        """The store retired a registration: close our end of its lease (the client sees EOF)."""
+        """The registry retired a registration: close our end of its lease (the client sees EOF)."""
         fd = self._leases.pop(record.client_id, None)
         if fd is None:
             return
@@ -657,7 +657,7 @@ class Daemon:
         client_id = self._lease_clients[fd]
         if data:
             log.warning("client %d sent %d bytes on its lease; dropping the client", client_id, len(data))
-        self.store.retire_client(client_id, "reaped (its lease closed)" if not data
+        self.registry.retire_client(client_id, "reaped (its lease closed)" if not data
                                  else "retired (it broke the lease protocol)")
 
     def _op_health(self, identity: bytes, request: protocol.Request) -> list[bytes]:
@@ -681,8 +681,8 @@ class Daemon:
         self.metrics.close()
         if self.tables is not None:
             self.tables.backend.close()  # waits for running gathers
-        if self.store is not None:
-            self.store.close()
+        if self.registry is not None:
+            self.registry.close()
         if self.tables is not None:
             self.tables.close()
         if self._sock is not None:

@@ -1,12 +1,13 @@
-"""The lookup store: registered clients, their slabs and slots, lookup validation and statistics.
+"""The client registry: registered clients, their slabs and slots, lookup validation and statistics.
 
 It knows nothing of ZeroMQ: the daemon hands it decoded request fields and a peer identity, and
 gets back reply fields or a typed EngramError. A registration is made in two steps: `register`
 (ZeroMQ) reserves a place, `attach` (the handle socket, with the peer's kernel credentials)
 checks who the peer is and only then allocates its slab; the daemon keeps the attaching
-connection as the registration's lease and is told through `on_retire` when a registration ends. All methods run on the daemon's main thread; the
-backend's workers only call the completion callback, which the daemon brings back to that thread
-before `finish_lookup`. Tests drive the store in-process.
+connection as the registration's lease and is told through `on_retire` when a registration
+ends. All methods run on the daemon's main thread; the backend's workers only call the
+completion callback, which the daemon brings back to that thread before `finish_lookup`. Tests
+drive the registry in-process.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from engramd.client.slab import SlabLayout
 from engramd.server.backend import Backend, Completion, LookupJob, Slab
 from engramd.server.procwatch import ProcessWatch
 
-log = logging.getLogger("engramd.store")
+log = logging.getLogger("engramd.registry")
 
 
 MODES = ("served", "mapped")  # how a client is served; "auto" asks the daemon to choose
@@ -137,7 +138,7 @@ class ClientRecord:
                 "mps_shared": self.mps_shared, "mode": self.mode}
 
 
-class LookupStore:
+class ClientRegistry:
     def __init__(self, geometry: TableGeometry, backend: Backend, limits: Limits,
                  on_retire: Callable[[ClientRecord], None] = lambda record: None):
         self.geometry = geometry

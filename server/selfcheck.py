@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from engramd.server.checkpoint import EngramCheckpoint
-from engramd.server.tables import LoadedTables
+from engramd.server.table_loader import LoadedTables
 
 log = logging.getLogger("engramd.selfcheck")
 

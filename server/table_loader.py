@@ -20,9 +20,9 @@ from engramd.client.geometry import TableGeometry
 from engramd.server.backend import Backend
 from engramd.server.checkpoint import EngramCheckpoint
 from engramd.server.config import DaemonConfig
+from engramd.server.host_tables import HostTable, LoadProgress, TableStore
 from engramd.server.ownership import check_own_folder, make_own_folder
 from engramd.server.synthetic import write_synthetic_checkpoint
-from engramd.server.table_store import HostTable, LoadProgress, TableStore
 
 log = logging.getLogger("engramd.tables")
 

@@ -140,7 +140,7 @@ class DaemonProcess:
         self.socket = workdir / "run" / "engramd.sock"
         self.shm_dir = shm_dir
         self.log_path = workdir / f"daemon-{instance}.log"
-        self.tables_dir = shm_dir / f"engramd-{instance}"  # server/tables.py tables_folder
+        self.tables_dir = shm_dir / f"engramd-{instance}"  # server/table_loader.py tables_folder
         self.args = [*engramd_command(), "serve", "--tables", str(tables), "--socket",
                      str(self.socket), "--shm-dir", str(shm_dir), "--instance", instance,
                      "--backend", "cpu", "--heartbeat-interval", "0.2",

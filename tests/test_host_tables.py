@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from engramd.client.geometry import TableGeometry
-from engramd.server import table_store
-from engramd.server.table_store import (
+from engramd.server import host_tables
+from engramd.server.host_tables import (
     InsufficientSpaceError,
     LoadProgress,
     StoreLockedError,
@@ -182,7 +182,7 @@ def test_dead_daemon_incomplete_file_is_removed_and_reloaded(shm: Path, caplog):
     script = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(TESTS_DIR)!r})
-        from test_table_store import FakeSource, load, small_geometry
+        from test_host_tables import FakeSource, load, small_geometry
         load(__import__("pathlib").Path({str(shm)!r}),
              FakeSource(small_geometry(), kill_on_call={per_layer + 2}))
     """)
@@ -255,8 +255,8 @@ def test_corruption_is_detected_and_reloaded(shm: Path, monkeypatch, where: str)
     geometry = small_geometry()
     if where != "middle":
         # Sample 4 x 4 KiB of ~300 KiB, so only the always-sampled first and last rows catch it.
-        monkeypatch.setattr(table_store, "SAMPLE_BLOCKS", 4)
-        monkeypatch.setattr(table_store, "SAMPLE_BLOCK_BYTES", 4096)
+        monkeypatch.setattr(host_tables, "SAMPLE_BLOCKS", 4)
+        monkeypatch.setattr(host_tables, "SAMPLE_BLOCK_BYTES", 4096)
     with TableStore(shm, "test") as store:
         path, offset, nbytes = [(t.path, t.data_offset, t.nbytes)
                                 for t in store.open(FakeSource(geometry), chunk_bytes=CHUNK)][1]
@@ -300,7 +300,7 @@ def test_second_store_in_same_process_is_locked(shm: Path):
 def test_store_in_other_process_is_locked(shm: Path, tmp_path: Path):
     script = textwrap.dedent(f"""
         import sys
-        from engramd.server.table_store import TableStore
+        from engramd.server.host_tables import TableStore
         with TableStore({str(shm)!r}, "test", lock_dir={str(tmp_path)!r}):
             print("locked", flush=True)
             sys.stdin.read()
@@ -447,14 +447,14 @@ def forge_byte(path: Path, offset: int) -> None:
     """Flip one byte of a table file and give its header the matching checksum, as someone who
     can write the file would: only a full comparison can tell."""
     with open(path, "r+b") as f:
-        header = table_store._Header.unpack(f.read(4096))
+        header = host_tables._Header.unpack(f.read(4096))
         f.seek(offset)
         byte = f.read(1)[0]
         f.seek(offset)
         f.write(bytes([byte ^ 0x5A]))
         f.seek(header.data_offset)
         data = np.frombuffer(f.read(header.rows * header.row_bytes), dtype=np.uint8)
-        checksum = table_store.sampled_checksum(data, header.row_bytes, header.sample_blocks,
+        checksum = host_tables.sampled_checksum(data, header.row_bytes, header.sample_blocks,
                                                 header.sample_block_bytes)
         f.seek(0)
         f.write(dataclasses.replace(header, checksum=checksum).pack())

@@ -20,7 +20,7 @@ from engramd.client.errors import (
 )
 from engramd.client.geometry import TableGeometry
 from engramd.client.handles import PeerCredentials
-from engramd.server.store import ATTACH_TIMEOUT_S, HUNG_AFTER_S, Limits, LookupStore
+from engramd.server.registry import ATTACH_TIMEOUT_S, HUNG_AFTER_S, ClientRegistry, Limits
 
 
 class FakeSlab:
@@ -64,16 +64,16 @@ class FakeBackend:
         pass
 
 
-def make_store(orders_slots: bool = False, **limits) -> tuple[LookupStore, FakeBackend]:
+def make_store(orders_slots: bool = False, **limits) -> tuple[ClientRegistry, FakeBackend]:
     backend = FakeBackend(orders_slots)
-    return LookupStore(TableGeometry.named("demo"), backend, Limits(2, 64, 4, **limits)), backend
+    return ClientRegistry(TableGeometry.named("demo"), backend, Limits(2, 64, 4, **limits)), backend
 
 
 def me(pid: int | None = None) -> PeerCredentials:
     return PeerCredentials(pid if pid is not None else os.getpid(), os.getuid(), os.getgid())
 
 
-def register(store: LookupStore, identity: bytes = b"a", pid: int | None = None, **over) -> int:
+def register(store: ClientRegistry, identity: bytes = b"a", pid: int | None = None, **over) -> int:
     """Register and attach, as the daemon does over its two sockets."""
     req = {"pid": os.getpid(), "device": "cpu", "tp_rank": 0, "tp_size": 1, "max_tokens": 8,
            "slots": 2, **over}
@@ -287,10 +287,10 @@ def test_a_peer_outside_the_allowed_ids_is_refused_with_nothing_allocated():
 
 
 def test_unattached_and_silent_invisible_clients_are_reaped_after_the_silence(monkeypatch):
-    from engramd.server import store as store_module
+    from engramd.server import registry as registry_module
 
     now = [1000.0]
-    monkeypatch.setattr(store_module.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(registry_module.time, "monotonic", lambda: now[0])
     store, backend = make_store(heartbeat_interval=1.0)
     pending = store.register(b"p", {"pid": os.getpid(), "device": "cpu", "tp_rank": 0,
                                     "tp_size": 1, "max_tokens": 8, "slots": 2})["client_id"]
@@ -324,10 +324,10 @@ def test_registrations_never_attached_give_their_places_to_new_ones(monkeypatch)
     """Peers that register over many connections and never attach held every place for 10 s
     at a time. When every place is taken, the oldest registration unattached for longer than
     PENDING_GRACE_S gives its place up; attached clients and fresh registrations never do."""
-    from engramd.server import store as store_module
+    from engramd.server import registry as registry_module
 
     now = [500.0]
-    monkeypatch.setattr(store_module.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(registry_module.time, "monotonic", lambda: now[0])
     store, backend = make_store()  # two places
     attached = register(store, identity=b"good")
     hostile = store.register(b"h1", {"pid": 1, "device": "cpu", "tp_rank": 0, "tp_size": 1,
@@ -335,7 +335,7 @@ def test_registrations_never_attached_give_their_places_to_new_ones(monkeypatch)
     fresh = {"pid": os.getpid(), "device": "cpu", "tp_rank": 0, "tp_size": 1, "max_tokens": 8, "slots": 2}
     with pytest.raises(ResourceError, match="client limit"):
         store.register(b"new", fresh)  # the unattached one is still within its grace
-    now[0] += store_module.PENDING_GRACE_S + 0.01
+    now[0] += registry_module.PENDING_GRACE_S + 0.01
     newcomer = store.register(b"new", fresh)["client_id"]
     assert sorted(store.clients) == sorted([attached, newcomer]) and hostile not in store.clients
     with pytest.raises(ResourceError, match="client limit"):

@@ -22,9 +22,9 @@ import torch
 
 from engramd.client.geometry import V41_FLASH_CONFIG, TableGeometry
 from engramd.server.checkpoint import EngramCheckpoint, scale_name, weight_name
+from engramd.server.host_tables import HostTable, TableStore
 from engramd.server.synthetic import write_synthetic_checkpoint
-from engramd.server.table_store import HostTable, TableStore
-from engramd.server.tables import tables_folder
+from engramd.server.table_loader import tables_folder
 
 INSTANCE = "bench"  # the daemon instance the tables belong to (it names their files)
 ROW_BYTES = 264  # V4.1: 256 E4M3 weights + 8 UE8M0 scales

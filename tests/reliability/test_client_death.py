@@ -36,7 +36,7 @@ from reference import random_ids
 
 from engramd.client import EngramClient
 from engramd.client.connection import probe
-from engramd.server.store import ATTACH_TIMEOUT_S
+from engramd.server.registry import ATTACH_TIMEOUT_S
 
 HEARTBEAT_S = 0.2  # what conftest's DaemonProcess passes as --heartbeat-interval
 # The daemon's promise (README, "Client death"): a client whose process died is retired within

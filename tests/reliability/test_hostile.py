@@ -307,7 +307,7 @@ def test_one_connection_cannot_take_every_client_place(daemon_factory, reference
     """One connection took all 64 places in 0.08 s with registrations it never used. Now a
     connection holds at most MAX_PENDING_PER_CONNECTION unattached ones, and a user at most
     max_clients_per_uid attached ones; a well-behaved client of another connection still gets in."""
-    from engramd.server.store import MAX_PENDING_PER_CONNECTION
+    from engramd.server.registry import MAX_PENDING_PER_CONNECTION
 
     daemon = daemon_factory(extra=["--max-clients", "8", "--max-clients-per-uid", "3"])
     peer = zmq.Context.instance().socket(zmq.DEALER)

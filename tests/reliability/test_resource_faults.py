@@ -12,7 +12,7 @@ Real `engramd serve` processes (conftest's `daemon_factory`). What each fault mu
 - a checkpoint whose shard lacks an Engram tensor: a start-up error naming the tensor, exit
   status 66, no stray files.
 
-What this is not: the table store's own unit tests (tests/test_table_store.py).
+What this is not: the table store's own unit tests (tests/test_host_tables.py).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from reference import random_ids
 from engramd.client import EngramClient
 from engramd.client.geometry import V41_FLASH_CONFIG, TableGeometry
 from engramd.server.daemon import EXIT_TABLES
-from engramd.server.table_store import HEADER_BYTES
+from engramd.server.host_tables import HEADER_BYTES
 
 INSTANCE = "faults"
 
@@ -198,7 +198,7 @@ def test_damaged_table_file_is_detected_and_reloaded(damage, pristine_tables, da
     shm = shm_tempdir()
     try:
         for table in pristine_tables.glob("*.tbl"):
-            folder = shm / f"engramd-{INSTANCE}"  # the daemon's table folder (server/tables.py)
+            folder = shm / f"engramd-{INSTANCE}"  # the daemon's table folder (server/table_loader.py)
             folder.mkdir(mode=0o750, exist_ok=True)
             shutil.copy2(table, folder / table.name)
         victim, other = sorted(folder.glob("*.tbl"))[::1 if len(damage) % 2 else -1]
@@ -246,7 +246,7 @@ def test_checkpoint_shard_without_a_tensor_fails_clearly(daemon_factory, demo_ch
 def test_enospc_while_creating_a_table_leaves_no_partial_file(demo_checkpoint, tmp_path, monkeypatch):
     """The folder fills up between the free-space check and the allocation (another process)."""
     from engramd.server.checkpoint import EngramCheckpoint
-    from engramd.server.table_store import InsufficientSpaceError, TableStore
+    from engramd.server.host_tables import InsufficientSpaceError, TableStore
 
     real_fallocate = os.posix_fallocate
     calls = []
