@@ -52,6 +52,7 @@ from engramd.kernels.gather_triton import GatherPlan, LayerTable, SlotGather
 from engramd.kernels.hot_cache import CacheLayout, HotCache
 from engramd.server.backend import Completion, LookupJob
 from engramd.server.cache_keeper import CacheKeeper
+from engramd.server.config import default
 from engramd.server.host_tables import HostTable
 from engramd.server.units import size
 
@@ -68,13 +69,12 @@ _CYCLES_PER_MS = 2_000_000  # torch.cuda._sleep counts GPU clock cycles (~2 GHz 
 class GatherOptions:
     """How lookups are served on every GPU (config: hot_cache_gib, dedupe_min_tokens, ...)."""
 
-    cache_bytes: int = 2 << 30  # 0: no hot-row cache
-    cache_refresh_s: float = 0.05
-    dedupe_min_tokens: int = 0  # 0: never (on real text it costs more than it saves: hot_cache_lookup)
-    # 0: never. Sorted reads share address translations: +58% rows/s at 4,096 tokens, -20% at
-    # 256 where the sort costs more than it saves (gather_layouts).
-    sort_min_tokens: int = 1024
-    sm_fraction: float = 0.5  # of each GPU's SMs the persistent gather grid may use (sm_cap)
+    # Defaults are the settings' (server/config.py says why each is what it is).
+    cache_bytes: int = int(default("hot_cache_gib") * 2**30)  # 0: no hot-row cache
+    cache_refresh_s: float = default("hot_cache_refresh_ms") / 1e3
+    dedupe_min_tokens: int = default("dedupe_min_tokens")  # 0: never
+    sort_min_tokens: int = default("sort_min_tokens")  # 0: never
+    sm_fraction: float = default("gather_sm_fraction")  # of each GPU's SMs the gather grid may use
     warm_ids: torch.Tensor | None = field(default=None, compare=False)  # [N, L, H] to warm caches
 
     def dedupe(self, tokens: int) -> bool:

@@ -38,6 +38,7 @@ from engramd.client.ids import ID_DTYPES, ids_from_bytes
 from engramd.client.mps import MpsState
 from engramd.client.slab import SlabLayout
 from engramd.server.backend import Backend, Completion, LookupJob, Slab
+from engramd.server.config import default
 from engramd.server.procwatch import ProcessWatch
 
 log = logging.getLogger("engramd.registry")
@@ -68,16 +69,17 @@ class Limits:
     max_clients: int
     max_tokens: int
     max_slots: int
-    heartbeat_interval: float = 1.0
+    # Defaults are the settings' (server/config.py).
+    heartbeat_interval: float = default("heartbeat_interval")
     modes: tuple[str, ...] = MODES  # the modes this daemon allows (config: client_modes)
-    sort_min_tokens: int = 1024  # told to mapped clients, whose gathers follow the daemon's policy
-    sm_fraction: float = 0.5  # of a GPU's SMs a mapped client's gather grid may use, as the daemon's
+    sort_min_tokens: int = default("sort_min_tokens")  # told to mapped clients: the daemon's policy
+    sm_fraction: float = default("gather_sm_fraction")  # a mapped client's gather grid, as the daemon's
     # Who may attach, by the kernel's credentials of the handle-socket peer (None: whoever can
     # open the socket). A peer passes when its uid or its gid is listed.
     allowed_uids: frozenset[int] | None = None
     allowed_gids: frozenset[int] | None = None
-    slab_budget: int = 64 << 30  # bytes of slabs of all served clients together
-    max_clients_per_uid: int = 0  # attached clients one user may hold (0: no cap but max_clients)
+    slab_budget: int = int(default("slab_budget_gib") * 2**30)  # all served clients' slabs together
+    max_clients_per_uid: int = default("max_clients_per_uid")  # attached clients one user may hold
 
     def allows(self, peer: PeerCredentials) -> bool:
         if self.allowed_uids is None and self.allowed_gids is None:
