@@ -1,18 +1,19 @@
-"""What a device backend provides to the lookup store: slabs, and gathers into them.
+"""What a device backend provides to the client registry: slabs, and gathers into them.
 
 A backend knows how to allocate a client's slab on the client's device and how to run a lookup
-into one of its slots; it knows nothing of sockets or of client bookkeeping (that is the store's).
+into one of its slots; it knows nothing of sockets or of client bookkeeping (that is the registry's).
 Two implementations: `cpu_backend` (memfd slabs, plain-torch reference gather) and
 `cuda_backend` (VMM device slabs passed as descriptors, Triton gather on pinned host tables).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
+import torch
 
 from engramd.client.geometry import ShardView
 from engramd.client.mps import MpsState
@@ -66,7 +67,19 @@ class Backend(Protocol):
     def submit(self, job: LookupJob, done: Completion) -> None:
         """Start the lookup; call `done(job)` exactly once from any thread, errors in `job.error`."""
 
+    pinned_bytes: int  # host table bytes registered with a device (CPU: 0)
+
     def mps_states(self) -> dict[str, MpsState]:
         """Per GPU UUID, whether the daemon's work there goes through an MPS server (CPU: {})."""
+
+    def cache_stats(self) -> dict[str, Any]:
+        """Per GPU UUID, the hot-row cache's counters (CPU, or no cache: {})."""
+
+    def out_of_range(self, slabs: list[Any]) -> int:
+        """Out-of-range IDs counted on devices, not per job (CPU: 0, jobs carry their counts):
+        by these live slabs and every slab already freed."""
+
+    def check_gather(self, ids: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """(where, rows) of a full-shard lookup of `ids` on each device, for the self-check."""
 
     def close(self) -> None: ...

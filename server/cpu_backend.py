@@ -100,6 +100,7 @@ class _Lookup:
 class CpuBackend:
     name = "cpu"
     orders_slots = False
+    pinned_bytes = 0  # the host tables are read where they are
 
     def __init__(self, tables: list[torch.Tensor], geometry: TableGeometry, workers: int):
         self.tables = tables
@@ -164,6 +165,12 @@ class CpuBackend:
 
     def mps_states(self) -> dict:
         return {}  # no GPU, so nothing to share
+
+    def cache_stats(self) -> dict:
+        return {}  # no hot-row cache on the CPU
+
+    def out_of_range(self, slabs: list) -> int:
+        return 0  # every job counts its own (job.out_of_range)
 
     def check_gather(self, ids: torch.Tensor):
         """(where, rows) of a full-shard lookup of `ids`, for the start-up self-check."""

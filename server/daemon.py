@@ -1,8 +1,9 @@
 """The engramd process: socket, request loop, table loading, signals and shutdown.
 
-The daemon owns the transport and the lifecycle; the client registry (registry.py) owns the
-clients, the table store (host_tables.py) the host tables, the backend the device work. One thread runs
-the ZeroMQ loop; tables load on a background thread so that `health` answers (not ready) while
+The daemon owns the transport and the lifecycle: sockets, threads, signals, leases. What each
+operation does is the service's (service.py, no transport in it); the client registry
+(registry.py) owns the clients, the table store (host_tables.py) the host tables, the backend
+the device work. One thread runs the ZeroMQ loop; tables load on a background thread so that `health` answers (not ready) while
 they do; gathers run on the backend's workers, whose completions come back to the loop through
 an event queue and a wake-up pipe (ZeroMQ sockets are not thread-safe).
 
@@ -35,21 +36,20 @@ from engramd.client.errors import (
     ConfigError,
     EngramError,
     InternalError,
-    NotReadyError,
     PermissionDeniedError,
     ProtocolError,
     ResourceError,
     UnknownOperationError,
 )
-from engramd.client.geometry import TableGeometry
 from engramd.client.handles import PeerCredentials, error_reply, handle_socket_path
 from engramd.server.config import DaemonConfig
 from engramd.server.handle_server import HandleServer
 from engramd.server.metrics import Metrics
 from engramd.server.notify import Notifier
 from engramd.server.ownership import make_own_folder
-from engramd.server.registry import ClientRegistry, Limits
+from engramd.server.registry import Limits
 from engramd.server.selfcheck import run_self_check
+from engramd.server.service import Service
 from engramd.server.table_loader import LoadedTables, load_tables, tables_folder_path
 from engramd.server.throttle import Throttled
 from engramd.server.units import size
@@ -134,12 +134,9 @@ class Daemon:
     def __init__(self, config: DaemonConfig):
         self.config = config
         self.epoch = uuid.uuid4().hex[:16]
-        self.state = "starting"
-        self.progress = 0.0
-        self.started = time.monotonic()
-        self.registry: ClientRegistry | None = None
-        self.tables: LoadedTables | None = None
-        self.geometry: TableGeometry | None = None
+        # Who may run admin operations: the daemon's own user, and whom the config names.
+        admins = {os.geteuid(), *(_id_set(config.admin_uids) or ())}
+        self.service = Service(self.epoch, limits_of(config), admins)
         self._events: queue.SimpleQueue[_Event] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         self._wake_lock = threading.RLock()  # post() may race close(); signal handlers post too
@@ -152,9 +149,6 @@ class Daemon:
         self._handles: HandleServer | None = None
         self._table_fds: list[int] = []  # read-only descriptors of the tables, for mapped clients
         self._poller = zmq.Poller()
-        self._limits = limits_of(config)
-        # Who may run admin operations: the daemon's own user, and whom the config names.
-        self._admins = {os.geteuid(), *(_id_set(config.admin_uids) or ())}
         # Each attached client's lease: our end of its handle-socket connection, polled by the loop.
         self._leases: dict[int, int] = {}  # client_id -> descriptor
         self._lease_clients: dict[int, int] = {}  # descriptor -> client_id
@@ -210,7 +204,7 @@ class Daemon:
         self._handles = HandleServer(handle_socket_path(path), self._ask_handles, self.epoch,
                                      admit=self._admits)
         self.metrics.serve(self.config.metrics_address)
-        self.state = "loading"
+        self.service.state = "loading"
         self.notifier.status("loading tables")
         self._loader = threading.Thread(target=self._load, name="engramd-load", daemon=True)
         self._loader.start()
@@ -232,17 +226,12 @@ class Daemon:
         self.post("loaded", loaded)
 
     def _on_progress(self, fraction: float) -> None:
-        self.progress = fraction
+        self.service.progress = fraction
 
     def _on_loaded(self, loaded: LoadedTables) -> None:
-        self.tables = loaded
         self._table_fds = [os.open(t.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
                            for t in loaded.tables]
-        self.geometry = loaded.geometry
-        self.registry = ClientRegistry(loaded.geometry, loaded.backend, self._limits,
-                                 on_retire=self._end_lease)
-        self.state = "ready"
-        self.progress = 1.0
+        self.service.serve(loaded, on_retire=self._end_lease)
         summary = (f"ready: {loaded.backend.name} backend, {loaded.geometry.n_layers} layers, "
                    f"{size(loaded.geometry.total_bytes)} of tables "
                    f"{'re-attached' if loaded.reattached else 'loaded'}")
@@ -280,11 +269,12 @@ class Daemon:
                 self._drain_socket()
             if self._wake_r in ready:
                 self._drain_events()
-            if self.state == "stopping" and self._nothing_in_flight():
+            stopping = self.service.state == "stopping"
+            if stopping and self.service.in_flight() == 0:
                 break
-            if self.state == "stopping" and time.monotonic() > self._stop_deadline:
+            if stopping and time.monotonic() > self._stop_deadline:
                 log.warning("stopping with %d lookups still in flight after %.0f s",
-                            self._in_flight(), DRAIN_TIMEOUT_S)
+                            self.service.in_flight(), DRAIN_TIMEOUT_S)
                 break
             if time.monotonic() >= next_reap:
                 next_reap = time.monotonic() + self.config.heartbeat_interval
@@ -336,22 +326,22 @@ class Daemon:
 
     def _event_done(self, job: Any) -> None:
         if job.context.get("silent"):
-            self.registry.finish_lookup(job)
+            self.service.finish_lookup(job)
             return
         if "enqueued" in job.context:
             self.metrics.latency.observe(job.context["enqueued"] - job.context["received"])
         identity, rid = job.context["identity"], job.context["rid"]
         try:
-            fields = self.registry.finish_lookup(job)
+            fields = self.service.finish_lookup(job)
         except EngramError as exc:
-            self.registry.count_error(exc.code)
+            self.service.count_error(exc.code)
             self._send(identity, protocol.encode_error("lookup", rid, self.epoch, exc))
             return
         if job.context["ack"]:
             self._send(identity, protocol.encode_reply("lookup", rid, self.epoch, **fields))
 
     def _event_loaded(self, loaded: LoadedTables) -> None:
-        if self.state == "stopping":
+        if self.service.state == "stopping":
             loaded.backend.close()
             loaded.close()
             return
@@ -364,7 +354,7 @@ class Daemon:
 
     def _event_signal(self, signum: int) -> None:
         name = signal.Signals(signum).name
-        if self.state == "stopping":
+        if self.service.state == "stopping":
             log.warning("%s again: stopping without waiting", name)
             self._halt = DaemonHalt(f"stopped by a second {name}", EXIT_OK)
             return
@@ -372,48 +362,28 @@ class Daemon:
 
     def _begin_stop(self, reason: str) -> None:
         """Refuse new work, let in-flight lookups finish, tell every client we are going away."""
-        log.info("%s: stopping (finishing %d in-flight lookups)", reason, self._in_flight())
-        self.state = "stopping"
+        log.info("%s: stopping (finishing %d in-flight lookups)", reason, self.service.in_flight())
+        self.service.state = "stopping"
         self._stop_deadline = time.monotonic() + DRAIN_TIMEOUT_S
         self.notifier.stopping(f"stopping ({reason})")
-        for client in (list(self.registry.clients.values()) if self.registry is not None else ()):  # _send may reap
+        registry = self.service.registry
+        for client in (list(registry.clients.values()) if registry is not None else ()):  # _send may reap
             self._send(client.identity, protocol.encode_notice(self.epoch, "stopping",
                                                                f"daemon is stopping ({reason})"))
 
     def _housekeeping(self) -> None:
         now = time.perf_counter()
         self._deaf = {peer: until for peer, until in self._deaf.items() if until > now}
-        if self.registry is not None:
-            self.registry.reap_dead()
-        if self.state == "loading":
-            self.notifier.status(f"loading tables: {self.progress:.0%}")
+        if self.service.registry is not None:
+            self.service.registry.reap_dead()
+        if self.service.state == "loading":
+            self.notifier.status(f"loading tables: {self.service.progress:.0%}")
         if self.notifier.watchdog_interval is not None:
             self.notifier.watchdog()  # the loop is alive: it got here within one interval
         self._publish()
 
     def _publish(self) -> None:
-        stats = self.registry.stats() if self.registry is not None else {}
-        slab_bytes: dict[str, int] = {}
-        for client in (self.registry.clients.values() if self.registry is not None else ()):
-            if client.slab is not None:
-                slab_bytes[client.device] = slab_bytes.get(client.device, 0) + client.slab.layout.size
-        pinned = getattr(self.tables.backend, "pinned_bytes", 0) if self.tables else 0
-        self.metrics.publish({
-            "ready": self.state == "ready", "progress": self.progress,
-            "uptime": time.monotonic() - self.started, "epoch": self.epoch,
-            "backend": self.tables.backend.name if self.tables else None,
-            "clients": stats.get("clients", []), "lookups": stats.get("lookups", 0),
-            "rows": stats.get("rows", 0), "out_of_range": stats.get("out_of_range", 0),
-            "errors": stats.get("errors", {}), "slab_bytes": slab_bytes, "pinned_bytes": pinned,
-            "hot_cache": self._cache_stats(), "mps": self._mps()})
-
-    def _in_flight(self) -> int:
-        if self.registry is None:
-            return 0
-        return sum(sum(c.in_flight.values()) for c in self.registry.clients.values())
-
-    def _nothing_in_flight(self) -> bool:
-        return self._in_flight() == 0
+        self.metrics.publish(self.service.metrics())
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -442,8 +412,7 @@ class Daemon:
             self._send(identity, reply)
 
     def _count_error(self, exc: EngramError) -> None:
-        if self.registry is not None:
-            self.registry.count_error(exc.code)
+        self.service.count_error(exc.code)
 
     def _send(self, identity: bytes, frames: list[bytes]) -> None:
         try:
@@ -454,26 +423,19 @@ class Daemon:
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
-            if self.registry is not None:  # the peer is gone: whatever it registered goes too
-                self.registry.retire_identity(identity, "reaped (its connection is gone)")
+            if self.service.registry is not None:  # the peer is gone: whatever it registered goes too
+                self.service.registry.retire_identity(identity, "reaped (its connection is gone)")
 
-    def _serving_registry(self, op: str) -> ClientRegistry:
-        if self.state != "ready" or self.registry is None:
-            raise NotReadyError(f"{op}: daemon is {self.state} "
-                                f"(tables {self.progress:.0%} loaded); retry when `engramd health` says ready")
-        return self.registry
+    def _reply(self, request: protocol.Request, fields: dict[str, Any]) -> list[bytes]:
+        return protocol.encode_reply(request.op, request.rid, self.epoch, **fields)
 
     def _op_register(self, identity: bytes, request: protocol.Request) -> list[bytes]:
-        fields = self._serving_registry("register").register(identity, request.fields)
-        return protocol.encode_reply("register", request.rid, self.epoch, **fields)
+        return self._reply(request, self.service.register(identity, request.fields))
 
     def _op_lookup(self, identity: bytes, request: protocol.Request) -> None:
-        registry = self.registry
-        if registry is None:
-            raise NotReadyError(f"lookup: daemon is {self.state}")
-        registry.start_lookup(identity, request.fields, request.payload, self._on_done,
-                              {"identity": identity, "rid": request.rid, "ack": request.fields["ack"],
-                               "received": request.received})
+        self.service.lookup(identity, request.fields, request.payload, self._on_done,
+                            {"identity": identity, "rid": request.rid, "ack": request.fields["ack"],
+                             "received": request.received})
         return None  # answered on completion (GPU lookups without ack: only if they fail)
 
     def _on_done(self, job: Any) -> None:
@@ -483,58 +445,27 @@ class Daemon:
             self.post("done", job)
 
     def _op_release(self, identity: bytes, request: protocol.Request) -> list[bytes]:
-        if self.registry is None:
-            raise NotReadyError(f"release: daemon is {self.state}")
-        self.registry.release(identity, request.fields["client_id"], request.fields.get("counts"))
-        return protocol.encode_reply("release", request.rid, self.epoch)
+        return self._reply(request, self.service.release(identity, request.fields))
 
     def _op_heartbeat(self, identity: bytes, request: protocol.Request) -> list[bytes]:
-        client_id = request.fields["client_id"]
-        if client_id is not None:
-            if self.registry is None:
-                raise NotReadyError(f"heartbeat: daemon is {self.state}")
-            self.registry.heartbeat(identity, client_id, request.fields["token"],
-                                 request.fields.get("counts"))
-        return protocol.encode_reply("heartbeat", request.rid, self.epoch)
+        return self._reply(request, self.service.heartbeat(identity, request.fields))
 
     def _op_stats(self, identity: bytes, request: protocol.Request) -> list[bytes]:
-        stats = self.registry.stats() if self.registry is not None else {}
-        return protocol.encode_reply("stats", request.rid, self.epoch, state=self.state,
-                                     uptime=time.monotonic() - self.started,
-                                     hot_cache=self._cache_stats(), mps=self._mps(), **stats)
+        return self._reply(request, self.service.stats())
 
-    def _mps(self) -> dict[str, Any]:
-        """Per GPU UUID, the daemon's MPS state there (empty on the CPU backend or while loading)."""
-        backend = self.tables.backend if self.tables is not None else None
-        return {uuid: s.to_wire() for uuid, s in backend.mps_states().items()} if backend else {}
-
-    def _cache_stats(self) -> dict[str, Any]:
-        """Per GPU UUID, the hot-row cache's counters (empty without a cache or a GPU backend)."""
-        backend = self.tables.backend if self.tables is not None else None
-        return backend.cache_stats() if hasattr(backend, "cache_stats") else {}
+    def _op_health(self, identity: bytes, request: protocol.Request) -> list[bytes]:
+        return self._reply(request, self.service.health())
 
     def _op_drain(self, identity: bytes, request: protocol.Request) -> list[bytes]:
         raise PermissionDeniedError("drain is an admin operation and ZeroMQ cannot say who asks: "
                                     "run `engramd drain` (it asks over the handle socket)")
 
-    def _admin_clients(self, peer: PeerCredentials) -> tuple[dict[str, Any], list[int]]:
-        """Admin: who each live client is (pid in the daemon's namespace, name, uid); `stats`
-        over ZeroMQ, open to every member of the socket's group, leaves these out."""
-        self._require_admin(peer, "clients")
-        clients = self.registry.who() if self.registry is not None else []
-        return {"status": "ok", "epoch": self.epoch, "clients": clients}, []
-
-    def _require_admin(self, peer: PeerCredentials, op: str) -> None:
-        if peer.uid not in self._admins:
-            raise PermissionDeniedError(f"{op} is an admin operation: uid {peer.uid} may not "
-                                        f"(admin_uids: {sorted(self._admins)})")
-
-    def _admin_drain(self, peer: PeerCredentials) -> tuple[dict[str, Any], list[int]]:
+    def _admin_drain(self, peer: PeerCredentials) -> dict[str, Any]:
         """Admin: stop accepting, finish in-flight lookups, then exit 0 (as on SIGTERM)."""
-        self._require_admin(peer, "drain")
-        if self.state != "stopping":
+        self.service.require_admin(peer, "drain")
+        if self.service.state != "stopping":
             self._begin_stop(f"drain requested by pid {peer.pid} uid {peer.uid}")
-        return {"status": "ok", "epoch": self.epoch, "in_flight": self._in_flight()}, []
+        return {"in_flight": self.service.in_flight()}
 
     # -- the handle socket (server/handle_server.py; wire in client/handles.py) -------------------
 
@@ -545,10 +476,10 @@ class Daemon:
         names the clients). libzmq also admits members of an allowed group by its group file;
         the handle socket then checks the effective gid. Admins pass, so `engramd health` and
         `drain` work for them."""
-        limits = self._limits
+        limits = self.service.limits
         if limits.allowed_uids is None and limits.allowed_gids is None:
             return
-        for uid in sorted({*(limits.allowed_uids or ()), *self._admins}):
+        for uid in sorted({*(limits.allowed_uids or ()), *self.service.admins}):
             self._sock.setsockopt(zmq.IPC_FILTER_UID, uid)
         for gid in sorted(limits.allowed_gids or ()):
             self._sock.setsockopt(zmq.IPC_FILTER_GID, gid)
@@ -559,26 +490,23 @@ class Daemon:
 
     def _admits(self, peer: PeerCredentials) -> bool:
         """From the handle threads, before a peer's request is read: allowed ids, or an admin."""
-        if peer.uid in self._admins or self._limits.allows(peer):
+        if self.service.admits(peer):
             return True
         self.post("refused", peer)  # counted by the loop, which owns the statistics
         return False
 
     def _event_refused(self, peer: PeerCredentials) -> None:
-        if self.registry is not None:
-            self.registry.count_error(PermissionDeniedError.code)
+        self.service.count_error(PermissionDeniedError.code)
 
     def _event_attach(self, item: tuple[dict[str, Any], PeerCredentials, int, Any]) -> None:
         request, peer, connection, future = item
         if not future.set_running_or_notify_cancel():
             return  # the asker gave up waiting and closed `connection` itself
         try:  # from here `connection` is ours: kept as a lease, or closed
-            if request.get("op") == "drain":
+            if request.get("op") in ("drain", "clients"):
                 os.close(connection)
-                future.set_result(self._admin_drain(peer))
-                return
-            if request.get("op") == "clients":
-                future.set_result(self._admin_clients(peer))
+                fields = self._admin_drain(peer) if request["op"] == "drain" else self.service.clients(peer)
+                future.set_result(({"status": "ok", "epoch": self.epoch, **fields}, []))
                 return
             future.set_result(self._attach(request, peer, connection))
         except Exception as exc:  # every asker gets its answer; the loop keeps serving
@@ -599,7 +527,7 @@ class Daemon:
         except BaseException:
             os.close(lease)
             raise
-        client_id, registry = record.client_id, self.registry
+        client_id, registry = record.client_id, self.service.registry
         fds: list[int] = [lease]
         try:
             reply = {"status": "ok", "epoch": self.epoch, "slab": None, "tables": []}
@@ -610,7 +538,7 @@ class Daemon:
                 reply["tables"] = [
                     {"layer_id": t.layer_id, "rows": t.rows, "row_bytes": t.row_bytes,
                      "data_offset": t.data_offset, "file_bytes": os.fstat(fd).st_size}
-                    for t, fd in zip(self.tables.tables, self._table_fds, strict=True)]
+                    for t, fd in zip(self.service.tables.tables, self._table_fds, strict=True)]
                 fds.extend(os.dup(fd) for fd in self._table_fds)
         except Exception as exc:  # out of descriptors, or the device would not export
             for fd in fds:
@@ -628,7 +556,7 @@ class Daemon:
         client_id, token = request.get("client_id"), request.get("token")
         if type(client_id) is not int or not isinstance(token, str):
             raise ProtocolError("handle socket: 'attach' needs an int client_id and a str token")
-        return self._serving_registry("attach").attach(client_id, token, peer)
+        return self.service.attach(client_id, token, peer)
 
     def _begin_lease(self, client_id: int, fd: int) -> None:
         os.set_blocking(fd, False)
@@ -657,15 +585,8 @@ class Daemon:
         client_id = self._lease_clients[fd]
         if data:
             log.warning("client %d sent %d bytes on its lease; dropping the client", client_id, len(data))
-        self.registry.retire_client(client_id, "reaped (its lease closed)" if not data
-                                 else "retired (it broke the lease protocol)")
-
-    def _op_health(self, identity: bytes, request: protocol.Request) -> list[bytes]:
-        return protocol.encode_reply(
-            "health", request.rid, self.epoch, live=True, ready=self.state == "ready",
-            state=self.state, progress=round(self.progress, 4), pid=os.getpid(),
-            uptime=round(time.monotonic() - self.started, 3),
-            backend=self.tables.backend.name if self.tables else None, mps=self._mps())
+        self.service.registry.retire_client(client_id, "reaped (its lease closed)" if not data
+                                            else "retired (it broke the lease protocol)")
 
     # -- stop -----------------------------------------------------------------------------------
 
@@ -679,12 +600,13 @@ class Daemon:
             os.close(fd)
         self._table_fds = []
         self.metrics.close()
-        if self.tables is not None:
-            self.tables.backend.close()  # waits for running gathers
-        if self.registry is not None:
-            self.registry.close()
-        if self.tables is not None:
-            self.tables.close()
+        tables, registry = self.service.tables, self.service.registry
+        if tables is not None:
+            tables.backend.close()  # waits for running gathers
+        if registry is not None:
+            registry.close()
+        if tables is not None:
+            tables.close()
         if self._sock is not None:
             self._sock.close(0)
             self.config.socket_path.unlink(missing_ok=True)

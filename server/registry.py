@@ -364,12 +364,9 @@ class ClientRegistry:
         by these live slabs and by those it freed. Reading them copies one counter per slab
         from the device, so the value is read at most once per heartbeat interval: a flood of
         `stats` requests must not become a flood of device copies on the request loop."""
-        count = getattr(self.backend, "out_of_range", None)
-        if count is None:
-            return 0
         now = time.monotonic()
         if now - self._device_count[0] >= self.limits.heartbeat_interval:
-            self._device_count = (now, count(slabs))
+            self._device_count = (now, self.backend.out_of_range(slabs))
         return self._device_count[1]
 
     def reap_dead(self) -> list[int]:

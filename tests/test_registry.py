@@ -60,6 +60,12 @@ class FakeBackend:
     def mps_states(self):
         return self.mps
 
+    def cache_stats(self):
+        return {}
+
+    def out_of_range(self, slabs):
+        return 0
+
     def close(self):
         pass
 

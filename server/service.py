@@ -1,0 +1,150 @@
+"""The daemon's operations, with no transport in them.
+
+What a request asks and what the answer holds, for every operation: register, lookup, release,
+heartbeat, stats, health, and the admin operations (who the clients are, drain), plus the
+daemon's state (starting, loading, ready, stopping) that decides which may run. The daemon
+(daemon.py) owns the sockets, threads and signals: it decodes a request, calls the method here,
+and encodes what comes back (reply fields, or a typed EngramError). Nothing here knows ZeroMQ,
+the handle socket or file descriptors, so tests drive the service in-process
+(tests/test_service.py), as an engine core is driven without its client.
+
+Every method runs on the daemon's loop thread, except `admits` (the handle socket's threads ask
+it before reading a request; it only reads settings).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from engramd.client.errors import NotReadyError, PermissionDeniedError
+from engramd.client.handles import PeerCredentials
+from engramd.server.backend import Completion, LookupJob
+from engramd.server.registry import ClientRecord, ClientRegistry, Limits
+from engramd.server.table_loader import LoadedTables
+
+
+class Service:
+    def __init__(self, epoch: str, limits: Limits, admins: set[int]):
+        self.epoch = epoch
+        self.limits = limits
+        self.admins = frozenset(admins)  # uids that may run admin operations
+        self.state = "starting"
+        self.progress = 0.0  # of the tables loaded, while loading
+        self.started = time.monotonic()
+        self.registry: ClientRegistry | None = None
+        self.tables: LoadedTables | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def serve(self, loaded: LoadedTables, on_retire: Callable[[ClientRecord], None]) -> None:
+        """The tables are loaded and checked: from now on clients may register."""
+        self.tables = loaded
+        self.registry = ClientRegistry(loaded.geometry, loaded.backend, self.limits, on_retire=on_retire)
+        self.state = "ready"
+        self.progress = 1.0
+
+    def in_flight(self) -> int:
+        if self.registry is None:
+            return 0
+        return sum(sum(c.in_flight.values()) for c in self.registry.clients.values())
+
+    def count_error(self, code: str) -> None:
+        if self.registry is not None:
+            self.registry.count_error(code)
+
+    # -- operations -----------------------------------------------------------------------------
+
+    def serving(self, op: str) -> ClientRegistry:
+        """The registry, if the daemon serves now; NotReadyError naming the state otherwise."""
+        if self.state != "ready" or self.registry is None:
+            raise NotReadyError(f"{op}: daemon is {self.state} "
+                                f"(tables {self.progress:.0%} loaded); retry when `engramd health` says ready")
+        return self.registry
+
+    def _registered(self, op: str) -> ClientRegistry:
+        """The registry, if there is one (a stopping daemon still finishes its clients' work)."""
+        if self.registry is None:
+            raise NotReadyError(f"{op}: daemon is {self.state}")
+        return self.registry
+
+    def register(self, identity: bytes, fields: dict[str, Any]) -> dict[str, Any]:
+        return self.serving("register").register(identity, fields)
+
+    def lookup(self, identity: bytes, fields: dict[str, Any], payload: list[bytes], done: Completion,
+               context: dict[str, Any]) -> None:
+        """Start a lookup; `done(job)` is called once, from any thread (see finish_lookup)."""
+        self._registered("lookup").start_lookup(identity, fields, payload, done, context)
+
+    def finish_lookup(self, job: LookupJob) -> dict[str, Any]:
+        return self._registered("lookup").finish_lookup(job)
+
+    def release(self, identity: bytes, fields: dict[str, Any]) -> dict[str, Any]:
+        self._registered("release").release(identity, fields["client_id"], fields.get("counts"))
+        return {}
+
+    def heartbeat(self, identity: bytes, fields: dict[str, Any]) -> dict[str, Any]:
+        if fields["client_id"] is not None:  # a bare heartbeat only asks whether we are here
+            self._registered("heartbeat").heartbeat(identity, fields["client_id"], fields["token"],
+                                                    fields.get("counts"))
+        return {}
+
+    def attach(self, client_id: int, token: str, peer: PeerCredentials) -> ClientRecord:
+        return self.serving("attach").attach(client_id, token, peer)
+
+    def stats(self) -> dict[str, Any]:
+        """Counts anyone who may connect may see: no client's pid, name or uid (see clients)."""
+        stats = self.registry.stats() if self.registry is not None else {}
+        return {"state": self.state, "uptime": time.monotonic() - self.started,
+                "hot_cache": self.cache_stats(), "mps": self.mps(), **stats}
+
+    def health(self) -> dict[str, Any]:
+        return {"live": True, "ready": self.state == "ready", "state": self.state,
+                "progress": round(self.progress, 4), "pid": os.getpid(),
+                "uptime": round(time.monotonic() - self.started, 3),
+                "backend": self.tables.backend.name if self.tables else None, "mps": self.mps()}
+
+    def mps(self) -> dict[str, Any]:
+        """Per GPU UUID, the daemon's MPS state there (empty on the CPU backend or while loading)."""
+        backend = self.tables.backend if self.tables is not None else None
+        return {uuid: s.to_wire() for uuid, s in backend.mps_states().items()} if backend else {}
+
+    def cache_stats(self) -> dict[str, Any]:
+        """Per GPU UUID, the hot-row cache's counters (empty without a cache or a GPU backend)."""
+        return self.tables.backend.cache_stats() if self.tables is not None else {}
+
+    def metrics(self) -> dict[str, Any]:
+        """What the Prometheus endpoint shows (server/metrics.py)."""
+        stats = self.registry.stats() if self.registry is not None else {}
+        slab_bytes: dict[str, int] = {}
+        for client in (self.registry.clients.values() if self.registry is not None else ()):
+            if client.slab is not None:
+                slab_bytes[client.device] = slab_bytes.get(client.device, 0) + client.slab.layout.size
+        backend = self.tables.backend if self.tables is not None else None
+        return {"ready": self.state == "ready", "progress": self.progress,
+                "uptime": time.monotonic() - self.started, "epoch": self.epoch,
+                "backend": backend.name if backend else None,
+                "clients": stats.get("clients", []), "lookups": stats.get("lookups", 0),
+                "rows": stats.get("rows", 0), "out_of_range": stats.get("out_of_range", 0),
+                "errors": stats.get("errors", {}), "slab_bytes": slab_bytes,
+                "pinned_bytes": backend.pinned_bytes if backend else 0,
+                "hot_cache": self.cache_stats(), "mps": self.mps()}
+
+    # -- who may ----------------------------------------------------------------------------------
+
+    def admits(self, peer: PeerCredentials) -> bool:
+        """Whether the daemon serves this peer at all: an allowed id, or an admin."""
+        return peer.uid in self.admins or self.limits.allows(peer)
+
+    def require_admin(self, peer: PeerCredentials, op: str) -> None:
+        if peer.uid not in self.admins:
+            raise PermissionDeniedError(f"{op} is an admin operation: uid {peer.uid} may not "
+                                        f"(admin_uids: {sorted(self.admins)})")
+
+    def clients(self, peer: PeerCredentials) -> dict[str, Any]:
+        """Admin: who each live client is (pid in the daemon's namespace, name, uid); `stats`,
+        open to every member of the socket's group, leaves these out."""
+        self.require_admin(peer, "clients")
+        return {"clients": self.registry.who() if self.registry is not None else []}
