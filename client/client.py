@@ -473,7 +473,7 @@ class EngramClient:
         seq = next(self._seqs)
         rid = self._conn.send(
             "lookup", [memoryview(ids.numpy()).cast("B")], client_id=self.client_id, slot=slot,
-            seq=seq, tokens=ids.shape[0], ids_dtype=dtype_name(ids.dtype),
+            seq=seq, ids_dtype=dtype_name(ids.dtype),
             ids_shape=list(ids.shape), inline=True)
         return self._track(LookupFuture(self, rid, slot, seq, ids.shape[0]))
 
@@ -481,9 +481,9 @@ class EngramClient:
         """The served hot path: a handful of calls on handles built at registration."""
         slab = self._slab
         slot = self._next_slot
-        self._next_slot = (slot + 1) % self.slots
         raw = stream.cuda_stream
-        self._after_previous_use(slot, stream, raw)
+        self._after_previous_use(slot, stream, raw)  # may time out: the slot stays as it was
+        self._next_slot = (slot + 1) % self.slots
         seq = next(self._seqs)
         tokens = ids.shape[0]
         # One copy, no conversion kernel: the slot keeps the caller's dtype.
@@ -495,7 +495,7 @@ class EngramClient:
         slab.ops.write_u32(raw, slab.ids_ready[slot], seq)
         self._slot_submitted(slot).record(stream)
         rid = self._conn.send("lookup", None, client_id=self.client_id, slot=slot, seq=seq,
-                              tokens=tokens, ids_dtype=dtype_name(ids.dtype),
+                              ids_dtype=dtype_name(ids.dtype),
                               ids_shape=[tokens, ids.shape[1], ids.shape[2]], inline=False,
                               ack=False)
         return self._track(LookupFuture(self, rid, slot, seq, tokens, acked=False))
@@ -539,10 +539,11 @@ class EngramClient:
     def _after_previous_use(self, slot: int, stream: torch.cuda.Stream, raw: int) -> None:
         """`stream` must not touch the slot before its previous lookup and readers are done, and
         this thread runs at most `slots` lookups ahead of its GPU (see _await_submitted)."""
-        previous = self._pending.pop(slot, None)
+        previous = self._pending.get(slot)
         if previous is None:
             return
         self._await_submitted(slot, previous)
+        del self._pending[slot]
         self._slab.ops.wait_u32(raw, self._slab.rows_done[slot], previous.seq)
         for consumer in previous.consumers:
             if consumer != stream:

@@ -157,7 +157,9 @@ class Connection:
 
 
 def probe(socket_path: str | os.PathLike, op: str, timeout: float) -> protocol.Reply:
-    """One-shot request without registration (health, stats). Never waits past `timeout`."""
+    """One-shot request without registration (health, stats). Waits `timeout` for the answer;
+    without one, up to 2 s more to ask the handle socket whether this process is refused (a
+    daemon that admits only some users drops the others unanswered), then raises the timeout."""
     if not Path(socket_path).exists():
         raise DaemonUnavailableError(f"no daemon socket at {socket_path}")
     conn = Connection(socket_path)

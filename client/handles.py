@@ -38,7 +38,13 @@ from typing import Any
 
 import msgpack
 
-from engramd.client.errors import DaemonUnavailableError, EngramError, ProtocolError, error_for_code
+from engramd.client.errors import (
+    DaemonUnavailableError,
+    EngramError,
+    ProtocolError,
+    UnknownOperationError,
+    error_for_code,
+)
 from engramd.client.protocol import PROTOCOL_VERSION
 
 HANDLE_SOCKET_NAME = "engramd.handles"
@@ -163,7 +169,7 @@ def attach(path: str | os.PathLike, client_id: int, token: str,
     sock.settimeout(timeout)
     try:
         sock.connect(str(path))
-        send_message(sock, {"op": "attach", "client_id": client_id, "token": token})
+        _send_request(sock, {"op": "attach", "client_id": client_id, "token": token})
         reply, fds = recv_message(sock, MAX_FDS, deadline=time.monotonic() + timeout)
     except BaseException as exc:
         sock.close()
@@ -201,11 +207,23 @@ def _attachment(sock: socket.socket, reply: dict[str, Any], fds: list[int]) -> A
     return Attachment(sock, str(reply.get("epoch")), slab, slab_fd, grants)
 
 
+def _send_request(sock: socket.socket, header: dict[str, Any]) -> None:
+    """Send a request; a daemon that refuses this peer answers before reading it and closes, so
+    the send may find the connection shut (EPIPE): its answer is still there to be read."""
+    try:
+        send_message(sock, header)
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+
+
 def check_access(path: str | os.PathLike, timeout: float = HANDLE_TIMEOUT_S) -> None:
     """Whether the daemon admits this process (by its kernel credentials): returns if it does,
     raises PermissionDeniedError if not. With allowed ids configured, the ZeroMQ socket drops a
     refused peer's connection without a word, so this is how such a peer learns why."""
-    admin_request(path, "hello", timeout)
+    try:
+        admin_request(path, "hello", timeout)
+    except UnknownOperationError:
+        pass  # a daemon older than the access check: it admitted us, or attach will say not
 
 
 def admin_request(path: str | os.PathLike, op: str, timeout: float = HANDLE_TIMEOUT_S) -> dict[str, Any]:
@@ -216,7 +234,7 @@ def admin_request(path: str | os.PathLike, op: str, timeout: float = HANDLE_TIME
     sock.settimeout(timeout)
     try:
         sock.connect(str(path))
-        send_message(sock, {"op": op})
+        _send_request(sock, {"op": op})
         reply, fds = recv_message(sock, 0, deadline=time.monotonic() + timeout,
                                   max_bytes=MAX_ADMIN_REPLY_BYTES)
     except TimeoutError:

@@ -14,7 +14,8 @@ Every message is a multipart message; msgpack is the only encoding (never pickle
              only `lookup` uses one: the hash IDs inline (C-contiguous, little-endian,
              dtype and shape declared in the header).
 
-Operations and their request fields (types checked by `decode_request`):
+Operations and their request fields (types checked by `decode_request`; the reply fields a
+client reads are declared in _REPLY_FIELDS and checked by `decode_reply`):
 
     register   pid, device ("cpu" or "cuda:GPU-<uuid>"), tp_rank, tp_size, max_tokens, slots,
                optional: name, mode ("auto"|"served"|"mapped", default served), mps (GPU: the
@@ -24,10 +25,11 @@ Operations and their request fields (types checked by `decode_request`):
                   (mapped: the daemon's sort policy), mps. The client then attaches over the
                   handle socket (client/handles.py) with its token: that passes the slab or the
                   tables as descriptors, and the connection becomes the registration's lease.
-    lookup     client_id, slot, seq, tokens, ids_dtype ("int32"|"int64"), ids_shape [T, L, H],
+    lookup     client_id, slot, seq, ids_dtype ("int32"|"int64"), ids_shape [T, L, H],
                inline (IDs in payload frame 0, else already in the slot), ack (optional, default
                true; false: no reply unless the lookup fails, for GPU clients whose completion is
-               the slot's counter)  -> slot, seq, out_of_range
+               the slot's counter)  -> slot, seq, and out_of_range where the backend counts per
+               lookup (CPU; a GPU counts on the device, see stats)
     release    client_id, counts (optional; mapped clients: the final cumulative counts)  -> {}
     heartbeat  client_id (or None for a plain liveness probe), token (from register; lets a
                second connection of the client vouch for it), counts (mapped clients: cumulative
@@ -81,7 +83,6 @@ _REQUEST_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
         "client_id": _INT,
         "slot": _INT,
         "seq": _INT,
-        "tokens": _INT,
         "ids_dtype": (str,),
         "ids_shape": (list,),
         "inline": (bool,),
@@ -95,11 +96,27 @@ _REQUEST_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
 }
 _OPTIONAL: dict[str, dict[str, Any]] = {
     "register": {"name": "", "mps": None},
-    "lookup": {"ack": True},
+    "lookup": {"ack": True, "tokens": None},  # tokens: ids_shape[0]; checked against it if sent
     "heartbeat": {"client_id": None, "token": "", "counts": None},
     "release": {"counts": None},
 }
 OPERATIONS = tuple(_REQUEST_FIELDS)
+
+# Reply fields per operation that a client reads, with their types: checked once when a reply is
+# decoded, so a daemon that answers otherwise fails with a ProtocolError naming the field,
+# never with a KeyError deep in the client. Replies may carry more (stats: see the service).
+_NUMBER = (int, float)
+_REPLY_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
+    "register": {"client_id": _INT, "token": (str,), "mode": (str,), "layout": (dict,),
+                 "gather": (dict,), "heartbeat_interval": _NUMBER, "attach_within": _NUMBER,
+                 "geometry": (dict,), "shard": (dict,), "mps": (dict, type(None))},
+    "lookup": {"slot": _INT, "seq": _INT},  # CPU lookups add out_of_range (GPUs count on the device)
+    "release": {},
+    "heartbeat": {},
+    "stats": {"state": (str,), "uptime": _NUMBER},
+    "health": {"live": (bool,), "ready": (bool,), "state": (str,), "progress": _NUMBER,
+               "pid": _INT, "uptime": _NUMBER, "backend": (str, type(None)), "mps": (dict,)},
+}
 
 
 def _with_origin(error: EngramError, op: str, rid: int) -> EngramError:
@@ -230,8 +247,18 @@ def decode_reply(frames: list[bytes]) -> Reply:
         raise error_for_code(str(header.get("code")), str(header.get("message")), epoch)
     fields = {k: v for k, v in header.items()
               if k not in ("v", "op", "rid", "status", "code", "message", "epoch")}
+    _check_reply_fields(str(header.get("op")), fields)
     return Reply(op=str(header.get("op")), rid=int(header.get("rid", 0)), epoch=epoch,
                  fields=fields, payload=list(frames[1:]))
+
+
+def _check_reply_fields(op: str, fields: dict[str, Any]) -> None:
+    for name, types in _REPLY_FIELDS.get(op, {}).items():
+        if name not in fields:
+            raise ProtocolError(f"{op} reply: missing field {name!r}")
+        value = fields[name]
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            raise ProtocolError(f"{op} reply: field {name!r} has wrong type {type(value).__name__}")
 
 
 def reply_rid(frames: list[bytes]) -> int:

@@ -29,6 +29,22 @@ ROW_ITEMSIZE = 2  # bf16
 # slot's last lookup the daemon could not serve (refused, or its gather failed to enqueue): it is
 # written before that lookup's ROWS_DONE, so a reader that has seen ROWS_DONE sees it too.
 IDS_READY, ROWS_DONE, FAILED = 0, 1, 2
+# Stream waits on a counter compare cyclically: a wait for `seq` passes once
+# (int32)(counter - seq) >= 0, so seqs may wrap past 2^32. A counter set RELEASE_AHEAD past the
+# last seq passes every wait for a seq within 2^30 of it, behind or ahead (release_value).
+RELEASE_AHEAD = 1 << 30
+
+
+def wait_passes(counter: int, seq: int) -> bool:
+    """What the device decides for a wait on `seq` when the counter holds `counter` (u32s)."""
+    return (counter - seq) & 0xFFFFFFFF < 1 << 31
+
+
+def release_value(last_seq: int) -> int:
+    """The counter value that releases every wait a client can have made around `last_seq`
+    (lookups it sent but the daemon never got, as well as done ones): the largest u32 would not,
+    it is behind every seq below 2^31."""
+    return (last_seq + RELEASE_AHEAD) & 0xFFFFFFFF
 
 
 def _align(value: int, to: int) -> int:

@@ -58,6 +58,9 @@ class Backend(Protocol):
     # True when jobs of one client run in submission order (one queue per device): several
     # lookups may then be in flight on one slot, and a refused one must still release its waiters.
     orders_slots: bool
+    # True when each job carries its own out-of-range count (CPU); a GPU counts on the device,
+    # read by out_of_range() at most once per heartbeat, never per lookup.
+    counts_per_job: bool
 
     def check_device(self, device: str) -> Any:
         """Raise BadRequestError unless this backend serves `device` ("cpu", "cuda:GPU-<uuid>")."""

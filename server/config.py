@@ -133,6 +133,7 @@ class _ConfigPaths:
 DaemonConfig = make_dataclass("DaemonConfig", [(s.key, s.kind) for s in SETTINGS],
                               bases=(_ConfigPaths,), frozen=True)
 DaemonConfig.__doc__ = "The daemon's settings, checked (build_config); one field per SETTINGS entry."
+DaemonConfig.__module__ = __name__  # so that it pickles and reprs as this module's class
 
 
 def default(key: str) -> Any:

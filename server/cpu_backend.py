@@ -100,6 +100,7 @@ class _Lookup:
 class CpuBackend:
     name = "cpu"
     orders_slots = False
+    counts_per_job = True
     pinned_bytes = 0  # the host tables are read where they are
 
     def __init__(self, tables: list[torch.Tensor], geometry: TableGeometry, workers: int):

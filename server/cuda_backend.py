@@ -47,7 +47,7 @@ from engramd.client.errors import BadRequestError, ResourceError
 from engramd.client.geometry import ShardView, TableGeometry
 from engramd.client.ids import ID_DTYPES
 from engramd.client.mps import MpsState, mps_state
-from engramd.client.slab import FAILED, IDS_READY, ROWS_DONE, SlabLayout, SlotViews
+from engramd.client.slab import FAILED, IDS_READY, ROWS_DONE, SlabLayout, SlotViews, release_value
 from engramd.kernels.gather_triton import GatherPlan, LayerTable, SlotGather
 from engramd.kernels.hot_cache import CacheLayout, HotCache
 from engramd.server.backend import Completion, LookupJob
@@ -214,13 +214,15 @@ class CudaSlab:
         reads). The client's streams may wait for ROWS_DONE of a lookup whose request died with
         it in its socket's queue; in a shared MPS server a dead client's waiting work can hold
         up every other client's, so after its last gather the daemon stream sets each ROWS_DONE
-        to the largest value. Returns an event recorded after the release stream's writes."""
+        past every seq the client can have used (client/slab.py release_value: waits compare
+        cyclically). Returns an event recorded after the release stream's writes."""
         release = self.gpu.release_stream
         for slot, seq in self.enqueued.items():
             cuda.stream_write_u32(release.cuda_stream, ptr + self.layout.counter_offset(slot, IDS_READY), seq)
+        past = release_value(max(self.enqueued.values(), default=0))
         for slot in range(self.layout.slots):
             cuda.stream_write_u32(self.stream.cuda_stream, ptr + self.layout.counter_offset(slot, ROWS_DONE),
-                                  0xFFFFFFFF)
+                                  past)
         event = torch.cuda.Event()
         event.record(release)
         return event
@@ -370,6 +372,7 @@ def _gather(slab: CudaSlab, slot: int, tokens: int, dtype: torch.dtype) -> None:
 class CudaBackend:
     name = "cuda"
     orders_slots = True
+    counts_per_job = False  # out-of-range IDs are counted on the device (GpuState.out_of_range)
 
     def __init__(self, tables: list[HostTable], geometry: TableGeometry, inline: bool = False,
                  options: GatherOptions | None = None):

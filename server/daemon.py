@@ -287,22 +287,33 @@ class Daemon:
     def _drain_socket(self) -> None:
         for _ in range(1024):  # bounded, so completions are not starved by a flood of requests
             try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = self._recv_request()
             except zmq.Again:
                 return
-            if len(frames) > MAX_MESSAGE_FRAMES:
-                self._refuse_oversized(frames)
-                continue
-            self._handle([frame.bytes for frame in frames], time.perf_counter())
+            if frames is not None:
+                self._handle(frames, time.perf_counter())
 
-    def _refuse_oversized(self, frames: list[zmq.Frame]) -> None:
-        """A message of more frames than any request has. libzmq limits each frame's size but
-        buffers a message's frames whole, however many, before it hands it over; the daemon
-        drops them uncopied (a copy of gigabytes stalled the loop for seconds) and answers."""
-        identity, count = frames[0].bytes, len(frames) - 1  # the identity is not the peer's
-        size = sum(len(frame) for frame in frames[1:])
-        header = frames[1].bytes if len(frames[1]) <= protocol.MAX_HEADER_BYTES else b""
-        del frames  # frees libzmq's buffers now
+    def _recv_request(self) -> list[bytes] | None:
+        """The next message's frames, copied; None for one of more frames than any request has
+        (answered here). libzmq limits each frame's size but hands over a message of any number
+        of them; past MAX_MESSAGE_FRAMES the rest are received uncopied and dropped at once (a
+        copy of gigabytes stalled the loop for seconds)."""
+        sock = self._sock
+        frames = [sock.recv(zmq.NOBLOCK)]
+        while sock.getsockopt(zmq.RCVMORE):
+            if len(frames) == MAX_MESSAGE_FRAMES:
+                self._refuse_oversized(frames)
+                return None
+            frames.append(sock.recv())
+        return frames
+
+    def _refuse_oversized(self, frames: list[bytes]) -> None:
+        """Drop the rest of a message of too many frames, uncopied, and answer its sender."""
+        count, size = len(frames) - 1, sum(len(frame) for frame in frames[1:])  # not the identity
+        while self._sock.getsockopt(zmq.RCVMORE):
+            count, size = count + 1, size + len(self._sock.recv(copy=False))
+        identity = frames[0]
+        header = frames[1] if len(frames[1]) <= protocol.MAX_HEADER_BYTES else b""
         op, rid = protocol.peek_rid([header])
         err = ProtocolError(f"a message of {count} frames ({size} bytes) dropped unread: requests "
                             f"are a header and at most {protocol.MAX_PAYLOAD_FRAMES} payload frame")

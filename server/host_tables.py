@@ -480,19 +480,16 @@ class TableStore:
 
     def _verified(self, table: HostTable, source: TableSource, chunk_bytes: int) -> HostTable | None:
         """`table` if every row equals `source`'s; else None, the file closed and removed."""
-        start, rows = time.perf_counter(), table.array
-        chunk = max(1, chunk_bytes // table.row_bytes)
-        expected = np.empty((min(chunk, table.rows), table.row_bytes), dtype=np.uint8)
-        for row_start in range(0, table.rows, chunk):
-            part = expected[: min(chunk, table.rows - row_start)]
-            source.read_packed(table.layer_index, row_start, part)
-            differs = np.flatnonzero((rows[row_start : row_start + len(part)] != part).any(axis=1))
-            if differs.size:
-                del rows
-                _close_quietly(table)
-                self._remove(table.path, f"row {row_start + int(differs[0])} differs from the "
-                             f"checkpoint ({differs.size} rows in that chunk)")
-                return None
+        start = time.perf_counter()
+        try:
+            differs_at = _first_difference(table, source, chunk_bytes)
+        except BaseException:
+            _close_quietly(table)  # not among the opened tables yet: nobody else would close it
+            raise
+        if differs_at is not None:
+            _close_quietly(table)
+            self._remove(table.path, f"row {differs_at} differs from the checkpoint")
+            return None
         logger.info("L%d (layer %d): every row matches the checkpoint (%s verified in %.2f s)",
                     table.layer_id, table.layer_index, size(table.nbytes), time.perf_counter() - start)
         return table
@@ -535,6 +532,20 @@ class TableStore:
             pass
         except OSError as exc:
             raise TableStoreError(f"{path}: cannot remove ({reason}): {exc.strerror}") from exc
+
+
+def _first_difference(table: HostTable, source: TableSource, chunk_bytes: int) -> int | None:
+    """The first row of `table` that differs from `source`, or None: read chunk by chunk."""
+    rows = table.array
+    chunk = max(1, chunk_bytes // table.row_bytes)
+    expected = np.empty((min(chunk, table.rows), table.row_bytes), dtype=np.uint8)
+    for row_start in range(0, table.rows, chunk):
+        part = expected[: min(chunk, table.rows - row_start)]
+        source.read_packed(table.layer_index, row_start, part)
+        differs = np.flatnonzero((rows[row_start : row_start + len(part)] != part).any(axis=1))
+        if differs.size:
+            return row_start + int(differs[0])
+    return None
 
 
 def _close_quietly(table: HostTable) -> None:

@@ -426,7 +426,7 @@ class ClientRegistry:
 
     def _validate_lookup(self, record: ClientRecord, req: dict[str, Any], payload: list[bytes]) -> LookupJob:
         layout: SlabLayout = record.slab.layout
-        slot, tokens = req["slot"], req["tokens"]
+        slot, tokens = req["slot"], _tokens_of(req)
         if not 0 <= slot < layout.slots:
             raise BadRequestError(f"slot {slot} outside [0, {layout.slots})")
         if record.in_flight[slot] and not self.backend.orders_slots:
@@ -478,7 +478,10 @@ class ClientRegistry:
             record.lookups += 1
             record.rows += rows
             record.out_of_range += job.out_of_range
-        return {"slot": job.slot, "seq": job.seq, "out_of_range": job.out_of_range}
+        fields = {"slot": job.slot, "seq": job.seq}
+        if self.backend.counts_per_job:  # a GPU's count stays on the device (stats reads it)
+            fields["out_of_range"] = job.out_of_range
+        return fields
 
     # -- introspection --------------------------------------------------------------------------
 
@@ -504,6 +507,16 @@ class ClientRegistry:
         """Free every slab. The backend must have finished its jobs (backend.close first)."""
         for record in list(self.clients.values()):
             self._free(record)
+
+
+def _tokens_of(req: dict[str, Any]) -> int:
+    """A lookup's token count: its IDs' first dimension (a `tokens` field, if sent, must agree)."""
+    shape = req["ids_shape"]
+    if not shape or type(shape[0]) is not int:
+        raise BadIdsError(f"ids shape {shape!r}: expected [T, n_layers, heads] of ints")
+    if req.get("tokens") not in (None, shape[0]):
+        raise BadIdsError(f"tokens {req['tokens']!r} but ids shape {shape!r}")
+    return shape[0]
 
 
 def _percentiles(samples: deque[float]) -> dict[str, float]:

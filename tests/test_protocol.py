@@ -29,7 +29,8 @@ def test_request_round_trip_keeps_fields_and_payload():
 
 
 def test_reply_round_trip_and_error_reply_raises_typed_error():
-    ok = protocol.decode_reply(protocol.encode_reply("stats", 5, "ep1", lookups=12))
+    ok = protocol.decode_reply(protocol.encode_reply("stats", 5, "ep1", state="ready", uptime=1.5,
+                                                     lookups=12))
     assert (ok.rid, ok.epoch, ok.fields["lookups"]) == (5, "ep1", 12)
     frames = protocol.encode_error("lookup", 6, "ep1", BadIdsError("ids shape [1] wrong"))
     assert protocol.reply_rid(frames) == 6
@@ -111,3 +112,24 @@ def test_lookup_ack_must_be_a_bool():
     frames = [msgpack.packb({"v": 1, "op": "lookup", "rid": 5, **LOOKUP_FIELDS, "ack": "no"})]
     with pytest.raises(ProtocolError, match="'ack' has wrong type"):
         protocol.decode_request(frames)
+
+
+@pytest.mark.parametrize("fields, text", [
+    ({"seq": 1}, "lookup reply: missing field 'slot'"),
+    ({"slot": 0, "seq": "1"}, "lookup reply: field 'seq' has wrong type str"),
+    ({"slot": True, "seq": 1}, "lookup reply: field 'slot' has wrong type bool"),
+])
+def test_a_reply_without_its_declared_fields_is_a_protocol_error(fields, text):
+    """A daemon that answers otherwise than the client reads fails at decode, naming the field."""
+    with pytest.raises(ProtocolError, match=text):
+        protocol.decode_reply(protocol.encode_reply("lookup", 3, "ep", **fields))
+    assert protocol.decode_reply(protocol.encode_reply("lookup", 3, "ep", slot=0, seq=1)).fields == \
+        {"slot": 0, "seq": 1}
+
+
+def test_a_lookup_need_not_repeat_its_token_count():
+    """`tokens` is the IDs' first dimension: a request without it decodes (the registry derives
+    it and checks one that is sent, tests/test_registry.py)."""
+    fields = {k: v for k, v in LOOKUP_FIELDS.items() if k != "tokens"}
+    request = protocol.decode_request(protocol.encode_request("lookup", 8, [b"\0" * 384], **fields))
+    assert request.fields["tokens"] is None and request.fields["ids_shape"] == [2, 2, 24]

@@ -39,6 +39,7 @@ class FakeBackend:
     """Records submitted jobs; the test completes them by hand."""
 
     name = "fake"
+    counts_per_job = True
 
     def __init__(self, orders_slots: bool):
         self.orders_slots = orders_slots
@@ -346,3 +347,29 @@ def test_registrations_never_attached_give_their_places_to_new_ones(monkeypatch)
     assert sorted(store.clients) == sorted([attached, newcomer]) and hostile not in store.clients
     with pytest.raises(ResourceError, match="client limit"):
         store.register(b"later", fresh)  # the newcomer is fresh and the other one attached
+
+
+def test_tokens_come_from_the_ids_shape_and_a_sent_count_must_agree():
+    store, backend = make_store()
+    client_id = register(store)
+    req = lookup_req(client_id)
+    del req["tokens"]
+    store.start_lookup(b"a", req, ids_frame(2), lambda job: None, {})
+    assert backend.jobs[-1].tokens == 2
+    with pytest.raises(BadIdsError, match=r"tokens 3 but ids shape \[2, 2, 24\]"):
+        store.start_lookup(b"a", {**lookup_req(client_id, slot=1), "tokens": 3}, ids_frame(2),
+                           lambda job: None, {})
+
+
+def test_a_device_counting_backend_reports_no_per_lookup_count():
+    """A GPU counts out-of-range IDs on the device (stats reads them): its lookups' replies do
+    not claim a count of zero."""
+    for per_job in (True, False):
+        store, backend = make_store()
+        backend.counts_per_job = per_job
+        client_id = register(store)
+        store.start_lookup(b"a", lookup_req(client_id), ids_frame(2), lambda job: None, {})
+        job = backend.jobs[-1]
+        job.out_of_range = 5
+        fields = store.finish_lookup(job)
+        assert fields == ({"slot": 0, "seq": 1, "out_of_range": 5} if per_job else {"slot": 0, "seq": 1})

@@ -12,6 +12,7 @@ import pytest
 from conftest import shm_tempdir
 from reference import random_ids
 
+from engramd.client import protocol
 from engramd.client.errors import NotReadyError, NotRegisteredError, PermissionDeniedError
 from engramd.client.handles import PeerCredentials
 from engramd.server.config import build_config
@@ -84,6 +85,10 @@ def test_rows_through_the_service_equal_the_reference(service, reference):
     with pytest.raises(PermissionDeniedError, match="uid 4242"):
         service.clients(STRANGER)
     assert service.admits(ME) and service.metrics()["lookups"] == 2
+    for op, sent in (("register", fields), ("stats", stats), ("health", service.health()),
+                     ("lookup", reply), ("heartbeat", {}), ("release", {})):
+        decoded = protocol.decode_reply(protocol.encode_reply(op, 1, service.epoch, **sent))
+        assert decoded.fields == sent, op  # and every declared reply field is there, typed
 
 
 def test_release_retires_and_a_released_client_is_not_served(service):

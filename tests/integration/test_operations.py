@@ -13,7 +13,7 @@ import urllib.request
 import numpy as np
 import pytest
 import torch
-from conftest import engramd_command
+from conftest import engramd_command, wait_until
 
 from engramd.client import DaemonUnavailableError, EngramClient
 from engramd.server.daemon import EXIT_TABLES
@@ -76,8 +76,13 @@ def test_metrics_endpoint(daemon_factory):
     with EngramClient(daemon.socket, name="metrics-test") as client:
         client.lookup(torch.zeros((5, 2, 24), dtype=torch.int64)).result()
         client_id = client.client_id
-        time.sleep(0.5)  # the loop publishes every heartbeat interval (0.2 s here)
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+
+        def scrape() -> str:
+            return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+
+        # The loop publishes every heartbeat interval (0.2 s here): wait for the lookup to show.
+        wait_until(lambda: "\nengramd_lookups_total 1.0" in scrape(), timeout=30.0)
+        text = scrape()
     values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
               if line and not line.startswith("#")}
     assert values["engramd_ready"] == 1.0 and values["engramd_clients"] == 1.0
