@@ -57,7 +57,7 @@ class Service:
 
     # -- operations -----------------------------------------------------------------------------
 
-    def serving(self, op: str) -> ClientRegistry:
+    def _serving(self, op: str) -> ClientRegistry:
         """The registry, if the daemon serves now; NotReadyError naming the state otherwise."""
         if self.state != "ready" or self.registry is None:
             raise NotReadyError(f"{op}: daemon is {self.state} "
@@ -71,7 +71,7 @@ class Service:
         return self.registry
 
     def register(self, identity: bytes, fields: dict[str, Any]) -> dict[str, Any]:
-        return self.serving("register").register(identity, fields)
+        return self._serving("register").register(identity, fields)
 
     def lookup(self, identity: bytes, fields: dict[str, Any], payload: list[bytes], done: Completion,
                context: dict[str, Any]) -> None:
@@ -92,7 +92,7 @@ class Service:
         return {}
 
     def attach(self, client_id: int, token: str, peer: PeerCredentials) -> ClientRecord:
-        return self.serving("attach").attach(client_id, token, peer)
+        return self._serving("attach").attach(client_id, token, peer)
 
     def stats(self) -> dict[str, Any]:
         """Counts anyone who may connect may see: no client's pid, name or uid (see clients)."""
