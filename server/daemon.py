@@ -47,7 +47,6 @@ from engramd.server.handle_server import HandleServer
 from engramd.server.metrics import Metrics
 from engramd.server.notify import Notifier
 from engramd.server.ownership import make_own_folder
-from engramd.server.registry import Limits
 from engramd.server.selfcheck import run_self_check
 from engramd.server.service import Service
 from engramd.server.table_loader import LoadedTables, load_tables, tables_folder_path
@@ -134,9 +133,7 @@ class Daemon:
     def __init__(self, config: DaemonConfig):
         self.config = config
         self.epoch = uuid.uuid4().hex[:16]
-        # Who may run admin operations: the daemon's own user, and whom the config names.
-        admins = {os.geteuid(), *(_id_set(config.admin_uids) or ())}
-        self.service = Service(self.epoch, limits_of(config), admins)
+        self.service = Service.from_config(config, self.epoch)
         self._events: queue.SimpleQueue[_Event] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         self._wake_lock = threading.RLock()  # post() may race close(); signal handlers post too
@@ -627,19 +624,6 @@ class Daemon:
             os.close(self._wake_r)
             os.close(self._wake_w)
             self._wake_w = -1
-
-
-def limits_of(config: DaemonConfig) -> Limits:
-    return Limits(config.max_clients, config.max_tokens, config.max_slots, config.heartbeat_interval,
-                  modes=tuple(config.client_modes.split(",")), sort_min_tokens=config.sort_min_tokens,
-                  sm_fraction=config.gather_sm_fraction,
-                  allowed_uids=_id_set(config.allowed_uids), allowed_gids=_id_set(config.allowed_gids),
-                  slab_budget=int(config.slab_budget_gib * 2**30),
-                  max_clients_per_uid=config.max_clients_per_uid)
-
-
-def _id_set(listed: str) -> frozenset[int] | None:
-    return frozenset(int(x) for x in listed.split(",")) if listed else None
 
 
 def raise_open_file_limit() -> int:

@@ -22,11 +22,17 @@ from typing import Any
 from engramd.client.errors import NotReadyError, PermissionDeniedError
 from engramd.client.handles import PeerCredentials
 from engramd.server.backend import Completion, LookupJob
+from engramd.server.config import DaemonConfig
 from engramd.server.registry import ClientRecord, ClientRegistry, Limits
 from engramd.server.table_loader import LoadedTables
 
 
 class Service:
+    @classmethod
+    def from_config(cls, config: DaemonConfig, epoch: str) -> Service:
+        # Who may run admin operations: the daemon's own user, and whom the config names.
+        return cls(epoch, limits_of(config), {os.geteuid(), *(_id_set(config.admin_uids) or ())})
+
     def __init__(self, epoch: str, limits: Limits, admins: set[int]):
         self.epoch = epoch
         self.limits = limits
@@ -148,3 +154,16 @@ class Service:
         open to every member of the socket's group, leaves these out."""
         self.require_admin(peer, "clients")
         return {"clients": self.registry.who() if self.registry is not None else []}
+
+
+def limits_of(config: DaemonConfig) -> Limits:
+    return Limits(config.max_clients, config.max_tokens, config.max_slots, config.heartbeat_interval,
+                  modes=tuple(config.client_modes.split(",")), sort_min_tokens=config.sort_min_tokens,
+                  sm_fraction=config.gather_sm_fraction,
+                  allowed_uids=_id_set(config.allowed_uids), allowed_gids=_id_set(config.allowed_gids),
+                  slab_budget=int(config.slab_budget_gib * 2**30),
+                  max_clients_per_uid=config.max_clients_per_uid)
+
+
+def _id_set(listed: str) -> frozenset[int] | None:
+    return frozenset(int(x) for x in listed.split(",")) if listed else None
