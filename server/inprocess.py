@@ -83,8 +83,9 @@ class InProcessClient:
         self._seqs = itertools.count(1)
         self.out_of_range = 0  # of the last lookup
 
-    def lookup(self, ids: np.ndarray) -> torch.Tensor:
-        """`ids` [T, n_layers, heads] int32/int64 -> a copy of the rows the backend gathered."""
+    def lookup(self, ids: np.ndarray, copy: bool = True) -> torch.Tensor:
+        """`ids` [T, n_layers, heads] int32/int64 -> the rows the backend gathered: a copy, or
+        with copy=False a view of the slot (valid until the slot's next lookup)."""
         ids = np.ascontiguousarray(ids)
         seq = next(self._seqs)
         slot = seq % self.record.slab.layout.slots
@@ -103,7 +104,8 @@ class InProcessClient:
             raise ReplyTimeoutError(f"in-process lookup {seq} not done within {LOOKUP_TIMEOUT_S} s")
         reply = self.service.finish_lookup(jobs[0])  # raises the lookup's typed error
         self.out_of_range = reply.get("out_of_range", 0)
-        return self.record.slab.rows(slot, ids.shape[0]).clone()
+        rows = self.record.slab.rows(slot, ids.shape[0])
+        return rows.clone() if copy else rows
 
     def release(self) -> None:
         self.service.release(self.identity, {"client_id": self.client_id})
