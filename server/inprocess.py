@@ -35,8 +35,9 @@ LOOKUP_TIMEOUT_S = 60.0
 
 class InProcessService:
     def __init__(self, config: DaemonConfig):
-        if config.backend == "cuda":
-            raise BadRequestError("the in-process service serves the CPU backend only")
+        if config.backend != "cpu":  # "auto" picks a GPU where there is one
+            raise BadRequestError(f"backend {config.backend!r}: the in-process service serves "
+                                  "the CPU backend only (backend = cpu)")
         self.service = Service.from_config(config, uuid.uuid4().hex[:16])
         self.loaded = load_tables(config, lambda fraction: None)
         try:

@@ -4,6 +4,7 @@ the reference."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 
@@ -15,6 +16,7 @@ from reference import random_ids
 from engramd.client import protocol
 from engramd.client.errors import (
     BadIdsError,
+    BadRequestError,
     NotReadyError,
     NotRegisteredError,
     PermissionDeniedError,
@@ -40,6 +42,11 @@ def config(demo_checkpoint):
 def served(config):
     with InProcessService(config) as served:
         yield served
+
+
+def test_the_in_process_service_is_for_the_cpu_backend(config):
+    with pytest.raises(BadRequestError, match="backend 'auto'"):
+        InProcessService(dataclasses.replace(config, backend="auto"))
 
 
 def test_before_its_tables_the_service_serves_nobody(config):
