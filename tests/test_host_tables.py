@@ -88,6 +88,16 @@ def check_tables(tables, geometry: TableGeometry) -> None:
         assert_table_equal(t.array, expected, f"layer {t.layer_index}")
 
 
+def reopen(shm: Path, geometry: TableGeometry, **open_kw) -> tuple[list[bool], set[int]]:
+    """Open the store again on a fresh source, checking every table byte for byte: which tables
+    were re-attached, and the layers the source was read for (the ones loaded again)."""
+    source = FakeSource(geometry)
+    with TableStore(shm, "test") as store:
+        tables = store.open(source, chunk_bytes=CHUNK, **open_kw)
+        check_tables(tables, geometry)
+        return [t.reattached for t in tables], {c[0] for c in source.calls}
+
+
 def table_files(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.glob("*.tbl"))
 
@@ -189,13 +199,8 @@ def test_dead_daemon_incomplete_file_is_removed_and_reloaded(shm: Path, caplog):
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60)
     assert proc.returncode == -9, proc.stderr.decode()
     assert len(table_files(shm)) == 2  # layer 0 complete, layer 1 half filled
-    source = FakeSource(geometry)
     with caplog.at_level(logging.INFO, logger="engramd.tables"):
-        with TableStore(shm, "test") as store:
-            tables = store.open(source, chunk_bytes=CHUNK)
-            check_tables(tables, geometry)
-            assert [t.reattached for t in tables] == [True, False]
-    assert {c[0] for c in source.calls} == {1}
+        assert reopen(shm, geometry) == ([True, False], {1})
     removal = [m for m in caplog.messages if "removing" in m]
     assert len(removal) == 1 and "L14" in removal[0] and "incomplete: state loading" in removal[0]
 
@@ -207,12 +212,7 @@ def test_file_without_header_is_removed(shm: Path):
     size = victim.stat().st_size
     victim.unlink()
     victim.write_bytes(bytes(size))  # created, never written: what a crash right away leaves
-    source = FakeSource(geometry)
-    with TableStore(shm, "test") as store:
-        tables = store.open(source, chunk_bytes=CHUNK)
-        check_tables(tables, geometry)
-        assert [t.reattached for t in tables] == [False, True]
-    assert {c[0] for c in source.calls} == {0}
+    assert reopen(shm, geometry) == ([False, True], {0})
 
 
 def test_other_fingerprint_and_layer_files_are_removed(shm: Path, caplog):
@@ -235,11 +235,7 @@ def test_other_fingerprint_and_layer_files_are_removed(shm: Path, caplog):
 def test_geometry_change_with_same_fingerprint_reloads(shm: Path):
     load(shm, FakeSource(small_geometry()))
     geometry = small_geometry(engram_vocab_size=200)
-    source = FakeSource(geometry)
-    with TableStore(shm, "test") as store:
-        tables = store.open(source, chunk_bytes=CHUNK)
-        check_tables(tables, geometry)
-        assert not any(t.reattached for t in tables)
+    assert reopen(shm, geometry)[0] == [False, False]
 
 
 def corrupt(path: Path, offset: int) -> None:
@@ -263,12 +259,7 @@ def test_corruption_is_detected_and_reloaded(shm: Path, monkeypatch, where: str)
     position = {"first row": offset + 7, "middle": offset + nbytes // 2 + 3,
                 "last row": offset + nbytes - 5, "header": 20}[where]
     corrupt(path, position)
-    source = FakeSource(geometry)
-    with TableStore(shm, "test") as store:
-        tables = store.open(source, chunk_bytes=CHUNK)
-        check_tables(tables, geometry)
-        assert [t.reattached for t in tables] == [True, False]
-    assert {c[0] for c in source.calls} == {1}
+    assert reopen(shm, geometry) == ([True, False], {1})
 
 
 @pytest.mark.parametrize("keep", ["header only", "half the data", "one byte short", "too long"])
@@ -280,11 +271,7 @@ def test_wrong_size_file_is_reloaded(shm: Path, keep: str):
     new_size = {"header only": 100, "half the data": size // 2, "one byte short": size - 1,
                 "too long": size + 4096}[keep]
     os.truncate(victim, new_size)
-    source = FakeSource(geometry)
-    with TableStore(shm, "test") as store:
-        tables = store.open(source, chunk_bytes=CHUNK)
-        check_tables(tables, geometry)
-        assert [t.reattached for t in tables] == [True, False]
+    assert reopen(shm, geometry)[0] == [True, False]
 
 
 def test_second_store_in_same_process_is_locked(shm: Path):
@@ -475,10 +462,7 @@ def test_verify_reloads_a_reattached_table_that_differs_in_one_byte(shm: Path, c
         unverified = store.open(FakeSource(geometry), chunk_bytes=CHUNK)
         assert all(t.reattached for t in unverified)
         assert unverified[1].array[250, 7] != pattern(1, 250, 1, geometry.row_bytes)[0, 7]
-    with caplog.at_level(logging.INFO, logger="engramd.tables"), TableStore(shm, "test") as store:
-        source = FakeSource(geometry)
-        tables = store.open(source, chunk_bytes=CHUNK, verify=True)
-        check_tables(tables, geometry)
-        assert [t.reattached for t in tables] == [True, False]
+    with caplog.at_level(logging.INFO, logger="engramd.tables"):
+        assert reopen(shm, geometry, verify=True) == ([True, False], {0, 1})  # both read to compare
     assert "row 250 differs from the checkpoint" in caplog.text
     assert "every row matches the checkpoint" in caplog.text
