@@ -12,7 +12,8 @@
 # lookup-variants (under MPS, inline dispatch: daemon defaults vs no cache and all SMs),
 # step-long (under MPS, 150 steps a cell at 256 and 4,096 tokens),
 # attach (benchmarks/mapped_attach.py, 16 GiB: mapped client attach, daemon restart to ready),
-# tests-kill, tests-kill-mps (the twenty-killed-clients test alone, without and with MPS), unmap-probe (benchmarks/unmap_probe.py).
+# tests-kill, tests-kill-mps (the twenty-killed-clients test alone, without and with MPS), unmap-probe (benchmarks/unmap_probe.py),
+# pin-probe (benchmarks/pin_probe.py: ways to pin a table file already in shared memory).
 # Logs and results are packed into OUT/results.tgz (one file); each phase's exit code is
 # printed at the end.
 set -u
@@ -53,6 +54,7 @@ phase_tests_kill_mps() {  # the same under MPS
   mps_stop
   return "$rc"
 }
+phase_pin_probe() { python3 benchmarks/pin_probe.py --gib 16 --out "$out/pin" 2>&1 | tee "$out/pin_probe.log" | tail -40; }
 phase_unmap_probe() { python3 benchmarks/unmap_probe.py 2>&1 | tee "$out/unmap_probe.log"; }
 phase_tests_mps() {
   mps_start
