@@ -12,6 +12,7 @@
 # lookup-variants (under MPS, inline dispatch: daemon defaults vs no cache and all SMs),
 # step-long (under MPS, 150 steps a cell at 256 and 4,096 tokens),
 # attach (benchmarks/mapped_attach.py, 16 GiB: mapped client attach, daemon restart to ready),
+# attach-64 (the same at 64 GiB, two restarts), tests-pin (pinning in parts, then test_cuda_daemon.py),
 # tests-kill, tests-kill-mps (the twenty-killed-clients test alone, without and with MPS), unmap-probe (benchmarks/unmap_probe.py),
 # pin-probe (benchmarks/pin_probe.py: ways to pin a table file already in shared memory).
 # Logs and results are packed into OUT/results.tgz (one file); each phase's exit code is
@@ -76,6 +77,15 @@ phase_step_mapped() { phase_step; }
 phase_attach() {
   python3 benchmarks/mapped_attach.py --table-gib 16 --out "$out/attach" 2>&1 \
     | tee "$out/attach.log" | tail -45
+}
+
+phase_attach_64() {  # the restart target's size: 64 GiB already in /dev/shm, two restarts
+  python3 benchmarks/mapped_attach.py --table-gib 64 --restarts 2 --out "$out/attach64" 2>&1 \
+    | tee "$out/attach64.log" | tail -45
+}
+phase_tests_pin() {  # pinning in parts, then the end-to-end daemon tests, no MPS
+  python3 -m pytest tests/gpu/test_host_pin_gpu.py tests/gpu/test_cuda_daemon.py -q --durations=5 \
+    2>&1 | tee "$out/gpu_tests_pin.log"
 }
 
 phase_lookup_variants() {

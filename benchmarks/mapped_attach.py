@@ -78,6 +78,7 @@ LOG_EVENTS = {
     "listening": re.compile(r"listening on"),
     "reattached": re.compile(r"re-attached .*, ([\d.]+) GB, verified in ([\d.]+) s"),
     "loading": re.compile(r"loading ([\d.]+) GB into"),
+    "mapped": re.compile(r"tables (re-attached|loaded) in"),  # pinning starts (the preload)
     "pinned": re.compile(r"pinned ([\d.]+) GB of host tables in ([\d.]+) s"),
     "kernels": re.compile(r"gather kernels warmed"),
     "ready": re.compile(r"ready: .* ([\d.]+) GB of tables (re-attached|loaded)"),
@@ -346,9 +347,14 @@ def projection(geometry: TableGeometry, attach: list[dict], restarts: list[dict]
     pins = [r["log"] for r in restarts if r["log"].get("pin_gb_s")]
     if pins:
         pin_rate = float(np.median([p["pin_gb_s"] for p in pins]))
-        pin_s = float(np.median([p["pin_s"] for p in pins]))
         out["daemon_pin_s"] = round(V41.total_bytes / 1e9 / pin_rate, 2)
-        out["restart_ready_s"] = round(_median(restarts, "ready_s") - pin_s + out["daemon_pin_s"], 2)
+        # The pin overlaps the daemon's imports, so a longer pin can hide behind them (lower
+        # bound) or push back all that followed it here (upper bound).
+        ready_s = _median(restarts, "ready_s")
+        pin_end = float(np.median([p["at_s"]["mapped"] for p in pins])) + out["daemon_pin_s"]
+        after_pin = max(0.0, ready_s - float(np.median([p["at_s"]["pinned"] for p in pins])))
+        out["restart_ready_low_s"] = round(max(ready_s, pin_end), 2)
+        out["restart_ready_s"] = round(pin_end + after_pin, 2)
     return out
 
 
@@ -374,6 +380,7 @@ RESTART_ROWS = (
     ("gb_s", "GB/s of the tables (bytes / start -> ready)"),
     ("log.at_s.listening", "daemon log: listening, s after the spawn"),
     ("log.verify_s", "daemon log: re-attach verification (all layers), s"),
+    ("log.at_s.mapped", "daemon log: tables mapped, pinning starts, s after the spawn"),
     ("log.at_s.pinned", "daemon log: pinned, s after the spawn"),
     ("log.pin_s", "daemon log: pinning, s"),
     ("log.pin_gb_s", "daemon log: pinning GB/s"),
@@ -431,7 +438,10 @@ def markdown(report: dict) -> str:
               f"| mapped client: registration (MappedTables) | {_fmt(proj.get('register_s'), 1)} |",
               f"| mapped client: attach end to end | {_fmt(proj.get('attach_s'), 1)} |",
               f"| daemon: pinning | {_fmt(proj.get('daemon_pin_s'), 1)} |",
-              f"| daemon: restart to ready | {_fmt(proj.get('restart_ready_s'), 1)} |"]
+              f"| daemon: restart to ready, at least (the longer pin hidden by the imports) | "
+              f"{_fmt(proj.get('restart_ready_low_s'), 1)} |",
+              f"| daemon: restart to ready, at most (all that followed the pin still after it) | "
+              f"{_fmt(proj.get('restart_ready_s'), 1)} |"]
     return "\n".join(lines) + "\n"
 
 

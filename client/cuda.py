@@ -4,15 +4,17 @@ One checker turns cuda-python's `(err, *values)` tuples into values or a CudaErr
 The rest are the few operations both sides of the GPU data path share: device UUIDs (processes see
 different device indices under CUDA_VISIBLE_DEVICES, UUIDs are the same), device memory shared
 as file descriptors, stream memory operations on 32-bit counters, and viewing raw device memory as a torch tensor.
-Imported only where CUDA is used; nothing here runs at import time.
+Imported only where CUDA is used; nothing here runs at import time, and torch is imported only
+by the calls that make tensors or streams (host_pin.py pins tables before torch is loaded).
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 try:
     from cuda.bindings import driver as cu
@@ -20,14 +22,11 @@ try:
 except ImportError:  # pragma: no cover - cuda-python is a dependency; keep the message clear
     cu = cudart = None
 
-REGISTER_CHUNK = 64 << 30  # the largest range registered in one call (DESIGN.md, host tier)
-
-
 class CudaError(RuntimeError):
     """A CUDA call failed; the message names the call and the error."""
 
 
-def _require() -> None:
+def require_cuda_python() -> None:
     if cudart is None:
         raise CudaError("cuda-python is not installed (pip install cuda-python)")
 
@@ -57,7 +56,7 @@ def _error_name(err: Any) -> str:
 
 def device_uuid(index: int) -> str:
     """The nvidia-smi style UUID ("GPU-xxxxxxxx-xxxx-...") of this process's device `index`."""
-    _require()
+    require_cuda_python()
     check("cuInit", cu.cuInit(0))
     dev = check("cuDeviceGet", cu.cuDeviceGet(index))
     raw = bytes(check("cuDeviceGetUuid", cu.cuDeviceGetUuid(dev)).bytes)
@@ -80,6 +79,8 @@ class DeviceAllocation:
         self.device_index = device_index
         self._handle = handle
         self.ptr = 0
+        import torch
+
         try:
             with torch.cuda.device(device_index):
                 make_current(device_index)
@@ -97,7 +98,7 @@ class DeviceAllocation:
     @classmethod
     def create(cls, device_index: int, size: int) -> DeviceAllocation:
         """`size` bytes (rounded up to the allocation granularity) on device `device_index`."""
-        _require()
+        require_cuda_python()
         make_current(device_index)
         granularity = _granularity(device_index)
         size = (size + granularity - 1) // granularity * granularity
@@ -107,7 +108,7 @@ class DeviceAllocation:
     @classmethod
     def from_descriptor(cls, fd: int, size: int, device_index: int) -> DeviceAllocation:
         """Import a peer's allocation of `size` bytes; the caller still owns (and closes) `fd`."""
-        _require()
+        require_cuda_python()
         make_current(device_index)
         handle = check("cuMemImportFromShareableHandle", cu.cuMemImportFromShareableHandle(
             fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))
@@ -120,6 +121,8 @@ class DeviceAllocation:
 
     def close(self) -> None:
         """Unmap and release this process's hold (the device must be done with the memory)."""
+        import torch
+
         ptr, handle, self.ptr, self._handle = self.ptr, self._handle, 0, None
         with torch.cuda.device(self.device_index):
             make_current(self.device_index)
@@ -175,49 +178,6 @@ def stream_wait_u32(stream: int, address: int, value: int) -> None:
         cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ))
 
 
-class HostRegistration:
-    """cudaHostRegister of host ranges (Portable|Mapped, optionally ReadOnly), in chunks of at most
-    REGISTER_CHUNK, each checked to be device-visible at its own address (unified addressing:
-    one host copy serves every GPU). close() unregisters; a failed start unregisters what it did.
-    """
-
-    def __init__(self, ranges: list[tuple[int, int]], read_only: bool = False):
-        _require()
-        self._chunks: list[int] = []
-        flags = cudart.cudaHostRegisterPortable | cudart.cudaHostRegisterMapped
-        if read_only:  # the pages are the daemon's; this process only reads them
-            flags |= cudart.cudaHostRegisterReadOnly
-        try:
-            for address, nbytes in ranges:
-                self._register(address, nbytes, flags)
-        except BaseException:
-            self.close()
-            raise
-
-    def _register(self, address: int, nbytes: int, flags: int) -> None:
-        for start in range(0, nbytes, REGISTER_CHUNK):
-            size = min(REGISTER_CHUNK, nbytes - start)
-            check(f"cudaHostRegister({size} bytes at +{start})",
-                  cudart.cudaHostRegister(address + start, size, flags))
-            self._chunks.append(address + start)
-            device_ptr = int(check("cudaHostGetDevicePointer",
-                                   cudart.cudaHostGetDevicePointer(address + start, 0)))
-            if device_ptr != address + start:
-                raise CudaError(f"registered host memory at {address + start:#x} maps to device "
-                                f"address {device_ptr:#x}; engramd needs unified addressing")
-
-    def close(self) -> None:
-        chunks, self._chunks = self._chunks, []
-        errors = []
-        for address in chunks:
-            try:
-                check("cudaHostUnregister", cudart.cudaHostUnregister(address))
-            except CudaError as exc:
-                errors.append(str(exc))
-        if errors:
-            raise CudaError("; ".join(errors))
-
-
 class StreamOps:
     """The hot path's CUDA calls on handles built once (cuda-python objects cost ~1 us each).
 
@@ -228,7 +188,7 @@ class StreamOps:
     MAX_STREAMS = 64
 
     def __init__(self) -> None:
-        _require()
+        require_cuda_python()
         self._streams: dict[int, Any] = {}
         self._write_flags = cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
         self._wait_flags = cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
@@ -283,6 +243,8 @@ class DeviceMemory:
 
 def tensor_view(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
     """A uint8 CUDA tensor over memory this process does not own (no copy, no free)."""
+    import torch
+
     return torch.as_tensor(DeviceMemory(ptr, nbytes), device=device)
 
 
@@ -305,7 +267,9 @@ class IdleStreams:
             idle = self._idle.get(device_index)
             if idle:
                 return idle.pop()
-        _require()
+        require_cuda_python()
+        import torch
+
         with torch.cuda.device(device_index):
             raw = check("cudaStreamCreateWithFlags",
                         cudart.cudaStreamCreateWithFlags(cudart.cudaStreamNonBlocking))

@@ -59,9 +59,9 @@ class MappedTables:
                                     f"fit a {g.file_bytes}-byte file")
 
     def _register(self) -> None:
-        from engramd.client import cuda
+        from engramd.client.host_pin import HostRegistration
 
-        self._registration = cuda.HostRegistration(
+        self._registration = HostRegistration(
             [(a.ctypes.data, a.nbytes) for a in self.rows], read_only=True)
 
     def cpu_tensors(self) -> list[torch.Tensor]:

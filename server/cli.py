@@ -39,7 +39,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # waits on a client process, would block the host until that client delivers (DESIGN.md).
     os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
     from engramd.server.config import dump_toml, load_config, overrides_from_args
-    from engramd.server.daemon import EXIT_CONFIG, run_daemon
+    from engramd.server.startup import EXIT_CONFIG, DaemonHalt, SocketLock, prepare_runtime_dir
+    from engramd.server.table_loader import TablePreload
 
     try:
         config = load_config(args.config, overrides_from_args(args))
@@ -52,7 +53,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _setup_logging(config.log_level)
     # `kill -USR1 <pid>` writes every thread's stack to the log: what a stuck daemon is doing.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    return run_daemon(config)
+    # The lock, then the tables' first stage (map, pin) on a thread, then the heavy imports:
+    # pinning tables already in shared memory overlaps importing torch (table_loader.py).
+    lock = SocketLock(config.socket_path)
+    try:
+        prepare_runtime_dir(config.runtime_dir)
+        lock.acquire()
+    except DaemonHalt as halt:
+        logging.getLogger("engramd.daemon").error("%s", halt.reason)
+        return halt.status
+    preload = TablePreload.start(config)
+    from engramd.server.daemon import run_daemon
+
+    return run_daemon(config, lock, preload)
 
 
 def _probe(args: argparse.Namespace, op: str) -> dict[str, Any] | None:

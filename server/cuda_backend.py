@@ -1,7 +1,8 @@
 """CUDA backend: pinned host tables, per-client device slabs, one gather worker per GPU.
 
-The host tables (shared-memory files) are registered once with cudaHostRegister (Portable|Mapped)
-in chunks of at most 64 GiB; with unified addressing the device address of a registered byte is
+The host tables (shared-memory files) are registered once with cudaHostRegister (Portable|Mapped|
+ReadOnly, in parts of at most 64 GiB, client/host_pin.py), usually before torch is even imported
+(table_loader.TablePreload); with unified addressing the device address of a registered byte is
 its host address, so one host copy serves every GPU of the node. Each client gets one slab on its
 GPU (found by UUID), allocated with CUDA's virtual memory API and passed to the client as a file
 descriptor over the handle socket, and its own daemon stream, so a
@@ -45,6 +46,7 @@ from engramd.client import cuda
 from engramd.client.cuda import CudaError, check
 from engramd.client.errors import BadRequestError, ResourceError
 from engramd.client.geometry import ShardView, TableGeometry
+from engramd.client.host_pin import HostRegistration
 from engramd.client.ids import ID_DTYPES
 from engramd.client.mps import MpsState, mps_state
 from engramd.client.slab import FAILED, IDS_READY, ROWS_DONE, SlabLayout, SlotViews, release_value
@@ -53,8 +55,7 @@ from engramd.kernels.hot_cache import CacheLayout, HotCache
 from engramd.server.backend import Completion, LookupJob
 from engramd.server.cache_keeper import CacheKeeper
 from engramd.server.config import default
-from engramd.server.host_tables import HostTable
-from engramd.server.units import size
+from engramd.server.host_tables import HostTable, pin_tables
 
 log = logging.getLogger("engramd.cuda")
 
@@ -85,15 +86,11 @@ class GatherOptions:
 
 
 class PinnedTables:
-    """cudaHostRegister of every host table; unregistered on close."""
+    """The host tables registered for the GPUs (host_tables.pin_tables); unregistered on close."""
 
-    def __init__(self, tables: list[HostTable]):
+    def __init__(self, tables: list[HostTable], registration: HostRegistration | None = None):
         self.tables = tables
-        started = time.monotonic()
-        self._registration = cuda.HostRegistration([(t.address, t.nbytes) for t in tables])
-        total, seconds = sum(t.nbytes for t in tables), time.monotonic() - started
-        log.info("pinned %s of host tables in %.2f s (%.1f GB/s)", size(total), seconds,
-                 total / 1e9 / max(seconds, 1e-9))
+        self._registration = registration if registration is not None else pin_tables(tables)
 
     def layer_tables(self) -> list[LayerTable]:
         return [LayerTable(t.address, t.rows, t.row_bytes, owner=self) for t in self.tables]
@@ -375,14 +372,14 @@ class CudaBackend:
     counts_per_job = False  # out-of-range IDs are counted on the device (GpuState.out_of_range)
 
     def __init__(self, tables: list[HostTable], geometry: TableGeometry, inline: bool = False,
-                 options: GatherOptions | None = None):
+                 options: GatherOptions | None = None, registration: HostRegistration | None = None):
         if not torch.cuda.is_available():
             raise CudaError("no CUDA device is visible")
         self.geometry = geometry
         self.inline = inline
         self._inline_device: int | None = None
         self.options = options or GatherOptions()
-        self.pinned = PinnedTables(tables)
+        self.pinned = PinnedTables(tables, registration)  # the tables' pin is ours from here
         self.pinned_bytes = sum(t.nbytes for t in tables)
         self.layer_tables = self.pinned.layer_tables()
         self.uuids = {cuda.device_uuid(i): i for i in range(torch.cuda.device_count())}

@@ -14,7 +14,6 @@ close the tables (their files stay for a fast re-attach), remove the socket.
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import queue
@@ -26,7 +25,6 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import zmq
@@ -46,38 +44,28 @@ from engramd.server.config import DaemonConfig
 from engramd.server.handle_server import HandleServer
 from engramd.server.metrics import Metrics
 from engramd.server.notify import Notifier
-from engramd.server.ownership import make_own_folder
 from engramd.server.selfcheck import run_self_check
 from engramd.server.service import Service
-from engramd.server.table_loader import LoadedTables, load_tables, tables_folder_path
+from engramd.server.startup import (
+    EXIT_CONFIG,
+    EXIT_DEVICE,
+    EXIT_OK,
+    EXIT_TABLES,
+    DaemonHalt,
+    SocketLock,
+    prepare_runtime_dir,
+)
+from engramd.server.table_loader import LoadedTables, TablePreload, load_tables, tables_folder_path
 from engramd.server.throttle import Throttled
 from engramd.server.units import size
 
 log = logging.getLogger("engramd.daemon")
 
-# Named exit codes (sysexits.h values, so that service managers show something meaningful).
-EXIT_OK = 0
-EXIT_TABLES = 66  # EX_NOINPUT: checkpoint or table files unusable
-EXIT_INTERNAL = 70  # EX_SOFTWARE
-EXIT_SOCKET_IN_USE = 73  # EX_CANTCREAT: another daemon holds the socket
-EXIT_DEVICE = 69  # EX_UNAVAILABLE: the requested device backend cannot start
-EXIT_CONFIG = 78  # EX_CONFIG
-
 DRAIN_TIMEOUT_S = 30.0  # stopping waits this long for in-flight lookups, then exits regardless
-RUNTIME_DIR_MODE = 0o750
 DEAF_FOR_S = 1.0  # how long a peer whose reply queue was full gets no answers but to lookups
 # The most frames a request may have: the peer's identity, the header, the payload frames.
 MAX_MESSAGE_FRAMES = 2 + protocol.MAX_PAYLOAD_FRAMES
 SWITCH_INTERVAL_S = 0.0002
-
-
-class DaemonHalt(Exception):
-    """Stops the daemon with an exit status and a reason."""
-
-    def __init__(self, reason: str, status: int):
-        super().__init__(reason)
-        self.reason = reason
-        self.status = status
 
 
 @dataclass
@@ -86,51 +74,11 @@ class _Event:
     value: Any
 
 
-class SocketLock:
-    """An flock beside the socket: one daemon per socket path, released by the kernel on death."""
-
-    def __init__(self, socket_path: Path):
-        self.path = socket_path.with_name(socket_path.name + ".lock")
-        self._fd: int | None = None
-
-    def acquire(self) -> None:
-        try:  # never through a symlink planted where the lock goes (it would overwrite its target)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o660)
-        except OSError as exc:
-            raise DaemonHalt(f"cannot open the lock file {self.path}: {exc.strerror} (a symlink or "
-                             "a folder there? remove it)", EXIT_CONFIG) from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise DaemonHalt(f"socket {self.path.with_suffix('')} is in use by another engramd "
-                             f"(pid {holder}, lock {self.path})", EXIT_SOCKET_IN_USE) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._fd = fd
-
-    def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-
-def prepare_runtime_dir(path: Path) -> None:
-    """Create the runtime folder 0750 (its group may reach the sockets, 0660, but not replace
-    them: connecting needs write permission on a socket, not on its folder), or check that
-    the one there is ours; DaemonHalt naming it and its owner otherwise."""
-    try:
-        make_own_folder(path, "runtime folder", mode=RUNTIME_DIR_MODE)
-    except ConfigError as exc:
-        raise DaemonHalt(exc.message, EXIT_CONFIG) from None
-    info = os.lstat(path)
-    if info.st_uid == os.geteuid() and not info.st_mode & 0o1000:
-        os.chmod(path, RUNTIME_DIR_MODE)  # ours, not a shared sticky folder (mkdir met the umask)
-
-
 class Daemon:
-    def __init__(self, config: DaemonConfig):
+    def __init__(self, config: DaemonConfig, lock: SocketLock | None = None,
+                 preload: TablePreload | None = None):
+        """`lock`: the socket's lock, when the caller already holds it (then `preload` may be
+        the tables' first stage, started under that lock)."""
         self.config = config
         self.epoch = uuid.uuid4().hex[:16]
         self.service = Service.from_config(config, self.epoch)
@@ -138,7 +86,9 @@ class Daemon:
         self._wake_r, self._wake_w = os.pipe()
         self._wake_lock = threading.RLock()  # post() may race close(); signal handlers post too
         os.set_blocking(self._wake_w, False)
-        self._lock = SocketLock(config.socket_path)
+        self._lock = lock or SocketLock(config.socket_path)
+        self._lock_held = lock is not None
+        self._preload = preload
         self._ctx = zmq.Context()
         self._sock: zmq.Socket | None = None
         self._loader: threading.Thread | None = None
@@ -178,8 +128,9 @@ class Daemon:
     # -- start ----------------------------------------------------------------------------------
 
     def start(self) -> None:
-        prepare_runtime_dir(self.config.runtime_dir)
-        self._lock.acquire()
+        if not self._lock_held:
+            prepare_runtime_dir(self.config.runtime_dir)
+            self._lock.acquire()
         path = self.config.socket_path
         path.unlink(missing_ok=True)  # stale: we hold the lock, so no live daemon is on it
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -208,7 +159,12 @@ class Daemon:
 
     def _load(self) -> None:
         try:
-            loaded = load_tables(self.config, self._on_progress)
+            opened = None
+            if self._preload is not None:
+                preload, self._preload = self._preload, None
+                preload.listen(self._on_progress)
+                opened = preload.take()
+            loaded = load_tables(self.config, self._on_progress, opened)
         except BaseException as exc:  # reported to the main thread, which decides the exit
             self.post("load_failed", exc)
             return
@@ -599,6 +555,8 @@ class Daemon:
     # -- stop -----------------------------------------------------------------------------------
 
     def close(self) -> None:
+        if self._preload is not None:  # stopped before the loader took it
+            self._preload.abandon()
         if self._handles is not None:
             self._handles.close()
         for fd in self._lease_clients:
@@ -646,10 +604,11 @@ def raise_open_file_limit() -> int:
     return soft
 
 
-def run_daemon(config: DaemonConfig) -> int:
-    """Run until stopped; returns the exit status."""
+def run_daemon(config: DaemonConfig, lock: SocketLock | None = None,
+               preload: TablePreload | None = None) -> int:
+    """Run until stopped; returns the exit status. `lock` and `preload` as for Daemon."""
     raise_open_file_limit()
-    daemon = Daemon(config)
+    daemon = Daemon(config, lock, preload)
     status = EXIT_OK
     try:
         daemon.start()

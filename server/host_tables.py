@@ -51,6 +51,8 @@ from engramd.server.units import size
 if TYPE_CHECKING:
     import torch
 
+    from engramd.client.host_pin import HostRegistration
+
 logger = logging.getLogger("engramd.tables")
 
 MAGIC = b"ENGRAMD\x01"
@@ -722,3 +724,16 @@ def _check_layer_ids(geometry: TableGeometry) -> None:
     ids = list(geometry.layer_ids)
     if len(set(ids)) != len(ids):
         raise TableStoreError(f"layer ids {ids} repeat; one table file per layer id")
+
+
+def pin_tables(tables: list[HostTable]) -> HostRegistration:
+    """The tables registered for the GPUs, read-only (the device never writes them); CudaError
+    if that fails. Needs no torch (the daemon pins while it imports torch)."""
+    from engramd.client.host_pin import HostRegistration
+
+    started = time.monotonic()
+    registration = HostRegistration([(t.address, t.nbytes) for t in tables], read_only=True)
+    total, seconds = sum(t.nbytes for t in tables), time.monotonic() - started
+    logger.info("pinned %s of host tables in %.2f s (%.1f GB/s)", size(total), seconds,
+             total / 1e9 / max(seconds, 1e-9))
+    return registration

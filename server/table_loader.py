@@ -1,8 +1,13 @@
-"""From a config to served tables: resolve the checkpoint, map the host tables, build the backend.
+"""From a config to served tables: resolve the checkpoint, map the host tables, pin them, build
+the backend.
 
-Runs on the daemon's loader thread. The built-in `demo` table is a synthetic checkpoint written
-once into a cache folder (atomically: written aside, then renamed), so a fresh machine can run the
-daemon with no download.
+Two stages. `open_tables` needs no torch: it checks the device, maps (re-attaches or loads) the
+host tables and, for the cuda backend, pins them. `build_backend` then puts the backend over
+them. `TablePreload` runs the first stage on a thread of its own as soon as the daemon holds its
+lock, so that pinning tables already in shared memory overlaps the seconds the daemon spends
+importing torch and creating its CUDA context (the restart-to-ready path). The built-in `demo`
+table is a synthetic checkpoint written once into a cache folder (atomically: written aside, then
+renamed), so a fresh machine can run the daemon with no download.
 """
 
 from __future__ import annotations
@@ -11,18 +16,22 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from engramd.client.geometry import TableGeometry
-from engramd.server.backend import Backend
 from engramd.server.checkpoint import EngramCheckpoint
 from engramd.server.config import DaemonConfig
-from engramd.server.host_tables import HostTable, LoadProgress, TableStore
+from engramd.server.host_tables import HostTable, LoadProgress, TableStore, pin_tables
 from engramd.server.ownership import check_own_folder, make_own_folder
 from engramd.server.synthetic import write_synthetic_checkpoint
+
+if TYPE_CHECKING:
+    from engramd.server.backend import Backend
 
 log = logging.getLogger("engramd.tables")
 
@@ -31,6 +40,29 @@ class DeviceBackendError(RuntimeError):
     """The configured device backend cannot start (no GPU, driver error, registration failure)."""
 
     device_error = True
+
+
+@dataclass
+class OpenTables:
+    """The first stage: the host tables mapped and, for a cuda backend, pinned."""
+
+    checkpoint: EngramCheckpoint
+    store: TableStore
+    tables: list[HostTable]
+    reattached: bool
+    backend_name: str  # "cpu" | "cuda"
+    registration: Any = None  # the tables' HostRegistration (cuda); the backend takes it over
+
+    @property
+    def geometry(self) -> TableGeometry:
+        return self.checkpoint.geometry
+
+    def close(self) -> None:
+        """Unpin and unmap (when no backend took them over); the files stay for re-attach."""
+        registration, self.registration = self.registration, None
+        if registration is not None:
+            registration.close()
+        self.store.close()
 
 
 @dataclass
@@ -90,15 +122,7 @@ def tables_folder(shm_dir: str | Path, instance: str) -> Path:
 
 def check_device_backend(requested: str) -> None:
     """DeviceBackendError now if the cuda backend was asked for and no GPU is visible."""
-    if requested != "cuda":
-        return
-    try:
-        import torch
-
-        visible = torch.cuda.is_available()
-    except Exception as exc:
-        raise DeviceBackendError(f"cuda backend unavailable: {exc}") from exc
-    if not visible:
+    if requested == "cuda" and not visible_gpus():
         raise DeviceBackendError("backend = cuda, but no CUDA device is visible to this process "
                                  "(CUDA_VISIBLE_DEVICES, the driver, the container's GPUs?)")
 
@@ -106,16 +130,26 @@ def check_device_backend(requested: str) -> None:
 def choose_backend_name(requested: str) -> str:
     if requested != "auto":
         return requested
+    return "cuda" if visible_gpus() else "cpu"
+
+
+def visible_gpus() -> int:
+    """CUDA devices this process sees, through the driver (0 without a driver or cuda-python):
+    asking torch would import it, and that is what the first stage runs beside."""
     try:
-        import torch
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    except Exception:
-        return "cpu"
+        from cuda.bindings import driver as cu
+
+        if int(cu.cuInit(0)[0]) != 0:
+            return 0
+    except Exception:  # no cuda-python, or no driver library on this machine
+        return 0
+    err, count = cu.cuDeviceGetCount()
+    return int(count) if int(err) == 0 else 0
 
 
-def build_backend(config: DaemonConfig, geometry: TableGeometry, tables: list[HostTable]) -> Backend:
-    name = choose_backend_name(config.backend)
-    if name == "cpu":
+def build_backend(config: DaemonConfig, opened: OpenTables) -> Backend:
+    geometry, tables = opened.geometry, opened.tables
+    if opened.backend_name == "cpu":
         from engramd.server.cpu_backend import CpuBackend
         if config.hot_cache_warm_file:
             log.warning("hot_cache_warm_file is ignored: the cpu backend has no hot-row cache")
@@ -134,9 +168,12 @@ def build_backend(config: DaemonConfig, geometry: TableGeometry, tables: list[Ho
                             sort_min_tokens=config.sort_min_tokens,
                             sm_fraction=config.gather_sm_fraction)
     try:
-        return CudaBackend(tables, geometry, inline=config.cuda_dispatch == "inline", options=options)
+        backend = CudaBackend(tables, geometry, inline=config.cuda_dispatch == "inline",
+                              options=options, registration=opened.registration)
     except Exception as exc:
         raise DeviceBackendError(f"cuda backend failed to start: {exc}") from exc
+    opened.registration = None  # the backend's now: it unpins when it closes
+    return backend
 
 
 # Fault injection for tests and drills: seconds to stall before loading, so that a "starting"
@@ -144,15 +181,16 @@ def build_backend(config: DaemonConfig, geometry: TableGeometry, tables: list[Ho
 LOAD_DELAY_ENV = "ENGRAMD_DEBUG_LOAD_DELAY_S"
 
 
-def load_tables(config: DaemonConfig, progress: Callable[[float], None]) -> LoadedTables:
+def open_tables(config: DaemonConfig, progress: Callable[[float], None]) -> OpenTables:
+    """The first stage (no torch): the device checked, the host tables mapped, pinned for cuda."""
     delay = float(os.environ.get(LOAD_DELAY_ENV, "0") or 0)
     if delay > 0:
         log.warning("%s=%s: stalling before the load", LOAD_DELAY_ENV, delay)
         time.sleep(delay)
     check_device_backend(config.backend)  # before gigabytes go into shared memory for nothing
+    backend_name = choose_backend_name(config.backend)
     checkpoint = resolve_checkpoint(config)
-    geometry = checkpoint.geometry
-    total = geometry.total_bytes
+    total = checkpoint.geometry.total_bytes
     done_before: dict[int, int] = {}
 
     def on_progress(p: LoadProgress) -> None:
@@ -167,8 +205,94 @@ def load_tables(config: DaemonConfig, progress: Callable[[float], None]) -> Load
         seconds = time.monotonic() - started
         log.info("tables %s in %.2f s (%.2f GB/s)", "re-attached" if reattached else "loaded",
                  seconds, total / 1e9 / max(seconds, 1e-9))
-        backend = build_backend(config, geometry, tables)
+        registration = _pin_for_cuda(tables) if backend_name == "cuda" else None
     except BaseException:
         store.close()
         raise
-    return LoadedTables(checkpoint, geometry, store, tables, backend, reattached)
+    return OpenTables(checkpoint, store, tables, reattached, backend_name, registration)
+
+
+def load_tables(config: DaemonConfig, progress: Callable[[float], None],
+                opened: OpenTables | None = None) -> LoadedTables:
+    """Both stages (the first one's result may come from a TablePreload)."""
+    opened = opened if opened is not None else open_tables(config, progress)
+    try:
+        backend = build_backend(config, opened)
+    except BaseException:
+        opened.close()
+        raise
+    return LoadedTables(opened.checkpoint, opened.geometry, opened.store, opened.tables, backend,
+                        opened.reattached)
+
+
+def _pin_for_cuda(tables: list[HostTable]) -> Any:
+    try:
+        return pin_tables(tables)
+    except Exception as exc:
+        raise DeviceBackendError(f"cuda backend failed to start: cannot pin the tables: {exc}") from exc
+
+
+class TablePreload:
+    """open_tables on a thread of its own, started before the daemon imports torch.
+
+    The daemon's loader takes the result with take(); progress goes to whoever listens by then
+    (listen()). A preload nobody takes (the daemon stopped first) closes what it opened."""
+
+    def __init__(self, config: DaemonConfig):
+        self._config = config
+        self._lock = threading.Lock()
+        self._progress = 0.0
+        self._listener: Callable[[float], None] | None = None
+        self._result: OpenTables | None = None
+        self._error: BaseException | None = None
+        self._abandoned = False
+        self._thread = threading.Thread(target=self._run, name="engramd-preload", daemon=True)
+
+    @classmethod
+    def start(cls, config: DaemonConfig) -> TablePreload:
+        preload = cls(config)
+        preload._thread.start()
+        return preload
+
+    def _run(self) -> None:
+        try:
+            opened = open_tables(self._config, self._on_progress)
+        except BaseException as exc:
+            self._error = exc
+            return
+        with self._lock:
+            if not self._abandoned:
+                self._result = opened
+                return
+        opened.close()
+
+    def _on_progress(self, fraction: float) -> None:
+        with self._lock:
+            self._progress, listener = fraction, self._listener
+        if listener is not None:
+            listener(fraction)
+
+    def listen(self, listener: Callable[[float], None]) -> None:
+        """Send progress to `listener` from now on, starting with where the load stands."""
+        with self._lock:
+            self._listener, progress = listener, self._progress
+        listener(progress)
+
+    def take(self) -> OpenTables:
+        """The opened tables (blocks until the stage is done); raises what the stage raised."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        with self._lock:
+            opened, self._result = self._result, None
+        if opened is None:
+            raise RuntimeError("the preloaded tables were already taken")
+        return opened
+
+    def abandon(self) -> None:
+        """Nobody will take the result: close it now, or when the stage ends."""
+        with self._lock:
+            self._abandoned = True
+            opened, self._result = self._result, None
+        if opened is not None:
+            opened.close()

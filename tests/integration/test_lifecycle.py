@@ -16,7 +16,7 @@ from reference import random_ids
 
 from engramd.client import DaemonUnavailableError, EngramClient
 from engramd.client.handles import handle_socket_path
-from engramd.server.daemon import EXIT_CONFIG, EXIT_SOCKET_IN_USE, EXIT_TABLES
+from engramd.server.startup import EXIT_CONFIG, EXIT_SOCKET_IN_USE, EXIT_TABLES
 
 
 def cli(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess:

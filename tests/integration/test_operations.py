@@ -16,7 +16,7 @@ import torch
 from conftest import engramd_command, wait_until
 
 from engramd.client import DaemonUnavailableError, EngramClient
-from engramd.server.daemon import EXIT_TABLES
+from engramd.server.startup import EXIT_TABLES
 
 
 def free_port() -> int:

@@ -178,7 +178,7 @@ NOBODY = 65534
 
 def refused_start(daemon, timeout: float = 60.0) -> str:
     """The daemon's exit status must be EXIT_CONFIG; returns its log."""
-    from engramd.server.daemon import EXIT_CONFIG
+    from engramd.server.startup import EXIT_CONFIG
 
     assert daemon.proc.wait(timeout) == EXIT_CONFIG, daemon.log()[-3000:]
     return daemon.log()

@@ -36,8 +36,8 @@ from reference import random_ids
 
 from engramd.client import EngramClient
 from engramd.client.geometry import V41_FLASH_CONFIG, TableGeometry
-from engramd.server.daemon import EXIT_TABLES
 from engramd.server.host_tables import HEADER_BYTES
+from engramd.server.startup import EXIT_TABLES
 
 INSTANCE = "faults"
 
@@ -269,7 +269,7 @@ def test_enospc_while_creating_a_table_leaves_no_partial_file(demo_checkpoint, t
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
 def test_cuda_backend_without_a_gpu_fails_before_loading_anything(daemon_factory):
-    from engramd.server.daemon import EXIT_DEVICE
+    from engramd.server.startup import EXIT_DEVICE
 
     daemon = daemon_factory(extra=["--backend", "cuda"], ready=False)
     assert daemon.proc.wait(60) == EXIT_DEVICE, daemon.log()[-2000:]

@@ -1,0 +1,115 @@
+"""Pinning host memory for the GPUs: cudaHostRegister of large ranges, fast.
+
+Both sides pin tables that already sit in shared memory: the daemon its own files (at every
+start, re-attached or freshly loaded), a mapped client its read-only mapping of them. On the
+H200 a fresh process registers a 16 GiB /dev/shm file (benchmarks/results/h200/pin_probe.md) at
+5.5 GB/s with Portable|Mapped, 17.9 GB/s adding ReadOnly (the driver need not prepare the pages
+for device writes), 25 GB/s when eight threads first populate the page tables
+(MADV_POPULATE_READ) and then register eight parts at once, and ~40 GB/s on hugetlbfs. Threads
+without the prefault gain nothing. cuda-python releases the GIL in these calls.
+
+No torch here: the daemon pins its tables while it is still importing torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+from concurrent.futures import ThreadPoolExecutor
+
+from engramd.client.cuda import CudaError, check, cudart, require_cuda_python
+
+REGISTER_CHUNK = 64 << 30  # the largest range registered in one call (DESIGN.md, host tier)
+PART_ALIGN = 2 << 20  # parts start on huge-page boundaries (hugetlbfs tables need whole pages)
+PIN_WORKERS = 8  # the fastest measured; more threads were no faster
+_MADV_POPULATE_READ = 22  # Linux >= 5.14; older kernels answer EINVAL and the pin faults pages itself
+
+
+def split_ranges(ranges: list[tuple[int, int]], parts: int) -> list[tuple[int, int]]:
+    """Cut (address, nbytes) ranges into about `parts` pieces of one size overall: at most
+    REGISTER_CHUNK, a multiple of PART_ALIGN (a range's last piece takes the rest)."""
+    total = sum(n for _, n in ranges)
+    target = max(PART_ALIGN, -(-total // max(1, parts)) // PART_ALIGN * PART_ALIGN)
+    step = min(target, REGISTER_CHUNK)
+    return [(address + start, min(step, nbytes - start))
+            for address, nbytes in ranges for start in range(0, nbytes, step)]
+
+
+class HostRegistration:
+    """cudaHostRegister of host ranges (Portable|Mapped, optionally ReadOnly), in parts that
+    `workers` threads prefault and register at once, each part checked to be device-visible at
+    its own address (unified addressing: one host copy serves every GPU). close() unregisters;
+    a failed start unregisters what it did."""
+
+    def __init__(self, ranges: list[tuple[int, int]], read_only: bool = False,
+                 workers: int = PIN_WORKERS):
+        require_cuda_python()
+        self._parts: list[int] = []
+        flags = cudart.cudaHostRegisterPortable | cudart.cudaHostRegisterMapped
+        if read_only and _read_only_supported():  # the device only ever reads these pages
+            flags |= cudart.cudaHostRegisterReadOnly
+        parts = split_ranges(ranges, workers)
+        registered: list[int] = []  # list.append is atomic
+        try:
+            with ThreadPoolExecutor(max(1, workers), thread_name_prefix="engramd-pin") as pool:
+                list(pool.map(_prefault, parts))
+                list(pool.map(lambda part: registered.append(_register(part, flags)), parts))
+        except BaseException:  # the pool has joined: every part that registered is listed
+            self._parts = registered
+            try:
+                self.close()
+            except CudaError:
+                pass  # the first error is the one to report
+            raise
+        self._parts = registered
+
+    def close(self) -> None:
+        parts, self._parts = self._parts, []
+        errors = []
+        for address in parts:
+            try:
+                check("cudaHostUnregister", cudart.cudaHostUnregister(address))
+            except CudaError as exc:
+                errors.append(str(exc))
+        if errors:
+            raise CudaError("; ".join(errors))
+
+
+def _prefault(part: tuple[int, int]) -> None:
+    """Populate the page tables of a part (no GIL held): registering it then walks no faults."""
+    address, nbytes = part
+    start = address - address % mmap.PAGESIZE
+    _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(address + nbytes - start),
+                    _MADV_POPULATE_READ)  # failure only loses the speed-up
+
+
+def _register(part: tuple[int, int], flags: int) -> int:
+    address, nbytes = part
+    check(f"cudaHostRegister({nbytes} bytes at {address:#x})",
+          cudart.cudaHostRegister(address, nbytes, flags))
+    device_ptr = int(check("cudaHostGetDevicePointer", cudart.cudaHostGetDevicePointer(address, 0)))
+    if device_ptr != address:
+        cudart.cudaHostUnregister(address)
+        raise CudaError(f"registered host memory at {address:#x} maps to device address "
+                        f"{device_ptr:#x}; engramd needs unified addressing")
+    return address
+
+
+def _read_only_supported() -> bool:
+    count = int(check("cudaGetDeviceCount", cudart.cudaGetDeviceCount()))
+    attribute = cudart.cudaDeviceAttr.cudaDevAttrHostRegisterReadOnlySupported
+    return all(int(check("cudaDeviceGetAttribute", cudart.cudaDeviceGetAttribute(attribute, i)))
+               for i in range(count))
+
+
+_LIBC: ctypes.CDLL | None = None
+
+
+def _libc() -> ctypes.CDLL:
+    global _LIBC
+    if _LIBC is None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.madvise.restype = ctypes.c_int
+        _LIBC = libc
+    return _LIBC

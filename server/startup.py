@@ -1,0 +1,80 @@
+"""What the daemon does before it imports torch: its runtime folder, its socket lock, and the
+exit statuses that say why it stopped.
+
+`engramd serve` takes the lock first, then starts the table preload (table_loader.TablePreload),
+and only then imports the daemon (torch, the backends): a second daemon on the same socket
+must never touch the first one's tables.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+from engramd.client.errors import ConfigError
+from engramd.server.ownership import make_own_folder
+
+# Named exit codes (sysexits.h values, so that service managers show something meaningful).
+EXIT_OK = 0
+EXIT_TABLES = 66  # EX_NOINPUT: checkpoint or table files unusable
+EXIT_INTERNAL = 70  # EX_SOFTWARE
+EXIT_SOCKET_IN_USE = 73  # EX_CANTCREAT: another daemon holds the socket
+EXIT_DEVICE = 69  # EX_UNAVAILABLE: the requested device backend cannot start
+EXIT_CONFIG = 78  # EX_CONFIG
+
+RUNTIME_DIR_MODE = 0o750
+
+
+class DaemonHalt(Exception):
+    """Stops the daemon with an exit status and a reason."""
+
+    def __init__(self, reason: str, status: int):
+        super().__init__(reason)
+        self.reason = reason
+        self.status = status
+
+
+class SocketLock:
+    """An flock beside the socket: one daemon per socket path, released by the kernel on death."""
+
+    def __init__(self, socket_path: Path):
+        self.path = socket_path.with_name(socket_path.name + ".lock")
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        try:  # never through a symlink planted where the lock goes (it would overwrite its target)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o660)
+        except OSError as exc:
+            raise DaemonHalt(f"cannot open the lock file {self.path}: {exc.strerror} (a symlink or "
+                             "a folder there? remove it)", EXIT_CONFIG) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise DaemonHalt(f"socket {self.path.with_suffix('')} is in use by another engramd "
+                             f"(pid {holder}, lock {self.path})", EXIT_SOCKET_IN_USE) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def prepare_runtime_dir(path: Path) -> None:
+    """Create the runtime folder 0750 (its group may reach the sockets, 0660, but not replace
+    them: connecting needs write permission on a socket, not on its folder), or check that
+    the one there is ours; DaemonHalt naming it and its owner otherwise."""
+    try:
+        make_own_folder(path, "runtime folder", mode=RUNTIME_DIR_MODE)
+    except ConfigError as exc:
+        raise DaemonHalt(exc.message, EXIT_CONFIG) from None
+    info = os.lstat(path)
+    if info.st_uid == os.geteuid() and not info.st_mode & 0o1000:
+        os.chmod(path, RUNTIME_DIR_MODE)  # ours, not a shared sticky folder (mkdir met the umask)
+
+

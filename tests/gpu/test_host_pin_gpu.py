@@ -1,0 +1,56 @@
+"""Pinning in parts (client/host_pin.py) on a GPU: every byte of every range reaches the device at
+its own address, read-only pins included, and a failed registration leaves nothing pinned."""
+
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+import pytest
+import torch
+
+from engramd.client import cuda
+from engramd.client.cuda import CudaError
+from engramd.client.host_pin import PART_ALIGN, HostRegistration
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def shared_buffer(nbytes: int, seed: int) -> np.ndarray:
+    """Random bytes in a shared anonymous mapping (page-aligned, as the table files are)."""
+    array = np.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_SHARED), dtype=np.uint8)
+    array[:] = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+    return array
+
+
+def device_copy(array: np.ndarray) -> np.ndarray:
+    """The bytes as the GPU reads them through the registered address (UVA)."""
+    view = cuda.tensor_view(array.ctypes.data, array.nbytes, torch.device("cuda", 0))
+    return view.clone().cpu().numpy()
+
+
+@pytest.mark.parametrize("read_only", [False, True])
+def test_every_part_of_every_range_reads_back_exactly_on_the_device(read_only):
+    sizes = [9 * PART_ALIGN + 3 * 4096, 5 * 4096]  # a range cut into parts, and a small one
+    arrays = [shared_buffer(n, seed) for seed, n in enumerate(sizes)]
+    registration = HostRegistration([(a.ctypes.data, a.nbytes) for a in arrays],
+                                    read_only=read_only, workers=4)
+    try:
+        assert len(registration._parts) > len(arrays)  # it really split
+        for array in arrays:
+            np.testing.assert_array_equal(device_copy(array), array)
+    finally:
+        registration.close()
+
+
+def test_a_failed_registration_unpins_the_parts_that_did_register():
+    first, second = shared_buffer(4 * PART_ALIGN, 1), shared_buffer(4 * PART_ALIGN, 2)
+    held = HostRegistration([(second.ctypes.data, second.nbytes)], workers=1)
+    try:
+        with pytest.raises(CudaError, match="cudaHostRegister"):  # second's range is taken already
+            HostRegistration([(first.ctypes.data, first.nbytes), (second.ctypes.data, second.nbytes)],
+                             workers=4)
+        # first's parts were unpinned again: registering them now succeeds
+        HostRegistration([(first.ctypes.data, first.nbytes)], workers=4).close()
+    finally:
+        held.close()

@@ -1,0 +1,123 @@
+"""The tables' first stage (table_loader.open_tables, TablePreload) and how pinning splits ranges.
+
+The first stage runs beside the daemon's torch import, so it must not import torch itself; a
+preload hands its tables to the loader with the load's progress, passes its errors on, and
+closes what it opened when nobody takes it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from engramd.client import host_pin
+from engramd.client.host_pin import PART_ALIGN, split_ranges
+from engramd.server.config import load_config
+from engramd.server.table_loader import TablePreload
+from tests.conftest import shm_tempdir, wait_until
+
+
+def demo_config(demo_checkpoint, tables=None):
+    shm = shm_tempdir()
+    return load_config(None, {"tables": str(tables or demo_checkpoint), "shm_dir": str(shm),
+                              "socket": str(shm / "engramd.sock"), "backend": "cpu"})
+
+
+def test_the_first_stage_and_the_serve_command_up_to_it_import_no_torch(demo_checkpoint):
+    shm = shm_tempdir()
+    script = textwrap.dedent(f"""
+        import sys
+        import engramd.server.cli, engramd.server.startup, engramd.client.host_pin
+        from engramd.server.config import load_config
+        from engramd.server.table_loader import open_tables
+        config = load_config(None, {{"tables": {str(demo_checkpoint)!r}, "shm_dir": {str(shm)!r},
+                                     "backend": "auto"}})
+        opened = open_tables(config, lambda fraction: None)
+        opened.close()
+        print("torch" in sys.modules)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False", "the first stage imported torch"
+
+
+def test_a_preload_hands_over_the_checkpoint_rows_and_the_load_progress(demo_checkpoint):
+    config = demo_config(demo_checkpoint)
+    preload = TablePreload.start(config)
+    seen: list[float] = []
+    preload.listen(seen.append)
+    opened = preload.take()
+    try:
+        assert opened.backend_name == "cpu" and opened.registration is None
+        assert seen and seen[-1] == 1.0
+        geometry = opened.geometry
+        for layer, table in enumerate(opened.tables):
+            rows = np.random.default_rng(layer).integers(0, geometry.rows[layer], 64)
+            for row in rows:
+                want = np.empty((1, geometry.row_bytes), dtype=np.uint8)
+                opened.checkpoint.read_packed(layer, int(row), want)
+                np.testing.assert_array_equal(table.array[row], want[0])
+        with pytest.raises(RuntimeError, match="already taken"):
+            preload.take()
+    finally:
+        opened.close()
+    again = TablePreload.start(config).take()  # the files stay: the next start re-attaches them
+    try:
+        assert again.reattached
+    finally:
+        again.close()
+
+
+def test_a_preload_passes_its_error_to_the_taker(demo_checkpoint, tmp_path):
+    config = demo_config(demo_checkpoint, tables=tmp_path / "no-such-checkpoint")
+    preload = TablePreload.start(config)
+    with pytest.raises(Exception, match="no-such-checkpoint"):
+        preload.take()
+
+
+def test_an_abandoned_preload_closes_its_tables_before_and_after_it_is_done(demo_checkpoint, monkeypatch):
+    from engramd.server import table_loader
+
+    config = demo_config(demo_checkpoint)
+    finished = TablePreload.start(config)
+    finished._thread.join()
+    opened = finished._result
+    finished.abandon()
+    assert all(t._mapping.closed for t in opened.tables)
+
+    closed = []
+    real_open = table_loader.open_tables
+
+    def slow_open(config, progress):
+        time.sleep(0.3)  # still running when abandoned
+        result = real_open(config, progress)
+        real_close = result.close
+        result.close = lambda: (closed.append(True), real_close())
+        return result
+
+    monkeypatch.setattr(table_loader, "open_tables", slow_open)
+    running = TablePreload.start(config)
+    running.abandon()
+    wait_until(lambda: closed, timeout=30)
+    running._thread.join()
+
+
+def test_pin_parts_cover_every_range_exactly_in_aligned_capped_pieces(monkeypatch):
+    base = 1 << 40
+    ranges = [(base, 17 * 2**30 + 12345), (base + 2**36, 5 * PART_ALIGN // 2), (base + 2**37, 4096)]
+    for parts in (1, 3, 8, 16):
+        pieces = split_ranges(ranges, parts)
+        for address, nbytes in ranges:
+            mine = sorted(p for p in pieces if address <= p[0] < address + nbytes)
+            assert mine[0][0] == address
+            assert sum(n for _, n in mine) == nbytes
+            for (a, n), (b, _) in zip(mine, mine[1:], strict=False):
+                assert a + n == b and n % PART_ALIGN == 0
+        assert len(pieces) <= parts + len(ranges)
+    monkeypatch.setattr(host_pin, "REGISTER_CHUNK", 4 * PART_ALIGN)
+    assert max(n for _, n in split_ranges([(base, 64 * PART_ALIGN)], 1)) == 4 * PART_ALIGN
