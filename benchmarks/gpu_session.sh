@@ -13,6 +13,7 @@
 # step-long (under MPS, 150 steps a cell at 256 and 4,096 tokens),
 # attach (benchmarks/mapped_attach.py, 16 GiB: mapped client attach, daemon restart to ready),
 # attach-64 (the same at 64 GiB, two restarts), tests-pin (pinning in parts, then test_cuda_daemon.py),
+# tests-pin-only, start-probe (benchmarks/start_probe.py: torch import, CUDA context and pin, in which order),
 # tests-kill, tests-kill-mps (the twenty-killed-clients test alone, without and with MPS), unmap-probe (benchmarks/unmap_probe.py),
 # pin-probe (benchmarks/pin_probe.py: ways to pin a table file already in shared memory).
 # Logs and results are packed into OUT/results.tgz (one file); each phase's exit code is
@@ -83,6 +84,8 @@ phase_attach_64() {  # the restart target's size: 64 GiB already in /dev/shm, tw
   python3 benchmarks/mapped_attach.py --table-gib 64 --restarts 2 --out "$out/attach64" 2>&1 \
     | tee "$out/attach64.log" | tail -45
 }
+phase_start_probe() { python3 benchmarks/start_probe.py --gib 64 --out "$out/start" 2>&1 | tee "$out/start_probe.log" | tail -12; }
+phase_tests_pin_only() { python3 -m pytest tests/gpu/test_host_pin_gpu.py -q 2>&1 | tee "$out/gpu_tests_pin_only.log"; }
 phase_tests_pin() {  # pinning in parts, then the end-to-end daemon tests, no MPS
   python3 -m pytest tests/gpu/test_host_pin_gpu.py tests/gpu/test_cuda_daemon.py -q --durations=5 \
     2>&1 | tee "$out/gpu_tests_pin.log"

@@ -24,9 +24,10 @@ def shared_buffer(nbytes: int, seed: int) -> np.ndarray:
 
 
 def device_copy(array: np.ndarray) -> np.ndarray:
-    """The bytes as the GPU reads them through the registered address (UVA)."""
+    """The bytes as a kernel reads them through the registered address (UVA; a copy engine
+    would refuse a host address given as device memory)."""
     view = cuda.tensor_view(array.ctypes.data, array.nbytes, torch.device("cuda", 0))
-    return view.clone().cpu().numpy()
+    return torch.bitwise_xor(view, 0).cpu().numpy()
 
 
 @pytest.mark.parametrize("read_only", [False, True])
