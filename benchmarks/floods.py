@@ -121,7 +121,7 @@ def phase(socket: Path, daemon_pid: int, seconds: float, flood: str | None) -> d
             proc.wait()
         stop.set()
         sampler.join()
-    health = probe(socket, "health", 30.0).fields
+    health = probe(socket, "health", 30.0).body.encode()
     return {"lookups": len(took), "p50_ms": round(float(np.percentile(took, 50)), 2),
             "p99_ms": round(float(np.percentile(took, 99)), 2), "max_ms": round(float(took.max()), 2),
             "rss_peak_mib": round(peak[0], 1), "rss_after_mib": round(rss_mib(daemon_pid), 1),

@@ -118,7 +118,7 @@ class Daemon:
                 raise SystemExit(f"daemon exited with {self.proc.returncode}:\n"
                                  f"{self.log_path.read_text()[-4000:]}")
             try:
-                fields = probe(self.socket, "health", 1.0).fields
+                fields = probe(self.socket, "health", 1.0).body.encode()
             except EngramError:
                 fields = None
             now = time.perf_counter() - started
@@ -224,14 +224,14 @@ def attach_split(socket: Path) -> dict[str, Any]:
                           tp_rank=0, tp_size=1, max_tokens=MAX_TOKENS, slots=2,
                           name="mapped_attach", mps=client_mps_state(0).to_wire(), mode="mapped")
         out["register_ms"] = (time.perf_counter() - started) * 1e3
-        f = reply.fields
-        if f.get("mode") != "mapped":
-            raise SystemExit(f"raw registration: asked for mode 'mapped', got {f.get('mode')!r}")
-        client_id = int(f["client_id"])
+        f = reply.body
+        if f.mode != "mapped":
+            raise SystemExit(f"raw registration: asked for mode 'mapped', got {f.mode!r}")
+        client_id = f.client_id
         try:
-            geometry = TableGeometry.from_config(f["geometry"], source="daemon register reply")
+            geometry = TableGeometry.from_config(f.geometry, source="daemon register reply")
             started = time.perf_counter()
-            attached = attach(handle_socket_path(socket), client_id, f["token"])
+            attached = attach(handle_socket_path(socket), client_id, f.token)
             grants = attached.tables
             out["fetch_ms"] = (time.perf_counter() - started) * 1e3
             out["tables_bytes"] = sum(g.rows * g.row_bytes for g in grants)

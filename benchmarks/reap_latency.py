@@ -73,14 +73,14 @@ def slab_descriptors(pid: int) -> set[str]:
 
 def in_flight(socket: Path, client_id: int) -> bool:
     return any(c["client_id"] == client_id and c["in_flight"]
-               for c in probe(socket, "stats", 5.0).fields["clients"])
+               for c in probe(socket, "stats", 5.0).body.clients)
 
 
 def one_kill(socket: Path, shm: Path, mode: str) -> tuple[float, float]:
     proc = subprocess.Popen([sys.executable, "-c", CLIENT, str(socket), mode],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     client_id = int(proc.stdout.readline())
-    daemon_pid = probe(socket, "health", 5.0).fields["pid"]
+    daemon_pid = probe(socket, "health", 5.0).body.pid
     slab = f"/memfd:engramd-slab-c{client_id}"
     assert slab in slab_descriptors(daemon_pid), slab
     if mode == "busy":
@@ -88,7 +88,7 @@ def one_kill(socket: Path, shm: Path, mode: str) -> tuple[float, float]:
     killed = time.monotonic()
     os.kill(proc.pid, signal.SIGKILL)
     wait_for(lambda: all(c["client_id"] != client_id
-                         for c in probe(socket, "stats", 5.0).fields["clients"]))
+                         for c in probe(socket, "stats", 5.0).body.clients))
     retired = time.monotonic() - killed
     wait_for(lambda: slab not in slab_descriptors(daemon_pid))
     freed = time.monotonic() - killed

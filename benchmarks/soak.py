@@ -225,7 +225,7 @@ def _monitor(pid: int, procs: list[subprocess.Popen], socket: Path, cfg: SoakCon
 
     samples = []
     while any(p.poll() is None for p in procs):
-        stats = probe(socket, "stats", 30.0).fields
+        stats = probe(socket, "stats", 30.0).body.encode()
         samples.append({"t": round(time.monotonic() - started, 1), **sample_process(pid),
                         "clients": len(stats["clients"]), "lookups": stats["lookups"]})
         deadline = time.monotonic() + cfg.sample_s
@@ -271,7 +271,7 @@ def _run_in(cfg: SoakConfig, work: Path) -> dict[str, Any]:
         results = _collect(procs, work)
         time.sleep(2 * cfg.heartbeat_s)  # anything a client left is reaped by now
         after = sample_process(proc.pid)
-        stats = probe(socket, "stats", 30.0).fields
+        stats = probe(socket, "stats", 30.0).body.encode()
         proc.send_signal(signal.SIGTERM)
         exit_code = proc.wait(60)
         proc = None

@@ -61,6 +61,7 @@ from engramd.client.handles import (
 )
 from engramd.client.ids import dtype_name
 from engramd.client.mapped import DeviceCounterReader, LocalSlots, MappedTables, mapped_gather
+from engramd.client.messages import RegisterReply
 from engramd.client.slab import FAILED, IDS_READY, ROWS_DONE, SlabLayout, SlotViews
 
 log = logging.getLogger("engramd.client")
@@ -142,7 +143,7 @@ class LookupFuture:
         if not self._replied:
             try:
                 reply = self._client._conn.wait(self.rid, timeout, f"lookup of {self.tokens} tokens")
-                self.out_of_range = int(reply.fields.get("out_of_range", 0))
+                self.out_of_range = reply.body.out_of_range or 0
             except ReplyTimeoutError:
                 raise  # the lookup may still complete: a later call can collect it
             except EngramError as exc:
@@ -354,44 +355,43 @@ class EngramClient:
             self._adopt(reply, tp_rank, tp_size)
         except BaseException:  # the daemon registered us: it must not keep that for nothing
             try:
-                self._conn.call("release", min(timeout, 2.0), client_id=int(reply.fields["client_id"]))
+                self._conn.call("release", min(timeout, 2.0), client_id=reply.body.client_id)
             except EngramError:
                 pass
             raise
 
     def _adopt(self, reply: Any, tp_rank: int, tp_size: int) -> None:
         """Build what the register reply describes: the slab view or the mapped tables."""
-        f = reply.fields
-        self.mode = f.get("mode", "served")
-        self.mps = f.get("mps")  # GPU clients: {"daemon", "client", "shared"}; CPU: None
+        f: RegisterReply = reply.body
+        self.mode = f.mode
+        self.mps = f.mps  # GPU clients: {"daemon", "client", "shared"}; CPU: None
         if self.mode == "served" and self.mps is not None and not self.mps["shared"] and not self._warned_mps:
             self._warned_mps = True
             log.warning("engramd serves this GPU without a shared MPS server: each lookup's gather "
                         "waits for this process's kernels instead of overlapping them (measured on "
                         "an H200: +0.4-0.7 ms per decode step). Run nvidia-cuda-mps-control -d for "
                         "the daemon and the engines (README, 'MPS').")
-        self.client_id = int(f["client_id"])
+        self.client_id = f.client_id
         self.epoch = reply.epoch
         self.counts = {"lookups": 0, "rows": 0, "out_of_range": 0}  # this registration's
-        self.geometry = TableGeometry.from_config(f["geometry"], source="daemon register reply")
+        self.geometry = TableGeometry.from_config(f.geometry, source="daemon register reply")
         self.shard: ShardView = self.geometry.shard(tp_rank, tp_size)
-        if self.shard.local_heads != f["shard"]["local_heads"]:
-            raise InternalError(f"daemon and client disagree on the shard: {f['shard']!r}")
-        self.layout = SlabLayout.from_wire(f["layout"])
+        if self.shard.local_heads != f.shard.get("local_heads"):
+            raise InternalError(f"daemon and client disagree on the shard: {f.shard!r}")
+        self.layout = SlabLayout.from_wire(f.layout)
         # Attaching may wait behind other clients' slab allocations: the caller's whole timeout.
-        attachment = attach(handle_socket_path(self.socket_path), self.client_id, f["token"],
+        attachment = attach(handle_socket_path(self.socket_path), self.client_id, f.token,
                             timeout=max(self.timeout, HANDLE_TIMEOUT_S))
         self._lease = attachment.lease
         _LEASES.add(self._lease)
         self._conn.watch_daemon(self._lease_gone)
         # Heartbeats from now on: mapping the tables for a GPU may take seconds.
         self._watchdog = threading.Thread(
-            target=self._watch, args=(self._closing, self.client_id, f.get("token", ""),
-                                      float(f.get("heartbeat_interval", 1.0))),
+            target=self._watch, args=(self._closing, self.client_id, f.token, f.heartbeat_interval),
             name="engramd-watchdog", daemon=True)
         self._watchdog.start()
         try:
-            self._take_attachment(attachment, f.get("gather", {}))
+            self._take_attachment(attachment, f.gather)
         finally:
             attachment.close_descriptors()  # what was mapped keeps its memory
 
@@ -720,10 +720,10 @@ class EngramClient:
     # -- other operations -----------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        return self._conn.call("stats", self.timeout).fields
+        return self._conn.call("stats", self.timeout).body.encode()
 
     def health(self) -> dict[str, Any]:
-        return self._conn.call("health", self.timeout).fields
+        return self._conn.call("health", self.timeout).body.encode()
 
     def close(self) -> None:
         """Release the registration and the slab mapping. Safe to call twice."""

@@ -146,7 +146,7 @@ class Connection:
                 return
             rid = protocol.reply_rid(frames)
             if rid == protocol.NOTICE_RID:
-                self.notice = protocol.decode_reply(frames).fields.get("event")
+                self.notice = protocol.decode_reply(frames).body.event
             else:
                 self._replies[rid] = frames
 

@@ -14,8 +14,8 @@ Every message is a multipart message; msgpack is the only encoding (never pickle
              only `lookup` uses one: the hash IDs inline (C-contiguous, little-endian,
              dtype and shape declared in the header).
 
-Operations and their request fields (types checked by `decode_request`; the reply fields a
-client reads are declared in _REPLY_FIELDS and checked by `decode_reply`):
+Operations and their request fields (each request and reply is one declared type of
+client/messages.py, decoded and type-checked once by `decode_request` / `decode_reply`):
 
     register   pid, device ("cpu" or "cuda:GPU-<uuid>"), tp_rank, tp_size, max_tokens, slots,
                optional: name, mode ("auto"|"served"|"mapped", default served), mps (GPU: the
@@ -60,6 +60,7 @@ from engramd.client.errors import (
     VersionError,
     error_for_code,
 )
+from engramd.client.messages import REPLIES, REQUESTS, Message
 
 PROTOCOL_VERSION = 1
 MAX_HEADER_BYTES = 64 * 1024
@@ -68,55 +69,7 @@ MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
 SOCKET_NAME = "engramd.sock"
 NOTICE_RID = 0  # requests use rids >= 1
 
-# Request fields per operation: name -> allowed types. Optional fields are listed in _OPTIONAL.
-_INT = (int,)
-_REQUEST_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
-    "register": {
-        "pid": _INT,
-        "device": (str,),
-        "tp_rank": _INT,
-        "tp_size": _INT,
-        "max_tokens": _INT,
-        "slots": _INT,
-    },
-    "lookup": {
-        "client_id": _INT,
-        "slot": _INT,
-        "seq": _INT,
-        "ids_dtype": (str,),
-        "ids_shape": (list,),
-        "inline": (bool,),
-        "ack": (bool,),
-    },
-    "release": {"client_id": _INT},
-    "heartbeat": {"client_id": (int, type(None)), "token": (str,)},
-    "stats": {},
-    "health": {},
-    "drain": {},
-}
-_OPTIONAL: dict[str, dict[str, Any]] = {
-    "register": {"name": "", "mps": None},
-    "lookup": {"ack": True, "tokens": None},  # tokens: ids_shape[0]; checked against it if sent
-    "heartbeat": {"client_id": None, "token": "", "counts": None},
-    "release": {"counts": None},
-}
-OPERATIONS = tuple(_REQUEST_FIELDS)
-
-# Reply fields per operation that a client reads, with their types: checked once when a reply is
-# decoded, so a daemon that answers otherwise fails with a ProtocolError naming the field,
-# never with a KeyError deep in the client. Replies may carry more (stats: see the service).
-_NUMBER = (int, float)
-_REPLY_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
-    "register": {"client_id": _INT, "token": (str,), "mode": (str,), "layout": (dict,),
-                 "gather": (dict,), "heartbeat_interval": _NUMBER, "attach_within": _NUMBER,
-                 "geometry": (dict,), "shard": (dict,), "mps": (dict, type(None))},
-    "lookup": {"slot": _INT, "seq": _INT},  # CPU lookups add out_of_range (GPUs count on the device)
-    "release": {},
-    "heartbeat": {},
-    "stats": {"state": (str,), "uptime": _NUMBER},
-    "health": {"live": (bool,), "ready": (bool,), "state": (str,), "progress": _NUMBER,
-               "pid": _INT, "uptime": _NUMBER, "backend": (str, type(None)), "mps": (dict,)},
-}
+OPERATIONS = tuple(REQUESTS)
 
 
 def _with_origin(error: EngramError, op: str, rid: int) -> EngramError:
@@ -129,7 +82,7 @@ def _with_origin(error: EngramError, op: str, rid: int) -> EngramError:
 class Request:
     op: str
     rid: int
-    fields: dict[str, Any]
+    body: Any  # the operation's declared request (client/messages.py)
     payload: list[bytes] = field(default_factory=list)
     received: float = 0.0  # perf_counter() when the daemon read it
 
@@ -139,7 +92,7 @@ class Reply:
     op: str
     rid: int
     epoch: str
-    fields: dict[str, Any]
+    body: Any  # the operation's declared reply (client/messages.py)
     payload: list[bytes] = field(default_factory=list)
 
 
@@ -205,22 +158,14 @@ def _typed_request(header: dict[str, Any], op: Any, rid: Any, frames: list[bytes
         raise VersionError(f"protocol version {version!r} not supported; this daemon speaks {PROTOCOL_VERSION}")
     if not isinstance(rid, int) or isinstance(rid, bool):
         raise ProtocolError(f"field 'rid' must be an int, got {rid!r}")
-    if not isinstance(op, str) or op not in _REQUEST_FIELDS:
+    if not isinstance(op, str) or op not in REQUESTS:
         raise UnknownOperationError(f"unknown operation {op!r}; known: {', '.join(OPERATIONS)}")
-    fields = {**_OPTIONAL.get(op, {}), **{k: v for k, v in header.items() if k not in ("v", "op", "rid")}}
-    for name, types in _REQUEST_FIELDS[op].items():
-        if name not in fields:
-            raise ProtocolError(f"{op}: missing field {name!r}")
-        value = fields[name]
-        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-            raise ProtocolError(f"{op}: field {name!r} has wrong type {type(value).__name__}")
-    return Request(op=op, rid=rid, fields=fields, payload=list(frames[1:]))
+    return Request(op=op, rid=rid, body=REQUESTS[op].decode(header, op), payload=list(frames[1:]))
 
 
-def encode_reply(request_op: str, rid: int, epoch: str, payload: list[bytes] | None = None,
-                 **fields: Any) -> list[bytes]:
-    header = {"v": PROTOCOL_VERSION, "op": request_op, "rid": rid, "status": "ok", "code": "ok",
-              "message": "", "epoch": epoch, **fields}
+def encode_reply(rid: int, epoch: str, body: Message, payload: list[bytes] | None = None) -> list[bytes]:
+    header = {"v": PROTOCOL_VERSION, "op": body.OP, "rid": rid, "status": "ok", "code": "ok",
+              "message": "", "epoch": epoch, **body.encode()}
     return [_pack(header), *(payload or [])]
 
 
@@ -245,20 +190,12 @@ def decode_reply(frames: list[bytes]) -> Reply:
     epoch = str(header.get("epoch", ""))
     if header.get("status") != "ok":
         raise error_for_code(str(header.get("code")), str(header.get("message")), epoch)
-    fields = {k: v for k, v in header.items()
-              if k not in ("v", "op", "rid", "status", "code", "message", "epoch")}
-    _check_reply_fields(str(header.get("op")), fields)
-    return Reply(op=str(header.get("op")), rid=int(header.get("rid", 0)), epoch=epoch,
-                 fields=fields, payload=list(frames[1:]))
-
-
-def _check_reply_fields(op: str, fields: dict[str, Any]) -> None:
-    for name, types in _REPLY_FIELDS.get(op, {}).items():
-        if name not in fields:
-            raise ProtocolError(f"{op} reply: missing field {name!r}")
-        value = fields[name]
-        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-            raise ProtocolError(f"{op} reply: field {name!r} has wrong type {type(value).__name__}")
+    op = header.get("op")
+    if not isinstance(op, str) or op not in REPLIES:
+        raise ProtocolError(f"reply to unknown operation {op!r}")
+    rid = header.get("rid", 0)
+    return Reply(op=op, rid=rid if isinstance(rid, int) else 0, epoch=epoch,
+                 body=REPLIES[op].decode(header, f"{op} reply"), payload=list(frames[1:]))
 
 
 def reply_rid(frames: list[bytes]) -> int:

@@ -77,7 +77,7 @@ def _probe(args: argparse.Namespace, op: str) -> dict[str, Any] | None:
         else:
             print(f"engramd {op}: {exc.message}", file=sys.stderr)
         return None
-    return {**reply.fields, "epoch": reply.epoch}
+    return {**reply.body.encode(), "epoch": reply.epoch}
 
 
 def cmd_health(args: argparse.Namespace) -> int:

@@ -40,6 +40,7 @@ from engramd.client.errors import (
     UnknownOperationError,
 )
 from engramd.client.handles import PeerCredentials, error_reply, handle_socket_path
+from engramd.client.messages import Message
 from engramd.server.config import DaemonConfig
 from engramd.server.handle_server import HandleServer
 from engramd.server.metrics import Metrics
@@ -296,13 +297,13 @@ class Daemon:
             self.metrics.latency.observe(job.context["enqueued"] - job.context["received"])
         identity, rid = job.context["identity"], job.context["rid"]
         try:
-            fields = self.service.finish_lookup(job)
+            reply = self.service.finish_lookup(job)
         except EngramError as exc:
             self.service.count_error(exc.code)
             self._send(identity, protocol.encode_error("lookup", rid, self.epoch, exc))
             return
         if job.context["ack"]:
-            self._send(identity, protocol.encode_reply("lookup", rid, self.epoch, **fields))
+            self._send(identity, protocol.encode_reply(rid, self.epoch, reply))
 
     def _event_loaded(self, loaded: LoadedTables) -> None:
         if self.service.state == "stopping":
@@ -390,15 +391,15 @@ class Daemon:
             if self.service.registry is not None:  # the peer is gone: whatever it registered goes too
                 self.service.registry.retire_identity(identity, "reaped (its connection is gone)")
 
-    def _reply(self, request: protocol.Request, fields: dict[str, Any]) -> list[bytes]:
-        return protocol.encode_reply(request.op, request.rid, self.epoch, **fields)
+    def _reply(self, request: protocol.Request, body: Message) -> list[bytes]:
+        return protocol.encode_reply(request.rid, self.epoch, body)
 
     def _op_register(self, identity: bytes, request: protocol.Request) -> list[bytes]:
-        return self._reply(request, self.service.register(identity, request.fields))
+        return self._reply(request, self.service.register(identity, request.body))
 
     def _op_lookup(self, identity: bytes, request: protocol.Request) -> None:
-        self.service.lookup(identity, request.fields, request.payload, self._on_done,
-                            {"identity": identity, "rid": request.rid, "ack": request.fields["ack"],
+        self.service.lookup(identity, request.body, request.payload, self._on_done,
+                            {"identity": identity, "rid": request.rid, "ack": request.body.ack,
                              "received": request.received})
         return None  # answered on completion (GPU lookups without ack: only if they fail)
 
@@ -409,10 +410,10 @@ class Daemon:
             self.post("done", job)
 
     def _op_release(self, identity: bytes, request: protocol.Request) -> list[bytes]:
-        return self._reply(request, self.service.release(identity, request.fields))
+        return self._reply(request, self.service.release(identity, request.body))
 
     def _op_heartbeat(self, identity: bytes, request: protocol.Request) -> list[bytes]:
-        return self._reply(request, self.service.heartbeat(identity, request.fields))
+        return self._reply(request, self.service.heartbeat(identity, request.body))
 
     def _op_stats(self, identity: bytes, request: protocol.Request) -> list[bytes]:
         return self._reply(request, self.service.stats())

@@ -23,6 +23,7 @@ import torch
 
 from engramd.client.errors import BadRequestError, ReplyTimeoutError
 from engramd.client.handles import PeerCredentials
+from engramd.client.messages import LookupRequest, RegisterRequest, ReleaseRequest
 from engramd.server.backend import LookupJob
 from engramd.server.config import DaemonConfig
 from engramd.server.registry import ClientRecord
@@ -54,11 +55,11 @@ class InProcessService:
                name: str = "in-process") -> InProcessClient:
         """Register and attach a client, with this process's credentials."""
         identity = f"in-process-{next(self._identities)}".encode()
-        fields = self.service.register(identity, {
-            "pid": os.getpid(), "device": "cpu", "tp_rank": tp_rank, "tp_size": tp_size,
-            "max_tokens": max_tokens, "slots": slots, "name": name})
+        reply = self.service.register(identity, RegisterRequest(
+            pid=os.getpid(), device="cpu", tp_rank=tp_rank, tp_size=tp_size,
+            max_tokens=max_tokens, slots=slots, name=name))
         peer = PeerCredentials(os.getpid(), os.geteuid(), os.getegid())
-        record = self.service.attach(fields["client_id"], fields["token"], peer)
+        record = self.service.attach(reply.client_id, reply.token, peer)
         return InProcessClient(self.service, identity, record)
 
     def close(self) -> None:
@@ -97,16 +98,15 @@ class InProcessClient:
             jobs.append(job)
             finished.set()
 
-        fields = {"client_id": self.client_id, "slot": slot, "seq": seq, "tokens": None,
-                  "ids_dtype": str(ids.dtype), "ids_shape": list(ids.shape), "inline": True,
-                  "ack": True}
-        self.service.lookup(self.identity, fields, [ids.tobytes()], done, {})
+        request = LookupRequest(client_id=self.client_id, slot=slot, seq=seq, ids_dtype=str(ids.dtype),
+                                ids_shape=list(ids.shape), inline=True)
+        self.service.lookup(self.identity, request, [ids.tobytes()], done, {})
         if not finished.wait(LOOKUP_TIMEOUT_S):
             raise ReplyTimeoutError(f"in-process lookup {seq} not done within {LOOKUP_TIMEOUT_S} s")
         reply = self.service.finish_lookup(jobs[0])  # raises the lookup's typed error
-        self.out_of_range = reply.get("out_of_range", 0)
+        self.out_of_range = reply.out_of_range or 0
         rows = self.record.slab.rows(slot, ids.shape[0])
         return rows.clone() if copy else rows
 
     def release(self) -> None:
-        self.service.release(self.identity, {"client_id": self.client_id})
+        self.service.release(self.identity, ReleaseRequest(client_id=self.client_id))

@@ -1,7 +1,7 @@
 """The client registry: registered clients, their slabs and slots, lookup validation and statistics.
 
-It knows nothing of ZeroMQ: the daemon hands it decoded request fields and a peer identity, and
-gets back reply fields or a typed EngramError. A registration is made in two steps: `register`
+It knows nothing of ZeroMQ: the daemon hands it decoded requests (client/messages.py) and a peer
+identity, and gets back declared replies or a typed EngramError. A registration is made in two steps: `register`
 (ZeroMQ) reserves a place, `attach` (the handle socket, with the peer's kernel credentials)
 checks who the peer is and only then allocates its slab; the daemon keeps the attaching
 connection as the registration's lease and is told through `on_retire` when a registration
@@ -35,6 +35,7 @@ from engramd.client.errors import (
 from engramd.client.geometry import GeometryError, ShardView, TableGeometry
 from engramd.client.handles import PeerCredentials
 from engramd.client.ids import ID_DTYPES, ids_from_bytes
+from engramd.client.messages import LookupReply, LookupRequest, RegisterReply, RegisterRequest
 from engramd.client.mps import MpsState
 from engramd.client.slab import SlabLayout
 from engramd.server.backend import Backend, Completion, LookupJob, Slab
@@ -157,7 +158,7 @@ class ClientRegistry:
 
     # -- registration ---------------------------------------------------------------------------
 
-    def register(self, identity: bytes, req: dict[str, Any]) -> dict[str, Any]:
+    def register(self, identity: bytes, req: RegisterRequest) -> RegisterReply:
         live = [c for c in self.clients.values() if not c.releasing]
         if len(live) >= self.limits.max_clients and not self._evict_unattached(live):
             raise ResourceError(f"client limit reached ({self.limits.max_clients} registered)")
@@ -167,42 +168,40 @@ class ClientRegistry:
                                 "attach them (handle socket) before registering more")
         shard = self._shard_for(req)
         layout = SlabLayout(
-            slots=_bounded("slots", req["slots"], 1, self.limits.max_slots),
-            max_tokens=_bounded("max_tokens", req["max_tokens"], 1, self.limits.max_tokens),
+            slots=_bounded("slots", req.slots, 1, self.limits.max_slots),
+            max_tokens=_bounded("max_tokens", req.max_tokens, 1, self.limits.max_tokens),
             n_layers=self.geometry.n_layers, heads=self.geometry.heads,
             local_heads=shard.local_heads, head_dim=self.geometry.head_dim)
-        mps = self._mps_report(req["device"], req.get("mps"))
-        mode = self._mode_for(req.get("mode"), req["device"], mps)
+        mps = self._mps_report(req.device, req.mps)
+        mode = self._mode_for(req.mode, req.device, mps)
         if mode == "served":
-            self.backend.check_device(req["device"])
+            self.backend.check_device(req.device)
             self._check_budget(layout)
         if mode == "served" and mps is not None and not mps["shared"]:
             log.warning("a client on %s is served without a shared MPS server (daemon: %s, client: %s): "
                         "the daemon's gathers time-slice with the client's kernels instead of "
                         "overlapping them; run nvidia-cuda-mps-control for both (README, 'MPS'), "
-                        "or register it in mapped mode", req["device"], mps["daemon"], mps["client"])
+                        "or register it in mapped mode", req.device, mps["daemon"], mps["client"])
         client_id = self._next_id
         self._next_id += 1
-        record = ClientRecord(client_id, identity, str(req.get("name", ""))[:128], req["device"],
-                              req["tp_rank"], req["tp_size"], shard, layout, req["pid"],
+        record = ClientRecord(client_id, identity, req.name[:128], req.device,
+                              req.tp_rank, req.tp_size, shard, layout, req.pid,
                               secrets.token_hex(16), mps_shared=mps["shared"] if mps else None,
                               mode=mode)
         self.clients[client_id] = record
         self.totals["registrations"] += 1
         log.info("registered client %d (pid %d as it says, %s, tp %d/%d, %s, %d slots x %d tokens)",
-                 client_id, req["pid"], req["device"], req["tp_rank"], req["tp_size"], mode,
+                 client_id, req.pid, req.device, req.tp_rank, req.tp_size, mode,
                  layout.slots, layout.max_tokens)
-        return {"client_id": client_id, "token": record.token, "mode": mode,
-                "layout": layout.to_wire(),
-                "gather": {"sort_min_tokens": self.limits.sort_min_tokens,
-                           "sm_fraction": self.limits.sm_fraction},
-                "heartbeat_interval": self.limits.heartbeat_interval,
-                "attach_within": self.limits.attach_timeout,
-                "geometry": self.geometry.to_config(),
-                "shard": {"rank": shard.rank, "shards": shard.shards, "head_start": shard.head_start,
-                          "head_end": shard.head_end, "local_heads": shard.local_heads,
-                          "row_ranges": [list(r) for r in shard.row_ranges]},
-                "mps": mps}
+        return RegisterReply(
+            client_id=client_id, token=record.token, mode=mode, layout=layout.to_wire(),
+            gather={"sort_min_tokens": self.limits.sort_min_tokens, "sm_fraction": self.limits.sm_fraction},
+            heartbeat_interval=self.limits.heartbeat_interval, attach_within=self.limits.attach_timeout,
+            geometry=self.geometry.to_config(),
+            shard={"rank": shard.rank, "shards": shard.shards, "head_start": shard.head_start,
+                   "head_end": shard.head_end, "local_heads": shard.local_heads,
+                   "row_ranges": [list(r) for r in shard.row_ranges]},
+            mps=mps)
 
     def _evict_unattached(self, live: list[ClientRecord]) -> bool:
         """Make room by retiring the oldest registration that was never attached although it
@@ -287,11 +286,11 @@ class ClientRegistry:
         return {"daemon": daemon.to_wire(), "client": client.to_wire() if client else None,
                 "shared": shared}
 
-    def _shard_for(self, req: dict[str, Any]) -> ShardView:
-        if req["tp_size"] < 1 or req["tp_size"] > self.geometry.heads * 64:
-            raise BadRequestError(f"tp_size {req['tp_size']} out of range [1, {self.geometry.heads * 64}]")
+    def _shard_for(self, req: RegisterRequest) -> ShardView:
+        if req.tp_size < 1 or req.tp_size > self.geometry.heads * 64:
+            raise BadRequestError(f"tp_size {req.tp_size} out of range [1, {self.geometry.heads * 64}]")
         try:
-            return self.geometry.shard(req["tp_rank"], req["tp_size"])
+            return self.geometry.shard(req.tp_rank, req.tp_size)
         except GeometryError as exc:
             raise BadRequestError(f"tp_rank/tp_size: {exc}") from None
 
@@ -394,9 +393,9 @@ class ClientRegistry:
 
     # -- lookups --------------------------------------------------------------------------------
 
-    def start_lookup(self, identity: bytes, req: dict[str, Any], payload: list[bytes],
+    def start_lookup(self, identity: bytes, req: LookupRequest, payload: list[bytes],
                      done: Completion, context: dict[str, Any]) -> LookupJob:
-        record = self.client(identity, req["client_id"])
+        record = self.client(identity, req.client_id)
         if record.slab is None:
             record.errors += 1
             if record.mode == "served":
@@ -414,19 +413,19 @@ class ClientRegistry:
         self.backend.submit(job, done)
         return job
 
-    def _release_refused(self, record: ClientRecord, req: dict[str, Any], done: Completion) -> None:
+    def _release_refused(self, record: ClientRecord, req: LookupRequest, done: Completion) -> None:
         """GPU clients wait on the slot's counter without awaiting the reply: release it in order."""
-        slot = req["slot"]
+        slot = req.slot
         if not self.backend.orders_slots or not 0 <= slot < record.slab.layout.slots:
             return
-        job = LookupJob(record.client_id, record.slab, record.shard, slot, req["seq"], 0,
+        job = LookupJob(record.client_id, record.slab, record.shard, slot, req.seq, 0,
                         skip=True, context={"silent": True})
         record.in_flight[slot] += 1
         self.backend.submit(job, done)
 
-    def _validate_lookup(self, record: ClientRecord, req: dict[str, Any], payload: list[bytes]) -> LookupJob:
+    def _validate_lookup(self, record: ClientRecord, req: LookupRequest, payload: list[bytes]) -> LookupJob:
         layout: SlabLayout = record.slab.layout
-        slot, tokens = req["slot"], _tokens_of(req)
+        slot, tokens = req.slot, _tokens_of(req)
         if not 0 <= slot < layout.slots:
             raise BadRequestError(f"slot {slot} outside [0, {layout.slots})")
         if record.in_flight[slot] and not self.backend.orders_slots:
@@ -434,13 +433,13 @@ class ClientRegistry:
         if not 1 <= tokens <= layout.max_tokens:
             raise BadIdsError(f"{tokens} tokens; this client registered 1..{layout.max_tokens}")
         expected = [tokens, self.geometry.n_layers, self.geometry.heads]
-        if req["ids_shape"] != expected:
-            raise BadIdsError(f"ids shape {req['ids_shape']!r}, expected {expected} ([T, n_layers, heads])")
-        dtype = req["ids_dtype"]
+        if req.ids_shape != expected:
+            raise BadIdsError(f"ids shape {req.ids_shape!r}, expected {expected} ([T, n_layers, heads])")
+        dtype = req.ids_dtype
         if dtype not in ID_DTYPES:
             raise BadIdsError(f"ids dtype {dtype!r}; expected int32 or int64")
         inline = None
-        if req["inline"]:
+        if req.inline:
             nbytes = tokens * self.geometry.n_layers * self.geometry.heads * np.dtype(dtype).itemsize
             if len(payload) != 1 or len(payload[0]) != nbytes:
                 got = [len(p) for p in payload]
@@ -448,11 +447,12 @@ class ClientRegistry:
             inline = ids_from_bytes(payload[0], dtype, tuple(expected))
         elif payload:
             raise BadIdsError("payload frames sent with inline=false")
-        return LookupJob(record.client_id, record.slab, record.shard, slot, req["seq"], tokens,
+        return LookupJob(record.client_id, record.slab, record.shard, slot, req.seq, tokens,
                          ids_dtype=dtype, inline_ids=inline)
 
-    def finish_lookup(self, job: LookupJob) -> dict[str, Any]:
-        """Book-keep a completed job; returns reply fields or raises the job's error."""
+    def finish_lookup(self, job: LookupJob) -> LookupReply | None:
+        """Book-keep a completed job; returns its reply (None for a skipped one, which is
+        silent) or raises the job's error."""
         record = self.clients.get(job.client_id)
         if record is not None:
             record.in_flight[job.slot] -= 1
@@ -461,7 +461,7 @@ class ClientRegistry:
             if record.releasing and not record.in_flight:
                 self._free(record)
         if job.skip:
-            return {}
+            return None
         if job.error is not None:
             if record is not None:
                 record.errors += 1
@@ -478,10 +478,8 @@ class ClientRegistry:
             record.lookups += 1
             record.rows += rows
             record.out_of_range += job.out_of_range
-        fields = {"slot": job.slot, "seq": job.seq}
-        if self.backend.counts_per_job:  # a GPU's count stays on the device (stats reads it)
-            fields["out_of_range"] = job.out_of_range
-        return fields
+        # A GPU's count stays on the device (stats reads it).
+        return LookupReply(job.slot, job.seq, job.out_of_range if self.backend.counts_per_job else None)
 
     # -- introspection --------------------------------------------------------------------------
 
@@ -509,13 +507,13 @@ class ClientRegistry:
             self._free(record)
 
 
-def _tokens_of(req: dict[str, Any]) -> int:
+def _tokens_of(req: LookupRequest) -> int:
     """A lookup's token count: its IDs' first dimension (a `tokens` field, if sent, must agree)."""
-    shape = req["ids_shape"]
+    shape = req.ids_shape
     if not shape or type(shape[0]) is not int:
         raise BadIdsError(f"ids shape {shape!r}: expected [T, n_layers, heads] of ints")
-    if req.get("tokens") not in (None, shape[0]):
-        raise BadIdsError(f"tokens {req['tokens']!r} but ids shape {shape!r}")
+    if req.tokens not in (None, shape[0]):
+        raise BadIdsError(f"tokens {req.tokens!r} but ids shape {shape!r}")
     return shape[0]
 
 

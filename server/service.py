@@ -4,9 +4,9 @@ What a request asks and what the answer holds, for every operation: register, lo
 heartbeat, stats, health, and the admin operations (who the clients are, drain), plus the
 daemon's state (starting, loading, ready, stopping) that decides which may run. The daemon
 (daemon.py) owns the sockets, threads and signals: it decodes a request, calls the method here,
-and encodes what comes back (reply fields, or a typed EngramError). Nothing here knows ZeroMQ,
-the handle socket or file descriptors, so tests drive the service in-process
-(tests/test_service.py), as an engine core is driven without its client.
+and encodes what comes back (a declared reply of client/messages.py, or a typed EngramError).
+Nothing here knows ZeroMQ, the handle socket or file descriptors, so tests drive the service
+in-process (tests/test_service.py), as an engine core is driven without its client.
 
 Every method runs on the daemon's loop thread, except `admits` (the handle socket's threads ask
 it before reading a request; it only reads settings).
@@ -21,6 +21,18 @@ from typing import Any
 
 from engramd.client.errors import NotReadyError, PermissionDeniedError
 from engramd.client.handles import PeerCredentials
+from engramd.client.messages import (
+    HealthReply,
+    HeartbeatReply,
+    HeartbeatRequest,
+    LookupReply,
+    LookupRequest,
+    RegisterReply,
+    RegisterRequest,
+    ReleaseReply,
+    ReleaseRequest,
+    StatsReply,
+)
 from engramd.server.backend import Completion, LookupJob
 from engramd.server.config import DaemonConfig
 from engramd.server.registry import ClientRecord, ClientRegistry, Limits
@@ -76,41 +88,42 @@ class Service:
             raise NotReadyError(f"{op}: daemon is {self.state}")
         return self.registry
 
-    def register(self, identity: bytes, fields: dict[str, Any]) -> dict[str, Any]:
-        return self._serving("register").register(identity, fields)
+    def register(self, identity: bytes, request: RegisterRequest) -> RegisterReply:
+        return self._serving("register").register(identity, request)
 
-    def lookup(self, identity: bytes, fields: dict[str, Any], payload: list[bytes], done: Completion,
+    def lookup(self, identity: bytes, request: LookupRequest, payload: list[bytes], done: Completion,
                context: dict[str, Any]) -> None:
         """Start a lookup; `done(job)` is called once, from any thread (see finish_lookup)."""
-        self._registered("lookup").start_lookup(identity, fields, payload, done, context)
+        self._registered("lookup").start_lookup(identity, request, payload, done, context)
 
-    def finish_lookup(self, job: LookupJob) -> dict[str, Any]:
+    def finish_lookup(self, job: LookupJob) -> LookupReply | None:
+        """The lookup's reply (None for a job that was skipped), or its typed error raised."""
         return self._registered("lookup").finish_lookup(job)
 
-    def release(self, identity: bytes, fields: dict[str, Any]) -> dict[str, Any]:
-        self._registered("release").release(identity, fields["client_id"], fields.get("counts"))
-        return {}
+    def release(self, identity: bytes, request: ReleaseRequest) -> ReleaseReply:
+        self._registered("release").release(identity, request.client_id, request.counts)
+        return ReleaseReply()
 
-    def heartbeat(self, identity: bytes, fields: dict[str, Any]) -> dict[str, Any]:
-        if fields["client_id"] is not None:  # a bare heartbeat only asks whether we are here
-            self._registered("heartbeat").heartbeat(identity, fields["client_id"], fields["token"],
-                                                    fields.get("counts"))
-        return {}
+    def heartbeat(self, identity: bytes, request: HeartbeatRequest) -> HeartbeatReply:
+        if request.client_id is not None:  # a bare heartbeat only asks whether we are here
+            self._registered("heartbeat").heartbeat(identity, request.client_id, request.token,
+                                                    request.counts)
+        return HeartbeatReply()
 
     def attach(self, client_id: int, token: str, peer: PeerCredentials) -> ClientRecord:
         return self._serving("attach").attach(client_id, token, peer)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> StatsReply:
         """Counts anyone who may connect may see: no client's pid, name or uid (see clients)."""
         stats = self.registry.stats() if self.registry is not None else {}
-        return {"state": self.state, "uptime": time.monotonic() - self.started,
-                "hot_cache": self.cache_stats(), "mps": self.mps(), **stats}
+        return StatsReply(state=self.state, uptime=time.monotonic() - self.started,
+                          hot_cache=self.cache_stats(), mps=self.mps(), **stats)
 
-    def health(self) -> dict[str, Any]:
-        return {"live": True, "ready": self.state == "ready", "state": self.state,
-                "progress": round(self.progress, 4), "pid": os.getpid(),
-                "uptime": round(time.monotonic() - self.started, 3),
-                "backend": self.tables.backend.name if self.tables else None, "mps": self.mps()}
+    def health(self) -> HealthReply:
+        return HealthReply(live=True, ready=self.state == "ready", state=self.state,
+                           progress=round(self.progress, 4), pid=os.getpid(),
+                           uptime=round(time.monotonic() - self.started, 3),
+                           backend=self.tables.backend.name if self.tables else None, mps=self.mps())
 
     def mps(self) -> dict[str, Any]:
         """Per GPU UUID, the daemon's MPS state there (empty on the CPU backend or while loading)."""

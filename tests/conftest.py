@@ -162,7 +162,7 @@ class DaemonProcess:
 
     def health(self, timeout: float = 1.0) -> dict | None:
         try:
-            return probe(self.socket, "health", timeout).fields
+            return probe(self.socket, "health", timeout).body.encode()
         except EngramError:
             return None
 

@@ -14,6 +14,7 @@ from engramd.client.errors import (
     UnknownOperationError,
     VersionError,
 )
+from engramd.client.messages import REPLIES, REQUESTS, LookupReply, LookupRequest, StatsReply
 
 LOOKUP_FIELDS = dict(client_id=3, slot=1, seq=9, tokens=2, ids_dtype="int32",
                      ids_shape=[2, 2, 24], inline=True)
@@ -24,14 +25,14 @@ def test_request_round_trip_keeps_fields_and_payload():
     frames = protocol.encode_request("lookup", 41, payload, **LOOKUP_FIELDS)
     request = protocol.decode_request(frames)
     assert (request.op, request.rid) == ("lookup", 41)
-    assert {k: request.fields[k] for k in LOOKUP_FIELDS} == LOOKUP_FIELDS
+    assert request.body == LookupRequest(**LOOKUP_FIELDS)
     assert request.payload == payload
 
 
 def test_reply_round_trip_and_error_reply_raises_typed_error():
-    ok = protocol.decode_reply(protocol.encode_reply("stats", 5, "ep1", state="ready", uptime=1.5,
-                                                     lookups=12))
-    assert (ok.rid, ok.epoch, ok.fields["lookups"]) == (5, "ep1", 12)
+    sent = StatsReply(state="ready", uptime=1.5, lookups=12, errors={"bad_ids": 2})
+    ok = protocol.decode_reply(protocol.encode_reply(5, "ep1", sent))
+    assert (ok.op, ok.rid, ok.epoch, ok.body) == ("stats", 5, "ep1", sent)
     frames = protocol.encode_error("lookup", 6, "ep1", BadIdsError("ids shape [1] wrong"))
     assert protocol.reply_rid(frames) == 6
     with pytest.raises(BadIdsError, match=r"ids shape \[1\] wrong") as info:
@@ -103,9 +104,9 @@ def test_decode_errors_name_the_request_they_answer(frames, op, rid):
 
 def test_lookup_ack_defaults_to_true_and_travels():
     frames = protocol.encode_request("lookup", 3, None, **{**LOOKUP_FIELDS, "inline": False})
-    assert protocol.decode_request(frames).fields["ack"] is True
+    assert protocol.decode_request(frames).body.ack is True
     frames = protocol.encode_request("lookup", 4, None, **{**LOOKUP_FIELDS, "inline": False}, ack=False)
-    assert protocol.decode_request(frames).fields["ack"] is False
+    assert protocol.decode_request(frames).body.ack is False
 
 
 def test_lookup_ack_must_be_a_bool():
@@ -121,10 +122,24 @@ def test_lookup_ack_must_be_a_bool():
 ])
 def test_a_reply_without_its_declared_fields_is_a_protocol_error(fields, text):
     """A daemon that answers otherwise than the client reads fails at decode, naming the field."""
+    header = {"v": 1, "op": "lookup", "rid": 3, "status": "ok", "code": "ok", "message": "",
+              "epoch": "ep"}
     with pytest.raises(ProtocolError, match=text):
-        protocol.decode_reply(protocol.encode_reply("lookup", 3, "ep", **fields))
-    assert protocol.decode_reply(protocol.encode_reply("lookup", 3, "ep", slot=0, seq=1)).fields == \
-        {"slot": 0, "seq": 1}
+        protocol.decode_reply([msgpack.packb({**header, **fields})])
+    decoded = protocol.decode_reply([msgpack.packb({**header, "slot": 0, "seq": 1, "extra": "x"})])
+    assert decoded.body == LookupReply(slot=0, seq=1, out_of_range=None)  # unknown fields ignored
+
+
+def test_a_reply_to_an_operation_nobody_declared_is_a_protocol_error():
+    header = {"v": 1, "op": "explode", "rid": 3, "status": "ok", "code": "ok", "epoch": "ep"}
+    with pytest.raises(ProtocolError, match="unknown operation 'explode'"):
+        protocol.decode_reply([msgpack.packb(header)])
+
+
+def test_every_operation_has_one_declared_request_and_one_reply():
+    assert set(REQUESTS) == set(protocol.OPERATIONS)
+    assert set(REPLIES) - {"notice"} == set(REQUESTS) - {"drain"}  # drain is refused over ZeroMQ
+    assert all(cls.OP == op for op, cls in {**REQUESTS, **REPLIES}.items())
 
 
 def test_a_lookup_need_not_repeat_its_token_count():
@@ -132,4 +147,4 @@ def test_a_lookup_need_not_repeat_its_token_count():
     it and checks one that is sent, tests/test_registry.py)."""
     fields = {k: v for k, v in LOOKUP_FIELDS.items() if k != "tokens"}
     request = protocol.decode_request(protocol.encode_request("lookup", 8, [b"\0" * 384], **fields))
-    assert request.fields["tokens"] is None and request.fields["ids_shape"] == [2, 2, 24]
+    assert request.body.tokens is None and request.body.ids_shape == [2, 2, 24]

@@ -3,6 +3,7 @@ reaping, credentials and budgets."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from engramd.client.errors import (
 )
 from engramd.client.geometry import TableGeometry
 from engramd.client.handles import PeerCredentials
+from engramd.client.messages import LookupReply, LookupRequest, RegisterRequest
 from engramd.server.registry import ATTACH_TIMEOUT_S, HUNG_AFTER_S, ClientRegistry, Limits
 
 
@@ -84,14 +86,14 @@ def register(store: ClientRegistry, identity: bytes = b"a", pid: int | None = No
     """Register and attach, as the daemon does over its two sockets."""
     req = {"pid": os.getpid(), "device": "cpu", "tp_rank": 0, "tp_size": 1, "max_tokens": 8,
            "slots": 2, **over}
-    reply = store.register(identity, req)
-    store.attach(reply["client_id"], reply["token"], me(pid))
-    return reply["client_id"]
+    reply = store.register(identity, RegisterRequest(**req))
+    store.attach(reply.client_id, reply.token, me(pid))
+    return reply.client_id
 
 
-def lookup_req(client_id: int, slot: int = 0, seq: int = 1, tokens: int = 2, **over) -> dict:
-    return {"client_id": client_id, "slot": slot, "seq": seq, "tokens": tokens, "ids_dtype": "int32",
-            "ids_shape": [tokens, 2, 24], "inline": True, **over}
+def lookup_req(client_id: int, slot: int = 0, seq: int = 1, tokens: int = 2, **over) -> LookupRequest:
+    return LookupRequest(**{"client_id": client_id, "slot": slot, "seq": seq, "tokens": tokens,
+                            "ids_dtype": "int32", "ids_shape": [tokens, 2, 24], "inline": True, **over})
 
 
 def ids_frame(tokens: int = 2) -> list[bytes]:
@@ -100,7 +102,7 @@ def ids_frame(tokens: int = 2) -> list[bytes]:
 
 def start(store, client_id, identity=b"a", **over):
     req = lookup_req(client_id, **over)
-    return store.start_lookup(identity, req, ids_frame(req["tokens"]), lambda job: None, {})
+    return store.start_lookup(identity, req, ids_frame(req.tokens), lambda job: None, {})
 
 
 def test_register_limits_and_identity():
@@ -124,7 +126,7 @@ def test_unordered_backend_refuses_a_busy_slot_until_it_completes():
     with pytest.raises(SlotBusyError):
         start(store, client_id, slot=0, seq=2)
     start(store, client_id, slot=1, seq=2)  # other slots are free
-    assert store.finish_lookup(backend.jobs[0]) == {"slot": 0, "seq": 1, "out_of_range": 0}
+    assert store.finish_lookup(backend.jobs[0]) == LookupReply(slot=0, seq=1, out_of_range=0)
     start(store, client_id, slot=0, seq=3)
     assert store.stats()["lookups"] == 1 and store.stats()["rows"] == 2 * 2 * 24
 
@@ -187,16 +189,16 @@ def test_registration_reports_whether_daemon_and_gpu_client_share_mps(caplog):
              ("cuda:GPU-a", None, False), ("cuda:GPU-a", {"enabled": "yes"}, False),
              ("cuda:GPU-b", {"enabled": False, "server": ""}, False)]
     for device, reported, expected in cases:
-        reply = store.register(b"x", {"pid": os.getpid(), "device": device, "tp_rank": 0,
-                                      "tp_size": 1, "max_tokens": 8, "slots": 2, "mps": reported})
-        assert reply["mps"]["shared"] is expected, (device, reported, reply["mps"])
-        record = store.clients[reply["client_id"]]
+        reply = store.register(b"x", RegisterRequest(**{"pid": os.getpid(), "device": device, "tp_rank": 0,
+                                      "tp_size": 1, "max_tokens": 8, "slots": 2, "mps": reported}))
+        assert reply.mps["shared"] is expected, (device, reported, reply.mps)
+        record = store.clients[reply.client_id]
         assert record.summary()["mps_shared"] is expected
-        store.release(b"x", reply["client_id"])
+        store.release(b"x", reply.client_id)
     assert sum("without a shared MPS server" in m for m in caplog.messages) == 4
-    cpu = store.register(b"y", {"pid": os.getpid(), "device": "cpu", "tp_rank": 0, "tp_size": 1,
-                                "max_tokens": 8, "slots": 2})
-    assert cpu["mps"] is None
+    cpu = store.register(b"y", RegisterRequest(**{"pid": os.getpid(), "device": "cpu", "tp_rank": 0, "tp_size": 1,
+                                "max_tokens": 8, "slots": 2}))
+    assert cpu.mps is None
 
 
 def test_mps_state_identity_follows_the_folder_not_its_name(tmp_path, monkeypatch):
@@ -228,13 +230,13 @@ def test_auto_mode_serves_where_mps_is_shared_and_maps_elsewhere():
     backend.mps = {"GPU-a": MpsState(True, "1:1")}
 
     def mode_of(reported_server: str, **over) -> str:
-        reply = store.register(b"x", {"pid": os.getpid(), "device": "cuda:GPU-a", "tp_rank": 0,
+        reply = store.register(b"x", RegisterRequest(**{"pid": os.getpid(), "device": "cuda:GPU-a", "tp_rank": 0,
                                       "tp_size": 1, "max_tokens": 8, "slots": 2, "mode": "auto",
-                                      "mps": {"enabled": True, "server": reported_server}, **over})
-        record = store.attach(reply["client_id"], reply["token"], me())
-        store.release(b"x", reply["client_id"])
-        assert (record.slab is None) == (reply["mode"] == "mapped")
-        return reply["mode"]
+                                      "mps": {"enabled": True, "server": reported_server}, **over}))
+        record = store.attach(reply.client_id, reply.token, me())
+        store.release(b"x", reply.client_id)
+        assert (record.slab is None) == (reply.mode == "mapped")
+        return reply.mode
 
     assert mode_of("1:1") == "served"
     assert mode_of("9:9") == "mapped"
@@ -245,9 +247,9 @@ def test_auto_mode_serves_where_mps_is_shared_and_maps_elsewhere():
 
 def test_a_token_attaches_once_and_mapped_clients_are_refused_served_lookups():
     store, backend = make_store()
-    reply = store.register(b"m", {"pid": os.getpid(), "device": "cpu", "tp_rank": 0, "tp_size": 1,
-                                  "max_tokens": 8, "slots": 2, "mode": "mapped"})
-    client_id, token = reply["client_id"], reply["token"]
+    reply = store.register(b"m", RegisterRequest(**{"pid": os.getpid(), "device": "cpu", "tp_rank": 0, "tp_size": 1,
+                                  "max_tokens": 8, "slots": 2, "mode": "mapped"}))
+    client_id, token = reply.client_id, reply.token
     with pytest.raises(NotRegisteredError):
         store.attach(client_id, token[::-1], me())
     with pytest.raises(NotRegisteredError):
@@ -258,15 +260,15 @@ def test_a_token_attaches_once_and_mapped_clients_are_refused_served_lookups():
     lookup = {"client_id": client_id, "slot": 0, "seq": 1, "tokens": 1, "ids_dtype": "int64",
               "ids_shape": [1, 2, 24], "inline": True}
     with pytest.raises(BadRequestError, match="mapped mode"):
-        store.start_lookup(b"m", lookup, [np.zeros((1, 2, 24)).tobytes()], lambda job: None, {})
+        store.start_lookup(b"m", LookupRequest(**lookup), [np.zeros((1, 2, 24)).tobytes()], lambda job: None, {})
     assert backend.jobs == [] and backend.slabs == []
 
 
 def test_mapped_counts_from_heartbeats_only_grow_and_survive_the_client():
     store, _ = make_store()
-    reply = store.register(b"m", {"pid": os.getpid(), "device": "cpu", "tp_rank": 0, "tp_size": 1,
-                                  "max_tokens": 8, "slots": 2, "mode": "mapped"})
-    client_id, token = reply["client_id"], reply["token"]
+    reply = store.register(b"m", RegisterRequest(**{"pid": os.getpid(), "device": "cpu", "tp_rank": 0, "tp_size": 1,
+                                  "max_tokens": 8, "slots": 2, "mode": "mapped"}))
+    client_id, token = reply.client_id, reply.token
     store.heartbeat(b"other-connection", client_id, token, {"lookups": 4, "rows": 40, "out_of_range": 1})
     store.heartbeat(b"m", client_id, "", {"lookups": 3, "rows": "lots", "out_of_range": 1})  # stale
     stats = store.stats()
@@ -281,10 +283,10 @@ def test_mapped_counts_from_heartbeats_only_grow_and_survive_the_client():
 def test_a_peer_outside_the_allowed_ids_is_refused_with_nothing_allocated():
     uid, gid = os.getuid(), os.getgid()
     store, backend = make_store(allowed_uids=frozenset({uid + 1}), allowed_gids=frozenset({gid + 1}))
-    reply = store.register(b"a", {"pid": os.getpid(), "device": "cpu", "tp_rank": 0, "tp_size": 1,
-                                  "max_tokens": 8, "slots": 2})
+    reply = store.register(b"a", RegisterRequest(**{"pid": os.getpid(), "device": "cpu", "tp_rank": 0, "tp_size": 1,
+                                  "max_tokens": 8, "slots": 2}))
     with pytest.raises(PermissionDeniedError, match=f"uid {uid} / gid {gid}"):
-        store.attach(reply["client_id"], reply["token"], me())
+        store.attach(reply.client_id, reply.token, me())
     assert backend.slabs == [] and store.clients == {}
     for allowed in ({"allowed_uids": frozenset({uid})}, {"allowed_gids": frozenset({gid})},
                     {"allowed_uids": frozenset({uid + 1}), "allowed_gids": frozenset({gid})}):
@@ -299,8 +301,8 @@ def test_unattached_and_silent_invisible_clients_are_reaped_after_the_silence(mo
     now = [1000.0]
     monkeypatch.setattr(registry_module.time, "monotonic", lambda: now[0])
     store, backend = make_store(heartbeat_interval=1.0)
-    pending = store.register(b"p", {"pid": os.getpid(), "device": "cpu", "tp_rank": 0,
-                                    "tp_size": 1, "max_tokens": 8, "slots": 2})["client_id"]
+    pending = store.register(b"p", RegisterRequest(**{"pid": os.getpid(), "device": "cpu", "tp_rank": 0,
+                                    "tp_size": 1, "max_tokens": 8, "slots": 2})).client_id
     invisible = register(store, identity=b"i", pid=0)  # SO_PEERCRED says 0: not visible here
     assert ATTACH_TIMEOUT_S < HUNG_AFTER_S == store.limits.silence_s  # the floor, at 1 s beats
     now[0] += ATTACH_TIMEOUT_S - 0.01
@@ -320,8 +322,8 @@ def test_slabs_are_reserved_against_one_budget_at_registration():
     first = register(store)  # 8 tokens x 2 slots: one 2 MiB granule
     register(store, identity=b"b")
     with pytest.raises(ResourceError, match="slab budget"):
-        store.register(b"c", {"pid": os.getpid(), "device": "cpu", "tp_rank": 0, "tp_size": 1,
-                              "max_tokens": 8, "slots": 2})
+        store.register(b"c", RegisterRequest(**{"pid": os.getpid(), "device": "cpu", "tp_rank": 0, "tp_size": 1,
+                              "max_tokens": 8, "slots": 2}))
     store.release(b"a", first)
     register(store, identity=b"c")  # the released slab's bytes are free again
     assert len(backend.slabs) == 3
@@ -337,13 +339,13 @@ def test_registrations_never_attached_give_their_places_to_new_ones(monkeypatch)
     monkeypatch.setattr(registry_module.time, "monotonic", lambda: now[0])
     store, backend = make_store()  # two places
     attached = register(store, identity=b"good")
-    hostile = store.register(b"h1", {"pid": 1, "device": "cpu", "tp_rank": 0, "tp_size": 1,
-                                     "max_tokens": 8, "slots": 2})["client_id"]
-    fresh = {"pid": os.getpid(), "device": "cpu", "tp_rank": 0, "tp_size": 1, "max_tokens": 8, "slots": 2}
+    hostile = store.register(b"h1", RegisterRequest(**{"pid": 1, "device": "cpu", "tp_rank": 0, "tp_size": 1,
+                                     "max_tokens": 8, "slots": 2})).client_id
+    fresh = RegisterRequest(**{"pid": os.getpid(), "device": "cpu", "tp_rank": 0, "tp_size": 1, "max_tokens": 8, "slots": 2})
     with pytest.raises(ResourceError, match="client limit"):
         store.register(b"new", fresh)  # the unattached one is still within its grace
     now[0] += registry_module.PENDING_GRACE_S + 0.01
-    newcomer = store.register(b"new", fresh)["client_id"]
+    newcomer = store.register(b"new", fresh).client_id
     assert sorted(store.clients) == sorted([attached, newcomer]) and hostile not in store.clients
     with pytest.raises(ResourceError, match="client limit"):
         store.register(b"later", fresh)  # the newcomer is fresh and the other one attached
@@ -352,13 +354,13 @@ def test_registrations_never_attached_give_their_places_to_new_ones(monkeypatch)
 def test_tokens_come_from_the_ids_shape_and_a_sent_count_must_agree():
     store, backend = make_store()
     client_id = register(store)
-    req = lookup_req(client_id)
-    del req["tokens"]
-    store.start_lookup(b"a", req, ids_frame(2), lambda job: None, {})
+    unsent = LookupRequest(client_id, slot=0, seq=1, ids_dtype="int32", ids_shape=[2, 2, 24], inline=True)
+    assert unsent.tokens is None
+    store.start_lookup(b"a", unsent, ids_frame(2), lambda job: None, {})
     assert backend.jobs[-1].tokens == 2
     with pytest.raises(BadIdsError, match=r"tokens 3 but ids shape \[2, 2, 24\]"):
-        store.start_lookup(b"a", {**lookup_req(client_id, slot=1), "tokens": 3}, ids_frame(2),
-                           lambda job: None, {})
+        store.start_lookup(b"a", dataclasses.replace(lookup_req(client_id, slot=1), tokens=3),
+                           ids_frame(2), lambda job: None, {})
 
 
 def test_a_device_counting_backend_reports_no_per_lookup_count():
@@ -371,5 +373,5 @@ def test_a_device_counting_backend_reports_no_per_lookup_count():
         store.start_lookup(b"a", lookup_req(client_id), ids_frame(2), lambda job: None, {})
         job = backend.jobs[-1]
         job.out_of_range = 5
-        fields = store.finish_lookup(job)
-        assert fields == ({"slot": 0, "seq": 1, "out_of_range": 5} if per_job else {"slot": 0, "seq": 1})
+        reply = store.finish_lookup(job)
+        assert reply == LookupReply(slot=0, seq=1, out_of_range=5 if per_job else None)

@@ -44,7 +44,7 @@ def start_daemon(workdir: Path, flags: list[str], timeout: float = 600.0,
         if proc.poll() is not None:
             raise SystemExit(f"daemon exited with {proc.returncode}:\n{log_path.read_text()}")
         try:
-            if probe(socket, "health", 1.0).fields["ready"]:
+            if probe(socket, "health", 1.0).body.ready:
                 return proc, socket
         except EngramError:
             pass

@@ -75,7 +75,7 @@ BUSY_CLIENT = textwrap.dedent("""
 def stats_or_stacks(daemon, timeout: float) -> dict:
     """The daemon's stats; if it does not answer, fail with its log and its threads' stacks."""
     try:
-        return probe(daemon.socket, "stats", timeout).fields
+        return probe(daemon.socket, "stats", timeout).body.encode()
     except Exception as exc:
         exited = daemon.proc.poll()
         if exited is None:
@@ -151,7 +151,7 @@ def test_twenty_killed_namespaced_gpu_clients_leave_no_slab_and_no_memory(daemon
           f"left after {first[1]:.3f} / {second[1]:.3f} s; free memory {free_after_first / 2**30:.2f}"
           f" -> {free_after_second / 2**30:.2f} GiB")
     assert free_after_second >= free_after_first - LEAK_SLACK_BYTES
-    assert probe(daemon.socket, "stats", 10.0).fields["reaped"] == 2 * KILLED
+    assert probe(daemon.socket, "stats", 10.0).body.reaped == 2 * KILLED
     assert daemon.proc.poll() is None
 
 

@@ -139,7 +139,7 @@ def test_mapped_lookup_enqueues_without_a_host_sync(daemon_factory, reference):
     assert enqueue_s < delay_ms / 1000 / 4, f"lookup+wait+consumer took {enqueue_s * 1e3:.1f} ms to enqueue"
     assert pending and waited_s >= delay_ms / 1000 * 0.8
     assert_exact(consumed, reference.expected(ids.cpu().numpy()), "late IDs, mapped")
-    stats = probe(daemon.socket, "stats", 5.0).fields
+    stats = probe(daemon.socket, "stats", 5.0).body.encode()
     assert stats["clients"] == [] and stats["lookups"] >= 2  # reported with its release
 
 

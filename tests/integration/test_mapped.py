@@ -175,15 +175,15 @@ def test_mapped_counts_reach_the_daemon_with_heartbeats(daemon_factory, referenc
         rows = 5 * 32 * 2 * 24
 
         def reported() -> bool:
-            stats = probe(daemon.socket, "stats", 5.0).fields
+            stats = probe(daemon.socket, "stats", 5.0).body.encode()
             mine = [c for c in stats["clients"] if c["client_id"] == client.client_id]
             return stats["lookups"] == 5 and mine[0]["rows"] == rows and mine[0]["mode"] == "mapped"
 
         wait_until(reported, timeout=20 * HEARTBEAT_S)
         assert client.counts["out_of_range"] > 0
-        wait_until(lambda: probe(daemon.socket, "stats", 5.0).fields["out_of_range"]
+        wait_until(lambda: probe(daemon.socket, "stats", 5.0).body.out_of_range
                    == client.counts["out_of_range"], timeout=20 * HEARTBEAT_S)
-    stats = probe(daemon.socket, "stats", 5.0).fields
+    stats = probe(daemon.socket, "stats", 5.0).body.encode()
     assert stats["lookups"] == 5 and stats["rows"] == rows  # kept after the client is gone
 
 
@@ -230,10 +230,10 @@ def test_killed_mapped_client_is_retired_and_leaks_no_descriptor(daemon_factory)
         proc.wait()
         proc.stdout.close()
         wait_until(lambda gone=client_id: all(
-            c["client_id"] != gone for c in probe(daemon.socket, "stats", 5.0).fields["clients"]),
+            c["client_id"] != gone for c in probe(daemon.socket, "stats", 5.0).body.clients),
             timeout=10.0)
     wait_until(lambda: len(os.listdir(f"/proc/{pid}/fd")) <= fds_before + 3, timeout=5.0)
-    assert probe(daemon.socket, "stats", 5.0).fields["clients"] == []
+    assert probe(daemon.socket, "stats", 5.0).body.clients == []
 
 
 TOUCHING_MAPPED = textwrap.dedent("""

@@ -83,11 +83,11 @@ def test_killed_namespaced_client_is_freed_within_the_promise(daemon_factory, mo
         assert ns_pids == [str(pid), "1"], ns_pids
         assert (len(slab_files(daemon.proc.pid)) == 1) == (mode == "served")
         os.kill(pid, signal.SIGKILL)
-        took = wait_until(lambda: not [c for c in probe(daemon.socket, "stats", 5.0).fields["clients"]
+        took = wait_until(lambda: not [c for c in probe(daemon.socket, "stats", 5.0).body.clients
                                        if c["client_id"] == client_id] and not slab_files(daemon.proc.pid),
                           timeout=10.0, step=0.005)
         assert took <= FREE_DEADLINE_S, f"freed {took:.3f} s after kill -9"
-        assert probe(daemon.socket, "stats", 5.0).fields["reaped"] == 1
+        assert probe(daemon.socket, "stats", 5.0).body.reaped == 1
     finally:
         proc.kill()
         proc.wait(30)

@@ -212,7 +212,7 @@ def test_member_whose_uid_is_not_allowed_is_refused_at_attach(daemon_factory, re
     refused = run_client_as_outsider(daemon, ids, groups=[daemon.socket.stat().st_gid])
     assert refused["outcome"] == "refused" and "may not use this daemon" in refused["error"], refused
     assert not slab_files(daemon.proc.pid)
-    stats = probe(daemon.socket, "stats", 5.0).fields
+    stats = probe(daemon.socket, "stats", 5.0).body.encode()
     assert stats["clients"] == [] and stats["errors"].get("permission_denied") == 1, stats
 
 
@@ -232,7 +232,7 @@ ZMQ_AS = textwrap.dedent("""
     raw = "answered" if peer.poll(3000) else "silent"
     peer.close(0)
     try:
-        probed = "ready" if probe(socket, "health", 3.0).fields["ready"] else "not ready"
+        probed = "ready" if probe(socket, "health", 3.0).body.ready else "not ready"
     except EngramError as exc:
         probed = exc.code
     print(json.dumps({"raw": raw, "probe": probed}))
@@ -261,5 +261,5 @@ def test_with_allowed_ids_the_zeromq_socket_is_closed_to_everyone_else(daemon_fa
             os.chmod(folder, 0o755)
         seen = zmq_as_outsider(daemon, groups=[daemon.socket.stat().st_gid])
         assert seen == wanted, (allowed, seen)
-        assert probe(daemon.socket, "health", 5.0).fields["ready"]  # the daemon's own user passes
+        assert probe(daemon.socket, "health", 5.0).body.ready  # the daemon's own user passes
         assert daemon.stop() == 0, daemon.log()

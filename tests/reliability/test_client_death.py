@@ -148,7 +148,7 @@ def slab_mappings(pid: int) -> int:
 
 
 def live_client_ids(daemon) -> list[int]:
-    return [c["client_id"] for c in probe(daemon.socket, "stats", 5.0).fields["clients"]]
+    return [c["client_id"] for c in probe(daemon.socket, "stats", 5.0).body.clients]
 
 
 def assert_retired_then_freed(daemon, client_id: int, slab: str) -> None:
@@ -233,7 +233,7 @@ def test_killed_idle_client_is_freed_within_two_heartbeats(daemon_factory, refer
     with EngramClient(daemon.socket, max_tokens=16) as survivor:
         doomed.kill()
         assert_retired_then_freed(daemon, client_id, slab)
-        clients = probe(daemon.socket, "stats", 5.0).fields["clients"]
+        clients = probe(daemon.socket, "stats", 5.0).body.clients
         assert [c["client_id"] for c in clients] == [survivor.client_id]
         ids = random_ids(np.random.default_rng(0), 16, reference.rows, reference.heads)
         rows = survivor.lookup(torch.from_numpy(ids)).result().double().numpy()
@@ -248,7 +248,7 @@ def test_client_killed_mid_lookup_is_freed_and_others_stay_correct(daemon_factor
         slab = slab_of(daemon, client_id)
 
         def in_flight() -> bool:
-            clients = probe(daemon.socket, "stats", 5.0).fields["clients"]
+            clients = probe(daemon.socket, "stats", 5.0).body.clients
             return any(c["client_id"] == client_id and c["in_flight"] for c in clients)
 
         wait_until(in_flight, timeout=10.0, step=0.002)
@@ -259,7 +259,7 @@ def test_client_killed_mid_lookup_is_freed_and_others_stay_correct(daemon_factor
             ids = random_ids(rng, 32, reference.rows, reference.heads)
             rows = survivor.lookup(torch.from_numpy(ids)).result().double().numpy()
             assert_rows_equal(rows, reference.expected(ids), f"survivor lookup {i}")
-        stats = probe(daemon.socket, "stats", 5.0).fields
+        stats = probe(daemon.socket, "stats", 5.0).body.encode()
         assert stats["reaped"] == 1
         assert [c["client_id"] for c in stats["clients"]] == [survivor.client_id]
     assert daemon.proc.poll() is None
@@ -274,7 +274,7 @@ def test_live_idle_and_stopped_clients_are_never_reaped(daemon_factory, referenc
         os.kill(frozen.proc.pid, signal.SIGSTOP)
         try:
             time.sleep(IDLE_PERIODS * HEARTBEAT_S)
-            stats = probe(daemon.socket, "stats", 5.0).fields
+            stats = probe(daemon.socket, "stats", 5.0).body.encode()
             assert sorted(c["client_id"] for c in stats["clients"]) == sorted([idle.client_id, frozen_id])
             assert stats["reaped"] == 0
         finally:
@@ -375,7 +375,7 @@ def test_client_dead_before_its_registration_is_read_leaves_nothing(daemon_facto
         child.wait()
     # The daemon reads the request and registers it; never attached, it holds nothing and is
     # gone within the promise for unattached registrations.
-    wait_until(lambda: probe(daemon.socket, "stats", 5.0).fields["registrations"] == 1,
+    wait_until(lambda: probe(daemon.socket, "stats", 5.0).body.registrations == 1,
                timeout=FREE_TIMEOUT_S)
     assert not slab_files(daemon)
     wait_until(lambda: not live_client_ids(daemon), timeout=ATTACH_DEADLINE_S)

@@ -58,7 +58,7 @@ def test_ids_scribbled_into_the_slab_during_lookups_change_nothing(daemon_factor
         finally:
             stop.set()
             thread.join(10)
-    assert probe(daemon.socket, "stats", 5.0).fields["errors"].get("internal", 0) == 0
+    assert probe(daemon.socket, "stats", 5.0).body.errors.get("internal", 0) == 0
 
 
 HEALTH_WITHOUT_TORCH = """
@@ -98,7 +98,7 @@ def test_unread_replies_do_not_flood_the_log(daemon_factory):
         deadline = time.monotonic() + 60  # the daemon has read them all once it counts them
         while "dropping a reply" not in daemon.log() and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert probe(daemon.socket, "health", 10.0).fields["live"]
+        assert probe(daemon.socket, "health", 10.0).body.live
     finally:
         peer.close(0)
     lines = [line for line in daemon.log().splitlines() if "dropping a reply" in line]
@@ -124,7 +124,7 @@ def test_idle_connections_past_the_soft_file_limit_do_not_stop_the_daemon(daemon
                 sock.connect(f"ipc://{daemon.socket}")
                 idle.append(sock)
             time.sleep(1.0)  # libzmq accepts them in the background
-            assert probe(daemon.socket, "health", 10.0).fields["ready"]
+            assert probe(daemon.socket, "health", 10.0).body.ready
             assert daemon.proc.poll() is None, daemon.log()[-2000:]
             assert client.lookup(torch.zeros((1, 2, 24), dtype=torch.int64)).result().shape[1] == 1
         finally:
@@ -158,7 +158,7 @@ def test_idle_metrics_connections_hold_a_bounded_number_of_threads(daemon_factor
     try:
         time.sleep(0.5)
         assert threads_of(daemon.proc.pid) <= before + MAX_SCRAPERS
-        assert probe(daemon.socket, "health", 10.0).fields["ready"]
+        assert probe(daemon.socket, "health", 10.0).body.ready
     finally:
         for conn in idle:
             conn.close()
@@ -292,7 +292,7 @@ def test_drain_needs_an_admin_not_just_a_connection(daemon_factory):
                                  str(NOBODY), str(NOBODY), str(daemon.socket.stat().st_gid)],
                                 capture_output=True, text=True, timeout=60)
         assert member.stdout.strip() == "permission_denied", member.stdout + member.stderr
-    assert probe(daemon.socket, "health", 5.0).fields["ready"] and daemon.proc.poll() is None
+    assert probe(daemon.socket, "health", 5.0).body.ready and daemon.proc.poll() is None
     assert admin_request(handle_socket_path(daemon.socket), "drain", 5.0)["status"] == "ok"
     assert daemon.proc.wait(30) == 0
 
@@ -418,7 +418,7 @@ def test_a_message_of_many_frames_is_dropped_with_a_typed_error(daemon_factory, 
     with EngramClient(daemon.socket, max_tokens=16) as client:
         rows = client.lookup(torch.from_numpy(ids)).result().float().numpy()
     assert np.array_equal(rows.astype(np.float64), reference.expected(ids))
-    assert probe(daemon.socket, "stats", 5.0).fields["errors"]["bad_message"] == 1
+    assert probe(daemon.socket, "stats", 5.0).body.errors["bad_message"] == 1
 
 
 CLIENTS_AS = """
@@ -442,7 +442,7 @@ def test_who_the_clients_are_is_for_admins_only(daemon_factory):
     refused)."""
     daemon = daemon_factory()
     with EngramClient(daemon.socket, name="private-name") as client:
-        (public,) = probe(daemon.socket, "stats", 5.0).fields["clients"]
+        (public,) = probe(daemon.socket, "stats", 5.0).body.clients
         assert public["client_id"] == client.client_id
         assert not {"pid", "name", "uid"} & public.keys(), public
         (private,) = admin_request(handle_socket_path(daemon.socket), "clients", 5.0)["clients"]

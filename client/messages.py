@@ -1,0 +1,214 @@
+"""The messages of the ZeroMQ wire, one declared type each (protocol.py frames and encodes them).
+
+A request is decoded once, by the daemon, into its operation's type; a reply once, by the client,
+into its type. Decoding checks every declared field's type and fills the defaults, so a bad peer
+fails with a ProtocolError naming the field, never with a KeyError or a wrong value deep inside.
+Fields a message does not declare are ignored (a newer peer may send more).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any, ClassVar, TypeVar, Union
+
+from engramd.client.errors import ProtocolError
+
+M = TypeVar("M", bound="Message")
+
+
+class Message:
+    """Base of every declared message: `OP` names its operation."""
+
+    OP: ClassVar[str]
+
+    @classmethod
+    def decode(cls: type[M], fields: dict[str, Any], what: str) -> M:
+        """The message from a decoded header's fields; ProtocolError naming a missing or
+        mistyped field (`what`: "register", "lookup reply", ...)."""
+        values = {}
+        for name, allowed, required in _spec(cls):
+            if name not in fields:
+                if required:
+                    raise ProtocolError(f"{what}: missing field {name!r}")
+                continue
+            value = fields[name]
+            if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+                raise ProtocolError(f"{what}: field {name!r} has wrong type {type(value).__name__}")
+            values[name] = value
+        return cls(**values)
+
+    def encode(self) -> dict[str, Any]:
+        """The fields as they go into a header."""
+        return {name: getattr(self, name) for name, _, _ in _spec(type(self))}
+
+
+@cache
+def _spec(cls: type) -> tuple[tuple[str, tuple[type, ...], bool], ...]:
+    """(name, accepted runtime types, required) of each field of a message type."""
+    hints = typing.get_type_hints(cls)
+    return tuple((f.name, _runtime_types(hints[f.name]),
+                  f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+                 for f in dataclasses.fields(cls))
+
+
+def _runtime_types(hint: Any) -> tuple[type, ...]:
+    """What msgpack may hand over for a declared type: a float field takes an int too."""
+    if typing.get_origin(hint) in (Union, types.UnionType):
+        return tuple(t for arg in typing.get_args(hint) for t in _runtime_types(arg))
+    if hint is type(None):
+        return (type(None),)
+    if hint is Any:
+        return (object,)
+    base = typing.get_origin(hint) or hint
+    return (int, float) if base is float else (base,)
+
+
+# -- requests (client -> daemon) --------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class RegisterRequest(Message):
+    OP = "register"
+    pid: int
+    device: str  # "cpu" or "cuda:GPU-<uuid>"
+    tp_rank: int
+    tp_size: int
+    max_tokens: int
+    slots: int
+    name: str = ""
+    mode: str | None = None  # "auto" | "served" | "mapped"; absent: served (older clients)
+    mps: dict | None = None  # a GPU client's MPS state (client/mps.py)
+
+
+@dataclass(slots=True)
+class LookupRequest(Message):
+    OP = "lookup"
+    client_id: int
+    slot: int
+    seq: int
+    ids_dtype: str  # "int32" | "int64"
+    ids_shape: list  # [T, n_layers, heads]
+    inline: bool  # the IDs are payload frame 0 (else already in the slot)
+    ack: bool = True  # False: no reply unless the lookup fails (the slot's counter completes it)
+    tokens: int | None = None  # ids_shape[0]; checked against it if sent
+
+
+@dataclass(slots=True)
+class ReleaseRequest(Message):
+    OP = "release"
+    client_id: int
+    counts: dict | None = None  # a mapped client's final cumulative counts
+
+
+@dataclass(slots=True)
+class HeartbeatRequest(Message):
+    OP = "heartbeat"
+    client_id: int | None = None  # None: a plain liveness probe
+    token: str = ""  # from register: lets a second connection of the client vouch for it
+    counts: dict | None = None  # a mapped client's cumulative lookups, rows, out_of_range
+
+
+@dataclass(slots=True)
+class StatsRequest(Message):
+    OP = "stats"
+
+
+@dataclass(slots=True)
+class HealthRequest(Message):
+    OP = "health"
+
+
+@dataclass(slots=True)
+class DrainRequest(Message):
+    OP = "drain"  # refused over ZeroMQ: an admin operation of the handle socket
+
+
+REQUESTS: dict[str, type[Message]] = {m.OP: m for m in (
+    RegisterRequest, LookupRequest, ReleaseRequest, HeartbeatRequest, StatsRequest, HealthRequest,
+    DrainRequest)}
+
+
+# -- replies (daemon -> client) ---------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class RegisterReply(Message):
+    OP = "register"
+    client_id: int
+    token: str
+    mode: str  # the one granted
+    layout: dict  # of the slots (client/slab.py SlabLayout.to_wire)
+    gather: dict  # mapped clients: the daemon's sort policy
+    heartbeat_interval: float
+    attach_within: float  # seconds to attach over the handle socket
+    geometry: dict  # config.json fields
+    shard: dict
+    mps: dict | None
+
+
+@dataclass(slots=True)
+class LookupReply(Message):
+    OP = "lookup"
+    slot: int
+    seq: int
+    out_of_range: int | None = None  # where the backend counts per lookup (a GPU counts on the device)
+
+
+@dataclass(slots=True)
+class ReleaseReply(Message):
+    OP = "release"
+
+
+@dataclass(slots=True)
+class HeartbeatReply(Message):
+    OP = "heartbeat"
+
+
+@dataclass(slots=True)
+class StatsReply(Message):
+    """Counts anyone who may connect may see (the service's stats)."""
+
+    OP = "stats"
+    state: str
+    uptime: float
+    hot_cache: dict = field(default_factory=dict)  # per GPU UUID
+    mps: dict = field(default_factory=dict)  # per GPU UUID
+    clients: list = field(default_factory=list)  # summaries by client id (no pid, name or uid)
+    slabs: int = 0
+    slab_bytes: int = 0
+    lookups: int = 0
+    rows: int = 0
+    out_of_range: int = 0
+    registrations: int = 0
+    reaped: int = 0
+    errors: dict = field(default_factory=dict)  # code -> count
+    dispatch_us: dict = field(default_factory=dict)  # request received -> work enqueued, percentiles
+
+
+@dataclass(slots=True)
+class HealthReply(Message):
+    OP = "health"
+    live: bool
+    ready: bool
+    state: str
+    progress: float
+    pid: int
+    uptime: float
+    backend: str | None
+    mps: dict
+
+
+@dataclass(slots=True)
+class Notice(Message):
+    """Unsolicited, to every registered client (rid 0): e.g. "stopping" before the daemon goes."""
+
+    OP = "notice"
+    event: str
+
+
+REPLIES: dict[str, type[Message]] = {m.OP: m for m in (
+    RegisterReply, LookupReply, ReleaseReply, HeartbeatReply, StatsReply, HealthReply, Notice)}
