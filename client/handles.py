@@ -8,7 +8,7 @@ and passes it as descriptors, so a client never opens a path in a shared folder 
 neither the host's IPC nor its PID namespace::
 
     client -> daemon   [u32 length][msgpack map]  {"v", "op": "attach", "client_id", "token"}
-                                                  or {"v", "op": "drain"} (admin, see below)
+                                                  or {"v", "op": "hello" | "drain" | "clients"}
     daemon -> client   [u32 length][msgpack map]  + SCM_RIGHTS
                        ok:    {"v", "status": "ok", "epoch",
                                "slab": {kind, layout[, device_uuid]} | None,   served: fd 0
@@ -16,12 +16,14 @@ neither the host's IPC nor its PID namespace::
                                                                                mapped: fd i = table i
                        error: {"v", "status": "error", "code", "message", "epoch"}
 
+Each request and reply is a declared type of client/messages.py (AttachRequest, AttachReply, ...).
+
 After an ok reply the connection stays open and nothing more is sent on it: it is the
 registration's lease. When the client's process dies, in whatever namespace, the kernel closes
 it and the daemon frees the registration at once; when the daemon retires the registration (or
 dies), it closes its end and the client sees end-of-file. A token is good for one attach.
-Admin operations (drain) come here too, so that the daemon can tell who asks: root and the
-daemon's own user may, others get a `permission_denied` error. The
+Admin operations (drain, clients) come here too, so that the daemon can tell who asks: its own
+user and `admin_uids` may, others get a `permission_denied` error. The
 daemon reads each request within HANDLE_TIMEOUT_S of the connection (however slowly a peer
 sends it) and answers it, or closes the connection.
 """
@@ -44,6 +46,14 @@ from engramd.client.errors import (
     ProtocolError,
     UnknownOperationError,
     error_for_code,
+)
+from engramd.client.messages import (
+    HANDLE_REPLIES,
+    HANDLE_REQUESTS,
+    AttachReply,
+    AttachRequest,
+    M,
+    Message,
 )
 from engramd.client.protocol import PROTOCOL_VERSION
 
@@ -169,7 +179,7 @@ def attach(path: str | os.PathLike, client_id: int, token: str,
     sock.settimeout(timeout)
     try:
         sock.connect(str(path))
-        _send_request(sock, {"op": "attach", "client_id": client_id, "token": token})
+        _send_request(sock, AttachRequest(client_id, token))
         reply, fds = recv_message(sock, MAX_FDS, deadline=time.monotonic() + timeout)
     except BaseException as exc:
         sock.close()
@@ -188,13 +198,11 @@ def attach(path: str | os.PathLike, client_id: int, token: str,
         raise
 
 
-def _attachment(sock: socket.socket, reply: dict[str, Any], fds: list[int]) -> Attachment:
-    if reply.get("status") != "ok":
-        raise error_for_code(str(reply.get("code")), str(reply.get("message")), reply.get("epoch"))
-    slab, tables = reply.get("slab"), reply.get("tables") or []
-    wanted = (1 if slab is not None else 0) + (len(tables) if isinstance(tables, list) else 0)
-    if not isinstance(tables, list) or (slab is not None and not isinstance(slab, dict)) \
-            or len(fds) != wanted:
+def _attachment(sock: socket.socket, header: dict[str, Any], fds: list[int]) -> Attachment:
+    epoch, reply = read_reply(header, AttachReply)
+    slab, tables = reply.slab, reply.tables
+    wanted = (1 if slab is not None else 0) + len(tables)
+    if len(fds) != wanted:
         raise ProtocolError(f"attach reply describes {wanted} descriptors but carried {len(fds)}")
     slab_fd = fds[0] if slab is not None else None
     table_fds = fds[1:] if slab is not None else fds
@@ -204,16 +212,39 @@ def _attachment(sock: socket.socket, reply: dict[str, Any], fds: list[int]) -> A
     except (KeyError, TypeError, ValueError):
         raise ProtocolError(f"malformed table descriptions in the attach reply: {tables!r:.200}") from None
     sock.settimeout(None)
-    return Attachment(sock, str(reply.get("epoch")), slab, slab_fd, grants)
+    return Attachment(sock, epoch, slab, slab_fd, grants)
 
 
-def _send_request(sock: socket.socket, header: dict[str, Any]) -> None:
+def _send_request(sock: socket.socket, request: Message) -> None:
     """Send a request; a daemon that refuses this peer answers before reading it and closes, so
     the send may find the connection shut (EPIPE): its answer is still there to be read."""
     try:
-        send_message(sock, header)
+        send_message(sock, {"op": request.OP, **request.encode()})
     except (BrokenPipeError, ConnectionResetError):
         pass
+
+
+def decode_request(header: dict[str, Any]) -> Message:
+    """The daemon's side: a request header as its declared type; a typed error naming what is
+    wrong (an unknown operation, a missing or mistyped field)."""
+    op = header.get("op")
+    if not isinstance(op, str) or op not in HANDLE_REQUESTS:
+        raise UnknownOperationError(f"handle socket: unknown operation {op!r}; known: "
+                                    f"{', '.join(HANDLE_REQUESTS)}")
+    return HANDLE_REQUESTS[op].decode(header, f"handle socket: {op}")
+
+
+def ok_reply(epoch: str, reply: Message) -> dict[str, Any]:
+    return {"status": "ok", "epoch": epoch, **reply.encode()}
+
+
+def read_reply(header: dict[str, Any], expected: type[M]) -> tuple[str, M]:
+    """The client's side: (epoch, the reply as its declared type), or the daemon's typed error."""
+    epoch = header.get("epoch")
+    if header.get("status") != "ok":
+        raise error_for_code(str(header.get("code")), str(header.get("message")),
+                             epoch if isinstance(epoch, str) else None)
+    return str(epoch), expected.decode(header, f"handle socket: {expected.OP} reply")
 
 
 def check_access(path: str | os.PathLike, timeout: float = HANDLE_TIMEOUT_S) -> None:
@@ -226,17 +257,17 @@ def check_access(path: str | os.PathLike, timeout: float = HANDLE_TIMEOUT_S) -> 
         pass  # a daemon older than the access check: it admitted us, or attach will say not
 
 
-def admin_request(path: str | os.PathLike, op: str, timeout: float = HANDLE_TIMEOUT_S) -> dict[str, Any]:
-    """An admin operation ("drain", "clients"): the daemon decides by this process's kernel
-    credentials.
-    Returns the reply's fields; raises the daemon's typed error."""
+def admin_request(path: str | os.PathLike, op: str, timeout: float = HANDLE_TIMEOUT_S) -> Message:
+    """An admin operation ("drain", "clients"; "hello" asks only whether this process is
+    admitted): the daemon decides by this process's kernel credentials. Returns the declared
+    reply; raises the daemon's typed error."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     sock.settimeout(timeout)
     try:
         sock.connect(str(path))
-        _send_request(sock, {"op": op})
-        reply, fds = recv_message(sock, 0, deadline=time.monotonic() + timeout,
-                                  max_bytes=MAX_ADMIN_REPLY_BYTES)
+        _send_request(sock, HANDLE_REQUESTS[op]())
+        header, _ = recv_message(sock, 0, deadline=time.monotonic() + timeout,
+                                 max_bytes=MAX_ADMIN_REPLY_BYTES)
     except TimeoutError:
         raise DaemonUnavailableError(f"no answer on {path} within {timeout:.1f} s") from None
     except OSError as exc:
@@ -245,9 +276,7 @@ def admin_request(path: str | os.PathLike, op: str, timeout: float = HANDLE_TIME
         raise DaemonUnavailableError(f"handle socket {path}: {exc.message}") from None
     finally:
         sock.close()
-    if reply.get("status") != "ok":
-        raise error_for_code(str(reply.get("code")), str(reply.get("message")), reply.get("epoch"))
-    return reply
+    return read_reply(header, HANDLE_REPLIES[op])[1]
 
 
 def lease_closed(lease: socket.socket) -> bool:

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from engramd.client.cuda import CudaError, check, cudart, require_cuda_python
 
 REGISTER_CHUNK = 64 << 30  # the largest range registered in one call (DESIGN.md, host tier)
-PART_ALIGN = 2 << 20  # parts start on huge-page boundaries (hugetlbfs tables need whole pages)
+PART_ALIGN = 2 << 20  # parts start on 2 MiB boundaries: no two parts share a 2 MiB huge page
 PIN_WORKERS = 8  # the fastest measured; more threads were no faster
 _MADV_POPULATE_READ = 22  # Linux >= 5.14; older kernels answer EINVAL and the pin faults pages itself
 
@@ -84,14 +84,18 @@ def _prefault(part: tuple[int, int]) -> None:
 
 
 def _register(part: tuple[int, int], flags: int) -> int:
+    """Register one part; on any failure after the registration, unregister it again."""
     address, nbytes = part
     check(f"cudaHostRegister({nbytes} bytes at {address:#x})",
           cudart.cudaHostRegister(address, nbytes, flags))
-    device_ptr = int(check("cudaHostGetDevicePointer", cudart.cudaHostGetDevicePointer(address, 0)))
-    if device_ptr != address:
+    try:
+        device_ptr = int(check("cudaHostGetDevicePointer", cudart.cudaHostGetDevicePointer(address, 0)))
+        if device_ptr != address:
+            raise CudaError(f"registered host memory at {address:#x} maps to device address "
+                            f"{device_ptr:#x}; engramd needs unified addressing")
+    except BaseException:
         cudart.cudaHostUnregister(address)
-        raise CudaError(f"registered host memory at {address:#x} maps to device address "
-                        f"{device_ptr:#x}; engramd needs unified addressing")
+        raise
     return address
 
 

@@ -1,4 +1,5 @@
-"""The messages of the ZeroMQ wire, one declared type each (protocol.py frames and encodes them).
+"""The messages engramd's sockets carry, one declared type each: the ZeroMQ socket's
+(protocol.py frames them) and the handle socket's (handles.py).
 
 A request is decoded once, by the daemon, into its operation's type; a reply once, by the client,
 into its type. Decoding checks every declared field's type and fills the defaults, so a bad peer
@@ -30,7 +31,7 @@ class Message:
         """The message from a decoded header's fields; ProtocolError naming a missing or
         mistyped field (`what`: "register", "lookup reply", ...)."""
         values = {}
-        for name, allowed, required in _spec(cls):
+        for name, allowed, required, _ in _spec(cls):
             if name not in fields:
                 if required:
                     raise ProtocolError(f"{what}: missing field {name!r}")
@@ -42,16 +43,19 @@ class Message:
         return cls(**values)
 
     def encode(self) -> dict[str, Any]:
-        """The fields as they go into a header."""
-        return {name: getattr(self, name) for name, _, _ in _spec(type(self))}
+        """The fields as they go into a header. An optional field left at None is left out, as
+        a peer that does not know it expects (e.g. a GPU lookup's out_of_range)."""
+        return {name: value for name, _, _, optional in _spec(type(self))
+                if (value := getattr(self, name)) is not None or not optional}
 
 
 @cache
-def _spec(cls: type) -> tuple[tuple[str, tuple[type, ...], bool], ...]:
-    """(name, accepted runtime types, required) of each field of a message type."""
+def _spec(cls: type) -> tuple[tuple[str, tuple[type, ...], bool, bool], ...]:
+    """(name, accepted runtime types, required, optional: its default is None) of each field."""
     hints = typing.get_type_hints(cls)
     return tuple((f.name, _runtime_types(hints[f.name]),
-                  f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+                  f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+                  f.default is None)
                  for f in dataclasses.fields(cls))
 
 
@@ -124,7 +128,7 @@ class HealthRequest(Message):
 
 @dataclass(slots=True)
 class DrainRequest(Message):
-    OP = "drain"  # refused over ZeroMQ: an admin operation of the handle socket
+    OP = "drain"  # admin, over the handle socket (refused over ZeroMQ, which cannot say who asks)
 
 
 REQUESTS: dict[str, type[Message]] = {m.OP: m for m in (
@@ -212,3 +216,55 @@ class Notice(Message):
 
 REPLIES: dict[str, type[Message]] = {m.OP: m for m in (
     RegisterReply, LookupReply, ReleaseReply, HeartbeatReply, StatsReply, HealthReply, Notice)}
+
+
+# -- the handle socket (client/handles.py): attach, and the admin operations -----------------------
+
+
+@dataclass(slots=True)
+class AttachRequest(Message):
+    OP = "attach"
+    client_id: int
+    token: str  # from the register reply: good for one attach
+
+
+@dataclass(slots=True)
+class HelloRequest(Message):
+    OP = "hello"  # an access check: being admitted is the whole answer
+
+
+@dataclass(slots=True)
+class ClientsRequest(Message):
+    OP = "clients"  # admin: who each client is
+
+
+@dataclass(slots=True)
+class AttachReply(Message):
+    """Served: `slab` says how to map descriptor 0. Mapped: descriptor i is table i."""
+
+    OP = "attach"
+    slab: dict | None = None
+    tables: list = field(default_factory=list)  # {layer_id, rows, row_bytes, data_offset, file_bytes}
+
+
+@dataclass(slots=True)
+class HelloReply(Message):
+    OP = "hello"
+
+
+@dataclass(slots=True)
+class DrainReply(Message):
+    OP = "drain"
+    in_flight: int  # lookups the daemon finishes before it exits
+
+
+@dataclass(slots=True)
+class ClientsReply(Message):
+    OP = "clients"
+    clients: list  # {client_id, pid (in the daemon's namespace), name, uid} of each live client
+
+
+HANDLE_REQUESTS: dict[str, type[Message]] = {m.OP: m for m in (
+    AttachRequest, HelloRequest, DrainRequest, ClientsRequest)}
+HANDLE_REPLIES: dict[str, type[Message]] = {m.OP: m for m in (
+    AttachReply, HelloReply, DrainReply, ClientsReply)}

@@ -124,7 +124,7 @@ def _add_identities(args: argparse.Namespace, clients: list[dict[str, Any]]) -> 
                               args.timeout)
     except EngramError:
         return
-    identities = {c["client_id"]: c for c in reply.get("clients", [])}
+    identities = {c["client_id"]: c for c in reply.clients}
     for client in clients:
         client.update(identities.get(client["client_id"], {}))
 
@@ -135,8 +135,8 @@ def cmd_drain(args: argparse.Namespace) -> int:
     from engramd.client.handles import admin_request, handle_socket_path
 
     try:
-        fields = admin_request(handle_socket_path(args.socket or default_socket_path()), "drain",
-                               args.timeout)
+        drained = admin_request(handle_socket_path(args.socket or default_socket_path()), "drain",
+                                args.timeout)
     except EngramError as exc:
         print(f"engramd drain: {exc.message}", file=sys.stderr)
         return EXIT_NOT_READY
@@ -145,7 +145,7 @@ def cmd_drain(args: argparse.Namespace) -> int:
         try:
             probe(args.socket or default_socket_path(), "health", 0.5)
         except EngramError:
-            print(f"drained: daemon epoch {fields['epoch']} finished {fields['in_flight']} lookups and exited")
+            print(f"drained: the daemon finished {drained.in_flight} lookups and exited")
             return 0
         time.sleep(0.1)
     print(f"engramd drain: daemon still running after {args.timeout:.0f} s", file=sys.stderr)

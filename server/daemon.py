@@ -7,8 +7,9 @@ the device work. One thread runs the ZeroMQ loop; tables load on a background th
 they do; gathers run on the backend's workers, whose completions come back to the loop through
 an event queue and a wake-up pipe (ZeroMQ sockets are not thread-safe).
 
-Start order: lock the socket -> bind -> load or re-attach tables (background) -> build the
-backend -> ready. Stop (SIGTERM/SIGINT): refuse new work, finish in-flight lookups, free slabs,
+Start order (`engramd serve`): lock the socket -> map (load or re-attach) and pin the tables on a
+thread (table_loader.TablePreload) while the rest is imported -> bind -> build the backend over
+them (background) -> ready. Stop (SIGTERM/SIGINT): refuse new work, finish in-flight lookups, free slabs,
 close the tables (their files stay for a fast re-attach), remove the socket.
 """
 
@@ -37,10 +38,9 @@ from engramd.client.errors import (
     PermissionDeniedError,
     ProtocolError,
     ResourceError,
-    UnknownOperationError,
 )
-from engramd.client.handles import PeerCredentials, error_reply, handle_socket_path
-from engramd.client.messages import Message
+from engramd.client.handles import PeerCredentials, error_reply, handle_socket_path, ok_reply
+from engramd.client.messages import AttachReply, AttachRequest, DrainReply, DrainRequest, Message
 from engramd.server.config import DaemonConfig
 from engramd.server.handle_server import HandleServer
 from engramd.server.metrics import Metrics
@@ -151,7 +151,7 @@ class Daemon:
             signal.signal(signum, self._on_signal)
         log.info("engramd epoch %s listening on %s (pid %d)", self.epoch, path, os.getpid())
         self._handles = HandleServer(handle_socket_path(path), self._ask_handles, self.epoch,
-                                     admit=self._admits)
+                                     admit=self._admits, count=lambda code: self.post("refused", code))
         self.metrics.serve(self.config.metrics_address)
         self.service.state = "loading"
         self.notifier.status("loading tables")
@@ -162,9 +162,8 @@ class Daemon:
         try:
             opened = None
             if self._preload is not None:
-                preload, self._preload = self._preload, None
-                preload.listen(self._on_progress)
-                opened = preload.take()
+                self._preload.listen(self._on_progress)
+                opened = self._preload.take()
             loaded = load_tables(self.config, self._on_progress, opened)
         except BaseException as exc:  # reported to the main thread, which decides the exit
             self.post("load_failed", exc)
@@ -302,7 +301,7 @@ class Daemon:
             self.service.count_error(exc.code)
             self._send(identity, protocol.encode_error("lookup", rid, self.epoch, exc))
             return
-        if job.context["ack"]:
+        if reply is not None and job.context["ack"]:  # None: a refused lookup's slot release
             self._send(identity, protocol.encode_reply(rid, self.epoch, reply))
 
     def _event_loaded(self, loaded: LoadedTables) -> None:
@@ -425,12 +424,12 @@ class Daemon:
         raise PermissionDeniedError("drain is an admin operation and ZeroMQ cannot say who asks: "
                                     "run `engramd drain` (it asks over the handle socket)")
 
-    def _admin_drain(self, peer: PeerCredentials) -> dict[str, Any]:
+    def _admin_drain(self, peer: PeerCredentials) -> DrainReply:
         """Admin: stop accepting, finish in-flight lookups, then exit 0 (as on SIGTERM)."""
         self.service.require_admin(peer, "drain")
         if self.service.state != "stopping":
             self._begin_stop(f"drain requested by pid {peer.pid} uid {peer.uid}")
-        return {"in_flight": self.service.in_flight()}
+        return DrainReply(in_flight=self.service.in_flight())
 
     # -- the handle socket (server/handle_server.py; wire in client/handles.py) -------------------
 
@@ -449,7 +448,7 @@ class Daemon:
         for gid in sorted(limits.allowed_gids or ()):
             self._sock.setsockopt(zmq.IPC_FILTER_GID, gid)
 
-    def _ask_handles(self, request: dict[str, Any], peer: PeerCredentials, connection: int,
+    def _ask_handles(self, request: Message, peer: PeerCredentials, connection: int,
                      future: Any) -> None:
         self.post("attach", (request, peer, connection, future))  # the registry is this loop's
 
@@ -457,53 +456,54 @@ class Daemon:
         """From the handle threads, before a peer's request is read: allowed ids, or an admin."""
         if self.service.admits(peer):
             return True
-        self.post("refused", peer)  # counted by the loop, which owns the statistics
+        self.post("refused", PermissionDeniedError.code)  # the loop owns the statistics
         return False
 
-    def _event_refused(self, peer: PeerCredentials) -> None:
-        self.service.count_error(PermissionDeniedError.code)
+    def _event_refused(self, code: str) -> None:
+        """A handle-socket request refused on its own thread (a peer not admitted, a bad message)."""
+        self.service.count_error(code)
 
-    def _event_attach(self, item: tuple[dict[str, Any], PeerCredentials, int, Any]) -> None:
+    def _event_attach(self, item: tuple[Message, PeerCredentials, int, Any]) -> None:
         request, peer, connection, future = item
         if not future.set_running_or_notify_cancel():
             return  # the asker gave up waiting and closed `connection` itself
         try:  # from here `connection` is ours: kept as a lease, or closed
-            if request.get("op") in ("drain", "clients"):
+            if not isinstance(request, AttachRequest):  # an admin operation
                 os.close(connection)
-                fields = self._admin_drain(peer) if request["op"] == "drain" else self.service.clients(peer)
-                future.set_result(({"status": "ok", "epoch": self.epoch, **fields}, []))
+                reply = (self._admin_drain(peer) if isinstance(request, DrainRequest)
+                         else self.service.clients(peer))
+                future.set_result((ok_reply(self.epoch, reply), []))
                 return
             future.set_result(self._attach(request, peer, connection))
         except Exception as exc:  # every asker gets its answer; the loop keeps serving
             if not isinstance(exc, EngramError):
                 log.exception("handle socket: attach failed")
                 exc = InternalError(f"attach failed: {type(exc).__name__}: {exc}")
-            log.info("handle socket: refused %s from pid %d uid %d gid %d: %s", request.get("op"),
+            log.info("handle socket: refused %s from pid %d uid %d gid %d: %s", request.OP,
                      peer.pid, peer.uid, peer.gid, exc.message)
             self._count_error(exc)
             future.set_result((error_reply(exc, self.epoch), []))
 
-    def _attach(self, request: dict[str, Any], peer: PeerCredentials,
+    def _attach(self, request: AttachRequest, peer: PeerCredentials,
                 lease: int) -> tuple[dict[str, Any], list[int]]:
         """Attach a registration: its slab (served) or the tables' read-only descriptors
         (mapped); `lease` (a duplicate of the connection, ours) becomes its lease, or is closed."""
         try:
-            record = self._attach_record(request, peer)
+            record = self.service.attach(request.client_id, request.token, peer)
         except BaseException:
             os.close(lease)
             raise
         client_id, registry = record.client_id, self.service.registry
         fds: list[int] = [lease]
         try:
-            reply = {"status": "ok", "epoch": self.epoch, "slab": None, "tables": []}
             if record.slab is not None:
-                reply["slab"] = record.slab.wire()
+                reply = AttachReply(slab=record.slab.wire())
                 fds.append(record.slab.descriptor())
             else:
-                reply["tables"] = [
+                reply = AttachReply(tables=[
                     {"layer_id": t.layer_id, "rows": t.rows, "row_bytes": t.row_bytes,
                      "data_offset": t.data_offset, "file_bytes": os.fstat(fd).st_size}
-                    for t, fd in zip(self.service.tables.tables, self._table_fds, strict=True)]
+                    for t, fd in zip(self.service.tables.tables, self._table_fds, strict=True)])
                 fds.extend(os.dup(fd) for fd in self._table_fds)
         except Exception as exc:  # out of descriptors, or the device would not export
             for fd in fds:
@@ -513,15 +513,7 @@ class Daemon:
                 raise ResourceError(f"cannot pass descriptors now: {exc.strerror}") from None
             raise
         self._begin_lease(client_id, lease)
-        return reply, fds[1:]
-
-    def _attach_record(self, request: dict[str, Any], peer: PeerCredentials) -> Any:
-        if request.get("op") != "attach":
-            raise UnknownOperationError(f"handle socket: unknown operation {request.get('op')!r}")
-        client_id, token = request.get("client_id"), request.get("token")
-        if type(client_id) is not int or not isinstance(token, str):
-            raise ProtocolError("handle socket: 'attach' needs an int client_id and a str token")
-        return self.service.attach(client_id, token, peer)
+        return ok_reply(self.epoch, reply), fds[1:]
 
     def _begin_lease(self, client_id: int, fd: int) -> None:
         os.set_blocking(fd, False)
@@ -556,8 +548,11 @@ class Daemon:
     # -- stop -----------------------------------------------------------------------------------
 
     def close(self) -> None:
-        if self._preload is not None:  # stopped before the loader took it
-            self._preload.abandon()
+        if self._preload is not None:  # the tables, if the loader never took them
+            try:
+                self._preload.abandon()
+            except Exception:  # stopping goes on; the process lets go of them anyway
+                log.exception("closing the preloaded tables")
         if self._handles is not None:
             self._handles.close()
         for fd in self._lease_clients:

@@ -23,14 +23,22 @@ from concurrent import futures
 from pathlib import Path
 from typing import Any
 
-from engramd.client.errors import NotReadyError, PermissionDeniedError, ProtocolError
+from engramd.client.errors import (
+    NotReadyError,
+    PermissionDeniedError,
+    ProtocolError,
+    UnknownOperationError,
+)
 from engramd.client.handles import (
     HANDLE_TIMEOUT_S,
     PeerCredentials,
+    decode_request,
     error_reply,
+    ok_reply,
     recv_message,
     send_message,
 )
+from engramd.client.messages import HelloReply, HelloRequest, Message
 from engramd.server.throttle import Throttled
 
 log = logging.getLogger("engramd.handles")
@@ -39,9 +47,11 @@ MAX_CONNECTIONS = 16
 
 # Posts (request, peer, duplicate of the connection) to the loop; the future gets (reply header,
 # descriptors to send). The loop owns the duplicate once it has set the future running.
-Ask = Callable[[dict[str, Any], PeerCredentials, int, futures.Future], None]
+Ask = Callable[[Message, PeerCredentials, int, futures.Future], None]
 # Whether the daemon would serve this peer at all (its allowed ids, or an admin).
 Admit = Callable[[PeerCredentials], bool]
+# Counts a request refused here, before the loop saw it (its error code).
+Count = Callable[[str], None]
 BACKLOG = 256
 # A client sends its one small request right after connecting: a peer that has not within this
 # long is holding a connection slot, not using it.
@@ -50,10 +60,12 @@ CLOSE_WAIT_S = 2.0  # close() lets connections in progress send their answers fo
 
 
 class HandleServer:
-    def __init__(self, path: Path, ask: Ask, epoch: str, admit: Admit = lambda peer: True):
+    def __init__(self, path: Path, ask: Ask, epoch: str, admit: Admit = lambda peer: True,
+                 count: Count = lambda code: None):
         self.path = path
         self._ask = ask
         self._admit = admit
+        self._count = count
         self._epoch = epoch
         path.unlink(missing_ok=True)  # stale: the caller holds the daemon's socket lock
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -120,14 +132,18 @@ class HandleServer:
     def _answer(self, conn: socket.socket, peer: PeerCredentials, deadline: float) -> None:
         fds: list[int] = []
         try:
-            request, _ = recv_message(conn, deadline=deadline)
-            if request.get("op") == "hello":  # an access check: admitted is all it asks
-                reply = {"status": "ok", "epoch": self._epoch}
+            header, _ = recv_message(conn, deadline=deadline)
+            request = decode_request(header)
+            if isinstance(request, HelloRequest):  # an access check: admitted is all it asks
+                reply = ok_reply(self._epoch, HelloReply())
             else:
                 reply, fds = self._ask_loop(request, peer, conn)
             conn.settimeout(HANDLE_TIMEOUT_S)
             send_message(conn, reply, fds)
-        except (ProtocolError, NotReadyError) as exc:
+        except (ProtocolError, UnknownOperationError, NotReadyError) as exc:
+            self._count(exc.code)
+            self._refused.warning("handle socket: refused a request from pid %d uid %d: %s",
+                                  peer.pid, peer.uid, exc.message)
             self._try_send(conn, error_reply(exc, self._epoch))
         except (OSError, TimeoutError) as exc:
             self._dropped.warning("handle socket: dropped a connection (%s)", exc)
@@ -135,7 +151,7 @@ class HandleServer:
             for fd in fds:
                 os.close(fd)
 
-    def _ask_loop(self, request: dict[str, Any], peer: PeerCredentials,
+    def _ask_loop(self, request: Message, peer: PeerCredentials,
                   conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
         future: futures.Future = futures.Future()
         duplicate = os.dup(conn.fileno())

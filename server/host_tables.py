@@ -167,6 +167,23 @@ def _layout(geometry: TableGeometry, index: int, align: int) -> _Layout:
                    data_offset, _round_up(data_offset + nbytes, align))
 
 
+HUGE_PAGE_POOL = "/sys/kernel/mm/hugepages/hugepages-{kib}kB/free_hugepages"
+
+
+def _available_bytes(folder: Path) -> int:
+    """Bytes free for new table files. A hugetlbfs mount without a size limit reports no blocks
+    at all (statvfs: 0 of 0, in blocks of the huge page size): it can take what the free pool of
+    its page size holds."""
+    st = os.statvfs(folder)
+    if st.f_blocks or st.f_bsize <= PAGE_BYTES:
+        return st.f_bavail * st.f_frsize
+    pool = Path(HUGE_PAGE_POOL.format(kib=st.f_bsize // 1024))
+    try:
+        return int(pool.read_text()) * st.f_bsize
+    except (OSError, ValueError):
+        return 0
+
+
 def _alignment(st: os.statvfs_result) -> int:
     """Data offset and file size granule: the block size if it is a page multiple, else a page.
 
@@ -500,8 +517,7 @@ class TableStore:
         if not missing:
             return
         needed = sum(layout.file_size for layout in missing)
-        st = os.statvfs(self.shm_dir)
-        available = st.f_bavail * st.f_frsize
+        available = _available_bytes(self.shm_dir)
         if needed > available:
             raise InsufficientSpaceError(
                 f"{self.shm_dir}: {len(missing)} table file(s) to create need {needed} bytes "
@@ -691,7 +707,11 @@ def _acquire_lock(path: Path, instance: str) -> int:
         os.close(fd)
         raise TableStoreError(f"{path}: cannot lock: {exc.strerror}") from exc
     os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    try:
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError as exc:  # hugetlbfs files can only be mapped: the pid is a diagnostic anyway
+        if exc.errno != errno.EINVAL:
+            raise
     return fd
 
 

@@ -22,6 +22,7 @@ from typing import Any
 from engramd.client.errors import NotReadyError, PermissionDeniedError
 from engramd.client.handles import PeerCredentials
 from engramd.client.messages import (
+    ClientsReply,
     HealthReply,
     HeartbeatReply,
     HeartbeatRequest,
@@ -162,11 +163,11 @@ class Service:
             raise PermissionDeniedError(f"{op} is an admin operation: uid {peer.uid} may not "
                                         f"(admin_uids: {sorted(self.admins)})")
 
-    def clients(self, peer: PeerCredentials) -> dict[str, Any]:
+    def clients(self, peer: PeerCredentials) -> ClientsReply:
         """Admin: who each live client is (pid in the daemon's namespace, name, uid); `stats`,
         open to every member of the socket's group, leaves these out."""
         self.require_admin(peer, "clients")
-        return {"clients": self.registry.who() if self.registry is not None else []}
+        return ClientsReply(clients=self.registry.who() if self.registry is not None else [])
 
 
 def limits_of(config: DaemonConfig) -> Limits:

@@ -60,9 +60,11 @@ class OpenTables:
     def close(self) -> None:
         """Unpin and unmap (when no backend took them over); the files stay for re-attach."""
         registration, self.registration = self.registration, None
-        if registration is not None:
-            registration.close()
-        self.store.close()
+        try:
+            if registration is not None:
+                registration.close()
+        finally:
+            self.store.close()
 
 
 @dataclass
@@ -124,13 +126,23 @@ def check_device_backend(requested: str) -> None:
     """DeviceBackendError now if the cuda backend was asked for and no GPU is visible."""
     if requested == "cuda" and not visible_gpus():
         raise DeviceBackendError("backend = cuda, but no CUDA device is visible to this process "
-                                 "(CUDA_VISIBLE_DEVICES, the driver, the container's GPUs?)")
+                                 "(CUDA_VISIBLE_DEVICES, the driver, the container's GPUs, or "
+                                 "cuda-python missing?)")
 
 
 def choose_backend_name(requested: str) -> str:
     if requested != "auto":
         return requested
     return "cuda" if visible_gpus() else "cpu"
+
+
+def _torch_sees_a_gpu() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
 
 
 def visible_gpus() -> int:
@@ -149,6 +161,15 @@ def visible_gpus() -> int:
 
 def build_backend(config: DaemonConfig, opened: OpenTables) -> Backend:
     geometry, tables = opened.geometry, opened.tables
+    if opened.backend_name == "cuda" and config.backend == "auto" and not _torch_sees_a_gpu():
+        # The driver sees a GPU but this torch cannot use it (a CPU build, or built for a newer
+        # CUDA than the driver's): auto means the cpu backend then, as it always did.
+        log.warning("a GPU is visible but torch cannot use it (torch.cuda.is_available() is "
+                    "false): backend = auto serves on the cpu")
+        registration, opened.registration = opened.registration, None
+        if registration is not None:
+            registration.close()
+        opened.backend_name = "cpu"
     if opened.backend_name == "cpu":
         from engramd.server.cpu_backend import CpuBackend
         if config.hot_cache_warm_file:
@@ -264,26 +285,32 @@ class TablePreload:
             if not self._abandoned:
                 self._result = opened
                 return
-        opened.close()
+        try:
+            opened.close()
+        except Exception:
+            log.exception("closing the abandoned preload's tables")
 
     def _on_progress(self, fraction: float) -> None:
-        with self._lock:
-            self._progress, listener = fraction, self._listener
-        if listener is not None:
-            listener(fraction)
+        with self._lock:  # listeners are quick; under the lock, progress never goes back
+            self._progress = fraction
+            if self._listener is not None:
+                self._listener(fraction)
 
     def listen(self, listener: Callable[[float], None]) -> None:
         """Send progress to `listener` from now on, starting with where the load stands."""
         with self._lock:
-            self._listener, progress = listener, self._progress
-        listener(progress)
+            self._listener = listener
+            listener(self._progress)
 
     def take(self) -> OpenTables:
-        """The opened tables (blocks until the stage is done); raises what the stage raised."""
+        """The opened tables (blocks until the stage is done); raises what the stage raised.
+        Once only, and not after abandon()."""
         self._thread.join()
         if self._error is not None:
             raise self._error
         with self._lock:
+            if self._abandoned:
+                raise RuntimeError("the preload was abandoned: the daemon is stopping")
             opened, self._result = self._result, None
         if opened is None:
             raise RuntimeError("the preloaded tables were already taken")

@@ -64,7 +64,7 @@ def client_pids(socket_path: Path) -> dict[int, int]:
     """client_id -> pid in the daemon's namespace, as an admin sees them (the test's user is the
     daemon's, an admin; `stats` leaves pids out)."""
     reply = admin_request(handle_socket_path(socket_path), "clients", 10.0)
-    return {c["client_id"]: c["pid"] for c in reply["clients"]}
+    return {c["client_id"]: c["pid"] for c in reply.clients}
 
 
 def wait_until(condition, timeout: float, step: float = 0.01) -> float:

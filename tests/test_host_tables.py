@@ -331,9 +331,20 @@ def expected_file_size(rows: int) -> int:
     return -(-(4096 + rows * 264) // 4096) * 4096
 
 
-def fake_statvfs(available: int):
-    return lambda path: types.SimpleNamespace(f_bavail=available // 4096, f_frsize=4096,
-                                              f_bsize=4096)
+def fake_statvfs(available: int, blocks: int = 1 << 30, block: int = 4096):
+    return lambda path: types.SimpleNamespace(f_bavail=available // block, f_frsize=block,
+                                              f_bsize=block, f_blocks=blocks)
+
+
+def test_a_hugetlbfs_mount_without_a_size_limit_offers_its_free_page_pool(tmp_path, monkeypatch):
+    """Such a mount says 0 blocks of 0; the free huge pages of its page size are what it holds."""
+    pool = tmp_path / "free_hugepages"
+    pool.write_text("5\n")
+    monkeypatch.setattr(host_tables, "HUGE_PAGE_POOL", str(tmp_path / "free_hugepages"))
+    monkeypatch.setattr(os, "statvfs", fake_statvfs(0, blocks=0, block=2 << 20))
+    assert host_tables._available_bytes(tmp_path) == 5 * (2 << 20)
+    monkeypatch.setattr(os, "statvfs", fake_statvfs(8192, blocks=0))  # 4 KiB blocks: not huge pages
+    assert host_tables._available_bytes(tmp_path) == 8192
 
 
 def test_free_space_refusal_names_bytes(shm: Path, monkeypatch):

@@ -148,3 +148,41 @@ def test_a_lookup_need_not_repeat_its_token_count():
     fields = {k: v for k, v in LOOKUP_FIELDS.items() if k != "tokens"}
     request = protocol.decode_request(protocol.encode_request("lookup", 8, [b"\0" * 384], **fields))
     assert request.body.tokens is None and request.body.ids_shape == [2, 2, 24]
+
+
+def test_handle_socket_messages_are_declared_and_checked_on_both_sides():
+    from engramd.client.errors import PermissionDeniedError
+    from engramd.client.handles import decode_request, error_reply, ok_reply, read_reply
+    from engramd.client.messages import AttachReply, AttachRequest, ClientsReply
+
+    assert decode_request({"v": 1, "op": "attach", "client_id": 4, "token": "t"}) == AttachRequest(4, "t")
+    with pytest.raises(ProtocolError, match="handle socket: attach: missing field 'token'"):
+        decode_request({"op": "attach", "client_id": 4})
+    with pytest.raises(ProtocolError, match="'client_id' has wrong type str"):
+        decode_request({"op": "attach", "client_id": "4", "token": "t"})
+    with pytest.raises(UnknownOperationError, match="unknown operation 'format'"):
+        decode_request({"op": "format"})
+    sent = AttachReply(tables=[{"layer_id": 1, "rows": 2, "row_bytes": 264, "data_offset": 4096,
+                                "file_bytes": 8192}])
+    assert read_reply(ok_reply("ep", sent), AttachReply) == ("ep", sent)
+    assert read_reply(ok_reply("ep", AttachReply()), AttachReply)[1].slab is None
+    with pytest.raises(ProtocolError, match="clients reply: missing field 'clients'"):
+        read_reply({"status": "ok", "epoch": "ep"}, ClientsReply)
+    with pytest.raises(PermissionDeniedError, match="no") as info:
+        read_reply(error_reply(PermissionDeniedError("no"), "ep"), ClientsReply)
+    assert info.value.epoch == "ep"
+
+
+def test_declared_types_take_what_msgpack_may_send_and_nothing_else():
+    from engramd.client.messages import HealthReply, HeartbeatRequest
+
+    health = {"live": True, "ready": False, "state": "loading", "progress": 1, "pid": 7,
+              "uptime": 0, "backend": None, "mps": {}}
+    assert HealthReply.decode(health, "health reply").progress == 1  # a float field takes an int
+    for name, value in (("progress", True), ("state", None), ("pid", 7.0), ("mps", [])):
+        with pytest.raises(ProtocolError, match=f"'{name}' has wrong type"):
+            HealthReply.decode({**health, name: value}, "health reply")
+    assert HeartbeatRequest.decode({}, "heartbeat") == HeartbeatRequest(None, "", None)
+    assert LookupReply(slot=1, seq=2).encode() == {"slot": 1, "seq": 2}  # an unset optional stays out
+    assert LookupReply(slot=1, seq=2, out_of_range=0).encode()["out_of_range"] == 0
+    assert HealthReply.decode(health, "h").encode()["backend"] is None  # a required None travels

@@ -87,7 +87,7 @@ def test_counts_are_for_all_and_who_the_clients_are_for_admins(served, reference
     stats = service.stats()
     assert stats.lookups == 1 and stats.state == "ready"
     assert not {"pid", "name", "uid"} & stats.clients[0].keys()
-    assert service.clients(ME)["clients"] == [{"client_id": client.client_id, "pid": os.getpid(),
+    assert service.clients(ME).clients == [{"client_id": client.client_id, "pid": os.getpid(),
                                                "name": "in-process", "uid": os.geteuid()}]
     with pytest.raises(PermissionDeniedError, match="uid 4242"):
         service.clients(STRANGER)

@@ -7,10 +7,12 @@ closes what it opened when nobody takes it.
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import textwrap
 import time
+import types
 
 import numpy as np
 import pytest
@@ -105,6 +107,31 @@ def test_an_abandoned_preload_closes_its_tables_before_and_after_it_is_done(demo
     running.abandon()
     wait_until(lambda: closed, timeout=30)
     running._thread.join()
+
+
+def test_take_after_abandon_says_the_daemon_is_stopping(demo_checkpoint):
+    preload = TablePreload.start(demo_config(demo_checkpoint))
+    preload.abandon()
+    with pytest.raises(RuntimeError, match="abandoned"):
+        preload.take()
+
+
+def test_auto_serves_on_the_cpu_when_the_driver_sees_a_gpu_that_torch_cannot_use(demo_checkpoint,
+                                                                                  monkeypatch):
+    from engramd.server import table_loader
+    from engramd.server.cpu_backend import CpuBackend
+
+    config = dataclasses.replace(demo_config(demo_checkpoint), backend="auto")
+    opened = TablePreload.start(config).take()
+    unpinned = []
+    opened.backend_name, opened.registration = "cuda", types.SimpleNamespace(close=lambda: unpinned.append(1))
+    monkeypatch.setattr(table_loader, "_torch_sees_a_gpu", lambda: False)
+    backend = table_loader.build_backend(config, opened)
+    try:
+        assert isinstance(backend, CpuBackend) and unpinned == [1] and opened.registration is None
+    finally:
+        backend.close()
+        opened.close()
 
 
 def test_pin_parts_cover_every_range_exactly_in_aligned_capped_pieces(monkeypatch):

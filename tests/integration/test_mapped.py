@@ -138,14 +138,16 @@ def test_attach_passes_read_only_tables_and_a_sealed_slab_once_per_token(daemon_
 def test_handle_socket_answers_garbage_with_a_typed_error_and_keeps_serving(daemon_factory):
     daemon = daemon_factory()
     path = handle_socket_path(daemon.socket)
-    for request in ({"op": "attach", "client_id": "1", "token": 5}, {"op": "format"}):
+    for request, expected in (({"op": "attach", "client_id": "1", "token": 5}, "bad_message"),
+                              ({"op": "attach", "client_id": 1}, "bad_message"),
+                              ({"op": "format"}, "unknown_op")):
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.settimeout(5)
         conn.connect(str(path))
         send_message(conn, request)
         reply, fds = recv_message(conn, 8)
         conn.close()
-        assert reply["status"] == "error" and reply["code"] in ("bad_message", "unknown_op"), reply
+        assert reply["status"] == "error" and reply["code"] == expected, reply
         assert fds == []
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.settimeout(5)
@@ -156,6 +158,12 @@ def test_handle_socket_answers_garbage_with_a_typed_error_and_keeps_serving(daem
     assert reply["code"] == "bad_message"
     with pytest.raises(ProtocolError):
         recv_message(_closed_pair(), 8)
+
+    def counted() -> bool:  # refused on the handle threads, counted by the loop
+        errors = probe(daemon.socket, "stats", 5.0).body.errors
+        return errors.get("bad_message", 0) == 3 and errors.get("unknown_op", 0) == 1
+
+    wait_until(counted, timeout=10)
     with EngramClient(daemon.socket, mode="mapped") as client:
         assert client.mode == "mapped"
 

@@ -293,7 +293,7 @@ def test_drain_needs_an_admin_not_just_a_connection(daemon_factory):
                                 capture_output=True, text=True, timeout=60)
         assert member.stdout.strip() == "permission_denied", member.stdout + member.stderr
     assert probe(daemon.socket, "health", 5.0).body.ready and daemon.proc.poll() is None
-    assert admin_request(handle_socket_path(daemon.socket), "drain", 5.0)["status"] == "ok"
+    assert admin_request(handle_socket_path(daemon.socket), "drain", 5.0).in_flight == 0
     assert daemon.proc.wait(30) == 0
 
 
@@ -429,7 +429,7 @@ os.setgroups([int(sys.argv[3])])
 os.setgid(int(sys.argv[2]))
 os.setuid(int(sys.argv[2]))
 try:
-    print(admin_request(sys.argv[1], "clients", 5.0)["clients"])
+    print(admin_request(sys.argv[1], "clients", 5.0).clients)
 except EngramError as exc:
     print(exc.code)
 """
@@ -445,7 +445,7 @@ def test_who_the_clients_are_is_for_admins_only(daemon_factory):
         (public,) = probe(daemon.socket, "stats", 5.0).body.clients
         assert public["client_id"] == client.client_id
         assert not {"pid", "name", "uid"} & public.keys(), public
-        (private,) = admin_request(handle_socket_path(daemon.socket), "clients", 5.0)["clients"]
+        (private,) = admin_request(handle_socket_path(daemon.socket), "clients", 5.0).clients
         assert private == {"client_id": client.client_id, "pid": os.getpid(), "name": "private-name",
                            "uid": os.geteuid()}
         shown = subprocess.run([*engramd_command(), "stats", "--socket", str(daemon.socket)],
