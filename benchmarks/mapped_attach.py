@@ -60,7 +60,7 @@ from engramd.client.mapped import MappedTables, mapped_gather
 sys.path.insert(0, str(Path(__file__).parent))
 from common.daemon import LOG_NAME, SOCKET_NAME, bench_folders, serve_command, stop_process  # noqa: E402
 from common.ids import scaled_rows  # noqa: E402
-from common.report import machine  # noqa: E402
+from common.report import cell, machine  # noqa: E402
 from common.tables import INSTANCE, fill_tables, geometry_for, reattach_flags  # noqa: E402
 from mps import mps_state  # noqa: E402
 
@@ -398,14 +398,6 @@ def _get(row: dict, dotted: str) -> Any:
     return row
 
 
-def _fmt(value: Any, digits: int = 3) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, float):
-        return f"{value:.{digits}f}"
-    return str(value)
-
-
 def markdown(report: dict) -> str:
     meta, attach, restarts = report["meta"], report["attach"], report["restarts"]
     proj, first = report["projection"], report["first_start"]
@@ -419,8 +411,8 @@ def markdown(report: dict) -> str:
              + " | median |", "|---|" + "---:|" * (len(attach) + 1)]
     for key, label, digits in ATTACH_ROWS:
         values = [r.get(key) for r in attach]
-        lines.append(f"| {label} | " + " | ".join(_fmt(v, digits) for v in values)
-                     + f" | {_fmt(_median(attach, key), digits)} |")
+        lines.append(f"| {label} | " + " | ".join(cell(v, digits) for v in values)
+                     + f" | {cell(_median(attach, key), digits)} |")
     lines += ["", f"Daemon first start (tables already in /dev/shm): live {first['live_s']} s, "
               f"ready {first['ready_s']} s ({first['log'].get('how', '?')}).", ""]
     if restarts:
@@ -428,20 +420,20 @@ def markdown(report: dict) -> str:
                   + " | ".join(f"#{r['repeat']}" for r in restarts) + " |",
                   "|---|" + "---:|" * len(restarts)]
         for key, label in RESTART_ROWS:
-            lines.append(f"| {label} | " + " | ".join(_fmt(_get(r, key), 2) for r in restarts)
+            lines.append(f"| {label} | " + " | ".join(cell(_get(r, key), 2) for r in restarts)
                          + " |")
         lines.append("")
     lines += [f"Projection to {proj['table_gib']} GiB (V4.1-Flash, 2 layers x "
               f"{V41.table_bytes(0) / 2**30:.1f} GiB; x{proj['scale']} the bytes here), the "
               "size-bound part scaled at the measured GB/s, the rest as measured:", "",
               "| figure | seconds |", "|---|---:|",
-              f"| mapped client: registration (MappedTables) | {_fmt(proj.get('register_s'), 1)} |",
-              f"| mapped client: attach end to end | {_fmt(proj.get('attach_s'), 1)} |",
-              f"| daemon: pinning | {_fmt(proj.get('daemon_pin_s'), 1)} |",
+              f"| mapped client: registration (MappedTables) | {cell(proj.get('register_s'), 1)} |",
+              f"| mapped client: attach end to end | {cell(proj.get('attach_s'), 1)} |",
+              f"| daemon: pinning | {cell(proj.get('daemon_pin_s'), 1)} |",
               f"| daemon: restart to ready, at least (the longer pin hidden by the imports) | "
-              f"{_fmt(proj.get('restart_ready_low_s'), 1)} |",
+              f"{cell(proj.get('restart_ready_low_s'), 1)} |",
               f"| daemon: restart to ready, at most (all that followed the pin still after it) | "
-              f"{_fmt(proj.get('restart_ready_s'), 1)} |"]
+              f"{cell(proj.get('restart_ready_s'), 1)} |"]
     return "\n".join(lines) + "\n"
 
 

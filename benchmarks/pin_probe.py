@@ -63,7 +63,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common.report import cpu_model, machine  # noqa: E402
+from common.report import cell, cpu_model, machine  # noqa: E402
 
 NAME = "engramd-pin-probe"
 SHM_DIR = Path("/dev/shm")
@@ -668,14 +668,6 @@ def meta(args: argparse.Namespace, size: int) -> dict:
 # -- the report ------------------------------------------------------------------------------------
 
 
-def _fmt(value: Any, digits: int = 3) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, float):
-        return f"{value:.{digits}f}"
-    return str(value)
-
-
 def projected_s(case: dict) -> float | None:
     rate = case.get("register_gbps")
     return PROJECT_GIB * 2**30 / (rate * 1e9) if rate else None
@@ -702,30 +694,30 @@ def case_row(case: dict) -> str:
     pin = "" if not verify else ("ok" if verify.get("ok") else
                                  f"FAIL {verify.get('error') or verify}"[:80].replace("|", "/"))
     cells = [case["name"], case.get("file_kind"), flags, case.get("threads"),
-             _fmt(case.get("prefault_s")), _fmt(case.get("register_s")),
-             _fmt(case.get("register_gbps"), 2), _fmt(projected_s(case), 2),
-             _fmt(case.get("unregister_s")),
-             _fmt((case.get("register") or {}).get("main_ticks_per_s")), pin, case_note(case)]
+             cell(case.get("prefault_s")), cell(case.get("register_s")),
+             cell(case.get("register_gbps"), 2), cell(projected_s(case), 2),
+             cell(case.get("unregister_s")),
+             cell((case.get("register") or {}).get("main_ticks_per_s")), pin, case_note(case)]
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
 def setup_lines(report: dict) -> list[str]:
     shm, huge = report["setup"].get("shm") or {}, report["setup"].get("hugetlb") or {}
-    lines = [f"- /dev/shm file filled at {_fmt(shm.get('fill_gbps'), 2)} GB/s "
-             f"({_fmt(shm.get('fill_s'))} s, {shm.get('fill', '')})."]
+    lines = [f"- /dev/shm file filled at {cell(shm.get('fill_gbps'), 2)} GB/s "
+             f"({cell(shm.get('fill_s'))} s, {shm.get('fill', '')})."]
     if huge.get("skipped"):
         lines.append(f"- hugetlbfs skipped: {huge['skipped']}")
     elif huge:
-        lines.append(f"- hugetlbfs (2 MiB pages) file filled at {_fmt(huge.get('fill_gbps'), 2)} "
-                     f"GB/s ({_fmt(huge.get('fill_s'))} s).")
+        lines.append(f"- hugetlbfs (2 MiB pages) file filled at {cell(huge.get('fill_gbps'), 2)} "
+                     f"GB/s ({cell(huge.get('fill_s'))} s).")
     startup = report.get("startup", {})
     torch_s, cudart_s = startup.get("torch") or {}, startup.get("cudart") or {}
-    lines.append(f"- Fresh process, torch: `import torch` {_fmt(torch_s.get('import_torch_s'))} s, "
-                 f"CUDA context {_fmt(torch_s.get('torch_context_s'))} s, then cudart import "
-                 f"{_fmt(torch_s.get('import_cudart_after_torch_s'))} s"
+    lines.append(f"- Fresh process, torch: `import torch` {cell(torch_s.get('import_torch_s'))} s, "
+                 f"CUDA context {cell(torch_s.get('torch_context_s'))} s, then cudart import "
+                 f"{cell(torch_s.get('import_cudart_after_torch_s'))} s"
                  + (f" (error: {torch_s['error']})" if torch_s.get("error") else "") + ".")
-    lines.append(f"- Fresh process, cudart alone: import {_fmt(cudart_s.get('import_cudart_s'))} "
-                 f"s, cudaFree(0) context {_fmt(cudart_s.get('cudart_context_s'))} s; "
+    lines.append(f"- Fresh process, cudart alone: import {cell(cudart_s.get('import_cudart_s'))} "
+                 f"s, cudaFree(0) context {cell(cudart_s.get('cudart_context_s'))} s; "
                  f"ReadOnly supported: "
                  f"{cudart_s.get('cudaDevAttrHostRegisterReadOnlySupported', '?')}"
                  + (f" (error: {cudart_s['error']})" if cudart_s.get("error") else "") + ".")

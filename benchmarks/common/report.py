@@ -7,6 +7,7 @@ import platform
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 
 def machine() -> str:
@@ -29,3 +30,12 @@ def cpu_model() -> str | None:
     except OSError:
         pass
     return None
+
+
+def cell(value: Any, digits: int = 3) -> str:
+    """A markdown table cell: empty for None, floats to `digits` places."""
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
