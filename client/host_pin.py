@@ -46,7 +46,7 @@ class HostRegistration:
         require_cuda_python()
         self._parts: list[int] = []
         flags = cudart.cudaHostRegisterPortable | cudart.cudaHostRegisterMapped
-        if read_only and _read_only_supported():  # the device only ever reads these pages
+        if read_only and read_only_supported():  # the device only ever reads these pages
             flags |= cudart.cudaHostRegisterReadOnly
         parts = split_ranges(ranges, workers)
         registered: list[int] = []  # list.append is atomic
@@ -99,7 +99,8 @@ def _register(part: tuple[int, int], flags: int) -> int:
     return address
 
 
-def _read_only_supported() -> bool:
+def read_only_supported() -> bool:
+    """Whether every visible GPU can register host memory read-only."""
     count = int(check("cudaGetDeviceCount", cudart.cudaGetDeviceCount()))
     attribute = cudart.cudaDeviceAttr.cudaDevAttrHostRegisterReadOnlySupported
     return all(int(check("cudaDeviceGetAttribute", cudart.cudaDeviceGetAttribute(attribute, i)))

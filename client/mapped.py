@@ -59,8 +59,13 @@ class MappedTables:
                                     f"fit a {g.file_bytes}-byte file")
 
     def _register(self) -> None:
-        from engramd.client.host_pin import HostRegistration
+        from engramd.client.cuda import CudaError
+        from engramd.client.host_pin import HostRegistration, read_only_supported
 
+        if not read_only_supported():  # the granted descriptors are read-only: so is our mapping
+            raise CudaError("mapped mode needs read-only host registration, which this GPU or "
+                            "driver does not offer (cudaDevAttrHostRegisterReadOnlySupported); "
+                            "register in served mode")
         self._registration = HostRegistration(
             [(a.ctypes.data, a.nbytes) for a in self.rows], read_only=True)
 
