@@ -88,6 +88,7 @@ def test_second_daemon_on_the_same_socket_refuses(daemon_factory):
     second.start()
     assert second.proc.wait(30) == EXIT_SOCKET_IN_USE, second.log()
     assert "in use" in second.log()
+    assert not second.tables_dir.exists(), "it touched tables before it held the socket's lock"
     assert first.health()["ready"], "the first daemon keeps serving"
 
 
