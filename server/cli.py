@@ -134,18 +134,19 @@ def cmd_drain(args: argparse.Namespace) -> int:
     An admin operation: it goes over the handle socket, where the daemon sees who asks."""
     from engramd.client.handles import admin_request, handle_socket_path
 
+    socket = args.socket or default_socket_path()
     try:
-        drained = admin_request(handle_socket_path(args.socket or default_socket_path()), "drain",
-                                args.timeout)
+        epoch = probe(socket, "health", args.timeout).epoch  # which daemon run this drains
+        drained = admin_request(handle_socket_path(socket), "drain", args.timeout)
     except EngramError as exc:
         print(f"engramd drain: {exc.message}", file=sys.stderr)
         return EXIT_NOT_READY
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:
         try:
-            probe(args.socket or default_socket_path(), "health", 0.5)
+            probe(socket, "health", 0.5)
         except EngramError:
-            print(f"drained: the daemon finished {drained.in_flight} lookups and exited")
+            print(f"drained: daemon epoch {epoch} finished {drained.in_flight} lookups and exited")
             return 0
         time.sleep(0.1)
     print(f"engramd drain: daemon still running after {args.timeout:.0f} s", file=sys.stderr)

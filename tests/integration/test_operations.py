@@ -16,6 +16,7 @@ import torch
 from conftest import engramd_command, wait_until
 
 from engramd.client import DaemonUnavailableError, EngramClient
+from engramd.client.connection import probe
 from engramd.server.startup import EXIT_TABLES
 
 
@@ -98,6 +99,7 @@ def test_drain_finishes_in_flight_lookups_and_exits(daemon_factory, reference):
     daemon = daemon_factory()
     client = EngramClient(daemon.socket, reconnect_timeout=1.0)
     ids = np.random.default_rng(2).integers(0, min(reference.rows), size=(64, 2, 24))
+    epoch = probe(daemon.socket, "health", 5.0).epoch
     daemon.proc.send_signal(signal.SIGSTOP)  # hold the daemon so the lookup is in flight
     future = client.lookup(torch.from_numpy(ids))
     drain = subprocess.Popen([*engramd_command(), "drain", "--socket", str(daemon.socket),
@@ -106,7 +108,8 @@ def test_drain_finishes_in_flight_lookups_and_exits(daemon_factory, reference):
     daemon.proc.send_signal(signal.SIGCONT)
     rows = future.result(timeout=30)  # the in-flight lookup is answered
     assert np.array_equal(rows.double().numpy(), reference.expected(ids))
-    assert drain.wait(40) == 0 and "drained" in drain.stdout.read()
+    assert drain.wait(40) == 0
+    assert f"drained: daemon epoch {epoch} finished" in drain.stdout.read()
     assert daemon.proc.wait(30) == 0
     started = time.monotonic()
     with pytest.raises(DaemonUnavailableError, match="no daemon to re-register with within 1 s"):
