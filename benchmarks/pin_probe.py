@@ -76,7 +76,7 @@ HUGE_MEM_MARGIN = 4 << 30  # memory left over after the huge pages, or hugetlb i
 PAGE = 4096
 FILL_CHUNK = 64 << 20
 FILL_WORD = 0x5EED_0000_0000_0001  # word i of a file holds FILL_WORD + i: non-zero, positional
-REGISTER_CHUNK = 64 << 30  # as engramd.client.host_pin.REGISTER_CHUNK
+REGISTER_CHUNK = 64 << 30  # as engramd.client.host_pin.REGISTER_CHUNK (not imported: see check)
 MADV_POPULATE_READ = 22  # Linux 5.14
 PREFAULT_THREADS = 8
 TICK_S = 0.001
@@ -131,8 +131,8 @@ def load_cudart() -> Any:
 
 
 def check(call: str, result: Any) -> Any:
-    """`(err, *values)` -> values, as engramd.client.cuda.check (not imported: that module
-    imports torch, and the workers time a process that has only cudart)."""
+    """`(err, *values)` -> values, as engramd.client.cuda.check (not imported: importing it
+    loads cuda-python, and the workers time that import themselves)."""
     err, *values = result if isinstance(result, tuple) else (result,)
     if int(err) != 0:
         raise RuntimeError(f"{call} failed: {err!r}")

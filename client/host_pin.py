@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 from concurrent.futures import ThreadPoolExecutor
+from functools import cache
 
 from engramd.client.cuda import CudaError, check, cudart, require_cuda_python
 
@@ -99,8 +100,9 @@ def _register(part: tuple[int, int], flags: int) -> int:
     return address
 
 
+@cache
 def read_only_supported() -> bool:
-    """Whether every visible GPU can register host memory read-only."""
+    """Whether every visible GPU can register host memory read-only (asked once a process)."""
     count = int(check("cudaGetDeviceCount", cudart.cudaGetDeviceCount()))
     attribute = cudart.cudaDeviceAttr.cudaDevAttrHostRegisterReadOnlySupported
     return all(int(check("cudaDeviceGetAttribute", cudart.cudaDeviceGetAttribute(attribute, i)))

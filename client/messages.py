@@ -59,6 +59,14 @@ def _spec(cls: type) -> tuple[tuple[str, tuple[type, ...], bool, bool], ...]:
                  for f in dataclasses.fields(cls))
 
 
+def _fieldless(name: str, op: str, doc: str) -> type[Message]:
+    """A message with no fields: its operation is all it says."""
+    cls = dataclasses.make_dataclass(name, [], bases=(Message,), slots=True,
+                                     namespace={"OP": op, "__doc__": doc})
+    cls.__module__ = __name__
+    return cls
+
+
 def _runtime_types(hint: Any) -> tuple[type, ...]:
     """What msgpack may hand over for a declared type: a float field takes an int too."""
     if typing.get_origin(hint) in (Union, types.UnionType):
@@ -116,20 +124,10 @@ class HeartbeatRequest(Message):
     counts: dict | None = None  # a mapped client's cumulative lookups, rows, out_of_range
 
 
-@dataclass(slots=True)
-class StatsRequest(Message):
-    OP = "stats"
-
-
-@dataclass(slots=True)
-class HealthRequest(Message):
-    OP = "health"
-
-
-@dataclass(slots=True)
-class DrainRequest(Message):
-    OP = "drain"  # admin, over the handle socket (refused over ZeroMQ, which cannot say who asks)
-
+StatsRequest = _fieldless("StatsRequest", "stats", "Counts anyone who may connect may see.")
+HealthRequest = _fieldless("HealthRequest", "health", "Live, ready, and how far the tables are.")
+DrainRequest = _fieldless("DrainRequest", "drain", "Admin, over the handle socket (refused over "
+                          "ZeroMQ, which cannot say who asks): finish in-flight lookups and exit.")
 
 REQUESTS: dict[str, type[Message]] = {m.OP: m for m in (
     RegisterRequest, LookupRequest, ReleaseRequest, HeartbeatRequest, StatsRequest, HealthRequest,
@@ -162,14 +160,8 @@ class LookupReply(Message):
     out_of_range: int | None = None  # where the backend counts per lookup (a GPU counts on the device)
 
 
-@dataclass(slots=True)
-class ReleaseReply(Message):
-    OP = "release"
-
-
-@dataclass(slots=True)
-class HeartbeatReply(Message):
-    OP = "heartbeat"
+ReleaseReply = _fieldless("ReleaseReply", "release", "The registration is released.")
+HeartbeatReply = _fieldless("HeartbeatReply", "heartbeat", "The daemon is here and knows the client.")
 
 
 @dataclass(slots=True)
@@ -229,27 +221,12 @@ class AttachRequest(Message):
 
 
 @dataclass(slots=True)
-class HelloRequest(Message):
-    OP = "hello"  # an access check: being admitted is the whole answer
-
-
-@dataclass(slots=True)
-class ClientsRequest(Message):
-    OP = "clients"  # admin: who each client is
-
-
-@dataclass(slots=True)
 class AttachReply(Message):
     """Served: `slab` says how to map descriptor 0. Mapped: descriptor i is table i."""
 
     OP = "attach"
     slab: dict | None = None
     tables: list = field(default_factory=list)  # {layer_id, rows, row_bytes, data_offset, file_bytes}
-
-
-@dataclass(slots=True)
-class HelloReply(Message):
-    OP = "hello"
 
 
 @dataclass(slots=True)
@@ -263,6 +240,10 @@ class ClientsReply(Message):
     OP = "clients"
     clients: list  # {client_id, pid (in the daemon's namespace), name, uid} of each live client
 
+
+HelloRequest = _fieldless("HelloRequest", "hello", "An access check: being admitted is the answer.")
+ClientsRequest = _fieldless("ClientsRequest", "clients", "Admin: who each client is.")
+HelloReply = _fieldless("HelloReply", "hello", "This peer is admitted.")
 
 HANDLE_REQUESTS: dict[str, type[Message]] = {m.OP: m for m in (
     AttachRequest, HelloRequest, DrainRequest, ClientsRequest)}

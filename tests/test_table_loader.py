@@ -19,6 +19,7 @@ import pytest
 
 from engramd.client import host_pin
 from engramd.client.host_pin import PART_ALIGN, split_ranges
+from engramd.server.checkpoint import CheckpointError
 from engramd.server.config import load_config
 from engramd.server.table_loader import TablePreload
 from tests.conftest import shm_tempdir, wait_until
@@ -78,7 +79,7 @@ def test_a_preload_hands_over_the_checkpoint_rows_and_the_load_progress(demo_che
 def test_a_preload_passes_its_error_to_the_taker(demo_checkpoint, tmp_path):
     config = demo_config(demo_checkpoint, tables=tmp_path / "no-such-checkpoint")
     preload = TablePreload.start(config)
-    with pytest.raises(Exception, match="no-such-checkpoint"):
+    with pytest.raises(CheckpointError, match="no-such-checkpoint.*missing config.json"):
         preload.take()
 
 
