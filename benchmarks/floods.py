@@ -75,10 +75,11 @@ while True:
 """,
     "unread": """
 import sys, msgpack, zmq
+from engramd.client.protocol import PROTOCOL_VERSION
 sock = zmq.Context().socket(zmq.DEALER)
 sock.setsockopt(zmq.SNDHWM, 0)
 sock.connect("ipc://" + sys.argv[1])
-frame = msgpack.packb({"v": 1, "op": "heartbeat", "rid": 1, "client_id": None, "token": ""})
+frame = msgpack.packb({"v": PROTOCOL_VERSION, "op": "heartbeat", "rid": 1, "client_id": None, "token": ""})
 while True:
     sock.send(frame)
 """,

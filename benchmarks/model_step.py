@@ -171,8 +171,8 @@ class Bench:
 
     def consume(self, rows: Tensor) -> None:
         """Sum the rows over tokens, layers and heads into the next matmul's first operand."""
-        head_dim = rows.shape[-1]
-        torch.sum(rows.view(-1, head_dim), dim=0, out=self.a[0, :head_dim])
+        head_dim = rows.shape[-1]  # rows of a slot are strided by layer (client/slab.py)
+        torch.sum(rows, dim=(0, 1, 2), out=self.a[0, :head_dim])
 
     def step_compute(self, ids: Tensor, lead: int) -> None:
         self.matmuls(lead + TAIL)

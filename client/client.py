@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import mmap
 import os
 import socket
 import threading
@@ -62,6 +61,7 @@ from engramd.client.handles import (
 from engramd.client.ids import dtype_name
 from engramd.client.mapped import DeviceCounterReader, LocalSlots, MappedTables, mapped_gather
 from engramd.client.messages import RegisterReply
+from engramd.client.shared_mapping import SharedMapping
 from engramd.client.slab import FAILED, IDS_READY, ROWS_DONE, SlabLayout, SlotViews
 
 log = logging.getLogger("engramd.client")
@@ -158,19 +158,30 @@ class _MemfdSlabView:
 
     def __init__(self, fd: int, layout: SlabLayout):
         self.layout = layout
-        size = os.fstat(fd).st_size
-        if size < layout.size:
-            raise InternalError(f"slab descriptor has {size} bytes, the layout needs {layout.size}")
-        self._map = mmap.mmap(fd, layout.size, mmap.MAP_SHARED)
-        self.buffer = torch.frombuffer(self._map, dtype=torch.uint8)
+        try:
+            self._mapping = SharedMapping(fd, layout.size)
+        except ValueError as exc:  # a short descriptor
+            raise InternalError(f"slab: {exc}") from None
+        self.buffer = self._mapping.buffer
 
     def rows(self, slot: int, tokens: int) -> torch.Tensor:
         return self.layout.rows_view(self.buffer, slot, tokens)
 
+    def slot_rows(self, slot: int) -> torch.Tensor:
+        return self.layout.slot_rows(self.buffer, slot)
+
+    def rebind(self, fd: int, wire: dict[str, Any]) -> None:
+        """A new daemon's slab of the same layout, at this one's address (see _keep_rows)."""
+        try:
+            self._mapping.remap(fd)
+        except ValueError as exc:
+            raise InternalError(f"slab: {exc}") from None
+
     def close(self) -> None:
-        # Not self._map.close(): row views the caller still holds reference the mapping (torch
-        # does not pin it), so it is unmapped when the last of them goes, not under them.
-        self.buffer, self._map = None, None
+        # Row views the caller still holds keep the mapping: it is unmapped when the last of
+        # them goes, not under them.
+        self.buffer = None
+        self._mapping.close()
 
 
 class _CudaSlabView:
@@ -199,6 +210,15 @@ class _CudaSlabView:
     def counter(self, slot: int, word: int) -> int:
         return self.ptr + self.layout.counter_offset(slot, word)
 
+    def rebind(self, fd: int, wire: dict[str, Any]) -> None:
+        """A new daemon's slab of the same layout, at this one's address (see _keep_rows): the
+        views, counter handles and streams built on the address stay valid."""
+        if int(wire["bytes"]) != self.memory.size:
+            raise InternalError(f"the daemon's new slab has {wire['bytes']} bytes, the client's "
+                                f"{self.memory.size}")
+        torch.cuda.synchronize(self.device)  # nothing of ours still reads or writes the old one
+        self.memory.replace_from_descriptor(fd)
+
     def failed_seq(self, slot: int) -> int:
         """The slot's FAILED word (a small device-to-host copy: call it after a sync only)."""
         words = self.views.buffer[:self.layout.counters_bytes].view(torch.int32)
@@ -209,6 +229,9 @@ class _CudaSlabView:
 
     def rows(self, slot: int, tokens: int) -> torch.Tensor:
         return self.views.rows(slot, tokens)
+
+    def slot_rows(self, slot: int) -> torch.Tensor:
+        return self.views.slot_rows(slot)
 
     def close(self) -> None:
         torch.cuda.synchronize(self.device)
@@ -244,6 +267,7 @@ class EngramClient:
         self._registration = (tp_rank, tp_size, max_tokens, slots, name)
         self._conn: Connection | None = None
         self._slab: _MemfdSlabView | _CudaSlabView | LocalSlots | None = None
+        self._kept_rows: _MemfdSlabView | _CudaSlabView | LocalSlots | None = None  # see _keep_rows
         self._lease: socket.socket | None = None  # the daemon frees us when it closes
         self._mapped: MappedTables | None = None
         self._gather: Any = None  # mapped: the gather this process runs
@@ -282,7 +306,7 @@ class EngramClient:
     def _reconnect(self) -> None:
         """The daemon went away: register again, with backoff, until `reconnect_timeout`."""
         gone = self._dead or "the daemon is gone"
-        self._disconnect()
+        self._disconnect(keep_rows=True)
         deadline = time.monotonic() + self.reconnect_timeout
         delay = 0.05
         while True:
@@ -309,17 +333,20 @@ class EngramClient:
             self._watchdog.join()
             self._watchdog = None
 
-    def _disconnect(self) -> None:
-        """Drop the connection and the slab mapping without talking to the daemon."""
+    def _disconnect(self, keep_rows: bool = False) -> None:
+        """Drop the connection and the slab mapping without talking to the daemon; with
+        `keep_rows`, keep the slot memory's address for the next registration (_keep_rows)."""
         self._stop_watchdog()
         if isinstance(self._slab, _CudaSlabView):
             self._release_waits()  # the daemon is gone or going: its counters may never move
         try:
             self._unmap()  # first: it synchronises the device, so no gather of ours still reads
         finally:           # the old mapping or writes our slots
-            if self._slab is not None:
-                self._slab.close()
-                self._slab = None
+            slab, self._slab = self._slab, None
+            if slab is not None and keep_rows and self._kept_rows is None:
+                self._kept_rows = slab
+            elif slab is not None:
+                slab.close()
             if self._lease is not None:
                 self._lease.close()
                 self._lease = None
@@ -400,15 +427,41 @@ class EngramClient:
         by the daemon's `gather` policy)."""
         if self.mode == "mapped":
             self._map_tables(attachment, gather)
+            self._slab = self._keep_rows(LocalSlots, None) or LocalSlots(self.layout, self.device)
         elif attachment.slab is None or attachment.slab_fd is None:
             raise InternalError("the daemon attached a served client without a slab")
         elif attachment.slab.get("kind") == "cuda_vmm":
-            self._slab = _CudaSlabView(attachment.slab_fd, attachment.slab, self.layout, self.device)
+            self._slab = (self._keep_rows(_CudaSlabView, attachment)
+                          or _CudaSlabView(attachment.slab_fd, attachment.slab, self.layout, self.device))
             self._warm_up()
         elif attachment.slab.get("kind") == "memfd" and self.device.type == "cpu":
-            self._slab = _MemfdSlabView(attachment.slab_fd, self.layout)
+            self._slab = (self._keep_rows(_MemfdSlabView, attachment)
+                          or _MemfdSlabView(attachment.slab_fd, self.layout))
         else:
             raise InternalError(f"slab of kind {attachment.slab.get('kind')!r} for a {self.device} client")
+
+    def _keep_rows(self, kind: type, attachment: Attachment | None):
+        """After a re-registration: the slot memory of the last one, now holding the new slab
+        (if any), when it is of the same kind and layout; else None (and it is let go).
+
+        So the rows of a slot stay at one address for the client's life, across daemon restarts,
+        as long as the daemon keeps the client's mode and layout: callers may keep persistent
+        views of them (slot_rows), as captured CUDA graphs need."""
+        kept, self._kept_rows = self._kept_rows, None
+        if kept is None:
+            return None
+        if type(kept) is not kind or kept.layout != self.layout:
+            log.warning("the daemon re-registered this client with another mode or layout: its "
+                        "rows move to a new address")
+            kept.close()
+            return None
+        try:
+            if attachment is not None:
+                kept.rebind(attachment.slab_fd, attachment.slab)
+        except BaseException:
+            kept.close()
+            raise
+        return kept
 
     def _lease_gone(self) -> str | None:
         lease = self._lease
@@ -419,7 +472,6 @@ class EngramClient:
     def _map_tables(self, attachment: Attachment, gather: dict[str, Any]) -> None:
         """Mapped mode: the tables' descriptors, mapped read-only."""
         self._mapped = MappedTables(attachment.tables, self.geometry, self.device)
-        self._slab = LocalSlots(self.layout, self.device)
         self._gather = mapped_gather(self.shard, self._mapped, self.device,
                                      int(gather.get("sort_min_tokens", 0)),
                                      float(gather.get("sm_fraction", 1.0)))
@@ -450,25 +502,42 @@ class EngramClient:
     def slots(self) -> int:
         return self.layout.slots
 
+    def slot_rows(self, slot: int) -> torch.Tensor:
+        """The whole rows block of `slot`: `[n_layers, max_tokens, local_heads, head_dim]` bf16.
+
+        A lookup of T tokens into the slot fills `[:, :T]` of it (its result is that view). The
+        block stays at one address for the client's life, across daemon restarts, while the
+        daemon keeps the client's mode and layout (a change is logged, and the results of later
+        lookups are then views of a new block). Read it only in the order wait() gives."""
+        if self._slab is None:
+            raise DaemonUnavailableError("client is closed or not registered")
+        if self._check_slot(slot) is None:
+            raise BadRequestError("slot_rows needs a slot number")
+        return self._slab.slot_rows(slot)
+
     # -- lookups --------------------------------------------------------------------------------
 
-    def lookup(self, hash_ids: torch.Tensor, stream: torch.cuda.Stream | None = None) -> LookupFuture:
+    def lookup(self, hash_ids: torch.Tensor, stream: torch.cuda.Stream | None = None,
+               slot: int | None = None) -> LookupFuture:
         """Submit `[T, n_layers, heads]` int32/int64 row IDs (-1 = DEAD); returns at once.
 
         GPU clients: IDs on the client's GPU are copied into the slot on `stream` (default: the
         current stream), so they may be produced by earlier work on that stream.
+        `slot`: the slot whose rows the lookup fills (default: the next one in turn), for a
+        caller that keeps views of a slot's rows (slot_rows).
         """
         if self._conn is None:
             raise DaemonUnavailableError("client is closed")
+        slot = self._check_slot(slot)
         self._take_in()
         if self._daemon_gone():
             self._reconnect()
         ids = self._check_ids(hash_ids)
         if self.mode == "mapped":
-            return self._lookup_mapped(ids, stream)
+            return self._lookup_mapped(ids, stream, slot)
         if self.device.type == "cuda":
-            return self._lookup_cuda(ids, stream or torch.cuda.current_stream(self.device.index))
-        slot = self._claim_slot()
+            return self._lookup_cuda(ids, stream or torch.cuda.current_stream(self.device.index), slot)
+        slot = self._claim_slot(slot)
         ids = ids.to("cpu").contiguous()
         seq = next(self._seqs)
         rid = self._conn.send(
@@ -477,10 +546,10 @@ class EngramClient:
             ids_shape=list(ids.shape), inline=True)
         return self._track(LookupFuture(self, rid, slot, seq, ids.shape[0]))
 
-    def _lookup_cuda(self, ids: torch.Tensor, stream: torch.cuda.Stream) -> LookupFuture:
+    def _lookup_cuda(self, ids: torch.Tensor, stream: torch.cuda.Stream, slot: int | None) -> LookupFuture:
         """The served hot path: a handful of calls on handles built at registration."""
         slab = self._slab
-        slot = self._next_slot
+        slot = self._next_slot if slot is None else slot
         raw = stream.cuda_stream
         self._after_previous_use(slot, stream, raw)  # may time out: the slot stays as it was
         self._next_slot = (slot + 1) % self.slots
@@ -500,11 +569,12 @@ class EngramClient:
                               ack=False)
         return self._track(LookupFuture(self, rid, slot, seq, tokens, acked=False))
 
-    def _lookup_mapped(self, ids: torch.Tensor, stream: torch.cuda.Stream | None) -> LookupFuture:
+    def _lookup_mapped(self, ids: torch.Tensor, stream: torch.cuda.Stream | None,
+                       slot: int | None) -> LookupFuture:
         """Mapped mode: this process gathers from its mapping of the daemon's tables. On a GPU
         the gather runs on a side stream after `stream`'s earlier work (the IDs' producers) and
         after the previous readers of the slot; wait() makes a stream wait for its event."""
-        slot = self._next_slot
+        slot = self._next_slot if slot is None else slot
         self._next_slot = (slot + 1) % self.slots
         tokens = ids.shape[0]
         out = self._slab.rows(slot, tokens)
@@ -634,8 +704,14 @@ class EngramClient:
             raise BadIdsError(f"{ids.shape[0]} tokens; this client registered 1..{self.max_tokens}")
         return ids.detach()
 
-    def _claim_slot(self) -> int:
-        slot = self._next_slot
+    def _check_slot(self, slot: int | None) -> int | None:
+        if slot is not None and (isinstance(slot, bool) or not isinstance(slot, int)
+                                 or not 0 <= slot < self.slots):
+            raise BadRequestError(f"slot {slot!r}: this client has slots 0..{self.slots - 1}")
+        return slot
+
+    def _claim_slot(self, slot: int | None) -> int:
+        slot = self._next_slot if slot is None else slot
         self._next_slot = (slot + 1) % self.slots
         previous = self._pending.pop(slot, None)
         if previous is not None:
@@ -752,6 +828,9 @@ class EngramClient:
             except EngramError:
                 pass  # the daemon is gone or already forgot us: nothing left to release
         self._disconnect()
+        kept, self._kept_rows = self._kept_rows, None  # a re-registration that never came
+        if kept is not None:
+            kept.close()
 
     def __enter__(self) -> EngramClient:
         return self

@@ -79,6 +79,7 @@ class DeviceAllocation:
         self.device_index = device_index
         self._handle = handle
         self.ptr = 0
+        self._mapped = False
         import torch
 
         try:
@@ -86,14 +87,18 @@ class DeviceAllocation:
                 make_current(device_index)
                 self.ptr = int(check("cuMemAddressReserve",
                                      cu.cuMemAddressReserve(size, _granularity(device_index), 0, 0)))
-                check("cuMemMap", cu.cuMemMap(self.ptr, size, 0, handle, 0))
-                access = cu.CUmemAccessDesc()
-                access.location = _device_location(device_index)
-                access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-                check("cuMemSetAccess", cu.cuMemSetAccess(self.ptr, size, [access], 1))
+                self._map()
         except BaseException:
             self.close()
             raise
+
+    def _map(self) -> None:
+        check("cuMemMap", cu.cuMemMap(self.ptr, self.size, 0, self._handle, 0))
+        self._mapped = True
+        access = cu.CUmemAccessDesc()
+        access.location = _device_location(self.device_index)
+        access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        check("cuMemSetAccess", cu.cuMemSetAccess(self.ptr, self.size, [access], 1))
 
     @classmethod
     def create(cls, device_index: int, size: int) -> DeviceAllocation:
@@ -119,18 +124,37 @@ class DeviceAllocation:
         return int(check("cuMemExportToShareableHandle", cu.cuMemExportToShareableHandle(
             self._handle, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0)))
 
+    def replace_from_descriptor(self, fd: int) -> None:
+        """Map a peer's allocation of the same size at this address instead of the one mapped
+        here, and let go of that one (the device must be done with it). Tensors over the address
+        then read the new memory; `fd` stays the caller's."""
+        import torch
+
+        with torch.cuda.device(self.device_index):
+            make_current(self.device_index)
+            handle = check("cuMemImportFromShareableHandle", cu.cuMemImportFromShareableHandle(
+                fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))
+            self._unmap_and_release()
+            self._handle = handle
+            self._map()
+
     def close(self) -> None:
         """Unmap and release this process's hold (the device must be done with the memory)."""
         import torch
 
-        ptr, handle, self.ptr, self._handle = self.ptr, self._handle, 0, None
         with torch.cuda.device(self.device_index):
             make_current(self.device_index)
+            self._unmap_and_release()
+            ptr, self.ptr = self.ptr, 0
             if ptr:
-                check("cuMemUnmap", cu.cuMemUnmap(ptr, self.size))
                 check("cuMemAddressFree", cu.cuMemAddressFree(ptr, self.size))
-            if handle is not None:
-                check("cuMemRelease", cu.cuMemRelease(handle))
+
+    def _unmap_and_release(self) -> None:
+        mapped, handle, self._mapped, self._handle = self._mapped, self._handle, False, None
+        if mapped:
+            check("cuMemUnmap", cu.cuMemUnmap(self.ptr, self.size))
+        if handle is not None:
+            check("cuMemRelease", cu.cuMemRelease(handle))
 
 
 def make_current(device_index: int) -> None:

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 
 from engramd.client.cuda import CudaError, check, cudart, require_cuda_python
+from engramd.client.libc import libc
 
 REGISTER_CHUNK = 64 << 30  # the largest range registered in one call (DESIGN.md, host tier)
 PART_ALIGN = 2 << 20  # parts start on 2 MiB boundaries: no two parts share a 2 MiB huge page
@@ -80,7 +81,7 @@ def _prefault(part: tuple[int, int]) -> None:
     """Populate the page tables of a part (no GIL held): registering it then walks no faults."""
     address, nbytes = part
     start = address - address % mmap.PAGESIZE
-    _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(address + nbytes - start),
+    libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(address + nbytes - start),
                     _MADV_POPULATE_READ)  # failure only loses the speed-up
 
 
@@ -107,16 +108,3 @@ def read_only_supported() -> bool:
     attribute = cudart.cudaDeviceAttr.cudaDevAttrHostRegisterReadOnlySupported
     return all(int(check("cudaDeviceGetAttribute", cudart.cudaDeviceGetAttribute(attribute, i)))
                for i in range(count))
-
-
-_LIBC: ctypes.CDLL | None = None
-
-
-def _libc() -> ctypes.CDLL:
-    global _LIBC
-    if _LIBC is None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        libc.madvise.restype = ctypes.c_int
-        _LIBC = libc
-    return _LIBC

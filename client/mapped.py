@@ -100,7 +100,7 @@ class MappedTables:
 
 class LocalSlots:
     """A mapped client's own slot memory, laid out like a slab (client/slab.py) so that results
-    are the same contiguous [n_layers, T, local_heads, head_dim] views in both modes."""
+    are the same [n_layers, T, local_heads, head_dim] views in both modes."""
 
     def __init__(self, layout: SlabLayout, device: torch.device):
         self.layout = layout
@@ -108,6 +108,9 @@ class LocalSlots:
 
     def rows(self, slot: int, tokens: int) -> torch.Tensor:
         return self.views.rows(slot, tokens)
+
+    def slot_rows(self, slot: int) -> torch.Tensor:
+        return self.views.slot_rows(slot)
 
     def close(self) -> None:
         self.views.close()

@@ -62,7 +62,7 @@ from engramd.client.errors import (
 )
 from engramd.client.messages import REPLIES, REQUESTS, Message
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: slab rows at a fixed place per layer (client/slab.py)
 MAX_HEADER_BYTES = 64 * 1024
 MAX_PAYLOAD_FRAMES = 1
 MAX_PAYLOAD_BYTES = 64 * 1024 * 1024

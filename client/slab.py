@@ -6,11 +6,13 @@ this module; the daemon also sends it in the register reply and the client check
 
     offset 0            counters  [slots] x 64 B   (u32 ids_ready, u32 rows_done, u32 failed)
     ids_offset(s)       hash IDs  int32|int64 [T, n_layers, heads]             one block per slot
-    rows_offset(s)      rows      bf16  [n_layers, T, local_heads, head_dim]   packed by actual T
+    rows_offset(s)      rows      bf16  [n_layers, max_tokens, local_heads, head_dim]  per slot
 
 Every block starts on a 4 KiB boundary; the slab size is a multiple of 2 MiB (the granularity
-of VMM device allocations). Rows of a lookup of T tokens occupy the first n_layers*T*local_heads*head_dim
-elements of the slot's rows block, so the result is one contiguous tensor.
+of VMM device allocations). Rows of a lookup of T tokens occupy the first T tokens of each
+layer's part of the slot's rows block: each layer's rows `[T, local_heads, head_dim]` are
+contiguous and start at the same address whatever T, so a caller can keep a persistent view of
+one layer's rows of a slot (a captured CUDA graph reads them at a fixed address).
 """
 
 from __future__ import annotations
@@ -101,11 +103,15 @@ class SlabLayout:
         return buffer[start:start + n].view(dtype).view(tokens, self.n_layers, self.heads)
 
     def rows_view(self, buffer: torch.Tensor, slot: int, tokens: int) -> torch.Tensor:
-        """The slot's rows `[n_layers, T, local_heads, head_dim]` bf16, contiguous."""
+        """The slot's rows of a T-token lookup `[n_layers, T, local_heads, head_dim]` bf16 (each
+        layer contiguous; the layers `max_tokens` tokens apart)."""
+        return self.slot_rows(buffer, slot)[:, :tokens]
+
+    def slot_rows(self, buffer: torch.Tensor, slot: int) -> torch.Tensor:
+        """The slot's whole rows block `[n_layers, max_tokens, local_heads, head_dim]` bf16."""
         start = self.rows_offset(slot)
-        n = self.n_layers * tokens * self.local_heads * self.head_dim * ROW_ITEMSIZE
-        return buffer[start:start + n].view(torch.bfloat16).view(
-            self.n_layers, tokens, self.local_heads, self.head_dim)
+        return buffer[start:start + self.rows_elems * ROW_ITEMSIZE].view(torch.bfloat16).view(
+            self.n_layers, self.max_tokens, self.local_heads, self.head_dim)
 
     def to_wire(self) -> dict[str, Any]:
         return {**asdict(self), "size": self.size}
@@ -142,6 +148,9 @@ class SlotViews:
             view = self._remember(self._rows, (slot, tokens),
                                   self.layout.rows_view(self.buffer, slot, tokens))
         return view
+
+    def slot_rows(self, slot: int) -> torch.Tensor:
+        return self.rows(slot, self.layout.max_tokens)
 
     def ids(self, slot: int, tokens: int, dtype: torch.dtype) -> torch.Tensor:
         view = self._ids.get((slot, tokens, dtype))

@@ -7,14 +7,18 @@ gets its head shard; every Engram layer of the process shares it. Per forward:
     each layer's prepare_embeddings(hashes[:, i])   -> ProcessRows.hand(i, ids)
         the last local layer's IDs complete the step -> client.lookup([T, layers, 24])
     the first layer's _ready_rows(T)                -> ProcessRows.ready(i, T)
-        the current stream waits for the rows (GPU: stream order, no host sync; CPU: the reply),
-        and every layer's rows are copied into its staged_rows
+        the current stream waits for the rows (GPU: stream order, no host sync; CPU: the reply)
 
-`staged_rows` stays a persistent buffer of the layer's own, as in vLLM: graph segments replayed
-after `_ready_rows` read it at the address they were captured with, and the client's rows of a
-lookup of T tokens are packed by T (client/slab.py), so layer i's rows move with T. The host work
-(the lookup message, the stream wait) runs inside vLLM's `eager_break_during_capture`, as vLLM's
-own offloaded prefetch does, so it runs at every replay of a breakable CUDA graph; a full-graph
+Each layer's `staged_rows` is a view of that layer's rows in the client's staging slot (the slab
+in served mode, the client's own memory in mapped mode): the rows are read where the lookup put
+them, with no copy. The view is persistent, as vLLM's own buffer is: a slot's rows stay at one
+address whatever the lookup's token count and across daemon restarts (client/slab.py,
+EngramClient.slot_rows), so graph segments replayed after `_ready_rows` read them at the address
+they were captured with; should the daemon re-register the client elsewhere (another mode or
+layout), the next `_ready_rows` fails closed. vLLM's direct `lookup` calls (not the staged path)
+use the client's other slot and copy into the caller's tensor. The host work (the lookup
+message, the stream wait) runs inside vLLM's `eager_break_during_capture`, as vLLM's own
+offloaded prefetch does, so it runs at every replay of a breakable CUDA graph; a full-graph
 capture, which would replay none of it, is refused.
 
 What replaces what, on vLLM's classes (vLLM binds the classes at import, so attributes of the
@@ -49,7 +53,8 @@ from engramd.client.vllm import VllmPluginError
 log = logging.getLogger("engramd.vllm")
 
 REPLACED = ("_create_embedding", "_init_staging", "prepare_embeddings", "_ready_rows")
-SLOTS = 1  # rows are copied out within the step that looked them up (ProcessRows.take_rows)
+STAGED_SLOT, DIRECT_SLOT = 0, 1  # the client's slots: staged_rows views the first
+SLOTS = 2
 
 _originals: dict[str, object] = {}  # vLLM's own methods, for modules built before install
 _settings = {"socket": "", "mode": "auto"}  # where and how the process's client registers
@@ -87,11 +92,8 @@ class ProcessRows:
         return self.client.geometry
 
     def staging(self, layer: int) -> torch.Tensor:
-        """The layer's persistent rows buffer (its `staged_rows`)."""
-        shard = self.client.shard
-        self.staged[layer] = torch.zeros(
-            (self.client.max_tokens, shard.local_heads, self.geometry.head_dim),
-            dtype=torch.bfloat16, device=self.client.device)
+        """The layer's persistent rows (its `staged_rows`): a view of the staging slot."""
+        self.staged[layer] = self.client.slot_rows(STAGED_SLOT)[layer]
         return self.staged[layer]
 
     def hand(self, layer: int, hash_ids: torch.Tensor) -> None:
@@ -103,7 +105,6 @@ class ProcessRows:
             self._submit()
 
     def _submit(self) -> None:
-        self.take_rows()  # the one slot is about to be reused
         parts, self._ids = self._ids, {}
         first = next(iter(parts.values()))
         self._tokens = first.shape[0]
@@ -113,7 +114,7 @@ class ProcessRows:
         ids = first.new_full((self._tokens, self.geometry.n_layers, self.geometry.heads), DEAD_ID)
         for layer, part in parts.items():
             ids[:, layer] = part
-        self._future = self.client.lookup(ids)
+        self._future = self.client.lookup(ids, slot=STAGED_SLOT)
 
     def ready(self, layer: int, num_tokens: int) -> torch.Tensor:
         """The layer's rows of the first `num_tokens` tokens, valid in the current stream's order."""
@@ -122,19 +123,23 @@ class ProcessRows:
         if num_tokens > self._tokens:
             raise VllmPluginError(f"Engram layer {layer} asked for {num_tokens} tokens of rows; "
                                   f"this step looked up {self._tokens}")
-        self.take_rows()
+        self._await_rows()
         return self.staged[layer][:num_tokens]
 
-    def take_rows(self) -> None:
-        """Copy the pending lookup's rows of every layer into the staged buffers: after the stream
-        wait (GPU: in stream order, no host sync; CPU: the reply), once per lookup. The copies are
-        the slot's last readers, so the next lookup into it waits for nothing but stream order."""
+    def _await_rows(self) -> None:
+        """Make the current stream wait for the pending lookup (GPU: in stream order, no host
+        sync; CPU: the reply), once per lookup; the next lookup into the slot waits for that
+        stream's reads (EngramClient.lookup)."""
         future, self._future = self._future, None
         if future is None:
             return
         rows = future.wait()
-        for layer, staged in self.staged.items():
-            staged[:self._tokens].copy_(rows[layer])
+        layer, staged = next(iter(self.staged.items()))
+        if rows[layer].data_ptr() != staged.data_ptr():
+            raise VllmPluginError(
+                "the engramd daemon re-registered this client with another mode or slab layout, "
+                "so its rows moved away from the staged_rows that vLLM's captured graphs read: "
+                "restart this vLLM server")
 
     def close(self) -> None:
         self.client.close()
@@ -247,8 +252,7 @@ class EngramdEmbedding(ParallelEngramEmbedding):
         geometry = self.rows.geometry
         ids = indices.new_full((indices.shape[0], geometry.n_layers, geometry.heads), DEAD_ID)
         ids[:, self.layer_index] = indices
-        self.rows.take_rows()  # this lookup takes the slot the staged rows are still in
-        out.copy_(self.rows.client.lookup(ids).wait()[self.layer_index])
+        out.copy_(self.rows.client.lookup(ids, slot=DIRECT_SLOT).wait()[self.layer_index])
 
 
 # -- the replaced Engram methods ---------------------------------------------------------------

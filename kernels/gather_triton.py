@@ -614,7 +614,8 @@ class SlotGather:
         self._direct = not _kernel_is_interpreted()
 
     def __call__(self, ids: Tensor, out: Tensor, stream: torch.cuda.Stream) -> None:
-        """Queue the gather of `ids` [T, L, heads] (contiguous) into `out` (a slot's rows)."""
+        """Queue the gather of `ids` [T, L, heads] (contiguous) into `out` (a slot's rows: each
+        row contiguous, as GatherPlan checks on the first launch)."""
         kernel = self._kernels.get(ids.dtype) if self._direct else None
         if kernel is None:
             self._checked(ids, out, stream)
@@ -625,7 +626,7 @@ class SlotGather:
         plan = self.plan
         args = plan.kernel_args(ids.data_ptr(), out.data_ptr(), self.out_of_range, self.cache,
                                 plan.meta, plan.meta, launch, ids.shape[0], ids.stride(),
-                                (ids.shape[0] * plan.shard.local_heads, plan.shard.local_heads),
+                                (out.stride(0) // plan.head_dim, out.stride(1) // plan.head_dim),
                                 False, False)
         try:
             kernel[(launch.grid, 1, 1)](*[args[name] for name in _gather_kernel.arg_names],

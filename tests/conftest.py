@@ -294,3 +294,47 @@ def run_client_processes(commands: list[list[str]], timeout: float = 120.0) -> N
         if proc.returncode != 0:
             failures.append(f"{cmd}: exit {proc.returncode}\n{out.decode(errors='replace')}")
     assert not failures, "\n\n".join(failures)
+
+
+def check_rows_stay_across_a_restart(daemon_factory, reference, device: str, mode: str,
+                                     extra: tuple[str, ...] = ()) -> None:
+    """EngramClient.slot_rows' promise: views of a slot's rows taken once read every later
+    lookup into that slot, of any token count, also after the daemon was killed and restarted
+    (the client re-registers and keeps its rows' address)."""
+    import numpy as np
+    import torch
+    from reference import random_ids
+
+    from engramd.client import EngramClient
+
+    first = daemon_factory(instance="stay", extra=list(extra))
+    client = EngramClient(first.socket, device=device, mode=mode, max_tokens=64, slots=2,
+                          timeout=10, reconnect_timeout=60)
+    rng = np.random.default_rng(9)
+    views = [client.slot_rows(slot) for slot in range(2)]
+
+    def lookups(when: str) -> None:
+        for tokens, slot in ((5, 1), (64, 0), (1, 0), (17, 1)):
+            ids = torch.from_numpy(random_ids(rng, tokens, reference.rows, reference.heads))
+            rows = client.lookup(ids.to(device), slot=slot).wait()
+            if device == "cuda":
+                torch.cuda.current_stream().synchronize()
+            what = f"{when}, {tokens} tokens into slot {slot}"
+            assert rows.data_ptr() == views[slot].data_ptr(), f"{what}: the rows moved"
+            got = views[slot][:, :tokens].double().cpu().numpy()
+            wrong = np.argwhere(got != reference.expected(ids.numpy()))
+            assert wrong.size == 0, f"{what}: {len(wrong)} wrong values, first {wrong[:3].tolist()}"
+
+    try:
+        assert client.mode == mode
+        lookups("before the restart")
+        epoch = client.epoch
+        first.proc.kill()
+        first.proc.wait()
+        second = daemon_factory(instance="stay", shm_dir=first.shm_dir, workdir=first.workdir,
+                                extra=list(extra))
+        lookups("after the restart")
+        assert client.epoch != epoch and client.mode == mode
+    finally:
+        client.close()
+    assert second.stop() == 0, second.log()

@@ -41,7 +41,7 @@ def test_reply_round_trip_and_error_reply_raises_typed_error():
 
 
 def test_unknown_error_code_maps_to_internal():
-    frames = [msgpack.packb({"v": 1, "op": "x", "rid": 1, "status": "error", "code": "weird",
+    frames = [msgpack.packb({"v": protocol.PROTOCOL_VERSION, "op": "x", "rid": 1, "status": "error", "code": "weird",
                              "message": "m", "epoch": "e"})]
     with pytest.raises(InternalError, match="m") as info:
         protocol.decode_reply(frames)
@@ -54,13 +54,13 @@ def test_unknown_error_code_maps_to_internal():
     ([msgpack.packb([1, 2])], ProtocolError, "must be a msgpack map"),
     ([msgpack.packb({"op": "health", "rid": 1})], VersionError, "version None"),
     ([msgpack.packb({"v": 99, "op": "health", "rid": 1})], VersionError, "version 99"),
-    ([msgpack.packb({"v": 1, "op": "explode", "rid": 1})], UnknownOperationError, "explode"),
-    ([msgpack.packb({"v": 1, "op": "health", "rid": "x"})], ProtocolError, "rid"),
-    ([msgpack.packb({"v": 1, "op": "release", "rid": 1})], ProtocolError, "client_id"),
-    ([msgpack.packb({"v": 1, "op": "release", "rid": 1, "client_id": "7"})], ProtocolError, "wrong type"),
-    ([msgpack.packb({"v": 1, "op": "lookup", "rid": 1, **{**LOOKUP_FIELDS, "inline": 1}})],
+    ([msgpack.packb({"v": protocol.PROTOCOL_VERSION, "op": "explode", "rid": 1})], UnknownOperationError, "explode"),
+    ([msgpack.packb({"v": protocol.PROTOCOL_VERSION, "op": "health", "rid": "x"})], ProtocolError, "rid"),
+    ([msgpack.packb({"v": protocol.PROTOCOL_VERSION, "op": "release", "rid": 1})], ProtocolError, "client_id"),
+    ([msgpack.packb({"v": protocol.PROTOCOL_VERSION, "op": "release", "rid": 1, "client_id": "7"})], ProtocolError, "wrong type"),
+    ([msgpack.packb({"v": protocol.PROTOCOL_VERSION, "op": "lookup", "rid": 1, **{**LOOKUP_FIELDS, "inline": 1}})],
      ProtocolError, "inline"),
-    ([msgpack.packb({"v": 1, "op": "health", "rid": 1}), b"a", b"b"], ProtocolError, "payload frames"),
+    ([msgpack.packb({"v": protocol.PROTOCOL_VERSION, "op": "health", "rid": 1}), b"a", b"b"], ProtocolError, "payload frames"),
     ([b"\x80" + b"\x00" * protocol.MAX_HEADER_BYTES], ProtocolError, "exceeds"),
 ])
 def test_malformed_requests_raise_typed_errors(frames, error, text):
@@ -87,10 +87,10 @@ def test_error_classes_have_distinct_codes():
 
 @pytest.mark.parametrize("frames, op, rid", [
     ([msgpack.packb({"v": 99, "op": "health", "rid": 12})], "health", 12),
-    ([msgpack.packb({"v": 1, "op": "explode", "rid": 13})], "explode", 13),
-    ([msgpack.packb({"v": 1, "op": "release", "rid": 14})], "release", 14),
-    ([msgpack.packb({"v": 1, "op": 5, "rid": 15})], "", 15),
-    ([msgpack.packb({"v": 1, "op": "health", "rid": 16, "pad": "x" * protocol.MAX_HEADER_BYTES})],
+    ([msgpack.packb({"v": protocol.PROTOCOL_VERSION, "op": "explode", "rid": 13})], "explode", 13),
+    ([msgpack.packb({"v": protocol.PROTOCOL_VERSION, "op": "release", "rid": 14})], "release", 14),
+    ([msgpack.packb({"v": protocol.PROTOCOL_VERSION, "op": 5, "rid": 15})], "", 15),
+    ([msgpack.packb({"v": protocol.PROTOCOL_VERSION, "op": "health", "rid": 16, "pad": "x" * protocol.MAX_HEADER_BYTES})],
      "health", 16),
     ([b"\xc1\xff\x00"], "", 0),
     ([], "", 0),
@@ -110,7 +110,7 @@ def test_lookup_ack_defaults_to_true_and_travels():
 
 
 def test_lookup_ack_must_be_a_bool():
-    frames = [msgpack.packb({"v": 1, "op": "lookup", "rid": 5, **LOOKUP_FIELDS, "ack": "no"})]
+    frames = [msgpack.packb({"v": protocol.PROTOCOL_VERSION, "op": "lookup", "rid": 5, **LOOKUP_FIELDS, "ack": "no"})]
     with pytest.raises(ProtocolError, match="'ack' has wrong type"):
         protocol.decode_request(frames)
 
@@ -122,7 +122,7 @@ def test_lookup_ack_must_be_a_bool():
 ])
 def test_a_reply_without_its_declared_fields_is_a_protocol_error(fields, text):
     """A daemon that answers otherwise than the client reads fails at decode, naming the field."""
-    header = {"v": 1, "op": "lookup", "rid": 3, "status": "ok", "code": "ok", "message": "",
+    header = {"v": protocol.PROTOCOL_VERSION, "op": "lookup", "rid": 3, "status": "ok", "code": "ok", "message": "",
               "epoch": "ep"}
     with pytest.raises(ProtocolError, match=text):
         protocol.decode_reply([msgpack.packb({**header, **fields})])
@@ -131,7 +131,7 @@ def test_a_reply_without_its_declared_fields_is_a_protocol_error(fields, text):
 
 
 def test_a_reply_to_an_operation_nobody_declared_is_a_protocol_error():
-    header = {"v": 1, "op": "explode", "rid": 3, "status": "ok", "code": "ok", "epoch": "ep"}
+    header = {"v": protocol.PROTOCOL_VERSION, "op": "explode", "rid": 3, "status": "ok", "code": "ok", "epoch": "ep"}
     with pytest.raises(ProtocolError, match="unknown operation 'explode'"):
         protocol.decode_reply([msgpack.packb(header)])
 
@@ -155,7 +155,7 @@ def test_handle_socket_messages_are_declared_and_checked_on_both_sides():
     from engramd.client.handles import decode_request, error_reply, ok_reply, read_reply
     from engramd.client.messages import AttachReply, AttachRequest, ClientsReply
 
-    assert decode_request({"v": 1, "op": "attach", "client_id": 4, "token": "t"}) == AttachRequest(4, "t")
+    assert decode_request({"v": protocol.PROTOCOL_VERSION, "op": "attach", "client_id": 4, "token": "t"}) == AttachRequest(4, "t")
     with pytest.raises(ProtocolError, match="handle socket: attach: missing field 'token'"):
         decode_request({"op": "attach", "client_id": 4})
     with pytest.raises(ProtocolError, match="'client_id' has wrong type str"):

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import run_client_processes
+from conftest import check_rows_stay_across_a_restart, run_client_processes
 from reference import bucket_ids, random_ids
 
 from engramd.client import DaemonUnavailableError, EngramClient
@@ -71,6 +71,13 @@ def test_gpu_rows_match_reference(daemon_factory, reference, kind, mode):
             rows = client.lookup(source).wait()
             torch.cuda.current_stream().synchronize()
             assert_exact(rows, reference.expected(source.long().cpu().numpy()), f"{kind} {dtype}")
+
+
+@pytest.mark.parametrize("mode", ["served", "mapped"])
+def test_a_slots_rows_stay_where_they_were_across_a_restart(daemon_factory, reference, mode):
+    """Served: the new daemon's slab is mapped at the old one's address; mapped: the client's
+    own slot memory is kept. Strided rows (T < max_tokens) through the direct-launch gather."""
+    check_rows_stay_across_a_restart(daemon_factory, reference, "cuda", mode, extra=tuple(CUDA))
 
 
 def test_no_host_sync_consumer_reads_the_right_rows(daemon_factory, reference):

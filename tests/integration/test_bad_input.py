@@ -16,6 +16,7 @@ from conftest import attach_raw
 from reference import random_ids
 
 from engramd.client import EngramClient
+from engramd.client.protocol import PROTOCOL_VERSION
 
 LOOKUP = dict(slot=0, seq=1, tokens=2, ids_dtype="int32", ids_shape=[2, 2, 24], inline=True)
 IDS_FRAME = np.zeros((2, 2, 24), dtype=np.int32).tobytes()
@@ -44,7 +45,7 @@ _LEASES = []  # attached raw registrations live as long as their lease
 
 def register(raw: zmq.Socket, **over) -> dict:
     """A raw registration, attached when the daemon accepted it (as the client library does)."""
-    fields = {**dict(v=1, op="register", rid=1, pid=os.getpid(), device="cpu", tp_rank=0,
+    fields = {**dict(v=PROTOCOL_VERSION, op="register", rid=1, pid=os.getpid(), device="cpu", tp_rank=0,
                      tp_size=1, max_tokens=4, slots=2), **over}
     reply = roundtrip(raw, [msgpack.packb(fields)])
     if reply["status"] == "ok":
@@ -55,7 +56,7 @@ def register(raw: zmq.Socket, **over) -> dict:
 
 
 def header(**fields) -> bytes:
-    return msgpack.packb({"v": 1, "rid": 9, **fields})
+    return msgpack.packb({"v": PROTOCOL_VERSION, "rid": 9, **fields})
 
 
 BAD_MESSAGES = [
@@ -134,7 +135,7 @@ def test_daemon_keeps_serving_a_good_client_through_a_flood_of_bad_input(served,
             assert np.array_equal(rows.double().numpy(), reference.expected(ids)), f"round {i}"
         # The daemon interleaves peers: let it finish the raw socket's backlog (per-peer FIFO)
         # before counting.
-        raw.send_multipart([msgpack.packb({"v": 1, "op": "health", "rid": 777})])
+        raw.send_multipart([msgpack.packb({"v": PROTOCOL_VERSION, "op": "health", "rid": 777})])
         while msgpack.unpackb(raw.recv_multipart()[0]).get("rid") != 777:
             pass
         errors = client.stats()["errors"]

@@ -11,10 +11,10 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import engramd_command
+from conftest import check_rows_stay_across_a_restart, engramd_command
 from reference import random_ids
 
-from engramd.client import DaemonUnavailableError, EngramClient
+from engramd.client import BadRequestError, DaemonUnavailableError, EngramClient
 from engramd.client.handles import handle_socket_path
 from engramd.server.startup import EXIT_CONFIG, EXIT_SOCKET_IN_USE, EXIT_TABLES
 
@@ -131,6 +131,22 @@ def test_client_re_registers_with_a_restarted_daemon(daemon_factory, reference):
     assert "re-attached" in second.log()
     client.close()
     assert second.stop() == 0
+
+
+@pytest.mark.parametrize("mode", ["served", "mapped"])
+def test_a_slots_rows_stay_where_they_were_across_a_restart(daemon_factory, reference, mode):
+    check_rows_stay_across_a_restart(daemon_factory, reference, "cpu", mode)
+
+
+def test_a_lookup_into_a_slot_that_is_not_there_is_refused(daemon_factory):
+    with EngramClient(daemon_factory().socket, slots=2) as client:
+        ids = torch.zeros((1, client.geometry.n_layers, client.geometry.heads), dtype=torch.int64)
+        for slot in (2, -1, True, "0"):
+            with pytest.raises(BadRequestError, match="slots 0..1"):
+                client.lookup(ids, slot=slot)
+            with pytest.raises(BadRequestError, match="slot"):
+                client.slot_rows(slot)
+        assert client.lookup(ids, slot=1).result().shape[1] == 1  # the client still serves
 
 
 def test_config_error_exits_with_config_status(daemon_factory, tmp_path):

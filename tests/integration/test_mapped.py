@@ -32,6 +32,7 @@ from engramd.client import BadRequestError, EngramClient, NotRegisteredError
 from engramd.client.connection import probe
 from engramd.client.errors import ProtocolError
 from engramd.client.handles import attach, handle_socket_path, recv_message, send_message
+from engramd.client.protocol import PROTOCOL_VERSION
 
 WORKER = Path(__file__).parent / "client_worker.py"
 HEARTBEAT_S = 0.2  # conftest's DaemonProcess passes this interval
@@ -84,7 +85,7 @@ def raw_register(daemon, mode: str) -> dict:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, 5000)
     sock.connect(f"ipc://{daemon.socket}")
-    sock.send_multipart([msgpack.packb({"v": 1, "op": "register", "rid": 1, "pid": os.getpid(),
+    sock.send_multipart([msgpack.packb({"v": PROTOCOL_VERSION, "op": "register", "rid": 1, "pid": os.getpid(),
                                         "device": "cpu", "tp_rank": 0, "tp_size": 1,
                                         "max_tokens": 4, "slots": 1, "mode": mode})])
     reply = msgpack.unpackb(sock.recv_multipart()[0])

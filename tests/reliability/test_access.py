@@ -221,6 +221,7 @@ ZMQ_AS = textwrap.dedent("""
     import msgpack, zmq
     from engramd.client.connection import probe
     from engramd.client.errors import EngramError
+    from engramd.client.protocol import PROTOCOL_VERSION
     socket, uid, gid, groups = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
     os.setgroups(groups)
     os.setgid(gid)
@@ -228,7 +229,7 @@ ZMQ_AS = textwrap.dedent("""
     peer = zmq.Context.instance().socket(zmq.DEALER)
     peer.setsockopt(zmq.LINGER, 0)
     peer.connect(f"ipc://{socket}")
-    peer.send(msgpack.packb({"v": 1, "op": "health", "rid": 1}))
+    peer.send(msgpack.packb({"v": PROTOCOL_VERSION, "op": "health", "rid": 1}))
     raw = "answered" if peer.poll(3000) else "silent"
     peer.close(0)
     try:

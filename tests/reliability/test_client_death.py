@@ -36,6 +36,7 @@ from reference import random_ids
 
 from engramd.client import EngramClient
 from engramd.client.connection import probe
+from engramd.client.protocol import PROTOCOL_VERSION
 from engramd.server.registry import ATTACH_TIMEOUT_S
 
 HEARTBEAT_S = 0.2  # what conftest's DaemonProcess passes as --heartbeat-interval
@@ -328,7 +329,7 @@ def test_registration_never_attached_is_retired(daemon_factory):
     raw.setsockopt(zmq.LINGER, 0)
     raw.setsockopt(zmq.RCVTIMEO, 10_000)
     raw.connect(f"ipc://{daemon.socket}")
-    raw.send_multipart([msgpack.packb({"v": 1, "op": "register", "rid": 1, "pid": invisible_pid,
+    raw.send_multipart([msgpack.packb({"v": PROTOCOL_VERSION, "op": "register", "rid": 1, "pid": invisible_pid,
                                        "device": "cpu", "tp_rank": 0, "tp_size": 1,
                                        "max_tokens": 4, "slots": 1})])
     reply = msgpack.unpackb(raw.recv_multipart()[0])
@@ -340,15 +341,16 @@ def test_registration_never_attached_is_retired(daemon_factory):
 
 EARLY_DEATH_CLIENT = textwrap.dedent("""
     import os, sys, msgpack, zmq
+    from engramd.client.protocol import PROTOCOL_VERSION
     sock = zmq.Context().socket(zmq.DEALER)
     sock.connect("ipc://" + sys.argv[1])
-    sock.send_multipart([msgpack.packb({"v": 1, "op": "health", "rid": 1})])
+    sock.send_multipart([msgpack.packb({"v": PROTOCOL_VERSION, "op": "health", "rid": 1})])
     sock.recv_multipart()  # connected: the ZeroMQ handshake is done
     print("connected", flush=True)
     sys.stdin.readline()
-    sock.send_multipart([msgpack.packb({"v": 1, "op": "register", "rid": 2, "pid": os.getpid(),
-                                        "device": "cpu", "tp_rank": 0, "tp_size": 1,
-                                        "max_tokens": 4, "slots": 1})])
+    sock.send_multipart([msgpack.packb({"v": PROTOCOL_VERSION, "op": "register", "rid": 2,
+                                        "pid": os.getpid(), "device": "cpu", "tp_rank": 0,
+                                        "tp_size": 1, "max_tokens": 4, "slots": 1})])
     print("sent", flush=True)
     sys.stdin.readline()
 """)

@@ -29,6 +29,7 @@ from engramd.client import EngramClient
 from engramd.client.connection import probe
 from engramd.client.errors import ResourceError
 from engramd.client.handles import admin_request, handle_socket_path
+from engramd.client.protocol import PROTOCOL_VERSION
 
 
 def test_ids_scribbled_into_the_slab_during_lookups_change_nothing(daemon_factory, reference):
@@ -92,7 +93,7 @@ def test_unread_replies_do_not_flood_the_log(daemon_factory):
     peer.setsockopt(zmq.RCVHWM, 1)  # read nothing, buffer (almost) nothing
     peer.connect(f"ipc://{daemon.socket}")
     try:
-        frame = msgpack.packb({"v": 1, "op": "heartbeat", "rid": 1, "client_id": None, "token": ""})
+        frame = msgpack.packb({"v": PROTOCOL_VERSION, "op": "heartbeat", "rid": 1, "client_id": None, "token": ""})
         for _ in range(FLOOD_MESSAGES):
             peer.send(frame)
         deadline = time.monotonic() + 60  # the daemon has read them all once it counts them
@@ -281,7 +282,7 @@ def test_drain_needs_an_admin_not_just_a_connection(daemon_factory):
     peer.setsockopt(zmq.LINGER, 0)
     peer.setsockopt(zmq.RCVTIMEO, 10_000)
     peer.connect(f"ipc://{daemon.socket}")
-    peer.send(msgpack.packb({"v": 1, "op": "drain", "rid": 1}))
+    peer.send(msgpack.packb({"v": PROTOCOL_VERSION, "op": "drain", "rid": 1}))
     reply = msgpack.unpackb(peer.recv())
     peer.close(0)
     assert (reply["status"], reply["code"]) == ("error", "permission_denied"), reply
@@ -298,7 +299,7 @@ def test_drain_needs_an_admin_not_just_a_connection(daemon_factory):
 
 
 def raw_register(peer: zmq.Socket, rid: int) -> dict:
-    peer.send(msgpack.packb({"v": 1, "op": "register", "rid": rid, "pid": os.getpid(), "device": "cpu",
+    peer.send(msgpack.packb({"v": PROTOCOL_VERSION, "op": "register", "rid": rid, "pid": os.getpid(), "device": "cpu",
                              "tp_rank": 0, "tp_size": 1, "max_tokens": 4, "slots": 1}))
     return msgpack.unpackb(peer.recv())
 
@@ -408,7 +409,7 @@ def test_a_message_of_many_frames_is_dropped_with_a_typed_error(daemon_factory, 
     peer.setsockopt(zmq.LINGER, 0)
     peer.setsockopt(zmq.RCVTIMEO, 30_000)
     peer.connect(f"ipc://{daemon.socket}")
-    header = msgpack.packb({"v": 1, "op": "health", "rid": 7})
+    header = msgpack.packb({"v": PROTOCOL_VERSION, "op": "health", "rid": 7})
     peer.send_multipart([header, *[bytes(1 << 20)] * 96])  # 96 MiB
     reply = msgpack.unpackb(peer.recv())
     peer.close(0)

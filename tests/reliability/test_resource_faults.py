@@ -36,6 +36,7 @@ from reference import random_ids
 
 from engramd.client import EngramClient
 from engramd.client.geometry import V41_FLASH_CONFIG, TableGeometry
+from engramd.client.protocol import PROTOCOL_VERSION
 from engramd.server.host_tables import HEADER_BYTES
 from engramd.server.startup import EXIT_TABLES
 
@@ -119,7 +120,7 @@ def test_slab_past_the_budget_gets_a_typed_error_and_the_daemon_serves_on(daemon
     raw.connect(f"ipc://{daemon.socket}")
     try:
         # 4 slots x 1024 tokens: about 100 MiB of slab, far past the budget.
-        raw.send_multipart([msgpack.packb({"v": 1, "op": "register", "rid": 1, "pid": os.getpid(),
+        raw.send_multipart([msgpack.packb({"v": PROTOCOL_VERSION, "op": "register", "rid": 1, "pid": os.getpid(),
                                            "device": "cpu", "tp_rank": 0, "tp_size": 1,
                                            "max_tokens": 1024, "slots": 4})])
         reply = msgpack.unpackb(raw.recv_multipart()[0])

@@ -231,16 +231,39 @@ def run_checks(engram, layout, checkpoint, reference, served, args, vllm_engram,
     refuses_other_table(served[0].embed_tokens.weight, layout.head_dim, vllm_engram.VllmPluginError)
     copy_projections(reference, served)
 
+    staging = rows.client.slot_rows(vllm_engram.STAGED_SLOT)
+    for layer in served:  # views of the client's staging slot, not buffers of their own
+        assert layer.staged_rows.data_ptr() == staging[layer.layer_hash_index].data_ptr(), \
+            f"layer {layer.layer_hash_index}: staged_rows is not the client's slot"
     sent = []
     lookup = rows.client.lookup
-    rows.client.lookup = lambda ids, *rest: (sent.append(ids.clone()), lookup(ids, *rest))[1]
+    rows.client.lookup = lambda ids, *rest, **kw: (sent.append(ids.clone()), lookup(ids, *rest, **kw))[1]
     hashes, chunk = vllm_hashes(engram, layout, tokenizer_dir)
     same_bits("vLLM's hashes vs engramd's hasher", hashes, engramd_hashes(checkpoint, *chunk).to(hashes.dtype))
     compare_step("hashed chunk", reference, served, hashes, args, args.world)
     same_bits("IDs of the step's one lookup, every layer's", sent[0], hashes)
-    for tokens in (5, 64, 1):  # decode-sized and prefill-sized steps reuse the one slot
+    for tokens in (5, 64, 1):  # decode-sized and prefill-sized steps reuse the staging slot
         compare_step(f"raw IDs x {tokens}", reference, served, raw_ids(layout.num_embeddings, tokens),
                      args, args.world)
+    moved_rows_fail_closed(served[0], raw_ids(layout.num_embeddings, 3), vllm_engram.VllmPluginError)
+
+
+def moved_rows_fail_closed(layer, ids: torch.Tensor, error: type[Exception]) -> None:
+    """Rows a lookup put elsewhere than staged_rows (the client re-registered in another mode
+    or layout) are refused, not read from a stale view."""
+    rows = layer.embed_tokens.rows
+    index = layer.layer_hash_index
+    kept, rows.staged[index] = rows.staged[index], rows.staged[index].clone()
+    try:
+        layer.prepare_embeddings(ids[:, index])
+        try:
+            layer._ready_rows(ids.shape[0])
+        except error as exc:
+            assert "restart this vLLM server" in str(exc), exc
+        else:
+            raise AssertionError("rows that moved away from staged_rows were served")
+    finally:
+        rows.staged[index] = kept
 
 
 if __name__ == "__main__":
