@@ -12,7 +12,7 @@
 # lookup-variants (under MPS, inline dispatch: daemon defaults vs no cache and all SMs),
 # step-long (under MPS, 150 steps a cell at 256 and 4,096 tokens),
 # attach (benchmarks/mapped_attach.py, 16 GiB: mapped client attach, daemon restart to ready),
-# attach-64 (the same at 64 GiB, two restarts), tests-pin (pinning in parts, then test_cuda_daemon.py),
+# attach-64 (the same at 64 GiB, two restarts), attach-64-huge (attach-64 on hugetlbfs), tests-pin (pinning in parts, then test_cuda_daemon.py),
 # tests-pin-only, start-probe (benchmarks/start_probe.py: torch import, CUDA context and pin, in which order),
 # tests-kill, tests-kill-mps (the twenty-killed-clients test alone, without and with MPS), unmap-probe (benchmarks/unmap_probe.py),
 # pin-probe (benchmarks/pin_probe.py: ways to pin a table file already in shared memory).
@@ -23,7 +23,7 @@ final=$1; shift
 out=$(mktemp -d)
 trap 'tar czf "$final/results.tgz" -C "$out" .' EXIT
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 CUDA_MODULE_LOADING=EAGER
+export PYTHONUNBUFFERED=1 CUDA_MODULE_LOADING=${CUDA_MODULE_LOADING:-EAGER}  # as the daemon runs, unless set
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 \
@@ -83,6 +83,18 @@ phase_attach() {
 phase_attach_64() {  # the restart target's size: 64 GiB already in /dev/shm, two restarts
   python3 benchmarks/mapped_attach.py --table-gib 64 --restarts 2 --out "$out/attach64" 2>&1 \
     | tee "$out/attach64.log" | tail -45
+}
+phase_attach_64_huge() {  # the same with the tables on hugetlbfs (2 MiB pages); root
+  local mount=/tmp/engramd-huge pool=/proc/sys/vm/nr_hugepages before need rc
+  before=$(cat $pool); need=$(( 64 * 512 + 1024 ))  # 64 GiB of rows in 2 MiB pages, and room
+  echo $(( before + need )) > $pool
+  echo "huge pages: $before before, $(cat $pool) now, $(grep HugePages_Free /proc/meminfo)"
+  mkdir -p $mount && mount -t hugetlbfs -o pagesize=2M none $mount
+  python3 benchmarks/mapped_attach.py --table-gib 64 --restarts 2 --shm-root $mount \
+    --out "$out/attach64_huge" 2>&1 | tee "$out/attach64_huge.log" | tail -45
+  rc=${PIPESTATUS[0]}
+  umount $mount; echo "$before" > $pool
+  return "$rc"
 }
 phase_start_probe() { python3 benchmarks/start_probe.py --gib 64 --out "$out/start" 2>&1 | tee "$out/start_probe.log" | tail -12; }
 phase_tests_pin_only() { python3 -m pytest tests/gpu/test_host_pin_gpu.py -q 2>&1 | tee "$out/gpu_tests_pin_only.log"; }

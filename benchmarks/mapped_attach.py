@@ -2,7 +2,7 @@
 
     python benchmarks/mapped_attach.py [--table-gib 16] [--repeat 3] [--restarts 1] [--out DIR]
 
-A host table of --table-gib (V4.1 row width, random bytes in /dev/shm, over a sparse checkpoint)
+A host table of --table-gib (V4.1 row width, random bytes in /dev/shm or --shm-root, over a sparse checkpoint)
 is filled by common/tables.py, as for gpu_lookup.py, and one `engramd serve --backend cuda
 --self-check false` re-attaches it (plus --daemon-args). Then, --repeat times:
   attach   `EngramClient(sock, device="cuda:0", mode="mapped", max_tokens=256)` constructed, end
@@ -243,7 +243,7 @@ def attach_split(socket: Path) -> dict[str, Any]:
             out["register_gb_s"] = out["tables_bytes"] / 1e9 / out["map_register_s"]
             started = time.perf_counter()
             mapped_gather(geometry.shard(0, 1), tables, device,
-                          int(f.get("gather", {}).get("sort_min_tokens", 0)))
+                          int((f.gather or {}).get("sort_min_tokens", 0)))
             torch.cuda.synchronize()
             out["gather_prep_s"] = time.perf_counter() - started
             started = time.perf_counter()
@@ -282,13 +282,22 @@ def mmap_alone(grants: list) -> float:
 # -- the run -------------------------------------------------------------------------------------
 
 
+def shm_kind(root: str | None) -> str:
+    """Where the tables lay, for the report: /dev/shm, or the file system type of --shm-root."""
+    if root is None:
+        return "/dev/shm"
+    mounts = [line.split() for line in Path("/proc/mounts").read_text().splitlines()]
+    kinds = [fields[2] for fields in mounts if len(fields) > 2 and fields[1] == str(Path(root).resolve())]
+    return f"{root} ({kinds[-1] if kinds else 'not a mount point'})"
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     started_run = time.monotonic()
     if not torch.cuda.is_available():
         raise SystemExit("mapped_attach needs a CUDA GPU")
     geometry = geometry_for(args.table_gib)
     attach, restarts = [], []
-    with bench_folders() as (work, shm):
+    with bench_folders(shm_root=args.shm_root) as (work, shm):
         started = time.monotonic()
         fill_tables(geometry, work / "ckpt", shm, INSTANCE)  # prints how long it took
         fill_s = time.monotonic() - started
@@ -319,6 +328,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                      "torch": torch.__version__, "table_gib": round(geometry.total_bytes / 2**30, 2),
                      "table_bytes": geometry.total_bytes, "rows": list(geometry.rows),
                      "max_tokens": MAX_TOKENS, "daemon_args": args.daemon_args,
+                     "shm": shm_kind(args.shm_root),
+                     "cuda_module_loading": os.environ.get("CUDA_MODULE_LOADING", "(unset)"),
                      "machine": machine(),
                      **mps_state(False),
                      "command": "python benchmarks/mapped_attach.py " + shlex.join(sys.argv[1:]),
@@ -403,8 +414,9 @@ def markdown(report: dict) -> str:
     proj, first = report["projection"], report["first_start"]
     lines = [f"# Mapped attach on {meta['gpu']} ({meta['date']})", "",
              f"Host table {meta['table_gib']} GiB ({meta['table_bytes'] / 1e9:.2f} GB, rows per "
-             f"layer {meta['rows']}) in /dev/shm, one daemon (`--backend cuda --self-check false "
-             f"{meta['daemon_args']}`), MPS {'on' if meta.get('mps') else 'off'}; filled in "
+             f"layer {meta['rows']}) in {meta.get('shm', '/dev/shm')}, one daemon (`--backend cuda --self-check false "
+             f"{meta['daemon_args']}`), MPS {'on' if meta.get('mps') else 'off'}, "
+             f"CUDA_MODULE_LOADING {meta.get('cuda_module_loading', '?')}; filled in "
              f"{meta['fill_s']} s; run {meta['seconds']} s. Command: `{meta['command']}`. The "
              "first repeat also loads the gather kernels into this process.", "",
              "| mapped client attach | " + " | ".join(f"#{r['repeat']}" for r in attach)
@@ -413,7 +425,7 @@ def markdown(report: dict) -> str:
         values = [r.get(key) for r in attach]
         lines.append(f"| {label} | " + " | ".join(cell(v, digits) for v in values)
                      + f" | {cell(_median(attach, key), digits)} |")
-    lines += ["", f"Daemon first start (tables already in /dev/shm): live {first['live_s']} s, "
+    lines += ["", f"Daemon first start (tables already in {meta.get('shm', '/dev/shm')}): live {first['live_s']} s, "
               f"ready {first['ready_s']} s ({first['log'].get('how', '?')}).", ""]
     if restarts:
         lines += ["| daemon restart, same shm folder and instance | "
@@ -444,6 +456,8 @@ def parse_args() -> argparse.Namespace:
                         "then split)")
     parser.add_argument("--restarts", type=int, default=1, help="daemon restarts to time")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--shm-root", default=None, help="where the table folder is made "
+                        "(default /dev/shm; a hugetlbfs mount for 2 MiB pages)")
     parser.add_argument("--daemon-args", default="",
                         help="extra `engramd serve` flags, split like a shell's (write it with '=')")
     args = parser.parse_args()

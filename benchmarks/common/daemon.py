@@ -76,11 +76,12 @@ def stop_process(proc: subprocess.Popen, timeout: float) -> int | str:
 
 
 @contextmanager
-def bench_folders(show_log: bool = True) -> Iterator[tuple[Path, Path]]:
-    """(work folder, folder in /dev/shm) for one run; both removed at the end, after the tail of
-    the daemon log in the work folder is printed when `show_log`."""
+def bench_folders(show_log: bool = True, shm_root: str | None = None) -> Iterator[tuple[Path, Path]]:
+    """(work folder, folder in `shm_root`, by default /dev/shm) for one run; both removed at the
+    end, after the tail of the daemon log in the work folder is printed when `show_log`."""
     work = Path(tempfile.mkdtemp(prefix="engramd-bench-"))
-    shm_root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    if shm_root is None:
+        shm_root = "/dev/shm" if os.path.isdir("/dev/shm") else None
     shm = Path(tempfile.mkdtemp(prefix="engramd-bench-", dir=shm_root))
     try:
         yield work, shm
