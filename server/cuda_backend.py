@@ -63,6 +63,9 @@ log = logging.getLogger("engramd.cuda")
 # client enqueues its consumer work and returns before the rows exist. Never set in production.
 GATHER_DELAY_ENV = "ENGRAMD_DEBUG_GATHER_DELAY_MS"
 GATHER_DELAY_MS = float(os.environ.get(GATHER_DELAY_ENV, "0") or 0)
+# A freed slab's release (CudaSlab._release_waits): repeated, pausing 0.1 ms doubling to 10 ms,
+# until its daemon stream drains; past the deadline the slab is left allocated and logged.
+RELEASE_FIRST_PAUSE_S, RELEASE_MAX_PAUSE_S, RELEASE_DEADLINE_S = 1e-4, 1e-2, 60.0
 _CYCLES_PER_MS = 2_000_000  # torch.cuda._sleep counts GPU clock cycles (~2 GHz on H100/H200)
 
 
@@ -194,32 +197,49 @@ class CudaSlab:
             with torch.cuda.device(self.device_index):
                 cuda.make_current(self.device_index)  # a thread of its own: driver calls follow
                 released = self._release_waits(ptr)
-                self.stream.synchronize()
+                if released is None:
+                    return  # the slab stays mapped: the daemon stream may still write it
                 released.synchronize()  # no write of ours may land after the unmap
                 self.gpu.count_freed(self)  # its count is final now: every gather has run
                 self.views.close()
                 self.memory.close()
-                cuda.STREAMS.give(self.stream)  # idle: synchronised above
+                cuda.STREAMS.give(self.stream)  # idle: drained in _release_waits
         except Exception:
             log.exception("freeing the slab on %s failed", self.uuid)
 
-    def _release_waits(self, ptr: int) -> torch.cuda.Event:
-        """Satisfy every wait on the slab's counters that its client may never satisfy.
+    def _release_waits(self, ptr: int) -> torch.cuda.Event | None:
+        """Satisfy every wait on the slab's counters that its client may never satisfy, until
+        the daemon stream has drained; an event recorded after the release stream's last write
+        (None if the stream did not drain within RELEASE_DEADLINE_S).
 
         The daemon stream may wait for IDS_READY of a client that died before its stream wrote
         it: the release stream writes those (the gathers then read stale IDs into a slab nobody
-        reads). The client's streams may wait for ROWS_DONE of a lookup whose request died with
-        it in its socket's queue; in a shared MPS server a dead client's waiting work can hold
-        up every other client's, so after its last gather the daemon stream sets each ROWS_DONE
-        past every seq the client can have used (client/slab.py release_value: waits compare
-        cyclically). Returns an event recorded after the release stream's writes."""
+        reads). A dead client's stream may also still run after its process is gone (an MPS
+        server tears the client's context down later) and write an older IDS_READY over the
+        release, so the release is repeated until the daemon stream is done. The client's
+        streams may wait for ROWS_DONE of a lookup whose request died with it in its socket's
+        queue; in a shared MPS server a dead client's waiting work can hold up every other
+        client's, so after its last gather the daemon stream sets each ROWS_DONE past every seq
+        the client can have used (client/slab.py release_value: waits compare cyclically)."""
         release = self.gpu.release_stream
-        for slot, seq in self.enqueued.items():
-            cuda.stream_write_u32(release.cuda_stream, ptr + self.layout.counter_offset(slot, IDS_READY), seq)
         past = release_value(max(self.enqueued.values(), default=0))
         for slot in range(self.layout.slots):
             cuda.stream_write_u32(self.stream.cuda_stream, ptr + self.layout.counter_offset(slot, ROWS_DONE),
                                   past)
+        drained = torch.cuda.Event()
+        drained.record(self.stream)
+        deadline, pause = time.monotonic() + RELEASE_DEADLINE_S, RELEASE_FIRST_PAUSE_S
+        while True:
+            for slot, seq in self.enqueued.items():
+                cuda.stream_write_u32(release.cuda_stream, ptr + self.layout.counter_offset(slot, IDS_READY), seq)
+            if drained.query():
+                break
+            if time.monotonic() > deadline:
+                log.error("slab of client on %s: its daemon stream did not drain within %.0f s of "
+                          "the release; the slab stays allocated", self.uuid, RELEASE_DEADLINE_S)
+                return None
+            time.sleep(pause)
+            pause = min(pause * 2, RELEASE_MAX_PAUSE_S)
         event = torch.cuda.Event()
         event.record(release)
         return event
