@@ -212,7 +212,8 @@ class Replica:
         """The rows are a view of the daemon's slab, not a copy (reads the client's internals)."""
         slab = self.client._slab
         base = slab.ptr if self.cuda else slab.buffer.data_ptr()
-        end = rows.data_ptr() + rows.numel() * rows.element_size()
+        last = rows[(-1,) * rows.dim()]  # the rows are strided by layer (client/slab.py)
+        end = last.data_ptr() + last.element_size()
         return base <= rows.data_ptr() and end <= base + self.client.layout.size
 
     def _check_plan(self) -> tuple[int, list]:

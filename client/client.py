@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 import os
 import socket
 import threading
@@ -91,6 +92,7 @@ class LookupFuture:
     def __init__(self, client: EngramClient, rid: int, slot: int, seq: int, tokens: int,
                  acked: bool = True):
         self._client = client
+        self.registration = client.registrations  # a re-registration makes this lookup stale
         self.rid = rid
         self.slot = slot
         self.seq = seq
@@ -112,6 +114,7 @@ class LookupFuture:
 
     def result(self, timeout: float | None = None, copy: bool = False) -> torch.Tensor:
         """Block until the rows are ready; `[n_layers, T, local_heads, head_dim]` bfloat16."""
+        self._client._check_current(self)
         self._collect(timeout)
         rows = self._client._slab.rows(self.slot, self.tokens)
         if self._client.device.type == "cuda":
@@ -131,6 +134,7 @@ class LookupFuture:
         client = self._client
         if client.device.type != "cuda":
             return self.result()
+        client._check_current(self)
         client._take_in()
         client._check_alive()
         if self._error is not None:
@@ -160,7 +164,7 @@ class _MemfdSlabView:
         self.layout = layout
         try:
             self._mapping = SharedMapping(fd, layout.size)
-        except ValueError as exc:  # a short descriptor
+        except (ValueError, OSError) as exc:  # a short descriptor, or no room to map it
             raise InternalError(f"slab: {exc}") from None
         self.buffer = self._mapping.buffer
 
@@ -174,7 +178,7 @@ class _MemfdSlabView:
         """A new daemon's slab of the same layout, at this one's address (see _keep_rows)."""
         try:
             self._mapping.remap(fd)
-        except ValueError as exc:
+        except (ValueError, OSError) as exc:
             raise InternalError(f"slab: {exc}") from None
 
     def close(self) -> None:
@@ -268,6 +272,9 @@ class EngramClient:
         self._conn: Connection | None = None
         self._slab: _MemfdSlabView | _CudaSlabView | LocalSlots | None = None
         self._kept_rows: _MemfdSlabView | _CudaSlabView | LocalSlots | None = None  # see _keep_rows
+        self._retired: list[Any] = []  # slot memory that moved, still mapped for old views
+        self.registrations = 0  # how many times this client has registered
+        self.rows_generation = 0  # bumped when the slots' rows move (see slot_rows)
         self._lease: socket.socket | None = None  # the daemon frees us when it closes
         self._mapped: MappedTables | None = None
         self._gather: Any = None  # mapped: the gather this process runs
@@ -295,6 +302,7 @@ class EngramClient:
         # others' ZeroMQ connections unanswered, and this says why instead of a timeout.
         check_access(handle_socket_path(self.socket_path), timeout or self.timeout)
         self._conn = Connection(self.socket_path)
+        self.registrations += 1
         self._pending: dict[int, LookupFuture] = {}
         self._submitted: dict[int, torch.cuda.Event] = {}  # served GPU: per slot, see _await_submitted
         self._next_slot = 0
@@ -453,15 +461,21 @@ class EngramClient:
         if type(kept) is not kind or kept.layout != self.layout:
             log.warning("the daemon re-registered this client with another mode or layout: its "
                         "rows move to a new address")
-            kept.close()
+            self._retire(kept)
             return None
         try:
             if attachment is not None:
                 kept.rebind(attachment.slab_fd, attachment.slab)
         except BaseException:
-            kept.close()
+            self._retire(kept)
             raise
         return kept
+
+    def _retire(self, rows: Any) -> None:
+        """Slot memory whose rows moved: kept mapped until close(), so that views of it taken
+        before (a captured graph's) read stale rows instead of freed or reused memory."""
+        self.rows_generation += 1
+        self._retired.append(rows)
 
     def _lease_gone(self) -> str | None:
         lease = self._lease
@@ -507,13 +521,15 @@ class EngramClient:
 
         A lookup of T tokens into the slot fills `[:, :T]` of it (its result is that view). The
         block stays at one address for the client's life, across daemon restarts, while the
-        daemon keeps the client's mode and layout (a change is logged, and the results of later
-        lookups are then views of a new block). Read it only in the order wait() gives."""
+        daemon keeps the client's mode and layout. If it does not, the rows move: that is
+        logged, `rows_generation` goes up, later results are views of a new block, and views of
+        the old one stay readable (stale) until close(). Read it only in the order wait() gives."""
         if self._slab is None:
             raise DaemonUnavailableError("client is closed or not registered")
-        if self._check_slot(slot) is None:
+        index = self._check_slot(slot)
+        if index is None:
             raise BadRequestError("slot_rows needs a slot number")
-        return self._slab.slot_rows(slot)
+        return self._slab.slot_rows(index)
 
     # -- lookups --------------------------------------------------------------------------------
 
@@ -549,10 +565,11 @@ class EngramClient:
     def _lookup_cuda(self, ids: torch.Tensor, stream: torch.cuda.Stream, slot: int | None) -> LookupFuture:
         """The served hot path: a handful of calls on handles built at registration."""
         slab = self._slab
-        slot = self._next_slot if slot is None else slot
+        named, slot = slot is not None, self._next_slot if slot is None else slot
         raw = stream.cuda_stream
         self._after_previous_use(slot, stream, raw)  # may time out: the slot stays as it was
-        self._next_slot = (slot + 1) % self.slots
+        if not named:
+            self._next_slot = (slot + 1) % self.slots
         seq = next(self._seqs)
         tokens = ids.shape[0]
         # One copy, no conversion kernel: the slot keeps the caller's dtype.
@@ -574,8 +591,7 @@ class EngramClient:
         """Mapped mode: this process gathers from its mapping of the daemon's tables. On a GPU
         the gather runs on a side stream after `stream`'s earlier work (the IDs' producers) and
         after the previous readers of the slot; wait() makes a stream wait for its event."""
-        slot = self._next_slot if slot is None else slot
-        self._next_slot = (slot + 1) % self.slots
+        slot = self._take_turn(slot)
         tokens = ids.shape[0]
         out = self._slab.rows(slot, tokens)
         future = LookupFuture(self, 0, slot, next(self._seqs), tokens, acked=False)
@@ -704,15 +720,33 @@ class EngramClient:
             raise BadIdsError(f"{ids.shape[0]} tokens; this client registered 1..{self.max_tokens}")
         return ids.detach()
 
-    def _check_slot(self, slot: int | None) -> int | None:
-        if slot is not None and (isinstance(slot, bool) or not isinstance(slot, int)
-                                 or not 0 <= slot < self.slots):
+    def _check_slot(self, slot: Any) -> int | None:
+        if slot is None:
+            return None
+        try:
+            index = operator.index(slot) if not isinstance(slot, bool) else -1
+        except TypeError:
+            index = -1
+        if not 0 <= index < self.slots:
             raise BadRequestError(f"slot {slot!r}: this client has slots 0..{self.slots - 1}")
+        return index
+
+    def _take_turn(self, slot: int | None) -> int:
+        """The slot a lookup fills: `slot` if named (the turn stays where it is), else the next
+        in turn."""
+        if slot is not None:
+            return slot
+        slot, self._next_slot = self._next_slot, (self._next_slot + 1) % self.slots
         return slot
 
+    def _check_current(self, future: LookupFuture) -> None:
+        if future.registration != self.registrations:
+            raise DaemonUnavailableError(
+                "this lookup was made before the client re-registered with a restarted daemon; "
+                "its rows are lost: look them up again")
+
     def _claim_slot(self, slot: int | None) -> int:
-        slot = self._next_slot if slot is None else slot
-        self._next_slot = (slot + 1) % self.slots
+        slot = self._take_turn(slot)
         previous = self._pending.pop(slot, None)
         if previous is not None:
             try:
@@ -827,10 +861,14 @@ class EngramClient:
                                 counts=counts)
             except EngramError:
                 pass  # the daemon is gone or already forgot us: nothing left to release
-        self._disconnect()
-        kept, self._kept_rows = self._kept_rows, None  # a re-registration that never came
-        if kept is not None:
-            kept.close()
+        try:
+            self._disconnect()
+        finally:
+            leftovers = [self._kept_rows, *self._retired]  # a re-registration that never came
+            self._kept_rows, self._retired = None, []
+            for rows in leftovers:
+                if rows is not None:
+                    rows.close()
 
     def __enter__(self) -> EngramClient:
         return self

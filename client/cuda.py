@@ -134,8 +134,12 @@ class DeviceAllocation:
             make_current(self.device_index)
             handle = check("cuMemImportFromShareableHandle", cu.cuMemImportFromShareableHandle(
                 fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))
-            self._unmap_and_release()
-            self._handle = handle
+            try:
+                self._unmap_and_release()
+            except BaseException:
+                check("cuMemRelease", cu.cuMemRelease(handle))  # the new one is not ours to keep
+                raise
+            self._handle = handle  # close() releases it from here on, mapped or not
             self._map()
 
     def close(self) -> None:

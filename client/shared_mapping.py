@@ -26,16 +26,24 @@ class SharedMapping:
         self.size = size
         self.address = mmap_at(None, size, _PROT, mmap.MAP_SHARED, fd)
         region = (ctypes.c_uint8 * size).from_address(self.address)
-        weakref.finalize(region, munmap, self.address, size)  # torch keeps `region` alive
+        unmap = weakref.finalize(region, munmap, self.address, size)  # torch keeps `region` alive
+        unmap.atexit = False  # at exit a thread may still read a view; the exit unmaps anyway
         self.buffer: torch.Tensor | None = torch.frombuffer(region, dtype=torch.uint8)
 
     def remap(self, fd: int) -> None:
-        """Replace the memory at this address by `fd`'s first `size` bytes (atomically: a view
-        reads the old memory or the new one, never a hole). The mapping must still be viewed."""
+        """Replace the memory at this address by `fd`'s first `size` bytes (a view reads the old
+        memory or the new one, never a hole). The mapping must still be viewed. Should the
+        kernel refuse the new mapping after taking the old one away, zero pages are put there,
+        so views read zeros instead of faulting; OSError either way."""
         if self.buffer is None:
             raise ValueError("the mapping was closed")
         self._check_size(fd, self.size)
-        mmap_at(self.address, self.size, _PROT, mmap.MAP_SHARED | MAP_FIXED, fd)
+        try:
+            mmap_at(self.address, self.size, _PROT, mmap.MAP_SHARED | MAP_FIXED, fd)
+        except OSError:
+            mmap_at(self.address, self.size, _PROT,
+                    mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_FIXED, -1)
+            raise
 
     def close(self) -> None:
         """Drop this object's view; the memory goes with the last view of it."""

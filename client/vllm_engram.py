@@ -86,6 +86,7 @@ class ProcessRows:
         self._ids: dict[int, torch.Tensor] = {}  # this step's IDs, per layer, until all are in
         self._future: LookupFuture | None = None
         self._tokens = 0
+        self._rows_generation = client.rows_generation  # where the staged views point
 
     @property
     def geometry(self) -> TableGeometry:
@@ -133,9 +134,8 @@ class ProcessRows:
         future, self._future = self._future, None
         if future is None:
             return
-        rows = future.wait()
-        layer, staged = next(iter(self.staged.items()))
-        if rows[layer].data_ptr() != staged.data_ptr():
+        future.wait()
+        if self.client.rows_generation != self._rows_generation:
             raise VllmPluginError(
                 "the engramd daemon re-registered this client with another mode or slab layout, "
                 "so its rows moved away from the staged_rows that vLLM's captured graphs read: "

@@ -67,6 +67,8 @@ DEAF_FOR_S = 1.0  # how long a peer whose reply queue was full gets no answers b
 # The most frames a request may have: the peer's identity, the header, the payload frames.
 MAX_MESSAGE_FRAMES = 2 + protocol.MAX_PAYLOAD_FRAMES
 SWITCH_INTERVAL_S = 0.0002
+DRAIN_BATCH = 1024  # requests read per wake-up, so that timers and leases are not starved
+EVENTS_EVERY = 32  # requests read between two looks at finished lookups (_drain_socket)
 
 
 @dataclass
@@ -238,13 +240,18 @@ class Daemon:
         return EXIT_OK
 
     def _drain_socket(self) -> None:
-        for _ in range(1024):  # bounded, so completions are not starved by a flood of requests
+        """Requests waiting on the socket, at most DRAIN_BATCH. Completions are answered every
+        EVENTS_EVERY requests: a peer flooding the socket (ROUTER reads its peers in turn) would
+        otherwise hold every other client's finished lookup behind a whole batch of its own."""
+        for count in range(1, DRAIN_BATCH + 1):
             try:
                 frames = self._recv_request()
             except zmq.Again:
                 return
             if frames is not None:
                 self._handle(frames, time.perf_counter())
+            if count % EVENTS_EVERY == 0 and not self._events.empty():
+                self._drain_events()
 
     def _recv_request(self) -> list[bytes] | None:
         """The next message's frames, copied; None for one of more frames than any request has

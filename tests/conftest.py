@@ -300,12 +300,16 @@ def check_rows_stay_across_a_restart(daemon_factory, reference, device: str, mod
                                      extra: tuple[str, ...] = ()) -> None:
     """EngramClient.slot_rows' promise: views of a slot's rows taken once read every later
     lookup into that slot, of any token count, also after the daemon was killed and restarted
-    (the client re-registers and keeps its rows' address)."""
+    (the client re-registers and keeps its rows' address). The restarted daemon comes up while
+    the client's next lookup is already waiting for it, so failed attempts come first; a lookup
+    made before the restart is refused afterwards, not waited for."""
+    import threading
+
     import numpy as np
     import torch
     from reference import random_ids
 
-    from engramd.client import EngramClient
+    from engramd.client import DaemonUnavailableError, EngramClient
 
     first = daemon_factory(instance="stay", extra=list(extra))
     client = EngramClient(first.socket, device=device, mode=mode, max_tokens=64, slots=2,
@@ -328,13 +332,20 @@ def check_rows_stay_across_a_restart(daemon_factory, reference, device: str, mod
     try:
         assert client.mode == mode
         lookups("before the restart")
-        epoch = client.epoch
+        epoch, generation = client.epoch, client.rows_generation
+        stale = client.lookup(torch.from_numpy(random_ids(rng, 3, reference.rows, reference.heads))
+                              .to(device))
         first.proc.kill()
         first.proc.wait()
         second = daemon_factory(instance="stay", shm_dir=first.shm_dir, workdir=first.workdir,
-                                extra=list(extra))
+                                extra=list(extra), start=False)
+        threading.Timer(1.0, second.start).start()
         lookups("after the restart")
+        second.wait_ready()
         assert client.epoch != epoch and client.mode == mode
+        assert client.rows_generation == generation, "the rows moved"
+        with pytest.raises(DaemonUnavailableError, match="before the client re-registered"):
+            stale.wait()  # its slot has been the new registration's since
     finally:
         client.close()
     assert second.stop() == 0, second.log()

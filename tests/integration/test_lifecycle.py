@@ -138,6 +138,32 @@ def test_a_slots_rows_stay_where_they_were_across_a_restart(daemon_factory, refe
     check_rows_stay_across_a_restart(daemon_factory, reference, "cpu", mode)
 
 
+def test_rows_that_move_are_counted_and_the_old_ones_stay_readable(daemon_factory, reference):
+    """A restarted daemon that allows only mapped clients re-registers an `auto` client (served
+    before) as mapped: its rows move, `rows_generation` says so, and a view taken before still
+    reads what it held (the old memory stays mapped until close)."""
+    first = daemon_factory(instance="move")
+    client = EngramClient(first.socket, mode="auto", max_tokens=8, timeout=10, reconnect_timeout=60)
+    try:
+        assert client.mode == "served" and client.rows_generation == 0
+        ids = torch.from_numpy(random_ids(np.random.default_rng(5), 8, reference.rows, reference.heads))
+        old_view = client.slot_rows(0)
+        client.lookup(ids, slot=0).result()
+        held = old_view.clone()
+        first.proc.kill()
+        first.proc.wait()
+        second = daemon_factory(instance="move", shm_dir=first.shm_dir, workdir=first.workdir,
+                                extra=["--client-modes", "mapped"])
+        rows = client.lookup(ids[:3], slot=0).result()
+        assert client.mode == "mapped" and client.rows_generation == 1
+        assert rows.data_ptr() != old_view.data_ptr()
+        assert np.array_equal(rows.double().numpy(), reference.expected(ids[:3].numpy()))
+        assert torch.equal(old_view, held), "the view of the moved rows changed"
+    finally:
+        client.close()
+    assert second.stop() == 0
+
+
 def test_a_lookup_into_a_slot_that_is_not_there_is_refused(daemon_factory):
     with EngramClient(daemon_factory().socket, slots=2) as client:
         ids = torch.zeros((1, client.geometry.n_layers, client.geometry.heads), dtype=torch.int64)

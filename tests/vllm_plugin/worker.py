@@ -249,13 +249,12 @@ def run_checks(engram, layout, checkpoint, reference, served, args, vllm_engram,
 
 
 def moved_rows_fail_closed(layer, ids: torch.Tensor, error: type[Exception]) -> None:
-    """Rows a lookup put elsewhere than staged_rows (the client re-registered in another mode
-    or layout) are refused, not read from a stale view."""
-    rows = layer.embed_tokens.rows
-    index = layer.layer_hash_index
-    kept, rows.staged[index] = rows.staged[index], rows.staged[index].clone()
+    """Once the client says its rows moved (rows_generation: it re-registered in another mode
+    or layout, test_lifecycle.py makes that happen), the staged views are refused, not read."""
+    client = layer.embed_tokens.rows.client
+    client.rows_generation += 1
     try:
-        layer.prepare_embeddings(ids[:, index])
+        layer.prepare_embeddings(ids[:, layer.layer_hash_index])
         try:
             layer._ready_rows(ids.shape[0])
         except error as exc:
@@ -263,7 +262,7 @@ def moved_rows_fail_closed(layer, ids: torch.Tensor, error: type[Exception]) -> 
         else:
             raise AssertionError("rows that moved away from staged_rows were served")
     finally:
-        rows.staged[index] = kept
+        client.rows_generation -= 1
 
 
 if __name__ == "__main__":
