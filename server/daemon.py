@@ -251,7 +251,7 @@ class Daemon:
             if frames is not None:
                 self._handle(frames, time.perf_counter())
             if count % EVENTS_EVERY == 0 and not self._events.empty():
-                self._drain_events()
+                self._run_events()
 
     def _recv_request(self) -> list[bytes] | None:
         """The next message's frames, copied; None for one of more frames than any request has
@@ -282,12 +282,18 @@ class Daemon:
         self._send(identity, protocol.encode_error(op, rid, self.epoch, err))
 
     def _drain_events(self) -> None:
+        """Once the poller saw the wake pipe readable: empty it, then run the posted events."""
         try:
             while os.read(self._wake_r, 4096):
                 if not select.select([self._wake_r], [], [], 0)[0]:
                     break
         except BlockingIOError:
             pass
+        self._run_events()
+
+    def _run_events(self) -> None:
+        """Run the posted events (callable at any time: it does not read the wake pipe, which
+        blocks when empty; bytes left there wake the next poll, which then finds no event)."""
         while True:
             try:
                 event = self._events.get_nowait()
