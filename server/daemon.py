@@ -89,6 +89,7 @@ class Daemon:
         self._wake_r, self._wake_w = os.pipe()
         self._wake_lock = threading.RLock()  # post() may race close(); signal handlers post too
         os.set_blocking(self._wake_w, False)
+        os.set_blocking(self._wake_r, False)  # an empty pipe must never stop the loop
         self._lock = lock or SocketLock(config.socket_path)
         self._lock_held = lock is not None
         self._preload = preload
@@ -292,8 +293,8 @@ class Daemon:
         self._run_events()
 
     def _run_events(self) -> None:
-        """Run the posted events (callable at any time: it does not read the wake pipe, which
-        blocks when empty; bytes left there wake the next poll, which then finds no event)."""
+        """Run the posted events (callable at any time; bytes left in the wake pipe wake the
+        next poll, which then finds no event)."""
         while True:
             try:
                 event = self._events.get_nowait()
