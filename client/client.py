@@ -408,6 +408,7 @@ class EngramClient:
                         "the daemon and the engines (README, 'MPS').")
         self.client_id = f.client_id
         self.epoch = reply.epoch
+        self.tables_id = f.tables  # which tables the daemon serves (None: it does not say)
         self.counts = {"lookups": 0, "rows": 0, "out_of_range": 0}  # this registration's
         self.geometry = TableGeometry.from_config(f.geometry, source="daemon register reply")
         self.shard: ShardView = self.geometry.shard(tp_rank, tp_size)
@@ -544,11 +545,11 @@ class EngramClient:
         """
         if self._conn is None:
             raise DaemonUnavailableError("client is closed")
-        slot = self._check_slot(slot)
         self._take_in()
         if self._daemon_gone():
             self._reconnect()
         ids = self._check_ids(hash_ids)
+        slot = self._check_slot(slot)  # after a re-registration: its slots
         if self.mode == "mapped":
             return self._lookup_mapped(ids, stream, slot)
         if self.device.type == "cuda":
@@ -565,11 +566,10 @@ class EngramClient:
     def _lookup_cuda(self, ids: torch.Tensor, stream: torch.cuda.Stream, slot: int | None) -> LookupFuture:
         """The served hot path: a handful of calls on handles built at registration."""
         slab = self._slab
-        named, slot = slot is not None, self._next_slot if slot is None else slot
         raw = stream.cuda_stream
-        self._after_previous_use(slot, stream, raw)  # may time out: the slot stays as it was
-        if not named:
-            self._next_slot = (slot + 1) % self.slots
+        # May time out: then the turn stays where it was.
+        self._after_previous_use(self._next_slot if slot is None else slot, stream, raw)
+        slot = self._take_turn(slot)
         seq = next(self._seqs)
         tokens = ids.shape[0]
         # One copy, no conversion kernel: the slot keeps the caller's dtype.

@@ -150,6 +150,7 @@ class RegisterReply(Message):
     geometry: dict  # config.json fields
     shard: dict
     mps: dict | None
+    tables: str | None = None  # the served tables' identity (the checkpoint's fingerprint)
 
 
 @dataclass(slots=True)

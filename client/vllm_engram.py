@@ -87,6 +87,10 @@ class ProcessRows:
         self._future: LookupFuture | None = None
         self._tokens = 0
         self._rows_generation = client.rows_generation  # where the staged views point
+        # What the model's layout was checked against (process_rows): a re-registration with a
+        # restarted daemon must find the same tables.
+        self._registration = client.registrations
+        self._served = (client.geometry, client.tables_id)
 
     @property
     def geometry(self) -> TableGeometry:
@@ -135,11 +139,19 @@ class ProcessRows:
         if future is None:
             return
         future.wait()
-        if self.client.rows_generation != self._rows_generation:
+        client = self.client
+        if client.rows_generation != self._rows_generation:
             raise VllmPluginError(
                 "the engramd daemon re-registered this client with another mode or slab layout, "
                 "so its rows moved away from the staged_rows that vLLM's captured graphs read: "
                 "restart this vLLM server")
+        if client.registrations != self._registration:
+            if (client.geometry, client.tables_id) != self._served:
+                raise VllmPluginError(
+                    f"the engramd daemon at {client.socket_path} restarted on other Engram tables "
+                    f"(tables {client.tables_id}, before {self._served[1]}) than the ones this "
+                    "model was checked against: restart this vLLM server")
+            self._registration = client.registrations
 
     def close(self) -> None:
         self.client.close()

@@ -143,8 +143,10 @@ class ClientRecord:
 
 class ClientRegistry:
     def __init__(self, geometry: TableGeometry, backend: Backend, limits: Limits,
-                 on_retire: Callable[[ClientRecord], None] = lambda record: None):
+                 on_retire: Callable[[ClientRecord], None] = lambda record: None,
+                 tables_id: str | None = None):
         self.geometry = geometry
+        self.tables_id = tables_id  # told to clients, so they see a restart on other tables
         self.backend = backend
         self.limits = limits
         self._on_retire = on_retire  # the daemon lets go of the registration's lease
@@ -201,7 +203,7 @@ class ClientRegistry:
             shard={"rank": shard.rank, "shards": shard.shards, "head_start": shard.head_start,
                    "head_end": shard.head_end, "local_heads": shard.local_heads,
                    "row_ranges": [list(r) for r in shard.row_ranges]},
-            mps=mps)
+            mps=mps, tables=self.tables_id)
 
     def _evict_unattached(self, live: list[ClientRecord]) -> bool:
         """Make room by retiring the oldest registration that was never attached although it

@@ -61,7 +61,8 @@ class Service:
     def serve(self, loaded: LoadedTables, on_retire: Callable[[ClientRecord], None]) -> None:
         """The tables are loaded and checked: from now on clients may register."""
         self.tables = loaded
-        self.registry = ClientRegistry(loaded.geometry, loaded.backend, self.limits, on_retire=on_retire)
+        self.registry = ClientRegistry(loaded.geometry, loaded.backend, self.limits, on_retire=on_retire,
+                                       tables_id=loaded.checkpoint.fingerprint())
         self.state = "ready"
         self.progress = 1.0
 

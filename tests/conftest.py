@@ -332,7 +332,7 @@ def check_rows_stay_across_a_restart(daemon_factory, reference, device: str, mod
     try:
         assert client.mode == mode
         lookups("before the restart")
-        epoch, generation = client.epoch, client.rows_generation
+        epoch, generation, tables = client.epoch, client.rows_generation, client.tables_id
         stale = client.lookup(torch.from_numpy(random_ids(rng, 3, reference.rows, reference.heads))
                               .to(device))
         first.proc.kill()
@@ -344,6 +344,7 @@ def check_rows_stay_across_a_restart(daemon_factory, reference, device: str, mod
         second.wait_ready()
         assert client.epoch != epoch and client.mode == mode
         assert client.rows_generation == generation, "the rows moved"
+        assert tables is not None and client.tables_id == tables, "the same checkpoint, other tables?"
         with pytest.raises(DaemonUnavailableError, match="before the client re-registered"):
             stale.wait()  # its slot has been the new registration's since
     finally:

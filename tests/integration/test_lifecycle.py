@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -159,6 +161,30 @@ def test_rows_that_move_are_counted_and_the_old_ones_stay_readable(daemon_factor
         assert rows.data_ptr() != old_view.data_ptr()
         assert np.array_equal(rows.double().numpy(), reference.expected(ids[:3].numpy()))
         assert torch.equal(old_view, held), "the view of the moved rows changed"
+    finally:
+        client.close()
+    assert second.stop() == 0
+
+
+def test_a_restart_on_other_tables_is_told_to_the_client(daemon_factory, demo_checkpoint, tmp_path):
+    """The register reply names the served tables (the checkpoint's fingerprint): a client that
+    re-registers with a daemon restarted on another checkpoint can tell (the vLLM plugin then
+    refuses to go on)."""
+    other = tmp_path / "other-checkpoint"
+    shutil.copytree(demo_checkpoint, other)  # the same rows, but its files were written again
+    for shard in other.glob("*.safetensors"):
+        os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))
+    first = daemon_factory(instance="other")
+    client = EngramClient(first.socket, timeout=10, reconnect_timeout=60)
+    try:
+        before = client.tables_id
+        ids = torch.zeros((1, client.geometry.n_layers, client.geometry.heads), dtype=torch.int64)
+        first.proc.kill()
+        first.proc.wait()
+        second = daemon_factory(tables=other, instance="other", shm_dir=first.shm_dir,
+                                workdir=first.workdir)
+        client.lookup(ids).result()
+        assert before is not None and client.tables_id not in (None, before)
     finally:
         client.close()
     assert second.stop() == 0

@@ -246,6 +246,30 @@ def run_checks(engram, layout, checkpoint, reference, served, args, vllm_engram,
         compare_step(f"raw IDs x {tokens}", reference, served, raw_ids(layout.num_embeddings, tokens),
                      args, args.world)
     moved_rows_fail_closed(served[0], raw_ids(layout.num_embeddings, 3), vllm_engram.VllmPluginError)
+    other_tables_fail_closed(served[0], raw_ids(layout.num_embeddings, 3), vllm_engram.VllmPluginError)
+
+
+def other_tables_fail_closed(layer, ids: torch.Tensor, error: type[Exception]) -> None:
+    """After a re-registration (client.registrations goes up), the same tables pass and other
+    ones (client.tables_id: test_lifecycle.py shows a restarted daemon changes it) are refused."""
+    client = layer.embed_tokens.rows.client
+    index = layer.layer_hash_index
+    served = client.tables_id
+    try:
+        client.registrations += 1  # as a re-registration with the same daemon's tables does
+        layer.prepare_embeddings(ids[:, index])
+        layer._ready_rows(ids.shape[0])
+        client.registrations += 1
+        client.tables_id = "another checkpoint"
+        layer.prepare_embeddings(ids[:, index])
+        try:
+            layer._ready_rows(ids.shape[0])
+        except error as exc:
+            assert "restarted on other Engram tables" in str(exc), exc
+        else:
+            raise AssertionError("rows of other tables than the model's were served")
+    finally:
+        client.tables_id = served
 
 
 def moved_rows_fail_closed(layer, ids: torch.Tensor, error: type[Exception]) -> None:
