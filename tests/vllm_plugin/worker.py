@@ -253,21 +253,14 @@ def other_tables_fail_closed(layer, ids: torch.Tensor, error: type[Exception]) -
     """After a re-registration (client.registrations goes up), the same tables pass and other
     ones (client.tables_id: test_lifecycle.py shows a restarted daemon changes it) are refused."""
     client = layer.embed_tokens.rows.client
-    index = layer.layer_hash_index
     served = client.tables_id
     try:
         client.registrations += 1  # as a re-registration with the same daemon's tables does
-        layer.prepare_embeddings(ids[:, index])
+        layer.prepare_embeddings(ids[:, layer.layer_hash_index])
         layer._ready_rows(ids.shape[0])
         client.registrations += 1
         client.tables_id = "another checkpoint"
-        layer.prepare_embeddings(ids[:, index])
-        try:
-            layer._ready_rows(ids.shape[0])
-        except error as exc:
-            assert "restarted on other Engram tables" in str(exc), exc
-        else:
-            raise AssertionError("rows of other tables than the model's were served")
+        step_is_refused(layer, ids, error, "restarted on other Engram tables")
     finally:
         client.tables_id = served
 
@@ -278,15 +271,19 @@ def moved_rows_fail_closed(layer, ids: torch.Tensor, error: type[Exception]) -> 
     client = layer.embed_tokens.rows.client
     client.rows_generation += 1
     try:
-        layer.prepare_embeddings(ids[:, layer.layer_hash_index])
-        try:
-            layer._ready_rows(ids.shape[0])
-        except error as exc:
-            assert "restart this vLLM server" in str(exc), exc
-        else:
-            raise AssertionError("rows that moved away from staged_rows were served")
+        step_is_refused(layer, ids, error, "restart this vLLM server")
     finally:
         client.rows_generation -= 1
+
+
+def step_is_refused(layer, ids: torch.Tensor, error: type[Exception], reason: str) -> None:
+    layer.prepare_embeddings(ids[:, layer.layer_hash_index])
+    try:
+        layer._ready_rows(ids.shape[0])
+    except error as exc:
+        assert reason in str(exc), exc
+    else:
+        raise AssertionError(f"a step was served where the plugin should refuse it ({reason})")
 
 
 if __name__ == "__main__":
