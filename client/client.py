@@ -108,6 +108,8 @@ class LookupFuture:
     def done(self) -> bool:
         """True once the host has nothing left to wait for: on the CPU, the daemon's reply with
         the rows written; on the GPU, always (the rows are ready in stream order, see wait())."""
+        if self.registration != self._client.registrations:
+            return True  # made before a re-registration: result() says so (its rid is reused)
         if not self._replied and self._client._conn.poll_reply(self.rid):
             self._collect(None)
         return self._replied

@@ -139,6 +139,11 @@ class ProcessRows:
         if future is None:
             return
         future.wait()
+        self.check_still_served()
+
+    def check_still_served(self) -> None:
+        """After a lookup's wait: refuse rows that no longer are what the model was checked
+        against and reads (see client/client.py, slot_rows and tables_id)."""
         client = self.client
         if client.rows_generation != self._rows_generation:
             raise VllmPluginError(
@@ -146,7 +151,9 @@ class ProcessRows:
                 "so its rows moved away from the staged_rows that vLLM's captured graphs read: "
                 "restart this vLLM server")
         if client.registrations != self._registration:
-            if (client.geometry, client.tables_id) != self._served:
+            geometry, tables = self._served  # a daemon that does not name its tables: None
+            if client.geometry != geometry or (
+                    None not in (tables, client.tables_id) and client.tables_id != tables):
                 raise VllmPluginError(
                     f"the engramd daemon at {client.socket_path} restarted on other Engram tables "
                     f"(tables {client.tables_id}, before {self._served[1]}) than the ones this "
@@ -264,7 +271,9 @@ class EngramdEmbedding(ParallelEngramEmbedding):
         geometry = self.rows.geometry
         ids = indices.new_full((indices.shape[0], geometry.n_layers, geometry.heads), DEAD_ID)
         ids[:, self.layer_index] = indices
-        out.copy_(self.rows.client.lookup(ids, slot=DIRECT_SLOT).wait()[self.layer_index])
+        rows = self.rows.client.lookup(ids, slot=DIRECT_SLOT).wait()
+        self.rows.check_still_served()  # its lookup may have re-registered with a new daemon
+        out.copy_(rows[self.layer_index])
 
 
 # -- the replaced Engram methods ---------------------------------------------------------------

@@ -64,8 +64,9 @@ log = logging.getLogger("engramd.cuda")
 GATHER_DELAY_ENV = "ENGRAMD_DEBUG_GATHER_DELAY_MS"
 GATHER_DELAY_MS = float(os.environ.get(GATHER_DELAY_ENV, "0") or 0)
 # A freed slab's release (CudaSlab._release_waits): repeated, pausing 0.1 ms doubling to 10 ms,
-# until its daemon stream drains; past the deadline the slab is left allocated and logged.
+# until its daemon stream drains; past the deadline that is logged and it goes on once a second.
 RELEASE_FIRST_PAUSE_S, RELEASE_MAX_PAUSE_S, RELEASE_DEADLINE_S = 1e-4, 1e-2, 60.0
+RELEASE_STUCK_PAUSE_S = 1.0  # past the deadline
 _CYCLES_PER_MS = 2_000_000  # torch.cuda._sleep counts GPU clock cycles (~2 GHz on H100/H200)
 
 
@@ -197,8 +198,6 @@ class CudaSlab:
             with torch.cuda.device(self.device_index):
                 cuda.make_current(self.device_index)  # a thread of its own: driver calls follow
                 released = self._release_waits(ptr)
-                if released is None:
-                    return  # the slab stays mapped: the daemon stream may still write it
                 released.synchronize()  # no write of ours may land after the unmap
                 self.gpu.count_freed(self)  # its count is final now: every gather has run
                 self.views.close()
@@ -207,39 +206,51 @@ class CudaSlab:
         except Exception:
             log.exception("freeing the slab on %s failed", self.uuid)
 
-    def _release_waits(self, ptr: int) -> torch.cuda.Event | None:
+    def _release_waits(self, ptr: int) -> torch.cuda.Event:
         """Satisfy every wait on the slab's counters that its client may never satisfy, until
-        the daemon stream has drained; an event recorded after the release stream's last write
-        (None if the stream did not drain within RELEASE_DEADLINE_S).
+        the daemon stream has drained; then an event recorded after the release stream's last
+        write.
 
         The daemon stream may wait for IDS_READY of a client that died before its stream wrote
         it: the release stream writes those (the gathers then read stale IDs into a slab nobody
         reads). A dead client's stream may also still run after its process is gone (an MPS
         server tears the client's context down later) and write an older IDS_READY over the
-        release, so the release is repeated until the daemon stream is done. The client's
-        streams may wait for ROWS_DONE of a lookup whose request died with it in its socket's
-        queue; in a shared MPS server a dead client's waiting work can hold up every other
-        client's, so after its last gather the daemon stream sets each ROWS_DONE past every seq
-        the client can have used (client/slab.py release_value: waits compare cyclically)."""
-        release = self.gpu.release_stream
+        release, so the release is repeated, one batch of writes in flight at a time, until the
+        daemon stream is done. Past RELEASE_DEADLINE_S that is logged, the slab is counted as
+        stuck (close() then leaves the GPU alone) and the release goes on once a second. The
+        client's streams may wait for ROWS_DONE of a lookup whose request died with it in its
+        socket's queue; in a shared MPS server a dead client's waiting work can hold up every
+        other client's, so after its last gather the daemon stream sets each ROWS_DONE past
+        every seq the client can have used (client/slab.py release_value: waits compare
+        cyclically)."""
         past = release_value(max(self.enqueued.values(), default=0))
         for slot in range(self.layout.slots):
             cuda.stream_write_u32(self.stream.cuda_stream, ptr + self.layout.counter_offset(slot, ROWS_DONE),
                                   past)
         drained = torch.cuda.Event()
         drained.record(self.stream)
+        batch = self._write_ids_ready(ptr)
         deadline, pause = time.monotonic() + RELEASE_DEADLINE_S, RELEASE_FIRST_PAUSE_S
-        while True:
-            for slot, seq in self.enqueued.items():
-                cuda.stream_write_u32(release.cuda_stream, ptr + self.layout.counter_offset(slot, IDS_READY), seq)
-            if drained.query():
-                break
-            if time.monotonic() > deadline:
-                log.error("slab of client on %s: its daemon stream did not drain within %.0f s of "
-                          "the release; the slab stays allocated", self.uuid, RELEASE_DEADLINE_S)
-                return None
+        while not drained.query():
+            if batch.query():
+                batch = self._write_ids_ready(ptr)
+            if deadline is not None and time.monotonic() > deadline:
+                log.error("slab of a client on %s: its daemon stream has not drained %.0f s after "
+                          "the release; the slab stays allocated and the release goes on",
+                          self.uuid, RELEASE_DEADLINE_S)
+                self.gpu.stuck.add(self)
+                deadline, pause = None, RELEASE_STUCK_PAUSE_S
             time.sleep(pause)
-            pause = min(pause * 2, RELEASE_MAX_PAUSE_S)
+            pause = min(pause * 2, max(pause, RELEASE_MAX_PAUSE_S))
+        self.gpu.stuck.discard(self)
+        return batch
+
+    def _write_ids_ready(self, ptr: int) -> torch.cuda.Event:
+        """Set each slot's IDS_READY to its last enqueued seq, on the release stream; an event
+        recorded after the writes."""
+        release = self.gpu.release_stream
+        for slot, seq in self.enqueued.items():
+            cuda.stream_write_u32(release.cuda_stream, ptr + self.layout.counter_offset(slot, IDS_READY), seq)
         event = torch.cuda.Event()
         event.record(release)
         return event
@@ -265,6 +276,7 @@ class GpuState:
         self._freed_lock = threading.Lock()
         self._freed_out_of_range = 0  # counted by slabs already freed
         self._draining: set[CudaSlab] = set()  # closed, their gathers maybe still running
+        self.stuck: set[CudaSlab] = set()  # freed slabs whose daemon stream never drained
         with torch.cuda.device(index):
             if options.cache_bytes:
                 layout = CacheLayout.from_budget(options.cache_bytes, geometry.row_bytes)
@@ -471,6 +483,11 @@ class CudaBackend:
             gpu.close()
         for worker in self.workers.values():
             worker.close()
+        stuck = sum(len(gpu.stuck) for gpu in self.gpus.values())
+        if stuck:  # a synchronize would wait for them forever, and they may still read the tables
+            log.error("%d freed slab(s) never drained: the GPUs are not synchronised and the tables "
+                      "stay registered (the exit lets go of both)", stuck)
+            return
         for index in self.workers:
             torch.cuda.synchronize(index)
         self.layer_tables = []

@@ -253,6 +253,8 @@ class Daemon:
                 self._handle(frames, time.perf_counter())
             if count % EVENTS_EVERY == 0 and not self._events.empty():
                 self._run_events()
+                if self._halt is not None:
+                    return  # the loop stops: the rest of the batch is not worth reading
 
     def _recv_request(self) -> list[bytes] | None:
         """The next message's frames, copied; None for one of more frames than any request has

@@ -345,6 +345,7 @@ def check_rows_stay_across_a_restart(daemon_factory, reference, device: str, mod
         assert client.epoch != epoch and client.mode == mode
         assert client.rows_generation == generation, "the rows moved"
         assert tables is not None and client.tables_id == tables, "the same checkpoint, other tables?"
+        assert stale.done()  # nothing to wait for: its rid belongs to the new connection now
         with pytest.raises(DaemonUnavailableError, match="before the client re-registered"):
             stale.wait()  # its slot has been the new registration's since
     finally:
