@@ -19,7 +19,6 @@ import logging
 import os
 import queue
 import resource
-import select
 import signal
 import sys
 import threading
@@ -287,9 +286,8 @@ class Daemon:
     def _drain_events(self) -> None:
         """Once the poller saw the wake pipe readable: empty it, then run the posted events."""
         try:
-            while os.read(self._wake_r, 4096):
-                if not select.select([self._wake_r], [], [], 0)[0]:
-                    break
+            while os.read(self._wake_r, 4096):  # non-blocking: BlockingIOError once empty
+                pass
         except BlockingIOError:
             pass
         self._run_events()
