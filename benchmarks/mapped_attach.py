@@ -60,7 +60,7 @@ from engramd.client.mapped import MappedTables, mapped_gather
 sys.path.insert(0, str(Path(__file__).parent))
 from common.daemon import LOG_NAME, SOCKET_NAME, bench_folders, serve_command, stop_process  # noqa: E402
 from common.ids import scaled_rows  # noqa: E402
-from common.report import cell, machine  # noqa: E402
+from common.report import cell, machine, mount_type  # noqa: E402
 from common.tables import INSTANCE, fill_tables, geometry_for, reattach_flags  # noqa: E402
 from mps import mps_state  # noqa: E402
 
@@ -286,9 +286,7 @@ def shm_kind(root: str | None) -> str:
     """Where the tables lay, for the report: /dev/shm, or the file system type of --shm-root."""
     if root is None:
         return "/dev/shm"
-    mounts = [line.split() for line in Path("/proc/mounts").read_text().splitlines()]
-    kinds = [fields[2] for fields in mounts if len(fields) > 2 and fields[1] == str(Path(root).resolve())]
-    return f"{root} ({kinds[-1] if kinds else 'not a mount point'})"
+    return f"{root} ({mount_type(Path(root).resolve()) or 'not a mount point'})"
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:

@@ -63,7 +63,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common.report import cell, cpu_model, machine  # noqa: E402
+from common.report import cell, cpu_model, machine, mount_type  # noqa: E402
 
 NAME = "engramd-pin-probe"
 SHM_DIR = Path("/dev/shm")
@@ -587,14 +587,6 @@ def mount_hugetlbfs(stack: ExitStack, errors: list[str]) -> dict:
     stack.callback(cleanup_step, errors, f"umount {HUGE_MOUNT}", run_command, "umount",
                    str(HUGE_MOUNT))
     return {"mount": str(HUGE_MOUNT), "mounted_here": True}
-
-
-def mount_type(path: Path) -> str | None:
-    for line in Path("/proc/mounts").read_text().splitlines():
-        fields = line.split()
-        if len(fields) > 2 and fields[1] == str(path):
-            return fields[2]
-    return None
 
 
 def setup_hugetlb(stack: ExitStack, errors: list[str], size: int) -> dict:

@@ -231,6 +231,7 @@ class CudaSlab:
         drained.record(self.stream)
         batch = self._write_ids_ready(ptr)
         deadline, pause = time.monotonic() + RELEASE_DEADLINE_S, RELEASE_FIRST_PAUSE_S
+        longest = RELEASE_MAX_PAUSE_S
         while not drained.query():
             if batch.query():
                 batch = self._write_ids_ready(ptr)
@@ -240,8 +241,9 @@ class CudaSlab:
                           self.uuid, RELEASE_DEADLINE_S)
                 self.gpu.stuck.add(self)
                 deadline, pause = None, RELEASE_STUCK_PAUSE_S
+                longest = RELEASE_STUCK_PAUSE_S
             time.sleep(pause)
-            pause = min(pause * 2, max(pause, RELEASE_MAX_PAUSE_S))
+            pause = min(pause * 2, longest)
         self.gpu.stuck.discard(self)
         return batch
 

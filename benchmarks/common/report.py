@@ -32,6 +32,15 @@ def cpu_model() -> str | None:
     return None
 
 
+def mount_type(path: Path) -> str | None:
+    """The file system type mounted at `path` (the last mount there: the one in effect), or
+    None if nothing is mounted there."""
+    kinds = [fields[2] for fields in (line.split() for line in
+                                      Path("/proc/mounts").read_text().splitlines())
+             if len(fields) > 2 and fields[1] == str(path)]
+    return kinds[-1] if kinds else None
+
+
 def cell(value: Any, digits: int = 3) -> str:
     """A markdown table cell: empty for None, floats to `digits` places."""
     if value is None:
