@@ -49,6 +49,7 @@ from engramd.client.errors import (
     NotReadyError,
     NotRegisteredError,
     ReplyTimeoutError,
+    TablesChangedError,
 )
 from engramd.client.geometry import ShardView, TableGeometry
 from engramd.client.handles import (
@@ -56,6 +57,7 @@ from engramd.client.handles import (
     Attachment,
     attach,
     check_access,
+    fetch_tables,
     handle_socket_path,
     lease_closed,
 )
@@ -261,13 +263,24 @@ class EngramClient:
     def __init__(self, socket_path: str | os.PathLike | None = None, device: str | torch.device = "cpu",
                  tp_rank: int = 0, tp_size: int = 1, max_tokens: int = 1024, slots: int = 2,
                  timeout: float = DEFAULT_TIMEOUT_S, name: str = "",
-                 reconnect_timeout: float = DEFAULT_RECONNECT_S, mode: str = "auto"):
+                 reconnect_timeout: float = DEFAULT_RECONNECT_S, mode: str = "auto",
+                 pin_tables: bool = False):
+        """`pin_tables`: rows only ever from the tables the daemon serves at the first
+        registration; once it serves others (a reload, or a restart on another checkpoint),
+        lookups raise TablesChangedError. Without it the client follows a reload (see
+        tables_id)."""
         if mode not in MODES:
             raise BadRequestError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
         self.socket_path = Path(socket_path or default_socket_path())
         self.device = _resolve_device(device)
         self.requested_mode = mode
         self.mode: str | None = None  # what the daemon granted: "served" or "mapped"
+        self.pin_tables = pin_tables
+        self.tables_id: str | None = None  # the tables this client's lookups read (see lookup)
+        self.tables_generation = 0  # bumped each time they change
+        self._tables_lost: str | None = None  # pinned: why lookups are refused
+        self._heard_tables: str | None = None  # what the daemon's heartbeat replies name
+        self._old_mappings: list[tuple[MappedTables, Any]] = []  # mapped: replaced, maybe still read
         self.timeout = timeout
         self.reconnect_timeout = reconnect_timeout
         self._registration = (tp_rank, tp_size, max_tokens, slots, name)
@@ -369,6 +382,7 @@ class EngramClient:
         """Mapped mode: let go of the tables and of everything built on them."""
         mapped, side = self._mapped, self._side
         self._mapped, self._gather, self._side, self._out_of_range = None, None, None, None
+        self._free_old_mappings(wait=True)
         if mapped is not None:
             mapped.close()
         if side is not None:
@@ -385,9 +399,11 @@ class EngramClient:
             from engramd.client.mps import mps_state
             wire_device = f"cuda:{device_uuid(self.device.index)}"
             mps = mps_state(self.device.index).to_wire()
+        pinned = self.tables_id if self.pin_tables else None  # a re-registration names them
         reply = self._conn.call("register", timeout, pid=os.getpid(), device=wire_device,
                                 tp_rank=tp_rank, tp_size=tp_size, max_tokens=max_tokens,
-                                slots=slots, name=name, mps=mps, mode=self.requested_mode)
+                                slots=slots, name=name, mps=mps, mode=self.requested_mode,
+                                pin_tables=self.pin_tables, tables=pinned)
         try:
             self._adopt(reply, tp_rank, tp_size)
         except BaseException:  # the daemon registered us: it must not keep that for nothing
@@ -410,7 +426,9 @@ class EngramClient:
                         "the daemon and the engines (README, 'MPS').")
         self.client_id = f.client_id
         self.epoch = reply.epoch
-        self.tables_id = f.tables  # which tables the daemon serves (None: it does not say)
+        self._read_tables(f.tables)  # which tables the daemon serves (None: it does not say)
+        self._tables_lost = None  # pinned: the daemon registered us, so it serves ours
+        self._heard_tables, self._token, self._gather_policy = None, f.token, f.gather
         self.counts = {"lookups": 0, "rows": 0, "out_of_range": 0}  # this registration's
         self.geometry = TableGeometry.from_config(f.geometry, source="daemon register reply")
         self.shard: ShardView = self.geometry.shard(tp_rank, tp_size)
@@ -498,6 +516,79 @@ class EngramClient:
             self._side = cuda.new_stream(self.device.index)
             self._out_of_range = DeviceCounterReader(self._gather.out_of_range)
 
+    # -- reloads ----------------------------------------------------------------------------------
+
+    def _read_tables(self, tables: str | None) -> None:
+        """From now on this client's lookups read `tables` (the daemon's id of them)."""
+        if tables != self.tables_id and self.tables_id is not None:
+            self.tables_generation += 1
+        self.tables_id = tables
+
+    def _tables_news(self) -> str | None:
+        """The tables the daemon says it serves (a notice, a heartbeat's reply), when they are
+        not the ones this client reads."""
+        for heard in (self._conn.tables_notice, self._heard_tables):
+            if heard is not None and heard != self.tables_id:
+                return heard
+        return None
+
+    def _follow_tables(self) -> None:
+        """Before a lookup: if a reload replaced the tables, read the new ones from this
+        lookup on (mapped: map them now; the old mapping stays until gathers on it are done),
+        or, pinned, refuse."""
+        self._free_old_mappings()
+        news = self._tables_news() if self._tables_lost is None else None
+        if news is not None and self.pin_tables:
+            self._tables_lost = (f"this client pinned tables {self.tables_id}; the daemon serves "
+                                 f"{news} now (a reload): look up from a new client")
+        if self._tables_lost is not None:
+            raise TablesChangedError(self._tables_lost)
+        if news is None:
+            return
+        if self.mode == "mapped":
+            self._remap_tables()
+        else:
+            self._read_tables(news)  # the daemon serves them to every lookup it takes from now
+        self._conn.tables_notice = self._heard_tables = None
+
+    def _remap_tables(self) -> None:
+        """Mapped mode: map the tables the daemon serves now and gather from them."""
+        version, grants = fetch_tables(handle_socket_path(self.socket_path), self.client_id,
+                                       self._token, timeout=max(self.timeout, HANDLE_TIMEOUT_S))
+        try:
+            mapped = MappedTables(grants, self.geometry, self.device)
+        finally:
+            for grant in grants:
+                os.close(grant.fd)
+        old, gather = self._mapped, self._gather
+        try:
+            self._gather = mapped_gather(
+                self.shard, mapped, self.device, int(self._gather_policy.get("sort_min_tokens", 0)),
+                float(self._gather_policy.get("sm_fraction", 1.0)),
+                counter=getattr(gather, "out_of_range", None))  # counts go on where they were
+        except BaseException:
+            mapped.close()
+            raise
+        self._mapped = mapped
+        if self.device.type == "cuda":  # gathers on the old mapping may still run: after them
+            done = torch.cuda.Event()
+            done.record(self._side)
+            self._old_mappings.append((old, done))
+        else:
+            old.close()  # CPU gathers ran inside their lookup() calls
+        log.info("client %d maps tables %s now (were %s)", self.client_id, version, self.tables_id)
+        self._read_tables(version)
+
+    def _free_old_mappings(self, wait: bool = False) -> None:
+        """Unmap replaced mappings whose last gathers are done (`wait`: all, synchronising)."""
+        kept = []
+        for mapped, done in self._old_mappings:
+            if wait or done.query():
+                mapped.close(synchronize=wait)
+            else:
+                kept.append((mapped, done))
+        self._old_mappings = kept
+
     def _warm_up(self) -> None:
         """Load the kernels a lookup launches now, not while a stream waits on the daemon.
 
@@ -550,6 +641,7 @@ class EngramClient:
         self._take_in()
         if self._daemon_gone():
             self._reconnect()
+        self._follow_tables()
         ids = self._check_ids(hash_ids)
         slot = self._check_slot(slot)  # after a re-registration: its slots
         if self.mode == "mapped":
@@ -776,8 +868,11 @@ class EngramClient:
                 if time.monotonic() >= next_beat:
                     next_beat = time.monotonic() + interval
                     beat.send("heartbeat", client_id=client_id, token=token,
-                              counts=self._heartbeat_counts())
-                beat.discard_replies()
+                              counts=self._heartbeat_counts(),
+                              tables=self.tables_id if self.mode == "mapped" else None)
+                for reply in beat.take_replies():  # heartbeat replies: the tables served now
+                    if getattr(reply.body, "tables", None) is not None:
+                        self._heard_tables = reply.body.tables
         finally:
             beat.close()
 

@@ -56,6 +56,7 @@ class Connection:
         self._gone: Callable[[], str | None] | None = None
         self.epoch: str | None = None
         self.notice: str | None = None  # last unsolicited event from the daemon ("stopping")
+        self.tables_notice: str | None = None  # the tables a "tables" notice named, last
 
     def watch_daemon(self, gone: Callable[[], str | None]) -> None:
         """While waiting, ask `gone()`: why the daemon can no longer answer, or None."""
@@ -91,10 +92,18 @@ class Connection:
         """Take in the replies that have arrived, without waiting."""
         self._collect(0)
 
-    def discard_replies(self) -> None:
-        """Drop whatever arrived (a heartbeat connection does not wait for its answers)."""
+    def take_replies(self) -> list[protocol.Reply]:
+        """Whatever replies arrived, decoded, in no order; error replies left out (a heartbeat
+        connection does not wait for its answers, it only reads what they say)."""
         self._collect(0)
-        self._replies.clear()
+        frames, self._replies = list(self._replies.values()), {}
+        replies = []
+        for reply in frames:
+            try:
+                replies.append(protocol.decode_reply(reply))
+            except EngramError:
+                pass
+        return replies
 
     def has_reply(self, rid: int) -> bool:
         return rid in self._replies
@@ -146,7 +155,11 @@ class Connection:
                 return
             rid = protocol.reply_rid(frames)
             if rid == protocol.NOTICE_RID:
-                self.notice = protocol.decode_reply(frames).body.event
+                notice = protocol.decode_reply(frames).body
+                if notice.event == "tables":  # news, not a state of the daemon
+                    self.tables_notice = notice.tables
+                else:
+                    self.notice = notice.event
             else:
                 self._replies[rid] = frames
 

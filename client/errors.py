@@ -80,6 +80,13 @@ class PermissionDeniedError(EngramError):
     code = "permission_denied"
 
 
+class TablesChangedError(EngramError):
+    """A client that pinned its tables (pin_tables) met a daemon that serves other ones now (a
+    reload, or a restart on another checkpoint): its rows would no longer be the ones it expects."""
+
+    code = "tables_changed"
+
+
 class InternalError(EngramError):
     code = "internal"
 
@@ -115,6 +122,7 @@ ERROR_CLASSES: dict[str, type[EngramError]] = {
         NotReadyError,
         ResourceError,
         PermissionDeniedError,
+        TablesChangedError,
         InternalError,
         DaemonUnavailableError,
         ReplyTimeoutError,

@@ -8,12 +8,16 @@ and passes it as descriptors, so a client never opens a path in a shared folder 
 neither the host's IPC nor its PID namespace::
 
     client -> daemon   [u32 length][msgpack map]  {"v", "op": "attach", "client_id", "token"}
-                                                  or {"v", "op": "hello" | "drain" | "clients"}
+                                                  or {"v", "op": "tables", "client_id", "token"}
+                                                  or {"v", "op": "hello" | "drain" | "clients"
+                                                             | "reload"}
     daemon -> client   [u32 length][msgpack map]  + SCM_RIGHTS
-                       ok:    {"v", "status": "ok", "epoch",
+                       attach: {"v", "status": "ok", "epoch",
                                "slab": {kind, layout[, device_uuid]} | None,   served: fd 0
                                "tables": [{layer_id, rows, row_bytes, data_offset, file_bytes}]}
                                                                                mapped: fd i = table i
+                       tables: {"v", "status": "ok", "epoch", "version", "tables": [...]}
+                                                                               fd i = table i
                        error: {"v", "status": "error", "code", "message", "epoch"}
 
 Each request and reply is a declared type of client/messages.py (AttachRequest, AttachReply, ...).
@@ -22,7 +26,9 @@ After an ok reply the connection stays open and nothing more is sent on it: it i
 registration's lease. When the client's process dies, in whatever namespace, the kernel closes
 it and the daemon frees the registration at once; when the daemon retires the registration (or
 dies), it closes its end and the client sees end-of-file. A token is good for one attach.
-Admin operations (drain, clients) come here too, so that the daemon can tell who asks: its own
+A mapped client asks for the tables again after a reload ("tables", with its token): the reply
+is the served tables' descriptors, and the connection then closes. Admin operations (drain,
+reload, clients) come here too, so that the daemon can tell who asks: its own
 user and `admin_uids` may, others get a `permission_denied` error. The
 daemon reads each request within HANDLE_TIMEOUT_S of the connection (however slowly a peer
 sends it) and answers it, or closes the connection.
@@ -54,6 +60,8 @@ from engramd.client.messages import (
     AttachRequest,
     M,
     Message,
+    TablesReply,
+    TablesRequest,
 )
 from engramd.client.protocol import PROTOCOL_VERSION
 
@@ -175,12 +183,38 @@ class Attachment:
 def attach(path: str | os.PathLike, client_id: int, token: str,
            timeout: float = HANDLE_TIMEOUT_S) -> Attachment:
     """Attach a registration (its lease begins); raises the daemon's typed error."""
+    sock, reply, fds = _ask_for_descriptors(path, AttachRequest(client_id, token), timeout)
+    try:
+        return _attachment(sock, reply, fds)
+    except BaseException:
+        sock.close()
+        _close_all(fds)
+        raise
+
+
+def fetch_tables(path: str | os.PathLike, client_id: int, token: str,
+                 timeout: float = HANDLE_TIMEOUT_S) -> tuple[str, list[TableGrant]]:
+    """A mapped client after a reload: (the tables' id, a grant of each table served now; the
+    caller closes their descriptors). Raises the daemon's typed error."""
+    sock, header, fds = _ask_for_descriptors(path, TablesRequest(client_id, token), timeout)
+    sock.close()
+    try:
+        _, reply = read_reply(header, TablesReply)
+        return reply.version, _grants(reply.tables, fds, "tables")
+    except BaseException:
+        _close_all(fds)
+        raise
+
+
+def _ask_for_descriptors(path: str | os.PathLike, request: Message,
+                         timeout: float) -> tuple[socket.socket, dict[str, Any], list[int]]:
+    """Send `request`; (the connection, the reply's header, the descriptors it carried)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     sock.settimeout(timeout)
     try:
         sock.connect(str(path))
-        _send_request(sock, AttachRequest(client_id, token))
-        reply, fds = recv_message(sock, MAX_FDS, deadline=time.monotonic() + timeout)
+        _send_request(sock, request)
+        header, fds = recv_message(sock, MAX_FDS, deadline=time.monotonic() + timeout)
     except BaseException as exc:
         sock.close()
         if isinstance(exc, TimeoutError):
@@ -190,12 +224,18 @@ def attach(path: str | os.PathLike, client_id: int, token: str,
         if isinstance(exc, ProtocolError):
             raise DaemonUnavailableError(f"handle socket {path}: {exc.message}") from None
         raise
+    return sock, header, fds
+
+
+def _grants(tables: list[Any], fds: list[int], what: str) -> list[TableGrant]:
+    """The table grants of a reply: descriptor i with description i."""
+    if len(fds) != len(tables):
+        raise ProtocolError(f"{what} reply describes {len(tables)} tables but carried {len(fds)} descriptors")
     try:
-        return _attachment(sock, reply, fds)
-    except BaseException:
-        sock.close()
-        _close_all(fds)
-        raise
+        return [TableGrant(fd, **{k: int(t[k]) for k in _GRANT_FIELDS})
+                for fd, t in zip(fds, tables, strict=True)]
+    except (KeyError, TypeError, ValueError):
+        raise ProtocolError(f"malformed table descriptions in the {what} reply: {tables!r:.200}") from None
 
 
 def _attachment(sock: socket.socket, header: dict[str, Any], fds: list[int]) -> Attachment:
@@ -205,12 +245,7 @@ def _attachment(sock: socket.socket, header: dict[str, Any], fds: list[int]) -> 
     if len(fds) != wanted:
         raise ProtocolError(f"attach reply describes {wanted} descriptors but carried {len(fds)}")
     slab_fd = fds[0] if slab is not None else None
-    table_fds = fds[1:] if slab is not None else fds
-    try:
-        grants = [TableGrant(fd, **{k: int(t[k]) for k in _GRANT_FIELDS})
-                  for fd, t in zip(table_fds, tables, strict=True)]
-    except (KeyError, TypeError, ValueError):
-        raise ProtocolError(f"malformed table descriptions in the attach reply: {tables!r:.200}") from None
+    grants = _grants(tables, fds[1:] if slab is not None else fds, "attach")
     sock.settimeout(None)
     return Attachment(sock, epoch, slab, slab_fd, grants)
 

@@ -81,12 +81,14 @@ class MappedTables:
 
         return [LayerTable(a.ctypes.data, a.shape[0], a.shape[1], owner=self) for a in self.rows]
 
-    def close(self) -> None:
-        """Unmap (a GPU client synchronises its device first: gathers may still read the rows)."""
+    def close(self, synchronize: bool = True) -> None:
+        """Unmap. A GPU client synchronises its device first (gathers may still read the rows),
+        unless `synchronize` is false: the caller knows that they are done."""
         registration, self._registration = self._registration, None
         try:
             if registration is not None:
-                torch.cuda.synchronize(self.device)
+                if synchronize:
+                    torch.cuda.synchronize(self.device)
                 registration.close()
         finally:
             self.rows = []
@@ -117,10 +119,11 @@ class LocalSlots:
 
 
 def mapped_gather(shard: ShardView, tables: MappedTables, device: torch.device, sort_min_tokens: int,
-                  sm_fraction: float = 1.0):
+                  sm_fraction: float = 1.0, counter: torch.Tensor | None = None):
     """The gather a mapped client runs: fn(ids, out, stream) -> out_of_range (CPU) or None.
     On a GPU it follows the daemon's policy: sorted reads from `sort_min_tokens` tokens on, and
-    a persistent grid on `sm_fraction` of the SMs (leaving the model's kernels room)."""
+    a persistent grid on `sm_fraction` of the SMs (leaving the model's kernels room); it counts
+    out-of-range IDs into `counter` (default: a new one), its `out_of_range`."""
     if device.type == "cpu":
         from engramd.kernels.gather_ref import gather
 
@@ -134,7 +137,7 @@ def mapped_gather(shard: ShardView, tables: MappedTables, device: torch.device, 
 
     plan = GatherPlan(tables.layer_tables(), shard, device)
     plan.warm_up(sort=(False, True) if sort_min_tokens else (False,), dedupe=(False,))
-    counter = torch.zeros(1, dtype=torch.int64, device=device)
+    counter = counter if counter is not None else torch.zeros(1, dtype=torch.int64, device=device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     programs = max(1, int(sms * min(1.0, max(0.0, sm_fraction))))
 

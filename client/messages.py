@@ -94,6 +94,10 @@ class RegisterRequest(Message):
     name: str = ""
     mode: str | None = None  # "auto" | "served" | "mapped"; absent: served (older clients)
     mps: dict | None = None  # a GPU client's MPS state (client/mps.py)
+    # Rows only from the tables served now (the reply names them), never from others after a
+    # reload; a re-registration names the ones it pinned in `tables`, and is refused elsewhere.
+    pin_tables: bool = False
+    tables: str | None = None
 
 
 @dataclass(slots=True)
@@ -122,6 +126,7 @@ class HeartbeatRequest(Message):
     client_id: int | None = None  # None: a plain liveness probe
     token: str = ""  # from register: lets a second connection of the client vouch for it
     counts: dict | None = None  # a mapped client's cumulative lookups, rows, out_of_range
+    tables: str | None = None  # a mapped client: the tables it maps now
 
 
 StatsRequest = _fieldless("StatsRequest", "stats", "Counts anyone who may connect may see.")
@@ -162,7 +167,14 @@ class LookupReply(Message):
 
 
 ReleaseReply = _fieldless("ReleaseReply", "release", "The registration is released.")
-HeartbeatReply = _fieldless("HeartbeatReply", "heartbeat", "The daemon is here and knows the client.")
+
+
+@dataclass(slots=True)
+class HeartbeatReply(Message):
+    """The daemon is here and knows the client; `tables` are the ones it serves now."""
+
+    OP = "heartbeat"
+    tables: str | None = None
 
 
 @dataclass(slots=True)
@@ -184,6 +196,8 @@ class StatsReply(Message):
     reaped: int = 0
     errors: dict = field(default_factory=dict)  # code -> count
     dispatch_us: dict = field(default_factory=dict)  # request received -> work enqueued, percentiles
+    tables: str | None = None  # the served tables' identity
+    reload: dict = field(default_factory=dict)  # the last reload's state (server/reload.py)
 
 
 @dataclass(slots=True)
@@ -197,14 +211,18 @@ class HealthReply(Message):
     uptime: float
     backend: str | None
     mps: dict
+    tables: str | None = None  # the served tables' identity
+    reload: dict = field(default_factory=dict)  # the last reload's state (server/reload.py)
 
 
 @dataclass(slots=True)
 class Notice(Message):
-    """Unsolicited, to every registered client (rid 0): e.g. "stopping" before the daemon goes."""
+    """Unsolicited, to every registered client (rid 0): "stopping" before the daemon goes,
+    "tables" when a reload has replaced the tables (`tables` names the new ones)."""
 
     OP = "notice"
     event: str
+    tables: str | None = None
 
 
 REPLIES: dict[str, type[Message]] = {m.OP: m for m in (
@@ -242,11 +260,38 @@ class ClientsReply(Message):
     clients: list  # {client_id, pid (in the daemon's namespace), name, uid} of each live client
 
 
+@dataclass(slots=True)
+class TablesRequest(Message):
+    """A mapped client, after a reload: the descriptors of the tables served now."""
+
+    OP = "tables"
+    client_id: int
+    token: str  # of its registration (which must be attached, by the same user)
+
+
+@dataclass(slots=True)
+class TablesReply(Message):
+    """Descriptor i is table i, as in AttachReply; `version` is the tables' identity."""
+
+    OP = "tables"
+    version: str
+    tables: list  # {layer_id, rows, row_bytes, data_offset, file_bytes}
+
+
+@dataclass(slots=True)
+class ReloadReply(Message):
+    OP = "reload"
+    state: str  # "loading" (started now or earlier): follow it with `engramd health --json`
+    tables: str | None  # the tables served now
+
+
 HelloRequest = _fieldless("HelloRequest", "hello", "An access check: being admitted is the answer.")
 ClientsRequest = _fieldless("ClientsRequest", "clients", "Admin: who each client is.")
+ReloadRequest = _fieldless("ReloadRequest", "reload", "Admin: load the configured checkpoint's "
+                           "tables beside the served ones, then serve them instead.")
 HelloReply = _fieldless("HelloReply", "hello", "This peer is admitted.")
 
 HANDLE_REQUESTS: dict[str, type[Message]] = {m.OP: m for m in (
-    AttachRequest, HelloRequest, DrainRequest, ClientsRequest)}
+    AttachRequest, HelloRequest, DrainRequest, ClientsRequest, ReloadRequest, TablesRequest)}
 HANDLE_REPLIES: dict[str, type[Message]] = {m.OP: m for m in (
-    AttachReply, HelloReply, DrainReply, ClientsReply)}
+    AttachReply, HelloReply, DrainReply, ClientsReply, ReloadReply, TablesReply)}

@@ -19,10 +19,11 @@ client/messages.py, decoded and type-checked once by `decode_request` / `decode_
 
     register   pid, device ("cpu" or "cuda:GPU-<uuid>"), tp_rank, tp_size, max_tokens, slots,
                optional: name, mode ("auto"|"served"|"mapped", default served), mps (GPU: the
-               client's MPS state)
+               client's MPS state), pin_tables (rows only from the tables served now), tables
+               (a re-registration of a pinned client: the ones it pinned; refused elsewhere)
                -> client_id, token, mode (the one granted), heartbeat_interval, attach_within
                   (seconds), geometry (config.json fields), shard, layout (of the slots), gather
-                  (mapped: the daemon's sort policy), mps. The client then attaches over the
+                  (mapped: the daemon's sort policy), mps, tables (the served tables' id). The client then attaches over the
                   handle socket (client/handles.py) with its token: that passes the slab or the
                   tables as descriptors, and the connection becomes the registration's lease.
     lookup     client_id, slot, seq, ids_dtype ("int32"|"int64"), ids_shape [T, L, H],
@@ -33,14 +34,15 @@ client/messages.py, decoded and type-checked once by `decode_request` / `decode_
     release    client_id, counts (optional; mapped clients: the final cumulative counts)  -> {}
     heartbeat  client_id (or None for a plain liveness probe), token (from register; lets a
                second connection of the client vouch for it), counts (mapped clients: cumulative
-               lookups, rows, out_of_range)  -> {}
+               lookups, rows, out_of_range; tables, the ones they map)  -> tables (served now)
     stats      -                                          -> clients, lookups, rows, errors, ...
-    health     -                                          -> live, ready, state, progress
-    drain      -   refused (permission_denied): an admin operation, over the handle socket
-                   (client/handles.py), where the daemon can tell who asks
+    health     -                                -> live, ready, state, progress, tables, reload
+    drain      -   refused (permission_denied): admin operations (drain, reload) go over the
+                   handle socket (client/handles.py), where the daemon can tell who asks
 
-Besides replies, the daemon may send a client an unsolicited notice (rid 0, op "notice",
-status "ok", `event` e.g. "stopping") to every registered client before it goes away.
+Besides replies, the daemon may send every registered client an unsolicited notice (rid 0, op
+"notice", status "ok"): `event` "stopping" before it goes away, "tables" (with `tables`, the
+new ones' id) once a reload has replaced the tables.
 
 `rid` is chosen by the client and echoed, so replies may arrive out of order (lookups run on
 worker threads). `epoch` identifies one daemon run: client ids and slabs belong to it.
@@ -175,9 +177,10 @@ def encode_error(request_op: str, rid: int, epoch: str, error: EngramError) -> l
     return [_pack(header)]
 
 
-def encode_notice(epoch: str, event: str, message: str) -> list[bytes]:
+def encode_notice(epoch: str, event: str, message: str, **fields: Any) -> list[bytes]:
+    """A notice (client/messages.py Notice): `event`, and its fields (`tables` for "tables")."""
     return [_pack({"v": PROTOCOL_VERSION, "op": "notice", "rid": NOTICE_RID, "status": "ok",
-                   "code": "ok", "message": message, "epoch": epoch, "event": event})]
+                   "code": "ok", "message": message, "epoch": epoch, "event": event, **fields})]
 
 
 def decode_reply(frames: list[bytes]) -> Reply:

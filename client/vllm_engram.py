@@ -191,7 +191,7 @@ def _register_client() -> EngramClient:
     max_tokens = get_current_vllm_config().scheduler_config.max_num_batched_tokens
     client = EngramClient(_settings["socket"], device=_device(), tp_rank=tp_rank, tp_size=tp_size,
                           max_tokens=max_tokens, slots=SLOTS, name=f"vllm-tp{tp_rank}",
-                          mode=_settings["mode"])
+                          mode=_settings["mode"], pin_tables=True)
     log.info("engramd client %d (%s, pid %d): TP rank %d of %d, heads %d..%d, up to %d tokens",
              client.client_id, client.mode, os.getpid(), tp_rank, tp_size,
              client.shard.head_start, client.shard.head_end, max_tokens)

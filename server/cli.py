@@ -5,6 +5,9 @@
                    exit 0 ready (with --live: answering at all), 1 otherwise
     engramd stats  [--socket PATH] [--json] [--timeout S]
     engramd drain  [--socket PATH] [--timeout S]     stop accepting, finish in-flight, exit
+    engramd reload [--socket PATH] [--timeout S] [--wait S] [--json]
+                   serve the configured checkpoint's tables anew (as SIGHUP does); exit 0
+                   once it is served (or unchanged), 1 if the reload failed
     engramd make-tables --geometry demo|v4.1-flash|CONFIG.json --out DIR [--seed N]
 """
 
@@ -153,6 +156,50 @@ def cmd_drain(args: argparse.Namespace) -> int:
     return EXIT_NOT_READY
 
 
+RELOAD_POLL_S = 0.5
+RELOAD_PRINT_S = 5.0
+
+
+def cmd_reload(args: argparse.Namespace) -> int:
+    """Ask the daemon to reload its tables (an admin operation, over the handle socket), then
+    follow it through `health` for up to --wait seconds, saying how far it is."""
+    from engramd.client.handles import admin_request, handle_socket_path
+
+    socket = args.socket or default_socket_path()
+    try:
+        started = admin_request(handle_socket_path(socket), "reload", args.timeout)
+    except EngramError as exc:
+        print(f"engramd reload: {exc.message}", file=sys.stderr)
+        return EXIT_NOT_READY
+    if args.wait <= 0:
+        print(f"reload {started.state} (follow it with `engramd health --json`)")
+        return 0
+    status: dict[str, Any] = {"state": started.state}
+    deadline, next_print = time.monotonic() + args.wait, 0.0
+    while status.get("state") == "loading" and time.monotonic() < deadline:
+        time.sleep(RELOAD_POLL_S)
+        try:
+            status = probe(socket, "health", args.timeout).body.reload or status
+        except EngramError as exc:
+            print(f"engramd reload: {exc.message}", file=sys.stderr)
+            return EXIT_NOT_READY
+        if not args.json and time.monotonic() >= next_print and status.get("state") == "loading":
+            print(f"reloading: {status.get('progress', 0):.0%} after {status.get('seconds', 0):.0f} s",
+                  file=sys.stderr)
+            next_print = time.monotonic() + RELOAD_PRINT_S
+    if args.json:
+        print(json.dumps(status, sort_keys=True))
+    elif status.get("state") == "loading":
+        print(f"engramd reload: still loading after {args.wait:.0f} s (follow it with "
+              "`engramd health --json`)", file=sys.stderr)
+    elif status.get("state") == "failed":
+        print(f"engramd reload failed: {status.get('error')}", file=sys.stderr)
+    else:
+        print(f"reload {status.get('state')}: serving tables {status.get('tables')} "
+              f"({status.get('seconds', 0):.1f} s)")
+    return 0 if status.get("state") in ("done", "unchanged") else EXIT_NOT_READY
+
+
 def cmd_make_tables(args: argparse.Namespace) -> int:
     from engramd.server.checkpoint import CheckpointError
 
@@ -222,7 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, func, text in (("health", cmd_health, "exit 0 when the daemon is ready, 1 otherwise"),
                              ("stats", cmd_stats, "clients, lookups, rows, errors"),
-                             ("drain", cmd_drain, "stop accepting, finish in-flight lookups, exit")):
+                             ("drain", cmd_drain, "stop accepting, finish in-flight lookups, exit"),
+                             ("reload", cmd_reload, "serve the configured checkpoint's tables anew")):
         p = sub.add_parser(name, help=text)
         p.add_argument("--socket", help=f"daemon socket (default: {default_socket_path()})")
         p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -230,6 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "health":
             p.add_argument("--live", action="store_true",
                            help="exit 0 when the daemon answers at all (liveness), ready or not")
+        if name == "reload":
+            p.add_argument("--wait", type=float, default=3600.0,
+                           help="seconds to follow the reload (0: only start it)")
         p.set_defaults(func=func)
 
     make = sub.add_parser("make-tables", help="write a synthetic Engram checkpoint")

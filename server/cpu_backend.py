@@ -14,8 +14,9 @@ import mmap
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,6 +27,9 @@ from engramd.client.slab import SlabLayout
 from engramd.kernels.gather_ref import gather
 from engramd.server.backend import Completion, LookupJob
 from engramd.server.fair_queue import FairQueue
+
+if TYPE_CHECKING:
+    from engramd.server.host_tables import HostTable
 
 log = logging.getLogger("engramd.cpu")
 
@@ -86,13 +90,24 @@ class MemfdSlab:
 PIECE_TOKENS = 128
 
 
+class _TableSet:
+    """The tables lookups read, and how many lookups read them: a reload's replaced set is let
+    go of (`retired`) once the last lookup that took it has finished."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self.tensors = tensors
+        self.readers = 0
+        self.retired: Callable[[], None] | None = None  # set once replaced
+
+
 @dataclass
 class _Lookup:
-    """One job on its way through the workers: its private IDs and the pieces left."""
+    """One job on its way through the workers: its private IDs, its tables and the pieces left."""
 
     job: LookupJob
     done: Completion
     ids: torch.Tensor
+    tables: _TableSet
     left: int
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -104,13 +119,30 @@ class CpuBackend:
     pinned_bytes = 0  # the host tables are read where they are
 
     def __init__(self, tables: list[torch.Tensor], geometry: TableGeometry, workers: int):
-        self.tables = tables
+        self._tables = _TableSet(tables)
+        self._readers_lock = threading.Lock()
         self.geometry = geometry
         self._queue = FairQueue()
         self._workers = [threading.Thread(target=self._work, name=f"engramd-gather{i}", daemon=True)
                          for i in range(workers)]
         for worker in self._workers:
             worker.start()
+
+    @property
+    def tables(self) -> list[torch.Tensor]:
+        return self._tables.tensors
+
+    def replace_tables(self, tables: list[HostTable], registration: Any,
+                       retired: Callable[[], None]) -> None:
+        """Lookups submitted from now on read `tables`; `retired()` is called (from any thread)
+        once no lookup reads the tables they replace. `registration`: None (nothing is pinned)."""
+        old, self._tables = self._tables, _TableSet([t.tensor for t in tables])
+        with self._readers_lock:
+            old.retired = retired
+            idle = old.readers == 0
+        if idle:
+            old.tensors = []
+            retired()
 
     def check_device(self, device: str) -> None:
         if device != "cpu":
@@ -124,7 +156,11 @@ class CpuBackend:
         try:
             pieces = self._pieces(job, done)
             if pieces:
-                self._queue.put(job.client_id, pieces)
+                try:
+                    self._queue.put(job.client_id, pieces)
+                except BaseException:
+                    self._let_go(pieces[0][0].tables)  # no piece of it will run
+                    raise
                 return
         except BaseException as exc:  # the job must complete all the same, or its slot never frees
             log.exception("cannot queue the gather of client %d slot %d", job.client_id, job.slot)
@@ -140,7 +176,11 @@ class CpuBackend:
         else:
             ids = job.slab.ids(job.slot, job.tokens, ID_DTYPES[job.ids_dtype]).clone()
         starts = range(0, job.tokens, PIECE_TOKENS)
-        lookup = _Lookup(job, done, ids, left=len(starts))
+        if not starts:
+            return []
+        lookup = _Lookup(job, done, ids, self._tables, left=len(starts))
+        with self._readers_lock:
+            lookup.tables.readers += 1
         return [(lookup, t, min(t + PIECE_TOKENS, job.tokens)) for t in starts]
 
     def _work(self) -> None:
@@ -151,7 +191,7 @@ class CpuBackend:
         job, bad, error = lookup.job, 0, None
         try:
             rows = job.slab.rows(job.slot, job.tokens)[:, start:stop]
-            _, bad = gather(self.tables, lookup.ids[start:stop], job.shard, out=rows)
+            _, bad = gather(lookup.tables.tensors, lookup.ids[start:stop], job.shard, out=rows)
         except BaseException as exc:  # reported to the client; the worker must survive
             log.exception("gather failed for client %d slot %d", job.client_id, job.slot)
             error = exc
@@ -161,8 +201,18 @@ class CpuBackend:
             lookup.left -= 1
             finished = lookup.left == 0
         if finished:
+            self._let_go(lookup.tables)
             job.context["enqueued"] = time.perf_counter()  # on the CPU: the rows are written
             lookup.done(job)
+
+    def _let_go(self, tables: _TableSet) -> None:
+        """A lookup that read `tables` is done: the last one of a replaced set retires it."""
+        with self._readers_lock:
+            tables.readers -= 1
+            retired = tables.retired if tables.readers == 0 else None
+        if retired is not None:
+            tables.tensors = []  # no reader left: the views go before the tables are unmapped
+            retired()
 
     def mps_states(self) -> dict:
         return {}  # no GPU, so nothing to share
@@ -182,4 +232,4 @@ class CpuBackend:
         self._queue.close()
         for worker in self._workers:
             worker.join()
-        self.tables = []  # drop the table views so the host tables can be unmapped
+        self._tables = _TableSet([])  # drop the table views so the host tables can be unmapped

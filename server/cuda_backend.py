@@ -37,6 +37,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,9 +159,16 @@ class CudaSlab:
             self.stream.synchronize()
             device = torch.device("cuda", index)
             self.views = SlotViews(layout, cuda.tensor_view(self.ptr, layout.size, device))
-            self.plan = GatherPlan(plan_tables, shard, device)
+            self.shard = shard
             self.out_of_range = torch.zeros(1, dtype=torch.int64, device=device)
-            self.gather = SlotGather(self.plan, self.out_of_range, gpu.cache, gpu.programs)
+            self.plan, self.gather = self.gathers(plan_tables, gpu.serving_cache())
+
+    def gathers(self, plan_tables: list[LayerTable], cache: HotCache | None) -> tuple[GatherPlan, SlotGather]:
+        """The slab's plan and plain gather over these tables and cache (a reload builds new
+        ones, which the worker takes between two lookups: GpuState.switch)."""
+        with torch.cuda.device(self.device_index):
+            plan = GatherPlan(plan_tables, self.shard, torch.device("cuda", self.device_index))
+            return plan, SlotGather(plan, self.out_of_range, cache, self.gpu.programs)
 
     def counter_address(self, slot: int, word: int) -> int:
         return self.ptr + self.layout.counter_offset(slot, word)
@@ -279,25 +287,76 @@ class GpuState:
         self._freed_out_of_range = 0  # counted by slabs already freed
         self._draining: set[CudaSlab] = set()  # closed, their gathers maybe still running
         self.stuck: set[CudaSlab] = set()  # freed slabs whose daemon stream never drained
+        self._switches: list[TableSwitch] = []  # prepared by a reload, not yet taken by the worker
+        self.geometry = geometry
         with torch.cuda.device(index):
-            if options.cache_bytes:
-                layout = CacheLayout.from_budget(options.cache_bytes, geometry.row_bytes)
-                self.cache = HotCache(layout, geometry.n_layers, self.device)
-                self.keeper = CacheKeeper(self.cache, pinned.row_views(self.device), self.gather_streams,
-                                          interval=options.cache_refresh_s)
-                log.info("GPU %d: hot-row cache of %d rows (%.2f GiB)", index, layout.slots,
-                         layout.nbytes / 2**30)
-                if options.warm_ids is not None:
-                    admitted = self.keeper.warm(options.warm_ids)
-                    log.info("GPU %d: %d rows admitted from the warm-up trace", index, admitted)
+            self.cache, self.keeper = self.new_cache(pinned)
+            if self.keeper is not None and options.warm_ids is not None:
+                admitted = self.keeper.warm(options.warm_ids)
+                log.info("GPU %d: %d rows admitted from the warm-up trace", index, admitted)
             plan = GatherPlan(layer_tables, geometry.shard(0, 1), self.device)
             plan.warm_up(caches=[self.cache], dedupe=(False, True) if options.dedupe_min_tokens else (False,),
                          sort=(False, True) if options.sort_min_tokens else (False,))
             torch.cuda.synchronize(index)
         self.warm_plan = plan
 
+    def new_cache(self, pinned: PinnedTables) -> tuple[HotCache | None, CacheKeeper | None]:
+        """An empty hot-row cache over these tables, and its keeper (not started); none without
+        a cache budget."""
+        if not self.options.cache_bytes:
+            return None, None
+        with torch.cuda.device(self.index):
+            layout = CacheLayout.from_budget(self.options.cache_bytes, self.geometry.row_bytes)
+            cache = HotCache(layout, self.geometry.n_layers, self.device)
+            keeper = CacheKeeper(cache, pinned.row_views(self.device), self.gather_streams,
+                                 interval=self.options.cache_refresh_s)
+        log.info("GPU %d: hot-row cache of %d rows (%.2f GiB)", self.index, layout.slots,
+                 layout.nbytes / 2**30)
+        return cache, keeper
+
     def gather_streams(self) -> list[torch.cuda.Stream]:
         return [slab.stream for slab in list(self.slabs)]
+
+    def prepare_switch(self, pinned: PinnedTables, layer_tables: list[LayerTable]) -> TableSwitch:
+        """A reload's new tables for this GPU, built on the loop's thread (allocations, no
+        waits): a new empty cache and keeper (the old cache holds rows of the old tables), and
+        each live slab's gathers over them. The worker takes them with switch()."""
+        cache, keeper = self.new_cache(pinned)
+        gathers = {slab: slab.gathers(layer_tables, cache) for slab in list(self.slabs)}
+        with torch.cuda.device(self.index):
+            warm_plan = GatherPlan(layer_tables, self.geometry.shard(0, 1), self.device)
+        switch = TableSwitch(cache, keeper, gathers, warm_plan)
+        self._switches.append(switch)
+        return switch
+
+    def serving_cache(self) -> HotCache | None:
+        """The cache a slab allocated now gathers through: its lookups run after every switch
+        prepared so far, so the newest one's."""
+        return self._switches[-1].cache if self._switches else self.cache
+
+    def switch(self, switch: TableSwitch) -> list[torch.cuda.Event]:
+        """On the thread that enqueues this GPU's gathers, between two lookups: every gather
+        enqueued from now on reads the new tables and cache. Returns an event per slab stream,
+        recorded after its last gather on the old ones."""
+        old_keeper = self.keeper
+        # What gathers enqueued until now use stays alive until they have run (_retire_tables
+        # holds the switch): freed now, the allocator could hand their memory out under them.
+        switch.replaced = [self.cache, old_keeper, self.warm_plan]
+        self.cache, self.keeper, self.warm_plan = switch.cache, switch.keeper, switch.warm_plan
+        self._switches.remove(switch)
+        done = []
+        for slab in list(self.slabs):
+            if slab in switch.gathers:  # slabs made since prepare_switch have the new ones
+                switch.replaced.append((slab.plan, slab.gather))
+                slab.plan, slab.gather = switch.gathers[slab]
+            event = torch.cuda.Event()
+            event.record(slab.stream)
+            done.append(event)
+        if old_keeper is not None:
+            old_keeper.close()  # quick: its grace waits stop on close
+        if self.keeper is not None:
+            self.keeper.start()
+        return done
 
     def read_counter(self, counter: torch.Tensor) -> int:
         """A device counter's value now, synchronising only the copy stream (never a gather)."""
@@ -336,22 +395,42 @@ class GpuState:
             self.keeper.close()
 
 
+@dataclass
+class TableSwitch:
+    """What a GPU serves after a reload (GpuState.prepare_switch, then switch)."""
+
+    cache: HotCache | None
+    keeper: CacheKeeper | None
+    gathers: dict[CudaSlab, tuple[GatherPlan, SlotGather]]
+    warm_plan: GatherPlan
+    replaced: list[Any] = field(default_factory=list)  # what it replaced, kept until retired
+
+
 class GpuWorker:
-    """One thread per GPU that enqueues the gathers of that GPU's clients, in arrival order."""
+    """One thread per GPU that enqueues the gathers of that GPU's clients, in arrival order
+    (and a reload's switch of tables, in its place among them)."""
 
     def __init__(self, device_index: int):
         self.device_index = device_index
-        self._jobs: queue.SimpleQueue[tuple[LookupJob, Completion] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[LookupJob, Completion] | Callable[[], None] | None] = (
+            queue.SimpleQueue())
         self._thread = threading.Thread(target=self._run, name=f"engramd-gpu{device_index}", daemon=True)
         self._thread.start()
 
     def submit(self, job: LookupJob, done: Completion) -> None:
         self._jobs.put((job, done))
 
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the worker, after the jobs submitted before it and before those after."""
+        self._jobs.put(fn)
+
     def _run(self) -> None:
         torch.cuda.set_device(self.device_index)
         while (item := self._jobs.get()) is not None:
-            run_job(*item)
+            if callable(item):
+                item()
+            else:
+                run_job(*item)
 
     def close(self) -> None:
         self._jobs.put(None)
@@ -432,6 +511,64 @@ class CudaBackend:
         for gpu in self.gpus.values():
             gpu.start()
         log.info("gather kernels warmed on %d GPU(s): %s", len(self.workers), ", ".join(self.uuids))
+
+    def replace_tables(self, tables: list[HostTable], registration: HostRegistration,
+                       retired: Callable[[], None]) -> None:
+        """A reload: lookups submitted from now on read `tables` (pinned by `registration`, ours
+        from here), through a new, empty hot-row cache per GPU; `retired()` is called (from
+        another thread) once no gather can read the old tables, which are then unregistered.
+
+        Each GPU's worker switches in its place among the lookups (inline dispatch: at once),
+        so the slabs' daemon streams see the old tables up to one lookup and the new ones
+        after it; the old tables and caches are let go once every stream has passed that point.
+        """
+        old_pinned = self.pinned
+        self.pinned = PinnedTables(tables, registration)
+        self.layer_tables = self.pinned.layer_tables()  # slabs allocated from now on
+        switches = {index: gpu.prepare_switch(self.pinned, self.layer_tables)
+                    for index, gpu in self.gpus.items()}
+        passed: list[torch.cuda.Event] = []
+        left = threading.Semaphore(0)
+
+        def switch_on(index: int) -> Callable[[], None]:
+            def run() -> None:
+                try:
+                    passed.extend(self.gpus[index].switch(switches[index]))
+                finally:
+                    left.release()
+            return run
+
+        for index in self.gpus:
+            if self.inline:
+                switch_on(index)()
+            else:
+                self.workers[index].call(switch_on(index))
+        threading.Thread(target=self._retire_tables, args=(old_pinned, switches, left, passed, retired),
+                         name="engramd-retire-tables", daemon=True).start()
+
+    def _retire_tables(self, old: PinnedTables, switches: dict[int, TableSwitch],
+                       switched: threading.Semaphore, passed: list[torch.cuda.Event],
+                       retired: Callable[[], None]) -> None:
+        """Once every GPU has switched and every slab stream has passed its switch: free what
+        the switches replaced, unregister the old tables, then `retired()`. A stream held up by
+        a client holds them up too."""
+        for _ in switches:
+            switched.acquire()
+        cuda.make_current(next(iter(switches)))
+        started, warned = time.monotonic(), False
+        for event in passed:
+            while not event.query():
+                if not warned and time.monotonic() - started > RELEASE_DEADLINE_S:
+                    log.warning("the tables a reload replaced stay registered: a daemon stream "
+                                "has not passed the switch in %.0f s (a client stream held up?)",
+                                RELEASE_DEADLINE_S)
+                    warned = True
+                time.sleep(0.001)
+        for switch in switches.values():
+            switch.replaced.clear()
+        old.close()
+        log.info("the replaced tables are unregistered")
+        retired()
 
     def check_device(self, device: str) -> int:
         """The local index of a client's GPU ("cuda:GPU-<uuid>"); BadRequestError if not ours."""

@@ -34,16 +34,29 @@ from engramd.client.errors import (
     ConfigError,
     EngramError,
     InternalError,
+    NotReadyError,
     PermissionDeniedError,
     ProtocolError,
     ResourceError,
 )
 from engramd.client.handles import PeerCredentials, error_reply, handle_socket_path, ok_reply
-from engramd.client.messages import AttachReply, AttachRequest, DrainReply, DrainRequest, Message
+from engramd.client.messages import (
+    AttachReply,
+    AttachRequest,
+    DrainReply,
+    DrainRequest,
+    Message,
+    ReloadReply,
+    ReloadRequest,
+    TablesReply,
+    TablesRequest,
+)
 from engramd.server.config import DaemonConfig
 from engramd.server.handle_server import HandleServer
+from engramd.server.host_tables import HostTable
 from engramd.server.metrics import Metrics
 from engramd.server.notify import Notifier
+from engramd.server.reload import NextTables, TableReload
 from engramd.server.selfcheck import run_self_check
 from engramd.server.service import Service
 from engramd.server.startup import (
@@ -149,7 +162,7 @@ class Daemon:
         self._admit_only_allowed_peers()
         self._sock.bind(f"ipc://{path}")
         os.chmod(path, 0o660)
-        for signum in (signal.SIGTERM, signal.SIGINT):
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # SIGHUP: reload
             signal.signal(signum, self._on_signal)
         log.info("engramd epoch %s listening on %s (pid %d)", self.epoch, path, os.getpid())
         self._handles = HandleServer(handle_socket_path(path), self._ask_handles, self.epoch,
@@ -184,8 +197,7 @@ class Daemon:
         self.service.progress = fraction
 
     def _on_loaded(self, loaded: LoadedTables) -> None:
-        self._table_fds = [os.open(t.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-                           for t in loaded.tables]
+        self._table_fds = self._open_table_fds(loaded.tables)
         self.service.serve(loaded, on_retire=self._end_lease)
         summary = (f"ready: {loaded.backend.name} backend, {loaded.geometry.n_layers} layers, "
                    f"{size(loaded.geometry.total_bytes)} of tables "
@@ -332,6 +344,12 @@ class Daemon:
 
     def _event_signal(self, signum: int) -> None:
         name = signal.Signals(signum).name
+        if signum == signal.SIGHUP:
+            try:
+                self._start_reload(name)
+            except EngramError as exc:
+                log.warning("%s: no reload: %s", name, exc.message)
+            return
         if self.service.state == "stopping":
             log.warning("%s again: stopping without waiting", name)
             self._halt = DaemonHalt(f"stopped by a second {name}", EXIT_OK)
@@ -438,6 +456,103 @@ class Daemon:
         raise PermissionDeniedError("drain is an admin operation and ZeroMQ cannot say who asks: "
                                     "run `engramd drain` (it asks over the handle socket)")
 
+    # -- reload (server/reload.py) ---------------------------------------------------------------
+
+    def _admin_reload(self, peer: PeerCredentials) -> ReloadReply:
+        """Admin: load the configured checkpoint's tables beside the served ones, then serve
+        them (as on SIGHUP). Answers at once; `health` follows the reload."""
+        self.service.require_admin(peer, "reload")
+        self._start_reload(f"pid {peer.pid} uid {peer.uid}")
+        return ReloadReply(state=self.service.reload.state, tables=self.service.tables_id)
+
+    def _start_reload(self, requested_by: str) -> None:
+        """A reload on its thread, unless one runs (then that one answers for both)."""
+        service = self.service
+        if service.state != "ready":
+            raise NotReadyError(f"reload: the daemon is {service.state}")
+        if service.reload is not None and service.reload.running:
+            log.info("reload asked by %s: one is running already", requested_by)
+            return
+        log.info("reload asked by %s: loading %s beside the served tables %s", requested_by,
+                 self.config.tables, service.tables_id)
+        service.reload = TableReload(self.config, service.tables, requested_by,
+                                     lambda reload: self.post("reload_done", reload))
+
+    def _event_reload_done(self, reload: TableReload) -> None:
+        """The reload's tables are open and checked (or it failed): switch to them."""
+        if reload is not self.service.reload:
+            return
+        if reload.error is not None:
+            reload.finish("failed")
+            return
+        next_tables = reload.take()
+        if next_tables is None:
+            reload.finish("unchanged", tables=self.service.tables_id)
+            return
+        if self.service.state != "ready":
+            next_tables.close()
+            reload.finish("failed", f"the daemon is {self.service.state}")
+            return
+        try:
+            self._switch_tables(next_tables)
+        except Exception as exc:
+            log.exception("reload: switching to the new tables failed")
+            next_tables.close()
+            reload.finish("failed", f"switching failed: {type(exc).__name__}: {exc}")
+            return
+        reload.finish("done", tables=self.service.tables_id)
+
+    def _switch_tables(self, next_tables: NextTables) -> None:
+        """From the next lookup on, serve `next_tables`; tell every client."""
+        current = self.service.tables
+        old = current.tables
+        current.backend.replace_tables(next_tables.tables, next_tables.registration,
+                                       retired=lambda: self.post("tables_retired", old))
+        next_tables.registration = None  # the backend's now
+        current.store.switch()  # the old files go; their memory once nobody maps them
+        self.service.replace_tables(next_tables.served(current))
+        old_fds, self._table_fds = self._table_fds, self._open_table_fds(next_tables.tables)
+        for fd in old_fds:
+            os.close(fd)
+        tables_id = self.service.tables_id
+        for client in list(self.service.registry.clients.values()):  # _send may reap
+            self._send(client.identity, protocol.encode_notice(
+                self.epoch, "tables", f"the daemon serves tables {tables_id} now", tables=tables_id))
+
+    def _event_tables_retired(self, tables: list[HostTable]) -> None:
+        """No gather of the daemon's reads these replaced tables any more: unmap them."""
+        if self.service.tables is not None:
+            self.service.tables.store.release(tables)
+
+    @staticmethod
+    def _open_table_fds(tables: list[HostTable]) -> list[int]:
+        """Read-only descriptors of the tables, for mapped clients."""
+        return [os.open(t.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW) for t in tables]
+
+    def _table_grants(self) -> tuple[list[dict[str, int]], list[int]]:
+        """What a mapped client needs of the served tables: their descriptions, and a new
+        read-only descriptor of each (the caller closes them once sent)."""
+        grants = [{"layer_id": t.layer_id, "rows": t.rows, "row_bytes": t.row_bytes,
+                   "data_offset": t.data_offset, "file_bytes": os.fstat(fd).st_size}
+                  for t, fd in zip(self.service.tables.tables, self._table_fds, strict=True)]
+        fds: list[int] = []
+        try:
+            fds.extend(os.dup(fd) for fd in self._table_fds)
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return grants, fds
+
+    def _grant_tables(self, request: TablesRequest, peer: PeerCredentials) -> tuple[dict[str, Any], list[int]]:
+        """A mapped client after a reload: the served tables' descriptors."""
+        self.service.grant_tables(request.client_id, request.token, peer)
+        try:
+            grants, fds = self._table_grants()
+        except OSError as exc:
+            raise ResourceError(f"cannot pass descriptors now: {exc.strerror}") from None
+        return ok_reply(self.epoch, TablesReply(version=self.service.tables_id, tables=grants)), fds
+
     def _admin_drain(self, peer: PeerCredentials) -> DrainReply:
         """Admin: stop accepting, finish in-flight lookups, then exit 0 (as on SIGTERM)."""
         self.service.require_admin(peer, "drain")
@@ -482,13 +597,17 @@ class Daemon:
         if not future.set_running_or_notify_cancel():
             return  # the asker gave up waiting and closed `connection` itself
         try:  # from here `connection` is ours: kept as a lease, or closed
-            if not isinstance(request, AttachRequest):  # an admin operation
-                os.close(connection)
-                reply = (self._admin_drain(peer) if isinstance(request, DrainRequest)
-                         else self.service.clients(peer))
-                future.set_result((ok_reply(self.epoch, reply), []))
+            if isinstance(request, AttachRequest):
+                future.set_result(self._attach(request, peer, connection))
                 return
-            future.set_result(self._attach(request, peer, connection))
+            os.close(connection)  # no lease: the reply is all
+            if isinstance(request, TablesRequest):
+                future.set_result(self._grant_tables(request, peer))
+                return
+            reply = (self._admin_drain(peer) if isinstance(request, DrainRequest)  # admin operations
+                     else self._admin_reload(peer) if isinstance(request, ReloadRequest)
+                     else self.service.clients(peer))
+            future.set_result((ok_reply(self.epoch, reply), []))
         except Exception as exc:  # every asker gets its answer; the loop keeps serving
             if not isinstance(exc, EngramError):
                 log.exception("handle socket: attach failed")
@@ -514,11 +633,9 @@ class Daemon:
                 reply = AttachReply(slab=record.slab.wire())
                 fds.append(record.slab.descriptor())
             else:
-                reply = AttachReply(tables=[
-                    {"layer_id": t.layer_id, "rows": t.rows, "row_bytes": t.row_bytes,
-                     "data_offset": t.data_offset, "file_bytes": os.fstat(fd).st_size}
-                    for t, fd in zip(self.service.tables.tables, self._table_fds, strict=True)])
-                fds.extend(os.dup(fd) for fd in self._table_fds)
+                grants, table_fds = self._table_grants()
+                reply = AttachReply(tables=grants)
+                fds.extend(table_fds)
         except Exception as exc:  # out of descriptors, or the device would not export
             for fd in fds:
                 os.close(fd)
@@ -562,6 +679,8 @@ class Daemon:
     # -- stop -----------------------------------------------------------------------------------
 
     def close(self) -> None:
+        if self.service.reload is not None:  # stops a load between chunks; its files go
+            self.service.reload.cancel()
         if self._preload is not None:  # the tables, if the loader never took them
             try:
                 self._preload.abandon()

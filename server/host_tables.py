@@ -99,6 +99,10 @@ class InsufficientSpaceError(TableStoreError):
     """The shared-memory directory has too little free space for the tables to create."""
 
 
+class ReloadCancelled(TableStoreError):
+    """A reload's load was stopped on request (open_next's `cancelled`)."""
+
+
 class StoreLockedError(TableStoreError):
     """Another live store (another daemon) holds this instance's lock."""
 
@@ -379,6 +383,10 @@ class TableStore:
         lock_parent = self.shm_dir if lock_dir is None else _check_dir(Path(lock_dir), "lock_dir")
         self.lock_path = lock_parent / f"engramd.{instance}.lock"
         self.tables: list[HostTable] = []
+        self._fingerprint: str | None = None  # of `tables`
+        self._next: list[HostTable] = []  # a reload's, until switch()
+        self._next_fingerprint: str | None = None
+        self._released: list[HostTable] = []  # replaced by a switch(), maybe still read
         self._name_re = re.compile(rf"engramd\.{re.escape(instance)}\.L(\d+)\.([0-9a-f]+)\.tbl")
         self._lock_fd: int | None = _acquire_lock(self.lock_path, instance)
 
@@ -399,12 +407,75 @@ class TableStore:
         self._require_lock()
         if self.tables:
             raise TableStoreError(f"{self.lock_path}: tables are already open; close() first")
+        self.tables = self._open_version(source, progress, chunk_bytes, verify, keep=None)
+        self._fingerprint = source.fingerprint()
+        return list(self.tables)
+
+    def open_next(self, source: TableSource, progress: ProgressFn | None = None,
+                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, verify: bool = False,
+                  cancelled: Callable[[], bool] = lambda: False) -> list[HostTable]:
+        """A reload's first step: open `source`'s tables as open() does, beside the ones open
+        now, which stay current (and their files untouched) until switch(). `cancelled` is
+        asked between chunks of a load; when it says so, the load stops (its files removed)."""
+        self._require_lock()
+        if not self.tables:
+            raise TableStoreError(f"{self.lock_path}: no tables are open to reload; open() first")
+        if self._next:
+            raise TableStoreError(f"{self.lock_path}: a reload's tables are open already")
+        if source.fingerprint() == self._fingerprint:
+            raise TableStoreError(f"{self.lock_path}: tables {self._fingerprint} are the ones open")
+
+        def checked(report: LoadProgress) -> None:
+            if cancelled():
+                raise ReloadCancelled("the reload was cancelled (the daemon is stopping)")
+            if progress is not None:
+                progress(report)
+
+        self._next = self._open_version(source, checked, chunk_bytes, verify, keep=self._fingerprint)
+        self._next_fingerprint = source.fingerprint()
+        return list(self._next)
+
+    def switch(self) -> list[HostTable]:
+        """Make the tables of open_next() current; the files of the ones current until now are
+        removed (their memory is freed once the last mapping of them goes: close them with
+        release() once nothing reads them). Returns those tables."""
+        if not self._next:
+            raise TableStoreError(f"{self.lock_path}: no reload's tables to switch to")
+        old, self.tables, self._next = self.tables, self._next, []
+        self._fingerprint, self._next_fingerprint = self._next_fingerprint, None
+        self._released.extend(old)
+        for table in old:
+            self._remove(table.path, f"replaced by tables {self._fingerprint}")
+        return old
+
+    def abandon_next(self) -> None:
+        """A reload that will not switch: close its tables and remove their files."""
+        tables, self._next, self._next_fingerprint = self._next, [], None
+        for table in tables:
+            _close_quietly(table)
+            self._remove(table.path, "the reload did not finish")
+
+    def release(self, tables: list[HostTable]) -> None:
+        """Unmap tables that switch() replaced, now that nothing reads them (views of them that
+        live on keep the mapping until they go)."""
+        for table in tables:
+            try:
+                table.close()
+            except TableStoreError:
+                logger.info("%s: unmapped once the last view of it goes", table.path)
+            if table in self._released:
+                self._released.remove(table)
+
+    def _open_version(self, source: TableSource, progress: ProgressFn | None, chunk_bytes: int,
+                      verify: bool, keep: str | None) -> list[HostTable]:
+        """The tables of `source`, sorted by layer; every other file of this instance but those
+        of fingerprint `keep` removed."""
         geometry = source.geometry
         fingerprint = _check_fingerprint(source.fingerprint())
         _check_layer_ids(geometry)
         align = _alignment(os.statvfs(self.shm_dir))
         layouts = [_layout(geometry, i, align) for i in range(geometry.n_layers)]
-        self._sweep(geometry, fingerprint)
+        self._sweep(geometry, fingerprint, keep)
         opened: list[HostTable] = []
         try:
             missing = []
@@ -423,8 +494,7 @@ class TableStore:
             for table in opened:
                 _close_quietly(table)
             raise
-        self.tables = sorted(opened, key=lambda t: t.layer_index)
-        return list(self.tables)
+        return sorted(opened, key=lambda t: t.layer_index)
 
     def remove_files(self) -> list[Path]:
         """Delete every table file of this instance. Open mappings stay valid until closed."""
@@ -438,12 +508,12 @@ class TableStore:
     def close(self) -> None:
         """Unmap every table and release the lock; the files stay for a later re-attach."""
         errors = []
-        for table in self.tables:
+        for table in [*self.tables, *self._next, *self._released]:
             try:
                 table.close()
             except TableStoreError as exc:
                 errors.append(str(exc))
-        self.tables = []
+        self.tables, self._next, self._released = [], [], []
         if self._lock_fd is not None:
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
             os.close(self._lock_fd)
@@ -464,9 +534,11 @@ class TableStore:
                 found.append((self.shm_dir / name, int(match[1]), match[2]))
         return found
 
-    def _sweep(self, geometry: TableGeometry, fingerprint: str) -> None:
-        """Remove this instance's files that no table of `geometry` + `fingerprint` would use."""
-        wanted = {self.table_path(layer_id, fingerprint) for layer_id in geometry.layer_ids}
+    def _sweep(self, geometry: TableGeometry, fingerprint: str, keep: str | None = None) -> None:
+        """Remove this instance's files that no table of `geometry` + `fingerprint` would use,
+        but for those of fingerprint `keep` (the tables served while a reload opens others)."""
+        wanted = {self.table_path(layer_id, fp) for layer_id in geometry.layer_ids
+                  for fp in (fingerprint, keep) if fp is not None}
         for path, layer_id, found in self._own_files():
             if path in wanted:
                 continue

@@ -31,6 +31,7 @@ from engramd.client.errors import (
     PermissionDeniedError,
     ResourceError,
     SlotBusyError,
+    TablesChangedError,
 )
 from engramd.client.geometry import GeometryError, ShardView, TableGeometry
 from engramd.client.handles import PeerCredentials
@@ -113,6 +114,8 @@ class ClientRecord:
     peer: PeerCredentials | None = None  # set by attach
     watch: ProcessWatch | None = None  # the peer's process, when visible here (a diagnostic)
     mps_shared: bool | None = None  # GPU clients: do daemon and client share an MPS server there
+    tables: str | None = None  # the tables it reads: served, the daemon's; mapped, as it reports
+    pinned_tables: str | None = None  # its lookups are refused once the daemon serves others
     in_flight: Counter[int] = field(default_factory=Counter)  # slot -> jobs not yet completed
     releasing: bool = False
     lookups: int = 0
@@ -138,7 +141,8 @@ class ClientRecord:
                 "tp_rank": self.tp_rank, "tp_size": self.tp_size,
                 "lookups": self.lookups, "rows": self.rows, "out_of_range": self.out_of_range,
                 "errors": self.errors, "in_flight": sum(self.in_flight.values()),
-                "mps_shared": self.mps_shared, "mode": self.mode}
+                "mps_shared": self.mps_shared, "mode": self.mode, "tables": self.tables,
+                "pinned": self.pinned_tables is not None}
 
 
 class ClientRegistry:
@@ -161,6 +165,10 @@ class ClientRegistry:
     # -- registration ---------------------------------------------------------------------------
 
     def register(self, identity: bytes, req: RegisterRequest) -> RegisterReply:
+        if req.tables is not None and req.tables != self.tables_id:
+            raise TablesChangedError(f"this client pinned tables {req.tables}; the daemon serves "
+                                     f"{self.tables_id} now (a reload, or a restart on another "
+                                     "checkpoint)")
         live = [c for c in self.clients.values() if not c.releasing]
         if len(live) >= self.limits.max_clients and not self._evict_unattached(live):
             raise ResourceError(f"client limit reached ({self.limits.max_clients} registered)")
@@ -189,7 +197,8 @@ class ClientRegistry:
         record = ClientRecord(client_id, identity, req.name[:128], req.device,
                               req.tp_rank, req.tp_size, shard, layout, req.pid,
                               secrets.token_hex(16), mps_shared=mps["shared"] if mps else None,
-                              mode=mode)
+                              mode=mode, tables=self.tables_id,
+                              pinned_tables=self.tables_id if req.pin_tables or req.tables else None)
         self.clients[client_id] = record
         self.totals["registrations"] += 1
         log.info("registered client %d (pid %d as it says, %s, tp %d/%d, %s, %d slots x %d tokens)",
@@ -306,9 +315,10 @@ class ClientRegistry:
         record.last_seen = time.monotonic()
         return record
 
-    def heartbeat(self, identity: bytes, client_id: int, token: str, counts: Any = None) -> None:
+    def heartbeat(self, identity: bytes, client_id: int, token: str, counts: Any = None,
+                  tables: str | None = None) -> None:
         """A sign of life from the client's own connection, or from another one with its token.
-        Mapped clients report their cumulative lookup counts with it."""
+        Mapped clients report their cumulative lookup counts with it, and the tables they map."""
         record = self.clients.get(client_id)
         if (record is None or record.releasing or not token
                 or not secrets.compare_digest(token.encode(), record.token.encode())):
@@ -316,6 +326,33 @@ class ClientRegistry:
         record.last_seen = time.monotonic()
         if record.mode == "mapped" and isinstance(counts, dict):
             self._take_counts(record, counts)
+        if record.mode == "mapped" and tables is not None:
+            record.tables = tables[:64]
+
+    def grant_tables(self, client_id: int, token: str, peer: PeerCredentials) -> ClientRecord:
+        """A mapped client asks for the descriptors of the tables served now (after a reload):
+        its token, attached, by the user that attached it."""
+        record = self.clients.get(client_id)
+        if (record is None or record.releasing or not isinstance(token, str)
+                or not secrets.compare_digest(token.encode(), record.token.encode())):
+            raise NotRegisteredError(f"no live registration {client_id!r} with that token")
+        if not record.attached or record.peer.uid != peer.uid:
+            raise PermissionDeniedError(f"client {client_id} is not attached by uid {peer.uid}")
+        if record.mode != "mapped":
+            raise BadRequestError(f"client {client_id} is served: it maps no tables")
+        if record.pinned_tables is not None and record.pinned_tables != self.tables_id:
+            raise TablesChangedError(f"client {client_id} pinned tables {record.pinned_tables}; "
+                                     f"the daemon serves {self.tables_id} now")
+        record.tables = self.tables_id
+        return record
+
+    def tables_changed(self, tables_id: str) -> None:
+        """A reload switched the tables: served clients read the new ones from their next
+        lookup on (those pinned to others are refused); mapped ones say when they re-map."""
+        self.tables_id = tables_id
+        for record in self.clients.values():
+            if record.mode == "served" and record.pinned_tables is None:
+                record.tables = tables_id
 
     def _take_counts(self, record: ClientRecord, counts: dict[str, Any]) -> None:
         """Cumulative counts, so a lost heartbeat loses nothing; they only ever grow."""
@@ -426,6 +463,10 @@ class ClientRegistry:
         self.backend.submit(job, done)
 
     def _validate_lookup(self, record: ClientRecord, req: LookupRequest, payload: list[bytes]) -> LookupJob:
+        if record.pinned_tables is not None and record.pinned_tables != self.tables_id:
+            raise TablesChangedError(f"client {record.client_id} pinned tables "
+                                     f"{record.pinned_tables}; a reload replaced them with "
+                                     f"{self.tables_id}")
         layout: SlabLayout = record.slab.layout
         slot, tokens = req.slot, _tokens_of(req)
         if not 0 <= slot < layout.slots:

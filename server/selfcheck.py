@@ -13,11 +13,13 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
 
 from engramd.server.checkpoint import EngramCheckpoint
+from engramd.server.host_tables import HostTable
 from engramd.server.table_loader import LoadedTables
 
 log = logging.getLogger("engramd.selfcheck")
@@ -51,16 +53,36 @@ def expected_rows(checkpoint: EngramCheckpoint, ids: np.ndarray) -> torch.Tensor
 
 
 def run_self_check(checkpoint: EngramCheckpoint, loaded: LoadedTables, seed: int | None = None) -> None:
+    """The start-up check: sampled rows through the backend's kernel on every device."""
+    _check_rows(checkpoint, loaded.backend.check_gather, seed)
+
+
+def check_host_tables(checkpoint: EngramCheckpoint, tables: list[HostTable], seed: int | None = None) -> None:
+    """A reload's check, before anything serves `tables`: sampled rows through the reference
+    gather (the served kernel was checked at start; what is new is the bytes)."""
+    from engramd.kernels.gather_ref import gather
+
+    def reference(ids: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        yield "the reloaded tables", gather([t.tensor for t in tables], ids, checkpoint.geometry.shard(0, 1))[0]
+
+    _check_rows(checkpoint, reference, seed)
+
+
+def _check_rows(checkpoint: EngramCheckpoint, gathers: Callable[[torch.Tensor], Iterable[tuple[str, torch.Tensor]]],
+                seed: int | None) -> None:
+    """SelfCheckError unless every (where, rows) `gathers` yields for a fresh sample of IDs
+    equals the checkpoint's rows exactly."""
     started = time.monotonic()
+    geometry = checkpoint.geometry
     seed = secrets.randbits(32) if seed is None else seed
-    ids = sample_ids(loaded.geometry.rows, loaded.geometry.heads, seed=seed)
+    ids = sample_ids(geometry.rows, geometry.heads, seed=seed)
     expected = expected_rows(checkpoint, ids)
-    for where, actual in loaded.backend.check_gather(torch.from_numpy(ids)):
+    for where, actual in gathers(torch.from_numpy(ids)):
         mismatch = (actual.view(torch.int16) != expected.view(torch.int16)).nonzero()
         if len(mismatch):
             layer, token, head, _ = mismatch[0].tolist()
             raise SelfCheckError(
-                f"self-check failed on {where}: layer {loaded.geometry.layer_ids[layer]} row "
+                f"self-check failed on {where}: layer {geometry.layer_ids[layer]} row "
                 f"{ids[token, layer, head]} differs from the checkpoint ({len(mismatch)} values); "
                 "the table files do not hold this checkpoint or the kernel is broken here")
     log.info("self-check passed: %d rows per layer (sample seed %d) match the checkpoint (%.2f s)",

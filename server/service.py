@@ -55,6 +55,7 @@ class Service:
         self.started = time.monotonic()
         self.registry: ClientRegistry | None = None
         self.tables: LoadedTables | None = None
+        self.reload: Any = None  # the last reload (server/reload.py TableReload), if any
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -65,6 +66,18 @@ class Service:
                                        tables_id=loaded.checkpoint.fingerprint())
         self.state = "ready"
         self.progress = 1.0
+
+    def replace_tables(self, loaded: LoadedTables) -> None:
+        """A reload switched to `loaded` (the backend serves them already)."""
+        self.tables = loaded
+        self.registry.tables_changed(loaded.checkpoint.fingerprint())
+
+    @property
+    def tables_id(self) -> str | None:
+        return self.registry.tables_id if self.registry is not None else None
+
+    def reload_status(self) -> dict[str, Any]:
+        return self.reload.status() if self.reload is not None else {}
 
     def in_flight(self) -> int:
         if self.registry is None:
@@ -109,23 +122,28 @@ class Service:
     def heartbeat(self, identity: bytes, request: HeartbeatRequest) -> HeartbeatReply:
         if request.client_id is not None:  # a bare heartbeat only asks whether we are here
             self._registered("heartbeat").heartbeat(identity, request.client_id, request.token,
-                                                    request.counts)
-        return HeartbeatReply()
+                                                    request.counts, request.tables)
+        return HeartbeatReply(tables=self.tables_id)
 
     def attach(self, client_id: int, token: str, peer: PeerCredentials) -> ClientRecord:
         return self._serving("attach").attach(client_id, token, peer)
+
+    def grant_tables(self, client_id: int, token: str, peer: PeerCredentials) -> ClientRecord:
+        return self._serving("tables").grant_tables(client_id, token, peer)
 
     def stats(self) -> StatsReply:
         """Counts anyone who may connect may see: no client's pid, name or uid (see clients)."""
         stats = self.registry.stats() if self.registry is not None else {}
         return StatsReply(state=self.state, uptime=time.monotonic() - self.started,
-                          hot_cache=self.cache_stats(), mps=self.mps(), **stats)
+                          hot_cache=self.cache_stats(), mps=self.mps(), tables=self.tables_id,
+                          reload=self.reload_status(), **stats)
 
     def health(self) -> HealthReply:
         return HealthReply(live=True, ready=self.state == "ready", state=self.state,
                            progress=round(self.progress, 4), pid=os.getpid(),
                            uptime=round(time.monotonic() - self.started, 3),
-                           backend=self.tables.backend.name if self.tables else None, mps=self.mps())
+                           backend=self.tables.backend.name if self.tables else None, mps=self.mps(),
+                           tables=self.tables_id, reload=self.reload_status())
 
     def mps(self) -> dict[str, Any]:
         """Per GPU UUID, the daemon's MPS state there (empty on the CPU backend or while loading)."""

@@ -226,7 +226,7 @@ def open_tables(config: DaemonConfig, progress: Callable[[float], None]) -> Open
         seconds = time.monotonic() - started
         log.info("tables %s in %.2f s (%.2f GB/s)", "re-attached" if reattached else "loaded",
                  seconds, total / 1e9 / max(seconds, 1e-9))
-        registration = _pin_for_cuda(tables) if backend_name == "cuda" else None
+        registration = pin_for_backend(backend_name, tables)
     except BaseException:
         store.close()
         raise
@@ -246,7 +246,10 @@ def load_tables(config: DaemonConfig, progress: Callable[[float], None],
                         opened.reattached)
 
 
-def _pin_for_cuda(tables: list[HostTable]) -> Any:
+def pin_for_backend(backend_name: str, tables: list[HostTable]) -> Any:
+    """The tables' HostRegistration for a cuda backend (None for the cpu one)."""
+    if backend_name != "cuda":
+        return None
     try:
         return pin_tables(tables)
     except Exception as exc:

@@ -1,0 +1,191 @@
+"""Reloading the tables while clients stay (server/reload.py), on a real daemon process.
+
+The daemon serves `--tables DIR/current`, a symlink; a test points it at another checkpoint (the
+way an operator deploys a new revision) and runs `engramd reload` or sends SIGHUP. Covered:
+served and mapped clients read the new rows (exact against the independent reference) without
+re-registering, and never a row of neither checkpoint; clients that pinned their tables are
+refused instead; the old files go; a restart re-attaches the new tables; a reload that cannot
+serve (another geometry, no checkpoint) keeps the served tables; one that finds the same
+tables is "unchanged".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import wait_until
+from reference import ReferenceTables, random_ids
+from test_daemon_lookups import assert_rows_equal
+from test_lifecycle import cli
+
+from engramd.client import EngramClient
+from engramd.client.connection import probe
+from engramd.client.errors import TablesChangedError
+from engramd.client.geometry import DEMO_CONFIG, TableGeometry
+from engramd.server.synthetic import write_synthetic_checkpoint
+
+RELOAD_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def second_checkpoint(tmp_path_factory) -> Path:
+    """The demo geometry with other rows (another seed): what a new revision brings."""
+    out = tmp_path_factory.mktemp("second-ckpt")
+    write_synthetic_checkpoint(TableGeometry.named("demo"), out, seed=8)
+    return out
+
+
+@pytest.fixture(scope="module")
+def second_reference(second_checkpoint) -> ReferenceTables:
+    return ReferenceTables(second_checkpoint)
+
+
+def point(link: Path, target: Path) -> None:
+    """Point the symlink `link` at `target` in one step (as a deployment flips it)."""
+    staged = link.with_name(link.name + ".new")
+    staged.unlink(missing_ok=True)
+    staged.symlink_to(target)
+    os.replace(staged, link)
+
+
+def reload(daemon, *flags: str) -> dict:
+    result = cli("reload", "--socket", str(daemon.socket), "--json", *flags, timeout=RELOAD_S + 10)
+    status = json.loads(result.stdout) if result.stdout.strip() else {}
+    return {"exit": result.returncode, "stderr": result.stderr, **status}
+
+
+def rows_of(client: EngramClient, ids: np.ndarray) -> np.ndarray:
+    return client.lookup(torch.from_numpy(ids)).result().double().numpy()
+
+
+def is_rows_of(actual: np.ndarray, reference: ReferenceTables, ids: np.ndarray) -> bool:
+    expected = reference.expected(ids)
+    return bool(((actual == expected) | (np.isnan(actual) & np.isnan(expected))).all())
+
+
+def table_files(daemon) -> set[str]:
+    return {p.name for p in daemon.tables_dir.glob("*.tbl")}
+
+
+def mapped_names(pid: int) -> set[str]:
+    """Names of the files process `pid` maps (a removed file's name is still shown)."""
+    lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    return {Path(line.split(maxsplit=5)[5].removesuffix(" (deleted)")).name
+            for line in lines if len(line.split(maxsplit=5)) == 6}
+
+
+def test_served_and_mapped_clients_read_the_new_tables_after_a_reload(
+        daemon_factory, demo_checkpoint, reference, second_checkpoint, second_reference, tmp_path):
+    current = tmp_path / "current"
+    point(current, demo_checkpoint)
+    daemon = daemon_factory(tables=current)
+    ids = random_ids(np.random.default_rng(5), 48, reference.rows, reference.heads)
+    served = EngramClient(daemon.socket, mode="served", max_tokens=64)
+    mapped = EngramClient(daemon.socket, mode="mapped", max_tokens=64)
+    pinned = {mode: EngramClient(daemon.socket, mode=mode, max_tokens=64, pin_tables=True)
+              for mode in ("served", "mapped")}
+    clients = [served, mapped, *pinned.values()]
+    try:
+        first = served.tables_id
+        old_files = table_files(daemon)
+        for client in clients:
+            assert_rows_equal(rows_of(client, ids), reference.expected(ids), f"{client.mode} before")
+        point(current, second_checkpoint)
+        status = reload(daemon)
+        assert (status["exit"], status["state"]) == (0, "done"), status
+        assert status["tables"] not in (None, first)
+        # The old files are gone, the new ones are there (the same names but for the id).
+        assert not table_files(daemon) & old_files and len(table_files(daemon)) == len(old_files)
+        # Served: the daemon reads the new tables for every lookup it takes after the switch.
+        assert_rows_equal(rows_of(served, ids), second_reference.expected(ids), "served after")
+        assert (served.tables_id, served.tables_generation) == (status["tables"], 1)
+        with pytest.raises(TablesChangedError, match="pinned tables"):
+            rows_of(pinned["served"], ids)
+        # Mapped: each lookup reads one checkpoint or the other, whole, until the client has
+        # heard of the reload and re-mapped; a pinned one reads only the old rows, then stops.
+        for client, references in ((mapped, (reference, second_reference)), (pinned["mapped"], (reference,))):
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                try:
+                    rows = rows_of(client, ids)
+                except TablesChangedError:
+                    assert client.pin_tables
+                    break
+                assert any(is_rows_of(rows, r, ids) for r in references), "rows of neither checkpoint"
+                if is_rows_of(rows, second_reference, ids):
+                    break
+                time.sleep(0.05)
+            else:
+                raise AssertionError(f"{client.mode} client never heard of the reload")
+        assert mapped.tables_id == status["tables"]
+        with pytest.raises(TablesChangedError):  # and stays refused
+            rows_of(pinned["mapped"], ids)
+        # Every unpinned client now reads the new tables (mapped ones as they report).
+        def on_new() -> bool:
+            listed = probe(daemon.socket, "stats", 5.0).body.clients
+            return {c["client_id"]: c["tables"] for c in listed if not c["pinned"]} == {
+                served.client_id: status["tables"], mapped.client_id: status["tables"]}
+        wait_until(on_new, timeout=10)
+        # The old tables' memory is let go: unmapped by the daemon once its last gather on them
+        # ran, and by the mapped client once it re-mapped (the pinned one keeps its mapping).
+        wait_until(lambda: not mapped_names(daemon.proc.pid) & old_files, timeout=10)
+        assert mapped_names(os.getpid()) & old_files  # the pinned mapped client's
+        pinned["mapped"].close()
+        assert not mapped_names(os.getpid()) & old_files
+    finally:
+        for client in clients:
+            client.close()
+    assert daemon.stop() == 0
+    # A restart loads what a reload loaded: the configured path's tables, re-attached.
+    again = daemon_factory(tables=current, shm_dir=daemon.shm_dir, workdir=daemon.workdir)
+    with EngramClient(again.socket, max_tokens=64) as client:
+        assert client.tables_id == status["tables"]
+        assert_rows_equal(rows_of(client, ids), second_reference.expected(ids), "after a restart")
+    assert "re-attached" in again.log()
+    assert again.stop() == 0
+
+
+def test_a_reload_that_cannot_serve_keeps_the_served_tables(daemon_factory, demo_checkpoint,
+                                                             reference, tmp_path):
+    current = tmp_path / "current"
+    point(current, demo_checkpoint)
+    daemon = daemon_factory(tables=current)
+    ids = random_ids(np.random.default_rng(6), 16, reference.rows, reference.heads)
+    other_geometry = write_synthetic_checkpoint(
+        TableGeometry.from_config({**DEMO_CONFIG, "engram_vocab_size": 700}), tmp_path / "wider", seed=1)
+    with EngramClient(daemon.socket, max_tokens=16) as client:
+        before = client.tables_id
+        for target, reason in ((other_geometry, "another geometry"), (tmp_path / "nothing", "")):
+            point(current, target)
+            status = reload(daemon)
+            assert (status["exit"], status["state"]) == (1, "failed"), status
+            assert reason in status["error"]
+            assert_rows_equal(rows_of(client, ids), reference.expected(ids), f"after: {status['error']}")
+            assert client.tables_id == before and probe(daemon.socket, "health", 5.0).body.ready
+        point(current, demo_checkpoint)
+        status = reload(daemon)
+        assert (status["exit"], status["state"], status["tables"]) == (0, "unchanged", before), status
+        assert client.tables_generation == 0
+    assert daemon.stop() == 0
+
+
+def test_sighup_reloads(daemon_factory, demo_checkpoint, second_checkpoint, second_reference, tmp_path):
+    current = tmp_path / "current"
+    point(current, demo_checkpoint)
+    daemon = daemon_factory(tables=current)
+    ids = random_ids(np.random.default_rng(7), 8, second_reference.rows, second_reference.heads)
+    with EngramClient(daemon.socket, max_tokens=8) as client:
+        point(current, second_checkpoint)
+        daemon.proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: (probe(daemon.socket, "health", 5.0).body.reload or {}).get("state") == "done",
+                   timeout=RELOAD_S)
+        assert_rows_equal(rows_of(client, ids), second_reference.expected(ids), "after SIGHUP")
+        assert "reload (asked by SIGHUP) done" in daemon.log()
+    assert daemon.stop() == 0
