@@ -477,3 +477,67 @@ def test_verify_reloads_a_reattached_table_that_differs_in_one_byte(shm: Path, c
         assert reopen(shm, geometry, verify=True) == ([True, False], {0, 1})  # both read to compare
     assert "row 250 differs from the checkpoint" in caplog.text
     assert "every row matches the checkpoint" in caplog.text
+
+
+class OtherSource(FakeSource):
+    """Another revision of the same geometry: other bytes, another fingerprint."""
+
+    def __init__(self, geometry: TableGeometry, fingerprint: str = "0be77e4"):
+        super().__init__(geometry, fingerprint)
+
+    def read_packed(self, layer_index: int, row_start: int, out: np.ndarray) -> None:
+        self.calls.append((layer_index, row_start, out.shape[0]))
+        out[...] = pattern(layer_index + 50, row_start, out.shape[0], out.shape[1])
+
+
+def check_other_tables(tables, geometry: TableGeometry) -> None:
+    for t in tables:
+        expected = pattern(t.layer_index + 50, 0, geometry.rows[t.layer_index], geometry.row_bytes)
+        assert_table_equal(t.array, expected, f"reloaded layer {t.layer_index}")
+
+
+def test_a_reload_opens_tables_beside_the_served_ones_then_switches(shm: Path):
+    geometry = small_geometry()
+    with TableStore(shm, "test") as store:
+        served = store.open(FakeSource(geometry), chunk_bytes=CHUNK)
+        served_files = table_files(shm)
+        stale = shm / "engramd.test.L1.0ddba11.tbl"  # a third version's leftover
+        stale.write_bytes(b"x")
+        loaded = store.open_next(OtherSource(geometry), chunk_bytes=CHUNK)
+        assert not stale.exists() and set(served_files) < set(table_files(shm))
+        assert store.tables == served  # nothing switched yet: the served tables are untouched
+        check_tables(served, geometry)
+        check_other_tables(loaded, geometry)
+        with pytest.raises(TableStoreError, match="open already"):
+            store.open_next(OtherSource(geometry, "0ab"), chunk_bytes=CHUNK)
+        replaced = store.switch()
+        assert replaced == served and store.tables == loaded
+        assert table_files(shm) == sorted(t.path.name for t in loaded)  # the old files are gone
+        check_tables(replaced, geometry)  # and still readable until released
+        store.release(replaced)
+        assert all(t.closed for t in replaced)
+    assert all(t.closed for t in loaded)
+    again = FakeSource(geometry, "0be77e4")  # a restart finds the reloaded files complete
+    with TableStore(shm, "test") as store:
+        assert all(t.reattached for t in store.open(again, chunk_bytes=CHUNK)) and again.calls == []
+
+
+def test_a_cancelled_or_abandoned_reload_leaves_only_the_served_tables(shm: Path):
+    geometry = small_geometry()
+    with TableStore(shm, "test") as store:
+        served = store.open(FakeSource(geometry), chunk_bytes=CHUNK)
+        served_files = table_files(shm)
+        source = OtherSource(geometry)
+        with pytest.raises(host_tables.ReloadCancelled):
+            store.open_next(source, chunk_bytes=CHUNK, cancelled=lambda: len(source.calls) >= 2)
+        assert table_files(shm) == served_files and store.tables == served
+        store.open_next(OtherSource(geometry), chunk_bytes=CHUNK)  # a cancelled one leaves no trace
+        store.abandon_next()
+        assert table_files(shm) == served_files
+        check_tables(served, geometry)
+        with pytest.raises(TableStoreError, match="are the ones open"):
+            store.open_next(FakeSource(geometry), chunk_bytes=CHUNK)
+        with pytest.raises(TableStoreError, match="no reload"):
+            store.switch()
+    with TableStore(shm, "test") as store, pytest.raises(TableStoreError, match="open\\(\\) first"):
+        store.open_next(OtherSource(geometry))

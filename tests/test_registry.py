@@ -18,6 +18,7 @@ from engramd.client.errors import (
     PermissionDeniedError,
     ResourceError,
     SlotBusyError,
+    TablesChangedError,
 )
 from engramd.client.geometry import TableGeometry
 from engramd.client.handles import PeerCredentials
@@ -375,3 +376,54 @@ def test_a_device_counting_backend_reports_no_per_lookup_count():
         job.out_of_range = 5
         reply = store.finish_lookup(job)
         assert reply == LookupReply(slot=0, seq=1, out_of_range=5 if per_job else None)
+
+
+def test_pinned_clients_are_refused_once_the_tables_change_and_others_follow():
+    store, backend = make_store(orders_slots=True)
+    store.tables_id = "aaaa"
+    free, pinned = register(store), register(store, identity=b"b", pin_tables=True)
+    start(store, free, seq=1)
+    start(store, pinned, identity=b"b", seq=1)
+    store.tables_changed("bbbb")
+    start(store, free, seq=2)  # follows: the backend reads the new tables for it
+    with pytest.raises(TablesChangedError, match="pinned tables aaaa"):
+        start(store, pinned, identity=b"b", seq=2)
+    skip = backend.jobs[-1]  # its GPU waits on the slot are still released, in order
+    assert skip.skip and skip.client_id == pinned and skip.seq == 2
+    by_id = {c["client_id"]: c for c in store.stats()["clients"]}
+    assert (by_id[free]["tables"], by_id[pinned]["tables"], by_id[pinned]["pinned"]) == ("bbbb", "aaaa", True)
+    # A re-registration that names the tables it pinned is refused elsewhere, taken here.
+    for job in backend.jobs:
+        store.finish_lookup(job)
+    store.release(b"a", free)
+    with pytest.raises(TablesChangedError):
+        store.register(b"c", RegisterRequest(os.getpid(), "cpu", 0, 1, 8, 2, tables="aaaa"))
+    again = store.register(b"c", RegisterRequest(os.getpid(), "cpu", 0, 1, 8, 2, tables="bbbb"))
+    assert store.clients[again.client_id].pinned_tables == "bbbb" and again.tables == "bbbb"
+
+
+def test_mapped_clients_get_the_tables_again_by_token_and_by_the_same_user():
+    store, _ = make_store()
+    store.tables_id = "aaaa"
+    req = RegisterRequest(os.getpid(), "cpu", 0, 1, 8, 2, mode="mapped")
+    reply = store.register(b"m", req)
+    with pytest.raises(PermissionDeniedError, match="not attached"):
+        store.grant_tables(reply.client_id, reply.token, me())
+    store.attach(reply.client_id, reply.token, me())
+    with pytest.raises(NotRegisteredError):
+        store.grant_tables(reply.client_id, reply.token[::-1], me())
+    with pytest.raises(PermissionDeniedError, match="uid"):
+        store.grant_tables(reply.client_id, reply.token, PeerCredentials(os.getpid(), os.getuid() + 1, 0))
+    store.tables_changed("bbbb")
+    assert store.clients[reply.client_id].tables == "aaaa"  # until it maps the new ones
+    assert store.grant_tables(reply.client_id, reply.token, me()).tables == "bbbb"
+    served = register(store, identity=b"s")
+    with pytest.raises(BadRequestError, match="served"):
+        store.grant_tables(served, store.clients[served].token, me())
+    store.release(b"s", served)
+    pinned = store.register(b"p", RegisterRequest(os.getpid(), "cpu", 0, 1, 8, 2, mode="mapped",
+                                                  pin_tables=True))
+    store.attach(pinned.client_id, pinned.token, me())
+    store.tables_changed("cccc")
+    with pytest.raises(TablesChangedError):
+        store.grant_tables(pinned.client_id, pinned.token, me())

@@ -256,7 +256,7 @@ def test_the_self_check_samples_different_rows_at_every_start(daemon_factory):
     assert len(seeds) == 3, seeds
 
 
-DRAIN_AS = """
+ADMIN_AS = """
 import os, sys
 from engramd.client.errors import EngramError
 from engramd.client.handles import admin_request
@@ -265,18 +265,18 @@ os.setgroups([group])
 os.setgid(gid)
 os.setuid(uid)
 try:
-    admin_request(sys.argv[1], "drain", 5.0)
-    print("drained")
+    admin_request(sys.argv[1], sys.argv[5], 5.0)
+    print("done")
 except EngramError as exc:
     print(exc.code)
 """
 
 
-def test_drain_needs_an_admin_not_just_a_connection(daemon_factory):
+def test_admin_operations_need_an_admin_not_just_a_connection(daemon_factory):
     """`drain` from any connection stopped the daemon (with exit 0, so a Restart=on-failure unit
     stayed down). Over ZeroMQ it is refused; over the handle socket a member of the socket's
-    group who is not an admin (admin_uids; by default the daemon's own user) is refused; the
-    daemon's user drains."""
+    group who is not an admin (admin_uids; by default the daemon's own user) is refused `drain`
+    and `reload`; the daemon's user drains."""
     daemon = daemon_factory()
     peer = zmq.Context.instance().socket(zmq.DEALER)
     peer.setsockopt(zmq.LINGER, 0)
@@ -289,10 +289,12 @@ def test_drain_needs_an_admin_not_just_a_connection(daemon_factory):
     if os.geteuid() == 0:
         for folder in (daemon.workdir, daemon.socket.parent):
             os.chmod(folder, 0o755 if folder == daemon.workdir else 0o750)
-        member = subprocess.run([sys.executable, "-c", DRAIN_AS, str(handle_socket_path(daemon.socket)),
-                                 str(NOBODY), str(NOBODY), str(daemon.socket.stat().st_gid)],
-                                capture_output=True, text=True, timeout=60)
-        assert member.stdout.strip() == "permission_denied", member.stdout + member.stderr
+        for op in ("drain", "reload"):
+            member = subprocess.run([sys.executable, "-c", ADMIN_AS, str(handle_socket_path(daemon.socket)),
+                                     str(NOBODY), str(NOBODY), str(daemon.socket.stat().st_gid), op],
+                                    capture_output=True, text=True, timeout=60)
+            assert member.stdout.strip() == "permission_denied", op + member.stdout + member.stderr
+        assert "reload asked" not in daemon.log()  # refused before anything started
     assert probe(daemon.socket, "health", 5.0).body.ready and daemon.proc.poll() is None
     assert admin_request(handle_socket_path(daemon.socket), "drain", 5.0).in_flight == 0
     assert daemon.proc.wait(30) == 0

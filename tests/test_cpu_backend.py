@@ -1,0 +1,81 @@
+"""The CPU backend's table switch (a reload): lookups read the tables they were submitted with,
+and the replaced tables are let go of only once the last lookup that reads them is done."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+
+from engramd.client.geometry import TableGeometry
+from engramd.client.slab import SlabLayout
+from engramd.server.backend import LookupJob
+from engramd.server.cpu_backend import CpuBackend, MemfdSlab
+
+
+class Table:
+    """What replace_tables takes (a HostTable's `tensor`)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
+class GatedSlab(MemfdSlab):
+    """A slab whose first gather waits at `gate`: a lookup held in flight by the test."""
+
+    def __init__(self, layout: SlabLayout):
+        super().__init__("test-slab", layout)
+        self.gate, self.entered = threading.Event(), threading.Event()
+
+    def rows(self, slot: int, tokens: int) -> torch.Tensor:
+        if not self.entered.is_set():
+            self.entered.set()
+            assert self.gate.wait(10), "the test never opened the gate"
+        return super().rows(slot, tokens)
+
+
+def tables_of(geometry: TableGeometry, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 120, (rows, geometry.row_bytes), dtype=torch.uint8, generator=gen)
+            for rows in geometry.rows]  # FP8 bytes below 0x78 and scales near 1: finite rows
+
+
+def test_a_lookup_in_flight_reads_the_tables_it_was_submitted_with():
+    from engramd.kernels.gather_ref import gather
+
+    geometry = TableGeometry.named("demo")
+    old, new = tables_of(geometry, 1), tables_of(geometry, 2)
+    backend = CpuBackend(old, geometry, workers=1)
+    shard = geometry.shard(0, 1)
+    layout = SlabLayout(slots=2, max_tokens=8, n_layers=geometry.n_layers, heads=geometry.heads,
+                        local_heads=shard.local_heads, head_dim=geometry.head_dim)
+    slab = GatedSlab(layout)
+    ids = np.stack([np.arange(8)[:, None].repeat(geometry.heads, 1) * 7 % r for r in geometry.rows], axis=1)
+    finished: list[int] = []
+    retired = threading.Event()
+    try:
+        for slot in (0, 1):
+            slab.ids(slot, 8, torch.int64).copy_(torch.from_numpy(ids))
+        done = threading.Semaphore(0)
+
+        def complete(job: LookupJob) -> None:
+            assert job.error is None, job.error
+            finished.append(job.slot)
+            done.release()
+
+        backend.submit(LookupJob(0, slab, shard, 0, 1, 8), complete)  # held at the gate
+        assert slab.entered.wait(10)
+        backend.replace_tables([Table(t) for t in new], None, retired.set)
+        backend.submit(LookupJob(0, slab, shard, 1, 1, 8), complete)  # behind it, on the new ones
+        assert not retired.wait(0.2), "retired while a lookup still reads the old tables"
+        slab.gate.set()
+        assert done.acquire(timeout=10) and done.acquire(timeout=10)
+        assert retired.wait(10) and backend.tables[0] is new[0]
+        for slot, tables in ((0, old), (1, new)):
+            expected = gather(tables, torch.from_numpy(ids), shard)[0]
+            assert torch.equal(slab.rows(slot, 8).view(torch.int16), expected.view(torch.int16)), slot
+    finally:
+        slab.gate.set()
+        backend.close()
+        slab.close()
