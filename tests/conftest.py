@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -11,6 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from engramd.client.connection import probe
@@ -108,6 +110,21 @@ def demo_checkpoint(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def reference(demo_checkpoint) -> ReferenceTables:
     return ReferenceTables(demo_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def second_checkpoint(tmp_path_factory) -> Path:
+    """The demo geometry with other rows (another seed): what a new revision brings (reloads)."""
+    from engramd.server.synthetic import write_synthetic_checkpoint
+
+    out = tmp_path_factory.mktemp("second-ckpt")
+    write_synthetic_checkpoint(TableGeometry.named("demo"), out, seed=8)
+    return out
+
+
+@pytest.fixture(scope="session")
+def second_reference(second_checkpoint) -> ReferenceTables:
+    return ReferenceTables(second_checkpoint)
 
 
 def short_tempdir(prefix: str) -> Path:
@@ -351,3 +368,27 @@ def check_rows_stay_across_a_restart(daemon_factory, reference, device: str, mod
     finally:
         client.close()
     assert second.stop() == 0, second.log()
+
+
+def point(link: Path, target: Path) -> None:
+    """Point the symlink `link` at `target` in one step (as a deployment flips it)."""
+    staged = link.with_name(link.name + ".new")
+    staged.unlink(missing_ok=True)
+    staged.symlink_to(target)
+    os.replace(staged, link)
+
+
+def reload(daemon: DaemonProcess, *flags: str, timeout: float = 120.0) -> dict:
+    """`engramd reload --json` against `daemon`: its exit status, stderr and final status."""
+    result = subprocess.run([*engramd_command(), "reload", "--socket", str(daemon.socket), "--json",
+                             *flags], capture_output=True, text=True, timeout=timeout)
+    status = json.loads(result.stdout) if result.stdout.strip() else {}
+    return {"exit": result.returncode, "stderr": result.stderr, **status}
+
+
+def rows_match(actual: np.ndarray, reference: ReferenceTables, ids: np.ndarray,
+               rank: int = 0, shards: int = 1) -> bool:
+    """Whether float64 rows are exactly the reference's for `ids` (NaN where it has NaN)."""
+    expected = reference.expected(ids, rank, shards)
+    return actual.shape == expected.shape and bool(
+        ((actual == expected) | (np.isnan(actual) & np.isnan(expected))).all())

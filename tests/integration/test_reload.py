@@ -11,7 +11,6 @@ tables is "unchanged".
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -20,10 +19,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import wait_until
-from reference import ReferenceTables, random_ids
+from conftest import point, reload, rows_match, wait_until
+from reference import random_ids
 from test_daemon_lookups import assert_rows_equal
-from test_lifecycle import cli
 
 from engramd.client import EngramClient
 from engramd.client.connection import probe
@@ -31,43 +29,11 @@ from engramd.client.errors import TablesChangedError
 from engramd.client.geometry import DEMO_CONFIG, TableGeometry
 from engramd.server.synthetic import write_synthetic_checkpoint
 
-RELOAD_S = 60.0
-
-
-@pytest.fixture(scope="module")
-def second_checkpoint(tmp_path_factory) -> Path:
-    """The demo geometry with other rows (another seed): what a new revision brings."""
-    out = tmp_path_factory.mktemp("second-ckpt")
-    write_synthetic_checkpoint(TableGeometry.named("demo"), out, seed=8)
-    return out
-
-
-@pytest.fixture(scope="module")
-def second_reference(second_checkpoint) -> ReferenceTables:
-    return ReferenceTables(second_checkpoint)
-
-
-def point(link: Path, target: Path) -> None:
-    """Point the symlink `link` at `target` in one step (as a deployment flips it)."""
-    staged = link.with_name(link.name + ".new")
-    staged.unlink(missing_ok=True)
-    staged.symlink_to(target)
-    os.replace(staged, link)
-
-
-def reload(daemon, *flags: str) -> dict:
-    result = cli("reload", "--socket", str(daemon.socket), "--json", *flags, timeout=RELOAD_S + 10)
-    status = json.loads(result.stdout) if result.stdout.strip() else {}
-    return {"exit": result.returncode, "stderr": result.stderr, **status}
+RELOAD_S = 60.0  # the demo tables reload in about a second
 
 
 def rows_of(client: EngramClient, ids: np.ndarray) -> np.ndarray:
     return client.lookup(torch.from_numpy(ids)).result().double().numpy()
-
-
-def is_rows_of(actual: np.ndarray, reference: ReferenceTables, ids: np.ndarray) -> bool:
-    expected = reference.expected(ids)
-    return bool(((actual == expected) | (np.isnan(actual) & np.isnan(expected))).all())
 
 
 def table_files(daemon) -> set[str]:
@@ -118,8 +84,8 @@ def test_served_and_mapped_clients_read_the_new_tables_after_a_reload(
                 except TablesChangedError:
                     assert client.pin_tables
                     break
-                assert any(is_rows_of(rows, r, ids) for r in references), "rows of neither checkpoint"
-                if is_rows_of(rows, second_reference, ids):
+                assert any(rows_match(rows, r, ids) for r in references), "rows of neither checkpoint"
+                if rows_match(rows, second_reference, ids):
                     break
                 time.sleep(0.05)
             else:
