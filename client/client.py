@@ -62,7 +62,13 @@ from engramd.client.handles import (
     lease_closed,
 )
 from engramd.client.ids import dtype_name
-from engramd.client.mapped import DeviceCounterReader, LocalSlots, MappedTables, mapped_gather
+from engramd.client.mapped import (
+    DeviceCounterReader,
+    LocalSlots,
+    MappedTables,
+    PendingMapping,
+    mapped_gather,
+)
 from engramd.client.messages import RegisterReply
 from engramd.client.shared_mapping import SharedMapping
 from engramd.client.slab import FAILED, IDS_READY, ROWS_DONE, SlabLayout, SlotViews
@@ -281,6 +287,7 @@ class EngramClient:
         self._tables_lost: str | None = None  # pinned: why lookups are refused
         self._heard_tables: str | None = None  # what the daemon's heartbeat replies name
         self._old_mappings: list[tuple[MappedTables, Any]] = []  # mapped: replaced, maybe still read
+        self._remapping: PendingMapping | None = None  # mapped: a reload's tables, being mapped
         self.timeout = timeout
         self.reconnect_timeout = reconnect_timeout
         self._registration = (tp_rank, tp_size, max_tokens, slots, name)
@@ -382,6 +389,9 @@ class EngramClient:
         """Mapped mode: let go of the tables and of everything built on them."""
         mapped, side = self._mapped, self._side
         self._mapped, self._gather, self._side, self._out_of_range = None, None, None, None
+        pending, self._remapping = self._remapping, None
+        if pending is not None:
+            pending.discard()
         self._free_old_mappings(wait=True)
         if mapped is not None:
             mapped.close()
@@ -533,9 +543,9 @@ class EngramClient:
         return None
 
     def _follow_tables(self) -> None:
-        """Before a lookup: if a reload replaced the tables, read the new ones from this
-        lookup on (mapped: map them now; the old mapping stays until gathers on it are done),
-        or, pinned, refuse."""
+        """Before a lookup: if a reload replaced the tables, read the new ones (mapped: once
+        they are mapped, on a thread of their own, PendingMapping; until then the old mapping
+        serves), or, pinned, refuse."""
         self._free_old_mappings()
         news = self._tables_news() if self._tables_lost is None else None
         if news is not None and self.pin_tables:
@@ -543,41 +553,46 @@ class EngramClient:
                                  f"{news} now (a reload): look up from a new client")
         if self._tables_lost is not None:
             raise TablesChangedError(self._tables_lost)
-        if news is None:
+        if self.mode != "mapped":
+            if news is not None:  # the daemon serves them to every lookup it takes from now
+                self._read_tables(news)
+                self._conn.tables_notice = self._heard_tables = None
             return
-        if self.mode == "mapped":
-            self._remap_tables()
-        else:
-            self._read_tables(news)  # the daemon serves them to every lookup it takes from now
-        self._conn.tables_notice = self._heard_tables = None
+        pending = self._remapping
+        if pending is None and news is not None:
+            path, client_id, token = handle_socket_path(self.socket_path), self.client_id, self._token
+            timeout = max(self.timeout, HANDLE_TIMEOUT_S)
+            self._remapping = PendingMapping(lambda: fetch_tables(path, client_id, token, timeout),
+                                             self.geometry, self.device)
+        elif pending is not None and pending.ready():
+            self._remapping = None
+            self._take_mapping(pending)
 
-    def _remap_tables(self) -> None:
-        """Mapped mode: map the tables the daemon serves now and gather from them."""
-        version, grants = fetch_tables(handle_socket_path(self.socket_path), self.client_id,
-                                       self._token, timeout=max(self.timeout, HANDLE_TIMEOUT_S))
-        try:
-            mapped = MappedTables(grants, self.geometry, self.device)
-        finally:
-            for grant in grants:
-                os.close(grant.fd)
+    def _take_mapping(self, pending: PendingMapping) -> None:
+        """Gather from the reload's tables from this lookup on; the old mapping goes once the
+        gathers on it are done."""
+        self._conn.tables_notice = self._heard_tables = None
+        if pending.error is not None:  # the next heartbeat's reply tries again
+            log.warning("client %d could not map the reloaded tables: %s", self.client_id, pending.error)
+            return
         old, gather = self._mapped, self._gather
         try:
             self._gather = mapped_gather(
-                self.shard, mapped, self.device, int(self._gather_policy.get("sort_min_tokens", 0)),
+                self.shard, pending.tables, self.device, int(self._gather_policy.get("sort_min_tokens", 0)),
                 float(self._gather_policy.get("sm_fraction", 1.0)),
                 counter=getattr(gather, "out_of_range", None))  # counts go on where they were
         except BaseException:
-            mapped.close()
+            pending.discard()
             raise
-        self._mapped = mapped
+        self._mapped = pending.tables
         if self.device.type == "cuda":  # gathers on the old mapping may still run: after them
             done = torch.cuda.Event()
             done.record(self._side)
             self._old_mappings.append((old, done))
         else:
             old.close()  # CPU gathers ran inside their lookup() calls
-        log.info("client %d maps tables %s now (were %s)", self.client_id, version, self.tables_id)
-        self._read_tables(version)
+        log.info("client %d maps tables %s now (were %s)", self.client_id, pending.version, self.tables_id)
+        self._read_tables(pending.version)
 
     def _free_old_mappings(self, wait: bool = False) -> None:
         """Unmap replaced mappings whose last gathers are done (`wait`: all, synchronising)."""

@@ -12,7 +12,10 @@ What this is not: the client's lookup logic (client.py holds it, for both modes)
 from __future__ import annotations
 
 import mmap
+import os
+import threading
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -98,6 +101,47 @@ class MappedTables:
                 except BufferError:
                     pass  # a tensor over it is still alive; the mapping goes with it
             self._maps = []
+
+
+class PendingMapping:
+    """A reload's tables, fetched and mapped on a thread of its own while lookups go on over the
+    old mapping: registering V4.1's 189 GiB for a GPU takes seconds, which no lookup() may wait."""
+
+    def __init__(self, fetch: Callable[[], tuple[str, list[TableGrant]]], geometry: TableGeometry,
+                 device: torch.device):
+        self.version: str | None = None
+        self.tables: MappedTables | None = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fetch, geometry, device),
+                                        name="engramd-remap", daemon=True)
+        self._thread.start()
+
+    def _run(self, fetch: Callable[[], tuple[str, list[TableGrant]]], geometry: TableGeometry,
+             device: torch.device) -> None:
+        try:
+            if device.type == "cuda":
+                from engramd.client import cuda
+
+                cuda.make_current(device.index)  # else the registration lands on device 0
+            version, grants = fetch()
+            try:
+                self.tables = MappedTables(grants, geometry, device)
+            finally:
+                for grant in grants:  # the mappings keep the files
+                    os.close(grant.fd)
+            self.version = version
+        except BaseException as exc:  # told to the lookup that takes it
+            self.error = exc
+
+    def ready(self) -> bool:
+        return not self._thread.is_alive()
+
+    def discard(self) -> None:
+        """Not taken (the client closes or re-registers): wait for it, then unmap."""
+        self._thread.join()
+        tables, self.tables = self.tables, None
+        if tables is not None:
+            tables.close(synchronize=False)  # nothing gathered from it
 
 
 class LocalSlots:

@@ -168,7 +168,11 @@ class CudaSlab:
         ones, which the worker takes between two lookups: GpuState.switch)."""
         with torch.cuda.device(self.device_index):
             plan = GatherPlan(plan_tables, self.shard, torch.device("cuda", self.device_index))
-            return plan, SlotGather(plan, self.out_of_range, cache, self.gpu.programs)
+            gather = SlotGather(plan, self.out_of_range, cache, self.gpu.programs)
+            # The plan's device tables were written on this thread's stream; the gathers read
+            # them on the slab's, which does not wait for it.
+            torch.cuda.current_stream().synchronize()
+        return plan, gather
 
     def counter_address(self, slot: int, word: int) -> int:
         return self.ptr + self.layout.counter_offset(slot, word)
@@ -325,6 +329,7 @@ class GpuState:
         gathers = {slab: slab.gathers(layer_tables, cache) for slab in list(self.slabs)}
         with torch.cuda.device(self.index):
             warm_plan = GatherPlan(layer_tables, self.geometry.shard(0, 1), self.device)
+            torch.cuda.current_stream().synchronize()  # the new cache's and plans' device arrays
         switch = TableSwitch(cache, keeper, gathers, warm_plan)
         self._switches.append(switch)
         return switch
