@@ -106,14 +106,19 @@ def cmd_stats(args: argparse.Namespace) -> int:
         print(json.dumps(fields, sort_keys=True))
         return 0
     print(f"state {fields.get('state')}  epoch {fields['epoch']}  uptime {fields.get('uptime', 0):.0f} s")
+    reload = fields.get("reload") or {}
+    print(f"tables {fields.get('tables')}" + (f"  last reload {reload.get('state')}"
+                                              f"{': ' + reload['error'] if reload.get('error') else ''}"
+                                              if reload else ""))
     print(f"lookups {fields.get('lookups', 0)}  rows {fields.get('rows', 0)}  "
           f"out-of-range ids {fields.get('out_of_range', 0)}  errors {fields.get('errors', {})}")
     clients = fields.get("clients", [])
     print(f"clients {len(clients)}")
     for c in clients:
         who = f"pid {c['pid']} {c['name'] or '-'} uid {c['uid']}" if "pid" in c else "(who: admins only)"
+        other = "" if c.get("tables") in (None, fields.get("tables")) else f" on tables {c['tables']}"
         print(f"  #{c['client_id']} {who} {c['device']} tp {c['tp_rank']}/{c['tp_size']} "
-              f"lookups {c['lookups']} rows {c['rows']} errors {c['errors']}")
+              f"lookups {c['lookups']} rows {c['rows']} errors {c['errors']}{other}")
     return 0
 
 
@@ -172,7 +177,8 @@ def cmd_reload(args: argparse.Namespace) -> int:
         print(f"engramd reload: {exc.message}", file=sys.stderr)
         return EXIT_NOT_READY
     if args.wait <= 0:
-        print(f"reload {started.state} (follow it with `engramd health --json`)")
+        print(json.dumps({"state": started.state, "tables": started.tables}) if args.json else
+              f"reload {started.state} (follow it with `engramd health --json`)")
         return 0
     status: dict[str, Any] = {"state": started.state}
     deadline, next_print = time.monotonic() + args.wait, 0.0

@@ -55,6 +55,15 @@ class _SnapshotCollector:
         info = InfoMetricFamily("engramd_epoch", "the daemon run's epoch and backend")
         info.add_metric([], {"epoch": s["epoch"], "backend": s["backend"] or "none"})
         yield info
+        tables = s.get("tables") or "none"
+        info = InfoMetricFamily("engramd_tables", "the served tables' id, and the last reload's "
+                                "state (none, loading, done, unchanged, failed)")
+        info.add_metric([], {"tables": tables, "reload": s.get("reload", {}).get("state", "none")})
+        yield info
+        yield _gauge("engramd_clients_on_other_tables",
+                     "clients that read other tables than the served ones (mapped clients not yet "
+                     "re-mapped after a reload, clients pinned to the replaced tables)",
+                     sum(c.get("tables", tables) != tables for c in s["clients"]))
         yield _counter("engramd_lookups", "lookups completed", s["lookups"])
         yield _counter("engramd_rows", "rows returned (tokens x layers x owned heads)", s["rows"])
         yield _counter("engramd_out_of_range_ids", "IDs past the table (zero rows)", s["out_of_range"])

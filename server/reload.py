@@ -25,6 +25,7 @@ a reload loads, so the two can never disagree.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -38,6 +39,10 @@ from engramd.server.selfcheck import check_host_tables
 from engramd.server.table_loader import LoadedTables, pin_for_backend, resolve_checkpoint
 
 log = logging.getLogger("engramd.reload")
+
+# Fault injection for tests and drills: seconds a reload waits before it reads the checkpoint (a
+# stop meanwhile cancels it), so that a running reload can be observed. Never set in production.
+RELOAD_DELAY_ENV = "ENGRAMD_DEBUG_RELOAD_DELAY_S"
 
 
 class ReloadRefused(Exception):
@@ -76,6 +81,7 @@ def open_next_tables(config: DaemonConfig, current: LoadedTables, progress: Call
                      cancelled: Callable[[], bool]) -> NextTables | None:
     """The configured checkpoint's tables opened, checked and pinned beside the served ones;
     None when they are the served ones. ReloadRefused when they cannot replace them."""
+    _injected_delay(cancelled)
     checkpoint = resolve_checkpoint(config)
     if checkpoint.geometry != current.geometry:
         raise ReloadRefused(
@@ -102,6 +108,17 @@ def open_next_tables(config: DaemonConfig, current: LoadedTables, progress: Call
         next_tables.close()
         raise
     return next_tables
+
+
+def _injected_delay(cancelled: Callable[[], bool]) -> None:
+    delay = float(os.environ.get(RELOAD_DELAY_ENV, "0") or 0)
+    if delay > 0:
+        log.warning("%s=%s: stalling before the reload", RELOAD_DELAY_ENV, delay)
+    deadline = time.monotonic() + delay
+    while time.monotonic() < deadline:
+        if cancelled():
+            raise ReloadCancelled("the reload was cancelled (the daemon is stopping)")
+        time.sleep(0.05)
 
 
 class TableReload:

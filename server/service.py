@@ -169,7 +169,8 @@ class Service:
                 "rows": stats.get("rows", 0), "out_of_range": stats.get("out_of_range", 0),
                 "errors": stats.get("errors", {}), "slab_bytes": slab_bytes,
                 "pinned_bytes": backend.pinned_bytes if backend else 0,
-                "hot_cache": self.cache_stats(), "mps": self.mps()}
+                "hot_cache": self.cache_stats(), "mps": self.mps(), "tables": self.tables_id,
+                "reload": self.reload_status()}
 
     # -- who may ----------------------------------------------------------------------------------
 

@@ -51,3 +51,13 @@ def test_clients_are_counted_by_mode():
     text = generate_latest(metrics.registry).decode()
     assert 'engramd_clients_by_mode{mode="served"} 1.0' in text
     assert 'engramd_clients_by_mode{mode="mapped"} 2.0' in text
+
+
+def test_the_served_tables_and_clients_still_on_others_are_exposed():
+    metrics = Metrics()
+    clients = [{"client_id": 1, "device": "cpu", "lookups": 0, "rows": 0, "tables": "new"},
+               {"client_id": 2, "device": "cpu", "lookups": 0, "rows": 0, "tables": "old"}]
+    metrics.publish({**snapshot({}), "tables": "new", "reload": {"state": "done"}, "clients": clients})
+    text = generate_latest(metrics.registry).decode()
+    assert 'engramd_tables_info{reload="done",tables="new"} 1.0' in text
+    assert "engramd_clients_on_other_tables 1.0" in text

@@ -155,3 +155,21 @@ def test_sighup_reloads(daemon_factory, demo_checkpoint, second_checkpoint, seco
         assert_rows_equal(rows_of(client, ids), second_reference.expected(ids), "after SIGHUP")
         assert "reload (asked by SIGHUP) done" in daemon.log()
     assert daemon.stop() == 0
+
+
+def test_a_stop_during_a_reload_cancels_it_and_leaves_the_served_tables(
+        daemon_factory, demo_checkpoint, second_checkpoint, tmp_path):
+    current = tmp_path / "current"
+    point(current, demo_checkpoint)
+    daemon = daemon_factory(tables=current, env={"ENGRAMD_DEBUG_RELOAD_DELAY_S": "120"})
+    served_files = table_files(daemon)
+    point(current, second_checkpoint)
+    started = reload(daemon, "--wait", "0")
+    assert (started["exit"], started["state"]) == (0, "loading"), started
+    again = reload(daemon, "--wait", "1")  # the one running answers: still loading
+    assert (again["exit"], again["state"]) == (1, "loading"), again
+    assert probe(daemon.socket, "health", 5.0).body.ready  # serving all along
+    stopping = time.monotonic()
+    assert daemon.stop(timeout=60) == 0
+    assert time.monotonic() - stopping < 30, "the stop waited for the reload"
+    assert table_files(daemon) == served_files
