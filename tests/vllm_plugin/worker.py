@@ -253,6 +253,7 @@ def other_tables_fail_closed(layer, ids: torch.Tensor, error: type[Exception]) -
     """After a re-registration (client.registrations goes up), the same tables pass and other
     ones (client.tables_id: test_lifecycle.py shows a restarted daemon changes it) are refused."""
     client = layer.embed_tokens.rows.client
+    assert client.pin_tables  # a reload to other tables is refused by the client itself (test_reload.py)
     served = client.tables_id
     try:
         client.registrations += 1  # as a re-registration with the same daemon's tables does
@@ -260,9 +261,12 @@ def other_tables_fail_closed(layer, ids: torch.Tensor, error: type[Exception]) -
         layer._ready_rows(ids.shape[0])
         client.registrations += 1
         client.tables_id = "another checkpoint"
+        # The daemon this stands for serves "another checkpoint": its heartbeats bring no news.
+        client._tables_news = lambda: None
         step_is_refused(layer, ids, error, "restarted on other Engram tables")
     finally:
         client.tables_id = served
+        del client._tables_news
 
 
 def moved_rows_fail_closed(layer, ids: torch.Tensor, error: type[Exception]) -> None:
