@@ -285,6 +285,7 @@ class EngramClient:
         self.tables_id: str | None = None  # the tables this client's lookups read (see lookup)
         self.tables_generation = 0  # bumped each time they change
         self._tables_lost: str | None = None  # pinned: why lookups are refused
+        self._tables_left: set[str] = set()  # tables it read before (their news is stale)
         self._heard_tables: str | None = None  # what the daemon's heartbeat replies name
         self._old_mappings: list[tuple[MappedTables, Any]] = []  # mapped: replaced, maybe still read
         self._remapping: PendingMapping | None = None  # mapped: a reload's tables, being mapped
@@ -517,6 +518,8 @@ class EngramClient:
     def _map_tables(self, attachment: Attachment, gather: dict[str, Any]) -> None:
         """Mapped mode: the tables' descriptors, mapped read-only."""
         self._mapped = MappedTables(attachment.tables, self.geometry, self.device)
+        if attachment.version is not None:  # a reload between register and attach: these
+            self._read_tables(attachment.version)
         self._gather = mapped_gather(self.shard, self._mapped, self.device,
                                      int(gather.get("sort_min_tokens", 0)),
                                      float(gather.get("sm_fraction", 1.0)))
@@ -532,14 +535,19 @@ class EngramClient:
         """From now on this client's lookups read `tables` (the daemon's id of them)."""
         if tables != self.tables_id and self.tables_id is not None:
             self.tables_generation += 1
+            self._tables_left.add(self.tables_id)
+        self._tables_left.discard(tables)
         self.tables_id = tables
 
     def _tables_news(self) -> str | None:
-        """The tables the daemon says it serves (a notice, a heartbeat's reply), when they are
-        not the ones this client reads."""
-        for heard in (self._conn.tables_notice, self._heard_tables):
-            if heard is not None and heard != self.tables_id:
-                return heard
+        """The tables the daemon says it serves, when they are not the ones this client reads:
+        a notice's (in order with the replies), else a heartbeat reply's, unless it names
+        tables this client has left (a reply read late, from before the switch)."""
+        notice, heard = self._conn.tables_notice, self._heard_tables
+        if notice is not None and notice != self.tables_id:
+            return notice
+        if heard is not None and heard != self.tables_id and heard not in self._tables_left:
+            return heard
         return None
 
     def _follow_tables(self) -> None:

@@ -172,6 +172,7 @@ class Attachment:
     slab: dict[str, Any] | None  # served: how the slab descriptor is to be mapped
     slab_fd: int | None
     tables: list[TableGrant]
+    version: str | None = None  # mapped: the granted tables' id
 
     def close_descriptors(self) -> None:
         """Close the descriptors not taken over by their users (the lease stays)."""
@@ -247,7 +248,7 @@ def _attachment(sock: socket.socket, header: dict[str, Any], fds: list[int]) -> 
     slab_fd = fds[0] if slab is not None else None
     grants = _grants(tables, fds[1:] if slab is not None else fds, "attach")
     sock.settimeout(None)
-    return Attachment(sock, epoch, slab, slab_fd, grants)
+    return Attachment(sock, epoch, slab, slab_fd, grants, reply.version)
 
 
 def _send_request(sock: socket.socket, request: Message) -> None:

@@ -246,6 +246,7 @@ class AttachReply(Message):
     OP = "attach"
     slab: dict | None = None
     tables: list = field(default_factory=list)  # {layer_id, rows, row_bytes, data_offset, file_bytes}
+    version: str | None = None  # mapped: the granted tables' id (a reload may come between)
 
 
 @dataclass(slots=True)

@@ -634,7 +634,7 @@ class Daemon:
                 fds.append(record.slab.descriptor())
             else:
                 grants, table_fds = self._table_grants()
-                reply = AttachReply(tables=grants)
+                reply = AttachReply(tables=grants, version=self.service.tables_id)
                 fds.extend(table_fds)
         except Exception as exc:  # out of descriptors, or the device would not export
             for fd in fds:

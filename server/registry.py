@@ -273,6 +273,11 @@ class ClientRegistry:
             self._retire(record, f"refused (uid {peer.uid} holds {held} clients)")
             raise ResourceError(f"uid {peer.uid} holds {held} clients, the most one user may "
                                 "(config: max_clients_per_uid)")
+        if record.pinned_tables not in (None, self.tables_id):  # a reload came between
+            self._retire(record, "refused (its pinned tables were replaced)")
+            raise TablesChangedError(f"client {client_id} pinned tables {record.pinned_tables}; "
+                                     f"a reload replaced them with {self.tables_id}")
+        record.tables = self.tables_id if record.mode == "mapped" else record.tables
         if record.mode == "served":
             try:
                 record.slab = self.backend.allocate_slab(record.device, record.layout, client_id,

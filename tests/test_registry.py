@@ -427,3 +427,17 @@ def test_mapped_clients_get_the_tables_again_by_token_and_by_the_same_user():
     store.tables_changed("cccc")
     with pytest.raises(TablesChangedError):
         store.grant_tables(pinned.client_id, pinned.token, me())
+
+
+def test_a_reload_between_register_and_attach_is_caught_at_attach():
+    store, _ = make_store()
+    store.tables_id = "aaaa"
+    free = store.register(b"m", RegisterRequest(os.getpid(), "cpu", 0, 1, 8, 2, mode="mapped"))
+    pinned = store.register(b"p", RegisterRequest(os.getpid(), "cpu", 0, 1, 8, 2, mode="mapped",
+                                                  pin_tables=True))
+    assert free.tables == pinned.tables == "aaaa"
+    store.tables_changed("bbbb")
+    assert store.attach(free.client_id, free.token, me()).tables == "bbbb"  # it maps these
+    with pytest.raises(TablesChangedError, match="replaced"):
+        store.attach(pinned.client_id, pinned.token, me())
+    assert pinned.client_id not in store.clients  # retired, nothing granted
