@@ -334,6 +334,10 @@ class GpuState:
         self._switches.append(switch)
         return switch
 
+    def drop_switch(self, switch: TableSwitch) -> None:
+        """A prepared switch that will not happen (another GPU's could not be prepared)."""
+        self._switches.remove(switch)
+
     def serving_cache(self) -> HotCache | None:
         """The cache a slab allocated now gathers through: its lookups run after every switch
         prepared so far, so the newest one's."""
@@ -527,11 +531,17 @@ class CudaBackend:
         so the slabs' daemon streams see the old tables up to one lookup and the new ones
         after it; the old tables and caches are let go once every stream has passed that point.
         """
-        old_pinned = self.pinned
-        self.pinned = PinnedTables(tables, registration)
-        self.layer_tables = self.pinned.layer_tables()  # slabs allocated from now on
-        switches = {index: gpu.prepare_switch(self.pinned, self.layer_tables)
-                    for index, gpu in self.gpus.items()}
+        pinned = PinnedTables(tables, registration)
+        layer_tables = pinned.layer_tables()
+        switches: dict[int, TableSwitch] = {}
+        try:  # nothing changes until every GPU's switch is ready
+            for index, gpu in self.gpus.items():
+                switches[index] = gpu.prepare_switch(pinned, layer_tables)
+        except BaseException:
+            for index, switch in switches.items():
+                self.gpus[index].drop_switch(switch)
+            raise
+        old_pinned, self.pinned, self.layer_tables = self.pinned, pinned, layer_tables
         passed: list[torch.cuda.Event] = []
         left = threading.Semaphore(0)
 

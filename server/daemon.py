@@ -480,7 +480,10 @@ class Daemon:
 
     def _event_reload_done(self, reload: TableReload) -> None:
         """The reload's tables are open and checked (or it failed): switch to them."""
-        if reload is not self.service.reload:
+        if reload is not self.service.reload:  # cannot happen: one reload at a time
+            stray = reload.take()
+            if stray is not None:
+                stray.close()
             return
         if reload.error is not None:
             reload.finish("failed")
@@ -503,18 +506,25 @@ class Daemon:
         reload.finish("done", tables=self.service.tables_id)
 
     def _switch_tables(self, next_tables: NextTables) -> None:
-        """From the next lookup on, serve `next_tables`; tell every client."""
+        """From the next lookup on, serve `next_tables`; tell every client. What can fail comes
+        before the backend's switch, which is the point of no return; nothing after it raises."""
         current = self.service.tables
         old = current.tables
-        current.backend.replace_tables(next_tables.tables, next_tables.registration,
-                                       retired=lambda: self.post("tables_retired", old))
+        tables_id = next_tables.checkpoint.fingerprint()
+        new_fds = self._open_table_fds(next_tables.tables)
+        try:
+            current.backend.replace_tables(next_tables.tables, next_tables.registration,
+                                           retired=lambda: self.post("tables_retired", old))
+        except BaseException:
+            for fd in new_fds:
+                os.close(fd)
+            raise
         next_tables.registration = None  # the backend's now
         current.store.switch()  # the old files go; their memory once nobody maps them
-        self.service.replace_tables(next_tables.served(current))
-        old_fds, self._table_fds = self._table_fds, self._open_table_fds(next_tables.tables)
+        self.service.replace_tables(next_tables.served(current), tables_id)
+        old_fds, self._table_fds = self._table_fds, new_fds
         for fd in old_fds:
             os.close(fd)
-        tables_id = self.service.tables_id
         for client in list(self.service.registry.clients.values()):  # _send may reap
             self._send(client.identity, protocol.encode_notice(
                 self.epoch, "tables", f"the daemon serves tables {tables_id} now", tables=tables_id))

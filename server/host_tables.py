@@ -445,7 +445,10 @@ class TableStore:
         self._fingerprint, self._next_fingerprint = self._next_fingerprint, None
         self._released.extend(old)
         for table in old:
-            self._remove(table.path, f"replaced by tables {self._fingerprint}")
+            try:  # the switch has happened: a file left behind is no reason to undo it
+                self._remove(table.path, f"replaced by tables {self._fingerprint}")
+            except TableStoreError as exc:
+                logger.error("%s (remove it by hand)", exc)
         return old
 
     def abandon_next(self) -> None:

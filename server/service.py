@@ -67,10 +67,10 @@ class Service:
         self.state = "ready"
         self.progress = 1.0
 
-    def replace_tables(self, loaded: LoadedTables) -> None:
-        """A reload switched to `loaded` (the backend serves them already)."""
+    def replace_tables(self, loaded: LoadedTables, tables_id: str) -> None:
+        """A reload switched to `loaded`, of id `tables_id` (the backend serves them already)."""
         self.tables = loaded
-        self.registry.tables_changed(loaded.checkpoint.fingerprint())
+        self.registry.tables_changed(tables_id)
 
     @property
     def tables_id(self) -> str | None:
