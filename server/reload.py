@@ -34,9 +34,15 @@ from typing import Any
 
 from engramd.server.checkpoint import EngramCheckpoint
 from engramd.server.config import DaemonConfig
-from engramd.server.host_tables import HostTable, LoadProgress, ReloadCancelled, TableStore
+from engramd.server.host_tables import HostTable, ReloadCancelled, TableStore
 from engramd.server.selfcheck import check_host_tables
-from engramd.server.table_loader import LoadedTables, pin_for_backend, resolve_checkpoint
+from engramd.server.table_loader import (
+    LoadedTables,
+    overall_progress,
+    pin_for_backend,
+    resolve_checkpoint,
+    unpin_then,
+)
 
 log = logging.getLogger("engramd.reload")
 
@@ -70,11 +76,7 @@ class NextTables:
     def close(self) -> None:
         """Never served: unpin, unmap and remove the files."""
         registration, self.registration = self.registration, None
-        try:
-            if registration is not None:
-                registration.close()
-        finally:
-            self.store.abandon_next()
+        unpin_then(registration, self.store.abandon_next)
 
 
 def open_next_tables(config: DaemonConfig, current: LoadedTables, progress: Callable[[float], None],
@@ -90,15 +92,8 @@ def open_next_tables(config: DaemonConfig, current: LoadedTables, progress: Call
             "restart the daemon to serve it")
     if checkpoint.fingerprint() == current.checkpoint.fingerprint():
         return None
-    total = checkpoint.geometry.total_bytes
-    done: dict[int, int] = {}
-
-    def on_progress(report: LoadProgress) -> None:
-        done[report.layer_index] = report.done_bytes
-        progress(min(1.0, sum(done.values()) / max(1, total)))
-
     store = current.store
-    tables = store.open_next(checkpoint, on_progress, verify=config.verify_tables, cancelled=cancelled)
+    tables = store.open_next(checkpoint, overall_progress(checkpoint.geometry.total_bytes, progress), verify=config.verify_tables, cancelled=cancelled)
     next_tables = NextTables(checkpoint, store, tables, None)
     try:
         if config.self_check:  # the served kernel was checked at start; these are new bytes

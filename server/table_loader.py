@@ -60,11 +60,29 @@ class OpenTables:
     def close(self) -> None:
         """Unpin and unmap (when no backend took them over); the files stay for re-attach."""
         registration, self.registration = self.registration, None
-        try:
-            if registration is not None:
-                registration.close()
-        finally:
-            self.store.close()
+        unpin_then(registration, self.store.close)
+
+
+def unpin_then(registration: Any, let_go: Callable[[], None]) -> None:
+    """Unregister `registration` (None: nothing pinned), then `let_go()` of the tables, also
+    when unpinning failed."""
+    try:
+        if registration is not None:
+            registration.close()
+    finally:
+        let_go()
+
+
+def overall_progress(total: int, progress: Callable[[float], None]) -> Callable[[LoadProgress], None]:
+    """A store's progress callback that reports to `progress` the fraction of `total` bytes
+    done over every layer."""
+    done: dict[int, int] = {}
+
+    def on_progress(report: LoadProgress) -> None:
+        done[report.layer_index] = report.done_bytes
+        progress(min(1.0, sum(done.values()) / max(1, total)))
+
+    return on_progress
 
 
 @dataclass
@@ -212,12 +230,7 @@ def open_tables(config: DaemonConfig, progress: Callable[[float], None]) -> Open
     backend_name = choose_backend_name(config.backend)
     checkpoint = resolve_checkpoint(config)
     total = checkpoint.geometry.total_bytes
-    done_before: dict[int, int] = {}
-
-    def on_progress(p: LoadProgress) -> None:
-        done_before[p.layer_index] = p.done_bytes
-        progress(min(1.0, sum(done_before.values()) / max(1, total)))
-
+    on_progress = overall_progress(total, progress)
     store = TableStore(tables_folder(config.shm_dir, config.instance), config.instance)
     started = time.monotonic()
     try:

@@ -98,13 +98,15 @@ def no_leaks():
     assert not left, f"temporary files left behind: {sorted(left)}"
 
 
-@pytest.fixture(scope="session")
-def demo_checkpoint(tmp_path_factory) -> Path:
+def _demo_geometry_checkpoint(tmp_path_factory, name: str, seed: int) -> Path:
     from engramd.server.synthetic import write_synthetic_checkpoint
 
-    out = tmp_path_factory.mktemp("demo-ckpt")
-    write_synthetic_checkpoint(TableGeometry.named("demo"), out, seed=7)
-    return out
+    return write_synthetic_checkpoint(TableGeometry.named("demo"), tmp_path_factory.mktemp(name), seed=seed)
+
+
+@pytest.fixture(scope="session")
+def demo_checkpoint(tmp_path_factory) -> Path:
+    return _demo_geometry_checkpoint(tmp_path_factory, "demo-ckpt", seed=7)
 
 
 @pytest.fixture(scope="session")
@@ -115,11 +117,7 @@ def reference(demo_checkpoint) -> ReferenceTables:
 @pytest.fixture(scope="session")
 def second_checkpoint(tmp_path_factory) -> Path:
     """The demo geometry with other rows (another seed): what a new revision brings (reloads)."""
-    from engramd.server.synthetic import write_synthetic_checkpoint
-
-    out = tmp_path_factory.mktemp("second-ckpt")
-    write_synthetic_checkpoint(TableGeometry.named("demo"), out, seed=8)
-    return out
+    return _demo_geometry_checkpoint(tmp_path_factory, "second-ckpt", seed=8)
 
 
 @pytest.fixture(scope="session")
