@@ -514,7 +514,7 @@ def test_a_reload_opens_tables_beside_the_served_ones_then_switches(shm: Path):
         assert replaced == served and store.tables == loaded
         assert table_files(shm) == sorted(t.path.name for t in loaded)  # the old files are gone
         check_tables(replaced, geometry)  # and still readable until released
-        store.release(replaced)
+        store.release(replaced).join()
         assert all(t.closed for t in replaced)
     assert all(t.closed for t in loaded)
     again = FakeSource(geometry, "0be77e4")  # a restart finds the reloaded files complete
