@@ -90,8 +90,11 @@ def cmd_health(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(fields, sort_keys=True))
     else:
+        reload = fields.get("reload") or {}
+        reloading = (f", reloading {reload.get('progress', 0):.0%}" if reload.get("state") == "loading"
+                     else "")
         print(f"{'ready' if fields['ready'] else 'not ready'}: state {fields['state']}, "
-              f"tables {fields['progress']:.0%}, pid {fields['pid']}, epoch {fields['epoch']}")
+              f"tables {fields['progress']:.0%}{reloading}, pid {fields['pid']}, epoch {fields['epoch']}")
     if args.live:
         return EXIT_READY  # it answered: the process and its loop are alive
     return EXIT_READY if fields.get("ready") else EXIT_NOT_READY
