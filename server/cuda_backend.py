@@ -353,11 +353,14 @@ class GpuState:
         switch.replaced = [self.cache, old_keeper, self.warm_plan]
         self.cache, self.keeper, self.warm_plan = switch.cache, switch.keeper, switch.warm_plan
         self._switches.remove(switch)
-        done = []
         for slab in list(self.slabs):
             if slab in switch.gathers:  # slabs made since prepare_switch have the new ones
                 switch.replaced.append((slab.plan, slab.gather))
                 slab.plan, slab.gather = switch.gathers[slab]
+        with self._freed_lock:  # freed slabs whose last gathers may still run read them too
+            draining = list(self._draining)
+        done = []
+        for slab in {*self.slabs, *draining}:
             event = torch.cuda.Event()
             event.record(slab.stream)
             done.append(event)
