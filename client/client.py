@@ -288,7 +288,8 @@ class EngramClient:
         self._tables_lost: str | None = None  # pinned: why lookups are refused
         self._tables_left: set[str] = set()  # tables it read before (their news is stale)
         self._heard_tables: str | None = None  # what the daemon's heartbeat replies name
-        self._old_mappings: list[tuple[MappedTables, Any]] = []  # mapped: replaced, maybe still read
+        # Mapped: replaced mappings (with what their last gathers need) until those have run.
+        self._old_mappings: list[tuple[MappedTables, Any, Any]] = []
         self._remapping: PendingMapping | None = None  # mapped: a reload's tables, being mapped
         self.timeout = timeout
         self.reconnect_timeout = reconnect_timeout
@@ -592,15 +593,20 @@ class EngramClient:
         except BaseException:
             pending.discard()
             raise
-        # The old gather's views of the old mapping go first: while a view lives, the unmap
-        # cannot happen aside and would happen here, when the last view goes (0.3 s a GiB).
-        old, self._mapped, self._gather = self._mapped, pending.tables, gather
+        old, old_gather = self._mapped, self._gather
+        self._mapped, self._gather = pending.tables, gather
         del gather
         done = None  # CPU gathers ran inside their lookup() calls
         if self.device.type == "cuda":  # gathers on the old mapping may still run: after them
             done = torch.cuda.Event()
             done.record(self._side)
-        self._old_mappings.append((old, done))
+            # Its plan's device arrays too: freed now, the allocator could hand them out under
+            # the queued gathers. (A CPU gather's views of the old mapping, by contrast, must go
+            # now: while one lives, the unmap would run here when it goes, 0.3 s a GiB.)
+            self._old_mappings.append((old, done, old_gather))
+        else:
+            self._old_mappings.append((old, done, None))
+        del old_gather
         self._free_old_mappings()
         log.info("client %d maps tables %s now (were %s)", self.client_id, pending.version, self.tables_id)
         self._read_tables(pending.version)
@@ -609,13 +615,13 @@ class EngramClient:
         """Unmap replaced mappings whose last gathers are done, in the background (`wait`: all,
         synchronising first, and waiting for the unmaps)."""
         kept, closing = [], []
-        for mapped, done in self._old_mappings:
+        for mapped, done, gather in self._old_mappings:
             if wait and done is not None:
                 done.synchronize()
             if done is None or done.query():
-                closing.append(close_in_background(mapped))
+                closing.append(close_in_background(mapped))  # `gather` goes with this entry
             else:
-                kept.append((mapped, done))
+                kept.append((mapped, done, gather))
         self._old_mappings = kept
         for thread in closing if wait else ():
             thread.join()

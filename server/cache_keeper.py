@@ -103,11 +103,18 @@ class CacheKeeper:
         self._thread.start()
         return self
 
+    def stop(self) -> None:
+        """Ask the thread to stop (a refresh in progress finishes or gives up); close() waits."""
+        self._stop.set()
+
     def close(self) -> None:
+        """Stop, and wait for the thread and for the work it queued on its stream."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self._stream is not None:
+            self._stream.synchronize()
 
     def _run(self) -> None:
         if self._stream is not None:

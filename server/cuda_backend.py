@@ -365,7 +365,7 @@ class GpuState:
             event.record(slab.stream)
             done.append(event)
         if old_keeper is not None:
-            old_keeper.close()  # quick: its grace waits stop on close
+            old_keeper.stop()  # joined by _retire_tables: a refresh may wait on a stream
         if self.keeper is not None:
             self.keeper.start()
         return done
@@ -583,6 +583,9 @@ class CudaBackend:
                     warned = True
                 time.sleep(0.001)
         for switch in switches.values():
+            for replaced in switch.replaced:
+                if isinstance(replaced, CacheKeeper):
+                    replaced.close()  # its last writes into the old cache are done
             switch.replaced.clear()
         old.close()
         log.info("the replaced tables are unregistered")

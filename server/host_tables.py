@@ -427,13 +427,20 @@ class TableStore:
             raise TableStoreError(f"{self.lock_path}: tables {self._fingerprint} are the ones open")
 
         def checked(report: LoadProgress) -> None:
-            if cancelled():
+            if cancelled() and not report.reattached:  # a re-attach is done: it is kept
                 raise ReloadCancelled("the reload was cancelled (the daemon is stopping)")
             if progress is not None:
                 progress(report)
 
-        self._next = self._open_version(source, checked, chunk_bytes, verify, keep=self._fingerprint)
-        self._next_fingerprint = source.fingerprint()
+        fingerprint = source.fingerprint()
+        try:
+            self._next = self._open_version(source, checked, chunk_bytes, verify, keep=self._fingerprint)
+        except BaseException:  # the layers it completed hold shared memory for nothing
+            for path, _, found in self._own_files():
+                if found == fingerprint:
+                    self._remove(path, "the reload did not finish")
+            raise
+        self._next_fingerprint = fingerprint
         return list(self._next)
 
     def switch(self) -> list[HostTable]:
