@@ -277,7 +277,8 @@ class ClientRegistry:
             self._retire(record, "refused (its pinned tables were replaced)")
             raise TablesChangedError(f"client {client_id} pinned tables {record.pinned_tables}; "
                                      f"a reload replaced them with {self.tables_id}")
-        record.tables = self.tables_id if record.mode == "mapped" else record.tables
+        if record.mode == "mapped":  # it maps the tables served now
+            record.tables = self.tables_id
         if record.mode == "served":
             try:
                 record.slab = self.backend.allocate_slab(record.device, record.layout, client_id,

@@ -139,7 +139,10 @@ class TableReload:
     def _run(self, config: DaemonConfig, current: LoadedTables, done: Callable[[TableReload], None]) -> None:
         try:
             result = open_next_tables(config, current, self._on_progress, self._cancel.is_set)
-        except (ReloadCancelled, ReloadRefused) as exc:
+        except ReloadCancelled as exc:
+            log.info("reload (asked by %s) cancelled: %s", self.requested_by, exc)
+            self.error = str(exc)
+        except ReloadRefused as exc:
             self.error = str(exc)
         except Exception as exc:  # a bad checkpoint, no space, a failed pin: said, not raised
             log.exception("reload failed")

@@ -170,7 +170,6 @@ def test_a_stop_during_a_reload_cancels_it_and_leaves_the_served_tables(
     again = reload(daemon, "--wait", "1")  # the one running answers: still loading
     assert (again["exit"], again["state"]) == (1, "loading"), again
     assert probe(daemon.socket, "health", 5.0).body.ready  # serving all along
-    stopping = time.monotonic()
-    assert daemon.stop(timeout=60) == 0
-    assert time.monotonic() - stopping < delay / 4, "the stop waited for the reload"
+    assert daemon.stop(timeout=delay / 2) == 0  # stop() fails if it takes longer
+    assert "cancelled: the reload was cancelled" in daemon.log()  # not waited out
     assert table_files(daemon) == served_files
