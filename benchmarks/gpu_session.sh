@@ -46,12 +46,12 @@ phase_tests_daemon() {  # the end-to-end GPU tests alone (served and mapped clie
 phase_tests_containers() {  # namespaced clients and descriptor slabs alone, no MPS
   python3 -m pytest tests/gpu/test_containers_gpu.py -q --durations=5 2>&1 | tee "$out/gpu_tests_containers.log"
 }
-phase_tests_kill() {  # the twenty-killed-clients test alone, no MPS
-  python3 -m pytest tests/gpu/test_containers_gpu.py -q -k twenty -s 2>&1 | tee "$out/gpu_tests_kill.log"
+phase_tests_kill() {  # the twenty-killed-clients test alone, no MPS; interrupted (its stack shown) at 170 s
+  timeout -s INT 170 python3 -m pytest tests/gpu/test_containers_gpu.py -q -k twenty -s 2>&1 | tee -a "$out/gpu_tests_kill.log"
 }
 phase_tests_kill_mps() {  # the same under MPS
   mps_start
-  python3 -m pytest tests/gpu/test_containers_gpu.py -q -k twenty -s 2>&1 | tee "$out/gpu_tests_kill_mps.log"
+  timeout -s INT 170 python3 -m pytest tests/gpu/test_containers_gpu.py -q -k twenty -s 2>&1 | tee -a "$out/gpu_tests_kill_mps.log"
   local rc=${PIPESTATUS[0]}
   mps_stop
   return "$rc"

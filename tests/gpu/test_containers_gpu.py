@@ -100,8 +100,9 @@ def thread_states(pid: int) -> str:
     return "daemon threads:\n" + "\n".join(lines) + "\nprocesses:\n" + ps.stdout
 
 
-def kill_round(daemon) -> tuple[float, float]:
-    """KILLED busy namespaced clients, killed at once; (stats answered, no slab left) in s."""
+def kill_round(daemon) -> tuple[float, float, list[int]]:
+    """KILLED busy namespaced clients, killed at once; (stats answered, no slab left) in s, and
+    the killed pids."""
     procs = [subprocess.Popen(namespaced([sys.executable, "-c", BUSY_CLIENT, str(daemon.socket)],
                                          private_shm=not UNDER_MPS),
                               stdout=subprocess.PIPE, text=True) for _ in range(KILLED)]
@@ -120,7 +121,7 @@ def kill_round(daemon) -> tuple[float, float]:
         gone = answered + wait_until(lambda: stats_or_stacks(daemon, 60.0)["slabs"] == 0, timeout=60.0)
         stats = stats_or_stacks(daemon, 10.0)
         assert stats["clients"] == [] and stats["slab_bytes"] == 0
-        return answered, gone
+        return answered, gone, pids
     finally:
         for p in procs:
             p.kill()
@@ -128,12 +129,29 @@ def kill_round(daemon) -> tuple[float, float]:
             p.stdout.close()
 
 
-def settled_free_memory() -> int:
-    """Free device memory once the killed clients' contexts are torn down (it stops rising)."""
-    last, free = -1, torch.cuda.mem_get_info()[0]
-    while free > last:
+def gpu_processes() -> dict[int, int]:
+    """pid -> device memory in MiB of each process with a context on the GPU, as nvidia-smi lists
+    them (empty under MPS, where the server holds the contexts, or without nvidia-smi)."""
+    try:
+        listed = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                                 "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                                timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    rows = (line.split(",") for line in listed.splitlines() if line.count(",") == 1)
+    return {int(pid): int(mib) for pid, mib in rows if pid.strip().isdigit() and mib.strip().isdigit()}
+
+
+def settled_free_memory(killed: list[int]) -> int:
+    """Free device memory once the killed clients' contexts are torn down: none of them is listed
+    on the GPU any more (without MPS), and the free memory has not risen for three seconds
+    (a driver tears contexts down one by one, with pauses)."""
+    wait_until(lambda: not set(killed) & set(gpu_processes()), timeout=120.0, step=0.5)
+    last, free, steady = -1, torch.cuda.mem_get_info()[0], 0
+    while steady < 3:
         time.sleep(1.0)
         last, free = free, torch.cuda.mem_get_info()[0]
+        steady = steady + 1 if free <= last else 0
     return free
 
 
@@ -144,13 +162,15 @@ def test_twenty_killed_namespaced_gpu_clients_leave_no_slab_and_no_memory(daemon
     daemon = daemon_factory(extra=CUDA)
     torch.cuda.init()
     first = kill_round(daemon)
-    free_after_first = settled_free_memory()
+    free_after_first, held_after_first = settled_free_memory(first[2]), gpu_processes()
     second = kill_round(daemon)
-    free_after_second = settled_free_memory()
+    free_after_second, held_after_second = settled_free_memory(second[2]), gpu_processes()
     print(f"{KILLED} killed, twice: stats answered after {first[0]:.3f} / {second[0]:.3f} s, no slab "
           f"left after {first[1]:.3f} / {second[1]:.3f} s; free memory {free_after_first / 2**30:.2f}"
-          f" -> {free_after_second / 2**30:.2f} GiB")
-    assert free_after_second >= free_after_first - LEAK_SLACK_BYTES
+          f" -> {free_after_second / 2**30:.2f} GiB; MiB held by pid {held_after_first} -> "
+          f"{held_after_second} (daemon {daemon.proc.pid})")
+    assert free_after_second >= free_after_first - LEAK_SLACK_BYTES, (
+        f"{held_after_second}\n{daemon.log()[-20000:]}")
     assert probe(daemon.socket, "stats", 10.0).body.reaped == 2 * KILLED
     assert daemon.proc.poll() is None
 
