@@ -382,25 +382,28 @@ class GatherPlan:
     def warm_up(self, stream: torch.cuda.Stream | None = None,
                 caches: Sequence[HotCache | None] = (None,),
                 dedupe: Sequence[bool] = (False, True),
-                sort: Sequence[bool] = (False, True)) -> None:
+                sort: Sequence[bool] = (False, True),
+                packed: Sequence[bool] = (False, True),
+                counted: Sequence[bool] = (False, True)) -> None:
         """Compile and load every kernel variant this plan can launch with the default blocks.
 
-        `caches`, `dedupe` and `sort` are the values it will be called with (each variant compiles for
-        a second or so): a cache variant warms up on the real cache (DEAD IDs read, count and
-        log nothing).
+        `caches`, `dedupe`, `sort`, `packed` and `counted` (whether an `out_of_range` counter is
+        passed) are the values it will be called with: each variant compiles for a second or so,
+        and loads from Triton's cache in tens of ms, so a caller warms only those it launches. A
+        cache variant warms up on the real cache (DEAD IDs read, count and log nothing).
 
         A first launch loads the module lazily, and a process whose stream waits on another
         process must not do that in its hot path (DESIGN.md, data path point 4).
         """
         counter = torch.zeros(1, dtype=torch.int64, device=self.device)
+        counts = [counter if on else None for on in counted]
         for dtype in _ID_DTYPES:
             ids = torch.full((1, self.n_layers, self.shard.head_end), DEAD_ID, dtype=dtype,
                              device=self.device)
-            for packed in (False, True):
-                for count in (None, counter):
-                    for cache, leaders, ordered in itertools.product(caches, dedupe, sort):
-                        self(ids, packed=packed, stream=stream, out_of_range=count,
-                             cache=cache, dedupe=leaders, sort=ordered)
+            for as_bytes, count, cache, leaders, ordered in itertools.product(packed, counts, caches,
+                                                                               dedupe, sort):
+                self(ids, packed=as_bytes, stream=stream, out_of_range=count, cache=cache,
+                     dedupe=leaders, sort=ordered)
 
     def output_shape(self, tokens: int, packed: bool = False) -> tuple[int, int, int, int]:
         width = self.row_bytes if packed else self.head_dim

@@ -89,6 +89,13 @@ class GatherOptions:
     def sort(self, tokens: int) -> bool:
         return 0 < self.sort_min_tokens <= tokens
 
+    def launched_variants(self, cache: HotCache | None) -> dict[str, Any]:
+        """GatherPlan.warm_up's arguments for exactly the kernel variants _gather launches: BF16
+        rows, always counted, on this cache, sorted and deduplicated where these options may."""
+        return {"caches": [cache], "packed": (False,), "counted": (True,),
+                "dedupe": (False, True) if self.dedupe_min_tokens else (False,),
+                "sort": (False, True) if self.sort_min_tokens else (False,)}
+
 
 class PinnedTables:
     """The host tables registered for the GPUs (host_tables.pin_tables); unregistered on close."""
@@ -299,8 +306,7 @@ class GpuState:
                 admitted = self.keeper.warm(options.warm_ids)
                 log.info("GPU %d: %d rows admitted from the warm-up trace", index, admitted)
             plan = GatherPlan(layer_tables, geometry.shard(0, 1), self.device)
-            plan.warm_up(caches=[self.cache], dedupe=(False, True) if options.dedupe_min_tokens else (False,),
-                         sort=(False, True) if options.sort_min_tokens else (False,))
+            plan.warm_up(**options.launched_variants(self.cache))
             torch.cuda.synchronize(index)
         self.warm_plan = plan
 

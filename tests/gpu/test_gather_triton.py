@@ -302,3 +302,45 @@ def test_slot_gather_direct_launches_equal_the_reference(world, shards, cached):
     assert launch._direct and set(launch._kernels) == {torch.int32, torch.int64}, \
         "the direct launch path was not taken"
     assert int(bad) == expected_bad
+
+
+def compiled_variants() -> int:
+    """How many variants of the gather kernel this process has compiled or loaded on GPU 0."""
+    return len(gt._gather_kernel.device_caches[0][0])  # Triton 3.x: (kernel cache, ...) per device
+
+
+def test_the_daemons_warm_up_compiles_every_variant_its_lookups_launch(world):
+    """CudaBackend warms only the variants _gather launches (GatherOptions.launched_variants):
+    after that warm-up, lookups of every size and ID dtype, with dedupe and sort where the
+    options turn them on, compile nothing in the hot path, while a variant it does not launch
+    (packed rows) still would."""
+    from engramd.client.slab import SlabLayout, SlotViews
+    from engramd.kernels import hot_cache
+    from engramd.server.cuda_backend import GatherOptions
+
+    geo, _, tables_gpu = world
+    options = GatherOptions(dedupe_min_tokens=256, sort_min_tokens=64)
+    cache = hot_cache.HotCache(hot_cache.CacheLayout.from_budget(8 << 20, geo.row_bytes),
+                               geo.n_layers, CUDA)
+    plan = gt.GatherPlan(tables_gpu, geo.shard(0, 1), CUDA)
+    bad = torch.zeros(1, dtype=torch.int64, device=CUDA)
+    launch = gt.SlotGather(plan, bad, cache, num_programs=66)
+    plan.warm_up(**options.launched_variants(cache))
+    warmed = compiled_variants()
+    layout = SlabLayout(slots=1, max_tokens=4097, n_layers=geo.n_layers, heads=geo.heads,
+                        local_heads=geo.heads, head_dim=geo.head_dim)
+    views = SlotViews(layout, torch.zeros(layout.size, dtype=torch.uint8, device=CUDA))
+    stream = torch.cuda.Stream(CUDA)
+    for dtype in (torch.int64, torch.int32):
+        for tokens in (1, 63, 64, 255, 256, 4097):
+            ids, rows = views.ids(0, tokens, dtype), views.rows(0, tokens)
+            ids.copy_(mixed_ids(geo, tokens, seed=tokens).to(dtype).to(CUDA))
+            if options.dedupe(tokens) or options.sort(tokens):  # as server/cuda_backend.py _gather
+                plan(ids, rows, stream=stream, out_of_range=bad, cache=cache, num_programs=66,
+                     dedupe=options.dedupe(tokens), sort=options.sort(tokens))
+            else:
+                launch(ids, rows, stream)
+    torch.cuda.synchronize()
+    assert compiled_variants() == warmed, "a served lookup compiled a kernel variant in its hot path"
+    plan(views.ids(0, 1, torch.int64), packed=True, out_of_range=bad)
+    assert compiled_variants() == warmed + 1, "the count of compiled variants does not see a new one"
