@@ -15,7 +15,7 @@
 # attach-64 (the same at 64 GiB, two restarts), attach-64-huge (attach-64 on hugetlbfs), tests-pin (pinning in parts, then test_cuda_daemon.py),
 # tests-pin-only, start-probe (benchmarks/start_probe.py: torch import, CUDA context and pin, in which order),
 # tests-kill, tests-kill-mps (the twenty-killed-clients test alone, without and with MPS),
-# tests-warm-up (the daemon's kernel warm-up against the variants it launches), unmap-probe (benchmarks/unmap_probe.py),
+# tests-warm-up (the daemon's kernel warm-up against the variants it launches), tests-rows (rows and counts of every kind of IDs), unmap-probe (benchmarks/unmap_probe.py),
 # pin-probe (benchmarks/pin_probe.py: ways to pin a table file already in shared memory).
 # Logs and results are packed into OUT/results.tgz (one file); each phase's exit code is
 # printed at the end.
@@ -56,6 +56,9 @@ phase_tests_kill_mps() {  # the same under MPS
   local rc=${PIPESTATUS[0]}
   mps_stop
   return "$rc"
+}
+phase_tests_rows() {  # served and mapped rows of every kind of IDs, and their out-of-range counts
+  python3 -m pytest tests/gpu/test_cuda_daemon.py -q -k rows_match_reference 2>&1 | tee "$out/gpu_tests_rows.log"
 }
 phase_tests_warm_up() {  # the daemon's warm-up covers the variants its lookups launch
   python3 -m pytest tests/gpu/test_gather_triton.py -q -k warm_up 2>&1 | tee "$out/gpu_tests_warm_up.log"

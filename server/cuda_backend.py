@@ -168,6 +168,11 @@ class CudaSlab:
             self.views = SlotViews(layout, cuda.tensor_view(self.ptr, layout.size, device))
             self.shard = shard
             self.out_of_range = torch.zeros(1, dtype=torch.int64, device=device)
+            # Its value as last copied to the host (GpuState.counted): stats never wait on the GPU.
+            self.count_host = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+            self.count_copy: torch.cuda.Event | None = None  # the copy in flight
+            self.count_seen = 0
+            self.count_final = False  # its free thread reads the final value: no more copies
             self.plan, self.gather = self.gathers(plan_tables, gpu.serving_cache())
 
     def gathers(self, plan_tables: list[LayerTable], cache: HotCache | None) -> tuple[GatherPlan, SlotGather]:
@@ -376,27 +381,42 @@ class GpuState:
             self.keeper.start()
         return done
 
-    def read_counter(self, counter: torch.Tensor) -> int:
-        """A device counter's value now, synchronising only the copy stream (never a gather)."""
-        with torch.cuda.device(self.index), torch.cuda.stream(self._count_stream):
-            return int(counter.item())
-
     def drain(self, slab: CudaSlab) -> None:
         """A closed slab whose gathers may still run: its count stays in until it is final."""
         with self._freed_lock:
             self._draining.add(slab)
 
     def count_freed(self, slab: CudaSlab) -> None:
-        value = self.read_counter(slab.out_of_range)
+        """Take a freed slab's final count (its free thread, once its gathers have run): a
+        synchronous read, ordered after every copy `counted` queued, none queued after it."""
+        with self._freed_lock:
+            slab.count_final = True
+        with torch.cuda.device(self.index), torch.cuda.stream(self._count_stream):
+            value = int(slab.out_of_range.item())
         with self._freed_lock:
             self._freed_out_of_range += value
             self._draining.discard(slab)
 
     def out_of_range(self, slabs: list[CudaSlab]) -> int:
-        """Out-of-range IDs counted so far by these live slabs, the draining and the freed ones."""
+        """Out-of-range IDs counted so far by these live slabs, the draining and the freed ones,
+        each live or draining one as of its last completed copy (request loop; never waits)."""
         with self._freed_lock:
-            freed, draining = self._freed_out_of_range, list(self._draining)
-        return freed + sum(self.read_counter(s.out_of_range) for s in {*slabs, *draining})
+            return self._freed_out_of_range + sum(self.counted(s) for s in {*slabs, *self._draining})
+
+    def counted(self, slab: CudaSlab) -> int:
+        """`slab`'s count as its last completed copy to the host found it, queueing the next copy
+        once that one is done. A stats request on the loop thread must not wait for the device:
+        a copy can wait behind work that a killed client left on a shared MPS server."""
+        copy = slab.count_copy
+        if copy is not None and copy.query():
+            slab.count_seen, copy = int(slab.count_host[0]), None
+        if copy is None and not slab.count_final:
+            with torch.cuda.device(self.index), torch.cuda.stream(self._count_stream):
+                slab.count_host.copy_(slab.out_of_range, non_blocking=True)
+                copy = torch.cuda.Event()
+                copy.record(self._count_stream)
+        slab.count_copy = copy
+        return slab.count_seen
 
     def start(self) -> None:
         if self.keeper is not None:

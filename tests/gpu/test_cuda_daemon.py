@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import check_rows_stay_across_a_restart, run_client_processes
+from conftest import check_rows_stay_across_a_restart, run_client_processes, wait_until
 from reference import bucket_ids, random_ids
 
 from engramd.client import DaemonUnavailableError, EngramClient
@@ -64,13 +64,19 @@ def test_gpu_rows_match_reference(daemon_factory, reference, kind, mode):
         ids = random_ids(rng, 300, reference.rows, reference.heads, dead=0.2, out_of_range=0.5)
     elif kind == "buckets":
         ids = bucket_ids(rng, 300, reference.bucket_sizes)
+    rows_per_layer = np.asarray(reference.rows).reshape(1, -1, 1)
     with EngramClient(daemon.socket, device="cuda", max_tokens=512, slots=2, mode=mode) as client:
         assert client.mode == mode
+        outside = 0
         for dtype in (torch.int64, torch.int32):
             source = torch.from_numpy(np.clip(ids, -2**31, 2**31 - 1)).to(dtype).cuda()
             rows = client.lookup(source).wait()
             torch.cuda.current_stream().synchronize()
-            assert_exact(rows, reference.expected(source.long().cpu().numpy()), f"{kind} {dtype}")
+            sent = source.long().cpu().numpy()
+            assert_exact(rows, reference.expected(sent), f"{kind} {dtype}")
+            outside += int(np.count_nonzero((sent != -1) & ((sent < 0) | (sent >= rows_per_layer))))
+        # counted on the device, reported by stats a heartbeat or two later (never synchronised)
+        wait_until(lambda: client.stats()["out_of_range"] == outside, timeout=10.0, step=0.1)
 
 
 @pytest.mark.parametrize("mode", ["served", "mapped"])
