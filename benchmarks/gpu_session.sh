@@ -14,7 +14,8 @@
 # attach (benchmarks/mapped_attach.py, 16 GiB: mapped client attach, daemon restart to ready),
 # attach-64 (the same at 64 GiB, two restarts), attach-64-huge (attach-64 on hugetlbfs), tests-pin (pinning in parts, then test_cuda_daemon.py),
 # tests-pin-only, start-probe (benchmarks/start_probe.py: torch import, CUDA context and pin, in which order),
-# tests-kill, tests-kill-mps (the twenty-killed-clients test alone, without and with MPS),
+# tests-kill, tests-kill-mps (the twenty-killed-clients test alone, without and with MPS, both
+# dispatch modes), tests-kill-mps-connections (the same with CUDA_DEVICE_MAX_CONNECTIONS=32),
 # tests-warm-up (the daemon's kernel warm-up against the variants it launches), tests-rows (rows and counts of every kind of IDs), unmap-probe (benchmarks/unmap_probe.py),
 # pin-probe (benchmarks/pin_probe.py: ways to pin a table file already in shared memory).
 # Logs and results are packed into OUT/results.tgz (one file); each phase's exit code is
@@ -47,12 +48,12 @@ phase_tests_daemon() {  # the end-to-end GPU tests alone (served and mapped clie
 phase_tests_containers() {  # namespaced clients and descriptor slabs alone, no MPS
   python3 -m pytest tests/gpu/test_containers_gpu.py -q --durations=5 2>&1 | tee "$out/gpu_tests_containers.log"
 }
-phase_tests_kill() {  # the twenty-killed-clients test alone, no MPS; interrupted (its stack shown) at 170 s
-  timeout -s INT 170 python3 -m pytest tests/gpu/test_containers_gpu.py -q -k twenty -s 2>&1 | tee -a "$out/gpu_tests_kill.log"
+phase_tests_kill() {  # the twenty-killed-clients test alone, no MPS; interrupted (its stack shown) at 400 s
+  timeout -s INT 400 python3 -m pytest tests/gpu/test_containers_gpu.py -q -k twenty -s 2>&1 | tee -a "$out/gpu_tests_kill.log"
 }
 phase_tests_kill_mps() {  # the same under MPS
   mps_start
-  timeout -s INT 170 python3 -m pytest tests/gpu/test_containers_gpu.py -q -k twenty -s 2>&1 | tee -a "$out/gpu_tests_kill_mps.log"
+  timeout -s INT 400 python3 -m pytest tests/gpu/test_containers_gpu.py -q -k twenty -s 2>&1 | tee -a "$out/gpu_tests_kill_mps.log"
   local rc=${PIPESTATUS[0]}
   mps_stop
   return "$rc"
@@ -62,6 +63,9 @@ phase_tests_rows() {  # served and mapped rows of every kind of IDs, and their o
 }
 phase_tests_warm_up() {  # the daemon's warm-up covers the variants its lookups launch
   python3 -m pytest tests/gpu/test_gather_triton.py -q -k warm_up 2>&1 | tee "$out/gpu_tests_warm_up.log"
+}
+phase_tests_kill_mps_connections() {  # the same with a hardware queue per stream (up to 32)
+  ( export CUDA_DEVICE_MAX_CONNECTIONS=32; phase_tests_kill_mps )
 }
 phase_pin_probe() { python3 benchmarks/pin_probe.py --gib 16 --out "$out/pin" 2>&1 | tee "$out/pin_probe.log" | tail -40; }
 phase_unmap_probe() { python3 benchmarks/unmap_probe.py 2>&1 | tee "$out/unmap_probe.log"; }

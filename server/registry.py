@@ -405,9 +405,10 @@ class ClientRegistry:
 
     def _device_out_of_range(self, slabs: list[Slab]) -> int:
         """Out-of-range IDs a GPU backend counted on the device (never synchronised per lookup):
-        by these live slabs and by those it freed. Reading them copies one counter per slab
-        from the device, so the value is read at most once per heartbeat interval: a flood of
-        `stats` requests must not become a flood of device copies on the request loop."""
+        by these live slabs and by those it freed. Reading them queues one counter copy per
+        slab from the device and takes the last completed ones (the count lags by a read or
+        so), at most once per heartbeat interval: a flood of `stats` requests must not become
+        a flood of device copies on the request loop."""
         now = time.monotonic()
         if now - self._device_count[0] >= self.limits.heartbeat_interval:
             self._device_count = (now, self.backend.out_of_range(slabs))

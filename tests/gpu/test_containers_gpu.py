@@ -155,11 +155,13 @@ def settled_free_memory(killed: list[int]) -> int:
     return free
 
 
-def test_twenty_killed_namespaced_gpu_clients_leave_no_slab_and_no_memory(daemon_factory):
+@pytest.mark.parametrize("dispatch", ["inline", "worker"])
+def test_twenty_killed_namespaced_gpu_clients_leave_no_slab_and_no_memory(daemon_factory, dispatch):
     """Two rounds of KILLED killed clients: every slab is freed within a bound, and the second
     round leaves the GPU's free memory where the first left it (the daemon's allocator cache
-    is warm by then, so any loss is a leak)."""
-    daemon = daemon_factory(extra=CUDA)
+    is warm by then, so any loss is a leak). In both dispatch modes: inline, a launch that
+    blocks stops the request loop itself."""
+    daemon = daemon_factory(extra=[*CUDA, "--cuda-dispatch", dispatch])
     torch.cuda.init()
     first = kill_round(daemon)
     free_after_first, held_after_first = settled_free_memory(first[2]), gpu_processes()
