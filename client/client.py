@@ -285,9 +285,9 @@ class EngramClient:
         self.pin_tables = pin_tables
         self.tables_id: str | None = None  # the tables this client's lookups read (see lookup)
         self.tables_generation = 0  # bumped each time they change
+        self._tables_seq = 0  # their seq in this daemon (client/messages.py: tables_seq)
         self._tables_lost: str | None = None  # pinned: why lookups are refused
-        self._tables_left: set[str] = set()  # tables it read before (their news is stale)
-        self._heard_tables: str | None = None  # what the daemon's heartbeat replies name
+        self._heard_tables: tuple[str, int] | None = None  # (tables, seq) a heartbeat reply named
         # Mapped: replaced mappings (with what their last gathers need) until those have run.
         self._old_mappings: list[tuple[MappedTables, Any, Any]] = []
         self._remapping: PendingMapping | None = None  # mapped: a reload's tables, being mapped
@@ -439,9 +439,10 @@ class EngramClient:
                         "the daemon and the engines (README, 'MPS').")
         self.client_id = f.client_id
         self.epoch = reply.epoch
-        self._read_tables(f.tables)  # which tables the daemon serves (None: it does not say)
+        self._read_tables(f.tables, f.tables_seq)  # what the daemon serves (None: it does not say)
         self._tables_lost = None  # pinned: the daemon registered us, so it serves ours
         self._heard_tables, self._token, self._gather_policy = None, f.token, f.gather
+        self._conn.tables_notice = None  # read before this reply: news of an older registration
         self.counts = {"lookups": 0, "rows": 0, "out_of_range": 0}  # this registration's
         self.geometry = TableGeometry.from_config(f.geometry, source="daemon register reply")
         self.shard: ShardView = self.geometry.shard(tp_rank, tp_size)
@@ -521,7 +522,7 @@ class EngramClient:
         """Mapped mode: the tables' descriptors, mapped read-only."""
         self._mapped = MappedTables(attachment.tables, self.geometry, self.device)
         if attachment.version is not None:  # a reload between register and attach: these
-            self._read_tables(attachment.version)
+            self._read_tables(attachment.version, attachment.tables_seq)
         self._gather = mapped_gather(self.shard, self._mapped, self.device,
                                      int(gather.get("sort_min_tokens", 0)),
                                      float(gather.get("sm_fraction", 1.0)))
@@ -533,24 +534,20 @@ class EngramClient:
 
     # -- reloads ----------------------------------------------------------------------------------
 
-    def _read_tables(self, tables: str | None) -> None:
-        """From now on this client's lookups read `tables` (the daemon's id of them)."""
+    def _read_tables(self, tables: str | None, seq: int) -> None:
+        """From now on this client's lookups read `tables` (the daemon's id of them, `seq` its
+        count of switches when it served them)."""
         if tables != self.tables_id and self.tables_id is not None:
             self.tables_generation += 1
-            self._tables_left.add(self.tables_id)
-        self._tables_left.discard(tables)
-        self.tables_id = tables
+        self.tables_id, self._tables_seq = tables, seq
 
-    def _tables_news(self) -> str | None:
-        """The tables the daemon says it serves, when they are not the ones this client reads:
-        a notice's (in order with the replies), else a heartbeat reply's, unless it names
-        tables this client has left (a reply read late, from before the switch)."""
-        notice, heard = self._conn.tables_notice, self._heard_tables
-        if notice is not None and notice != self.tables_id:
-            return notice
-        if heard is not None and heard != self.tables_id and heard not in self._tables_left:
-            return heard
-        return None
+    def _tables_news(self) -> tuple[str, int] | None:
+        """(tables, seq) the daemon serves, when it switched to them after the ones this client
+        reads: from a notice (in order with the replies) or a heartbeat reply, whichever is
+        later. Older news (a reply read late, from before a switch) is none."""
+        news = [n for n in (self._conn.tables_notice, self._heard_tables)
+                if n is not None and n[1] > self._tables_seq]
+        return max(news, key=lambda n: n[1]) if news else None
 
     def _follow_tables(self) -> None:
         """Before a lookup: if a reload replaced the tables, read the new ones (mapped: once
@@ -560,12 +557,12 @@ class EngramClient:
         news = self._tables_news() if self._tables_lost is None else None
         if news is not None and self.pin_tables:
             self._tables_lost = (f"this client pinned tables {self.tables_id}; the daemon serves "
-                                 f"{news} now (a reload): look up from a new client")
+                                 f"{news[0]} now (a reload): look up from a new client")
         if self._tables_lost is not None:
             raise TablesChangedError(self._tables_lost)
         if self.mode != "mapped":
             if news is not None:  # the daemon serves them to every lookup it takes from now
-                self._read_tables(news)
+                self._read_tables(*news)
                 self._conn.tables_notice = self._heard_tables = None
             return
         pending = self._remapping
@@ -609,7 +606,7 @@ class EngramClient:
         del old_gather
         self._free_old_mappings()
         log.info("client %d maps tables %s now (were %s)", self.client_id, pending.version, self.tables_id)
-        self._read_tables(pending.version)
+        self._read_tables(pending.version, pending.seq)
 
     def _free_old_mappings(self, wait: bool = False) -> None:
         """Unmap replaced mappings whose last gathers are done, in the background (`wait`: all,
@@ -907,9 +904,11 @@ class EngramClient:
                     beat.send("heartbeat", client_id=client_id, token=token,
                               counts=self._heartbeat_counts(),
                               tables=self.tables_id if self.mode == "mapped" else None)
-                for reply in beat.take_replies():  # heartbeat replies: the tables served now
-                    if getattr(reply.body, "tables", None) is not None:
-                        self._heard_tables = reply.body.tables
+                for reply in beat.take_replies():  # heartbeat replies, in no order: the latest tables
+                    body, heard = reply.body, self._heard_tables
+                    if (getattr(body, "tables", None) is not None and reply.epoch == self.epoch
+                            and (heard is None or body.tables_seq > heard[1])):
+                        self._heard_tables = (body.tables, body.tables_seq)
         finally:
             beat.close()
 

@@ -56,7 +56,7 @@ class Connection:
         self._gone: Callable[[], str | None] | None = None
         self.epoch: str | None = None
         self.notice: str | None = None  # last unsolicited event from the daemon ("stopping")
-        self.tables_notice: str | None = None  # the tables a "tables" notice named, last
+        self.tables_notice: tuple[str, int] | None = None  # (tables, seq) the last "tables" notice named
 
     def watch_daemon(self, gone: Callable[[], str | None]) -> None:
         """While waiting, ask `gone()`: why the daemon can no longer answer, or None."""
@@ -157,7 +157,7 @@ class Connection:
             if rid == protocol.NOTICE_RID:
                 notice = protocol.decode_reply(frames).body
                 if notice.event == "tables":  # news, not a state of the daemon
-                    self.tables_notice = notice.tables
+                    self.tables_notice = (notice.tables, notice.tables_seq)
                 else:
                     self.notice = notice.event
             else:

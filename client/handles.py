@@ -173,6 +173,7 @@ class Attachment:
     slab_fd: int | None
     tables: list[TableGrant]
     version: str | None = None  # mapped: the granted tables' id
+    tables_seq: int = 0  # and their seq (client/messages.py)
 
     def close_descriptors(self) -> None:
         """Close the descriptors not taken over by their users (the lease stays)."""
@@ -194,14 +195,14 @@ def attach(path: str | os.PathLike, client_id: int, token: str,
 
 
 def fetch_tables(path: str | os.PathLike, client_id: int, token: str,
-                 timeout: float = HANDLE_TIMEOUT_S) -> tuple[str, list[TableGrant]]:
-    """A mapped client after a reload: (the tables' id, a grant of each table served now; the
-    caller closes their descriptors). Raises the daemon's typed error."""
+                 timeout: float = HANDLE_TIMEOUT_S) -> tuple[str, int, list[TableGrant]]:
+    """A mapped client after a reload: (the tables' id, their seq, a grant of each table served
+    now; the caller closes their descriptors). Raises the daemon's typed error."""
     sock, header, fds = _ask_for_descriptors(path, TablesRequest(client_id, token), timeout)
     sock.close()
     try:
         _, reply = read_reply(header, TablesReply)
-        return reply.version, _grants(reply.tables, fds, "tables")
+        return reply.version, reply.tables_seq, _grants(reply.tables, fds, "tables")
     except BaseException:
         _close_all(fds)
         raise
@@ -248,7 +249,7 @@ def _attachment(sock: socket.socket, header: dict[str, Any], fds: list[int]) -> 
     slab_fd = fds[0] if slab is not None else None
     grants = _grants(tables, fds[1:] if slab is not None else fds, "attach")
     sock.settimeout(None)
-    return Attachment(sock, epoch, slab, slab_fd, grants, reply.version)
+    return Attachment(sock, epoch, slab, slab_fd, grants, reply.version, reply.tables_seq)
 
 
 def _send_request(sock: socket.socket, request: Message) -> None:

@@ -126,29 +126,30 @@ class PendingMapping:
     """A reload's tables, fetched and mapped on a thread of its own while lookups go on over the
     old mapping: registering V4.1's 189 GiB for a GPU takes seconds, which no lookup() may wait."""
 
-    def __init__(self, fetch: Callable[[], tuple[str, list[TableGrant]]], geometry: TableGeometry,
+    def __init__(self, fetch: Callable[[], tuple[str, int, list[TableGrant]]], geometry: TableGeometry,
                  device: torch.device):
         self.version: str | None = None
+        self.seq = 0
         self.tables: MappedTables | None = None
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(fetch, geometry, device),
                                         name="engramd-remap", daemon=True)
         self._thread.start()
 
-    def _run(self, fetch: Callable[[], tuple[str, list[TableGrant]]], geometry: TableGeometry,
+    def _run(self, fetch: Callable[[], tuple[str, int, list[TableGrant]]], geometry: TableGeometry,
              device: torch.device) -> None:
         try:
             if device.type == "cuda":
                 from engramd.client import cuda
 
                 cuda.make_current(device.index)  # else the registration lands on device 0
-            version, grants = fetch()
+            version, seq, grants = fetch()
             try:
                 self.tables = MappedTables(grants, geometry, device, populate=True)
             finally:
                 for grant in grants:  # the mappings keep the files
                     os.close(grant.fd)
-            self.version = version
+            self.version, self.seq = version, seq
         except BaseException as exc:  # told to the lookup that takes it
             self.error = exc
 

@@ -141,6 +141,10 @@ REQUESTS: dict[str, type[Message]] = {m.OP: m for m in (
 
 # -- replies (daemon -> client) ---------------------------------------------------------------------
 
+# `tables_seq` beside a tables id counts the reloads that had switched tables in this daemon
+# (0 at its start): news of the tables is new only if its seq is higher than the client's, so a
+# late reply never moves a client back, and a reload back to earlier tables (A, B, A) still does.
+
 
 @dataclass(slots=True)
 class RegisterReply(Message):
@@ -156,6 +160,7 @@ class RegisterReply(Message):
     shard: dict
     mps: dict | None
     tables: str | None = None  # the served tables' identity (the checkpoint's fingerprint)
+    tables_seq: int = 0  # see above
 
 
 @dataclass(slots=True)
@@ -175,6 +180,7 @@ class HeartbeatReply(Message):
 
     OP = "heartbeat"
     tables: str | None = None
+    tables_seq: int = 0
 
 
 @dataclass(slots=True)
@@ -223,6 +229,7 @@ class Notice(Message):
     OP = "notice"
     event: str
     tables: str | None = None
+    tables_seq: int = 0
 
 
 REPLIES: dict[str, type[Message]] = {m.OP: m for m in (
@@ -247,6 +254,7 @@ class AttachReply(Message):
     slab: dict | None = None
     tables: list = field(default_factory=list)  # {layer_id, rows, row_bytes, data_offset, file_bytes}
     version: str | None = None  # mapped: the granted tables' id (a reload may come between)
+    tables_seq: int = 0
 
 
 @dataclass(slots=True)
@@ -277,6 +285,7 @@ class TablesReply(Message):
     OP = "tables"
     version: str
     tables: list  # {layer_id, rows, row_bytes, data_offset, file_bytes}
+    tables_seq: int = 0
 
 
 @dataclass(slots=True)

@@ -527,7 +527,8 @@ class Daemon:
             os.close(fd)
         for client in list(self.service.registry.clients.values()):  # _send may reap
             self._send(client.identity, protocol.encode_notice(
-                self.epoch, "tables", f"the daemon serves tables {tables_id} now", tables=tables_id))
+                self.epoch, "tables", f"the daemon serves tables {tables_id} now", tables=tables_id,
+                tables_seq=self.service.tables_seq))
 
     def _event_tables_retired(self, tables: list[HostTable]) -> None:
         """No gather of the daemon's reads these replaced tables any more: unmap them."""
@@ -561,7 +562,8 @@ class Daemon:
             grants, fds = self._table_grants()
         except OSError as exc:
             raise ResourceError(f"cannot pass descriptors now: {exc.strerror}") from None
-        return ok_reply(self.epoch, TablesReply(version=self.service.tables_id, tables=grants)), fds
+        return ok_reply(self.epoch, TablesReply(version=self.service.tables_id, tables=grants,
+                                                tables_seq=self.service.tables_seq)), fds
 
     def _admin_drain(self, peer: PeerCredentials) -> DrainReply:
         """Admin: stop accepting, finish in-flight lookups, then exit 0 (as on SIGTERM)."""
@@ -644,7 +646,8 @@ class Daemon:
                 fds.append(record.slab.descriptor())
             else:
                 grants, table_fds = self._table_grants()
-                reply = AttachReply(tables=grants, version=self.service.tables_id)
+                reply = AttachReply(tables=grants, version=self.service.tables_id,
+                                    tables_seq=self.service.tables_seq)
                 fds.extend(table_fds)
         except Exception as exc:  # out of descriptors, or the device would not export
             for fd in fds:

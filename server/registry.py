@@ -151,6 +151,7 @@ class ClientRegistry:
                  tables_id: str | None = None):
         self.geometry = geometry
         self.tables_id = tables_id  # told to clients, so they see a restart on other tables
+        self.tables_seq = 0  # reloads that switched the tables (client/messages.py: tables_seq)
         self.backend = backend
         self.limits = limits
         self._on_retire = on_retire  # the daemon lets go of the registration's lease
@@ -212,7 +213,7 @@ class ClientRegistry:
             shard={"rank": shard.rank, "shards": shard.shards, "head_start": shard.head_start,
                    "head_end": shard.head_end, "local_heads": shard.local_heads,
                    "row_ranges": [list(r) for r in shard.row_ranges]},
-            mps=mps, tables=self.tables_id)
+            mps=mps, tables=self.tables_id, tables_seq=self.tables_seq)
 
     def _evict_unattached(self, live: list[ClientRecord]) -> bool:
         """Make room by retiring the oldest registration that was never attached although it
@@ -356,6 +357,7 @@ class ClientRegistry:
         """A reload switched the tables: served clients read the new ones from their next
         lookup on (those pinned to others are refused); mapped ones say when they re-map."""
         self.tables_id = tables_id
+        self.tables_seq += 1
         for record in self.clients.values():
             if record.mode == "served" and record.pinned_tables is None:
                 record.tables = tables_id

@@ -76,6 +76,10 @@ class Service:
     def tables_id(self) -> str | None:
         return self.registry.tables_id if self.registry is not None else None
 
+    @property
+    def tables_seq(self) -> int:
+        return self.registry.tables_seq if self.registry is not None else 0
+
     def reload_status(self) -> dict[str, Any]:
         return self.reload.status() if self.reload is not None else {}
 
@@ -123,7 +127,7 @@ class Service:
         if request.client_id is not None:  # a bare heartbeat only asks whether we are here
             self._registered("heartbeat").heartbeat(identity, request.client_id, request.token,
                                                     request.counts, request.tables)
-        return HeartbeatReply(tables=self.tables_id)
+        return HeartbeatReply(tables=self.tables_id, tables_seq=self.tables_seq)
 
     def attach(self, client_id: int, token: str, peer: PeerCredentials) -> ClientRecord:
         return self._serving("attach").attach(client_id, token, peer)

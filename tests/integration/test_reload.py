@@ -173,3 +173,49 @@ def test_a_stop_during_a_reload_cancels_it_and_leaves_the_served_tables(
     assert daemon.stop(timeout=delay / 2) == 0  # stop() fails if it takes longer
     assert "cancelled: the reload was cancelled" in daemon.log()  # not waited out
     assert table_files(daemon) == served_files
+
+
+def follow(client: EngramClient, ids: np.ndarray, old, new) -> None:
+    """Lookups until `client` reads `new`'s rows (each one reads `old`'s or `new`'s, whole)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        rows = rows_of(client, ids)
+        assert rows_match(rows, old, ids) or rows_match(rows, new, ids), "rows of neither checkpoint"
+        if rows_match(rows, new, ids):
+            return
+        time.sleep(0.05)
+    raise AssertionError("the client never followed the reload")
+
+
+def test_a_mapped_client_follows_a_reload_back_from_heartbeats_alone(
+        daemon_factory, demo_checkpoint, reference, second_checkpoint, second_reference, tmp_path):
+    """A -> B -> A, and the notice of the return lost (as when a client's reply queue is full):
+    the heartbeat replies that name A again are news, since the daemon numbers its switches,
+    while a reply read late, naming tables from before the last switch, is not."""
+    current = tmp_path / "current"
+    point(current, demo_checkpoint)
+    daemon = daemon_factory(tables=current)
+    ids = random_ids(np.random.default_rng(8), 32, reference.rows, reference.heads)
+    with EngramClient(daemon.socket, mode="mapped", max_tokens=64) as client:
+        first = client.tables_id
+        assert rows_match(rows_of(client, ids), reference, ids)
+        point(current, second_checkpoint)
+        assert reload(daemon)["state"] == "done"
+        follow(client, ids, reference, second_reference)
+        second = client.tables_id
+        # A stale heartbeat reply (tables A, from before the switch) moves nothing.
+        client._heard_tables = (first, 0)
+        for _ in range(5):
+            assert rows_match(rows_of(client, ids), second_reference, ids)
+        assert client.tables_id == second
+        point(current, demo_checkpoint)
+        assert reload(daemon)["state"] == "done"
+        # The notice arrives; drop it unread, as a full queue would have.
+        def notice_read() -> bool:
+            client._conn._collect(0)
+            return client._conn.tables_notice is not None
+        wait_until(notice_read, timeout=10)
+        client._conn.tables_notice = None
+        follow(client, ids, second_reference, reference)
+        assert (client.tables_id, client.tables_generation) == (first, 2)
+    assert daemon.stop() == 0
