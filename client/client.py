@@ -34,6 +34,7 @@ import socket
 import threading
 import time
 import weakref
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -291,6 +292,8 @@ class EngramClient:
         # Mapped: replaced mappings (with what their last gathers need) until those have run.
         self._old_mappings: list[tuple[MappedTables, Any, Any]] = []
         self._remapping: PendingMapping | None = None  # mapped: a reload's tables, being mapped
+        # Held by lookup() and close(); the watch thread follows a reload only while it is free.
+        self._tables_lock = threading.RLock()
         self.timeout = timeout
         self.reconnect_timeout = reconnect_timeout
         self._registration = (tp_rank, tp_size, max_tokens, slots, name)
@@ -575,6 +578,26 @@ class EngramClient:
             self._remapping = None
             self._take_mapping(pending)
 
+    def _follow_while_idle(self) -> None:
+        """Watch thread: a mapped client that no lookup is using follows a reload here (maps
+        the new tables, takes them, unmaps the old ones), so an idle engine lets the old
+        tables' memory go within a heartbeat or two instead of at its next lookup."""
+        if self.mode != "mapped" or self.pin_tables:
+            return
+        if not self._tables_lock.acquire(blocking=False):
+            return  # a lookup or close() is running: lookups follow the tables themselves
+        try:
+            if self._conn is None or self._mapped is None:
+                return
+            if self._tables_news() is None and self._remapping is None and not self._old_mappings:
+                return
+            with torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext():
+                self._follow_tables()
+        except Exception as exc:  # the next lookup meets it again, in its own thread
+            log.warning("client %s could not follow the reload while idle: %s", self.client_id, exc)
+        finally:
+            self._tables_lock.release()
+
     def _take_mapping(self, pending: PendingMapping) -> None:
         """Gather from the reload's tables from this lookup on; the old mapping goes once the
         gathers on it are done."""
@@ -670,6 +693,11 @@ class EngramClient:
         `slot`: the slot whose rows the lookup fills (default: the next one in turn), for a
         caller that keeps views of a slot's rows (slot_rows).
         """
+        with self._tables_lock:
+            return self._lookup(hash_ids, stream, slot)
+
+    def _lookup(self, hash_ids: torch.Tensor, stream: torch.cuda.Stream | None,
+                slot: int | None) -> LookupFuture:
         if self._conn is None:
             raise DaemonUnavailableError("client is closed")
         self._take_in()
@@ -909,6 +937,7 @@ class EngramClient:
                     if (getattr(body, "tables", None) is not None and reply.epoch == self.epoch
                             and (heard is None or body.tables_seq > heard[1])):
                         self._heard_tables = (body.tables, body.tables_seq)
+                self._follow_while_idle()
         finally:
             beat.close()
 
@@ -970,6 +999,10 @@ class EngramClient:
 
     def close(self) -> None:
         """Release the registration and the slab mapping. Safe to call twice."""
+        with self._tables_lock:
+            self._close()
+
+    def _close(self) -> None:
         self._take_in()
         if self._conn is not None and self.client_id is not None and not self._daemon_gone():
             for future in list(self._pending.values()):

@@ -210,12 +210,35 @@ def test_a_mapped_client_follows_a_reload_back_from_heartbeats_alone(
         assert client.tables_id == second
         point(current, demo_checkpoint)
         assert reload(daemon)["state"] == "done"
-        # The notice arrives; drop it unread, as a full queue would have.
+        # The notice arrives; drop it unread, as a full queue would have (holding the lock that
+        # keeps the client's heartbeat thread from following it meanwhile).
         def notice_read() -> bool:
             client._conn._collect(0)
             return client._conn.tables_notice is not None
-        wait_until(notice_read, timeout=10)
-        client._conn.tables_notice = None
+        with client._tables_lock:
+            wait_until(notice_read, timeout=10)
+            client._conn.tables_notice = None
         follow(client, ids, second_reference, reference)
         assert (client.tables_id, client.tables_generation) == (first, 2)
+    assert daemon.stop() == 0
+
+
+def test_an_idle_mapped_client_lets_the_old_tables_go(
+        daemon_factory, demo_checkpoint, reference, second_checkpoint, second_reference, tmp_path):
+    """No lookup after the reload: the client's heartbeat thread re-maps and unmaps the old
+    tables by itself, so an idle engine does not hold them (a second reload needs the room)."""
+    current = tmp_path / "current"
+    point(current, demo_checkpoint)
+    daemon = daemon_factory(tables=current)
+    ids = random_ids(np.random.default_rng(9), 32, reference.rows, reference.heads)
+    with EngramClient(daemon.socket, mode="mapped", max_tokens=64) as client:
+        assert rows_match(rows_of(client, ids), reference, ids)
+        old_files = table_files(daemon)
+        assert mapped_names(os.getpid()) & old_files
+        point(current, second_checkpoint)
+        status = reload(daemon)
+        assert status["state"] == "done"
+        wait_until(lambda: not mapped_names(os.getpid()) & old_files, timeout=20)
+        assert (client.tables_id, client.tables_generation) == (status["tables"], 1)
+        assert rows_match(rows_of(client, ids), second_reference, ids)
     assert daemon.stop() == 0
