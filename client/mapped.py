@@ -215,20 +215,22 @@ def mapped_gather(shard: ShardView, tables: MappedTables, device: torch.device, 
 
 class DeviceCounterReader:
     """A device counter's value as of its last finished copy to the host, so that a background
-    thread can report it without ever synchronising the streams that count into it."""
+    thread (or the daemon's request loop) can report it without ever waiting for the device:
+    a copy can wait behind the streams that count into it, or behind a dead client's work."""
 
-    def __init__(self, counter: torch.Tensor):
+    def __init__(self, counter: torch.Tensor, stream: torch.cuda.Stream | None = None):
         self.counter = counter
         self._host = torch.zeros(1, dtype=counter.dtype).pin_memory()
-        self._stream = torch.cuda.Stream(counter.device)
+        self._stream = stream if stream is not None else torch.cuda.Stream(counter.device)
         self._copied: torch.cuda.Event | None = None
         self._value = 0
 
-    def read(self) -> int:
+    def read(self, again: bool = True) -> int:
+        """The last finished copy's value; `again`: queue the next copy if none is in flight."""
         if self._copied is not None and self._copied.query():
             self._value = int(self._host[0])
             self._copied = None
-        if self._copied is None:  # the next reading starts now and is taken next time
+        if self._copied is None and again:  # the next reading starts now and is taken next time
             with torch.cuda.stream(self._stream):
                 self._host.copy_(self.counter, non_blocking=True)
                 self._copied = torch.cuda.Event()

@@ -49,6 +49,7 @@ from engramd.client.errors import BadRequestError, ResourceError
 from engramd.client.geometry import ShardView, TableGeometry
 from engramd.client.host_pin import HostRegistration
 from engramd.client.ids import ID_DTYPES
+from engramd.client.mapped import DeviceCounterReader
 from engramd.client.mps import MpsState, mps_state
 from engramd.client.slab import FAILED, IDS_READY, ROWS_DONE, SlabLayout, SlotViews, release_value
 from engramd.kernels.gather_triton import GatherPlan, LayerTable, SlotGather
@@ -168,10 +169,8 @@ class CudaSlab:
             self.views = SlotViews(layout, cuda.tensor_view(self.ptr, layout.size, device))
             self.shard = shard
             self.out_of_range = torch.zeros(1, dtype=torch.int64, device=device)
-            # Its value as last copied to the host (GpuState.counted): stats never wait on the GPU.
-            self.count_host = torch.zeros(1, dtype=torch.int64, pin_memory=True)
-            self.count_copy: torch.cuda.Event | None = None  # the copy in flight
-            self.count_seen = 0
+            # Read as last copied to the host (GpuState.out_of_range): stats never wait on the GPU.
+            self.count_reader = DeviceCounterReader(self.out_of_range, gpu.count_stream)
             self.count_final = False  # its free thread reads the final value: no more copies
             self.plan, self.gather = self.gathers(plan_tables, gpu.serving_cache())
 
@@ -298,7 +297,7 @@ class GpuState:
         # Satisfies the waits of freed slabs; carries nothing else, so nothing can block it.
         self.release_stream = cuda.new_stream(index)
         # Reads the device's out-of-range counters; copies only, so a read never waits on a gather.
-        self._count_stream = cuda.new_stream(index)
+        self.count_stream = cuda.new_stream(index)
         self._freed_lock = threading.Lock()
         self._freed_out_of_range = 0  # counted by slabs already freed
         self._draining: set[CudaSlab] = set()  # closed, their gathers maybe still running
@@ -391,7 +390,7 @@ class GpuState:
         synchronous read, ordered after every copy `counted` queued, none queued after it."""
         with self._freed_lock:
             slab.count_final = True
-        with torch.cuda.device(self.index), torch.cuda.stream(self._count_stream):
+        with torch.cuda.device(self.index), torch.cuda.stream(self.count_stream):
             value = int(slab.out_of_range.item())
         with self._freed_lock:
             self._freed_out_of_range += value
@@ -399,24 +398,11 @@ class GpuState:
 
     def out_of_range(self, slabs: list[CudaSlab]) -> int:
         """Out-of-range IDs counted so far by these live slabs, the draining and the freed ones,
-        each live or draining one as of its last completed copy (request loop; never waits)."""
-        with self._freed_lock:
-            return self._freed_out_of_range + sum(self.counted(s) for s in {*slabs, *self._draining})
-
-    def counted(self, slab: CudaSlab) -> int:
-        """`slab`'s count as its last completed copy to the host found it, queueing the next copy
-        once that one is done. A stats request on the loop thread must not wait for the device:
-        a copy can wait behind work that a killed client left on a shared MPS server."""
-        copy = slab.count_copy
-        if copy is not None and copy.query():
-            slab.count_seen, copy = int(slab.count_host[0]), None
-        if copy is None and not slab.count_final:
-            with torch.cuda.device(self.index), torch.cuda.stream(self._count_stream):
-                slab.count_host.copy_(slab.out_of_range, non_blocking=True)
-                copy = torch.cuda.Event()
-                copy.record(self._count_stream)
-        slab.count_copy = copy
-        return slab.count_seen
+        each live or draining one as of its last finished copy (the request loop never waits on
+        the device: a copy can wait behind work a killed client left on a shared MPS server)."""
+        with self._freed_lock, torch.cuda.device(self.index):
+            return self._freed_out_of_range + sum(s.count_reader.read(again=not s.count_final)
+                                                  for s in {*slabs, *self._draining})
 
     def start(self) -> None:
         if self.keeper is not None:
