@@ -316,8 +316,10 @@ class EngramClient:
         self.client_id: int | None = None
         self.mps: dict[str, Any] | None = None
         self._warned_mps = False
+        self._idle_follow_failed: int | None = None  # the tables seq the watch thread gave up on
         try:
-            self._connect()
+            with self._tables_lock:  # the watch thread starts before the mapping is complete
+                self._connect()
         except BaseException:
             self.close()
             raise
@@ -445,7 +447,6 @@ class EngramClient:
         self._read_tables(f.tables, f.tables_seq)  # what the daemon serves (None: it does not say)
         self._tables_lost = None  # pinned: the daemon registered us, so it serves ours
         self._heard_tables, self._token, self._gather_policy = None, f.token, f.gather
-        self._conn.tables_notice = None  # read before this reply: news of an older registration
         self.counts = {"lookups": 0, "rows": 0, "out_of_range": 0}  # this registration's
         self.geometry = TableGeometry.from_config(f.geometry, source="daemon register reply")
         self.shard: ShardView = self.geometry.shard(tp_rank, tp_size)
@@ -533,6 +534,8 @@ class EngramClient:
             from engramd.client import cuda
 
             self._side = cuda.new_stream(self.device.index)
+            # The plan's device arrays were made on this thread's stream; the gathers run on ours.
+            self._side.wait_stream(torch.cuda.current_stream(self.device))
             self._out_of_range = DeviceCounterReader(self._gather.out_of_range)
 
     # -- reloads ----------------------------------------------------------------------------------
@@ -548,8 +551,9 @@ class EngramClient:
         """(tables, seq) the daemon serves, when it switched to them after the ones this client
         reads: from a notice (in order with the replies) or a heartbeat reply, whichever is
         later. Older news (a reply read late, from before a switch) is none."""
-        news = [n for n in (self._conn.tables_notice, self._heard_tables)
-                if n is not None and n[1] > self._tables_seq]
+        news = [n for n in (self._conn.tables_notice, self._heard_tables) if n is not None and (
+            n[1] > self._tables_seq
+            or n[1] == self._tables_seq == 0 and n[0] != self.tables_id)]  # a daemon without seqs
         return max(news, key=lambda n: n[1]) if news else None
 
     def _follow_tables(self) -> None:
@@ -566,7 +570,6 @@ class EngramClient:
         if self.mode != "mapped":
             if news is not None:  # the daemon serves them to every lookup it takes from now
                 self._read_tables(*news)
-                self._conn.tables_notice = self._heard_tables = None
             return
         pending = self._remapping
         if pending is None and news is not None:
@@ -587,13 +590,19 @@ class EngramClient:
         if not self._tables_lock.acquire(blocking=False):
             return  # a lookup or close() is running: lookups follow the tables themselves
         try:
-            if self._conn is None or self._mapped is None:
+            if self._conn is None or self._gather is None:  # closed, or still being built
                 return
-            if self._tables_news() is None and self._remapping is None and not self._old_mappings:
+            news = self._tables_news()
+            if news is not None and news[1] == self._idle_follow_failed:
+                return  # it failed here once: the next lookup tries again, and raises
+            if news is None and self._remapping is None and not self._old_mappings:
                 return
-            with torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext():
+            # On our side stream: the new plan's construction is ordered before our gathers and
+            # waits for none of the engine's work.
+            with torch.cuda.stream(self._side) if self._side is not None else nullcontext():
                 self._follow_tables()
-        except Exception as exc:  # the next lookup meets it again, in its own thread
+        except Exception as exc:
+            self._idle_follow_failed = news[1] if news is not None else None
             log.warning("client %s could not follow the reload while idle: %s", self.client_id, exc)
         finally:
             self._tables_lock.release()
@@ -601,8 +610,8 @@ class EngramClient:
     def _take_mapping(self, pending: PendingMapping) -> None:
         """Gather from the reload's tables from this lookup on; the old mapping goes once the
         gathers on it are done."""
-        self._conn.tables_notice = self._heard_tables = None
-        if pending.error is not None:  # the next heartbeat's reply tries again
+        if pending.error is not None:  # the news goes: the next heartbeat's reply tries again
+            self._conn.tables_notice = self._heard_tables = None
             log.warning("client %d could not map the reloaded tables: %s", self.client_id, pending.error)
             return
         try:
@@ -613,6 +622,8 @@ class EngramClient:
         except BaseException:
             pending.discard()
             raise
+        if self._side is not None:  # the new plan's device arrays came from this thread's stream
+            self._side.wait_stream(torch.cuda.current_stream(self.device))
         old, old_gather = self._mapped, self._gather
         self._mapped, self._gather = pending.tables, gather
         del gather
@@ -627,9 +638,9 @@ class EngramClient:
         else:
             self._old_mappings.append((old, done, None))
         del old_gather
-        self._free_old_mappings()
         log.info("client %d maps tables %s now (were %s)", self.client_id, pending.version, self.tables_id)
         self._read_tables(pending.version, pending.seq)
+        self._free_old_mappings()
 
     def _free_old_mappings(self, wait: bool = False) -> None:
         """Unmap replaced mappings whose last gathers are done, in the background (`wait`: all,

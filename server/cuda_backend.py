@@ -623,7 +623,9 @@ class CudaBackend:
         for uuid, index in self.uuids.items():
             gpu = self.gpus[index]
             with torch.cuda.device(index):
-                rows = gpu.warm_plan(ids.to(gpu.device), cache=gpu.cache, num_programs=gpu.programs)
+                counter = torch.zeros(1, dtype=torch.int64, device=gpu.device)  # a served variant
+                rows = gpu.warm_plan(ids.to(gpu.device), cache=gpu.cache, num_programs=gpu.programs,
+                                     out_of_range=counter)
                 yield f"GPU {uuid}", rows.cpu()
 
     def mps_states(self) -> dict[str, MpsState]:
