@@ -599,7 +599,9 @@ class EngramClient:
                 return
             # On our side stream: the new plan's construction is ordered before our gathers and
             # waits for none of the engine's work.
-            with torch.cuda.stream(self._side) if self._side is not None else nullcontext():
+            on_gpu = self._side is not None
+            with torch.cuda.device(self.device) if on_gpu else nullcontext(), \
+                    torch.cuda.stream(self._side) if on_gpu else nullcontext():
                 self._follow_tables()
         except Exception as exc:
             self._idle_follow_failed = news[1] if news is not None else None
