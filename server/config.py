@@ -99,6 +99,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("heartbeat_interval", float, 1.0,
             "seconds between client liveness checks; a dead client is retired within two (its slab "
             "is freed once its in-flight lookups finish)", low=0.05, high=60.0),
+    Setting("stall_dump_s", float, 30.0,
+            "when the request loop has not turned for this many seconds (at least three heartbeat "
+            "intervals), every thread's stack goes to stderr, headed 'Timeout'; 0: never",
+            low=0.0, high=3600.0),
     Setting("verify_tables", bool, False,
             "before serving re-attached tables, compare every row with the checkpoint and reload "
             "a table that differs anywhere (reads the whole checkpoint: about as long as a load)"),

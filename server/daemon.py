@@ -15,6 +15,7 @@ close the tables (their files stay for a fast re-attach), remove the socket.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import queue
@@ -81,6 +82,7 @@ MAX_MESSAGE_FRAMES = 2 + protocol.MAX_PAYLOAD_FRAMES
 SWITCH_INTERVAL_S = 0.0002
 DRAIN_BATCH = 1024  # requests read per wake-up, so that timers and leases are not starved
 EVENTS_EVERY = 32  # requests read between two looks at finished lookups (_drain_socket)
+STALL_ENV = "ENGRAMD_DEBUG_LOOP_STALL_S"  # tests: the ready loop sleeps this long, once
 
 
 @dataclass
@@ -219,6 +221,7 @@ class Daemon:
         try:
             return self._loop()
         finally:
+            faulthandler.cancel_dump_traceback_later()  # stopping is no stall
             sys.setswitchinterval(previous_interval)
 
     def _loop(self) -> int:
@@ -368,6 +371,7 @@ class Daemon:
                                                                f"daemon is stopping ({reason})"))
 
     def _housekeeping(self) -> None:
+        self._arm_stall_dump()
         now = time.perf_counter()
         self._deaf = {peer: until for peer, until in self._deaf.items() if until > now}
         if self.service.registry is not None:
@@ -377,6 +381,16 @@ class Daemon:
         if self.notifier.watchdog_interval is not None:
             self.notifier.watchdog()  # the loop is alive: it got here within one interval
         self._publish()
+        if STALL_ENV in os.environ and self.service.state == "ready":  # fault injection, once
+            time.sleep(float(os.environ.pop(STALL_ENV)))
+
+    def _arm_stall_dump(self) -> None:
+        """Re-arm the stall dump: a C thread of faulthandler's writes every thread's stack to
+        stderr if the loop does not come back here in time. It needs no GIL, so it reports a
+        loop stuck in a driver call too (a launch on a stream that waits for a dead client)."""
+        if self.config.stall_dump_s:
+            faulthandler.dump_traceback_later(max(self.config.stall_dump_s,
+                                                  3 * self.config.heartbeat_interval), exit=False)
 
     def _publish(self) -> None:
         self.metrics.publish(self.service.metrics())

@@ -1,0 +1,31 @@
+"""A request loop that stops turning writes every thread's stack to the daemon's log by itself
+(server/daemon.py _arm_stall_dump), and a loop that turns never does."""
+
+from __future__ import annotations
+
+import time
+
+from conftest import wait_until
+
+from engramd.client.connection import probe
+
+STALL = ["--stall-dump-s", "1"]  # the demo daemons beat every 0.2 s: the floor is 0.6 s
+
+
+def test_a_stalled_loop_dumps_every_threads_stack_and_serves_on(daemon_factory):
+    daemon = daemon_factory(extra=STALL, env={"ENGRAMD_DEBUG_LOOP_STALL_S": "4"})
+    wait_until(lambda: "Timeout (0:00:01)!" in daemon.log(), timeout=30)
+    log = daemon.log()
+    assert "in _housekeeping" in log[log.index("Timeout (0:00:01)!"):]  # where the loop stood
+    assert probe(daemon.socket, "health", 30.0).body.ready  # it comes back, and serves
+    assert daemon.stop() == 0
+
+
+def test_a_turning_loop_never_dumps(daemon_factory):
+    daemon = daemon_factory(extra=["--stall-dump-s", "2"])
+    deadline = time.monotonic() + 5  # a dump armed once, never re-armed, would fire at 2 s
+    while time.monotonic() < deadline:
+        assert probe(daemon.socket, "health", 10.0).body.ready
+        time.sleep(0.5)
+    assert daemon.stop() == 0
+    assert "Timeout (" not in daemon.log()
