@@ -589,6 +589,7 @@ class EngramClient:
             return
         if not self._tables_lock.acquire(blocking=False):
             return  # a lookup or close() is running: lookups follow the tables themselves
+        news = None
         try:
             if self._conn is None or self._gather is None:  # closed, or still being built
                 return
@@ -948,7 +949,7 @@ class EngramClient:
                 for reply in beat.take_replies():  # heartbeat replies, in no order: the latest tables
                     body, heard = reply.body, self._heard_tables
                     if (getattr(body, "tables", None) is not None and reply.epoch == self.epoch
-                            and (heard is None or body.tables_seq > heard[1])):
+                            and (heard is None or body.tables_seq >= heard[1])):
                         self._heard_tables = (body.tables, body.tables_seq)
                 self._follow_while_idle()
         finally:
