@@ -387,7 +387,7 @@ class GpuState:
 
     def count_freed(self, slab: CudaSlab) -> None:
         """Take a freed slab's final count (its free thread, once its gathers have run): a
-        synchronous read, ordered after every copy `counted` queued, none queued after it."""
+        synchronous read, ordered after every copy out_of_range queued, none queued after it."""
         with self._freed_lock:
             slab.count_final = True
         with torch.cuda.device(self.index), torch.cuda.stream(self.count_stream):
