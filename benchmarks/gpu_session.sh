@@ -17,7 +17,8 @@
 # tests-kill, tests-kill-mps (the twenty-killed-clients test alone, without and with MPS, both
 # dispatch modes), tests-kill-mps-connections (the same with CUDA_DEVICE_MAX_CONNECTIONS=32),
 # tests-warm-up (the daemon's kernel warm-up against the variants it launches), tests-rows (rows and counts of every kind of IDs), unmap-probe (benchmarks/unmap_probe.py),
-# pin-probe (benchmarks/pin_probe.py: ways to pin a table file already in shared memory).
+# pin-probe (benchmarks/pin_probe.py: ways to pin a table file already in shared memory),
+# floods (benchmarks/floods.py: a good client beside floods, on more cores than a CI machine).
 # Logs and results are packed into OUT/results.tgz (one file); each phase's exit code is
 # printed at the end.
 set -u
@@ -66,6 +67,9 @@ phase_tests_warm_up() {  # the daemon's warm-up covers the variants its lookups 
 }
 phase_tests_kill_mps_connections() {  # the same with a hardware queue per stream (up to 32)
   ( export CUDA_DEVICE_MAX_CONNECTIONS=32; phase_tests_kill_mps )
+}
+phase_floods() {  # benchmarks/floods.py (CPU backend) on this machine's 16 cores, beside nothing else
+  python3 benchmarks/floods.py --seconds 4 --out "$out/floods" 2>&1 | tee "$out/floods.log" | tail -20
 }
 phase_pin_probe() { python3 benchmarks/pin_probe.py --gib 16 --out "$out/pin" 2>&1 | tee "$out/pin_probe.log" | tail -40; }
 phase_unmap_probe() { python3 benchmarks/unmap_probe.py 2>&1 | tee "$out/unmap_probe.log"; }
