@@ -16,6 +16,7 @@
 # tests-pin-only, start-probe (benchmarks/start_probe.py: torch import, CUDA context and pin, in which order),
 # tests-kill, tests-kill-mps (the twenty-killed-clients test alone, without and with MPS, both
 # dispatch modes), tests-kill-mps-connections (the same with CUDA_DEVICE_MAX_CONNECTIONS=32),
+# tests-kill-mps-worker, tests-kill-mps-inline, tests-kill-mps-inline-connections (one dispatch mode, 200 s),
 # tests-warm-up (the daemon's kernel warm-up against the variants it launches), tests-rows (rows and counts of every kind of IDs), unmap-probe (benchmarks/unmap_probe.py),
 # pin-probe (benchmarks/pin_probe.py: ways to pin a table file already in shared memory),
 # floods (benchmarks/floods.py: a good client beside floods, on more cores than a CI machine).
@@ -52,9 +53,12 @@ phase_tests_containers() {  # namespaced clients and descriptor slabs alone, no 
 phase_tests_kill() {  # the twenty-killed-clients test alone, no MPS; interrupted (its stack shown) at 400 s
   timeout -s INT 400 python3 -m pytest tests/gpu/test_containers_gpu.py -q -k twenty -s 2>&1 | tee -a "$out/gpu_tests_kill.log"
 }
-phase_tests_kill_mps() {  # the same under MPS
+phase_tests_kill_mps() {  # the same under MPS (KILL_DISPATCH=inline|worker: that mode alone)
   mps_start
-  timeout -s INT 400 python3 -m pytest tests/gpu/test_containers_gpu.py -q -k twenty -s 2>&1 | tee -a "$out/gpu_tests_kill_mps.log"
+  echo "# under MPS, dispatch ${KILL_DISPATCH:-both}, CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-unset}" \
+    | tee -a "$out/gpu_tests_kill_mps.log"
+  timeout -s INT "${KILL_TIMEOUT:-400}" python3 -m pytest tests/gpu/test_containers_gpu.py -q \
+    -k "twenty${KILL_DISPATCH:+ and $KILL_DISPATCH}" -s 2>&1 | tee -a "$out/gpu_tests_kill_mps.log"
   local rc=${PIPESTATUS[0]}
   mps_stop
   return "$rc"
@@ -67,6 +71,11 @@ phase_tests_warm_up() {  # the daemon's warm-up covers the variants its lookups 
 }
 phase_tests_kill_mps_connections() {  # the same with a hardware queue per stream (up to 32)
   ( export CUDA_DEVICE_MAX_CONNECTIONS=32; phase_tests_kill_mps )
+}
+phase_tests_kill_mps_worker() { ( KILL_DISPATCH=worker KILL_TIMEOUT=200; phase_tests_kill_mps ); }
+phase_tests_kill_mps_inline() { ( KILL_DISPATCH=inline KILL_TIMEOUT=200; phase_tests_kill_mps ); }
+phase_tests_kill_mps_inline_connections() {
+  ( export CUDA_DEVICE_MAX_CONNECTIONS=32; KILL_DISPATCH=inline KILL_TIMEOUT=200; phase_tests_kill_mps )
 }
 phase_floods() {  # benchmarks/floods.py (CPU backend) on this machine's 16 cores, beside nothing else
   python3 benchmarks/floods.py --seconds 4 --out "$out/floods" 2>&1 | tee "$out/floods.log" | tail -20
