@@ -17,6 +17,7 @@
 # tests-kill, tests-kill-mps (the twenty-killed-clients test alone, without and with MPS, both
 # dispatch modes), tests-kill-mps-connections (the same with CUDA_DEVICE_MAX_CONNECTIONS=32),
 # tests-kill-mps-worker, tests-kill-mps-inline, tests-kill-mps-inline-connections (one dispatch mode, 200 s),
+# tests-counters (host-memory counters, then test_cuda_daemon.py),
 # tests-warm-up (the daemon's kernel warm-up against the variants it launches), tests-rows (rows and counts of every kind of IDs), unmap-probe (benchmarks/unmap_probe.py),
 # pin-probe (benchmarks/pin_probe.py: ways to pin a table file already in shared memory),
 # floods (benchmarks/floods.py: a good client beside floods, on more cores than a CI machine).
@@ -62,6 +63,10 @@ phase_tests_kill_mps() {  # the same under MPS (KILL_DISPATCH=inline|worker: tha
   local rc=${PIPESTATUS[0]}
   mps_stop
   return "$rc"
+}
+phase_tests_counters() {  # host-memory counters, then the end-to-end daemon tests that use them, no MPS
+  python3 -m pytest tests/gpu/test_host_counters_gpu.py tests/gpu/test_cuda_daemon.py -q -s --durations=5 \
+    2>&1 | tee "$out/gpu_tests_counters.log"
 }
 phase_tests_rows() {  # served and mapped rows of every kind of IDs, and their out-of-range counts
   python3 -m pytest tests/gpu/test_cuda_daemon.py -q -k rows_match_reference 2>&1 | tee "$out/gpu_tests_rows.log"

@@ -186,10 +186,10 @@ class _MemfdSlabView:
     def slot_rows(self, slot: int) -> torch.Tensor:
         return self.layout.slot_rows(self.buffer, slot)
 
-    def rebind(self, fd: int, wire: dict[str, Any]) -> None:
+    def rebind(self, attachment: Attachment) -> None:
         """A new daemon's slab of the same layout, at this one's address (see _keep_rows)."""
         try:
-            self._mapping.remap(fd)
+            self._mapping.remap(attachment.slab_fd)
         except (ValueError, OSError) as exc:
             raise InternalError(f"slab: {exc}") from None
 
@@ -201,44 +201,65 @@ class _MemfdSlabView:
 
 
 class _CudaSlabView:
-    """The client's mapping of a GPU slab (device memory passed as a descriptor), opened once."""
+    """The client's mapping of a GPU slab (device memory passed as a descriptor) and of its
+    counter block (pinned host memory, another descriptor), opened once."""
 
-    def __init__(self, fd: int, wire: dict[str, Any], layout: SlabLayout, device: torch.device):
+    def __init__(self, attachment: Attachment, layout: SlabLayout, device: torch.device):
         from engramd.client import cuda
 
         self.layout = layout
         self.device = device
-        self.memory = cuda.DeviceAllocation.from_descriptor(fd, int(wire["bytes"]), device.index)
+        self.memory = cuda.DeviceAllocation.from_descriptor(attachment.slab_fd, int(attachment.slab["bytes"]),
+                                                            device.index)
         self.ptr = self.memory.ptr
+        self.counters = None
         try:
             with torch.cuda.device(device):
                 self.views = SlotViews(layout, cuda.tensor_view(self.ptr, layout.size, device))
                 self.side_stream = cuda.new_stream(device.index)
+            self.ops = cuda.StreamOps()
+            self._map_counters(attachment)
         except BaseException:
             self.memory.close()
             raise
-        self.ops = cuda.StreamOps()
-        # Counter and ID addresses of every slot, as the handles the hot path passes to CUDA.
-        self.ids_ready = [self.ops.pointer(self.counter(s, IDS_READY)) for s in range(layout.slots)]
-        self.rows_done = [self.ops.pointer(self.counter(s, ROWS_DONE)) for s in range(layout.slots)]
         self.ids_address = [self.ptr + layout.ids_offset(s) for s in range(layout.slots)]
 
-    def counter(self, slot: int, word: int) -> int:
-        return self.ptr + self.layout.counter_offset(slot, word)
+    def _map_counters(self, attachment: Attachment) -> None:
+        """Map the attachment's counter block (closing the one mapped before, which nothing uses
+        any more), and make the handles of its words that the hot path passes to CUDA."""
+        from engramd.client.host_counters import HostCounters
 
-    def rebind(self, fd: int, wire: dict[str, Any]) -> None:
+        if attachment.counters_fd is None:
+            raise InternalError("the daemon passed a GPU slab without its counter block")
+        try:
+            counters = HostCounters(attachment.counters_fd, self.layout)
+        except (ValueError, OSError) as exc:
+            raise InternalError(f"slab counters: {exc}") from None
+        old, self.counters = self.counters, counters
+        if old is not None:
+            old.close()
+        slots = range(self.layout.slots)
+        self.ids_ready = [self.ops.pointer(counters.address(s, IDS_READY)) for s in slots]
+        self.rows_done = [self.ops.pointer(counters.address(s, ROWS_DONE)) for s in slots]
+
+    def rebind(self, attachment: Attachment) -> None:
         """A new daemon's slab of the same layout, at this one's address (see _keep_rows): the
-        views, counter handles and streams built on the address stay valid."""
-        if int(wire["bytes"]) != self.memory.size:
-            raise InternalError(f"the daemon's new slab has {wire['bytes']} bytes, the client's "
-                                f"{self.memory.size}")
+        views and streams built on the address stay valid; the counters are the new slab's."""
+        if int(attachment.slab["bytes"]) != self.memory.size:
+            raise InternalError(f"the daemon's new slab has {attachment.slab['bytes']} bytes, the "
+                                f"client's {self.memory.size}")
         torch.cuda.synchronize(self.device)  # nothing of ours still reads or writes the old one
-        self.memory.replace_from_descriptor(fd)
+        self.memory.replace_from_descriptor(attachment.slab_fd)
+        self._map_counters(attachment)
+
+    def release(self, slot: int, seq: int) -> None:
+        """Pass every wait of ours for the slot's rows up to `seq` (a CPU store: the daemon that
+        would have written it is gone)."""
+        self.counters.store(slot, ROWS_DONE, seq)
 
     def failed_seq(self, slot: int) -> int:
-        """The slot's FAILED word (a small device-to-host copy: call it after a sync only)."""
-        words = self.views.buffer[:self.layout.counters_bytes].view(torch.int32)
-        return int(words[self.layout.counter_offset(slot, FAILED) // 4].item()) & 0xFFFFFFFF
+        """The slot's FAILED word (host memory: meaningful once the lookup's rows are done)."""
+        return self.counters.load(slot, FAILED)
 
     def ids(self, slot: int, tokens: int, dtype: torch.dtype) -> torch.Tensor:
         return self.views.ids(slot, tokens, dtype)
@@ -253,6 +274,7 @@ class _CudaSlabView:
         torch.cuda.synchronize(self.device)
         self.views.close()
         self.memory.close()
+        self.counters.close()
         from engramd.client import cuda
 
         cuda.STREAMS.give(self.side_stream)  # idle: the device was synchronised
@@ -479,7 +501,7 @@ class EngramClient:
             raise InternalError("the daemon attached a served client without a slab")
         elif attachment.slab.get("kind") == "cuda_vmm":
             self._slab = (self._keep_rows(_CudaSlabView, attachment)
-                          or _CudaSlabView(attachment.slab_fd, attachment.slab, self.layout, self.device))
+                          or _CudaSlabView(attachment, self.layout, self.device))
             self._warm_up()
         elif attachment.slab.get("kind") == "memfd" and self.device.type == "cpu":
             self._slab = (self._keep_rows(_MemfdSlabView, attachment)
@@ -504,7 +526,7 @@ class EngramClient:
             return None
         try:
             if attachment is not None:
-                kept.rebind(attachment.slab_fd, attachment.slab)
+                kept.rebind(attachment)
         except BaseException:
             self._retire(kept)
             raise
@@ -977,13 +999,11 @@ class EngramClient:
     def _release_waits(self) -> None:
         """From the watchdog: satisfy every stream wait on the daemon's counters. close() stops
         the watchdog before it unmaps the slab, so the slab seen here is mapped."""
-        from engramd.client import cuda
-
         slab = self._slab
         if not isinstance(slab, _CudaSlabView):
             return  # not mapped yet: nothing waits on it
         for future in list(self._pending.values()):
-            cuda.stream_write_u32(slab.side_stream.cuda_stream, slab.counter(future.slot, ROWS_DONE), future.seq)
+            slab.release(future.slot, future.seq)
 
     def _daemon_gone(self) -> bool:
         """The daemon of our registration died, retired us, or said it is stopping (a reconnect

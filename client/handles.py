@@ -174,12 +174,13 @@ class Attachment:
     tables: list[TableGrant]
     version: str | None = None  # mapped: the granted tables' id
     tables_seq: int = 0  # and their seq (client/messages.py)
+    counters_fd: int | None = None  # a GPU slab's counter block (client/host_counters.py)
 
     def close_descriptors(self) -> None:
         """Close the descriptors not taken over by their users (the lease stays)."""
-        _close_all([self.slab_fd] if self.slab_fd is not None else [])
+        _close_all([fd for fd in (self.slab_fd, self.counters_fd) if fd is not None])
         _close_all([t.fd for t in self.tables])
-        self.slab_fd, self.tables = None, []
+        self.slab_fd, self.counters_fd, self.tables = None, None, []
 
 
 def attach(path: str | os.PathLike, client_id: int, token: str,
@@ -243,13 +244,26 @@ def _grants(tables: list[Any], fds: list[int], what: str) -> list[TableGrant]:
 def _attachment(sock: socket.socket, header: dict[str, Any], fds: list[int]) -> Attachment:
     epoch, reply = read_reply(header, AttachReply)
     slab, tables = reply.slab, reply.tables
-    wanted = (1 if slab is not None else 0) + len(tables)
+    slab_fds = _slab_descriptors(slab)
+    wanted = slab_fds + len(tables)
     if len(fds) != wanted:
         raise ProtocolError(f"attach reply describes {wanted} descriptors but carried {len(fds)}")
-    slab_fd = fds[0] if slab is not None else None
-    grants = _grants(tables, fds[1:] if slab is not None else fds, "attach")
+    slab_fd = fds[0] if slab_fds else None
+    counters_fd = fds[1] if slab_fds == 2 else None
+    grants = _grants(tables, fds[slab_fds:], "attach")
     sock.settimeout(None)
-    return Attachment(sock, epoch, slab, slab_fd, grants, reply.version, reply.tables_seq)
+    return Attachment(sock, epoch, slab, slab_fd, grants, version=reply.version,
+                      tables_seq=reply.tables_seq, counters_fd=counters_fd)
+
+
+def _slab_descriptors(slab: dict[str, Any] | None) -> int:
+    """How many descriptors a slab comes with: its memory, and a GPU slab's counter block."""
+    if slab is None:
+        return 0
+    count = slab.get("fds", 1)
+    if type(count) is not int or count not in (1, 2):
+        raise ProtocolError(f"attach reply: a slab of {count!r} descriptors (1 or 2)")
+    return count
 
 
 def _send_request(sock: socket.socket, request: Message) -> None:

@@ -64,7 +64,7 @@ from engramd.client.errors import (
 )
 from engramd.client.messages import REPLIES, REQUESTS, Message
 
-PROTOCOL_VERSION = 2  # 2: slab rows at a fixed place per layer (client/slab.py)
+PROTOCOL_VERSION = 3  # 2: slab rows at a fixed place per layer; 3: GPU counters in host memory (client/slab.py)
 MAX_HEADER_BYTES = 64 * 1024
 MAX_PAYLOAD_FRAMES = 1
 MAX_PAYLOAD_BYTES = 64 * 1024 * 1024

@@ -4,9 +4,12 @@ One slab per served client (a memfd on the CPU backend, one VMM allocation on th
 the CUDA backend), passed to the client as a descriptor. Both sides compute the layout from the same numbers with
 this module; the daemon also sends it in the register reply and the client checks they agree::
 
-    offset 0            counters  [slots] x 64 B   (u32 ids_ready, u32 rows_done, u32 failed)
     ids_offset(s)       hash IDs  int32|int64 [T, n_layers, heads]             one block per slot
     rows_offset(s)      rows      bf16  [n_layers, max_tokens, local_heads, head_dim]  per slot
+
+A GPU slab's completion counters (u32 ids_ready, u32 rows_done, u32 failed per slot, 64 B apart)
+live in a block of pinned host memory of their own (client/host_counters.py), passed as a second
+descriptor: the CPU can then release a wait that no GPU queue will.
 
 Every block starts on a 4 KiB boundary; the slab size is a multiple of 2 MiB (the granularity
 of VMM device allocations). Rows of a lookup of T tokens occupy the first T tokens of each
@@ -27,7 +30,7 @@ BLOCK_ALIGN = 4096
 COUNTER_STRIDE = 64
 IDS_ITEMSIZE = 8  # room for int64; a lookup's IDs sit in the caller's dtype (int32 or int64)
 ROW_ITEMSIZE = 2  # bf16
-# Counter words inside a slot's 64-byte counter line (u32 each). FAILED holds the seq of the
+# Counter words inside a slot's 64-byte line of the counter block (u32 each). FAILED holds the seq of the
 # slot's last lookup the daemon could not serve (refused, or its gather failed to enqueue): it is
 # written before that lookup's ROWS_DONE, so a reader that has seen ROWS_DONE sees it too.
 IDS_READY, ROWS_DONE, FAILED = 0, 1, 2
@@ -80,21 +83,22 @@ class SlabLayout:
 
     @property
     def counters_bytes(self) -> int:
+        """The size of the slab's counter block (a block of its own, not part of the slab)."""
         return _align(self.slots * COUNTER_STRIDE, BLOCK_ALIGN)
 
     def counter_offset(self, slot: int, word: int) -> int:
+        """Where a slot's counter word is in the counter block."""
         return slot * COUNTER_STRIDE + 4 * word
 
     def ids_offset(self, slot: int) -> int:
-        return self.counters_bytes + slot * self.ids_block
+        return slot * self.ids_block
 
     def rows_offset(self, slot: int) -> int:
-        return self.counters_bytes + self.slots * self.ids_block + slot * self.rows_block
+        return self.slots * self.ids_block + slot * self.rows_block
 
     @property
     def size(self) -> int:
-        used = self.counters_bytes + self.slots * (self.ids_block + self.rows_block)
-        return _align(used, SLAB_GRANULARITY)
+        return _align(self.slots * (self.ids_block + self.rows_block), SLAB_GRANULARITY)
 
     def ids_view(self, buffer: torch.Tensor, slot: int, tokens: int, dtype: torch.dtype) -> torch.Tensor:
         """The slot's IDs `[T, n_layers, heads]` of `dtype` inside a uint8 view of the slab."""

@@ -26,8 +26,9 @@ class Slab(Protocol):
     def wire(self) -> dict[str, Any]:
         """What the client needs to map the slab's descriptor (sent in the attach reply)."""
 
-    def descriptor(self) -> int:
-        """A new file descriptor of the slab's memory, for its client; the caller closes it."""
+    def descriptors(self) -> list[int]:
+        """New file descriptors for its client (the slab's memory, then any others its wire()
+        counts in "fds"); the caller closes them."""
 
     def close(self) -> None: ...
 

@@ -72,9 +72,9 @@ class MemfdSlab:
     def wire(self) -> dict[str, Any]:
         return {"kind": "memfd", "layout": self.layout.to_wire()}
 
-    def descriptor(self) -> int:
+    def descriptors(self) -> list[int]:
         """A new descriptor of the slab for its client (the caller closes it once sent)."""
-        return os.dup(self._fd)
+        return [os.dup(self._fd)]
 
     def close(self) -> None:
         """Let go of the slab. The mapping is not closed here: torch views of it do not pin it

@@ -8,7 +8,8 @@ GPU (found by UUID), allocated with CUDA's virtual memory API and passed to the 
 descriptor over the handle socket, and its own daemon stream, so a
 client that stalls its stream stalls nobody else.
 
-Completion is stream-ordered through two 32-bit counters per slot in the slab (client/slab.py):
+Completion is stream-ordered through 32-bit counters per slot, in pinned host memory shared with
+the client (client/host_counters.py says why not in the slab):
 
     client stream:  copy IDs -> slot ; write IDS_READY = seq
     daemon stream:  wait IDS_READY >= seq ; gather kernel -> slot rows ; write ROWS_DONE = seq
@@ -47,6 +48,7 @@ from engramd.client import cuda
 from engramd.client.cuda import CudaError, check
 from engramd.client.errors import BadRequestError, ResourceError
 from engramd.client.geometry import ShardView, TableGeometry
+from engramd.client.host_counters import HostCounters
 from engramd.client.host_pin import HostRegistration
 from engramd.client.ids import ID_DTYPES
 from engramd.client.mapped import DeviceCounterReader
@@ -65,8 +67,9 @@ log = logging.getLogger("engramd.cuda")
 # client enqueues its consumer work and returns before the rows exist. Never set in production.
 GATHER_DELAY_ENV = "ENGRAMD_DEBUG_GATHER_DELAY_MS"
 GATHER_DELAY_MS = float(os.environ.get(GATHER_DELAY_ENV, "0") or 0)
-# A freed slab's release (CudaSlab._release_waits): repeated, pausing 0.1 ms doubling to 10 ms,
-# until its daemon stream drains; past the deadline that is logged and it goes on once a second.
+# A freed slab's release (CudaSlab._release_waits): CPU stores, repeated, pausing 0.1 ms doubling
+# to 10 ms, until its daemon stream drains; past the deadline that is logged and it goes on once a
+# second.
 RELEASE_FIRST_PAUSE_S, RELEASE_MAX_PAUSE_S, RELEASE_DEADLINE_S = 1e-4, 1e-2, 60.0
 RELEASE_STUCK_PAUSE_S = 1.0  # past the deadline
 _CYCLES_PER_MS = 2_000_000  # torch.cuda._sleep counts GPU clock cycles (~2 GHz on H100/H200)
@@ -137,6 +140,7 @@ class CudaSlab:
             raise ResourceError(f"cannot allocate a {layout.size}-byte slab on {uuid}: {exc}") from None
         self.ptr = self.memory.ptr
         try:
+            self.counters = HostCounters.create(layout, "engramd-counters")
             self._build(plan_tables, shard)
         except BaseException as exc:
             stream = getattr(self, "stream", None)
@@ -144,19 +148,22 @@ class CudaSlab:
                 stream.synchronize()
                 cuda.STREAMS.give(stream)
             self.memory.close()
-            if isinstance(exc, (CudaError, torch.cuda.OutOfMemoryError)):
+            counters = getattr(self, "counters", None)
+            if counters is not None:
+                counters.close()
+            if isinstance(exc, (CudaError, torch.cuda.OutOfMemoryError, OSError)):
                 raise ResourceError(f"cannot set up a slab on {uuid}: {exc}") from None
             raise
         # What every lookup passes to CUDA, built once: the stream's handle, the counters'.
         self.raw_stream = self.stream.cuda_stream
-        self.ids_ready = [ops.pointer(self.counter_address(s, IDS_READY)) for s in range(layout.slots)]
-        self.rows_done = [ops.pointer(self.counter_address(s, ROWS_DONE)) for s in range(layout.slots)]
-        self.failed = [ops.pointer(self.counter_address(s, FAILED)) for s in range(layout.slots)]
+        self.ids_ready = [ops.pointer(self.counters.address(s, IDS_READY)) for s in range(layout.slots)]
+        self.rows_done = [ops.pointer(self.counters.address(s, ROWS_DONE)) for s in range(layout.slots)]
+        self.failed = [ops.pointer(self.counters.address(s, FAILED)) for s in range(layout.slots)]
         self.enqueued: dict[int, int] = {}  # slot -> seq of the last lookup enqueued on it
         gpu.slabs.add(self)
 
     def _build(self, plan_tables: list[LayerTable], shard: ShardView) -> None:
-        """Zeroed counters, the daemon stream, the slot views and the gather plan."""
+        """The daemon stream, the zeroed slab, the slot views and the gather plan."""
         gpu, layout, index = self.gpu, self.layout, self.device_index
         with torch.cuda.device(index):
             self.stream = cuda.new_stream(index)
@@ -185,9 +192,6 @@ class CudaSlab:
             torch.cuda.current_stream().synchronize()
         return plan, gather
 
-    def counter_address(self, slot: int, word: int) -> int:
-        return self.ptr + self.layout.counter_offset(slot, word)
-
     def ids(self, slot: int, tokens: int, dtype: torch.dtype) -> torch.Tensor:
         return self.views.ids(slot, tokens, dtype)
 
@@ -196,11 +200,17 @@ class CudaSlab:
 
     def wire(self) -> dict[str, Any]:
         return {"kind": "cuda_vmm", "device_uuid": self.uuid, "bytes": self.memory.size,
-                "layout": self.layout.to_wire()}
+                "layout": self.layout.to_wire(), "fds": 2}
 
-    def descriptor(self) -> int:
-        """A new POSIX descriptor of the slab's memory for its client (closed once sent)."""
-        return self.memory.descriptor()
+    def descriptors(self) -> list[int]:
+        """New descriptors of the slab's device memory and of its counter block, for its client
+        (closed once sent)."""
+        memory = self.memory.descriptor()
+        try:
+            return [memory, self.counters.descriptor()]
+        except BaseException:
+            os.close(memory)
+            raise
 
     def close(self) -> None:
         """Free the slab in the background once its daemon stream has drained.
@@ -220,44 +230,41 @@ class CudaSlab:
         try:
             with torch.cuda.device(self.device_index):
                 cuda.make_current(self.device_index)  # a thread of its own: driver calls follow
-                released = self._release_waits(ptr)
-                released.synchronize()  # no write of ours may land after the unmap
+                self._release_waits()
                 self.gpu.count_freed(self)  # its count is final now: every gather has run
                 self.views.close()
                 self.memory.close()
+                self.counters.close()
                 cuda.STREAMS.give(self.stream)  # idle: drained in _release_waits
         except Exception:
             log.exception("freeing the slab on %s failed", self.uuid)
 
-    def _release_waits(self, ptr: int) -> torch.cuda.Event:
+    def _release_waits(self) -> None:
         """Satisfy every wait on the slab's counters that its client may never satisfy, until
-        the daemon stream has drained; then an event recorded after the release stream's last
-        write.
+        the daemon stream has drained: CPU stores into the counter block, which no GPU queue
+        can hold up.
 
         The daemon stream may wait for IDS_READY of a client that died before its stream wrote
-        it: the release stream writes those (the gathers then read stale IDs into a slab nobody
-        reads). A dead client's stream may also still run after its process is gone (an MPS
-        server tears the client's context down later) and write an older IDS_READY over the
-        release, so the release is repeated, one batch of writes in flight at a time, until the
-        daemon stream is done. Past RELEASE_DEADLINE_S that is logged, the slab is counted as
-        stuck (close() then leaves the GPU alone) and the release goes on once a second. The
-        client's streams may wait for ROWS_DONE of a lookup whose request died with it in its
-        socket's queue; in a shared MPS server a dead client's waiting work can hold up every
-        other client's, so after its last gather the daemon stream sets each ROWS_DONE past
-        every seq the client can have used (client/slab.py release_value: waits compare
-        cyclically)."""
+        it: each slot's is set to its last enqueued seq (the gathers then read stale IDs into a
+        slab nobody reads). The client's streams may wait for ROWS_DONE of a lookup whose
+        request died with it in its socket's queue (in a shared MPS server a dead client's
+        waiting work can hold up every other client's): each ROWS_DONE is set past every seq
+        the client can have used (client/slab.py release_value: waits compare cyclically). A
+        dead client's stream may still run after its process is gone (an MPS server tears the
+        client's context down later) and write an older IDS_READY over the release, and the
+        daemon stream's last gathers write older ROWS_DONEs: so the stores are repeated until
+        the daemon stream is done, and ROWS_DONE once more after it. Past RELEASE_DEADLINE_S
+        that is logged, the slab is counted as stuck (close() then leaves the GPU alone) and
+        the release goes on once a second."""
         past = release_value(max(self.enqueued.values(), default=0))
-        for slot in range(self.layout.slots):
-            cuda.stream_write_u32(self.stream.cuda_stream, ptr + self.layout.counter_offset(slot, ROWS_DONE),
-                                  past)
         drained = torch.cuda.Event()
         drained.record(self.stream)
-        batch = self._write_ids_ready(ptr)
         deadline, pause = time.monotonic() + RELEASE_DEADLINE_S, RELEASE_FIRST_PAUSE_S
         longest = RELEASE_MAX_PAUSE_S
-        while not drained.query():
-            if batch.query():
-                batch = self._write_ids_ready(ptr)
+        while True:
+            self._store_release(past)
+            if drained.query():
+                break
             if deadline is not None and time.monotonic() > deadline:
                 log.error("slab of a client on %s: its daemon stream has not drained %.0f s after "
                           "the release; the slab stays allocated and the release goes on",
@@ -267,18 +274,14 @@ class CudaSlab:
                 longest = RELEASE_STUCK_PAUSE_S
             time.sleep(pause)
             pause = min(pause * 2, longest)
+        self._store_release(past)  # after the last gather's ROWS_DONE: nothing lowers it again
         self.gpu.stuck.discard(self)
-        return batch
 
-    def _write_ids_ready(self, ptr: int) -> torch.cuda.Event:
-        """Set each slot's IDS_READY to its last enqueued seq, on the release stream; an event
-        recorded after the writes."""
-        release = self.gpu.release_stream
+    def _store_release(self, past: int) -> None:
         for slot, seq in self.enqueued.items():
-            cuda.stream_write_u32(release.cuda_stream, ptr + self.layout.counter_offset(slot, IDS_READY), seq)
-        event = torch.cuda.Event()
-        event.record(release)
-        return event
+            self.counters.store(slot, IDS_READY, seq)
+        for slot in range(self.layout.slots):
+            self.counters.store(slot, ROWS_DONE, past)
 
 
 class GpuState:
@@ -294,8 +297,6 @@ class GpuState:
         self.programs = max(1, int(sms * options.sm_fraction))
         self.cache: HotCache | None = None
         self.keeper: CacheKeeper | None = None
-        # Satisfies the waits of freed slabs; carries nothing else, so nothing can block it.
-        self.release_stream = cuda.new_stream(index)
         # Reads the device's out-of-range counters; copies only, so a read never waits on a gather.
         self.count_stream = cuda.new_stream(index)
         self._freed_lock = threading.Lock()

@@ -657,7 +657,7 @@ class Daemon:
         try:
             if record.slab is not None:
                 reply = AttachReply(slab=record.slab.wire())
-                fds.append(record.slab.descriptor())
+                fds.extend(record.slab.descriptors())
             else:
                 grants, table_fds = self._table_grants()
                 reply = AttachReply(tables=grants, version=self.service.tables_id,

@@ -1,0 +1,95 @@
+"""A GPU slab's completion counters, in pinned host memory that the daemon and its client share.
+
+The counters (client/slab.py: IDS_READY, ROWS_DONE, FAILED per slot) are written and waited on
+by both processes' streams (cuStreamWriteValue32 / cuStreamWaitValue32 on the mapped host
+address). Why host memory and not the slab's device memory: a stream wait holds up the hardware
+queue it sits in, and streams share queues (more streams than CUDA_DEVICE_MAX_CONNECTIONS, and
+every client of one MPS server). A release written by a GPU stream can therefore sit in a queue
+behind the very wait it should release: under MPS, twenty killed clients left 12 slabs whose
+daemon streams never drained, the release stream's writes queued behind their waits
+(benchmarks/results/h200/README.md). A CPU store needs no queue: the daemon releases a dead
+client's waits, and a client its own when the daemon is gone, whatever the GPU's queues hold.
+
+One memfd per slab, sealed against resizing (a client holding the descriptor cannot shrink it
+under the daemon's stores), mapped and registered (Portable|Mapped) by each side on its own.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import mmap
+import os
+
+from engramd.client.host_pin import HostRegistration
+from engramd.client.libc import mmap_at, munmap
+from engramd.client.slab import SlabLayout
+
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+class HostCounters:
+    """A mapping of a counter block, registered for the GPUs; close() unregisters and unmaps.
+
+    Nothing may touch the counters after close(): the caller first synchronises every stream
+    that writes or waits on them (the daemon: its slab stream has drained; the client: the
+    device is synchronised)."""
+
+    def __init__(self, fd: int, layout: SlabLayout):
+        self.layout = layout
+        self.size = layout.counters_bytes
+        have = os.fstat(fd).st_size
+        if have < self.size:  # a mapping past the file's end faults (SIGBUS) when touched
+            raise ValueError(f"counter block descriptor has {have} bytes, the layout needs {self.size}")
+        self.base = mmap_at(None, self.size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd)
+        try:
+            self._registration = HostRegistration([(self.base, self.size)], workers=1)
+        except BaseException:
+            munmap(self.base, self.size)
+            raise
+        self._words = (ctypes.c_uint32 * (self.size // 4)).from_address(self.base)
+        self._fd: int | None = None
+
+    @classmethod
+    def create(cls, layout: SlabLayout, name: str) -> HostCounters:
+        """A new zeroed counter block (the daemon's), whose descriptor() its client maps."""
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, layout.counters_bytes)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+            counters = cls(fd, layout)
+        except BaseException:
+            os.close(fd)
+            raise
+        counters._fd = fd
+        return counters
+
+    def descriptor(self) -> int:
+        """A new descriptor of the block (created here only), for the client; the caller closes it."""
+        if self._fd is None:
+            raise ValueError("only the block's creator hands out its descriptor")
+        return os.dup(self._fd)
+
+    def address(self, slot: int, word: int) -> int:
+        """The word's address, for the streams of either side (unified addressing)."""
+        return self.base + self.layout.counter_offset(slot, word)
+
+    def load(self, slot: int, word: int) -> int:
+        return self._words[self.layout.counter_offset(slot, word) // 4]
+
+    def store(self, slot: int, word: int, value: int) -> None:
+        """A CPU store: seen by every stream wait on the word, whatever the GPU queues hold."""
+        self._words[self.layout.counter_offset(slot, word) // 4] = value & 0xFFFFFFFF
+
+    def close(self) -> None:
+        if not self.base:
+            return
+        base, self.base = self.base, 0
+        self._words = None
+        try:
+            self._registration.close()
+        finally:
+            munmap(base, self.size)
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
