@@ -133,12 +133,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=8.0, help="good client's time per phase")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--floods", nargs="*", choices=list(FLOODS), default=list(FLOODS),
+                        help="which floods to run beside the good client (default: all)")
     args = parser.parse_args()
     results = {**run_header(), "phases": {}}
     with bench_folders() as (work, shm):
         proc, socket = start_daemon(work, cpu_demo_flags(work, shm))
         try:
-            for flood in (None, *FLOODS):
+            for flood in (None, *args.floods):
                 name = flood or "idle"
                 results["phases"][name] = phase(socket, proc.pid, args.seconds, flood)
                 print(name, json.dumps(results["phases"][name]), flush=True)

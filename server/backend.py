@@ -83,6 +83,11 @@ class Backend(Protocol):
         """Out-of-range IDs counted on devices, not per job (CPU: 0, jobs carry their counts):
         by these live slabs and every slab already freed."""
 
+    def overdue_lookups(self, limit_s: float) -> list[LookupJob]:
+        """Enqueued lookups still waiting on the device for their client's IDs `limit_s` after
+        they were enqueued, now let go (marked failed); each one is returned once (CPU: none,
+        its lookups carry their IDs)."""
+
     def check_gather(self, ids: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         """(where, rows) of a full-shard lookup of `ids` on each device, for the self-check."""
 

@@ -99,6 +99,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("heartbeat_interval", float, 1.0,
             "seconds between client liveness checks; a dead client is retired within two (its slab "
             "is freed once its in-flight lookups finish)", low=0.05, high=60.0),
+    Setting("ids_wait_s", float, 60.0,
+            "CUDA backend: a served lookup whose IDs its client's stream has not handed over this "
+            "many seconds after the request fails with 'bad_ids', and the daemon lets its gather "
+            "go on (a waiting stream holds up every stream that shares its hardware queue, other "
+            "clients' too)", low=0.1, high=3600.0),
     Setting("stall_dump_s", float, 30.0,
             "when the request loop has not turned for this many seconds (at least three heartbeat "
             "intervals), every thread's stack goes to stderr, headed 'Timeout'; 0: never",

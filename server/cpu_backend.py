@@ -220,6 +220,9 @@ class CpuBackend:
     def cache_stats(self) -> dict:
         return {}  # no hot-row cache on the CPU
 
+    def overdue_lookups(self, limit_s: float) -> list:
+        return []  # its lookups carry their IDs: none waits for them
+
     def out_of_range(self, slabs: list) -> int:
         return 0  # every job counts its own (job.out_of_range)
 

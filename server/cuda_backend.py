@@ -53,7 +53,15 @@ from engramd.client.host_pin import HostRegistration
 from engramd.client.ids import ID_DTYPES
 from engramd.client.mapped import DeviceCounterReader
 from engramd.client.mps import MpsState, mps_state
-from engramd.client.slab import FAILED, IDS_READY, ROWS_DONE, SlabLayout, SlotViews, release_value
+from engramd.client.slab import (
+    FAILED,
+    IDS_READY,
+    ROWS_DONE,
+    SlabLayout,
+    SlotViews,
+    release_value,
+    wait_passes,
+)
 from engramd.kernels.gather_triton import GatherPlan, LayerTable, SlotGather
 from engramd.kernels.hot_cache import CacheLayout, HotCache
 from engramd.server.backend import Completion, LookupJob
@@ -160,6 +168,7 @@ class CudaSlab:
         self.rows_done = [ops.pointer(self.counters.address(s, ROWS_DONE)) for s in range(layout.slots)]
         self.failed = [ops.pointer(self.counters.address(s, FAILED)) for s in range(layout.slots)]
         self.enqueued: dict[int, int] = {}  # slot -> seq of the last lookup enqueued on it
+        self.last_job: dict[int, LookupJob] = {}  # slot -> that lookup (overdue_ids watches it)
         gpu.slabs.add(self)
 
     def _build(self, plan_tables: list[LayerTable], shard: ShardView) -> None:
@@ -276,6 +285,25 @@ class CudaSlab:
             pause = min(pause * 2, longest)
         self._store_release(past)  # after the last gather's ROWS_DONE: nothing lowers it again
         self.gpu.stuck.discard(self)
+
+    def overdue_ids(self, limit_s: float, now: float) -> list[LookupJob]:
+        """The slots' last lookups whose IDs the client's stream has not handed over (IDS_READY)
+        `limit_s` after they were enqueued: each is marked failed and its wait released (CPU
+        stores: FAILED first, so the client, once its rows are done, sees the failure), once.
+
+        Only the last lookup of a slot is watched: one released later also passes every earlier
+        wait on the slot, and the library client has one lookup per slot ahead of its GPU."""
+        overdue = []
+        for slot, job in list(self.last_job.items()):
+            enqueued = job.context.get("enqueued")
+            if (job.context.get("overdue") or enqueued is None or now - enqueued < limit_s
+                    or wait_passes(self.counters.load(slot, IDS_READY), job.seq)):
+                continue
+            job.context["overdue"] = True
+            self.counters.store(slot, FAILED, job.seq)
+            self.counters.store(slot, IDS_READY, job.seq)
+            overdue.append(job)
+        return overdue
 
     def _store_release(self, past: int) -> None:
         for slot, seq in self.enqueued.items():
@@ -490,6 +518,7 @@ def enqueue_lookup(job: LookupJob) -> None:
             slab.ops.write_u32(raw, slab.failed[slot], seq)
         slab.ops.write_u32(raw, slab.rows_done[slot], seq)
         slab.enqueued[slot] = seq
+        slab.last_job[slot] = job
     job.out_of_range = 0  # counted on the GPU (slab.out_of_range); never synchronised per lookup
 
 
@@ -631,6 +660,11 @@ class CudaBackend:
 
     def mps_states(self) -> dict[str, MpsState]:
         return self.mps
+
+    def overdue_lookups(self, limit_s: float) -> list[LookupJob]:
+        now = time.perf_counter()  # the clock of job.context["enqueued"]
+        return [job for gpu in self.gpus.values() for slab in list(gpu.slabs)
+                for job in slab.overdue_ids(limit_s, now)]
 
     def cache_stats(self) -> dict[str, Any]:
         """Per GPU (by UUID): the hot-row cache's hit rates, admissions and size."""

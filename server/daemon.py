@@ -16,6 +16,7 @@ close the tables (their files stay for a fast re-attach), remove the socket.
 from __future__ import annotations
 
 import faulthandler
+import gc
 import logging
 import os
 import queue
@@ -124,6 +125,7 @@ class Daemon:
         self._stop_deadline = float("inf")
         self._dropped = Throttled(log)  # a peer that reads no replies must not flood the log
         self._oversized = Throttled(log)
+        self._overdue = Throttled(log)
         # Peers whose reply queue was full, until when: their requests other than lookups are
         # not worth the loop's time (nobody reads the answer). Lookups are always served.
         self._deaf: dict[bytes, float] = {}
@@ -201,6 +203,12 @@ class Daemon:
     def _on_loaded(self, loaded: LoadedTables) -> None:
         self._table_fds = self._open_table_fds(loaded.tables)
         self.service.serve(loaded, on_retire=self._end_lease)
+        # What exists now (torch, the tables' bookkeeping, the kernels) lives as long as the
+        # daemon: frozen out of the collector's sight, a full collection walks only what serving
+        # makes. Without it, full collections stalled the request loop for 45-110 ms at a time
+        # during floods (benchmarks/floods.py).
+        gc.collect()
+        gc.freeze()
         summary = (f"ready: {loaded.backend.name} backend, {loaded.geometry.n_layers} layers, "
                    f"{size(loaded.geometry.total_bytes)} of tables "
                    f"{'re-attached' if loaded.reattached else 'loaded'}")
@@ -376,6 +384,7 @@ class Daemon:
         self._deaf = {peer: until for peer, until in self._deaf.items() if until > now}
         if self.service.registry is not None:
             self.service.registry.reap_dead()
+            self._fail_overdue(self.service.registry)
         if self.service.state == "loading":
             self.notifier.status(f"loading tables: {self.service.progress:.0%}")
         if self.notifier.watchdog_interval is not None:
@@ -383,6 +392,15 @@ class Daemon:
         self._publish()
         if STALL_ENV in os.environ and self.service.state == "ready":  # fault injection, once
             time.sleep(float(os.environ.pop(STALL_ENV)))
+
+    def _fail_overdue(self, registry: Any) -> None:
+        """Answer each GPU lookup whose IDs never came with its error (the client waits for one
+        once it sees the lookup marked failed)."""
+        for job, error in registry.fail_overdue():
+            self._overdue.warning("client %d: %s", job.client_id, error.message)
+            identity, rid = job.context.get("identity"), job.context.get("rid")
+            if identity is not None and rid is not None:
+                self._send(identity, protocol.encode_error("lookup", rid, self.epoch, error))
 
     def _arm_stall_dump(self) -> None:
         """Re-arm the stall dump: a C thread of faulthandler's writes every thread's stack to

@@ -82,6 +82,7 @@ class Limits:
     allowed_gids: frozenset[int] | None = None
     slab_budget: int = int(default("slab_budget_gib") * 2**30)  # all served clients' slabs together
     max_clients_per_uid: int = default("max_clients_per_uid")  # attached clients one user may hold
+    ids_wait_s: float = default("ids_wait_s")  # a GPU lookup's IDs, at most this long after its request
 
     def allows(self, peer: PeerCredentials) -> bool:
         if self.allowed_uids is None and self.allowed_gids is None:
@@ -460,6 +461,22 @@ class ClientRegistry:
         record.in_flight[job.slot] += 1
         self.backend.submit(job, done)
         return job
+
+    def fail_overdue(self) -> list[tuple[LookupJob, EngramError]]:
+        """GPU lookups whose IDs their client's stream has not handed over within `ids_wait_s`:
+        the backend lets their gathers go on (marked failed, on whatever IDs the slot holds);
+        each with the error its client is to be sent."""
+        failed = []
+        for job in self.backend.overdue_lookups(self.limits.ids_wait_s):
+            record = self.clients.get(job.client_id)
+            if record is not None:
+                record.errors += 1
+            error = BadIdsError(f"lookup {job.seq} (slot {job.slot}): its IDs were not handed over "
+                                f"within {self.limits.ids_wait_s:g} s of the request (the stream "
+                                "that was to copy them never got there)")
+            self.count_error(error.code)
+            failed.append((job, error))
+        return failed
 
     def _release_refused(self, record: ClientRecord, req: LookupRequest, done: Completion) -> None:
         """GPU clients wait on the slot's counter without awaiting the reply: release it in order."""

@@ -200,7 +200,7 @@ def limits_of(config: DaemonConfig) -> Limits:
                   sm_fraction=config.gather_sm_fraction,
                   allowed_uids=_id_set(config.allowed_uids), allowed_gids=_id_set(config.allowed_gids),
                   slab_budget=int(config.slab_budget_gib * 2**30),
-                  max_clients_per_uid=config.max_clients_per_uid)
+                  max_clients_per_uid=config.max_clients_per_uid, ids_wait_s=config.ids_wait_s)
 
 
 def _id_set(listed: str) -> frozenset[int] | None:
