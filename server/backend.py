@@ -30,6 +30,10 @@ class Slab(Protocol):
         """New file descriptors for its client (the slab's memory, then any others its wire()
         counts in "fds"); the caller closes them."""
 
+    def ids_handed_over(self, slot: int, seq: int) -> bool:
+        """Whether the client has handed over the IDs of lookup `seq` in `slot` (a GPU slab's
+        IDS_READY has reached it; a CPU slab's lookups come with their IDs: always)."""
+
     def close(self) -> None: ...
 
 

@@ -72,6 +72,9 @@ class MemfdSlab:
     def wire(self) -> dict[str, Any]:
         return {"kind": "memfd", "layout": self.layout.to_wire()}
 
+    def ids_handed_over(self, slot: int, seq: int) -> bool:
+        return True  # they sit in the slab (or come inline) before the request is sent
+
     def descriptors(self) -> list[int]:
         """A new descriptor of the slab for its client (the caller closes it once sent)."""
         return [os.dup(self._fd)]

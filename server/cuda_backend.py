@@ -207,6 +207,9 @@ class CudaSlab:
     def rows(self, slot: int, tokens: int) -> torch.Tensor:
         return self.views.rows(slot, tokens)
 
+    def ids_handed_over(self, slot: int, seq: int) -> bool:
+        return wait_passes(self.counters.load(slot, IDS_READY), seq)
+
     def wire(self) -> dict[str, Any]:
         return {"kind": "cuda_vmm", "device_uuid": self.uuid, "bytes": self.memory.size,
                 "layout": self.layout.to_wire(), "fds": 2}
@@ -297,7 +300,7 @@ class CudaSlab:
         for slot, job in list(self.last_job.items()):
             enqueued = job.context.get("enqueued")
             if (job.context.get("overdue") or enqueued is None or now - enqueued < limit_s
-                    or wait_passes(self.counters.load(slot, IDS_READY), job.seq)):
+                    or self.ids_handed_over(slot, job.seq)):
                 continue
             job.context["overdue"] = True
             self.counters.store(slot, FAILED, job.seq)

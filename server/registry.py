@@ -118,6 +118,7 @@ class ClientRecord:
     tables: str | None = None  # the tables it reads: served, the daemon's; mapped, as it reports
     pinned_tables: str | None = None  # its lookups are refused once the daemon serves others
     in_flight: Counter[int] = field(default_factory=Counter)  # slot -> jobs not yet completed
+    last_seq: dict[int, int] = field(default_factory=dict)  # slot -> seq of its last job submitted
     releasing: bool = False
     lookups: int = 0
     rows: int = 0
@@ -451,6 +452,7 @@ class ClientRegistry:
                 raise NotRegisteredError(f"client {record.client_id} has not attached (handle socket)")
             raise BadRequestError(f"client {record.client_id} is registered in mapped mode: it "
                                   "gathers from its own mapping of the tables, not through the daemon")
+        self._check_ids_handed_over(record, req)
         try:
             job = self._validate_lookup(record, req, payload)
         except EngramError:
@@ -458,9 +460,28 @@ class ClientRegistry:
             self._release_refused(record, req, done)
             raise
         job.context = context if "received" in context else {**context, "received": time.perf_counter()}
-        record.in_flight[job.slot] += 1
-        self.backend.submit(job, done)
+        self._submit(record, job, done)
         return job
+
+    def _check_ids_handed_over(self, record: ClientRecord, req: LookupRequest) -> None:
+        """A slot takes a lookup only once the IDs of its last one are handed over: then the
+        daemon stream holds at most one wait per slot that its client has not satisfied, so a
+        client cannot queue device work without bound behind waits it never satisfies (a full
+        queue blocks the thread that launches into it). The library client sends a slot's next
+        lookup only once its GPU has handed the last one over (EngramClient._await_submitted).
+        Refused without a release: that would queue behind the same wait."""
+        previous = record.last_seq.get(req.slot)
+        if previous is None or record.slab.ids_handed_over(req.slot, previous):
+            return
+        record.errors += 1
+        raise SlotBusyError(f"slot {req.slot}: the IDs of lookup {previous} are not handed over yet "
+                            "(a slot takes its next lookup once its client's stream has copied "
+                            "the last one's)")
+
+    def _submit(self, record: ClientRecord, job: LookupJob, done: Completion) -> None:
+        record.in_flight[job.slot] += 1
+        record.last_seq[job.slot] = job.seq
+        self.backend.submit(job, done)
 
     def fail_overdue(self) -> list[tuple[LookupJob, EngramError]]:
         """GPU lookups whose IDs their client's stream has not handed over within `ids_wait_s`:
@@ -485,8 +506,7 @@ class ClientRegistry:
             return
         job = LookupJob(record.client_id, record.slab, record.shard, slot, req.seq, 0,
                         skip=True, context={"silent": True})
-        record.in_flight[slot] += 1
-        self.backend.submit(job, done)
+        self._submit(record, job, done)
 
     def _validate_lookup(self, record: ClientRecord, req: LookupRequest, payload: list[bytes]) -> LookupJob:
         if record.pinned_tables is not None and record.pinned_tables != self.tables_id:

@@ -30,6 +30,10 @@ class FakeSlab:
     def __init__(self, layout):
         self.layout = layout
         self.closed = False
+        self.handed_over: set[tuple[int, int]] | None = None  # (slot, seq) handed over; None: all
+
+    def ids_handed_over(self, slot, seq):
+        return self.handed_over is None or (slot, seq) in self.handed_over
 
     def wire(self):
         return {"kind": "fake", "layout": self.layout.to_wire()}
@@ -146,6 +150,28 @@ def test_ordered_backend_queues_one_slot_and_releases_refused_lookups():
     stats = store.stats()
     assert stats["lookups"] == 2 and stats["clients"][0]["errors"] == 1
     assert stats["clients"][0]["in_flight"] == 0
+
+
+def test_a_slot_takes_its_next_lookup_only_once_the_last_ones_ids_are_handed_over():
+    store, backend = make_store(orders_slots=True)
+    client_id = register(store)
+    slab = backend.slabs[0]
+    slab.handed_over = set()
+    start(store, client_id, slot=0, seq=1)
+    start(store, client_id, slot=1, seq=2)  # another slot: its first lookup
+    with pytest.raises(SlotBusyError, match="IDs of lookup 1 are not handed over"):
+        start(store, client_id, slot=0, seq=3)
+    assert [(j.slot, j.seq, j.skip) for j in backend.jobs] == [(0, 1, False), (1, 2, False)], \
+        "a refusal of this kind queues no release behind the unsatisfied wait"
+    slab.handed_over.add((0, 1))
+    with pytest.raises(BadIdsError):  # a refusal of another kind is released, and counts as the
+        start(store, client_id, slot=0, seq=4, tokens=9)  # slot's last lookup
+    assert (backend.jobs[-1].seq, backend.jobs[-1].skip) == (4, True)
+    with pytest.raises(SlotBusyError, match="lookup 4"):
+        start(store, client_id, slot=0, seq=5)
+    slab.handed_over.add((0, 4))
+    start(store, client_id, slot=0, seq=6)
+    assert store.stats()["clients"][0]["errors"] == 3
 
 
 def test_refused_lookup_with_a_bad_slot_submits_nothing():

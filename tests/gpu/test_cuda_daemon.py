@@ -130,8 +130,10 @@ def test_daemon_killed_mid_lookup_releases_the_stream(daemon_factory, reference)
 def test_a_lookup_whose_ids_never_come_fails_after_ids_wait_s(daemon_factory, reference):
     """A client whose stream never hands over a lookup's IDs holds the daemon stream's wait (and
     every stream sharing its hardware queue) only `ids_wait_s`: then the lookup fails with
-    bad_ids, and the client's next lookups are served again."""
+    bad_ids, and the client's next lookups are served again. Until then the slot takes no
+    further lookup (the daemon queues nothing more behind the wait)."""
     from engramd.client import BadIdsError, cuda
+    from engramd.client.errors import SlotBusyError
     from engramd.client.host_counters import HostCounters
     from engramd.client.slab import SlabLayout
 
@@ -147,6 +149,10 @@ def test_a_lookup_whose_ids_never_come_fails_after_ids_wait_s(daemon_factory, re
             started = time.monotonic()
             stuck = client.lookup(ids, stream=stream)  # its IDs' copy waits behind the gate
             stuck.wait(stream)
+            with pytest.raises(SlotBusyError, match="not handed over yet"):  # a slot takes no more
+                client._conn.call("lookup", 10.0, client_id=client.client_id, slot=stuck.slot,
+                                  seq=stuck.seq + 1, ids_dtype="int64", ids_shape=list(ids.shape),
+                                  inline=False, ack=True)
             wait_until(lambda: client.stats()["errors"].get("bad_ids", 0) >= 1, timeout=30.0, step=0.1)
             failed_after = time.monotonic() - started
             gate.store(0, 0, 1)
