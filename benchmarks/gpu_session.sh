@@ -7,7 +7,7 @@
 # Phases: tests (tests/gpu without MPS), tests-daemon (its end-to-end files alone),
 # tests-containers (namespaced clients, descriptor slabs), tests-mps (the cross-process GPU tests under MPS),
 # lookup (benchmarks/gpu_lookup.py, both MPS modes; with the mapped column (d)), lookup-mps-inline (under MPS, inline only),
-# tests-ids-wait (a lookup whose IDs never come; served rows),
+# tests-ids-wait (a lookup whose IDs never come; served rows), counter-placement (benchmarks/counter_placement.py),
 # step (benchmarks/model_step.py, both modes, all four variants: compute, inproc, engramd served,
 # mapped), step-mapped (the same as step: its name for runs that want the mapped variant),
 # lookup-variants (under MPS, inline dispatch: daemon defaults vs no cache and all SMs),
@@ -108,6 +108,7 @@ phase_tests_ids_wait() {  # a lookup whose IDs never come, and served rows, no M
   python3 -m pytest tests/gpu/test_cuda_daemon.py -q -k "ids_never or rows_match_reference" 2>&1 \
     | tee "$out/gpu_tests_ids_wait.log"
 }
+phase_counter_placement() { python3 benchmarks/counter_placement.py --out "$out/counters" 2>&1 | tee "$out/counter_placement.log"; }
 phase_step() {
   # all variants by default (compute, inproc, engramd, mapped)
   python3 benchmarks/model_step.py --mps both --out "$out/step" 2>&1 | tee "$out/step.log" | tail -30
