@@ -248,7 +248,8 @@ class AttachRequest(Message):
 
 @dataclass(slots=True)
 class AttachReply(Message):
-    """Served: `slab` says how to map descriptor 0. Mapped: descriptor i is table i."""
+    """Served: `slab` says how to map descriptor 0 (and descriptor 1, a GPU slab's counter
+    block, when slab["fds"] is 2). Mapped: descriptor i is table i."""
 
     OP = "attach"
     slab: dict | None = None

@@ -173,6 +173,32 @@ def test_handle_socket_messages_are_declared_and_checked_on_both_sides():
     assert info.value.epoch == "ep"
 
 
+def test_an_attach_reply_passes_a_gpu_slabs_counter_block_as_its_second_descriptor():
+    import os
+    import socket
+
+    from engramd.client.handles import _attachment, ok_reply
+    from engramd.client.messages import AttachReply
+
+    lease, other = socket.socketpair()
+    fds = [os.open(os.devnull, os.O_RDONLY) for _ in range(3)]
+    try:
+        gpu = _attachment(lease, ok_reply("ep", AttachReply(slab={"kind": "cuda_vmm", "fds": 2})), fds[:2])
+        assert (gpu.slab_fd, gpu.counters_fd, gpu.tables) == (fds[0], fds[1], [])
+        cpu = _attachment(lease, ok_reply("ep", AttachReply(slab={"kind": "memfd"})), fds[:1])
+        assert (cpu.slab_fd, cpu.counters_fd) == (fds[0], None)
+        with pytest.raises(ProtocolError, match="describes 2 descriptors but carried 1"):
+            _attachment(lease, ok_reply("ep", AttachReply(slab={"kind": "cuda_vmm", "fds": 2})), fds[:1])
+        for count in (3, 0, "2", True):
+            with pytest.raises(ProtocolError, match="a slab of .* descriptors"):
+                _attachment(lease, ok_reply("ep", AttachReply(slab={"kind": "x", "fds": count})), fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
+        lease.close()
+        other.close()
+
+
 def test_declared_types_take_what_msgpack_may_send_and_nothing_else():
     from engramd.client.messages import HealthReply, HeartbeatRequest
 

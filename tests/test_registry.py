@@ -53,6 +53,8 @@ class FakeBackend:
         self.mps = {}  # GPU UUID -> MpsState, as a CUDA backend reports it
         self.jobs = []
         self.slabs = []
+        self.overdue = []  # jobs overdue_lookups hands out next
+        self.overdue_limits = []
 
     def check_device(self, device):
         if device != "cpu" and device.removeprefix("cuda:") not in self.mps:
@@ -64,6 +66,11 @@ class FakeBackend:
 
     def submit(self, job, done):
         self.jobs.append(job)
+
+    def overdue_lookups(self, limit_s):
+        self.overdue_limits.append(limit_s)
+        overdue, self.overdue = self.overdue, []
+        return overdue
 
     def mps_states(self):
         return self.mps
@@ -172,6 +179,19 @@ def test_a_slot_takes_its_next_lookup_only_once_the_last_ones_ids_are_handed_ove
     slab.handed_over.add((0, 4))
     start(store, client_id, slot=0, seq=6)
     assert store.stats()["clients"][0]["errors"] == 3
+
+
+def test_overdue_lookups_fail_with_bad_ids_and_count_as_their_clients_errors():
+    store, backend = make_store(orders_slots=True, ids_wait_s=7.5)
+    client_id = register(store)
+    start(store, client_id, slot=1, seq=9)
+    assert store.fail_overdue() == [] and backend.overdue_limits == [7.5]
+    backend.overdue = [backend.jobs[0]]
+    [(job, error)] = store.fail_overdue()
+    assert job is backend.jobs[0] and isinstance(error, BadIdsError)
+    assert "lookup 9 (slot 1)" in error.message and "within 7.5 s" in error.message
+    stats = store.stats()
+    assert stats["errors"] == {"bad_ids": 1} and stats["clients"][0]["errors"] == 1
 
 
 def test_refused_lookup_with_a_bad_slot_submits_nothing():
