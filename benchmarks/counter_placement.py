@@ -74,7 +74,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.cuda.init()
     device = torch.zeros(16, dtype=torch.int32, device="cuda")
-    counters = HostCounters.create(SlabLayout(1, 1, 1, 1, 1, 1), "engramd-probe-counters")
+    counters = HostCounters.create(SlabLayout(1, 1, 1, 1, 1, 1), "engramd-probe-counters", 0)
     try:
         results = {"device memory": probe(device.data_ptr(), args.iters),
                    "pinned host memory (memfd)": probe(counters.address(0, 0), args.iters)}

@@ -19,7 +19,8 @@ GPU path, per lookup (see server/cuda_backend.py for the daemon's half):
     LOOKUP message -> daemon (no reply awaited)
     wait(stream):     stream waits ROWS_DONE >= seq
 If the daemon dies (or retires the registration: either way its end of the lease closes), a
-watchdog thread satisfies every pending wait from a side stream within WATCHDOG_S, so no stream
+watchdog thread satisfies every pending wait (CPU stores into the slab's counters, which live in
+pinned host memory: client/host_counters.py) within WATCHDOG_S, so no stream
 of this process hangs, and every later call raises DaemonUnavailableError until the next lookup()
 re-registers. One client object serves one thread.
 """
@@ -216,7 +217,6 @@ class _CudaSlabView:
         try:
             with torch.cuda.device(device):
                 self.views = SlotViews(layout, cuda.tensor_view(self.ptr, layout.size, device))
-                self.side_stream = cuda.new_stream(device.index)
             self.ops = cuda.StreamOps()
             self._map_counters(attachment)
         except BaseException:
@@ -232,7 +232,7 @@ class _CudaSlabView:
         if attachment.counters_fd is None:
             raise InternalError("the daemon passed a GPU slab without its counter block")
         try:
-            counters = HostCounters(attachment.counters_fd, self.layout)
+            counters = HostCounters(attachment.counters_fd, self.layout, self.device.index)
         except (ValueError, OSError) as exc:
             raise InternalError(f"slab counters: {exc}") from None
         old, self.counters = self.counters, counters
@@ -275,9 +275,6 @@ class _CudaSlabView:
         self.views.close()
         self.memory.close()
         self.counters.close()
-        from engramd.client import cuda
-
-        cuda.STREAMS.give(self.side_stream)  # idle: the device was synchronised
 
 
 def _resolve_device(device: str | torch.device) -> torch.device:

@@ -12,6 +12,10 @@ client's waits, and a client its own when the daemon is gone, whatever the GPU's
 
 One memfd per slab, sealed against resizing (a client holding the descriptor cannot shrink it
 under the daemon's stores), mapped and registered (Portable|Mapped) by each side on its own.
+Not sealed against a hole punched into it (fallocate PUNCH_HOLE, which needs write access, and
+the client writes its counters): the daemon's stores would then go to a new page that no GPU
+reads, and that client's own slab would stay allocated as stuck; no other client's counters
+share the page.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ class HostCounters:
     that writes or waits on them (the daemon: its slab stream has drained; the client: the
     device is synchronised)."""
 
-    def __init__(self, fd: int, layout: SlabLayout):
+    def __init__(self, fd: int, layout: SlabLayout, device: int):
+        """Map `fd` and register it, in the context of GPU `device` (the slab's)."""
         self.layout = layout
         self.size = layout.counters_bytes
         have = os.fstat(fd).st_size
@@ -43,7 +48,7 @@ class HostCounters:
             raise ValueError(f"counter block descriptor has {have} bytes, the layout needs {self.size}")
         self.base = mmap_at(None, self.size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd)
         try:
-            self._registration = HostRegistration([(self.base, self.size)], workers=1)
+            self._registration = HostRegistration([(self.base, self.size)], workers=1, device=device)
         except BaseException:
             munmap(self.base, self.size)
             raise
@@ -51,13 +56,13 @@ class HostCounters:
         self._fd: int | None = None
 
     @classmethod
-    def create(cls, layout: SlabLayout, name: str) -> HostCounters:
+    def create(cls, layout: SlabLayout, name: str, device: int) -> HostCounters:
         """A new zeroed counter block (the daemon's), whose descriptor() its client maps."""
         fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, layout.counters_bytes)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
-            counters = cls(fd, layout)
+            counters = cls(fd, layout, device)
         except BaseException:
             os.close(fd)
             raise

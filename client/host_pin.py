@@ -18,7 +18,7 @@ import mmap
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 
-from engramd.client.cuda import CudaError, check, cudart, require_cuda_python
+from engramd.client.cuda import CudaError, check, cudart, make_current, require_cuda_python
 from engramd.client.libc import libc
 
 REGISTER_CHUNK = 64 << 30  # the largest range registered in one call (DESIGN.md, host tier)
@@ -44,7 +44,9 @@ class HostRegistration:
     a failed start unregisters what it did."""
 
     def __init__(self, ranges: list[tuple[int, int]], read_only: bool = False,
-                 workers: int = PIN_WORKERS):
+                 workers: int = PIN_WORKERS, device: int | None = None):
+        """`device`: the GPU whose context the registering threads use (default: device 0, as a
+        fresh thread's; a process on another GPU would get a context on GPU 0 for it)."""
         require_cuda_python()
         self._parts: list[int] = []
         flags = cudart.cudaHostRegisterPortable | cudart.cudaHostRegisterMapped
@@ -55,7 +57,7 @@ class HostRegistration:
         try:
             with ThreadPoolExecutor(max(1, workers), thread_name_prefix="engramd-pin") as pool:
                 list(pool.map(_prefault, parts))
-                list(pool.map(lambda part: registered.append(_register(part, flags)), parts))
+                list(pool.map(lambda part: registered.append(_register(part, flags, device)), parts))
         except BaseException:  # the pool has joined: every part that registered is listed
             self._parts = registered
             try:
@@ -85,9 +87,11 @@ def _prefault(part: tuple[int, int]) -> None:
                     _MADV_POPULATE_READ)  # failure only loses the speed-up
 
 
-def _register(part: tuple[int, int], flags: int) -> int:
+def _register(part: tuple[int, int], flags: int, device: int | None) -> int:
     """Register one part; on any failure after the registration, unregister it again."""
     address, nbytes = part
+    if device is not None:
+        make_current(device)
     check(f"cudaHostRegister({nbytes} bytes at {address:#x})",
           cudart.cudaHostRegister(address, nbytes, flags))
     try:

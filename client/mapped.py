@@ -73,7 +73,7 @@ class MappedTables:
                             "driver does not offer (cudaDevAttrHostRegisterReadOnlySupported); "
                             "register in served mode")
         self._registration = HostRegistration(
-            [(a.ctypes.data, a.nbytes) for a in self.rows], read_only=True)
+            [(a.ctypes.data, a.nbytes) for a in self.rows], read_only=True, device=self.device.index)
 
     def cpu_tensors(self) -> list[torch.Tensor]:
         """uint8 [rows, row_bytes] CPU tensors over the mappings (never written)."""

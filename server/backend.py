@@ -89,8 +89,7 @@ class Backend(Protocol):
 
     def overdue_lookups(self, limit_s: float) -> list[LookupJob]:
         """Enqueued lookups still waiting on the device for their client's IDs `limit_s` after
-        they were enqueued, now let go (marked failed); each one is returned once (CPU: none,
-        its lookups carry their IDs)."""
+        they were enqueued, each returned once (CPU: none, its lookups carry their IDs)."""
 
     def check_gather(self, ids: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         """(where, rows) of a full-shard lookup of `ids` on each device, for the self-check."""

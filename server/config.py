@@ -101,9 +101,9 @@ SETTINGS: tuple[Setting, ...] = (
             "is freed once its in-flight lookups finish)", low=0.05, high=60.0),
     Setting("ids_wait_s", float, 60.0,
             "CUDA backend: a served lookup whose IDs its client's stream has not handed over this "
-            "many seconds after the request fails with 'bad_ids', and the daemon lets its gather "
-            "go on (a waiting stream holds up every stream that shares its hardware queue, other "
-            "clients' too)", low=0.1, high=3600.0),
+            "many seconds after it was enqueued is reported in the log, naming the client (until "
+            "they come, the daemon's stream waits, and so does every stream sharing its hardware "
+            "queue, other clients' too)", low=0.1, high=3600.0),
     Setting("stall_dump_s", float, 30.0,
             "when the request loop has not turned for this many seconds (at least three heartbeat "
             "intervals), every thread's stack goes to stderr, headed 'Timeout'; 0: never",

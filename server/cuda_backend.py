@@ -6,7 +6,11 @@ ReadOnly, in parts of at most 64 GiB, client/host_pin.py), usually before torch 
 its host address, so one host copy serves every GPU of the node. Each client gets one slab on its
 GPU (found by UUID), allocated with CUDA's virtual memory API and passed to the client as a file
 descriptor over the handle socket, and its own daemon stream, so a
-client that stalls its stream stalls nobody else.
+client that stalls its stream stalls no other client's stream, except one that shares its
+hardware queue (streams beyond CUDA_DEVICE_MAX_CONNECTIONS, and every stream under MPS, share
+queues: client/host_counters.py). A slot then holds at most one such wait (the registry refuses
+a slot's next lookup until the last one's IDs are handed over), and one that lasts past
+ids_wait_s is reported.
 
 Completion is stream-ordered through 32-bit counters per slot, in pinned host memory shared with
 the client (client/host_counters.py says why not in the slab):
@@ -148,7 +152,7 @@ class CudaSlab:
             raise ResourceError(f"cannot allocate a {layout.size}-byte slab on {uuid}: {exc}") from None
         self.ptr = self.memory.ptr
         try:
-            self.counters = HostCounters.create(layout, "engramd-counters")
+            self.counters = HostCounters.create(layout, "engramd-counters", device_index)
             self._build(plan_tables, shard)
         except BaseException as exc:
             stream = getattr(self, "stream", None)
@@ -291,11 +295,11 @@ class CudaSlab:
 
     def overdue_ids(self, limit_s: float, now: float) -> list[LookupJob]:
         """The slots' last lookups whose IDs the client's stream has not handed over (IDS_READY)
-        `limit_s` after they were enqueued: each is marked failed and its wait released (CPU
-        stores: FAILED first, so the client, once its rows are done, sees the failure), once.
+        `limit_s` after they were enqueued, each returned once (a slot holds one such lookup:
+        ClientRegistry._check_ids_handed_over).
 
-        Only the last lookup of a slot is watched: one released later also passes every earlier
-        wait on the slot, and the library client has one lookup per slot ahead of its GPU."""
+        Only reported, never released: a release would let the gather overwrite the slot's
+        rows under readers of its previous lookup, queued behind the same stall."""
         overdue = []
         for slot, job in list(self.last_job.items()):
             enqueued = job.context.get("enqueued")
@@ -303,8 +307,6 @@ class CudaSlab:
                     or self.ids_handed_over(slot, job.seq)):
                 continue
             job.context["overdue"] = True
-            self.counters.store(slot, FAILED, job.seq)
-            self.counters.store(slot, IDS_READY, job.seq)
             overdue.append(job)
         return overdue
 

@@ -203,12 +203,7 @@ class Daemon:
     def _on_loaded(self, loaded: LoadedTables) -> None:
         self._table_fds = self._open_table_fds(loaded.tables)
         self.service.serve(loaded, on_retire=self._end_lease)
-        # What exists now (torch, the tables' bookkeeping, the kernels) lives as long as the
-        # daemon: frozen out of the collector's sight, a full collection walks only what serving
-        # makes. Without it, full collections stalled the request loop for 45-110 ms at a time
-        # during floods (benchmarks/floods.py).
-        gc.collect()
-        gc.freeze()
+        freeze_long_lived()
         summary = (f"ready: {loaded.backend.name} backend, {loaded.geometry.n_layers} layers, "
                    f"{size(loaded.geometry.total_bytes)} of tables "
                    f"{'re-attached' if loaded.reattached else 'loaded'}")
@@ -384,7 +379,8 @@ class Daemon:
         self._deaf = {peer: until for peer, until in self._deaf.items() if until > now}
         if self.service.registry is not None:
             self.service.registry.reap_dead()
-            self._fail_overdue(self.service.registry)
+            for said in self.service.registry.overdue_lookups():
+                self._overdue.warning("%s", said)
         if self.service.state == "loading":
             self.notifier.status(f"loading tables: {self.service.progress:.0%}")
         if self.notifier.watchdog_interval is not None:
@@ -392,15 +388,6 @@ class Daemon:
         self._publish()
         if STALL_ENV in os.environ and self.service.state == "ready":  # fault injection, once
             time.sleep(float(os.environ.pop(STALL_ENV)))
-
-    def _fail_overdue(self, registry: Any) -> None:
-        """Answer each GPU lookup whose IDs never came with its error (the client waits for one
-        once it sees the lookup marked failed)."""
-        for job, error in registry.fail_overdue():
-            self._overdue.warning("client %d: %s", job.client_id, error.message)
-            identity, rid = job.context.get("identity"), job.context.get("rid")
-            if identity is not None and rid is not None:
-                self._send(identity, protocol.encode_error("lookup", rid, self.epoch, error))
 
     def _arm_stall_dump(self) -> None:
         """Re-arm the stall dump: a C thread of faulthandler's writes every thread's stack to
@@ -566,6 +553,10 @@ class Daemon:
         """No gather of the daemon's reads these replaced tables any more: unmap them."""
         if self.service.tables is not None:
             self.service.tables.store.release(tables)
+        # What the old tables' caches and plans left in reference cycles was frozen at start:
+        # thawed, it is collected (once, here), and what lives on is frozen again.
+        gc.unfreeze()
+        freeze_long_lived()
 
     @staticmethod
     def _open_table_fds(tables: list[HostTable]) -> list[int]:
@@ -756,6 +747,15 @@ class Daemon:
             os.close(self._wake_r)
             os.close(self._wake_w)
             self._wake_w = -1
+
+
+def freeze_long_lived() -> None:
+    """Move every object alive now out of the collector's sight (gc.freeze): what exists once
+    the daemon serves (torch, the tables' bookkeeping, the kernels) lives as long as it does, and
+    a full collection then walks only what serving makes. Without it, full collections stalled
+    the request loop for 45-110 ms at a time during floods (benchmarks/results/floods.md)."""
+    gc.collect()
+    gc.freeze()
 
 
 def raise_open_file_limit() -> int:

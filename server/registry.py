@@ -82,7 +82,7 @@ class Limits:
     allowed_gids: frozenset[int] | None = None
     slab_budget: int = int(default("slab_budget_gib") * 2**30)  # all served clients' slabs together
     max_clients_per_uid: int = default("max_clients_per_uid")  # attached clients one user may hold
-    ids_wait_s: float = default("ids_wait_s")  # a GPU lookup's IDs, at most this long after its request
+    ids_wait_s: float = default("ids_wait_s")  # a GPU lookup waiting longer for its IDs is reported
 
     def allows(self, peer: PeerCredentials) -> bool:
         if self.allowed_uids is None and self.allowed_gids is None:
@@ -483,21 +483,19 @@ class ClientRegistry:
         record.last_seq[job.slot] = job.seq
         self.backend.submit(job, done)
 
-    def fail_overdue(self) -> list[tuple[LookupJob, EngramError]]:
-        """GPU lookups whose IDs their client's stream has not handed over within `ids_wait_s`:
-        the backend lets their gathers go on (marked failed, on whatever IDs the slot holds);
-        each with the error its client is to be sent."""
-        failed = []
+    def overdue_lookups(self) -> list[str]:
+        """What to say of each GPU lookup whose IDs its client's stream has not handed over
+        within `ids_wait_s` of its enqueue (once per lookup): the daemon's stream waits for
+        them, and so does every stream that shares its hardware queue, other clients' too."""
+        said = []
         for job in self.backend.overdue_lookups(self.limits.ids_wait_s):
             record = self.clients.get(job.client_id)
-            if record is not None:
-                record.errors += 1
-            error = BadIdsError(f"lookup {job.seq} (slot {job.slot}): its IDs were not handed over "
-                                f"within {self.limits.ids_wait_s:g} s of the request (the stream "
-                                "that was to copy them never got there)")
-            self.count_error(error.code)
-            failed.append((job, error))
-        return failed
+            pid = record.peer.pid if record is not None and record.peer is not None else None
+            said.append(f"client {job.client_id}{f' (pid {pid})' if pid else ''}: lookup {job.seq} "
+                        f"(slot {job.slot}) has waited over {self.limits.ids_wait_s:g} s for its "
+                        "IDs, which its stream has not copied; until they come the daemon's stream "
+                        "for it waits, and so does every stream sharing that hardware queue")
+        return said
 
     def _release_refused(self, record: ClientRecord, req: LookupRequest, done: Completion) -> None:
         """GPU clients wait on the slot's counter without awaiting the reply: release it in order."""

@@ -181,17 +181,16 @@ def test_a_slot_takes_its_next_lookup_only_once_the_last_ones_ids_are_handed_ove
     assert store.stats()["clients"][0]["errors"] == 3
 
 
-def test_overdue_lookups_fail_with_bad_ids_and_count_as_their_clients_errors():
+def test_overdue_lookups_are_described_with_their_client_and_cost_it_nothing():
     store, backend = make_store(orders_slots=True, ids_wait_s=7.5)
     client_id = register(store)
     start(store, client_id, slot=1, seq=9)
-    assert store.fail_overdue() == [] and backend.overdue_limits == [7.5]
+    assert store.overdue_lookups() == [] and backend.overdue_limits == [7.5]
     backend.overdue = [backend.jobs[0]]
-    [(job, error)] = store.fail_overdue()
-    assert job is backend.jobs[0] and isinstance(error, BadIdsError)
-    assert "lookup 9 (slot 1)" in error.message and "within 7.5 s" in error.message
+    [said] = store.overdue_lookups()
+    assert said.startswith(f"client {client_id} (pid {os.getpid()}): lookup 9 (slot 1) has waited over 7.5 s")
     stats = store.stats()
-    assert stats["errors"] == {"bad_ids": 1} and stats["clients"][0]["errors"] == 1
+    assert stats["errors"] == {} and stats["clients"][0]["errors"] == 0
 
 
 def test_refused_lookup_with_a_bad_slot_submits_nothing():

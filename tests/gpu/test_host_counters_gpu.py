@@ -38,10 +38,10 @@ def recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
 
 
 def test_both_mappings_see_gpu_writes_and_a_cpu_store_releases_a_wait():
-    daemon_side = HostCounters.create(layout(4), "engramd-test-counters")
+    daemon_side = HostCounters.create(layout(4), "engramd-test-counters", 0)
     fd = daemon_side.descriptor()
     try:
-        client_side = HostCounters(fd, layout(4))  # a second mapping and registration, as a client's
+        client_side = HostCounters(fd, layout(4), 0)  # a second mapping and registration, as a client's
     finally:
         os.close(fd)
     stream = cuda.new_stream(0)
@@ -73,7 +73,7 @@ def test_cpu_stores_release_waits_when_every_hardware_queue_holds_one():
     release the GPU would have to write waits behind one of them; the CPU's stores release
     all of them, and the late stream's write then runs too."""
     waiting = 48
-    counters = HostCounters.create(layout(waiting + 1), "engramd-test-counters")
+    counters = HostCounters.create(layout(waiting + 1), "engramd-test-counters", 0)
     streams = [cuda.new_stream(0) for _ in range(waiting)]
     late = cuda.new_stream(0)
     try:
