@@ -156,7 +156,12 @@ class Daemon:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 100_000)
-        self._sock.setsockopt(zmq.RCVHWM, 100_000)
+        # Messages one peer may have queued here before libzmq stops reading its connection (it
+        # then waits in the peer's socket; nothing is dropped). Clients keep a few in flight; a
+        # flooding peer's deep queue is memory the daemon holds for it, and (the suspicion of
+        # benchmarks/results/floods.md) bursts in which libzmq's one I/O thread refills it while
+        # other peers' replies wait.
+        self._sock.setsockopt(zmq.RCVHWM, 1000)
         # Enforced by libzmq while decoding, before the frame is allocated: a peer that sends a
         # larger frame is disconnected; the daemon never buffers it.
         self._sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_PAYLOAD_BYTES)
