@@ -7,7 +7,7 @@
 # Phases: tests (tests/gpu without MPS), tests-daemon (its end-to-end files alone),
 # tests-containers (namespaced clients, descriptor slabs), tests-mps (the cross-process GPU tests under MPS),
 # lookup (benchmarks/gpu_lookup.py, both MPS modes; with the mapped column (d)), lookup-mps-inline (under MPS, inline only),
-# tests-ids-wait (a lookup whose IDs never come; served rows), counter-placement (benchmarks/counter_placement.py),
+# tests-ids-wait (a lookup whose IDs are late; served rows), counter-placement (benchmarks/counter_placement.py),
 # step (benchmarks/model_step.py, both modes, all four variants: compute, inproc, engramd served,
 # mapped), step-mapped (the same as step: its name for runs that want the mapped variant),
 # lookup-variants (under MPS, inline dispatch: daemon defaults vs no cache and all SMs),
@@ -104,8 +104,8 @@ phase_lookup_mps_inline() {  # gpu_lookup under MPS, inline dispatch only (the s
   python3 benchmarks/gpu_lookup.py --table-gib 16 --mps on --dispatch inline --out "$out/lookup_inline" 2>&1 \
     | tee "$out/lookup_inline.log" | tail -30
 }
-phase_tests_ids_wait() {  # a lookup whose IDs never come, and served rows, no MPS
-  python3 -m pytest tests/gpu/test_cuda_daemon.py -q -k "ids_never or rows_match_reference" 2>&1 \
+phase_tests_ids_wait() {  # a lookup whose IDs are late, and served rows, no MPS
+  python3 -m pytest tests/gpu/test_cuda_daemon.py -q -k "ids_are_late or rows_match_reference" 2>&1 \
     | tee "$out/gpu_tests_ids_wait.log"
 }
 phase_counter_placement() { python3 benchmarks/counter_placement.py --out "$out/counters" 2>&1 | tee "$out/counter_placement.log"; }

@@ -171,8 +171,7 @@ class CudaSlab:
         self.ids_ready = [ops.pointer(self.counters.address(s, IDS_READY)) for s in range(layout.slots)]
         self.rows_done = [ops.pointer(self.counters.address(s, ROWS_DONE)) for s in range(layout.slots)]
         self.failed = [ops.pointer(self.counters.address(s, FAILED)) for s in range(layout.slots)]
-        self.enqueued: dict[int, int] = {}  # slot -> seq of the last lookup enqueued on it
-        self.last_job: dict[int, LookupJob] = {}  # slot -> that lookup (overdue_ids watches it)
+        self.last_job: dict[int, LookupJob] = {}  # slot -> the last lookup enqueued on it
         gpu.slabs.add(self)
 
     def _build(self, plan_tables: list[LayerTable], shard: ShardView) -> None:
@@ -272,7 +271,7 @@ class CudaSlab:
         the daemon stream is done, and ROWS_DONE once more after it. Past RELEASE_DEADLINE_S
         that is logged, the slab is counted as stuck (close() then leaves the GPU alone) and
         the release goes on once a second."""
-        past = release_value(max(self.enqueued.values(), default=0))
+        past = release_value(max((job.seq for job in self.last_job.values()), default=0))
         drained = torch.cuda.Event()
         drained.record(self.stream)
         deadline, pause = time.monotonic() + RELEASE_DEADLINE_S, RELEASE_FIRST_PAUSE_S
@@ -311,8 +310,8 @@ class CudaSlab:
         return overdue
 
     def _store_release(self, past: int) -> None:
-        for slot, seq in self.enqueued.items():
-            self.counters.store(slot, IDS_READY, seq)
+        for slot, job in self.last_job.items():
+            self.counters.store(slot, IDS_READY, job.seq)
         for slot in range(self.layout.slots):
             self.counters.store(slot, ROWS_DONE, past)
 
@@ -522,7 +521,6 @@ def enqueue_lookup(job: LookupJob) -> None:
         if not served:
             slab.ops.write_u32(raw, slab.failed[slot], seq)
         slab.ops.write_u32(raw, slab.rows_done[slot], seq)
-        slab.enqueued[slot] = seq
         slab.last_job[slot] = job
     job.out_of_range = 0  # counted on the GPU (slab.out_of_range); never synchronised per lookup
 
