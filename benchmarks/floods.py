@@ -14,16 +14,31 @@ at a time, each from processes of its own:
 Reports p50 / p99 of the good client's lookups in each phase, the ratio of each p99 to the idle
 one (the target: within 3x), and the daemon's peak RSS per phase (VmHWM is process-wide, so the
 peak after each phase; VmRSS sampled every 50 ms during it).
+
+Where the time goes: the daemon's own lookup histogram (request received by its loop -> rows
+written; Prometheus `engramd_lookup_dispatch_seconds`), read before and after each phase, gives
+the phase's daemon-side p50 / p99 (the upper bound of the bucket they fall in). Beside the
+heavy client it holds that client's lookups too; beside the other floods only the good client's.
+The rest of the good client's time is spent before the loop reads its request and after the
+rows are written (the reply's way back). The daemon's garbage collections per phase come from
+its `engramd_gc_pause_seconds` histogram.
+
+`--py-spy PATH` runs the daemon under that py-spy binary (`record --idle --threads --native`,
+raw collapsed stacks in OUT/daemon_stacks.txt): where each of its threads spends the floods.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
+import socket as sockets
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -99,9 +114,67 @@ def rss_mib(pid: int, field: str = "VmRSS") -> float:
     return int(next(line.split()[1] for line in status.splitlines() if line.startswith(field))) / 1024
 
 
-def phase(socket: Path, daemon_pid: int, seconds: float, flood: str | None) -> dict:
+def free_port() -> int:
+    with sockets.socket() as probe_socket:
+        probe_socket.bind(("127.0.0.1", 0))
+        return probe_socket.getsockname()[1]
+
+
+def scrape(port: int) -> str:
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+
+
+def histogram(text: str, name: str, labels: str = "") -> dict[float, float]:
+    """A histogram of a scrape: cumulative count per bucket upper bound (seconds). `labels`:
+    the series' labels before `le`, as written (e.g. 'generation="2",')."""
+    buckets, prefix = {}, f'{name}_bucket{{{labels}le="'
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            bound = line[len(prefix):].split('"', 1)[0]
+            buckets[float(bound)] = float(line.rsplit(" ", 1)[1])
+    return buckets
+
+
+def gc_pauses(before: str, after: str) -> dict[str, dict]:
+    """Per generation: the phase's collections and the bucket bound (ms) of its longest one."""
+    pauses = {}
+    for generation in range(3):
+        labels = f'generation="{generation}",'
+        was = histogram(before, "engramd_gc_pause_seconds", labels)
+        now = histogram(after, "engramd_gc_pause_seconds", labels)
+        bounds = sorted(now)
+        counts = [now[b] - was.get(b, 0.0) for b in bounds]
+        longest = next((b for b, c in zip(bounds, counts, strict=True) if c == counts[-1]), None)
+        pauses[str(generation)] = {"count": int(counts[-1]) if counts else 0,
+                                   "longest_ms_at_most": round(longest * 1e3, 3) if counts and counts[-1] else None}
+    return pauses
+
+
+def bucket_percentile(before: dict[float, float], after: dict[float, float], q: float) -> float | None:
+    """The upper bound (ms) of the bucket holding the q-th percentile of what was observed
+    between the two readings; None if nothing was."""
+    bounds = sorted(after)
+    counts = [after[b] - before.get(b, 0.0) for b in bounds]
+    if not counts or counts[-1] <= 0:
+        return None
+    for bound, count in zip(bounds, counts, strict=True):
+        if count >= q / 100 * counts[-1]:
+            return round(bound * 1e3, 3)
+    return None
+
+
+def profiled_child(pid: int) -> int:
+    """The daemon's pid under a py-spy wrapper of pid `pid` (its one child)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    if len(children) != 1:
+        raise SystemExit(f"py-spy (pid {pid}) has children {children}, not one daemon")
+    return int(children[0])
+
+
+def phase(socket: Path, daemon_pid: int, port: int, seconds: float, flood: str | None) -> dict:
     floods = [subprocess.Popen([sys.executable, "-c", FLOODS[flood], str(socket)])] if flood else []
     peak, stop = [0.0], threading.Event()
+    before = scrape(port)
 
     def sample() -> None:
         while not stop.wait(0.05):
@@ -123,8 +196,13 @@ def phase(socket: Path, daemon_pid: int, seconds: float, flood: str | None) -> d
         stop.set()
         sampler.join()
     health = probe(socket, "health", 30.0).body.encode()
+    after = scrape(port)
+    lookups = [histogram(text, "engramd_lookup_dispatch_seconds") for text in (before, after)]
     return {"lookups": len(took), "p50_ms": round(float(np.percentile(took, 50)), 2),
             "p99_ms": round(float(np.percentile(took, 99)), 2), "max_ms": round(float(took.max()), 2),
+            "daemon_p50_ms_at_most": bucket_percentile(*lookups, 50),
+            "daemon_p99_ms_at_most": bucket_percentile(*lookups, 99),
+            "gc_pauses": gc_pauses(before, after),
             "rss_peak_mib": round(peak[0], 1), "rss_after_mib": round(rss_mib(daemon_pid), 1),
             "ready_after": health["ready"]}
 
@@ -133,29 +211,40 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=8.0, help="good client's time per phase")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--py-spy", help="run the daemon under this py-spy binary (see above)")
     parser.add_argument("--floods", nargs="*", choices=list(FLOODS), default=list(FLOODS),
                         help="which floods to run beside the good client (default: all)")
     args = parser.parse_args()
     results = {**run_header(), "phases": {}}
     with bench_folders() as (work, shm):
-        proc, socket = start_daemon(work, cpu_demo_flags(work, shm))
+        port = free_port()
+        args.out.mkdir(parents=True, exist_ok=True)
+        wrapper = None if args.py_spy is None else [
+            args.py_spy, "record", "--idle", "--threads", "--native", "--rate", "200", "--format", "raw",
+            "--output", str(args.out / "daemon_stacks.txt"), "--", sys.executable]
+        proc, socket = start_daemon(work, [*cpu_demo_flags(work, shm), "--metrics-address",
+                                           f"127.0.0.1:{port}"], python=wrapper)
+        daemon_pid = proc.pid if wrapper is None else profiled_child(proc.pid)
         try:
             for flood in (None, *args.floods):
                 name = flood or "idle"
-                results["phases"][name] = phase(socket, proc.pid, args.seconds, flood)
+                results["phases"][name] = phase(socket, daemon_pid, port, args.seconds, flood)
                 print(name, json.dumps(results["phases"][name]), flush=True)
         finally:
-            proc.terminate()
+            os.kill(daemon_pid, signal.SIGTERM)  # py-spy, if any, writes its stacks once it exits
             proc.wait(60)
     idle = results["phases"]["idle"]["p99_ms"]
     for row in results["phases"].values():
         row["p99_vs_idle"] = round(row["p99_ms"] / idle, 2)
-    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "floods.json").write_text(json.dumps(results, indent=1) + "\n")
-    print(f"{'phase':8} {'p50 ms':>8} {'p99 ms':>8} {'x idle':>7} {'RSS peak MiB':>13}")
+    print(f"{'phase':8} {'p50 ms':>8} {'p99 ms':>8} {'x idle':>7} {'daemon p50/p99 <= ms':>21} "
+          f"{'full GCs (longest <= ms)':>25} {'RSS peak MiB':>13}")
     for name, row in results["phases"].items():
+        daemon = f"{row['daemon_p50_ms_at_most']} / {row['daemon_p99_ms_at_most']}"
+        full = row["gc_pauses"]["2"]
+        collections = f"{full['count']} ({full['longest_ms_at_most']})"
         print(f"{name:8} {row['p50_ms']:8.2f} {row['p99_ms']:8.2f} {row['p99_vs_idle']:7.2f} "
-              f"{row['rss_peak_mib']:13.1f}")
+              f"{daemon:>21} {collections:>25} {row['rss_peak_mib']:13.1f}")
 
 
 if __name__ == "__main__":

@@ -86,6 +86,37 @@ phase_tests_kill_mps_inline_connections() {
 phase_floods() {  # benchmarks/floods.py (CPU backend) on this machine's 16 cores, beside nothing else
   python3 benchmarks/floods.py --seconds 4 --out "$out/floods" 2>&1 | tee "$out/floods.log" | tail -20
 }
+phase_floods_switch20() {  # experiment: the daemon's GIL switch interval at 20 us (200 us in the code)
+  sed -i 's/^SWITCH_INTERVAL_S = 0.0002$/SWITCH_INTERVAL_S = 0.00002/' server/daemon.py
+  grep -n '^SWITCH_INTERVAL_S' server/daemon.py
+  python3 benchmarks/floods.py --seconds 4 --floods heavy unread --out "$out/floods_switch20" 2>&1 \
+    | tee "$out/floods_switch20.log" | tail -6
+  local rc=${PIPESTATUS[0]}
+  sed -i 's/^SWITCH_INTERVAL_S = 0.00002$/SWITCH_INTERVAL_S = 0.0002/' server/daemon.py
+  return "$rc"
+}
+phase_floods_omp1() {  # experiment: one intra-op thread in every process (daemon and clients)
+  OMP_NUM_THREADS=1 python3 benchmarks/floods.py --seconds 4 --floods heavy unread --out "$out/floods_omp1" 2>&1 \
+    | tee "$out/floods_omp1.log" | tail -6
+}
+phase_floods_profile() {  # the unread flood with the daemon under py-spy (its wheel in .whl/)
+  python3 benchmarks/floods.py --seconds 4 --floods unread --py-spy /tmp/site/bin/py-spy \
+    --out "$out/floods_profile" 2>&1 | tee "$out/floods_profile.log" | tail -4 &&
+  python3 benchmarks/stack_summary.py "$out/floods_profile/daemon_stacks.txt" --top 12 \
+    | tee "$out/floods_profile_summary.txt" | head -60
+}
+phase_lookup_base() {  # on one host: gpu_lookup (MPS, inline, 4 GiB) of the tree in .ab_base, then of this one
+  # .ab_base (ignored, carried): `git archive REV | tar x -C .ab_base`, the commit to compare with
+  [ -d .ab_base ] || { echo "no .ab_base folder"; return 1; }
+  local common=(--table-gib 4 --mps on --dispatch inline) rc=0
+  python3 -m pip install -q --no-deps --no-build-isolation -e .ab_base >>"$out/install.log" 2>&1 || return 1
+  (cd .ab_base && python3 benchmarks/gpu_lookup.py "${common[@]}" --out "$out/lookup_base") 2>&1 \
+    | tee "$out/lookup_base.log" | tail -28 || rc=1
+  python3 -m pip install -q --no-deps --no-build-isolation -e . >>"$out/install.log" 2>&1 || return 1
+  python3 benchmarks/gpu_lookup.py "${common[@]}" --out "$out/lookup_head" 2>&1 \
+    | tee "$out/lookup_head.log" | tail -28 || rc=1
+  return "$rc"
+}
 phase_pin_probe() { python3 benchmarks/pin_probe.py --gib 16 --out "$out/pin" 2>&1 | tee "$out/pin_probe.log" | tail -40; }
 phase_unmap_probe() { python3 benchmarks/unmap_probe.py 2>&1 | tee "$out/unmap_probe.log"; }
 phase_tests_mps() {
@@ -108,7 +139,14 @@ phase_tests_ids_wait() {  # a lookup whose IDs are late, and served rows, no MPS
   python3 -m pytest tests/gpu/test_cuda_daemon.py -q -k "ids_are_late or rows_match_reference" 2>&1 \
     | tee "$out/gpu_tests_ids_wait.log"
 }
-phase_counter_placement() { python3 benchmarks/counter_placement.py --out "$out/counters" 2>&1 | tee "$out/counter_placement.log"; }
+phase_counter_placement() {  # benchmarks/counter_placement.py, without MPS, then under it
+  python3 benchmarks/counter_placement.py --out "$out/counters" 2>&1 | tee "$out/counter_placement.log" &&
+  mps_start && echo "# under MPS" | tee -a "$out/counter_placement.log" &&
+  python3 benchmarks/counter_placement.py --out "$out/counters_mps" 2>&1 | tee -a "$out/counter_placement.log"
+  local rc=$?
+  mps_stop
+  return "$rc"
+}
 phase_step() {
   # all variants by default (compute, inproc, engramd, mapped)
   python3 benchmarks/model_step.py --mps both --out "$out/step" 2>&1 | tee "$out/step.log" | tail -30

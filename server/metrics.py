@@ -19,8 +19,15 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+)
 from prometheus_client.exposition import make_wsgi_app
+
+from engramd.server.gc_pauses import GENERATIONS, GcPauses
 
 log = logging.getLogger("engramd.metrics")
 
@@ -196,6 +203,20 @@ class _BoundedServer(ThreadingMixIn, WSGIServer):
             self._slots.release()
 
 
+class _GcCollector:
+    def __init__(self, pauses: GcPauses) -> None:
+        self.pauses = pauses
+
+    def collect(self) -> Iterator[Any]:
+        family = HistogramMetricFamily("engramd_gc_pause_seconds",
+                                       "garbage collections (each stops every thread of the "
+                                       "daemon), by generation", labels=["generation"])
+        for generation in range(GENERATIONS):
+            buckets, seconds = self.pauses.histogram(generation)
+            family.add_metric([str(generation)], buckets, seconds)
+        yield family
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -204,6 +225,8 @@ class Metrics:
         self.latency = Histogram("engramd_lookup_dispatch_seconds",
                                  "request received -> gather enqueued (GPU) or rows written (CPU)",
                                  buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.gc_pauses = GcPauses(LATENCY_BUCKETS)
+        self.registry.register(_GcCollector(self.gc_pauses))
         self._server = None
 
     def publish(self, snapshot: dict[str, Any]) -> None:
@@ -220,10 +243,12 @@ class Metrics:
         except OSError as exc:
             log.error("metrics endpoint %s not started: %s", address, exc)
             return
+        self.gc_pauses.install()
         threading.Thread(target=self._server.serve_forever, name="engramd-metrics", daemon=True).start()
         log.info("metrics on http://%s/metrics", address)
 
     def close(self) -> None:
+        self.gc_pauses.uninstall()
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import gc
+
 from prometheus_client.exposition import generate_latest
 
+from engramd.server import gc_pauses
+from engramd.server.gc_pauses import GcPauses
 from engramd.server.metrics import Metrics
 
 
@@ -61,3 +65,41 @@ def test_the_served_tables_and_clients_still_on_others_are_exposed():
     text = generate_latest(metrics.registry).decode()
     assert 'engramd_tables_info{reload="done",tables="new"} 1.0' in text
     assert "engramd_clients_on_other_tables 1.0" in text
+
+
+def _gc_series(metrics: Metrics, suffix: str, generation: int, le: str | None = None) -> float:
+    text = generate_latest(metrics.registry).decode()
+    labels = f'generation="{generation}"' + (f',le="{le}"' if le else "")
+    prefix = f"engramd_gc_pause_seconds_{suffix}{{{labels}}} "
+    return float(next(line for line in text.splitlines() if line.startswith(prefix))[len(prefix):])
+
+
+def test_garbage_collections_are_observed_per_generation_while_installed():
+    metrics = Metrics()
+    metrics.gc_pauses.install()
+    try:
+        before = _gc_series(metrics, "count", 2)
+        gc.collect()
+        gc.collect()
+        assert _gc_series(metrics, "count", 2) == before + 2
+        assert _gc_series(metrics, "bucket", 2, "+Inf") == before + 2
+        assert _gc_series(metrics, "sum", 2) > 0
+    finally:
+        metrics.gc_pauses.uninstall()
+    assert metrics.gc_pauses._observe not in gc.callbacks
+    after = _gc_series(metrics, "count", 2)
+    gc.collect()
+    assert _gc_series(metrics, "count", 2) == after  # no longer observed
+
+
+def test_a_pause_lands_in_the_first_bucket_at_least_as_long(monkeypatch):
+    pauses = GcPauses([0.001, 0.01])
+    clock = iter([0.0, 0.0005, 1.0, 1.001, 2.0, 2.005, 3.0, 3.5])
+    monkeypatch.setattr(gc_pauses.time, "perf_counter", lambda: next(clock))
+    for _ in range(4):
+        pauses._observe("start", {"generation": 1})
+        pauses._observe("stop", {"generation": 1})
+    buckets, seconds = pauses.histogram(1)
+    assert buckets == [("0.001", 2), ("0.01", 3), ("+Inf", 4)]
+    assert abs(seconds - (0.0005 + 0.001 + 0.005 + 0.5)) < 1e-9
+    assert pauses.histogram(0) == ([("0.001", 0), ("0.01", 0), ("+Inf", 0)], 0.0)
