@@ -19,20 +19,22 @@ Where the time goes: the daemon's own lookup histogram (request received by its 
 written; Prometheus `engramd_lookup_dispatch_seconds`), read before and after each phase, gives
 the phase's daemon-side p50 / p99 (the upper bound of the bucket they fall in). Beside the
 heavy client it holds that client's lookups too; beside the other floods only the good client's.
+Its stage histogram (`engramd_lookup_stage_seconds`) splits that time: submit (received ->
+pieces queued), queue (-> a gather thread starts), gather (-> rows written), completion (-> the
+loop answers).
 The rest of the good client's time is spent before the loop reads its request and after the
 rows are written (the reply's way back). The daemon's garbage collections per phase come from
 its `engramd_gc_pause_seconds` histogram.
 
-`--py-spy PATH` runs the daemon under that py-spy binary (`record --idle --threads --native`,
-raw collapsed stacks in OUT/daemon_stacks.txt): where each of its threads spends the floods.
+`--py-spy PATH` attaches that py-spy binary to the daemon during each phase's good client
+(`record --idle --threads --native`, raw collapsed stacks in OUT/stacks_<phase>.txt, which
+benchmarks/stack_summary.py reads): where each of the daemon's threads spends that phase.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import socket as sockets
 import subprocess
 import sys
@@ -124,24 +126,39 @@ def scrape(port: int) -> str:
     return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
 
 
-def histogram(text: str, name: str, labels: str = "") -> dict[float, float]:
-    """A histogram of a scrape: cumulative count per bucket upper bound (seconds). `labels`:
-    the series' labels before `le`, as written (e.g. 'generation="2",')."""
-    buckets, prefix = {}, f'{name}_bucket{{{labels}le="'
+def histogram(text: str, name: str, **labels: str) -> dict[float, float]:
+    """A histogram of a scrape, the series with `labels`: cumulative count per bucket bound (s)."""
+    buckets, prefix = {}, f"{name}_bucket{{"
     for line in text.splitlines():
-        if line.startswith(prefix):
-            bound = line[len(prefix):].split('"', 1)[0]
-            buckets[float(bound)] = float(line.rsplit(" ", 1)[1])
+        if not line.startswith(prefix):
+            continue
+        series, count = line[len(prefix):].rsplit("} ", 1)
+        found = dict(pair.split("=", 1) for pair in series.split(","))
+        found = {key: value.strip('"') for key, value in found.items()}
+        if all(found.get(key) == value for key, value in labels.items()):
+            buckets[float(found["le"])] = float(count)
     return buckets
+
+
+STAGES = ("submit", "queue", "gather", "completion")
+
+
+def stages(before: str, after: str) -> dict[str, list]:
+    """Per stage of the daemon's CPU lookups: [p50, p99] bucket bounds (ms) in the phase."""
+    split = {}
+    for stage in STAGES:
+        was, now = (histogram(text, "engramd_lookup_stage_seconds", stage=stage)
+                    for text in (before, after))
+        split[stage] = [bucket_percentile(was, now, 50), bucket_percentile(was, now, 99)]
+    return split
 
 
 def gc_pauses(before: str, after: str) -> dict[str, dict]:
     """Per generation: the phase's collections and the bucket bound (ms) of its longest one."""
     pauses = {}
     for generation in range(3):
-        labels = f'generation="{generation}",'
-        was = histogram(before, "engramd_gc_pause_seconds", labels)
-        now = histogram(after, "engramd_gc_pause_seconds", labels)
+        was = histogram(before, "engramd_gc_pause_seconds", generation=str(generation))
+        now = histogram(after, "engramd_gc_pause_seconds", generation=str(generation))
         bounds = sorted(now)
         counts = [now[b] - was.get(b, 0.0) for b in bounds]
         longest = next((b for b, c in zip(bounds, counts, strict=True) if c == counts[-1]), None)
@@ -163,15 +180,16 @@ def bucket_percentile(before: dict[float, float], after: dict[float, float], q: 
     return None
 
 
-def profiled_child(pid: int) -> int:
-    """The daemon's pid under a py-spy wrapper of pid `pid` (its one child)."""
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    if len(children) != 1:
-        raise SystemExit(f"py-spy (pid {pid}) has children {children}, not one daemon")
-    return int(children[0])
+def profiler(py_spy: str | None, daemon_pid: int, seconds: float, out: Path) -> subprocess.Popen | None:
+    if py_spy is None:
+        return None
+    return subprocess.Popen([py_spy, "record", "--pid", str(daemon_pid), "--duration", str(int(seconds) + 2),
+                             "--idle", "--threads", "--native", "--rate", "200", "--format", "raw",
+                             "--output", str(out)], stdout=subprocess.DEVNULL)
 
 
-def phase(socket: Path, daemon_pid: int, port: int, seconds: float, flood: str | None) -> dict:
+def phase(socket: Path, daemon_pid: int, port: int, seconds: float, flood: str | None,
+          py_spy: str | None, out: Path) -> dict:
     floods = [subprocess.Popen([sys.executable, "-c", FLOODS[flood], str(socket)])] if flood else []
     peak, stop = [0.0], threading.Event()
     before = scrape(port)
@@ -184,11 +202,14 @@ def phase(socket: Path, daemon_pid: int, port: int, seconds: float, flood: str |
     sampler.start()
     try:
         time.sleep(1.0 if flood else 0.0)  # the flood is under way
+        sampling = profiler(py_spy, daemon_pid, seconds, out / f"stacks_{flood or 'idle'}.txt")
         good = subprocess.run([sys.executable, "-c", GOOD, str(socket), str(seconds)],
                               capture_output=True, text=True, timeout=seconds + 120)
         if good.returncode != 0:
             raise SystemExit(f"good client failed beside {flood}: {good.stderr[-2000:]}")
         took = np.array(json.loads(good.stdout.strip().splitlines()[-1])) * 1e3
+        if sampling is not None and sampling.wait(60) != 0:
+            print(f"py-spy exited with {sampling.returncode} in phase {flood or 'idle'}", flush=True)
     finally:
         for proc in floods:
             proc.kill()
@@ -202,6 +223,7 @@ def phase(socket: Path, daemon_pid: int, port: int, seconds: float, flood: str |
             "p99_ms": round(float(np.percentile(took, 99)), 2), "max_ms": round(float(took.max()), 2),
             "daemon_p50_ms_at_most": bucket_percentile(*lookups, 50),
             "daemon_p99_ms_at_most": bucket_percentile(*lookups, 99),
+            "stages_ms_at_most": stages(before, after),
             "gc_pauses": gc_pauses(before, after),
             "rss_peak_mib": round(peak[0], 1), "rss_after_mib": round(rss_mib(daemon_pid), 1),
             "ready_after": health["ready"]}
@@ -219,19 +241,16 @@ def main() -> None:
     with bench_folders() as (work, shm):
         port = free_port()
         args.out.mkdir(parents=True, exist_ok=True)
-        wrapper = None if args.py_spy is None else [
-            args.py_spy, "record", "--idle", "--threads", "--native", "--rate", "200", "--format", "raw",
-            "--output", str(args.out / "daemon_stacks.txt"), "--", sys.executable]
         proc, socket = start_daemon(work, [*cpu_demo_flags(work, shm), "--metrics-address",
-                                           f"127.0.0.1:{port}"], python=wrapper)
-        daemon_pid = proc.pid if wrapper is None else profiled_child(proc.pid)
+                                           f"127.0.0.1:{port}"])
         try:
             for flood in (None, *args.floods):
                 name = flood or "idle"
-                results["phases"][name] = phase(socket, daemon_pid, port, args.seconds, flood)
+                results["phases"][name] = phase(socket, proc.pid, port, args.seconds, flood,
+                                                args.py_spy, args.out)
                 print(name, json.dumps(results["phases"][name]), flush=True)
         finally:
-            os.kill(daemon_pid, signal.SIGTERM)  # py-spy, if any, writes its stacks once it exits
+            proc.terminate()
             proc.wait(60)
     idle = results["phases"]["idle"]["p99_ms"]
     for row in results["phases"].values():
@@ -245,6 +264,10 @@ def main() -> None:
         collections = f"{full['count']} ({full['longest_ms_at_most']})"
         print(f"{name:8} {row['p50_ms']:8.2f} {row['p99_ms']:8.2f} {row['p99_vs_idle']:7.2f} "
               f"{daemon:>21} {collections:>25} {row['rss_peak_mib']:13.1f}")
+    print("daemon's stages, p50 / p99 <= ms: " + ", ".join(STAGES))
+    for name, row in results["phases"].items():
+        split = row["stages_ms_at_most"]
+        print(f"{name:8} " + "  ".join(f"{split[stage][0]} / {split[stage][1]}" for stage in STAGES))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,10 @@
 # tests-counters (host-memory counters, then test_cuda_daemon.py),
 # tests-warm-up (the daemon's kernel warm-up against the variants it launches), tests-rows (rows and counts of every kind of IDs), unmap-probe (benchmarks/unmap_probe.py),
 # pin-probe (benchmarks/pin_probe.py: ways to pin a table file already in shared memory),
-# floods (benchmarks/floods.py: a good client beside floods, on more cores than a CI machine).
+# floods (benchmarks/floods.py: a good client beside floods, on more cores than a CI machine),
+# floods-switch20 and floods-omp1 (experiments: a 20 us GIL switch interval; one intra-op thread),
+# floods-profile (floods with py-spy on the daemon per phase), lookup-base, lookup-head-first and
+# floods-base (A/B runs on one host against another commit's tree, see ab_install below).
 # Logs and results are packed into OUT/results.tgz (one file); each phase's exit code is
 # printed at the end.
 set -u
@@ -99,22 +102,45 @@ phase_floods_omp1() {  # experiment: one intra-op thread in every process (daemo
   OMP_NUM_THREADS=1 python3 benchmarks/floods.py --seconds 4 --floods heavy unread --out "$out/floods_omp1" 2>&1 \
     | tee "$out/floods_omp1.log" | tail -6
 }
-phase_floods_profile() {  # the unread flood with the daemon under py-spy (its wheel in .whl/)
-  python3 benchmarks/floods.py --seconds 4 --floods unread --py-spy /tmp/site/bin/py-spy \
-    --out "$out/floods_profile" 2>&1 | tee "$out/floods_profile.log" | tail -4 &&
-  python3 benchmarks/stack_summary.py "$out/floods_profile/daemon_stacks.txt" --top 12 \
-    | tee "$out/floods_profile_summary.txt" | head -60
+phase_floods_profile() {  # the floods with py-spy on the daemon in each phase (its wheel in .whl/)
+  local stacks
+  python3 benchmarks/floods.py --seconds 4 --py-spy /tmp/site/bin/py-spy \
+    --out "$out/floods_profile" 2>&1 | tee "$out/floods_profile.log" | tail -12 || return 1
+  for stacks in "$out"/floods_profile/stacks_*.txt; do
+    python3 benchmarks/stack_summary.py "$stacks" --top 12 >"${stacks%.txt}_summary.txt"
+  done
 }
-phase_lookup_base() {  # on one host: gpu_lookup (MPS, inline, 4 GiB) of the tree in .ab_base, then of this one
-  # .ab_base (ignored, carried): `git archive REV | tar x -C .ab_base`, the commit to compare with
+# A/B phases on one host against another commit's tree, in an ignored folder that the run
+# carries: `git archive REV | tar x -C FOLDER`. lookup-*: .ab_base; floods-base: .ab_floods.
+ab_install() { python3 -m pip install -q --no-deps --no-build-isolation -e "$1" >>"$out/install.log" 2>&1; }
+lookup_ab() {  # gpu_lookup (MPS, inline, 4 GiB) of tree $1 into $out/$2
+  (cd "$1" && python3 benchmarks/gpu_lookup.py --table-gib 4 --mps on --dispatch inline --out "$out/$2") 2>&1 \
+    | tee "$out/$2.log" | tail -28
+}
+phase_lookup_base() {  # the base tree's, then this one's
   [ -d .ab_base ] || { echo "no .ab_base folder"; return 1; }
-  local common=(--table-gib 4 --mps on --dispatch inline) rc=0
-  python3 -m pip install -q --no-deps --no-build-isolation -e .ab_base >>"$out/install.log" 2>&1 || return 1
-  (cd .ab_base && python3 benchmarks/gpu_lookup.py "${common[@]}" --out "$out/lookup_base") 2>&1 \
-    | tee "$out/lookup_base.log" | tail -28 || rc=1
-  python3 -m pip install -q --no-deps --no-build-isolation -e . >>"$out/install.log" 2>&1 || return 1
-  python3 benchmarks/gpu_lookup.py "${common[@]}" --out "$out/lookup_head" 2>&1 \
-    | tee "$out/lookup_head.log" | tail -28 || rc=1
+  local rc=0
+  ab_install .ab_base && { lookup_ab .ab_base lookup_base || rc=1; }
+  ab_install . && { lookup_ab . lookup_head || rc=1; }
+  return "$rc"
+}
+phase_lookup_head_first() {  # this tree's, then the base tree's (the order reversed)
+  [ -d .ab_base ] || { echo "no .ab_base folder"; return 1; }
+  local rc=0
+  lookup_ab . lookup_head_first || rc=1
+  ab_install .ab_base && { lookup_ab .ab_base lookup_base_second || rc=1; }
+  ab_install . || rc=1
+  return "$rc"
+}
+phase_floods_base() {  # benchmarks/floods.py of the tree in .ab_floods, then this tree's, twice
+  [ -d .ab_floods ] || { echo "no .ab_floods folder"; return 1; }
+  local rc=0 run
+  for run in 1 2; do
+    ab_install .ab_floods && (cd .ab_floods && python3 benchmarks/floods.py --seconds 4 --out "$out/floods_base_$run") \
+      2>&1 | tail -12 | tee "$out/floods_base_$run.log" || rc=1
+    ab_install . && python3 benchmarks/floods.py --seconds 4 --out "$out/floods_head_$run" \
+      2>&1 | tail -12 | tee "$out/floods_head_$run.log" || rc=1
+  done
   return "$rc"
 }
 phase_pin_probe() { python3 benchmarks/pin_probe.py --gib 16 --out "$out/pin" 2>&1 | tee "$out/pin_probe.log" | tail -40; }

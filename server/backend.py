@@ -77,6 +77,11 @@ class Backend(Protocol):
 
     pinned_bytes: int  # host table bytes registered with a device (CPU: 0)
 
+    @property
+    def gathering(self) -> bool:
+        """Whether gathers run on threads of this process now (the CPU backend's): they need
+        the GIL between their torch calls, so the request loop makes room for them (Daemon._drain_socket)."""
+
     def mps_states(self) -> dict[str, MpsState]:
         """Per GPU UUID, whether the daemon's work there goes through an MPS server (CPU: {})."""
 

@@ -90,7 +90,7 @@ class MemfdSlab:
 
 
 # Lookups are gathered in pieces of this many tokens, client after client (server/fair_queue.py).
-PIECE_TOKENS = 128
+PIECE_TOKENS = 32
 
 
 class _TableSet:
@@ -124,6 +124,7 @@ class CpuBackend:
     def __init__(self, tables: list[torch.Tensor], geometry: TableGeometry, workers: int):
         self._tables = _TableSet(tables)
         self._readers_lock = threading.Lock()
+        self._in_flight = 0  # lookups queued or gathering, under _readers_lock
         self.geometry = geometry
         self._queue = FairQueue()
         self._workers = [threading.Thread(target=self._work, name=f"engramd-gather{i}", daemon=True)
@@ -159,6 +160,7 @@ class CpuBackend:
         try:
             pieces = self._pieces(job, done)
             if pieces:
+                job.context["submitted"] = time.perf_counter()
                 try:
                     self._queue.put(job.client_id, pieces)
                 except BaseException:
@@ -184,6 +186,7 @@ class CpuBackend:
         lookup = _Lookup(job, done, ids, self._tables, left=len(starts))
         with self._readers_lock:
             lookup.tables.readers += 1
+            self._in_flight += 1
         return [(lookup, t, min(t + PIECE_TOKENS, job.tokens)) for t in starts]
 
     def _work(self) -> None:
@@ -192,6 +195,7 @@ class CpuBackend:
 
     def _run_piece(self, lookup: _Lookup, start: int, stop: int) -> None:
         job, bad, error = lookup.job, 0, None
+        job.context.setdefault("started", time.perf_counter())  # its first piece's start
         try:
             rows = job.slab.rows(job.slot, job.tokens)[:, start:stop]
             _, bad = gather(lookup.tables.tensors, lookup.ids[start:stop], job.shard, out=rows)
@@ -212,10 +216,15 @@ class CpuBackend:
         """A lookup that read `tables` is done: the last one of a replaced set retires it."""
         with self._readers_lock:
             tables.readers -= 1
+            self._in_flight -= 1
             retired = tables.retired if tables.readers == 0 else None
         if retired is not None:
             tables.tensors = []  # no reader left: the views go before the tables are unmapped
             retired()
+
+    @property
+    def gathering(self) -> bool:
+        return self._in_flight > 0
 
     def mps_states(self) -> dict:
         return {}  # no GPU, so nothing to share

@@ -540,6 +540,7 @@ class CudaBackend:
     name = "cuda"
     orders_slots = True
     counts_per_job = False  # out-of-range IDs are counted on the device (GpuState.out_of_range)
+    gathering = False  # its gathers run on the GPU; a dispatch thread only enqueues them
 
     def __init__(self, tables: list[HostTable], geometry: TableGeometry, inline: bool = False,
                  options: GatherOptions | None = None, registration: HostRegistration | None = None):

@@ -83,6 +83,7 @@ MAX_MESSAGE_FRAMES = 2 + protocol.MAX_PAYLOAD_FRAMES
 SWITCH_INTERVAL_S = 0.0002
 DRAIN_BATCH = 1024  # requests read per wake-up, so that timers and leases are not starved
 EVENTS_EVERY = 32  # requests read between two looks at finished lookups (_drain_socket)
+YIELD_S = 0.0005  # the loop's pause after EVENTS_EVERY requests while CPU gathers run (_drain_socket)
 STALL_ENV = "ENGRAMD_DEBUG_LOOP_STALL_S"  # tests: the ready loop sleeps this long, once
 
 
@@ -263,9 +264,15 @@ class Daemon:
         return EXIT_OK
 
     def _drain_socket(self) -> None:
-        """Requests waiting on the socket, at most DRAIN_BATCH. Completions are answered every
-        EVENTS_EVERY requests: a peer flooding the socket (ROUTER reads its peers in turn) would
-        otherwise hold every other client's finished lookup behind a whole batch of its own."""
+        """Requests waiting on the socket, at most DRAIN_BATCH. Every EVENTS_EVERY requests:
+
+        - completions are answered: a peer flooding the socket (ROUTER reads its peers in turn)
+          would otherwise hold every other client's finished lookup behind a whole batch of its own;
+        - while CPU gathers run, the loop sleeps YIELD_S. Their threads need the GIL between
+          torch calls, and a loop kept busy by a flood holds it: each hand-over then waited a
+          switch interval, and a good client's 64-token gather took 3-4x its idle time beside
+          one peer sending heartbeats (benchmarks/results/floods.md). Lookups come first; the
+          flood's requests wait in the socket's queue."""
         for count in range(1, DRAIN_BATCH + 1):
             try:
                 frames = self._recv_request()
@@ -273,10 +280,14 @@ class Daemon:
                 return
             if frames is not None:
                 self._handle(frames, time.perf_counter())
-            if count % EVENTS_EVERY == 0 and not self._events.empty():
+            if count % EVENTS_EVERY:
+                continue
+            if not self._events.empty():
                 self._run_events()
                 if self._halt is not None:
                     return  # the loop stops: the rest of the batch is not worth reading
+            if self.service.gathering():
+                time.sleep(YIELD_S)
 
     def _recv_request(self) -> list[bytes] | None:
         """The next message's frames, copied; None for one of more frames than any request has
@@ -331,6 +342,9 @@ class Daemon:
             return
         if "enqueued" in job.context:
             self.metrics.latency.observe(job.context["enqueued"] - job.context["received"])
+            if "started" in job.context:  # a CPU gather: where its time went
+                job.context["answered"] = time.perf_counter()
+                self.metrics.observe_stages(job.context)
         identity, rid = job.context["identity"], job.context["rid"]
         try:
             reply = self.service.finish_lookup(job)

@@ -36,6 +36,10 @@ log = logging.getLogger("engramd.metrics")
 MAX_SCRAPERS = 8
 SCRAPE_TIMEOUT_S = 5.0
 
+# A CPU lookup's stages: (name, the job context's time it starts at, the one it ends at).
+CPU_STAGES = (("submit", "received", "submitted"), ("queue", "submitted", "started"),
+              ("gather", "started", "enqueued"), ("completion", "enqueued", "answered"))
+
 LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 200e-6, 400e-6, 800e-6, 1.6e-3, 3.2e-3, 6.4e-3,
                    12.8e-3, 25.6e-3, 51.2e-3, 0.1, 0.2, 0.5)
 
@@ -225,9 +229,20 @@ class Metrics:
         self.latency = Histogram("engramd_lookup_dispatch_seconds",
                                  "request received -> gather enqueued (GPU) or rows written (CPU)",
                                  buckets=LATENCY_BUCKETS, registry=self.registry)
+        stages = Histogram("engramd_lookup_stage_seconds",
+                           "CPU lookups, stage by stage: submit (request received -> pieces "
+                           "queued), queue (-> a worker starts), gather (-> rows written), "
+                           "completion (-> the loop answers)", labelnames=["stage"],
+                           buckets=LATENCY_BUCKETS, registry=self.registry)
+        self._stages = [(stage, start, end, stages.labels(stage)) for stage, start, end in CPU_STAGES]
         self.gc_pauses = GcPauses(LATENCY_BUCKETS)
         self.registry.register(_GcCollector(self.gc_pauses))
         self._server = None
+
+    def observe_stages(self, context: dict[str, float]) -> None:
+        """A finished CPU lookup's stages, from the times its job's context holds."""
+        for _, start, end, histogram in self._stages:
+            histogram.observe(context[end] - context[start])
 
     def publish(self, snapshot: dict[str, Any]) -> None:
         self._collector.snapshot = snapshot

@@ -158,6 +158,10 @@ class Service:
         """Per GPU UUID, the hot-row cache's counters (empty without a cache or a GPU backend)."""
         return self.tables.backend.cache_stats() if self.tables is not None else {}
 
+    def gathering(self) -> bool:
+        """Whether the backend's gather threads have work now (see Backend.gathering)."""
+        return self.tables is not None and self.tables.backend.gathering
+
     def metrics(self) -> dict[str, Any]:
         """What the Prometheus endpoint shows (server/metrics.py)."""
         stats = self.registry.stats() if self.registry is not None else {}

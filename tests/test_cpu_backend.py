@@ -79,3 +79,25 @@ def test_a_lookup_in_flight_reads_the_tables_it_was_submitted_with():
         slab.gate.set()
         backend.close()
         slab.close()
+
+
+def test_gathering_is_true_from_submit_until_the_lookup_is_done():
+    geometry = TableGeometry.named("demo")
+    backend = CpuBackend(tables_of(geometry, 1), geometry, workers=1)
+    shard = geometry.shard(0, 1)
+    layout = SlabLayout(slots=1, max_tokens=8, n_layers=geometry.n_layers, heads=geometry.heads,
+                        local_heads=shard.local_heads, head_dim=geometry.head_dim)
+    slab = GatedSlab(layout)
+    done = threading.Event()
+    try:
+        assert not backend.gathering
+        backend.submit(LookupJob(0, slab, shard, 0, 1, 8), lambda job: done.set())
+        assert backend.gathering  # queued or held at the gate
+        assert slab.entered.wait(10)
+        assert backend.gathering and not done.is_set()
+        slab.gate.set()
+        assert done.wait(10)
+        assert not backend.gathering
+    finally:
+        slab.gate.set()
+        backend.close()

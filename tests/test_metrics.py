@@ -103,3 +103,19 @@ def test_a_pause_lands_in_the_first_bucket_at_least_as_long(monkeypatch):
     assert buckets == [("0.001", 2), ("0.01", 3), ("+Inf", 4)]
     assert abs(seconds - (0.0005 + 0.001 + 0.005 + 0.5)) < 1e-9
     assert pauses.histogram(0) == ([("0.001", 0), ("0.01", 0), ("+Inf", 0)], 0.0)
+
+
+def test_a_cpu_lookups_stages_are_observed_from_its_context():
+    metrics = Metrics()
+    metrics.observe_stages({"received": 1.0, "submitted": 1.00002, "started": 1.0003,
+                            "enqueued": 1.0063, "answered": 1.5})
+    text = generate_latest(metrics.registry).decode()
+
+    def count(stage: str, le: str) -> float:
+        prefix = f'engramd_lookup_stage_seconds_bucket{{le="{le}",stage="{stage}"}} '
+        return float(next(line for line in text.splitlines() if line.startswith(prefix))[len(prefix):])
+
+    # 20 us, 280 us, 6 ms, 494 ms: each in the first bucket at least as long
+    assert (count("submit", "2.5e-05"), count("queue", "0.0002"), count("queue", "0.0004")) == (1, 0, 1)
+    assert (count("gather", "0.0064"), count("gather", "0.0032"), count("completion", "0.5")) == (1, 0, 1)
+    assert count("completion", "0.2") == 0

@@ -1,0 +1,61 @@
+"""The request loop makes room for CPU gathers: while they run it pauses, GIL released, after
+every EVENTS_EVERY requests it reads (Daemon._drain_socket), and never pauses otherwise."""
+
+from __future__ import annotations
+
+import queue
+
+import pytest
+import zmq
+
+from engramd.server import daemon as daemon_module
+from engramd.server.daemon import DRAIN_BATCH, EVENTS_EVERY, YIELD_S, Daemon
+
+
+class Service:
+    def __init__(self, gathering: bool):
+        self.busy = gathering
+
+    def gathering(self) -> bool:
+        return self.busy
+
+
+def loop_reading(requests: int, gathering: bool) -> Daemon:
+    """A daemon's request-reading state alone: `requests` waiting, then an empty socket."""
+    loop = object.__new__(Daemon)
+    loop.service = Service(gathering)
+    loop._events = queue.SimpleQueue()
+    loop._halt = None
+    waiting = iter(range(requests))
+
+    def recv() -> list[bytes]:
+        if next(waiting, None) is None:
+            raise zmq.Again()
+        return [b"peer", b"request"]
+
+    loop._recv_request = recv
+    loop.handled = 0
+
+    def handle(frames: list[bytes], received: float) -> None:
+        loop.handled += 1
+
+    loop._handle = handle
+    return loop
+
+
+@pytest.mark.parametrize("gathering", [True, False])
+def test_the_loop_pauses_between_request_batches_only_while_gathers_run(monkeypatch, gathering):
+    pauses: list[float] = []
+    monkeypatch.setattr(daemon_module.time, "sleep", pauses.append)
+    requests = 5 * EVENTS_EVERY + 3
+    loop = loop_reading(requests, gathering)
+    loop._drain_socket()
+    assert loop.handled == requests
+    assert pauses == ([YIELD_S] * 5 if gathering else [])
+
+
+def test_a_batch_still_ends_at_drain_batch_requests(monkeypatch):
+    monkeypatch.setattr(daemon_module.time, "sleep", lambda seconds: None)
+    loop = loop_reading(DRAIN_BATCH + 10, gathering=True)
+    loop._drain_socket()
+    assert loop.handled == DRAIN_BATCH
