@@ -89,8 +89,12 @@ class MemfdSlab:
         self.buffer, self._map = None, None
 
 
-# Lookups are gathered in pieces of this many tokens, client after client (server/fair_queue.py).
+# Lookups longer than WHOLE_TOKENS are gathered in pieces of PIECE_TOKENS tokens, client after
+# client (server/fair_queue.py): another client's lookup waits at most for the pieces running.
+# Shorter ones go whole: split across both workers, a 64-token lookup took ~1.4x as long idle
+# (their torch calls contend for the GIL and the CPUs), see benchmarks/results/floods.md.
 PIECE_TOKENS = 32
+WHOLE_TOKENS = 128
 
 
 class _TableSet:
@@ -180,14 +184,15 @@ class CpuBackend:
             ids = torch.from_numpy(job.inline_ids.copy())
         else:
             ids = job.slab.ids(job.slot, job.tokens, ID_DTYPES[job.ids_dtype]).clone()
-        starts = range(0, job.tokens, PIECE_TOKENS)
+        piece = job.tokens if job.tokens <= WHOLE_TOKENS else PIECE_TOKENS
+        starts = range(0, job.tokens, piece)
         if not starts:
             return []
         lookup = _Lookup(job, done, ids, self._tables, left=len(starts))
         with self._readers_lock:
             lookup.tables.readers += 1
             self._in_flight += 1
-        return [(lookup, t, min(t + PIECE_TOKENS, job.tokens)) for t in starts]
+        return [(lookup, t, min(t + piece, job.tokens)) for t in starts]
 
     def _work(self) -> None:
         while (piece := self._queue.get()) is not None:
