@@ -123,9 +123,11 @@ def vmm_host_numa() -> Iterator[int]:
     size = int(cuda.check("cuMemGetAllocationGranularity", cu.cuMemGetAllocationGranularity(
         prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)))
     handle = cuda.check("cuMemCreate", cu.cuMemCreate(size, prop, 0))
-    ptr = int(cuda.check("cuMemAddressReserve", cu.cuMemAddressReserve(size, size, 0, 0)))
-    cuda.check("cuMemMap", cu.cuMemMap(ptr, size, 0, handle, 0))
+    ptr = mapped = 0
     try:
+        ptr = int(cuda.check("cuMemAddressReserve", cu.cuMemAddressReserve(size, size, 0, 0)))
+        cuda.check("cuMemMap", cu.cuMemMap(ptr, size, 0, handle, 0))
+        mapped = ptr
         gpu, cpu = cu.CUmemAccessDesc(), cu.CUmemAccessDesc()
         gpu.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         gpu.location.id = 0
@@ -137,9 +139,11 @@ def vmm_host_numa() -> Iterator[int]:
         yield ptr
     finally:
         torch.cuda.synchronize()
-        cuda.check("cuMemUnmap", cu.cuMemUnmap(ptr, size))
+        if mapped:
+            cuda.check("cuMemUnmap", cu.cuMemUnmap(mapped, size))
         cuda.check("cuMemRelease", cu.cuMemRelease(handle))
-        cuda.check("cuMemAddressFree", cu.cuMemAddressFree(ptr, size))
+        if ptr:
+            cuda.check("cuMemAddressFree", cu.cuMemAddressFree(ptr, size))
 
 
 PLACEMENTS = {

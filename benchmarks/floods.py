@@ -17,8 +17,9 @@ peak after each phase; VmRSS sampled every 50 ms during it).
 
 Where the time goes: the daemon's own lookup histogram (request received by its loop -> rows
 written; Prometheus `engramd_lookup_dispatch_seconds`), read before and after each phase, gives
-the phase's daemon-side p50 / p99 (the upper bound of the bucket they fall in). Beside the
-heavy client it holds that client's lookups too; beside the other floods only the good client's.
+the phase's daemon-side p50 / p99 (the upper bound of the bucket they fall in). Its window is
+the whole phase (the flood's first second included). Beside the heavy client it holds that
+client's lookups too; beside the other floods only the good client's.
 Its stage histogram (`engramd_lookup_stage_seconds`) splits that time: submit (received ->
 pieces queued), queue (-> a gather thread starts), gather (-> rows written), completion (-> the
 loop answers).
@@ -29,6 +30,8 @@ its `engramd_gc_pause_seconds` histogram.
 `--py-spy PATH` attaches that py-spy binary to the daemon during each phase's good client
 (`record --idle --threads --native`, raw collapsed stacks in OUT/stacks_<phase>.txt, which
 benchmarks/stack_summary.py reads): where each of the daemon's threads spends that phase.
+py-spy pauses the daemon for every sample: profiled lookups are slower, compare them only with
+each other.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 from engramd.client.connection import probe
 
@@ -128,15 +132,13 @@ def scrape(port: int) -> str:
 
 def histogram(text: str, name: str, **labels: str) -> dict[float, float]:
     """A histogram of a scrape, the series with `labels`: cumulative count per bucket bound (s)."""
-    buckets, prefix = {}, f"{name}_bucket{{"
-    for line in text.splitlines():
-        if not line.startswith(prefix):
-            continue
-        series, count = line[len(prefix):].rsplit("} ", 1)
-        found = dict(pair.split("=", 1) for pair in series.split(","))
-        found = {key: value.strip('"') for key, value in found.items()}
-        if all(found.get(key) == value for key, value in labels.items()):
-            buckets[float(found["le"])] = float(count)
+    buckets: dict[float, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == f"{name}_bucket" and all(
+                    sample.labels.get(key) == value for key, value in labels.items()):
+                bound = float(sample.labels["le"])
+                buckets[bound] = buckets.get(bound, 0.0) + sample.value
     return buckets
 
 
@@ -167,16 +169,16 @@ def gc_pauses(before: str, after: str) -> dict[str, dict]:
     return pauses
 
 
-def bucket_percentile(before: dict[float, float], after: dict[float, float], q: float) -> float | None:
+def bucket_percentile(before: dict[float, float], after: dict[float, float], q: float) -> float | str | None:
     """The upper bound (ms) of the bucket holding the q-th percentile of what was observed
-    between the two readings; None if nothing was."""
+    between the two readings ("+Inf" past the last bound); None if nothing was."""
     bounds = sorted(after)
     counts = [after[b] - before.get(b, 0.0) for b in bounds]
     if not counts or counts[-1] <= 0:
         return None
     for bound, count in zip(bounds, counts, strict=True):
         if count >= q / 100 * counts[-1]:
-            return round(bound * 1e3, 3)
+            return round(bound * 1e3, 3) if bound != float("inf") else "+Inf"
     return None
 
 
@@ -191,7 +193,7 @@ def profiler(py_spy: str | None, daemon_pid: int, seconds: float, out: Path) -> 
 def phase(socket: Path, daemon_pid: int, port: int, seconds: float, flood: str | None,
           py_spy: str | None, out: Path) -> dict:
     floods = [subprocess.Popen([sys.executable, "-c", FLOODS[flood], str(socket)])] if flood else []
-    peak, stop = [0.0], threading.Event()
+    peak, stop, sampling = [0.0], threading.Event(), None
     before = scrape(port)
 
     def sample() -> None:
@@ -211,6 +213,9 @@ def phase(socket: Path, daemon_pid: int, port: int, seconds: float, flood: str |
         if sampling is not None and sampling.wait(60) != 0:
             print(f"py-spy exited with {sampling.returncode} in phase {flood or 'idle'}", flush=True)
     finally:
+        if sampling is not None and sampling.poll() is None:
+            sampling.kill()
+            sampling.wait()
         for proc in floods:
             proc.kill()
             proc.wait()

@@ -3,10 +3,11 @@
     python benchmarks/stack_summary.py STACKS [--top 8]
 
 STACKS: `py-spy record --idle --threads --native --format raw` output (benchmarks/floods.py
---py-spy writes OUT/daemon_stacks.txt). Per thread: its share of samples in each state, and its
+--py-spy writes OUT/stacks_<phase>.txt). Per thread: its share of samples in each state, and its
 most sampled Python lines. A sample's state, from the native frames after its last Python frame:
 - gil: a wait on the GIL (a condition wait reached from a C call, not from threading's wait);
-- waiting: blocked on purpose (threading's Condition/Event/Lock, poll, select, accept, sleep);
+- waiting: blocked on purpose (threading's Condition/Event/Lock, poll, select, accept, sleep:
+  by the last Python frame, or by a sleeping, polling or semaphore call among the native ones);
 - running: anything else (Python, or C work such as a torch kernel).
 """
 
@@ -17,6 +18,9 @@ from collections import Counter, defaultdict
 
 IDLE_PYTHON = {"Condition.wait", "Event.wait", "Poller.poll", "_PollLikeSelector.select",
                "socket.accept", "Thread.join", "Queue.get", "sleep"}
+# Native calls that block on purpose (time.sleep, zmq_poll, a threading.Lock's semaphore).
+IDLE_NATIVE = ("clock_nanosleep", "nanosleep", "select", "poll", "epoll_wait", "sem_clockwait",
+               "sem_timedwait", "sem_wait")
 
 
 def state(frames: list[str]) -> tuple[str, str]:
@@ -24,6 +28,9 @@ def state(frames: list[str]) -> tuple[str, str]:
     last = frames[python[-1]] if python else "(no Python frame)"
     native_after = frames[python[-1] + 1:] if python else frames
     if last.split(" (", 1)[0] in IDLE_PYTHON:
+        return "waiting", last
+    natives = [f.split(" (", 1)[0] for f in native_after]
+    if any(name in IDLE_NATIVE for name in natives):
         return "waiting", last
     if any("pthread_cond_timedwait" in f or "take_gil" in f for f in native_after):
         return "gil", last

@@ -184,7 +184,7 @@ class CpuBackend:
             ids = torch.from_numpy(job.inline_ids.copy())
         else:
             ids = job.slab.ids(job.slot, job.tokens, ID_DTYPES[job.ids_dtype]).clone()
-        piece = job.tokens if job.tokens <= WHOLE_TOKENS else PIECE_TOKENS
+        piece = max(1, job.tokens) if job.tokens <= WHOLE_TOKENS else PIECE_TOKENS
         starts = range(0, job.tokens, piece)
         if not starts:
             return []

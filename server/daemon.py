@@ -81,7 +81,9 @@ DEAF_FOR_S = 1.0  # how long a peer whose reply queue was full gets no answers b
 # The most frames a request may have: the peer's identity, the header, the payload frames.
 MAX_MESSAGE_FRAMES = 2 + protocol.MAX_PAYLOAD_FRAMES
 SWITCH_INTERVAL_S = 0.0002
-DRAIN_BATCH = 1024  # requests read per wake-up, so that timers and leases are not starved
+# Requests read per wake-up, so that timers and leases are not starved (a batch sleeps at most
+# DRAIN_BATCH / EVENTS_EVERY * YIELD_S = 16 ms while CPU gathers run).
+DRAIN_BATCH = 1024
 EVENTS_EVERY = 32  # requests read between two looks at finished lookups (_drain_socket)
 YIELD_S = 0.0005  # the loop's pause after EVENTS_EVERY requests while CPU gathers run (_drain_socket)
 STALL_ENV = "ENGRAMD_DEBUG_LOOP_STALL_S"  # tests: the ready loop sleeps this long, once
@@ -282,12 +284,12 @@ class Daemon:
                 self._handle(frames, time.perf_counter())
             if count % EVENTS_EVERY:
                 continue
+            if self.service.gathering():
+                time.sleep(YIELD_S)  # first: what finishes meanwhile is answered right after
             if not self._events.empty():
                 self._run_events()
                 if self._halt is not None:
                     return  # the loop stops: the rest of the batch is not worth reading
-            if self.service.gathering():
-                time.sleep(YIELD_S)
 
     def _recv_request(self) -> list[bytes] | None:
         """The next message's frames, copied; None for one of more frames than any request has

@@ -214,7 +214,7 @@ class _GcCollector:
     def collect(self) -> Iterator[Any]:
         family = HistogramMetricFamily("engramd_gc_pause_seconds",
                                        "garbage collections (each stops every thread of the "
-                                       "daemon), by generation", labels=["generation"])
+                                       "daemon that runs Python), by generation", labels=["generation"])
         for generation in range(GENERATIONS):
             buckets, seconds = self.pauses.histogram(generation)
             family.add_metric([str(generation)], buckets, seconds)
@@ -231,7 +231,8 @@ class Metrics:
                                  buckets=LATENCY_BUCKETS, registry=self.registry)
         stages = Histogram("engramd_lookup_stage_seconds",
                            "CPU lookups, stage by stage: submit (request received -> pieces "
-                           "queued), queue (-> a worker starts), gather (-> rows written), "
+                           "queued), queue (-> a worker starts its first piece), gather (-> "
+                           "its last piece's rows written, waits between pieces included), "
                            "completion (-> the loop answers)", labelnames=["stage"],
                            buckets=LATENCY_BUCKETS, registry=self.registry)
         self._stages = [(stage, start, end, stages.labels(stage)) for stage, start, end in CPU_STAGES]

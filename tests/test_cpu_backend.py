@@ -111,13 +111,14 @@ def test_long_lookups_go_in_pieces_short_ones_whole_and_rows_match_the_reference
     tables = tables_of(geometry, 3)
     backend = CpuBackend(tables, geometry, workers=2)
     shard = geometry.shard(0, 1)
-    long = WHOLE_TOKENS + PIECE_TOKENS + 5
+    long = 165
     layout = SlabLayout(slots=2, max_tokens=long, n_layers=geometry.n_layers, heads=geometry.heads,
                         local_heads=shard.local_heads, head_dim=geometry.head_dim)
     slab = MemfdSlab("test-slab", layout)
     rng = np.random.default_rng(4)
     try:
-        for tokens, pieces in ((WHOLE_TOKENS, 1), (long, -(-long // PIECE_TOKENS))):
+        assert (WHOLE_TOKENS, PIECE_TOKENS) == (128, 32)  # the counts below are for these
+        for tokens, pieces in ((1, 1), (128, 1), (129, 5), (long, 6)):
             ids = np.stack([rng.integers(0, r, size=(tokens, geometry.heads)) for r in geometry.rows], axis=1)
             slab.ids(0, tokens, torch.int64).copy_(torch.from_numpy(ids))
             job = LookupJob(0, slab, shard, 0, 1, tokens)
@@ -126,7 +127,7 @@ def test_long_lookups_go_in_pieces_short_ones_whole_and_rows_match_the_reference
             assert len(planned) == pieces
             backend._let_go(planned[0][0].tables)  # planned only, never queued
             done = threading.Event()
-            backend.submit(LookupJob(0, slab, shard, 0, 2, tokens), lambda job: done.set())
+            backend.submit(LookupJob(0, slab, shard, 0, 2, tokens), lambda job, done=done: done.set())
             assert done.wait(30)
             expected = gather(tables, torch.from_numpy(ids), shard)[0]
             assert torch.equal(slab.rows(0, tokens).view(torch.int16), expected.view(torch.int16)), tokens

@@ -59,3 +59,21 @@ def test_a_batch_still_ends_at_drain_batch_requests(monkeypatch):
     loop = loop_reading(DRAIN_BATCH + 10, gathering=True)
     loop._drain_socket()
     assert loop.handled == DRAIN_BATCH
+
+
+def test_completions_are_answered_after_the_pause_and_a_halt_ends_the_batch(monkeypatch):
+    order: list[str] = []
+    monkeypatch.setattr(daemon_module.time, "sleep", lambda seconds: order.append("pause"))
+    loop = loop_reading(3 * EVENTS_EVERY, gathering=True)
+    loop._events.put("a finished lookup")
+
+    def run_events() -> None:
+        while not loop._events.empty():
+            loop._events.get()
+            order.append("answered")
+        loop._halt = "stop"  # as a stop request among the events would
+
+    loop._run_events = run_events
+    loop._drain_socket()
+    assert order == ["pause", "answered"]  # and nothing read or paused after the halt
+    assert loop.handled == EVENTS_EVERY
