@@ -272,8 +272,8 @@ class Daemon:
           would otherwise hold every other client's finished lookup behind a whole batch of its own;
         - while CPU gathers run, the loop sleeps YIELD_S. Their threads need the GIL between
           torch calls, and a loop kept busy by a flood holds it: each hand-over then waited a
-          switch interval, and a good client's 64-token gather took 3-4x its idle time beside
-          one peer sending heartbeats (benchmarks/results/floods.md). Lookups come first; the
+          switch interval, and a good client's 64-token gather took several times its idle
+          time beside one peer sending heartbeats (benchmarks/results/floods.md). Lookups come first; the
           flood's requests wait in the socket's queue."""
         for count in range(1, DRAIN_BATCH + 1):
             try:

@@ -2,10 +2,11 @@
 
 CPython's cycle collector runs on whichever thread allocates past a generation's threshold and
 holds the GIL throughout, so a collection stops every thread that runs Python: the request
-loop, and the gather threads between their torch calls. Observing the pauses (gc.callbacks) tells such stalls from the others. The callback runs
-inside the collector, so it takes no lock (prometheus_client's histograms do, and a collection
-that starts while this thread holds that lock would deadlock): it only adds to lists, and the
-metrics collector reads them (a scrape is at most one collection behind).
+loop, and the gather threads between their torch calls. Observing the pauses (gc.callbacks)
+tells such stalls from the others. The callback runs inside the collector, so it takes no lock
+(prometheus_client's histograms do, and a collection that starts while this thread holds that
+lock would deadlock): it only adds to lists, and the metrics collector reads them (a scrape is
+at most one collection behind).
 """
 
 from __future__ import annotations

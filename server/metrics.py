@@ -235,14 +235,14 @@ class Metrics:
                            "its last piece's rows written, waits between pieces included), "
                            "completion (-> the loop answers)", labelnames=["stage"],
                            buckets=LATENCY_BUCKETS, registry=self.registry)
-        self._stages = [(stage, start, end, stages.labels(stage)) for stage, start, end in CPU_STAGES]
+        self._stages = [(start, end, stages.labels(stage)) for stage, start, end in CPU_STAGES]
         self.gc_pauses = GcPauses(LATENCY_BUCKETS)
         self.registry.register(_GcCollector(self.gc_pauses))
         self._server = None
 
     def observe_stages(self, context: dict[str, float]) -> None:
         """A finished CPU lookup's stages, from the times its job's context holds."""
-        for _, start, end, histogram in self._stages:
+        for start, end, histogram in self._stages:
             histogram.observe(context[end] - context[start])
 
     def publish(self, snapshot: dict[str, Any]) -> None:
