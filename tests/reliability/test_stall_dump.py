@@ -22,8 +22,10 @@ def test_a_stalled_loop_dumps_every_threads_stack_and_serves_on(daemon_factory):
 
 
 def test_a_turning_loop_never_dumps(daemon_factory):
-    daemon = daemon_factory(extra=["--stall-dump-s", "2"])
-    deadline = time.monotonic() + 5  # a dump armed once, never re-armed, would fire at 2 s
+    # 15 heartbeat periods of margin for a loaded machine; a dump armed once, never re-armed,
+    # would fire at 3 s
+    daemon = daemon_factory(extra=["--stall-dump-s", "3"])
+    deadline = time.monotonic() + 6
     while time.monotonic() < deadline:
         assert probe(daemon.socket, "health", 10.0).body.ready
         time.sleep(0.5)
