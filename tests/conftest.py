@@ -31,6 +31,9 @@ LEAK_GRACE_S = 5.0  # a killed child may take a moment to be reaped by its paren
 _made_temp_dirs: set[Path] = set()
 
 
+
+DEMO_HEARTBEAT_S = 0.2  # the demo daemons' heartbeat interval (daemon_factory)
+
 def _children() -> dict[int, str]:
     """Live child processes of this process (pid -> command line), zombies excluded."""
     me, found = os.getpid(), {}
@@ -158,7 +161,7 @@ class DaemonProcess:
         self.tables_dir = shm_dir / f"engramd-{instance}"  # server/table_loader.py tables_folder
         self.args = [*engramd_command(), "serve", "--tables", str(tables), "--socket",
                      str(self.socket), "--shm-dir", str(shm_dir), "--instance", instance,
-                     "--backend", "cpu", "--heartbeat-interval", "0.2",
+                     "--backend", "cpu", "--heartbeat-interval", str(DEMO_HEARTBEAT_S),
                      "--metrics-address", "127.0.0.1:0", *extra]
         self.nofile = nofile  # (soft, hard) open-file limits to start it with
         self.proc: subprocess.Popen | None = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from conftest import wait_until
+from conftest import DEMO_HEARTBEAT_S, wait_until
 
 from engramd.client.connection import probe
 
@@ -22,10 +22,11 @@ def test_a_stalled_loop_dumps_every_threads_stack_and_serves_on(daemon_factory):
 
 
 def test_a_turning_loop_never_dumps(daemon_factory):
-    # 15 heartbeat periods of margin for a loaded machine; a dump armed once, never re-armed,
-    # would fire at 3 s
-    daemon = daemon_factory(extra=["--stall-dump-s", "3"])
-    deadline = time.monotonic() + 6
+    # The loop re-arms the dump every heartbeat period: the deadline gives a loaded machine 15
+    # periods of margin. Watched for two deadlines: a dump armed once, never re-armed, fires.
+    stall_dump_s = round(15 * DEMO_HEARTBEAT_S, 3)
+    daemon = daemon_factory(extra=["--stall-dump-s", str(stall_dump_s)])
+    deadline = time.monotonic() + 2 * stall_dump_s
     while time.monotonic() < deadline:
         assert probe(daemon.socket, "health", 10.0).body.ready
         time.sleep(0.5)
