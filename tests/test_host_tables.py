@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import types
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -439,6 +440,19 @@ def test_sample_ranges_spread_over_large_tables(nbytes: int):
 
 def test_sample_ranges_cover_small_tables():
     assert sample_ranges(1000 * 264, 264, 16, 65536) == [(0, 1000 * 264)]
+
+
+def test_sampled_checksum_is_the_crc_of_the_ranges_in_order():
+    """Files written before the ranges were joined carry a CRC chained range by range: the same
+    number, so they still re-attach."""
+    data = np.random.default_rng(7).integers(0, 256, size=3_000_000, dtype=np.uint8)
+    ranges = sample_ranges(data.size, 264, 16, 4096)
+    assert len(ranges) > 2
+    chained = 0
+    for lo, hi in ranges:
+        chained = zlib.crc32(data[lo:hi].tobytes(), chained)
+    assert host_tables.sampled_checksum(data.reshape(-1, 1000), 264, 16, 4096) == chained
+    assert chained != zlib.crc32(data.tobytes())  # a sample, not the whole
 
 
 def forge_byte(path: Path, offset: int) -> None:
