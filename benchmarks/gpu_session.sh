@@ -24,7 +24,8 @@
 # floods (benchmarks/floods.py: a good client beside floods, on more cores than a CI machine),
 # floods-switch20 and floods-omp1 (experiments: a 20 us GIL switch interval; one intra-op thread),
 # floods-profile (floods with py-spy on the daemon per phase), lookup-base, lookup-head-first and
-# floods-base (A/B runs on one host against another commit's tree, see ab_install below).
+# floods-base (A/B runs on one host against another commit's tree, see ab_install below),
+# node-mapped (benchmarks/node_run.py with mapped clients), step-rounds (model_step, 3 rounds a cell).
 # Logs and results are packed into OUT/results.tgz (one file); each phase's exit code is
 # printed at the end.
 set -u
@@ -221,6 +222,15 @@ phase_lookup_variants() {
 phase_step_long() {
   python3 benchmarks/model_step.py --mps on --steps 150 --tokens 256 4096 --out "$out/step_long" \
     2>&1 | tee "$out/step_long.log" | tail -12
+}
+phase_node_mapped() {  # node_run with mapped clients: PSS of daemon + clients, rows, throughput
+  python3 benchmarks/node_run.py --table-gib 33 --tokens 4096 --seconds 5 --mode mapped \
+    --machine-kind nvidia-h200 --daemon-args "--hot-cache-gib 0 --sort-min-tokens 0 --gather-sm-fraction 1.0" \
+    --out "$out/node_mapped" 2>&1 | tee "$out/node_mapped.log" | tail -30
+}
+phase_step_rounds() {  # model_step, both MPS modes, each cell 3 times (variants rotated), 80 steps
+  python3 benchmarks/model_step.py --mps both --steps 80 --rounds 3 --out "$out/step_rounds" 2>&1 \
+    | tee "$out/step_rounds.log" | tail -30
 }
 
 declare -A status

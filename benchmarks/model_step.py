@@ -97,6 +97,7 @@ MATMUL_N = 4096
 VARIANTS = ("compute", "inproc", "engramd", "mapped")
 CLIENT_VARIANTS = ("engramd", "mapped")  # EngramClient variants; their rows are checked
 CLIENT_MODES = {"engramd": "served", "mapped": "mapped"}  # variant -> EngramClient mode
+AUTO_VARIANT = {mode: variant for variant, mode in CLIENT_MODES.items()}  # granted mode -> variant
 MODES = ("pipelined", "synced")
 DEFAULT_STEPS = 40  # timed steps per cell (4 variants x 40 take about what 3 x 50 took)
 WARM_STEPS = 3  # untimed steps before every cell (first use of its IDs' sizes, slots, events)
@@ -311,8 +312,10 @@ TIMERS = {"pipelined": time_pipelined, "synced": time_synced}
 
 
 def run_grid(bench: Bench, tokens: Sequence[int], leads: Sequence[int], steps: int,
-             mps: bool) -> tuple[list[dict], list[dict]]:
-    """Every (T, lead, mode, variant) cell, variants interleaved so that drift hits them alike."""
+             mps: bool, rounds: int = 1) -> tuple[list[dict], list[dict]]:
+    """Every (T, lead, mode, variant) cell, variants interleaved so that drift hits them alike:
+    `rounds` times each, the variants' order rotated every round; a cell's step time is the
+    median of its rounds."""
     cells, checks = [], []
     bench.spin_up()
     for t in tokens:
@@ -321,10 +324,15 @@ def run_grid(bench: Bench, tokens: Sequence[int], leads: Sequence[int], steps: i
         for lead in leads:
             line = []
             for mode in MODES:
-                for variant in bench.variants:
-                    pool = layer_rows(bench.geometry, t, steps + WARM_STEPS)  # fresh every cell
-                    torch.cuda.synchronize()
-                    cell = TIMERS[mode](bench.steps[variant], pool, lead)
+                timed: dict[str, list[dict]] = {v: [] for v in bench.variants}
+                for r in range(rounds):
+                    for variant in bench.variants[r % len(bench.variants):] + bench.variants[:r % len(bench.variants)]:
+                        pool = layer_rows(bench.geometry, t, steps + WARM_STEPS)  # fresh every time
+                        torch.cuda.synchronize()
+                        timed[variant].append(TIMERS[mode](bench.steps[variant], pool, lead))
+                for variant, runs in timed.items():
+                    cell = {**runs[0], "step_us": float(np.median([c["step_us"] for c in runs])),
+                            "rounds_us": [round(c["step_us"], 1) for c in runs]}
                     cells.append({"mps": mps, "mode": mode, "variant": variant, "tokens": t,
                                   "lead": lead, **cell})
                     line.append(f"{mode[:4]} {variant} {cell['step_us']:.0f}")
@@ -362,12 +370,14 @@ def measure(args: argparse.Namespace) -> dict:
                 mapped_meta = None if mapped is None else {
                     "mode": mapped.mode, "mps": mapped.mps, "attach_s": bench.attach_s["mapped"]}
                 attach_s = dict(bench.attach_s)
-                cells, checks = run_grid(bench, tokens, leads, args.steps, mps["mps"])
+                auto_mode = granted_auto_mode(socket, max(tokens))
+                cells, checks = run_grid(bench, tokens, leads, args.steps, mps["mps"], args.rounds)
             finally:
                 bench.close()
     run = {**mps, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "triton": _triton_version(), "table_gib": round(geometry.total_bytes / 2**30, 2),
-           "rows": list(geometry.rows), "steps": args.steps, "warm_steps": WARM_STEPS,
+           "rows": list(geometry.rows), "steps": args.steps, "rounds": args.rounds,
+           "warm_steps": WARM_STEPS, "auto_mode": auto_mode,
            "matmul": f"bf16 [{MATMUL_N} x {MATMUL_N}] @ [{MATMUL_N} x {MATMUL_N}], torch.mm",
            "tail_matmuls": TAIL, "daemon_args": args.daemon_args, "gpu_processes": processes,
            "engramd_mps": served_mps, "variants": list(args.variants), "mapped": mapped_meta,
@@ -377,6 +387,17 @@ def measure(args: argparse.Namespace) -> dict:
            "seconds": round(time.monotonic() - started, 1),
            "rows_exact": all(c["exact"] for c in checks), "checks": checks}
     return {"meta": _top_meta(), "runs": [run], "cells": cells}
+
+
+def granted_auto_mode(socket: Path, max_tokens: int) -> str:
+    """The mode the daemon grants a client that asks for "auto" on this GPU (served under an MPS
+    server it shares with this process, else mapped)."""
+    client = EngramClient(socket, device="cuda:0", max_tokens=max_tokens, slots=2, timeout=120,
+                          mode="auto")
+    try:
+        return client.mode
+    finally:
+        client.close()
 
 
 def _triton_version() -> str | None:
@@ -412,7 +433,9 @@ def markdown(report: dict) -> str:
              f"the rows -> consume them (column sum into the next matmul's operand) -> "
              f"{first.get('tail_matmuls', TAIL)} more matmuls. Host table {first.get('table_gib')} "
              f"GiB, fresh random IDs every step, {first.get('steps')} timed steps per cell after "
-             f"{first.get('warm_steps')} untimed ones. pipelined: one synchronize after all steps, "
+             f"{first.get('warm_steps')} untimed ones"
+             + (f", each cell {first['rounds']} times with the variants' order rotated, the median "
+                "of them reported" if first.get("rounds", 1) > 1 else "") + ". pipelined: one synchronize after all steps, "
              "time / steps; synced: synchronize after every step, p50. Times in us; compute = "
              "matmuls alone, inproc = GatherPlan on a side stream in this process (sorted from "
              f"{SORT_MIN_TOKENS} tokens), engramd = daemon process, this process its served client "
@@ -427,9 +450,13 @@ def markdown(report: dict) -> str:
     # ratios to inproc after its step times.
     variants = [v for v in VARIANTS if any(c["variant"] == v for c in cells)]
     ratios = [v for v in CLIENT_VARIANTS if v in variants and "inproc" in variants]
+    # auto's pick against the faster client mode, where the runs say what auto was granted
+    auto = {run["mps"]: AUTO_VARIANT[run["auto_mode"]] for run in runs if run.get("auto_mode")}
+    with_auto = bool(auto) and all(v in variants for v in CLIENT_VARIANTS)
     header = ["MPS", "T", "lead"]
     for mode in MODES:
         header += [f"{mode} {v}" for v in variants] + [f"{v} / inproc" for v in ratios]
+        header += ["auto / faster"] if with_auto else []
     lines += ["", "| " + " | ".join(header) + " |",
               "|---|---:|---:|" + "---:|" * (len(header) - 3)]
     by = {(c["mps"], c["mode"], c["variant"], c["tokens"], c["lead"]): c["step_us"] for c in cells}
@@ -439,7 +466,14 @@ def markdown(report: dict) -> str:
             values = {v: by.get((mps, mode, v, t, lead)) for v in variants}
             row += [_us(values[v]) for v in variants]
             row += [_ratio(values[v], values["inproc"]) for v in ratios]
+            if with_auto:
+                faster = min((values[v] for v in CLIENT_VARIANTS if values[v]), default=None)
+                row.append(_ratio(values.get(auto.get(mps, "")), faster))
         lines.append("| " + " | ".join(row) + " |")
+    if with_auto:
+        lines += ["", "auto / faster: the step time of the mode an `auto` client was granted "
+                  f"({', '.join(f'MPS {_on(m)}: {LABELS[v]}' for m, v in sorted(auto.items()))}) "
+                  "over the faster of engramd (served) and mapped in that cell."]
     return "\n".join(lines) + "\n"
 
 
@@ -459,6 +493,10 @@ def _attach_note(run: dict) -> str:
     if not mapped:
         return ""
     return f"mapped client attached in {mapped['attach_s']:.2f} s (granted mode {mapped['mode']}); "
+
+
+def _on(mps: bool) -> str:
+    return "on" if mps else "off"
 
 
 def _us(value: float | None) -> str:
@@ -556,6 +594,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--table-gib", type=float, default=16.0)
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="timed steps per cell")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="times each cell runs, variants rotated; reported: the median")
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     parser.add_argument("--lead", type=int, nargs="+", default=list(LEADS),
                         help="matmuls between the lookup and the wait for its rows")

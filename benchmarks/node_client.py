@@ -89,14 +89,16 @@ class Replica:
         return reply
 
     def connect(self, socket: str, tp_rank: int, tp_size: int, max_tokens: int, slots: int,
-                name: str) -> dict[str, Any]:
+                name: str, mode: str = "auto") -> dict[str, Any]:
         self.client = EngramClient(socket, device=self.device, tp_rank=tp_rank, tp_size=tp_size,
-                                   max_tokens=max_tokens, slots=slots, timeout=60, name=name)
+                                   max_tokens=max_tokens, slots=slots, timeout=60, name=name,
+                                   mode=mode)
         self.geometry = self.client.geometry
         if self.cuda:
             self.stream = torch.cuda.Stream(self.device)
         shard = self.client.shard
-        return {"client_id": self.client.client_id, "rows": list(self.geometry.rows),
+        return {"client_id": self.client.client_id, "mode": self.client.mode,
+                "rows": list(self.geometry.rows),
                 "head_start": shard.head_start, "head_end": shard.head_end,
                 "local_heads": shard.local_heads}
 
@@ -209,9 +211,13 @@ class Replica:
         return rows
 
     def _in_slab(self, rows: torch.Tensor) -> bool:
-        """The rows are a view of the daemon's slab, not a copy (reads the client's internals)."""
+        """The rows are a view of the slot memory (the daemon's slab served, the client's own
+        mapped), not a copy (reads the client's internals)."""
         slab = self.client._slab
-        base = slab.ptr if self.cuda else slab.buffer.data_ptr()
+        if self.client.mode == "mapped":
+            base = slab.views.buffer.data_ptr()
+        else:
+            base = slab.ptr if self.cuda else slab.buffer.data_ptr()
         last = rows[(-1,) * rows.dim()]  # the rows are strided by layer (client/slab.py)
         end = last.data_ptr() + last.element_size()
         return base <= rows.data_ptr() and end <= base + self.client.layout.size

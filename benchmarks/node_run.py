@@ -144,6 +144,7 @@ class ClientProcess:
         finally:
             os.close(write_fd)
         self.hello: dict[str, Any] = {}
+        self.mode = ""  # granted at connect
         self._replies: queue.Queue[dict | None] = queue.Queue()
         reader = threading.Thread(target=self._read, args=(os.fdopen(read_fd),),
                                   name=f"replies-{name}", daemon=True)
@@ -393,7 +394,7 @@ def correctness_step(clients: list[ClientProcess], geometry: TableGeometry, toke
     result = {"lookup_tokens": sizes, "clients": []}
     for client, reply in zip(clients, replies, strict=True):
         where = f"{client.name} (daemon's cuda:{client.gpu.index}, {client.gpu.uuid})"
-        checks.add(f"{client.name}: rows are a view of the daemon's slab on the client's device",
+        checks.add(f"{client.name} ({client.mode}): rows are a view of its slot memory on its device",
                    all(reply["in_slab"]), f"in_slab {reply['in_slab']}, devices {reply['devices']}")
         paths = files[client.name]
         for ids_path, rows_path in zip(paths["ids_paths"], paths["rows_paths"], strict=True):
@@ -401,7 +402,8 @@ def correctness_step(clients: list[ClientProcess], geometry: TableGeometry, toke
             rows = torch.load(rows_path, weights_only=True)
             rows_check(checks, f"{where}: {ids.shape[0]} tokens vs CPU reference", rows,
                        reference.expected(ids, full))
-        result["clients"].append({"name": client.name, "daemon_index": client.gpu.index,
+        result["clients"].append({"name": client.name, "mode": client.mode,
+                                  "daemon_index": client.gpu.index,
                                   "uuid": client.gpu.uuid, "hello": client.hello,
                                   "devices": reply["devices"], "in_slab": reply["in_slab"]})
     result["first_files"] = {c.name: (files[c.name]["ids_paths"][0], files[c.name]["rows_paths"][0])
@@ -459,7 +461,7 @@ def tp_step(tp: int, gpus: list[Gpu], args: argparse.Namespace, socket: Path, wo
     group = spawn(ranks, args.backend, workdir, running)
     connected = call_all(group, "connect", CONNECT_S, fields={
         c.name: {"tp_rank": r, "name": c.name} for r, c in enumerate(group)},
-        socket=str(socket), tp_size=tp, max_tokens=args.tokens, slots=2)
+        socket=str(socket), tp_size=tp, max_tokens=args.tokens, slots=2, mode=args.mode)
     rows_paths = [str(workdir / f"{c.name}.rows.pt") for c in group]
     replies = call_all(group, "lookup", LOOKUP_S, fields={
         c.name: {"ids_paths": [ids_path], "rows_paths": [path]}
@@ -517,9 +519,13 @@ def connect_replicas(args: argparse.Namespace, gpus: list[Gpu], socket: Path, wo
     """One TP-1 client process per GPU, registered with the daemon."""
     clients = spawn([(f"gpu{g.index}", g) for g in gpus], args.backend, work, running)
     connected = call_all(clients, "connect", CONNECT_S, socket=str(socket), tp_rank=0, tp_size=1,
-                         max_tokens=args.tokens, slots=args.slots,
+                         max_tokens=args.tokens, slots=args.slots, mode=args.mode,
                          fields={c.name: {"name": c.name} for c in clients})
     for client, info in zip(clients, connected, strict=True):
+        client.mode = info["mode"]
+        if args.mode != "auto" and info["mode"] != args.mode:
+            raise NodeRunError(f"{client.name} asked for mode {args.mode!r}, the daemon granted "
+                               f"{info['mode']!r}")
         if info["rows"] != list(geometry.rows):
             raise NodeRunError(f"{client.name} got rows {info['rows']} from the daemon, "
                                f"expected {list(geometry.rows)}")
@@ -708,11 +714,11 @@ def _md_tp(tp_runs: list[dict]) -> list[str]:
 
 
 def _md_correctness(correctness: dict) -> list[str]:
-    lines = ["| client | daemon sees it as | client sees it as | UUID | rows a view of the slab |",
-             "|---|---|---|---|---|"]
+    lines = ["| client | mode | daemon sees it as | client sees it as | UUID | rows a view of its slot memory |",
+             "|---|---|---|---|---|---|"]
     for c in correctness["clients"]:
-        lines.append(f"| {c['name']} | cuda:{c['daemon_index']} | {c['devices'][0]} | "
-                     f"{c['uuid']} | {all(c['in_slab'])} |")
+        lines.append(f"| {c['name']} | {c.get('mode', 'served')} | cuda:{c['daemon_index']} | "
+                     f"{c['devices'][0]} | {c['uuid']} | {all(c['in_slab'])} |")
     sizes = ", ".join(str(t) for t in correctness["lookup_tokens"])
     lines += ["", f"Each client looked up {len(correctness['lookup_tokens'])} batches ({sizes} "
               "tokens) of bucket-consistent hash IDs with 5% -1, 1% past the table and 12.5% "
@@ -741,6 +747,8 @@ def markdown_report(report: dict) -> str:
              f"({settings['tokens'] * 48} rows); {settings['seconds']} s per timed loop, at most "
              f"{settings['depth']} lookups in flight, IDs from a pool of {settings['pool']} "
              "batches pre-drawn on each GPU",
+             f"- Clients' mode: asked {settings.get('mode', 'auto')}, granted "
+             f"{', '.join(sorted({c.get('mode', 'served') for c in report['correctness']['clients']}))}",
              f"- Daemon: `engramd serve --backend {meta['backend']}` with its defaults"
              + (f" and `{settings['daemon_args']}`" if settings["daemon_args"] else "")
              + "; the in-process side runs GatherPlan with its defaults",
@@ -787,6 +795,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="more `engramd serve` flags, one string (e.g. to switch off daemon "
                              "features the in-process gather does not have)")
     parser.add_argument("--shm-dir", default="/dev/shm", help="where the table file goes")
+    parser.add_argument("--mode", choices=("auto", "served", "mapped"), default="auto",
+                        help="the clients' mode (auto: the daemon picks, served under shared MPS)")
     parser.add_argument("--backend", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: smoke test of the orchestration without GPUs")
     parser.add_argument("--clients", type=int, default=2, help="--backend cpu: client processes")

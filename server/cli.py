@@ -66,8 +66,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         logging.getLogger("engramd.daemon").error("%s", halt.reason)
         return halt.status
     preload = TablePreload.start(config)
+    started = time.monotonic()
     from engramd.server.daemon import run_daemon
 
+    logging.getLogger("engramd.daemon").info("daemon modules imported in %.2f s (beside the preload)",
+                                             time.monotonic() - started)
     return run_daemon(config, lock, preload)
 
 
