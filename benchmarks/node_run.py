@@ -2,7 +2,7 @@
 
     python benchmarks/node_run.py --table-gib 33 --out DIR [--tokens 4096] [--seconds 10]
                                   [--machine-kind nvidia-h200] [--tp 2 4] [--max-gpus N]
-                                  [--daemon-args "--flag value ..."]
+                                  [--daemon-args "--flag value ..."] [--mode auto|served|mapped]
 
 What engramd is for: one host copy of the tables per node, serving every GPU. This script fills one
 table in /dev/shm (V4.1 row width, random bytes, common/tables.py: the daemon re-attaches it
@@ -13,7 +13,9 @@ indices differ between the processes and only UUIDs match. Steps, in order:
  1. Correctness: every client looks up hash IDs (bucket-consistent, with -1, repeated tokens and
     IDs past the table) and must get rows bit-exact with a CPU reference (engramd's reference
     kernel, gather_ref, over the same /dev/shm bytes), as a view of the daemon's slab in its own
-    GPU's memory.
+    GPU's memory. --mode picks how the clients are served (default auto: the daemon decides,
+    served under an MPS server both share, else mapped): mapped clients gather themselves from
+    their read-only mappings of the daemon's tables, into slot memory of their own.
  2. Throughput, all GPUs at once: each client loops lookups of --tokens tokens for --seconds
     through the daemon (fresh IDs from a pool pre-drawn on its GPU, at most --depth in flight).
     Host memory (PSS from /proc/<pid>/smaps_rollup of the daemon and the clients) is sampled
