@@ -81,7 +81,6 @@ LOG_EVENTS = {
     "mapped": re.compile(r"tables (re-attached|loaded) in"),  # pinning starts (the preload)
     "pinned": re.compile(r"pinned ([\d.]+) GB of host tables in ([\d.]+) s"),
     "imported": re.compile(r"daemon modules imported in"),
-    "cuda_runtime": re.compile(r"CUDA runtime ready on \d+ GPU\(s\) in ([\d.]+) s"),
     "kernels": re.compile(r"gather kernels warmed"),
     "ready": re.compile(r"ready: .* ([\d.]+) GB of tables (re-attached|loaded)"),
 }
@@ -178,8 +177,6 @@ def parse_log(path: Path, offset: int, popen_wall: float) -> dict[str, Any]:
             elif name == "pinned":
                 out["pinned_gb"], out["pin_s"] = float(found.group(1)), float(found.group(2))
                 out["pin_gb_s"] = round(out["pinned_gb"] / max(out["pin_s"], 1e-9), 2)
-            elif name == "cuda_runtime":
-                out["cuda_runtime_s"] = float(found.group(1))
             elif name == "ready":
                 out["tables_gb"], out["how"] = float(found.group(1)), found.group(2)
     out["verify_s"] = round(out["verify_s"], 3)
@@ -398,8 +395,6 @@ RESTART_ROWS = (
     ("log.at_s.pinned", "daemon log: pinned, s after the spawn"),
     ("log.pin_s", "daemon log: pinning, s"),
     ("log.pin_gb_s", "daemon log: pinning GB/s"),
-    ("log.cuda_runtime_s", "daemon log: torch's CUDA runtime in its context (EAGER: its kernels load), s"),
-    ("log.at_s.cuda_runtime", "daemon log: CUDA runtime ready, s after the spawn"),
     ("log.at_s.kernels", "daemon log: gather kernels warmed, s after the spawn"),
     ("log.at_s.ready", "daemon log: ready, s after the spawn"),
     ("log.how", "tables (daemon log)"),

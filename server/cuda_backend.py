@@ -558,11 +558,6 @@ class CudaBackend:
         self.mps = {uuid: mps_state(index) for uuid, index in self.uuids.items()}
         for uuid, state in self.mps.items():
             log.info("GPU %s: MPS %s", uuid, f"on (server {state.server})" if state.enabled else "off")
-        started = time.monotonic()
-        for index in self.uuids.values():  # torch's runtime in each context: its kernels load here
-            torch.empty(1, device=torch.device("cuda", index))
-        log.info("CUDA runtime ready on %d GPU(s) in %.2f s (CUDA_MODULE_LOADING=%s)",
-                 len(self.uuids), time.monotonic() - started, os.environ.get("CUDA_MODULE_LOADING", ""))
         self.workers = {i: GpuWorker(i) for i in self.uuids.values()}
         # Every kernel variant is compiled and loaded on every GPU before any client can wait on us.
         self.gpus = {i: GpuState(i, self.pinned, self.layer_tables, geometry, self.options)
