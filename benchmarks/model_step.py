@@ -3,6 +3,7 @@
     python benchmarks/model_step.py --out DIR                  # without MPS
     python benchmarks/model_step.py --mps both --out DIR       # without, then with MPS, merged
     python benchmarks/model_step.py --variants compute mapped  # only some variants
+    python benchmarks/model_step.py --mps both --steps 80 --rounds 3 --out DIR  # cells 3x, median
     python benchmarks/model_step.py --replot DIR               # model_step.md/.png again from JSON
 
 One "model step" stands for a forward pass that prefetches its rows:
@@ -311,6 +312,12 @@ def time_synced(step: Callable[[Tensor, int], None], pool: list[Tensor], lead: i
 TIMERS = {"pipelined": time_pipelined, "synced": time_synced}
 
 
+def rotated(items: Sequence[str], by: int) -> list[str]:
+    """`items` with the first `by` (mod its length) moved to the end."""
+    k = by % len(items)
+    return [*items[k:], *items[:k]]
+
+
 def run_grid(bench: Bench, tokens: Sequence[int], leads: Sequence[int], steps: int,
              mps: bool, rounds: int = 1) -> tuple[list[dict], list[dict]]:
     """Every (T, lead, mode, variant) cell, variants interleaved so that drift hits them alike:
@@ -326,7 +333,7 @@ def run_grid(bench: Bench, tokens: Sequence[int], leads: Sequence[int], steps: i
             for mode in MODES:
                 timed: dict[str, list[dict]] = {v: [] for v in bench.variants}
                 for r in range(rounds):
-                    for variant in bench.variants[r % len(bench.variants):] + bench.variants[:r % len(bench.variants)]:
+                    for variant in rotated(bench.variants, r):
                         pool = layer_rows(bench.geometry, t, steps + WARM_STEPS)  # fresh every time
                         torch.cuda.synchronize()
                         timed[variant].append(TIMERS[mode](bench.steps[variant], pool, lead))
