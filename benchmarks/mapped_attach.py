@@ -25,7 +25,12 @@ shm folder and instance; timed from the start to the first `health` answer (live
 does). The daemon's log gives its own split (re-attach verification, pinning and its GB/s, kernel
 warm-up), and whether it re-attached. GB/s = table bytes / start-to-ready. The daemon here is
 started by this script (the command of common.daemon.start_daemon, polled more finely) so it can
-be stopped and restarted in the middle.
+be stopped and restarted in the middle. Through every restart a mapped client (attached before
+the stop) looks up 16 tokens in a loop on a thread of its own (lookup + result, 1 ms apart): it
+rides through on its mapping (client/rejoin.py), so the table says how many lookups it made
+while no daemon was ready, the longest gap between two of them, whether every one returned the
+rows of its first lookup, when it had registered with the restarted daemon (after its ready),
+and whether it kept its mapping.
 
 Writes DIR/mapped_attach.json and DIR/mapped_attach.md; the tables are printed last. About 1-2
 minutes at 16 GiB on an H200 (filling the table is 10-20 s of it).
@@ -34,6 +39,7 @@ minutes at 16 GiB on an H200 (filling the table is 10-20 s of it).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import mmap
 import os
@@ -42,6 +48,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -184,6 +191,64 @@ def parse_log(path: Path, offset: int, popen_wall: float) -> dict[str, Any]:
     return out
 
 
+def timed_restart(daemon: Daemon, timed: dict[str, Any]) -> tuple[float, float]:
+    """Stop and start `daemon`, its timings into `timed`; the perf_counter of SIGTERM and ready."""
+    sigterm = time.perf_counter()
+    timed["stop_s"] = daemon.stop()
+    timed["socket_left"] = daemon.socket.exists()
+    timed["timing"] = daemon.start()
+    return sigterm, time.perf_counter()
+
+
+class RideThrough:
+    """A mapped client that looks up on a thread of its own while the daemon restarts."""
+
+    def __init__(self, socket: Path, geometry: TableGeometry):
+        self.client = EngramClient(socket, device=DEVICE, mode="mapped", max_tokens=MAX_TOKENS,
+                                   reconnect_timeout=START_TIMEOUT_S)
+        self.ids = scaled_rows(geometry, 16, 1)[0]
+        self.expected = self.client.lookup(self.ids).result(copy=True)
+        self.done: list[float] = []  # perf_counter of every finished lookup
+        self.wrong = 0
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ride-through", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.wait(0.001):
+                rows = self.client.lookup(self.ids).result()
+                self.wrong += not torch.equal(rows, self.expected)
+                self.done.append(time.perf_counter())
+        except BaseException as exc:  # reported in the restart's row
+            self.error = exc
+
+    def through(self, restart: Any) -> dict[str, Any]:
+        """Run `restart()` (returns the perf_counter of SIGTERM and of ready); the lookups made
+        from SIGTERM until the client has registered with the restarted daemon."""
+        epoch, mapping = self.client.epoch, self.client._mapped
+        sigterm, ready = restart()
+        deadline = time.perf_counter() + 60
+        while self.client.epoch == epoch and self.error is None and time.perf_counter() < deadline:
+            time.sleep(0.001)
+        rejoined = time.perf_counter()
+        time.sleep(0.2)  # some lookups after it
+        times = [t for t in self.done if t >= sigterm]
+        gaps = np.diff([sigterm, *times]) if times else np.array([])
+        return {"lookups_until_ready": sum(sigterm <= t <= ready for t in times),
+                "longest_gap_ms": round(float(gaps.max()) * 1e3, 2) if gaps.size else None,
+                "rows_exact": self.wrong == 0, "error": repr(self.error) if self.error else None,
+                "rejoined_after_ready_s": round(rejoined - ready, 3)
+                if self.client.epoch != epoch else None,
+                "kept_mapping": self.client._mapped is mapping}
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.client.close()
+
+
 # -- the attach ----------------------------------------------------------------------------------
 
 
@@ -311,16 +376,20 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 attach.append(row)
                 print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()},
                       flush=True)
+            rider = RideThrough(daemon.socket, geometry) if args.restarts else None
             for repeat in range(args.restarts):
-                stop_s = daemon.stop()
-                socket_left = daemon.socket.exists()
-                timing = daemon.start()
-                restart = {"repeat": repeat + 1, "stop_s": round(stop_s, 3),
-                           "socket_left_after_stop": socket_left, **timing,
-                           "sigterm_to_ready_s": round(stop_s + timing["ready_s"], 3),
-                           "gb_s": round(geometry.total_bytes / 1e9 / timing["ready_s"], 2)}
-                restarts.append(restart)
-                print(restart, flush=True)
+                timed: dict[str, Any] = {}
+                ride = rider.through(functools.partial(timed_restart, daemon, timed))
+                stop_s, timing = timed["stop_s"], timed["timing"]
+                restart_row = {"repeat": repeat + 1, "stop_s": round(stop_s, 3),
+                               "socket_left_after_stop": timed["socket_left"], **timing,
+                               "sigterm_to_ready_s": round(stop_s + timing["ready_s"], 3),
+                               "gb_s": round(geometry.total_bytes / 1e9 / timing["ready_s"], 2),
+                               "ride": ride}
+                restarts.append(restart_row)
+                print(restart_row, flush=True)
+            if rider is not None:
+                rider.close()
         finally:
             daemon.kill()
     return {"meta": {"benchmark": "mapped_attach", "gpu": torch.cuda.get_device_name(),
@@ -398,6 +467,12 @@ RESTART_ROWS = (
     ("log.at_s.kernels", "daemon log: gather kernels warmed, s after the spawn"),
     ("log.at_s.ready", "daemon log: ready, s after the spawn"),
     ("log.how", "tables (daemon log)"),
+    ("ride.lookups_until_ready", "mapped client: lookups from SIGTERM to ready"),
+    ("ride.longest_gap_ms", "mapped client: longest gap between lookups, ms"),
+    ("ride.rows_exact", "mapped client: every lookup's rows those of its first"),
+    ("ride.rejoined_after_ready_s", "mapped client: registered with the new daemon, s after ready"),
+    ("ride.kept_mapping", "mapped client: kept its mapping (not mapped again)"),
+    ("ride.error", "mapped client: error"),
 )
 
 

@@ -22,7 +22,8 @@ If the daemon dies (or retires the registration: either way its end of the lease
 watchdog thread satisfies every pending wait (CPU stores into the slab's counters, which live in
 pinned host memory: client/host_counters.py) within WATCHDOG_S, so no stream
 of this process hangs, and every later call raises DaemonUnavailableError until the next lookup()
-re-registers. One client object serves one thread.
+re-registers. A mapped client's lookups go on from its mapping instead, while a thread registers
+with the restarted daemon (client/rejoin.py). One client object serves one thread.
 """
 
 from __future__ import annotations
@@ -48,8 +49,6 @@ from engramd.client.errors import (
     DaemonUnavailableError,
     EngramError,
     InternalError,
-    NotReadyError,
-    NotRegisteredError,
     ReplyTimeoutError,
     TablesChangedError,
 )
@@ -73,6 +72,7 @@ from engramd.client.mapped import (
     mapped_gather,
 )
 from engramd.client.messages import RegisterReply
+from engramd.client.rejoin import Rejoin, retry_until
 from engramd.client.shared_mapping import SharedMapping
 from engramd.client.slab import FAILED, IDS_READY, ROWS_DONE, SlabLayout, SlotViews
 
@@ -103,7 +103,7 @@ class LookupFuture:
     def __init__(self, client: EngramClient, rid: int, slot: int, seq: int, tokens: int,
                  acked: bool = True):
         self._client = client
-        self.registration = client.registrations  # a re-registration makes this lookup stale
+        self.slots_epoch = client._slots_epoch  # a re-registration that takes the slots over makes it stale
         self.rid = rid
         self.slot = slot
         self.seq = seq
@@ -119,7 +119,7 @@ class LookupFuture:
     def done(self) -> bool:
         """True once the host has nothing left to wait for: on the CPU, the daemon's reply with
         the rows written; on the GPU, always (the rows are ready in stream order, see wait())."""
-        if self.registration != self._client.registrations:
+        if self.slots_epoch != self._client._slots_epoch:
             return True  # made before a re-registration: result() says so (its rid is reused)
         if not self._replied and self._client._conn.poll_reply(self.rid):
             self._collect(None)
@@ -321,6 +321,8 @@ class EngramClient:
         self._kept_rows: _MemfdSlabView | _CudaSlabView | LocalSlots | None = None  # see _keep_rows
         self._retired: list[Any] = []  # slot memory that moved, still mapped for old views
         self.registrations = 0  # how many times this client has registered
+        self._slots_epoch = 0  # registrations that took the slots over (lookups made before are lost)
+        self._rejoin: Rejoin | None = None  # mapped: registering with a restarted daemon (rejoin.py)
         self.rows_generation = 0  # bumped when the slots' rows move (see slot_rows)
         self._lease: socket.socket | None = None  # the daemon frees us when it closes
         self._mapped: MappedTables | None = None
@@ -352,36 +354,121 @@ class EngramClient:
         check_access(handle_socket_path(self.socket_path), timeout or self.timeout)
         self._conn = Connection(self.socket_path)
         self.registrations += 1
+        self._slots_epoch += 1
         self._pending: dict[int, LookupFuture] = {}
         self._submitted: dict[int, torch.cuda.Event] = {}  # served GPU: per slot, see _await_submitted
         self._next_slot = 0
         self._seqs = itertools.count(1)
         self._dead: str | None = None
-        self._closing = threading.Event()
-        self._register(*self._registration, timeout=timeout or self.timeout)
+        self._register(timeout or self.timeout)
 
     def _reconnect(self) -> None:
         """The daemon went away: register again, with backoff, until `reconnect_timeout`."""
-        gone = self._dead or "the daemon is gone"
+        gone = self._gone_reason()
         self._disconnect(keep_rows=True)
-        deadline = time.monotonic() + self.reconnect_timeout
-        delay = 0.05
-        while True:
-            try:  # a short wait per attempt: a socket left by a dead daemon answers nothing
-                self._connect(timeout=max(0.1, min(self.timeout, 2.0, deadline - time.monotonic())))
-                log.info("re-registered with daemon epoch %s as client %d", self.epoch, self.client_id)
-                return
-            except (DaemonUnavailableError, NotReadyError, NotRegisteredError) as exc:
-                self._disconnect()
-                if time.monotonic() + delay > deadline:
-                    raise DaemonUnavailableError(
-                        f"{gone}; no daemon to re-register with within {self.reconnect_timeout:.0f} s "
-                        f"(last: {exc.message}); raise reconnect_timeout to wait longer") from None
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
+
+        def attempt(timeout: float) -> None:
+            try:
+                self._connect(timeout=timeout)
             except BaseException:
-                self._disconnect()  # never left half-registered: the next call starts afresh
+                self._disconnect()  # never left half-registered: the next attempt starts afresh
                 raise
+
+        retry_until(attempt, time.monotonic() + self.reconnect_timeout, gone,
+                    self.reconnect_timeout, self.timeout)
+        log.info("re-registered with daemon epoch %s as client %d", self.epoch, self.client_id)
+
+    def _gone_reason(self) -> str:
+        return self._dead or "the daemon is gone"
+
+    # -- riding through a daemon restart (mapped) ---------------------------------------------------
+
+    def _riding_through(self) -> bool:
+        """The daemon is gone. A mapped client goes on gathering from its mapping (its rows do
+        not change with the daemon) while a thread registers with the restarted daemon: True
+        while that runs. False: reconnect in this call, as a served client does (nothing mapped
+        yet, or the restarted daemon serves other tables, mode or layout). Raises what ended
+        the rejoin otherwise (no daemon within reconnect_timeout, a refusal)."""
+        rejoin = self._rejoin
+        if rejoin is None:
+            if self.mode != "mapped" or self._mapped is None:
+                return False
+            gone = self._gone_reason()
+            self._rejoin = Rejoin(self._join_again, self._take_rejoined, self._drop_rejoined,
+                                  time.monotonic() + self.reconnect_timeout, gone,
+                                  self.reconnect_timeout, self.timeout)
+            log.warning("%s: client %s goes on gathering from its mapping of tables %s while it "
+                        "registers again", gone, self.client_id, self.tables_id)
+            return True
+        if rejoin.running():
+            return True
+        self._rejoin = None
+        if rejoin.error is not None:
+            self._disconnect()
+            raise rejoin.error
+        return False  # a registration was made and let go: it did not fit
+
+    def _join_again(self, timeout: float) -> tuple[Connection, Any, Attachment]:
+        """Rejoin thread: a registration with the restarted daemon, attached, not taken yet."""
+        if not self.socket_path.exists():
+            raise DaemonUnavailableError(f"no daemon socket at {self.socket_path}")
+        handles = handle_socket_path(self.socket_path)
+        check_access(handles, timeout)
+        conn = Connection(self.socket_path)
+        try:
+            reply = conn.call("register", timeout, **self._register_fields())
+            try:
+                attachment = attach(handles, reply.body.client_id, reply.body.token,
+                                    timeout=max(self.timeout, HANDLE_TIMEOUT_S))
+            except BaseException:
+                _release_quietly(conn, reply.body.client_id, timeout)
+                raise
+        except BaseException:
+            conn.close()
+            raise
+        return conn, reply, attachment
+
+    def _take_rejoined(self, joined: tuple[Connection, Any, Attachment]) -> bool:
+        """Rejoin thread: make the new registration this client's, keeping the mapping, the
+        slots and the lookups in flight, if it serves what the mapping holds (same tables, mode,
+        geometry and layout); False (nothing changed) otherwise."""
+        conn, reply, attachment = joined
+        f: RegisterReply = reply.body
+        tables = (attachment.version, attachment.tables_seq) if attachment.version is not None \
+            else (f.tables, f.tables_seq)
+        with self._tables_lock:
+            if (f.mode != "mapped" or self._mapped is None or tables[0] != self.tables_id
+                    or TableGeometry.from_config(f.geometry, source="daemon register reply") != self.geometry
+                    or f.shard.get("local_heads") != self.shard.local_heads
+                    or SlabLayout.from_wire(f.layout) != self.layout):
+                log.warning("the restarted daemon serves tables %s in mode %s (this client mapped "
+                            "%s): registering again from scratch", tables[0], f.mode, self.tables_id)
+                return False
+            self._stop_watchdog()  # the old registration's (already ended if its lease closed)
+            old = (self._conn, self._lease)
+            self._conn, self._dead, self.registrations = conn, None, self.registrations + 1
+            self.client_id, self.epoch, self.mps = f.client_id, reply.epoch, f.mps
+            self._token, self._gather_policy = f.token, f.gather  # the policy applies from the next mapping
+            self._read_tables(*tables)
+            self._heard_tables, self._idle_follow_failed = None, None
+            self._take_lease(attachment)
+            self._start_watchdog(f.heartbeat_interval)
+            self._rejoin = None
+        attachment.close_descriptors()  # the same tables: the mapping we hold serves
+        for closing in old:
+            if closing is not None:
+                closing.close()
+        log.info("re-registered with daemon epoch %s as client %d; gathering from the same mapping",
+                 self.epoch, self.client_id)
+        return True
+
+    @staticmethod
+    def _drop_rejoined(joined: tuple[Connection, Any, Attachment]) -> None:
+        conn, reply, attachment = joined
+        _release_quietly(conn, reply.body.client_id, 2.0)
+        attachment.close_descriptors()
+        attachment.lease.close()
+        conn.close()
 
     def _stop_watchdog(self) -> None:
         if self._closing is not None:
@@ -428,8 +515,9 @@ class EngramClient:
             torch.cuda.synchronize(self.device)  # our gathers ran on it
             cuda.STREAMS.give(side)
 
-    def _register(self, tp_rank: int, tp_size: int, max_tokens: int, slots: int, name: str,
-                  timeout: float) -> None:
+    def _register_fields(self) -> dict[str, Any]:
+        """The register request's fields: who we are, where, and what we ask for."""
+        tp_rank, tp_size, max_tokens, slots, name = self._registration
         wire_device, mps = "cpu", None
         if self.device.type == "cuda":
             from engramd.client.cuda import device_uuid
@@ -437,20 +525,19 @@ class EngramClient:
             wire_device = f"cuda:{device_uuid(self.device.index)}"
             mps = mps_state(self.device.index).to_wire()
         pinned = self.tables_id if self.pin_tables else None  # a re-registration names them
-        reply = self._conn.call("register", timeout, pid=os.getpid(), device=wire_device,
-                                tp_rank=tp_rank, tp_size=tp_size, max_tokens=max_tokens,
-                                slots=slots, name=name, mps=mps, mode=self.requested_mode,
-                                pin_tables=self.pin_tables, tables=pinned)
+        return dict(pid=os.getpid(), device=wire_device, tp_rank=tp_rank, tp_size=tp_size,
+                    max_tokens=max_tokens, slots=slots, name=name, mps=mps,
+                    mode=self.requested_mode, pin_tables=self.pin_tables, tables=pinned)
+
+    def _register(self, timeout: float) -> None:
+        reply = self._conn.call("register", timeout, **self._register_fields())
         try:
-            self._adopt(reply, tp_rank, tp_size)
+            self._adopt(reply)
         except BaseException:  # the daemon registered us: it must not keep that for nothing
-            try:
-                self._conn.call("release", min(timeout, 2.0), client_id=reply.body.client_id)
-            except EngramError:
-                pass
+            _release_quietly(self._conn, reply.body.client_id, min(timeout, 2.0))
             raise
 
-    def _adopt(self, reply: Any, tp_rank: int, tp_size: int) -> None:
+    def _adopt(self, reply: Any) -> None:
         """Build what the register reply describes: the slab view or the mapped tables."""
         f: RegisterReply = reply.body
         self.mode = f.mode
@@ -468,6 +555,7 @@ class EngramClient:
         self._heard_tables, self._token, self._gather_policy = None, f.token, f.gather
         self.counts = {"lookups": 0, "rows": 0, "out_of_range": 0}  # this registration's
         self.geometry = TableGeometry.from_config(f.geometry, source="daemon register reply")
+        tp_rank, tp_size = self._registration[:2]
         self.shard: ShardView = self.geometry.shard(tp_rank, tp_size)
         if self.shard.local_heads != f.shard.get("local_heads"):
             raise InternalError(f"daemon and client disagree on the shard: {f.shard!r}")
@@ -475,18 +563,25 @@ class EngramClient:
         # Attaching may wait behind other clients' slab allocations: the caller's whole timeout.
         attachment = attach(handle_socket_path(self.socket_path), self.client_id, f.token,
                             timeout=max(self.timeout, HANDLE_TIMEOUT_S))
-        self._lease = attachment.lease
-        _LEASES.add(self._lease)
-        self._conn.watch_daemon(self._lease_gone)
-        # Heartbeats from now on: mapping the tables for a GPU may take seconds.
-        self._watchdog = threading.Thread(
-            target=self._watch, args=(self._closing, self.client_id, f.token, f.heartbeat_interval),
-            name="engramd-watchdog", daemon=True)
-        self._watchdog.start()
+        self._take_lease(attachment)
+        self._start_watchdog(f.heartbeat_interval)  # from now on: mapping tables may take seconds
         try:
             self._take_attachment(attachment, f.gather)
         finally:
             attachment.close_descriptors()  # what was mapped keeps its memory
+
+    def _take_lease(self, attachment: Attachment) -> None:
+        self._lease = attachment.lease
+        _LEASES.add(self._lease)
+        self._conn.watch_daemon(self._lease_gone)
+
+    def _start_watchdog(self, heartbeat_interval: float) -> None:
+        """Heartbeats and the watch of the lease (_watch) of the current registration."""
+        self._closing = threading.Event()
+        self._watchdog = threading.Thread(
+            target=self._watch, args=(self._closing, self.client_id, self._token, heartbeat_interval),
+            name="engramd-watchdog", daemon=True)
+        self._watchdog.start()
 
     def _take_attachment(self, attachment: Attachment, gather: dict[str, Any]) -> None:
         """Map what the attach passed: the slab (served) or the tables (mapped, which gather
@@ -734,7 +829,7 @@ class EngramClient:
         if self._conn is None:
             raise DaemonUnavailableError("client is closed")
         self._take_in()
-        if self._daemon_gone():
+        if self._daemon_gone() and not self._riding_through():
             self._reconnect()
         self._follow_tables()
         ids = self._check_ids(hash_ids)
@@ -929,7 +1024,7 @@ class EngramClient:
         return slot
 
     def _check_current(self, future: LookupFuture) -> None:
-        if future.registration != self.registrations:
+        if future.slots_epoch != self._slots_epoch:
             raise DaemonUnavailableError(
                 "this lookup was made before the client re-registered with a restarted daemon; "
                 "its rows are lost: look them up again")
@@ -956,9 +1051,12 @@ class EngramClient:
             while not closing.wait(WATCHDOG_S):
                 gone = self._lease_gone()
                 if gone is not None:
+                    if self.mode == "mapped":  # its lookups are its own: they go on (_riding_through)
+                        self._dead = gone
+                        return
                     self._dead = f"{gone}; results of in-flight lookups are invalid"
-                    if self.mode == "served" and self.device.type == "cuda":
-                        self._release_waits()  # mapped clients wait on nothing of the daemon's
+                    if self.device.type == "cuda":
+                        self._release_waits()
                     return
                 if time.monotonic() >= next_beat:
                     next_beat = time.monotonic() + interval
@@ -1030,6 +1128,9 @@ class EngramClient:
 
     def close(self) -> None:
         """Release the registration and the slab mapping. Safe to call twice."""
+        rejoin, self._rejoin = self._rejoin, None
+        if rejoin is not None:  # before the lock, which it may be waiting for
+            rejoin.stop()
         with self._tables_lock:
             self._close()
 
@@ -1072,3 +1173,11 @@ class EngramClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _release_quietly(conn: Connection, client_id: int, timeout: float) -> None:
+    """Release a registration this client will not use; a daemon gone meanwhile has let it go."""
+    try:
+        conn.call("release", timeout, client_id=client_id)
+    except EngramError:
+        pass

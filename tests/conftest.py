@@ -320,7 +320,9 @@ def check_rows_stay_across_a_restart(daemon_factory, reference, device: str, mod
     lookup into that slot, of any token count, also after the daemon was killed and restarted
     (the client re-registers and keeps its rows' address). The restarted daemon comes up while
     the client's next lookup is already waiting for it, so failed attempts come first; a lookup
-    made before the restart is refused afterwards, not waited for."""
+    made before the restart is refused afterwards, not waited for. A mapped client does not wait:
+    its lookups go on from its mapping with no daemon, re-registering in the background, and
+    its lookup made before the restart stays valid."""
     import threading
 
     import numpy as np
@@ -357,15 +359,23 @@ def check_rows_stay_across_a_restart(daemon_factory, reference, device: str, mod
         first.proc.wait()
         second = daemon_factory(instance="stay", shm_dir=first.shm_dir, workdir=first.workdir,
                                 extra=list(extra), start=False)
-        threading.Timer(1.0, second.start).start()
-        lookups("after the restart")
+        restart = threading.Timer(1.0, second.start)
+        restart.start()
+        lookups("after the restart" if mode == "served" else "with no daemon")
+        restart.join()
         second.wait_ready()
+        if mode == "mapped":
+            wait_until(lambda: client.epoch != epoch, timeout=30)
+            lookups("after the restart")
         assert client.epoch != epoch and client.mode == mode
         assert client.rows_generation == generation, "the rows moved"
         assert tables is not None and client.tables_id == tables, "the same checkpoint, other tables?"
         assert stale.done()  # nothing to wait for: its rid belongs to the new connection now
-        with pytest.raises(DaemonUnavailableError, match="before the client re-registered"):
-            stale.wait()  # its slot has been the new registration's since
+        if mode == "mapped":
+            assert stale.wait().shape[1] == 3  # its own gather, which no daemon took part in
+        else:
+            with pytest.raises(DaemonUnavailableError, match="before the client re-registered"):
+                stale.wait()  # its slot has been the new registration's since
     finally:
         client.close()
     assert second.stop() == 0, second.log()

@@ -3,8 +3,8 @@
 A real daemon and real client processes, as in test_daemon_lookups.py. Covered: served and
 mapped clients of one daemon at once (rows exact against the independent reference), mode
 negotiation (forced, forbidden, auto), the handle socket (read-only descriptors, bad, foreign and
-replayed tokens refused), counts reported with heartbeats, a mapped client across a daemon
-restart, and a killed mapped client.
+replayed tokens refused), counts reported with heartbeats, a mapped client riding through a
+daemon restart (and giving up on one that does not come back), and a killed mapped client.
 """
 
 from __future__ import annotations
@@ -12,11 +12,14 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import msgpack
@@ -28,7 +31,7 @@ from conftest import run_client_processes, wait_until
 from reference import random_ids
 from test_daemon_lookups import assert_rows_equal, check_worker_output
 
-from engramd.client import BadRequestError, EngramClient, NotRegisteredError
+from engramd.client import BadRequestError, DaemonUnavailableError, EngramClient, NotRegisteredError
 from engramd.client.connection import probe
 from engramd.client.errors import ProtocolError
 from engramd.client.handles import attach, handle_socket_path, recv_message, send_message
@@ -196,23 +199,112 @@ def test_mapped_counts_reach_the_daemon_with_heartbeats(daemon_factory, referenc
     assert stats["lookups"] == 5 and stats["rows"] == rows  # kept after the client is gone
 
 
-def test_mapped_client_follows_a_restarted_daemon(daemon_factory, reference):
+def test_mapped_client_rides_through_a_daemon_restart(daemon_factory, reference):
+    """Its rows come from its own mapping, which the daemon's death does not change: lookups go
+    on with no daemon at all (one made before the kill stays valid), and once a daemon is back
+    on the same tables the client registers with it in the background, keeping its mapping."""
     first = daemon_factory(instance="again")
-    ids = random_ids(np.random.default_rng(4), 16, reference.rows, reference.heads)
+    rng = np.random.default_rng(4)
     client = EngramClient(first.socket, mode="mapped", timeout=10, reconnect_timeout=60)
     try:
+        ids = random_ids(rng, 16, reference.rows, reference.heads)
         assert_rows_equal(client.lookup(torch.from_numpy(ids)).result().double().numpy(),
                           reference.expected(ids), "before the restart")
-        old_epoch = client.epoch
+        epoch, mapping, tables = client.epoch, client._mapped, client.tables_id
+        before = random_ids(rng, 5, reference.rows, reference.heads)
+        in_flight = client.lookup(torch.from_numpy(before), slot=1)
         first.proc.kill()
         first.proc.wait()
+        for n in range(4):  # no daemon: the mapping serves
+            ids = random_ids(rng, 1 + 7 * n, reference.rows, reference.heads)
+            assert_rows_equal(client.lookup(torch.from_numpy(ids), slot=0).result().double().numpy(),
+                              reference.expected(ids), f"lookup {n} with no daemon")
+        assert_rows_equal(in_flight.result().double().numpy(), reference.expected(before),
+                          "the lookup made before the kill")
         second = daemon_factory(instance="again", shm_dir=first.shm_dir, workdir=first.workdir)
-        assert second.health()["ready"]
-        rows = client.lookup(torch.from_numpy(ids)).result()  # re-registers and maps again
-        assert client.epoch != old_epoch and client.mode == "mapped"
-        assert_rows_equal(rows.double().numpy(), reference.expected(ids), "after the restart")
+        wait_until(lambda: client.epoch != epoch, timeout=30)
+        assert client.mode == "mapped" and client.registrations == 2 and client.tables_id == tables
+        assert client._mapped is mapping, "the tables were mapped again"
+        ids = random_ids(rng, 16, reference.rows, reference.heads)
+        assert_rows_equal(client.lookup(torch.from_numpy(ids)).result().double().numpy(),
+                          reference.expected(ids), "after the restart")
+        # Its heartbeats reach the new daemon: the lookups counted since it mapped the tables.
+        wait_until(lambda: probe(second.socket, "stats", 5.0).body.encode()["lookups"] >= 7,
+                   timeout=10)
     finally:
         client.close()
+    assert second.stop() == 0, second.log()
+
+
+def test_a_mapped_client_registers_from_scratch_with_a_daemon_on_other_tables(
+        daemon_factory, reference, demo_checkpoint, tmp_path):
+    """Riding through ends where the restarted daemon serves other tables: the client lets the
+    background registration go and registers again in a lookup, mapping the new tables (as a
+    served client would find them: tables_id tells, test_lifecycle.py)."""
+    other = tmp_path / "other-checkpoint"
+    shutil.copytree(demo_checkpoint, other)  # the same rows, but its files were written again
+    for shard in other.glob("*.safetensors"):
+        os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))
+    first = daemon_factory(instance="other")
+    client = EngramClient(first.socket, mode="mapped", timeout=10, reconnect_timeout=60)
+    try:
+        before, mapping = client.tables_id, client._mapped
+        ids = random_ids(np.random.default_rng(8), 9, reference.rows, reference.heads)
+        first.proc.kill()
+        first.proc.wait()
+        second = daemon_factory(tables=other, instance="other", shm_dir=first.shm_dir,
+                                workdir=first.workdir)
+
+        def rows_exact() -> np.ndarray:
+            rows = client.lookup(torch.from_numpy(ids)).result().double().numpy()
+            assert_rows_equal(rows, reference.expected(ids), f"tables {client.tables_id}")
+            return rows
+
+        wait_until(lambda: rows_exact() is not None and client.tables_id != before, timeout=30)
+        assert client.registrations == 2 and client.mode == "mapped"
+        assert client._mapped is not mapping, "other tables, the old mapping"
+    finally:
+        client.close()
+    assert second.stop() == 0
+
+
+def test_a_mapped_client_with_no_daemon_back_gives_up_and_lets_the_mapping_go(daemon_factory, reference):
+    daemon = daemon_factory()
+    client = EngramClient(daemon.socket, mode="mapped", timeout=10, reconnect_timeout=3)
+    try:
+        ids = random_ids(np.random.default_rng(6), 4, reference.rows, reference.heads)
+        daemon.proc.kill()
+        daemon.proc.wait()
+        assert_rows_equal(client.lookup(torch.from_numpy(ids)).result().double().numpy(),
+                          reference.expected(ids), "right after the kill")
+
+        def refused() -> bool:
+            try:
+                client.lookup(torch.from_numpy(ids)).result()
+            except DaemonUnavailableError as exc:
+                assert "no daemon to re-register with within 3 s" in exc.message
+                return True
+            return False
+
+        wait_until(refused, timeout=30, step=0.2)
+        assert client._mapped is None, "the mapping outlived the give-up"
+        with pytest.raises(DaemonUnavailableError):
+            client.lookup(torch.from_numpy(ids))
+    finally:
+        client.close()
+
+
+def test_close_while_a_mapped_client_rejoins_returns_and_releases(daemon_factory, reference):
+    daemon = daemon_factory()
+    client = EngramClient(daemon.socket, mode="mapped", timeout=10, reconnect_timeout=60)
+    ids = torch.zeros((1, client.geometry.n_layers, client.geometry.heads), dtype=torch.int64)
+    daemon.proc.kill()
+    daemon.proc.wait()
+    client.lookup(ids).result()  # the rejoin thread starts, and finds no daemon
+    started = time.monotonic()
+    client.close()
+    assert time.monotonic() - started < 5.0, "close() waited for the rejoin"
+    assert not [t for t in threading.enumerate() if t.name == "engramd-rejoin"]
 
 
 KILLED_MAPPED = textwrap.dedent("""
