@@ -29,7 +29,7 @@ be stopped and restarted in the middle. Through every restart a mapped client (a
 the stop) looks up 16 tokens in a loop on a thread of its own (lookup + result, 1 ms apart): it
 rides through on its mapping (client/rejoin.py), so the table says how many lookups it made
 while no daemon was ready, the longest gap between two of them, whether every one returned the
-rows of its first lookup, when it had registered with the restarted daemon (after its ready),
+rows of its first lookup (bit for bit, NaN by position: benchmarks/common/rows.py), when it had registered with the restarted daemon (after its ready),
 and whether it kept its mapping.
 
 Writes DIR/mapped_attach.json and DIR/mapped_attach.md; the tables are printed last. About 1-2
@@ -68,6 +68,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common.daemon import LOG_NAME, SOCKET_NAME, bench_folders, serve_command, stop_process  # noqa: E402
 from common.ids import scaled_rows  # noqa: E402
 from common.report import cell, machine, mount_type  # noqa: E402
+from common.rows import bitwise_mismatches  # noqa: E402
 from common.tables import INSTANCE, fill_tables, geometry_for, reattach_flags  # noqa: E402
 from mps import mps_state  # noqa: E402
 
@@ -219,15 +220,17 @@ class RideThrough:
         try:
             while not self._stop.wait(0.001):
                 rows = self.client.lookup(self.ids).result()
-                self.wrong += not torch.equal(rows, self.expected)
+                self.wrong += bitwise_mismatches(rows, self.expected)[0] != 0
                 self.done.append(time.perf_counter())
         except BaseException as exc:  # reported in the restart's row
             self.error = exc
 
     def through(self, restart: Any) -> dict[str, Any]:
         """Run `restart()` (returns the perf_counter of SIGTERM and of ready); the lookups made
-        from SIGTERM until the client has registered with the restarted daemon."""
+        from SIGTERM until the client has registered with the restarted daemon (rows: those
+        made since the last restart)."""
         epoch, mapping = self.client.epoch, self.client._mapped
+        wrong, done = self.wrong, len(self.done)
         sigterm, ready = restart()
         deadline = time.perf_counter() + 60
         while self.client.epoch == epoch and self.error is None and time.perf_counter() < deadline:
@@ -238,7 +241,9 @@ class RideThrough:
         gaps = np.diff([sigterm, *times]) if times else np.array([])
         return {"lookups_until_ready": sum(sigterm <= t <= ready for t in times),
                 "longest_gap_ms": round(float(gaps.max()) * 1e3, 2) if gaps.size else None,
-                "rows_exact": self.wrong == 0, "error": repr(self.error) if self.error else None,
+                "rows_exact": self.wrong == wrong, "lookups": len(self.done) - done,
+                "wrong": self.wrong - wrong,
+                "error": repr(self.error) if self.error else None,
                 "rejoined_after_ready_s": round(rejoined - ready, 3)
                 if self.client.epoch != epoch else None,
                 "kept_mapping": self.client._mapped is mapping}

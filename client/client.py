@@ -135,7 +135,7 @@ class LookupFuture:
             self._client._stream_wait(self, stream)
             stream.synchronize()
             self._client._take_in()
-            self._client._check_alive()
+            self._client._check_alive_for(self)
             if self._error is None and self._client._daemon_failed(self):
                 self._error = self._client._error_of(self)
             if self._error is not None:
@@ -149,7 +149,7 @@ class LookupFuture:
             return self.result()
         client._check_current(self)
         client._take_in()
-        client._check_alive()
+        client._check_alive_for(self)
         if self._error is not None:
             raise self._error
         stream = stream or torch.cuda.current_stream(client.device.index)
@@ -1117,6 +1117,12 @@ class EngramClient:
             raise DaemonUnavailableError(
                 self._dead or "the daemon is stopping or has exited; results of in-flight "
                 "lookups are invalid (the next lookup() re-registers with a restarted daemon)")
+
+    def _check_alive_for(self, future: LookupFuture) -> None:
+        """Before handing out a lookup's rows: a served lookup needs its daemon; a mapped GPU
+        lookup's gather is this process's own (its event), which no daemon's death undoes."""
+        if future.event is None:
+            self._check_alive()
 
     # -- other operations -----------------------------------------------------------------------
 

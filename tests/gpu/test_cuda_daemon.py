@@ -194,6 +194,32 @@ def test_mapped_lookup_enqueues_without_a_host_sync(daemon_factory, reference):
     assert stats["clients"] == [] and stats["lookups"] >= 2  # reported with its release
 
 
+@pytest.mark.parametrize("mode", ["served", "mapped"])
+def test_a_slot_is_not_overwritten_under_a_slow_reader_on_another_stream(daemon_factory, reference,
+                                                                         mode):
+    """One slot: the rows of lookup A are read on a second stream that is held up, and lookup B
+    into the same slot is made on the first stream meanwhile. B's gather must wait for that
+    reader (stream order, no host sync), so the reader copies A's rows, and B's are B's."""
+    daemon = daemon_factory(extra=CUDA)
+    rng = np.random.default_rng(3)
+    with EngramClient(daemon.socket, device="cuda", max_tokens=64, slots=1, mode=mode) as client:
+        ids = [torch.from_numpy(random_ids(rng, 32, reference.rows, reference.heads)).cuda()
+               for _ in range(2)]
+        reader = torch.cuda.Stream()
+        copied = torch.empty((2, 32, client.shard.local_heads, 256), dtype=torch.bfloat16, device="cuda")
+        client.lookup(ids[0]).wait(reader)  # load the kernels
+        torch.cuda.synchronize()
+        first = client.lookup(ids[0])
+        rows = first.wait(reader)
+        with torch.cuda.stream(reader):
+            torch.cuda._sleep(400_000_000)  # ~0.2 s: the reader is slow
+            copied.copy_(rows)
+        second = client.lookup(ids[1]).wait()
+        torch.cuda.synchronize()
+        assert_exact(copied, reference.expected(ids[0].cpu().numpy()), f"{mode}: the slow reader's rows")
+        assert_exact(second, reference.expected(ids[1].cpu().numpy()), f"{mode}: the next lookup's rows")
+
+
 def mps_control_running() -> bool:
     """Independent of CUDA's answer: an MPS control daemon process is alive and its pipe folder
     (the one this process would use) exists."""
