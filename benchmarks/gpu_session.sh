@@ -26,6 +26,7 @@
 # floods-profile (floods with py-spy on the daemon per phase), lookup-base, lookup-head-first and
 # floods-base (A/B runs on one host against another commit's tree, see ab_install below),
 # node-mapped (benchmarks/node_run.py with mapped clients), step-rounds (model_step, 3 rounds a cell).
+# lookup-host (benchmarks/lookup_host.py: host time of one lookup), lookup-host-base (the same of .ab_base, then of this tree).
 # Logs and results are packed into OUT/results.tgz (one file); each phase's exit code is
 # printed at the end.
 set -u
@@ -231,6 +232,18 @@ phase_node_mapped() {  # node_run with mapped clients: PSS of daemon + clients, 
 phase_step_rounds() {  # model_step, both MPS modes, each cell 3 times (variants rotated), 80 steps
   python3 benchmarks/model_step.py --mps both --steps 80 --rounds 3 --out "$out/step_rounds" 2>&1 \
     | tee "$out/step_rounds.log" | tail -30
+}
+
+phase_lookup_host() {  # benchmarks/lookup_host.py: host time of a lookup, mapped / served / in-process
+  python3 benchmarks/lookup_host.py --out "$out/lookup_host" 2>&1 | tee "$out/lookup_host.log" | tail -50
+}
+phase_lookup_host_base() {  # the same of the tree in .ab_base, then of this one
+  [ -d .ab_base ] || { echo "no .ab_base folder"; return 1; }
+  local rc=0
+  ab_install .ab_base && { (cd .ab_base && python3 benchmarks/lookup_host.py --out "$out/lookup_host_base") \
+    2>&1 | tee "$out/lookup_host_base.log" | tail -14 || rc=1; }
+  ab_install . && { phase_lookup_host || rc=1; }
+  return "$rc"
 }
 
 declare -A status

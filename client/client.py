@@ -148,8 +148,9 @@ class LookupFuture:
         if client.device.type != "cuda":
             return self.result()
         client._check_current(self)
-        client._take_in()
-        client._check_alive_for(self)
+        if self.event is None:  # served: error replies and the daemon's death come in here
+            client._take_in()
+            client._check_alive()
         if self._error is not None:
             raise self._error
         stream = stream or torch.cuda.current_stream(client.device.index)
@@ -898,7 +899,8 @@ class EngramClient:
                 ids = ids.to(self.device, non_blocking=True)
         previous = self._pending.pop(slot, None)
         for consumer in previous.consumers if previous is not None else ():
-            side.wait_stream(consumer)  # its readers are done before the rows are overwritten
+            if consumer != stream:  # `stream`'s reads are covered by the wait below
+                side.wait_stream(consumer)  # its readers are done before the rows are overwritten
         side.wait_stream(stream)
         ids.record_stream(side)  # the caller may free the IDs once lookup() returns
         self._gather(ids, out, side)

@@ -197,17 +197,27 @@ def mapped_gather(shard: ShardView, tables: MappedTables, device: torch.device, 
             return gather(cpu_tables, ids, shard, out=out)[1]
 
         return gather_cpu
-    from engramd.kernels.gather_triton import GatherPlan
+    from engramd.kernels.gather_triton import GatherPlan, SlotGather
 
     plan = GatherPlan(tables.layer_tables(), shard, device)
     plan.warm_up(sort=(False, True) if sort_min_tokens else (False,), dedupe=(False,))
     counter = counter if counter is not None else torch.zeros(1, dtype=torch.int64, device=device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     programs = max(1, int(sms * min(1.0, max(0.0, sm_fraction))))
+    # Unsorted lookups of contiguous, 16-byte aligned IDs (what the kernel the direct launch
+    # reuses was specialised for; slot rows always are) take the served hot path's direct
+    # launch of the same kernel: no argument binding, no stream context, less host time before
+    # the model's next kernel is queued. Sorted ones, and any other IDs, the plan's checked call.
+    direct = SlotGather(plan, counter, None, programs)
 
     def gather_gpu(ids: torch.Tensor, out: torch.Tensor, stream: Any) -> None:
-        plan(ids, out, stream=stream, out_of_range=counter, num_programs=programs,
-             sort=0 < sort_min_tokens <= ids.shape[0])
+        if 0 < sort_min_tokens <= ids.shape[0]:
+            plan(ids, out, stream=stream, out_of_range=counter, num_programs=programs, sort=True)
+        elif (ids.is_contiguous() and ids.data_ptr() % 16 == 0
+              and torch.cuda.current_device() == device.index):  # the launch's context
+            direct(ids, out, stream)
+        else:
+            plan(ids, out, stream=stream, out_of_range=counter, num_programs=programs)
 
     gather_gpu.out_of_range = counter  # type: ignore[attr-defined]
     return gather_gpu

@@ -194,6 +194,37 @@ def test_mapped_lookup_enqueues_without_a_host_sync(daemon_factory, reference):
     assert stats["clients"] == [] and stats["lookups"] >= 2  # reported with its release
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "unaligned", "strided", "host"])
+def test_mapped_rows_of_ids_in_any_layout_match_the_reference(daemon_factory, reference, layout):
+    """A mapped client launches the gather directly for contiguous, 16-byte aligned IDs on its
+    GPU and through the checked call for others: rows are exact either way, in both dtypes and
+    at several token counts."""
+    daemon = daemon_factory(extra=CUDA)
+    rng = np.random.default_rng(11)
+    with EngramClient(daemon.socket, device="cuda", max_tokens=512, slots=2, mode="mapped") as client:
+        for tokens in (1, 5, 16, 300):
+            ids = random_ids(rng, tokens, reference.rows, reference.heads)
+            for dtype in (torch.int64, torch.int32):
+                exact = torch.from_numpy(ids).to(dtype)
+                if layout == "unaligned":  # one element past a 16-byte aligned start
+                    size = exact.element_size()
+                    raw = torch.empty(exact.numel() * size + size, dtype=torch.uint8, device="cuda")
+                    source = raw[size:].view(dtype).view(exact.shape)
+                    source.copy_(exact.cuda())
+                    assert source.data_ptr() % 16 != 0
+                elif layout == "strided":  # every other element of a wider tensor
+                    source = torch.stack([exact, exact], dim=-1).cuda()[..., 0]
+                    assert not source.is_contiguous()
+                elif layout == "host":
+                    source = exact
+                else:
+                    source = exact.cuda()
+                rows = client.lookup(source).wait()
+                torch.cuda.current_stream().synchronize()
+                sent = exact.long().numpy()  # int32: out-of-range IDs wrap as the client sends them
+                assert_exact(rows, reference.expected(sent), f"{layout}, {tokens} tokens, {dtype}")
+
+
 @pytest.mark.parametrize("mode", ["served", "mapped"])
 def test_a_slot_is_not_overwritten_under_a_slow_reader_on_another_stream(daemon_factory, reference,
                                                                          mode):
