@@ -82,6 +82,7 @@ MODES = ("auto", "served", "mapped")
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_RECONNECT_S = 60.0  # how long lookup() waits for a restarted daemon before giving up
 WATCHDOG_S = 0.1
+REJOIN_STOP_S = 3.0  # how long close() waits for a rejoin in flight (client/rejoin.py)
 
 # Leases of this process's clients. A child made by fork() must not hold them: a lease is closed
 # by the kernel when its last holder exits, so a child outliving its parent would keep a dead
@@ -134,8 +135,9 @@ class LookupFuture:
             stream = torch.cuda.current_stream(self._client.device.index)
             self._client._stream_wait(self, stream)
             stream.synchronize()
-            self._client._take_in()
-            self._client._check_alive_for(self)
+            if self.event is None:  # served: error replies and the daemon's death come in here
+                self._client._take_in()
+                self._client._check_alive()
             if self._error is None and self._client._daemon_failed(self):
                 self._error = self._client._error_of(self)
             if self._error is not None:
@@ -324,6 +326,7 @@ class EngramClient:
         self.registrations = 0  # how many times this client has registered
         self._slots_epoch = 0  # registrations that took the slots over (lookups made before are lost)
         self._rejoin: Rejoin | None = None  # mapped: registering with a restarted daemon (rejoin.py)
+        self._replaced: list[Any] = []  # its connection and lease before the rejoin: closed by lookup()
         self.rows_generation = 0  # bumped when the slots' rows move (see slot_rows)
         self._lease: socket.socket | None = None  # the daemon frees us when it closes
         self._mapped: MappedTables | None = None
@@ -438,7 +441,14 @@ class EngramClient:
         tables = (attachment.version, attachment.tables_seq) if attachment.version is not None \
             else (f.tables, f.tables_seq)
         with self._tables_lock:
-            if (f.mode != "mapped" or self._mapped is None or tables[0] != self.tables_id
+            if self._rejoin is None or self._conn is None:
+                return False  # close() came first
+            if self._remapping is not None:  # a reload's tables of the old daemon, being mapped
+                log.warning("a reload was being mapped when the daemon went away: registering "
+                            "again from scratch")
+                return False
+            if (f.mode != "mapped" or self._mapped is None or tables[0] is None
+                    or tables[0] != self.tables_id
                     or TableGeometry.from_config(f.geometry, source="daemon register reply") != self.geometry
                     or f.shard.get("local_heads") != self.shard.local_heads
                     or SlabLayout.from_wire(f.layout) != self.layout):
@@ -446,22 +456,27 @@ class EngramClient:
                             "%s): registering again from scratch", tables[0], f.mode, self.tables_id)
                 return False
             self._stop_watchdog()  # the old registration's (already ended if its lease closed)
-            old = (self._conn, self._lease)
+            # The lookup thread may be reading the old connection: it closes them (ZeroMQ
+            # sockets are not thread-safe).
+            self._replaced += [self._conn, self._lease]
             self._conn, self._dead, self.registrations = conn, None, self.registrations + 1
             self.client_id, self.epoch, self.mps = f.client_id, reply.epoch, f.mps
             self._token, self._gather_policy = f.token, f.gather  # the policy applies from the next mapping
             self._read_tables(*tables)
-            self._heard_tables, self._idle_follow_failed = None, None
+            self._heard_tables, self._idle_follow_failed, self._tables_lost = None, None, None
             self._take_lease(attachment)
             self._start_watchdog(f.heartbeat_interval)
             self._rejoin = None
         attachment.close_descriptors()  # the same tables: the mapping we hold serves
-        for closing in old:
-            if closing is not None:
-                closing.close()
         log.info("re-registered with daemon epoch %s as client %d; gathering from the same mapping",
                  self.epoch, self.client_id)
         return True
+
+    def _close_replaced(self) -> None:
+        replaced, self._replaced = self._replaced, []
+        for closing in replaced:
+            if closing is not None:
+                closing.close()
 
     @staticmethod
     def _drop_rejoined(joined: tuple[Connection, Any, Attachment]) -> None:
@@ -829,6 +844,7 @@ class EngramClient:
                 slot: int | None) -> LookupFuture:
         if self._conn is None:
             raise DaemonUnavailableError("client is closed")
+        self._close_replaced()
         self._take_in()
         if self._daemon_gone() and not self._riding_through():
             self._reconnect()
@@ -1120,12 +1136,6 @@ class EngramClient:
                 self._dead or "the daemon is stopping or has exited; results of in-flight "
                 "lookups are invalid (the next lookup() re-registers with a restarted daemon)")
 
-    def _check_alive_for(self, future: LookupFuture) -> None:
-        """Before handing out a lookup's rows: a served lookup needs its daemon; a mapped GPU
-        lookup's gather is this process's own (its event), which no daemon's death undoes."""
-        if future.event is None:
-            self._check_alive()
-
     # -- other operations -----------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
@@ -1137,9 +1147,10 @@ class EngramClient:
     def close(self) -> None:
         """Release the registration and the slab mapping. Safe to call twice."""
         rejoin, self._rejoin = self._rejoin, None
-        if rejoin is not None:  # before the lock, which it may be waiting for
-            rejoin.stop()
+        if rejoin is not None:  # before the lock, which it may be waiting for; past the wait it
+            rejoin.stop(REJOIN_STOP_S)  # finds the client closed and lets its registration go
         with self._tables_lock:
+            self._close_replaced()
             self._close()
 
     def _close(self) -> None:

@@ -10,12 +10,15 @@ is let go and the client reconnects as a served one does).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
 from engramd.client.errors import DaemonUnavailableError, NotReadyError, NotRegisteredError
+
+log = logging.getLogger("engramd.client")
 
 T = TypeVar("T")
 
@@ -65,9 +68,11 @@ class Rejoin(Generic[T]):
     def running(self) -> bool:
         return self._thread.is_alive()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float) -> None:
+        """Ask it to end and wait up to `timeout` s; a registration it makes after that goes to
+        `take`, which must refuse it (the caller has moved on)."""
         self._stopping.set()
-        self._thread.join()
+        self._thread.join(timeout)
 
     def _run(self) -> None:
         try:
@@ -82,4 +87,7 @@ class Rejoin(Generic[T]):
         except BaseException as exc:
             self.error, taken = exc, False
         if not taken:
-            self._drop(joined)
+            try:
+                self._drop(joined)
+            except Exception:  # the daemon forgets it with its lease; nothing else holds it
+                log.exception("letting go of a registration not taken")

@@ -199,13 +199,15 @@ def test_mapped_counts_reach_the_daemon_with_heartbeats(daemon_factory, referenc
     assert stats["lookups"] == 5 and stats["rows"] == rows  # kept after the client is gone
 
 
-def test_mapped_client_rides_through_a_daemon_restart(daemon_factory, reference):
+@pytest.mark.parametrize("pin_tables", [False, True])
+def test_mapped_client_rides_through_a_daemon_restart(daemon_factory, reference, pin_tables):
     """Its rows come from its own mapping, which the daemon's death does not change: lookups go
     on with no daemon at all (one made before the kill stays valid), and once a daemon is back
     on the same tables the client registers with it in the background, keeping its mapping."""
     first = daemon_factory(instance="again")
     rng = np.random.default_rng(4)
-    client = EngramClient(first.socket, mode="mapped", timeout=10, reconnect_timeout=60)
+    client = EngramClient(first.socket, mode="mapped", timeout=10, reconnect_timeout=60,
+                          pin_tables=pin_tables)
     try:
         ids = random_ids(rng, 16, reference.rows, reference.heads)
         assert_rows_equal(client.lookup(torch.from_numpy(ids)).result().double().numpy(),
@@ -294,7 +296,7 @@ def test_a_mapped_client_with_no_daemon_back_gives_up_and_lets_the_mapping_go(da
         client.close()
 
 
-def test_close_while_a_mapped_client_rejoins_returns_and_releases(daemon_factory, reference):
+def test_close_while_a_mapped_client_rejoins_returns_and_stops_the_rejoin(daemon_factory, reference):
     daemon = daemon_factory()
     client = EngramClient(daemon.socket, mode="mapped", timeout=10, reconnect_timeout=60)
     ids = torch.zeros((1, client.geometry.n_layers, client.geometry.heads), dtype=torch.int64)
