@@ -27,6 +27,9 @@
 # floods-base (A/B runs on one host against another commit's tree, see ab_install below),
 # node-mapped (benchmarks/node_run.py with mapped clients), step-rounds (model_step, 3 rounds a cell).
 # lookup-host (benchmarks/lookup_host.py: host time of one lookup), lookup-host-base (the same of .ab_base, then of this tree).
+# step-text (step-rounds on real-text row IDs: the trace folder .traces travels with the run),
+# start-costs (torch's import and CUDA start, EAGER against LAZY, with and without a CUDA context
+# made first, as the daemon's preload does; the daemon's imports by cumulative time).
 # Logs and results are packed into OUT/results.tgz (one file); each phase's exit code is
 # printed at the end.
 set -u
@@ -232,6 +235,22 @@ phase_node_mapped() {  # node_run with mapped clients: PSS of daemon + clients, 
 phase_step_rounds() {  # model_step, both MPS modes, each cell 3 times (variants rotated), 80 steps
   python3 benchmarks/model_step.py --mps both --steps 80 --rounds 3 --out "$out/step_rounds" 2>&1 \
     | tee "$out/step_rounds.log" | tail -30
+}
+phase_step_text() {  # step-rounds on the row IDs of real text (benchmarks/traces.py build -> .traces)
+  [ -f .traces/tokens.npz ] || { echo "no .traces folder (carry it)"; return 1; }
+  python3 benchmarks/model_step.py --mps both --steps 80 --rounds 3 --ids text --traces .traces \
+    --out "$out/step_text" 2>&1 | tee "$out/step_text.log" | tail -30
+}
+phase_start_costs() {  # what a daemon's start pays for torch: import, then CUDA, by loading mode
+  local mode order
+  for mode in EAGER LAZY; do
+    for order in plain context-first plain context-first; do
+      CUDA_MODULE_LOADING=$mode python3 benchmarks/start_costs.py --order $order
+    done
+  done 2>&1 | tee "$out/start_costs.log"
+  python3 -X importtime -c "import engramd.server.daemon, engramd.server.cuda_backend" 2>"$out/importtime.txt"
+  echo "# the daemon's imports, cumulative us, top 25" | tee -a "$out/start_costs.log"
+  sort -t'|' -k2 -n "$out/importtime.txt" | tail -25 | tee -a "$out/start_costs.log"
 }
 
 phase_lookup_host() {  # benchmarks/lookup_host.py: host time of a lookup, mapped / served / in-process

@@ -4,6 +4,7 @@
     python benchmarks/model_step.py --mps both --out DIR       # without, then with MPS, merged
     python benchmarks/model_step.py --variants compute mapped  # only some variants
     python benchmarks/model_step.py --mps both --steps 80 --rounds 3 --out DIR  # cells 3x, median
+    python benchmarks/model_step.py --ids text --traces .traces --out DIR  # real-text row IDs
     python benchmarks/model_step.py --replot DIR               # model_step.md/.png again from JSON
 
 One "model step" stands for a forward pass that prefetches its rows:
@@ -34,6 +35,14 @@ steps of its own. The host table (--table-gib of V4.1-width rows, random bytes i
 sparse checkpoint that the daemon re-attaches) is built by common/tables.py. Every kernel this
 process launches behind a wait on the daemon is warmed up first (lazy loading would otherwise
 block the host there; DEVICE.md).
+
+IDs (--ids): `uniform` (the default) draws fresh random rows every step as above. `text` takes
+them from a real-text trace (benchmarks/traces.py, built where the tokenizer is; --traces names
+its folder), hashed on the GPU for this table's geometry: its first half is the daemon's hot-row
+cache warm file (--hot-cache-warm-file), as a deployment would warm it; the steps walk its second
+half (documents the cache has not counted), every variant and round a stretch of its own, so the
+reuse the IDs carry is the text's, and the daemon's cache, which only served lookups have, meets
+the n-gram skew it was built for.
 
 Rows: at every T, one batch of IDs (5% of them -1) goes through engramd (served), the mapped
 client (each where its variant runs) and the in-process gather; each must equal gather_ref (plain
@@ -90,6 +99,7 @@ from mps import (  # noqa: E402
     require_mps_state,
     run_children,
 )
+from traces import TextTrace  # noqa: E402
 
 TOKENS = (1, 16, 256, 4096)
 LEADS = (1, 4, 12)
@@ -318,11 +328,45 @@ def rotated(items: Sequence[str], by: int) -> list[str]:
     return [*items[k:], *items[:k]]
 
 
-def run_grid(bench: Bench, tokens: Sequence[int], leads: Sequence[int], steps: int,
-             mps: bool, rounds: int = 1) -> tuple[list[dict], list[dict]]:
+class UniformIds:
+    """Fresh uniform row IDs for every pool (common/ids.layer_rows)."""
+
+    name = "uniform"
+
+    def __init__(self, geometry: TableGeometry):
+        self.geometry = geometry
+
+    def pool(self, tokens: int, count: int) -> list[Tensor]:
+        return layer_rows(self.geometry, tokens, count)
+
+
+class TextIds:
+    """Row IDs of a real-text trace: its first half is written to `warm_file` (the daemon's hot-row
+    cache counts it before serving), pools walk its second half, each one a stretch of its own
+    (wrapping around: a stretch comes back only after the whole half has been read again)."""
+
+    name = "text"
+
+    def __init__(self, folder: Path, geometry: TableGeometry, warm_file: Path):
+        trace = TextTrace.load(folder, geometry, device="cuda")
+        half = len(trace) // 2
+        np.save(warm_file, trace.rows[:half].cpu().numpy())
+        self.rows = trace.rows[half:].to(torch.int64)
+        self.tokens = len(trace)
+        self.cursor = 0
+
+    def pool(self, tokens: int, count: int) -> list[Tensor]:
+        need = tokens * count
+        at = (self.cursor + torch.arange(need, device=self.rows.device)) % self.rows.shape[0]
+        self.cursor = (self.cursor + need) % self.rows.shape[0]
+        return list(self.rows[at].view(count, tokens, *self.rows.shape[1:]).unbind(0))
+
+
+def run_grid(bench: Bench, ids: UniformIds | TextIds, tokens: Sequence[int], leads: Sequence[int],
+             steps: int, mps: bool, rounds: int = 1) -> tuple[list[dict], list[dict]]:
     """Every (T, lead, mode, variant) cell, variants interleaved so that drift hits them alike:
     `rounds` times each, the variants' order rotated every round; a cell's step time is the
-    median of its rounds."""
+    median of its rounds. Every timed pool of IDs is new (`ids`)."""
     cells, checks = [], []
     bench.spin_up()
     for t in tokens:
@@ -334,7 +378,7 @@ def run_grid(bench: Bench, tokens: Sequence[int], leads: Sequence[int], steps: i
                 timed: dict[str, list[dict]] = {v: [] for v in bench.variants}
                 for r in range(rounds):
                     for variant in rotated(bench.variants, r):
-                        pool = layer_rows(bench.geometry, t, steps + WARM_STEPS)  # fresh every time
+                        pool = ids.pool(t, steps + WARM_STEPS)
                         torch.cuda.synchronize()
                         timed[variant].append(TIMERS[mode](bench.steps[variant], pool, lead))
                 for variant, runs in timed.items():
@@ -366,7 +410,13 @@ def measure(args: argparse.Namespace) -> dict:
     geometry = geometry_for(args.table_gib)
     with bench_folders() as (work, shm):
         specs = fill_tables(geometry, work / "ckpt", shm, INSTANCE)
-        flags = daemon_flags(work, shm, max(tokens), args.daemon_args)
+        extra = args.daemon_args
+        if args.ids == "text":
+            ids: UniformIds | TextIds = TextIds(Path(args.traces), geometry, work / "warm.npy")
+            extra = f"--hot-cache-warm-file {shlex.quote(str(work / 'warm.npy'))} {extra}"
+        else:
+            ids = UniformIds(geometry)
+        flags = daemon_flags(work, shm, max(tokens), extra)
         with running_daemon(work, flags, timeout=300) as socket:
             bench = Bench(geometry, specs, socket, max(tokens), args.variants)
             try:
@@ -378,12 +428,14 @@ def measure(args: argparse.Namespace) -> dict:
                     "mode": mapped.mode, "mps": mapped.mps, "attach_s": bench.attach_s["mapped"]}
                 attach_s = dict(bench.attach_s)
                 auto_mode = granted_auto_mode(socket, max(tokens))
-                cells, checks = run_grid(bench, tokens, leads, args.steps, mps["mps"], args.rounds)
+                cells, checks = run_grid(bench, ids, tokens, leads, args.steps, mps["mps"],
+                                         args.rounds)
             finally:
                 bench.close()
     run = {**mps, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "triton": _triton_version(), "table_gib": round(geometry.total_bytes / 2**30, 2),
            "rows": list(geometry.rows), "steps": args.steps, "rounds": args.rounds,
+           "ids": ids.name, "trace_tokens": getattr(ids, "tokens", None),
            "warm_steps": WARM_STEPS, "auto_mode": auto_mode,
            "matmul": f"bf16 [{MATMUL_N} x {MATMUL_N}] @ [{MATMUL_N} x {MATMUL_N}], torch.mm",
            "tail_matmuls": TAIL, "daemon_args": args.daemon_args, "gpu_processes": processes,
@@ -439,7 +491,7 @@ def markdown(report: dict) -> str:
              f"Step = lookup of T tokens -> LEAD {first.get('matmul', 'bf16 matmuls')} -> wait for "
              f"the rows -> consume them (column sum into the next matmul's operand) -> "
              f"{first.get('tail_matmuls', TAIL)} more matmuls. Host table {first.get('table_gib')} "
-             f"GiB, fresh random IDs every step, {first.get('steps')} timed steps per cell after "
+             f"GiB, {_ids_note(first)}, {first.get('steps')} timed steps per cell after "
              f"{first.get('warm_steps')} untimed ones"
              + (f", each cell {first['rounds']} times with the variants' order rotated, the median "
                 "of them reported" if first.get("rounds", 1) > 1 else "") + ". pipelined: one synchronize after all steps, "
@@ -482,6 +534,13 @@ def markdown(report: dict) -> str:
                   f"({', '.join(f'MPS {_on(m)}: {LABELS[v]}' for m, v in sorted(auto.items()))}) "
                   "over the faster of engramd (served) and mapped in that cell."]
     return "\n".join(lines) + "\n"
+
+
+def _ids_note(run: dict) -> str:
+    if run.get("ids") == "text":
+        return (f"row IDs of real text (a trace of {run['trace_tokens']:,} tokens: the first half "
+                "warms the daemon's hot-row cache, the steps read the second), fresh every step")
+    return "fresh random IDs every step"
 
 
 def _rows_verdict(run: dict) -> str:
@@ -610,6 +669,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="the variants to time (default: all four); the rows of each "
                              "client variant that runs (engramd, mapped) are checked against "
                              "gather_ref and the in-process gather")
+    parser.add_argument("--ids", choices=("uniform", "text"), default="uniform",
+                        help="row IDs: uniform random, or a real-text trace's (see above)")
+    parser.add_argument("--traces", default=".traces",
+                        help="the trace folder of --ids text (benchmarks/traces.py build)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     parser.add_argument("--daemon-args", default="",
                         help="extra `engramd serve` flags, one string split like a shell's "
