@@ -28,7 +28,6 @@
 # node-mapped (benchmarks/node_run.py with mapped clients), step-rounds (model_step, 3 rounds a cell).
 # lookup-host (benchmarks/lookup_host.py: host time of one lookup), lookup-host-base (the same of .ab_base, then of this tree).
 # step-text (step-rounds on real-text row IDs: the trace folder .traces travels with the run),
-# step-priority (step-text at 256 and 4,096 tokens, engramd's streams at default then highest priority),
 # start-costs (torch's import and CUDA start, EAGER against LAZY, with and without a CUDA context
 # made first, as the daemon's preload does; the daemon's imports by cumulative time).
 # Logs and results are packed into OUT/results.tgz (one file); each phase's exit code is
@@ -241,15 +240,6 @@ phase_step_text() {  # step-rounds on the row IDs of real text (benchmarks/trace
   [ -f .traces/tokens.npz ] || { echo "no .traces folder (carry it)"; return 1; }
   python3 benchmarks/model_step.py --mps both --steps 80 --rounds 3 --ids text --traces .traces \
     --out "$out/step_text" 2>&1 | tee "$out/step_text.log" | tail -30
-}
-phase_step_priority() {  # step-text at 256 and 4,096 tokens: engramd's streams at default, then highest priority
-  local prio rc=0
-  for prio in normal high; do
-    ENGRAMD_STREAM_PRIORITY=$prio python3 benchmarks/model_step.py --mps both --steps 80 --rounds 3 --ids text \
-      --traces .traces --tokens 256 4096 --out "$out/step_priority_$prio" 2>&1 \
-      | tee "$out/step_priority_$prio.log" | tail -14 || rc=1
-  done
-  return "$rc"
 }
 phase_start_costs() {  # what a daemon's start pays for torch: import, then CUDA, by loading mode
   local mode order

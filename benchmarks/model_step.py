@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import sys
 import time
@@ -75,7 +74,6 @@ import torch
 from torch import Tensor
 
 from engramd.client import EngramClient
-from engramd.client.cuda import STREAM_PRIORITY_ENV
 from engramd.client.geometry import TableGeometry
 from engramd.kernels import gather_ref
 from engramd.kernels.gather_triton import GatherPlan
@@ -438,7 +436,6 @@ def measure(args: argparse.Namespace) -> dict:
            "triton": _triton_version(), "table_gib": round(geometry.total_bytes / 2**30, 2),
            "rows": list(geometry.rows), "steps": args.steps, "rounds": args.rounds,
            "ids": ids.name, "trace_tokens": getattr(ids, "tokens", None),
-           "stream_priority": os.environ.get(STREAM_PRIORITY_ENV, "normal"),
            "warm_steps": WARM_STEPS, "auto_mode": auto_mode,
            "matmul": f"bf16 [{MATMUL_N} x {MATMUL_N}] @ [{MATMUL_N} x {MATMUL_N}], torch.mm",
            "tail_matmuls": TAIL, "daemon_args": args.daemon_args, "gpu_processes": processes,

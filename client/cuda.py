@@ -10,7 +10,6 @@ by the calls that make tensors or streams (host_pin.py pins tables before torch 
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -277,19 +276,6 @@ def tensor_view(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
     return torch.as_tensor(DeviceMemory(ptr, nbytes), device=device)
 
 
-STREAM_PRIORITY_ENV = "ENGRAMD_STREAM_PRIORITY"
-
-
-def stream_priority() -> int:
-    """The priority of the streams engramd makes (gathers, served or mapped): the device's
-    highest with ENGRAMD_STREAM_PRIORITY=high, else the default (0). Experiment: whether a
-    lookup's kernels, hinted ahead of the model's, wait less for SMs behind its matmuls."""
-    if os.environ.get(STREAM_PRIORITY_ENV, "normal") != "high":
-        return 0
-    _least, greatest = check("cudaDeviceGetStreamPriorityRange", cudart.cudaDeviceGetStreamPriorityRange())
-    return int(greatest)
-
-
 class IdleStreams:
     """Non-blocking streams of this process's own, handed out one holder at a time.
 
@@ -313,9 +299,8 @@ class IdleStreams:
         import torch
 
         with torch.cuda.device(device_index):
-            priority = stream_priority()
-            raw = check("cudaStreamCreateWithPriority",
-                        cudart.cudaStreamCreateWithPriority(cudart.cudaStreamNonBlocking, priority))
+            raw = check("cudaStreamCreateWithFlags",
+                        cudart.cudaStreamCreateWithFlags(cudart.cudaStreamNonBlocking))
         return torch.cuda.ExternalStream(int(raw), device=torch.device("cuda", device_index))
 
     def give(self, stream: torch.cuda.Stream) -> None:
