@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from reference import random_ids
 from test_daemon_lookups import assert_rows_equal
 
 from engramd.client import EngramClient
+from engramd.client import mapped as mapped_module
 from engramd.client.connection import probe
 from engramd.client.errors import TablesChangedError
 from engramd.client.geometry import DEMO_CONFIG, TableGeometry
@@ -242,3 +244,67 @@ def test_an_idle_mapped_client_lets_the_old_tables_go(
         assert (client.tables_id, client.tables_generation) == (status["tables"], 1)
         assert rows_match(rows_of(client, ids), second_reference, ids)
     assert daemon.stop() == 0
+
+
+def test_a_restart_while_a_reload_is_being_mapped_means_registering_from_scratch(
+        daemon_factory, demo_checkpoint, reference, second_checkpoint, second_reference, tmp_path,
+        monkeypatch):
+    """The daemon dies (kill -9) while a mapped client maps a reload's tables B (held here at a
+    gate, as registering V4.1's 189 GiB takes seconds), and comes back on the old tables A (the
+    deployment rolled back). The client's mapping is of A, so a takeover of its background
+    registration would look right, but the re-mapping under way would then switch it to B
+    behind the daemon's back: the registration is let go and the client registers from
+    scratch. Every lookup reads one checkpoint or the other, whole; it ends reading A from the
+    restarted daemon, and no table file stays mapped after close()."""
+    current = tmp_path / "current"
+    point(current, demo_checkpoint)
+    first = daemon_factory(tables=current, instance="race")
+    ids = random_ids(np.random.default_rng(10), 32, reference.rows, reference.heads)
+    client = EngramClient(first.socket, mode="mapped", max_tokens=64, timeout=10, reconnect_timeout=60)
+    gate, takeovers = threading.Event(), []
+
+    class GatedTables(mapped_module.MappedTables):  # a reload's re-mapping only (PendingMapping)
+        def __init__(self, *args, **kwargs):
+            assert gate.wait(60), "the gate was never opened"
+            super().__init__(*args, **kwargs)
+
+    def take_rejoined(joined) -> bool:  # the background registration's hand-over, observed
+        kept = take(joined)
+        takeovers.append(kept)
+        gate.set()  # the re-mapping may finish now (close() and a reconnect wait for it)
+        return kept
+
+    take = client._take_rejoined
+    monkeypatch.setattr(client, "_take_rejoined", take_rejoined)
+    monkeypatch.setattr(mapped_module, "MappedTables", GatedTables)
+    try:
+        assert rows_match(rows_of(client, ids), reference, ids)
+        all_files = table_files(first)
+        point(current, second_checkpoint)
+        assert reload(first)["state"] == "done"
+        all_files |= table_files(first)
+        wait_until(lambda: rows_match(rows_of(client, ids), reference, ids)
+                   and client._remapping is not None, timeout=10, step=0.02)
+        first.proc.kill()
+        first.proc.wait()
+        point(current, demo_checkpoint)
+        second = daemon_factory(tables=current, instance="race", shm_dir=first.shm_dir,
+                                workdir=first.workdir)
+        health = probe(second.socket, "health", 5.0)
+
+        def registered_again() -> bool:
+            rows = rows_of(client, ids)
+            assert rows_match(rows, reference, ids) or rows_match(rows, second_reference, ids), \
+                "rows of neither checkpoint"
+            return client.epoch == health.epoch and client._remapping is None
+        wait_until(registered_again, timeout=30, step=0.05)
+        assert takeovers == [False], "a registration was taken over while a reload was being mapped"
+        assert (client.mode, client.tables_id, client.registrations) == ("mapped", health.body.tables, 2)
+        for n in range(10):  # nothing left to switch it to B
+            assert rows_match(rows_of(client, ids), reference, ids), f"lookup {n}: not the daemon's tables"
+            time.sleep(0.05)
+    finally:
+        gate.set()
+        client.close()
+    assert not mapped_names(os.getpid()) & all_files, "a table file is still mapped"
+    assert second.stop() == 0, second.log()
