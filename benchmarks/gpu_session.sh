@@ -28,7 +28,6 @@
 # node-mapped (benchmarks/node_run.py with mapped clients), step-rounds (model_step, 3 rounds a cell).
 # lookup-host (benchmarks/lookup_host.py: host time of one lookup), lookup-host-base (the same of .ab_base, then of this tree).
 # step-text (step-rounds on real-text row IDs: the trace folder .traces travels with the run),
-# tests-held (lookups of every kind while another client's IDs are held, the daemon EAGER then LAZY),
 # start-costs (torch's import and CUDA start, EAGER against LAZY, with and without a CUDA context
 # made first, as the daemon's preload does; the daemon's imports by cumulative time).
 # Logs and results are packed into OUT/results.tgz (one file); each phase's exit code is
@@ -241,16 +240,6 @@ phase_step_text() {  # step-rounds on the row IDs of real text (benchmarks/trace
   [ -f .traces/tokens.npz ] || { echo "no .traces folder (carry it)"; return 1; }
   python3 benchmarks/model_step.py --mps both --steps 80 --rounds 3 --ids text --traces .traces \
     --out "$out/step_text" 2>&1 | tee "$out/step_text.log" | tail -30
-}
-phase_tests_held() {  # lookups of every kind while another client's IDs are held: the daemon EAGER, then LAZY
-  local loading rc=0
-  for loading in EAGER LAZY; do
-    echo "# the daemon's CUDA_MODULE_LOADING: $loading" | tee -a "$out/gpu_tests_held.log"
-    ENGRAMD_TEST_DAEMON_MODULE_LOADING=$loading timeout -s INT 240 python3 -m pytest \
-      tests/gpu/test_cuda_daemon.py -q -k held -s 2>&1 | tail -30 | tee -a "$out/gpu_tests_held.log"
-    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
-  done
-  return "$rc"
 }
 phase_start_costs() {  # what a daemon's start pays for torch: import, then CUDA, by loading mode
   local mode order

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import time
@@ -164,63 +163,6 @@ def test_a_lookup_whose_ids_are_late_is_reported_and_holds_its_slot(daemon_facto
         torch.cuda.synchronize()
         cuda.STREAMS.give(stream)
         gate.close()
-
-
-# The daemon's CUDA module loading in the next test: EAGER as shipped (server/cli.py); LAZY to
-# check that its warm-up loads every kernel its lookups launch (a faster start, if it does).
-MODULE_LOADING_ENV = "ENGRAMD_TEST_DAEMON_MODULE_LOADING"
-
-
-def test_lookups_of_every_kind_are_served_while_another_clients_ids_are_held(daemon_factory, reference):
-    """One client's lookup waits on the daemon's stream for IDs its own stream does not hand
-    over. A kernel loaded lazily by the daemon now would block its host until those IDs came
-    (DEVICE.md): every other client's lookups would stop with it. So while they are held, a
-    second client's lookups of every kind the daemon launches (1 to 1,024 tokens, unsorted and
-    sorted, repeated, dead and out-of-range IDs, int32 and int64) and a third client's
-    registration are answered with exact rows; then the held lookup's rows are exact too."""
-    from engramd.client import cuda
-    from engramd.client.host_counters import HostCounters
-    from engramd.client.slab import SlabLayout
-
-    loading = os.environ.get(MODULE_LOADING_ENV, "EAGER")
-    daemon = daemon_factory(extra=[*CUDA, "--sort-min-tokens", "256"],
-                            env={"CUDA_MODULE_LOADING": loading})
-    rng = np.random.default_rng(11)
-    gate = HostCounters.create(SlabLayout(1, 1, 1, 1, 1, 1), "engramd-test-gate", 0)
-    stream = cuda.new_stream(0)
-    try:
-        with EngramClient(daemon.socket, device="cuda", max_tokens=64, slots=2, mode="served") as held, \
-                EngramClient(daemon.socket, device="cuda", max_tokens=1024, slots=2, mode="served",
-                             timeout=20) as other:
-            held_ids = torch.from_numpy(random_ids(rng, 64, reference.rows, reference.heads)).cuda()
-            torch.cuda.synchronize()
-            cuda.stream_wait_u32(stream.cuda_stream, gate.address(0, 0), 1)  # shut until opened
-            late = held.lookup(held_ids, stream=stream)
-            for tokens in (1, 16, 255, 256, 1024):  # the daemon sorts from 256 tokens on
-                for kind in ("random", "repeated", "dead", "out_of_range"):
-                    ids = random_ids(rng, tokens, reference.rows, reference.heads,
-                                     dead=1.0 if kind == "dead" else 0.1,
-                                     out_of_range=0.5 if kind == "out_of_range" else 0.0)
-                    if kind == "repeated":
-                        ids[:] = ids[0]
-                    for dtype in (torch.int64, torch.int32):
-                        source = torch.from_numpy(np.clip(ids, -2**31, 2**31 - 1)).to(dtype).cuda()
-                        assert_exact(other.lookup(source).result(),
-                                     reference.expected(source.long().cpu().numpy()),
-                                     f"{kind} x {tokens} {dtype} while IDs are held ({loading})")
-            with EngramClient(daemon.socket, device="cuda", max_tokens=32, slots=1, mode="served",
-                              timeout=20) as third:
-                ids = random_ids(rng, 32, reference.rows, reference.heads)
-                assert_exact(third.lookup(torch.from_numpy(ids).cuda()).result(),
-                             reference.expected(ids), "a client registered while IDs are held")
-            gate.store(0, 0, 1)
-            assert_exact(late.result(), reference.expected(held_ids.cpu().numpy()), "the held lookup")
-    finally:
-        gate.store(0, 0, 1)
-        torch.cuda.synchronize()
-        cuda.STREAMS.give(stream)
-        gate.close()
-    assert daemon.stop() == 0, daemon.log()
 
 
 def test_mapped_lookup_enqueues_without_a_host_sync(daemon_factory, reference):
