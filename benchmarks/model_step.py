@@ -40,9 +40,10 @@ IDs (--ids): `uniform` (the default) draws fresh random rows every step as above
 them from a real-text trace (benchmarks/traces.py, built where the tokenizer is; --traces names
 its folder), hashed on the GPU for this table's geometry: its first half is the daemon's hot-row
 cache warm file (--hot-cache-warm-file), as a deployment would warm it; the steps walk its second
-half (documents the cache has not counted), every variant and round a stretch of its own, so the
-reuse the IDs carry is the text's, and the daemon's cache, which only served lookups have, meets
-the n-gram skew it was built for.
+half (documents the cache has not counted), every variant and round the next stretch of it (the
+half, about a million tokens, starts again once read through: at 4,096 tokens every third or
+fourth pool), so the reuse the IDs carry is the text's, and the daemon's cache, which only served
+lookups have, meets the n-gram skew it was built for.
 
 Rows: at every T, one batch of IDs (5% of them -1) goes through engramd (served), the mapped
 client (each where its variant runs) and the in-process gather; each must equal gather_ref (plain
@@ -539,7 +540,8 @@ def markdown(report: dict) -> str:
 def _ids_note(run: dict) -> str:
     if run.get("ids") == "text":
         return (f"row IDs of real text (a trace of {run['trace_tokens']:,} tokens: the first half "
-                "warms the daemon's hot-row cache, the steps read the second), fresh every step")
+                "is the daemon's hot-row cache warm file; each variant's steps read the next stretch "
+                "of the second half, which starts again once read through)")
     return "fresh random IDs every step"
 
 
