@@ -333,7 +333,9 @@ class EngramClient:
         self._gather: Any = None  # mapped: the gather this process runs
         self._side: torch.cuda.Stream | None = None  # mapped GPU clients gather on it
         self._out_of_range: DeviceCounterReader | None = None  # mapped GPU: their device count
-        self.counts = {"lookups": 0, "rows": 0, "out_of_range": 0}  # mapped: told to the daemon
+        self.counts = {"lookups": 0, "rows": 0, "out_of_range": 0}  # mapped: since the mapping
+        # Mapped: the counts when the registration began; the daemon is told those since then.
+        self._counts_base = dict(self.counts)
         self._watchdog: threading.Thread | None = None
         self._closing: threading.Event | None = None
         self._dead: str | None = None
@@ -462,6 +464,9 @@ class EngramClient:
             self._conn, self._dead, self.registrations = conn, None, self.registrations + 1
             self.client_id, self.epoch, self.mps = f.client_id, reply.epoch, f.mps
             self._token, self._gather_policy = f.token, f.gather  # the policy applies from the next mapping
+            # The new daemon counts this client from here on, as it would a new registration:
+            # lookups made before its start are not its own (its counters began at zero).
+            self._counts_base = self._mapped_counts()
             self._read_tables(*tables)
             self._heard_tables, self._idle_follow_failed, self._tables_lost = None, None, None
             self._take_lease(attachment)
@@ -570,6 +575,7 @@ class EngramClient:
         self._tables_lost = None  # pinned: the daemon registered us, so it serves ours
         self._heard_tables, self._token, self._gather_policy = None, f.token, f.gather
         self.counts = {"lookups": 0, "rows": 0, "out_of_range": 0}  # this registration's
+        self._counts_base = dict(self.counts)
         self.geometry = TableGeometry.from_config(f.geometry, source="daemon register reply")
         tp_rank, tp_size = self._registration[:2]
         self.shard: ShardView = self.geometry.shard(tp_rank, tp_size)
@@ -1091,15 +1097,22 @@ class EngramClient:
             beat.close()
 
     def _heartbeat_counts(self) -> dict[str, int] | None:
-        """Mapped clients: cumulative counts for the daemon's stats (GPU out-of-range IDs as the
-        device counter read by the last finished copy; never a host sync of the model's work)."""
+        """Mapped clients: this registration's cumulative counts for the daemon's stats."""
         if self.mode != "mapped":
             return None
+        return self._since_registered(self._mapped_counts())
+
+    def _mapped_counts(self) -> dict[str, int]:
+        """Counts since the mapping was made (GPU out-of-range IDs as the device counter read by
+        the last finished copy; never a host sync of the model's work)."""
         counts = dict(self.counts)
         reader = self._out_of_range  # None once unmapped (close or reconnect on another thread)
         if self.device.type == "cuda" and reader is not None:
             counts["out_of_range"] = reader.read()
         return counts
+
+    def _since_registered(self, counts: dict[str, int]) -> dict[str, int]:
+        return {name: value - self._counts_base.get(name, 0) for name, value in counts.items()}
 
     def _final_counts(self) -> dict[str, int]:
         """Mapped clients at release, the device idle: exact counts, the last word on them."""
@@ -1107,7 +1120,7 @@ class EngramClient:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the side stream's gathers count into it
             counts["out_of_range"] = int(self._gather.out_of_range.item())
-        return counts
+        return self._since_registered(counts)
 
     def _release_waits(self) -> None:
         """From the watchdog: satisfy every stream wait on the daemon's counters. close() stops

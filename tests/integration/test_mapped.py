@@ -228,12 +228,22 @@ def test_mapped_client_rides_through_a_daemon_restart(daemon_factory, reference,
         wait_until(lambda: client.epoch != epoch, timeout=30)
         assert client.mode == "mapped" and client.registrations == 2 and client.tables_id == tables
         assert client._mapped is mapping, "the tables were mapped again"
-        ids = random_ids(rng, 16, reference.rows, reference.heads)
-        assert_rows_equal(client.lookup(torch.from_numpy(ids)).result().double().numpy(),
-                          reference.expected(ids), "after the restart")
-        # Its heartbeats reach the new daemon: the lookups counted since it mapped the tables.
-        wait_until(lambda: probe(second.socket, "stats", 5.0).body.encode()["lookups"] >= 7,
-                   timeout=10)
+        for tokens in (16, 3, 9):
+            ids = random_ids(rng, tokens, reference.rows, reference.heads)
+            assert_rows_equal(client.lookup(torch.from_numpy(ids)).result().double().numpy(),
+                              reference.expected(ids), f"{tokens} tokens after the restart")
+        # Its heartbeats reach the new daemon, which counts its lookups from the hand-over on
+        # (like a new registration's), not the 6 it made before.
+        expected = (3, 28 * len(reference.rows) * reference.heads)
+
+        def counted() -> tuple[int, int]:
+            stats = probe(second.socket, "stats", 5.0).body.encode()
+            return stats["lookups"], stats["rows"]
+        try:
+            wait_until(lambda: counted() == expected, timeout=10)
+        except AssertionError:
+            raise AssertionError(f"the new daemon counted (lookups, rows) {counted()}, "
+                                 f"not {expected}") from None
     finally:
         client.close()
     assert second.stop() == 0, second.log()
