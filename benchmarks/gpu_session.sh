@@ -28,6 +28,7 @@
 # node-mapped (benchmarks/node_run.py with mapped clients), step-rounds (model_step, 3 rounds a cell).
 # lookup-host (benchmarks/lookup_host.py: host time of one lookup), lookup-host-base (the same of .ab_base, then of this tree).
 # step-text (step-rounds on real-text row IDs: the trace folder .traces travels with the run),
+# standby-64-huge (benchmarks/standby_takeover.py: restart to ready, plain against a standby, 64 GiB on hugetlbfs),
 # start-costs (torch's import and CUDA start, EAGER against LAZY, with and without a CUDA context
 # made first, as the daemon's preload does; the daemon's imports by cumulative time).
 # Logs and results are packed into OUT/results.tgz (one file); each phase's exit code is
@@ -240,6 +241,17 @@ phase_step_text() {  # step-rounds on the row IDs of real text (benchmarks/trace
   [ -f .traces/tokens.npz ] || { echo "no .traces folder (carry it)"; return 1; }
   python3 benchmarks/model_step.py --mps both --steps 80 --rounds 3 --ids text --traces .traces \
     --out "$out/step_text" 2>&1 | tee "$out/step_text.log" | tail -30
+}
+phase_standby_64_huge() {  # restart to ready at 64 GiB on hugetlbfs: plain against a standby's takeover
+  local mount=/tmp/engramd-huge pool=/proc/sys/vm/nr_hugepages before need rc
+  before=$(cat $pool); need=$(( 64 * 512 + 1024 ))
+  echo $(( before + need )) > $pool
+  mkdir -p $mount && mount -t hugetlbfs -o pagesize=2M none $mount
+  python3 benchmarks/standby_takeover.py --backend cuda --table-gib 64 --restarts 2 --shm-root $mount \
+    --out "$out/standby_64_huge" 2>&1 | tee "$out/standby_64_huge.log" | tail -14
+  rc=${PIPESTATUS[0]}
+  umount $mount; echo "$before" > $pool
+  return "$rc"
 }
 phase_start_costs() {  # what a daemon's start pays for torch: import, then CUDA, by loading mode
   local mode order

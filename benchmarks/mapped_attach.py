@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import mmap
 import os
 import re
@@ -67,7 +66,7 @@ from engramd.client.mapped import MappedTables, mapped_gather
 sys.path.insert(0, str(Path(__file__).parent))
 from common.daemon import LOG_NAME, SOCKET_NAME, bench_folders, serve_command, stop_process  # noqa: E402
 from common.ids import scaled_rows  # noqa: E402
-from common.report import cell, machine, mount_type  # noqa: E402
+from common.report import cell, machine, mount_type, write_report  # noqa: E402
 from common.rows import bitwise_mismatches  # noqa: E402
 from common.tables import INSTANCE, fill_tables, geometry_for, reattach_flags  # noqa: E402
 from mps import mps_state  # noqa: E402
@@ -549,12 +548,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     report = measure(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / JSON_NAME).write_text(json.dumps(report, indent=2) + "\n")
-    text = markdown(report)
-    (out / MD_NAME).write_text(text)
-    print(text, flush=True)
+    write_report(Path(args.out), report, JSON_NAME, MD_NAME, markdown(report))
     return 0
 
 

@@ -42,7 +42,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # waits on a client process, would block the host until that client delivers (DESIGN.md).
     os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
     from engramd.server.config import dump_toml, load_config, overrides_from_args
-    from engramd.server.startup import EXIT_CONFIG, DaemonHalt, SocketLock, prepare_runtime_dir
+    from engramd.server.startup import (
+        EXIT_CONFIG,
+        EXIT_OK,
+        DaemonHalt,
+        SocketLock,
+        prepare_runtime_dir,
+    )
     from engramd.server.table_loader import TablePreload
 
     try:
@@ -57,13 +63,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # `kill -USR1 <pid>` writes every thread's stack to the log: what a stuck daemon is doing.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     # The lock, then the tables' first stage (map, pin) on a thread, then the heavy imports:
-    # pinning tables already in shared memory overlaps importing torch (table_loader.py).
+    # pinning tables already in shared memory overlaps importing torch (table_loader.py). A
+    # standby has done the imports before it waited for the lock.
     lock = SocketLock(config.socket_path)
     try:
         prepare_runtime_dir(config.runtime_dir)
-        lock.acquire()
+        if args.standby:  # imports and CUDA first, then wait for the serving daemon to go
+            from engramd.server.standby import wait_as_standby
+
+            wait_as_standby(config, lock)
+        else:
+            lock.acquire()
     except DaemonHalt as halt:
-        logging.getLogger("engramd.daemon").error("%s", halt.reason)
+        log = logging.getLogger("engramd.daemon")
+        (log.info if halt.status == EXIT_OK else log.error)("%s", halt.reason)
         return halt.status
     preload = TablePreload.start(config)
     started = time.monotonic()
@@ -276,6 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the daemon")
     serve.add_argument("--config", help="TOML config file (flags override its values)")
     serve.add_argument("--print-config", action="store_true", help="print the merged config and exit")
+    serve.add_argument("--standby", action="store_true",
+                       help="import and start CUDA now, then wait for the daemon on this socket to "
+                            "exit and take over from it (server/standby.py)")
     add_setting_flags(serve)
     serve.set_defaults(func=cmd_serve)
 

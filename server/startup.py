@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import fcntl
 import os
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from engramd.client.errors import ConfigError
@@ -24,6 +26,9 @@ EXIT_DEVICE = 69  # EX_UNAVAILABLE: the requested device backend cannot start
 EXIT_CONFIG = 78  # EX_CONFIG
 
 RUNTIME_DIR_MODE = 0o750
+# How often a standby tries the lock: the longest a takeover waits after the holder's death.
+# A failed flock is one system call; 20 a second cost nothing.
+STANDBY_POLL_S = 0.05
 
 
 class DaemonHalt(Exception):
@@ -42,19 +47,34 @@ class SocketLock:
         self.path = socket_path.with_name(socket_path.name + ".lock")
         self._fd: int | None = None
 
-    def acquire(self) -> None:
+    def acquire(self, stop: threading.Event | None = None,
+                on_held: Callable[[str], None] | None = None) -> None:
+        """Take the lock. Held by another engramd: DaemonHalt, or, with `stop` (a standby), try
+        again every STANDBY_POLL_S until it is free (`on_held(holder pid)` is told once) or
+        `stop` is set (DaemonHalt with EXIT_OK)."""
         try:  # never through a symlink planted where the lock goes (it would overwrite its target)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o660)
         except OSError as exc:
             raise DaemonHalt(f"cannot open the lock file {self.path}: {exc.strerror} (a symlink or "
                              "a folder there? remove it)", EXIT_CONFIG) from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise DaemonHalt(f"socket {self.path.with_suffix('')} is in use by another engramd "
-                             f"(pid {holder}, lock {self.path})", EXIT_SOCKET_IN_USE) from None
+        told = False
+        while True:
+            if stop is not None and stop.is_set():
+                os.close(fd)
+                raise DaemonHalt("stopped while standing by", EXIT_OK)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            if stop is None:
+                os.close(fd)
+                raise DaemonHalt(f"socket {self.path.with_suffix('')} is in use by another engramd "
+                                 f"(pid {holder}, lock {self.path})", EXIT_SOCKET_IN_USE) from None
+            if not told and on_held is not None:
+                on_held(holder)
+                told = True
+            stop.wait(STANDBY_POLL_S)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd

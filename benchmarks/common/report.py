@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import sys
@@ -48,3 +49,12 @@ def cell(value: Any, digits: int = 3) -> str:
     if isinstance(value, float):
         return f"{value:.{digits}f}"
     return str(value)
+
+
+def write_report(out: Path, report: dict, json_name: str, md_name: str, text: str) -> None:
+    """`report` as out/json_name and its markdown `text` as out/md_name; `text` printed."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / json_name).write_text(json.dumps(report, indent=1) + "\n")
+    (out / md_name).write_text(text)
+    print(text, flush=True)

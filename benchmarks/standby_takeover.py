@@ -1,0 +1,193 @@
+"""Restart to ready, plain against a standby's takeover (server/standby.py), tables in shared memory.
+
+    python benchmarks/standby_takeover.py --backend cpu --table-gib 1 --out DIR     # any machine
+    python benchmarks/standby_takeover.py --backend cuda --table-gib 64 \\
+        --shm-root /mnt/huge --out DIR                                             # a GPU node
+
+The tables (--table-gib of V4.1-width rows, random bytes, benchmarks/common/tables.py) are filled
+into shared memory once; a daemon serves them. Then, --restarts times for each way (--end sigterm
+or kill; kill is a crash, SIGKILL):
+
+  plain    the daemon is ended; a new `engramd serve` is started on the same socket and tables
+           (what systemd's Restart= does); timed from the end to the new daemon's ready
+  standby  an `engramd serve --standby` on the same socket has done its imports (and its CUDA
+           start) and waits for the lock; the daemon is ended; timed from the end to the
+           standby's ready (it then serves, and the next standby is started for the next round)
+
+"ready" is the first `health` answer with ready true from a daemon of another pid, polled every
+10 ms. Reported per restart: end -> exited (SIGTERM's drain; 0 for kill), end -> ready; and the
+median of each way. Writes DIR/standby_takeover.json and .md (printed last).
+
+What it is not: a client's view (clients re-register with backoff: client/rejoin.py; mapped
+clients do not wait at all, benchmarks/mapped_attach.py), nor a load from a checkpoint (the tables
+are re-attached every time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engramd.client.connection import probe
+from engramd.client.errors import EngramError
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common.daemon import LOG_NAME, SOCKET_NAME, bench_folders, serve_command, stop_process  # noqa: E402
+from common.report import machine, write_report  # noqa: E402
+from common.tables import INSTANCE, fill_tables, geometry_for, reattach_flags  # noqa: E402
+
+POLL_S = 0.01
+START_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 60.0
+WAYS = ("plain", "standby")
+JSON_NAME, MD_NAME = "standby_takeover.json", "standby_takeover.md"
+
+
+class Node:
+    """The serving daemon and, in the standby way, the standby waiting behind it."""
+
+    def __init__(self, work: Path, flags: list[str]):
+        self.socket = work / SOCKET_NAME
+        self.log_path = work / LOG_NAME
+        self.flags = flags
+        self.serving: subprocess.Popen | None = None
+        self.standby: subprocess.Popen | None = None
+
+    def spawn(self, *extra: str) -> subprocess.Popen:
+        with open(self.log_path, "ab") as log:
+            return subprocess.Popen(serve_command(self.socket, [*self.flags, *extra]), stdout=log,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def serve(self) -> None:
+        self.serving = self.spawn()
+        self.wait_ready(self.serving)
+
+    def stand_by(self) -> None:
+        """A standby, returned once it says it waits (its imports and CUDA done)."""
+        offset = self.log_path.stat().st_size
+        self.standby = self.spawn("--standby")
+        self._wait(lambda: f"(served by pid {self.serving.pid})" in self._log_since(offset),
+                   self.standby, "standing by")
+
+    def restart(self, way: str, end: str) -> dict[str, float]:
+        """End the serving daemon; the way's successor serves. Seconds from the end."""
+        old = self.serving
+        if way == "standby" and self.standby is None:
+            self.stand_by()
+        started = time.perf_counter()
+        old.send_signal(signal.SIGKILL if end == "kill" else signal.SIGTERM)
+        code = old.wait(STOP_TIMEOUT_S)
+        exited = time.perf_counter() - started
+        if end == "sigterm" and code != 0:
+            raise SystemExit(f"the daemon exited with {code} on SIGTERM:\n{self._tail()}")
+        successor = self.spawn() if way == "plain" else self.standby
+        self.standby = None
+        self.wait_ready(successor)
+        ready = time.perf_counter() - started
+        self.serving = successor
+        return {"exited_s": round(exited, 3), "ready_s": round(ready, 3)}
+
+    def wait_ready(self, proc: subprocess.Popen) -> None:
+        self._wait(lambda: self._ready_pid() == proc.pid, proc, "ready")
+
+    def _ready_pid(self) -> int | None:
+        try:
+            fields = probe(self.socket, "health", 1.0).body.encode()
+        except EngramError:
+            return None
+        return fields["pid"] if fields.get("ready") else None
+
+    def _wait(self, done, proc: subprocess.Popen, what: str) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not done():
+            if proc.poll() is not None:
+                raise SystemExit(f"daemon {proc.pid} exited with {proc.returncode} before "
+                                 f"{what}:\n{self._tail()}")
+            if time.monotonic() > deadline:
+                raise SystemExit(f"daemon {proc.pid} not {what} in {START_TIMEOUT_S:.0f} s:\n{self._tail()}")
+            time.sleep(POLL_S)
+
+    def _log_since(self, offset: int) -> str:
+        with open(self.log_path, "rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
+
+    def _tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def close(self) -> None:
+        for proc in (self.standby, self.serving):
+            if proc is not None and proc.poll() is None:
+                stop_process(proc, STOP_TIMEOUT_S)
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    started_run = time.monotonic()
+    geometry = geometry_for(args.table_gib)
+    rows: list[dict[str, Any]] = []
+    with bench_folders(shm_root=args.shm_root) as (work, shm):
+        fill_tables(geometry, work / "ckpt", shm, INSTANCE, backend=args.backend)
+        flags = [*reattach_flags(work / "ckpt", shm, INSTANCE), "--backend", args.backend,
+                 "--metrics-address", "127.0.0.1:0", *shlex.split(args.daemon_args)]
+        node = Node(work, flags)
+        try:
+            node.serve()
+            for repeat in range(args.restarts):
+                for way in WAYS if repeat % 2 == 0 else WAYS[::-1]:  # neither always goes first
+                    row = {"way": way, "end": args.end, "repeat": repeat + 1,
+                           **node.restart(way, args.end)}
+                    rows.append(row)
+                    print(row, flush=True)
+        finally:
+            node.close()
+    medians = {way: float(np.median([r["ready_s"] for r in rows if r["way"] == way])) for way in WAYS}
+    return {"meta": {"benchmark": "standby_takeover", "backend": args.backend,
+                     "table_gib": round(geometry.total_bytes / 2**30, 2), "end": args.end,
+                     "shm_root": args.shm_root or "/dev/shm", "daemon_args": args.daemon_args,
+                     "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"),
+                     "command": "python benchmarks/standby_takeover.py " + shlex.join(sys.argv[1:]),
+                     "seconds": round(time.monotonic() - started_run, 1)},
+            "restarts": rows, "median_ready_s": medians}
+
+
+def markdown(report: dict[str, Any]) -> str:
+    meta = report["meta"]
+    lines = [f"# Restart to ready, plain against a standby ({meta['date']})", "",
+             f"{meta['backend']} backend, {meta['table_gib']} GiB of tables in {meta['shm_root']} "
+             f"(re-attached every time), the daemon ended by {meta['end']}. Command: "
+             f"`{meta['command']}`.", "",
+             "| way | repeat | end -> exited, s | end -> ready, s |", "|---|---:|---:|---:|"]
+    for r in report["restarts"]:
+        lines.append(f"| {r['way']} | {r['repeat']} | {r['exited_s']:.3f} | {r['ready_s']:.3f} |")
+    lines += ["", "Median end -> ready: " + ", ".join(
+        f"{way} {s:.3f} s" for way, s in report["median_ready_s"].items()) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--table-gib", type=float, default=1.0)
+    parser.add_argument("--restarts", type=int, default=3, help="restarts of each way")
+    parser.add_argument("--end", choices=("sigterm", "kill"), default="sigterm")
+    parser.add_argument("--shm-root", help="where the tables go (default /dev/shm)")
+    parser.add_argument("--daemon-args", default="", help="extra `engramd serve` flags, one string")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = parser.parse_args(argv)
+    if args.restarts < 1 or args.table_gib <= 0:
+        parser.error("--restarts must be >= 1 and --table-gib > 0")
+    report = measure(args)
+    write_report(Path(args.out), report, JSON_NAME, MD_NAME, markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

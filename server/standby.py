@@ -1,0 +1,69 @@
+"""A standby daemon: `engramd serve --standby` pays a start's fixed costs ahead, then waits.
+
+Most of a restart goes on costs that do not depend on the tables: importing the daemon (torch:
+3.1-5.7 s on the H200) and, on GPUs, torch's CUDA start with its kernels loaded eagerly (2.2-3.3
+s; benchmarks/results/h200/start_costs.log). A standby pays them first, then waits for the
+socket's lock. When the serving daemon exits or dies (the kernel frees its lock), the standby
+takes the socket and goes on as any daemon starts from there: it re-attaches and pins the tables,
+warms its gather kernels and serves. Before it holds the lock it touches no table and binds
+nothing, so it cannot disturb the daemon it stands by for.
+
+An upgrade: start the new version with --standby, then stop the old one (SIGTERM).
+
+What it is not: a second server. While it waits it answers nothing (`engramd health` reaches the
+serving daemon); it holds a CUDA context on every GPU it will serve.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+
+from engramd.server.config import DaemonConfig
+from engramd.server.startup import SocketLock
+from engramd.server.table_loader import choose_backend_name
+
+log = logging.getLogger("engramd.daemon")
+
+
+def wait_as_standby(config: DaemonConfig, lock: SocketLock) -> None:
+    """Start ahead, then take `lock` once it is free; DaemonHalt(EXIT_OK) if stopped first."""
+    stop = _stop_on_signals()
+    took = start_ahead(config)
+    log.info("standby: daemon modules%s ready in %.2f s", " and CUDA" if took[1] else "", took[0])
+    lock.acquire(stop, on_held=lambda pid: log.info(
+        "standing by for %s (served by pid %s); SIGTERM ends the wait", config.socket_path, pid))
+    for signum in (signal.SIGTERM, signal.SIGINT):  # the daemon installs its own as it starts
+        signal.signal(signum, signal.SIG_DFL)
+    log.info("standby: holding the lock of %s now; starting", config.socket_path)
+
+
+def start_ahead(config: DaemonConfig) -> tuple[float, bool]:
+    """The daemon's modules and, for the cuda backend, a CUDA context on every GPU with torch's
+    kernels loaded (the loading mode is the daemon's: server/cli.py). Seconds taken, and
+    whether CUDA was started."""
+    started = time.monotonic()
+    import engramd.server.daemon  # noqa: F401  (torch and the backends: the heavy imports)
+
+    on_gpu = False
+    if choose_backend_name(config.backend) == "cuda":
+        import torch
+
+        if torch.cuda.is_available():
+            for index in range(torch.cuda.device_count()):
+                torch.empty(1, device=torch.device("cuda", index))
+            torch.cuda.synchronize()
+            on_gpu = True
+    return time.monotonic() - started, on_gpu
+
+
+def _stop_on_signals() -> threading.Event:
+    """SIGTERM and SIGINT end the wait (exit 0); SIGHUP, a reload for the serving daemon, is
+    not for a standby and must not kill it."""
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    return stop
