@@ -31,8 +31,8 @@ log = logging.getLogger("engramd.daemon")
 def wait_as_standby(config: DaemonConfig, lock: SocketLock) -> None:
     """Start ahead, then take `lock` once it is free; DaemonHalt(EXIT_OK) if stopped first."""
     stop = _stop_on_signals()
-    took = start_ahead(config)
-    log.info("standby: daemon modules%s ready in %.2f s", " and CUDA" if took[1] else "", took[0])
+    seconds, on_gpu = start_ahead(config)
+    log.info("standby: daemon modules%s ready in %.2f s", " and CUDA" if on_gpu else "", seconds)
     lock.acquire(stop, on_held=lambda pid: log.info(
         "standing by for %s (served by pid %s); SIGTERM ends the wait", config.socket_path, pid))
     for signum in (signal.SIGTERM, signal.SIGINT):  # the daemon installs its own as it starts

@@ -3,7 +3,8 @@ exit statuses that say why it stopped.
 
 `engramd serve` takes the lock first, then starts the table preload (table_loader.TablePreload),
 and only then imports the daemon (torch, the backends): a second daemon on the same socket
-must never touch the first one's tables.
+must never touch the first one's tables. A standby (server/standby.py) imports first and then
+waits for the lock, touching no table until it holds it.
 """
 
 from __future__ import annotations
