@@ -466,7 +466,8 @@ class EngramClient:
             self._token, self._gather_policy = f.token, f.gather  # the policy applies from the next mapping
             # The new daemon counts this client from here on, as it would a new registration:
             # lookups made before its start are not its own (its counters began at zero).
-            self._counts_base = self._mapped_counts()
+            # (No copy queued from this thread: the last finished one's value serves.)
+            self._counts_base = self._mapped_counts(queue_copy=False)
             self._read_tables(*tables)
             self._heard_tables, self._idle_follow_failed, self._tables_lost = None, None, None
             self._take_lease(attachment)
@@ -1102,13 +1103,14 @@ class EngramClient:
             return None
         return self._since_registered(self._mapped_counts())
 
-    def _mapped_counts(self) -> dict[str, int]:
+    def _mapped_counts(self, queue_copy: bool = True) -> dict[str, int]:
         """Counts since the mapping was made (GPU out-of-range IDs as the device counter read by
-        the last finished copy; never a host sync of the model's work)."""
+        the last finished copy, `queue_copy`: the next one queued; never a host sync of the
+        model's work)."""
         counts = dict(self.counts)
         reader = self._out_of_range  # None once unmapped (close or reconnect on another thread)
         if self.device.type == "cuda" and reader is not None:
-            counts["out_of_range"] = reader.read()
+            counts["out_of_range"] = reader.read(again=queue_copy)
         return counts
 
     def _since_registered(self, counts: dict[str, int]) -> dict[str, int]:
