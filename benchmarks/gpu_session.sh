@@ -197,17 +197,23 @@ phase_attach_64() {  # the restart target's size: 64 GiB already in /dev/shm, tw
   python3 benchmarks/mapped_attach.py --table-gib 64 --restarts 2 --out "$out/attach64" 2>&1 \
     | tee "$out/attach64.log" | tail -45
 }
-phase_attach_64_huge() {  # the same with the tables on hugetlbfs (2 MiB pages); root
-  local mount=/tmp/engramd-huge pool=/proc/sys/vm/nr_hugepages before need rc
+# `on_hugetlbfs NAME TAIL CMD...`: CMD with HUGE set to a hugetlbfs mount of 2 MiB pages that
+# holds 64 GiB of tables (root), its output in $out/NAME.log; the pool is given back after.
+on_hugetlbfs() {
+  local name=$1 lines=$2 pool=/proc/sys/vm/nr_hugepages before need rc; shift 2
   before=$(cat $pool); need=$(( 64 * 512 + 1024 ))  # 64 GiB of rows in 2 MiB pages, and room
   echo $(( before + need )) > $pool
   echo "huge pages: $before before, $(cat $pool) now, $(grep HugePages_Free /proc/meminfo)"
-  mkdir -p $mount && mount -t hugetlbfs -o pagesize=2M none $mount
-  python3 benchmarks/mapped_attach.py --table-gib 64 --restarts 2 --shm-root $mount \
-    --out "$out/attach64_huge" 2>&1 | tee "$out/attach64_huge.log" | tail -45
+  export HUGE=/tmp/engramd-huge
+  mkdir -p $HUGE && mount -t hugetlbfs -o pagesize=2M none $HUGE
+  "$@" 2>&1 | tee "$out/$name.log" | tail -"$lines"
   rc=${PIPESTATUS[0]}
-  umount $mount; echo "$before" > $pool
+  umount $HUGE; echo "$before" > $pool
   return "$rc"
+}
+phase_attach_64_huge() {  # the same with the tables on hugetlbfs (2 MiB pages); root
+  on_hugetlbfs attach64_huge 45 sh -c 'python3 benchmarks/mapped_attach.py --table-gib 64 --restarts 2 \
+    --shm-root "$HUGE" --out "$0"' "$out/attach64_huge"
 }
 phase_start_probe() { python3 benchmarks/start_probe.py --gib 64 --out "$out/start" 2>&1 | tee "$out/start_probe.log" | tail -12; }
 phase_tests_pin_only() { python3 -m pytest tests/gpu/test_host_pin_gpu.py -q 2>&1 | tee "$out/gpu_tests_pin_only.log"; }
@@ -243,15 +249,8 @@ phase_step_text() {  # step-rounds on the row IDs of real text (benchmarks/trace
     --out "$out/step_text" 2>&1 | tee "$out/step_text.log" | tail -30
 }
 phase_standby_64_huge() {  # restart to ready at 64 GiB on hugetlbfs: plain against a standby's takeover
-  local mount=/tmp/engramd-huge pool=/proc/sys/vm/nr_hugepages before need rc
-  before=$(cat $pool); need=$(( 64 * 512 + 1024 ))
-  echo $(( before + need )) > $pool
-  mkdir -p $mount && mount -t hugetlbfs -o pagesize=2M none $mount
-  python3 benchmarks/standby_takeover.py --backend cuda --table-gib 64 --restarts 2 --shm-root $mount \
-    --out "$out/standby_64_huge" 2>&1 | tee "$out/standby_64_huge.log" | tail -14
-  rc=${PIPESTATUS[0]}
-  umount $mount; echo "$before" > $pool
-  return "$rc"
+  on_hugetlbfs standby_64_huge 14 sh -c 'python3 benchmarks/standby_takeover.py --backend cuda \
+    --table-gib 64 --restarts 2 --shm-root "$HUGE" --out "$0"' "$out/standby_64_huge"
 }
 phase_start_costs() {  # what a daemon's start pays for torch: import, then CUDA, by loading mode
   local mode order

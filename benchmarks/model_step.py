@@ -333,6 +333,7 @@ class UniformIds:
     """Fresh uniform row IDs for every pool (common/ids.layer_rows)."""
 
     name = "uniform"
+    tokens = None  # no trace behind them
 
     def __init__(self, geometry: TableGeometry):
         self.geometry = geometry
@@ -436,7 +437,7 @@ def measure(args: argparse.Namespace) -> dict:
     run = {**mps, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "triton": _triton_version(), "table_gib": round(geometry.total_bytes / 2**30, 2),
            "rows": list(geometry.rows), "steps": args.steps, "rounds": args.rounds,
-           "ids": ids.name, "trace_tokens": getattr(ids, "tokens", None),
+           "ids": ids.name, "trace_tokens": ids.tokens,
            "warm_steps": WARM_STEPS, "auto_mode": auto_mode,
            "matmul": f"bf16 [{MATMUL_N} x {MATMUL_N}] @ [{MATMUL_N} x {MATMUL_N}], torch.mm",
            "tail_matmuls": TAIL, "daemon_args": args.daemon_args, "gpu_processes": processes,

@@ -36,11 +36,16 @@ from typing import Any
 
 import numpy as np
 
-from engramd.client.connection import probe
-from engramd.client.errors import EngramError
-
 sys.path.insert(0, str(Path(__file__).parent))
-from common.daemon import LOG_NAME, SOCKET_NAME, bench_folders, serve_command, stop_process  # noqa: E402
+from common.daemon import (  # noqa: E402
+    LOG_NAME,
+    SOCKET_NAME,
+    bench_folders,
+    ready_pid,
+    serve_command,
+    stop_process,
+    wait_for,
+)
 from common.report import machine, write_report  # noqa: E402
 from common.tables import INSTANCE, fill_tables, geometry_for, reattach_flags  # noqa: E402
 
@@ -87,7 +92,8 @@ class Node:
         code = old.wait(STOP_TIMEOUT_S)
         exited = time.perf_counter() - started
         if end == "sigterm" and code != 0:
-            raise SystemExit(f"the daemon exited with {code} on SIGTERM:\n{self._tail()}")
+            raise SystemExit(f"the daemon exited with {code} on SIGTERM:\n"
+                             f"{self.log_path.read_text(errors='replace')[-4000:]}")
         successor = self.spawn() if way == "plain" else self.standby
         self.standby = None
         self.wait_ready(successor)
@@ -96,32 +102,15 @@ class Node:
         return {"exited_s": round(exited, 3), "ready_s": round(ready, 3)}
 
     def wait_ready(self, proc: subprocess.Popen) -> None:
-        self._wait(lambda: self._ready_pid() == proc.pid, proc, "ready")
-
-    def _ready_pid(self) -> int | None:
-        try:
-            fields = probe(self.socket, "health", 1.0).body.encode()
-        except EngramError:
-            return None
-        return fields["pid"] if fields.get("ready") else None
+        self._wait(lambda: ready_pid(self.socket) == proc.pid, proc, "ready")
 
     def _wait(self, done, proc: subprocess.Popen, what: str) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not done():
-            if proc.poll() is not None:
-                raise SystemExit(f"daemon {proc.pid} exited with {proc.returncode} before "
-                                 f"{what}:\n{self._tail()}")
-            if time.monotonic() > deadline:
-                raise SystemExit(f"daemon {proc.pid} not {what} in {START_TIMEOUT_S:.0f} s:\n{self._tail()}")
-            time.sleep(POLL_S)
+        wait_for(proc, done, what, self.log_path, START_TIMEOUT_S, POLL_S)
 
     def _log_since(self, offset: int) -> str:
         with open(self.log_path, "rb") as f:
             f.seek(offset)
             return f.read().decode(errors="replace")
-
-    def _tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
 
     def close(self) -> None:
         for proc in (self.standby, self.serving):

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -39,18 +39,33 @@ def start_daemon(workdir: Path, flags: list[str], timeout: float = 600.0,
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(serve_command(socket, flags, python), stdout=log,
                                 stderr=subprocess.STDOUT)
+    wait_for(proc, lambda: ready_pid(socket) == proc.pid, "ready", log_path, timeout)
+    return proc, socket
+
+
+def ready_pid(socket: Path) -> int | None:
+    """The pid of the daemon answering on `socket` if it says it is ready, else None."""
+    try:
+        body = probe(socket, "health", 1.0).body
+    except EngramError:
+        return None
+    return body.pid if body.ready else None
+
+
+def wait_for(proc: subprocess.Popen, done: Callable[[], bool], what: str, log_path: Path,
+             timeout: float, poll_s: float = 0.1) -> None:
+    """Poll `done()` every `poll_s` until it holds; SystemExit showing the daemon's log if `proc`
+    exits first, or (the daemon killed) if `timeout` passes."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while not done():
         if proc.poll() is not None:
-            raise SystemExit(f"daemon exited with {proc.returncode}:\n{log_path.read_text()}")
-        try:
-            if probe(socket, "health", 1.0).body.ready:
-                return proc, socket
-        except EngramError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    raise SystemExit(f"daemon not ready in {timeout:.0f} s:\n{log_path.read_text()}")
+            raise SystemExit(f"daemon {proc.pid} exited with {proc.returncode} before {what}:\n"
+                             f"{log_path.read_text(errors='replace')}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise SystemExit(f"daemon {proc.pid} not {what} in {timeout:.0f} s:\n"
+                             f"{log_path.read_text(errors='replace')}")
+        time.sleep(poll_s)
 
 
 @contextmanager
