@@ -29,6 +29,7 @@
 # lookup-host (benchmarks/lookup_host.py: host time of one lookup), lookup-host-base (the same of .ab_base, then of this tree).
 # step-text (step-rounds on real-text row IDs: the trace folder .traces travels with the run),
 # standby-64-huge (benchmarks/standby_takeover.py: restart to ready, plain against a standby, 64 GiB on hugetlbfs),
+# standby-64-shm (the same on /dev/shm), tests-standby (tests/gpu/test_standby_gpu.py: a standby's pins across a reload and a takeover),
 # start-costs (torch's import and CUDA start, EAGER against LAZY, with and without a CUDA context
 # made first, as the daemon's preload does; the daemon's imports by cumulative time).
 # Logs and results are packed into OUT/results.tgz (one file); each phase's exit code is
@@ -252,6 +253,11 @@ phase_standby_64_huge() {  # restart to ready at 64 GiB on hugetlbfs: plain agai
   on_hugetlbfs standby_64_huge 14 sh -c 'python3 benchmarks/standby_takeover.py --backend cuda \
     --table-gib 64 --restarts 2 --shm-root "$HUGE" --out "$0"' "$out/standby_64_huge"
 }
+phase_standby_64_shm() {  # the same on /dev/shm, where pinning is ~3x slower than on hugetlbfs
+  python3 benchmarks/standby_takeover.py --backend cuda --table-gib 64 --restarts 2 \
+    --out "$out/standby_64_shm" 2>&1 | tee "$out/standby_64_shm.log" | tail -14
+}
+phase_tests_standby() { python3 -m pytest tests/gpu/test_standby_gpu.py -q 2>&1 | tee "$out/gpu_tests_standby.log"; }
 phase_start_costs() {  # what a daemon's start pays for torch: import, then CUDA, by loading mode
   local mode order
   for mode in EAGER LAZY; do

@@ -11,12 +11,14 @@ or kill; kill is a crash, SIGKILL):
   plain    the daemon is ended; a new `engramd serve` is started on the same socket and tables
            (what systemd's Restart= does); timed from the end to the new daemon's ready
   standby  an `engramd serve --standby` on the same socket has done its imports (and its CUDA
-           start) and waits for the lock; the daemon is ended; timed from the end to the
-           standby's ready (it then serves, and the next standby is started for the next round)
+           start), has mapped (and pinned) the tables ahead and waits for the lock; the daemon
+           is ended; timed from the end to the standby's ready (it then serves, and the next
+           standby is started for the next round)
 
 "ready" is the first `health` answer with ready true from a daemon of another pid, polled every
-10 ms. Reported per restart: end -> exited (SIGTERM's drain; 0 for kill), end -> ready; and the
-median of each way. Writes DIR/standby_takeover.json and .md (printed last).
+10 ms. Reported per restart: end -> exited (SIGTERM's drain; 0 for kill), end -> ready; for a
+standby, how long it took to map (and pin) the tables ahead and whether the takeover adopted
+them (its log); and the median of each way. Writes DIR/standby_takeover.json and .md (printed last).
 
 What it is not: a client's view (clients re-register with backoff: client/rejoin.py; mapped
 clients do not wait at all, benchmarks/mapped_attach.py), nor a load from a checkpoint (the tables
@@ -26,6 +28,7 @@ are re-attached every time).
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import signal
 import subprocess
@@ -54,6 +57,9 @@ START_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 60.0
 WAYS = ("plain", "standby")
 JSON_NAME, MD_NAME = "standby_takeover.json", "standby_takeover.md"
+AHEAD = re.compile(r"standby: tables \S+ \(.*?\) mapped(?: and pinned)? ahead in ([0-9.]+) s")
+ADOPTED = "mapped ahead by the standby"  # the store's re-attach log line of an adopted table
+PINNED_AGAIN = "of host tables in"  # pin_tables' log line: the takeover pinned the tables itself
 
 
 class Node:
@@ -75,18 +81,20 @@ class Node:
         self.serving = self.spawn()
         self.wait_ready(self.serving)
 
-    def stand_by(self) -> None:
-        """A standby, returned once it says it waits (its imports and CUDA done)."""
+    def stand_by(self) -> float:
+        """A standby, returned once it says it waits with the tables ready (its imports, CUDA
+        start and tables done): seconds it took to map (and pin) the tables ahead."""
         offset = self.log_path.stat().st_size
         self.standby = self.spawn("--standby")
-        self._wait(lambda: f"(served by pid {self.serving.pid})" in self._log_since(offset),
-                   self.standby, "standing by")
+        self._wait(lambda: f"(served by pid {self.serving.pid})" in self._log_since(offset)
+                   and AHEAD.search(self._log_since(offset)), self.standby, "standing by")
+        return float(AHEAD.search(self._log_since(offset))[1])
 
     def restart(self, way: str, end: str) -> dict[str, float]:
         """End the serving daemon; the way's successor serves. Seconds from the end."""
         old = self.serving
-        if way == "standby" and self.standby is None:
-            self.stand_by()
+        ahead = {"ahead_s": round(self.stand_by(), 3)} if way == "standby" else {}
+        offset = self.log_path.stat().st_size
         started = time.perf_counter()
         old.send_signal(signal.SIGKILL if end == "kill" else signal.SIGTERM)
         code = old.wait(STOP_TIMEOUT_S)
@@ -99,7 +107,10 @@ class Node:
         self.wait_ready(successor)
         ready = time.perf_counter() - started
         self.serving = successor
-        return {"exited_s": round(exited, 3), "ready_s": round(ready, 3)}
+        if way == "standby":
+            text = self._log_since(offset)
+            ahead["adopted"] = ADOPTED in text and PINNED_AGAIN not in text
+        return {"exited_s": round(exited, 3), "ready_s": round(ready, 3), **ahead}
 
     def wait_ready(self, proc: subprocess.Popen) -> None:
         self._wait(lambda: ready_pid(self.socket) == proc.pid, proc, "ready")
@@ -153,9 +164,11 @@ def markdown(report: dict[str, Any]) -> str:
              f"{meta['backend']} backend, {meta['table_gib']} GiB of tables in {meta['shm_root']} "
              f"(re-attached every time), the daemon ended by {meta['end']}. Command: "
              f"`{meta['command']}`.", "",
-             "| way | repeat | end -> exited, s | end -> ready, s |", "|---|---:|---:|---:|"]
+             "| way | repeat | end -> exited, s | end -> ready, s | standby: tables ahead, s "
+             "| standby: adopted |", "|---|---:|---:|---:|---:|---|"]
     for r in report["restarts"]:
-        lines.append(f"| {r['way']} | {r['repeat']} | {r['exited_s']:.3f} | {r['ready_s']:.3f} |")
+        ahead = f"{r['ahead_s']:.2f} | {'yes' if r['adopted'] else 'no'}" if "ahead_s" in r else "- | -"
+        lines.append(f"| {r['way']} | {r['repeat']} | {r['exited_s']:.3f} | {r['ready_s']:.3f} | {ahead} |")
     lines += ["", "Median end -> ready: " + ", ".join(
         f"{way} {s:.3f} s" for way, s in report["median_ready_s"].items()) + "."]
     return "\n".join(lines) + "\n"

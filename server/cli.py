@@ -64,21 +64,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     # The lock, then the tables' first stage (map, pin) on a thread, then the heavy imports:
     # pinning tables already in shared memory overlaps importing torch (table_loader.py). A
-    # standby has done the imports before it waited for the lock.
+    # standby has done the imports, and mapped and pinned the tables, before it took the lock.
     lock = SocketLock(config.socket_path)
     try:
         prepare_runtime_dir(config.runtime_dir)
+        prepared = None
         if args.standby:  # imports and CUDA first, then wait for the serving daemon to go
             from engramd.server.standby import wait_as_standby
 
-            wait_as_standby(config, lock)
+            prepared = wait_as_standby(config, lock)
         else:
             lock.acquire()
     except DaemonHalt as halt:
         log = logging.getLogger("engramd.daemon")
         (log.info if halt.status == EXIT_OK else log.error)("%s", halt.reason)
         return halt.status
-    preload = TablePreload.start(config)
+    preload = TablePreload.start(config, prepared)
     started = time.monotonic()
     from engramd.server.daemon import run_daemon
 

@@ -23,6 +23,9 @@ incomplete and removes.
 Names: `{shm_dir}/engramd.{instance}.L{layer_id}.{fingerprint}.tbl`. The flock on
 `{lock_dir}/engramd.{instance}.lock` lets one live store per instance exist; only that store
 creates, re-attaches or removes the instance's files, and it never touches another instance's.
+One exception reads them without the lock: a standby daemon maps complete files ahead of its
+takeover (`attach_complete`, server/standby_tables.py), and the store it opens once it holds the
+lock adopts those mappings only after checking them again (`open(adopt=...)`).
 """
 
 from __future__ import annotations
@@ -295,8 +298,10 @@ def sampled_checksum(data: np.ndarray, row_bytes: int, blocks: int, block_bytes:
 class HostTable:
     """One layer's table, mapped MAP_SHARED from its file. Call close() when done with it."""
 
-    def __init__(self, mapping: mmap.mmap, path: Path, layout: _Layout, reattached: bool):
+    def __init__(self, mapping: mmap.mmap, path: Path, layout: _Layout, reattached: bool,
+                 identity: tuple[int, int] | None = None):
         self.path = path
+        self.identity = identity  # (st_dev, st_ino) of the file a re-attach mapped
         self.layer_index = layout.layer_index
         self.layer_id = layout.layer_id
         self.rows = layout.rows
@@ -402,17 +407,22 @@ class TableStore:
         self.close()
 
     def table_path(self, layer_id: int, fingerprint: str) -> Path:
-        return self.shm_dir / f"engramd.{self.instance}.L{layer_id}.{fingerprint}.tbl"
+        return self.shm_dir / table_file_name(self.instance, layer_id, fingerprint)
 
     def open(self, source: TableSource, progress: ProgressFn | None = None,
-             chunk_bytes: int = DEFAULT_CHUNK_BYTES, verify: bool = False) -> list[HostTable]:
+             chunk_bytes: int = DEFAULT_CHUNK_BYTES, verify: bool = False,
+             adopt: list[HostTable] | None = None) -> list[HostTable]:
         """Re-attach complete matching files, remove stale ones, load the rest from `source`.
         With `verify`, every row of a re-attached file is compared with `source` first, and a
-        file that differs anywhere is removed and loaded again."""
+        file that differs anywhere is removed and loaded again. `adopt`: tables mapped ahead
+        (attach_complete); one whose file is still the one at its path and passes the re-attach
+        checks is taken as it is mapped, instead of mapping the file again. The caller keeps
+        those it gets back that were not taken, and they stay its own if open() raises."""
         self._require_lock()
         if self.tables:
             raise TableStoreError(f"{self.lock_path}: tables are already open; close() first")
-        self.tables = self._open_version(source, progress, chunk_bytes, verify, keep=None)
+        self.tables = self._open_version(source, progress, chunk_bytes, verify, keep=None,
+                                         adopt=adopt or [])
         self._fingerprint = source.fingerprint()
         return list(self.tables)
 
@@ -438,7 +448,8 @@ class TableStore:
 
         fingerprint = source.fingerprint()
         try:
-            self._next = self._open_version(source, checked, chunk_bytes, verify, keep=self._fingerprint)
+            self._next = self._open_version(source, checked, chunk_bytes, verify,
+                                            keep=self._fingerprint, adopt=[])
         except BaseException:  # the layers it completed hold shared memory for nothing
             for path, _, found in self._own_files():
                 if found == fingerprint:
@@ -491,7 +502,7 @@ class TableStore:
         return thread
 
     def _open_version(self, source: TableSource, progress: ProgressFn | None, chunk_bytes: int,
-                      verify: bool, keep: str | None) -> list[HostTable]:
+                      verify: bool, keep: str | None, adopt: list[HostTable]) -> list[HostTable]:
         """The tables of `source`, sorted by layer; every other file of this instance but those
         of fingerprint `keep` removed."""
         geometry = source.geometry
@@ -504,7 +515,7 @@ class TableStore:
         try:
             missing = []
             for layout in layouts:
-                table = self._try_attach(layout, fingerprint, progress)
+                table = self._try_attach(layout, fingerprint, progress, adopt)
                 if table is not None and verify:
                     table = self._verified(table, source, chunk_bytes)
                 if table is None:
@@ -516,7 +527,8 @@ class TableStore:
                 opened.append(self._create(source, layout, fingerprint, progress, chunk_bytes))
         except BaseException:
             for table in opened:
-                _close_quietly(table)
+                if not any(table is a for a in adopt):  # those are the caller's (maybe pinned)
+                    _close_quietly(table)
             raise
         return sorted(opened, key=lambda t: t.layer_index)
 
@@ -574,20 +586,23 @@ class TableStore:
                 reason = "name is not in canonical form"
             self._remove(path, reason)
 
-    def _try_attach(self, layout: _Layout, fingerprint: str,
-                    progress: ProgressFn | None) -> HostTable | None:
+    def _try_attach(self, layout: _Layout, fingerprint: str, progress: ProgressFn | None,
+                    adopt: list[HostTable]) -> HostTable | None:
         path = self.table_path(layout.layer_id, fingerprint)
         if not os.path.lexists(path):
             return None
         start = time.perf_counter()
+        table = next((t for t in adopt if t.path == path and _still_valid(t, layout, fingerprint)),
+                     None)
         try:
-            table = _attach(path, layout, fingerprint)
+            table = table or _attach(path, layout, fingerprint)
         except _InvalidFile as exc:
             self._remove(path, str(exc))
             return None
         seconds = time.perf_counter() - start
-        logger.info("L%d (layer %d): re-attached %s, %s, verified in %.3f s",
-                    layout.layer_id, layout.layer_index, path, size(layout.nbytes), seconds)
+        logger.info("L%d (layer %d): re-attached %s, %s, verified in %.3f s%s",
+                    layout.layer_id, layout.layer_index, path, size(layout.nbytes), seconds,
+                    " (mapped ahead by the standby)" if any(table is a for a in adopt) else "")
         if progress is not None:
             progress(LoadProgress(layout.layer_index, layout.nbytes, layout.nbytes, seconds,
                                   reattached=True))
@@ -670,26 +685,93 @@ def _close_quietly(table: HostTable) -> None:
         logger.warning("%s (it is unmapped once the last view goes)", exc)
 
 
+def table_file_name(instance: str, layer_id: int, fingerprint: str) -> str:
+    return f"engramd.{instance}.L{layer_id}.{fingerprint}.tbl"
+
+
+def attach_complete(shm_dir: Path, instance: str, source: TableSource) -> list[HostTable] | None:
+    """Every layer table of `source` mapped from its complete file in `shm_dir`, checked as a
+    re-attach checks it, without the instance's lock: a standby's preparation while another
+    daemon holds the store. It only reads (nothing is created, written or removed); None while
+    any file is missing or not valid (yet: another daemon may still be loading it)."""
+    geometry = source.geometry
+    fingerprint = _check_fingerprint(source.fingerprint())
+    align = _alignment(os.statvfs(shm_dir))
+    tables: list[HostTable] = []
+    try:
+        for index in range(geometry.n_layers):
+            layout = _layout(geometry, index, align)
+            path = shm_dir / table_file_name(_check_instance(instance), layout.layer_id, fingerprint)
+            tables.append(_attach(path, layout, fingerprint))
+    except _InvalidFile:
+        for table in tables:
+            _close_quietly(table)
+        return None
+    return tables
+
+
+def still_in_place(table: HostTable) -> bool:
+    """Whether the file `table` maps is still the one at its path (not removed, not replaced)."""
+    try:
+        st = os.stat(table.path, follow_symlinks=False)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == table.identity
+
+
 def _attach(path: Path, layout: _Layout, fingerprint: str) -> HostTable:
     """Map a complete file after validating owner, mode, header, size and sampled checksum."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        raise _InvalidFile(f"cannot open: {exc.strerror}") from exc
+    fd = _open_table_file(path)
     try:
         header = _read_header(fd, layout, fingerprint)
+        st = os.fstat(fd)
         # Mapping past the end of a file and touching it raises SIGBUS, so sizes come first.
         mapping = _map_writable(fd, layout.file_size)
     finally:
         os.close(fd)
-    table = HostTable(mapping, path, layout, reattached=True)
-    checksum = sampled_checksum(table.array, layout.row_bytes, header.sample_blocks,
+    table = HostTable(mapping, path, layout, reattached=True, identity=(st.st_dev, st.st_ino))
+    try:
+        _check_rows(table, header)
+    except _InvalidFile:
+        table.close()
+        raise
+    return table
+
+
+def _still_valid(table: HostTable, layout: _Layout, fingerprint: str) -> bool:
+    """Whether a table mapped earlier (attach_complete) passes _attach's checks now, the file at
+    its path being the very one it maps."""
+    if table.closed or (table.layer_index, table.rows, table.row_bytes, table.data_offset) != (
+            layout.layer_index, layout.rows, layout.row_bytes, layout.data_offset):
+        return False
+    try:
+        fd = _open_table_file(table.path)
+        try:
+            header = _read_header(fd, layout, fingerprint)
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+        if (st.st_dev, st.st_ino) != table.identity:
+            return False
+        _check_rows(table, header)
+    except _InvalidFile:
+        return False
+    return True
+
+
+def _open_table_file(path: Path) -> int:
+    try:
+        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise _InvalidFile(f"cannot open: {exc.strerror}") from exc
+
+
+def _check_rows(table: HostTable, header: _Header) -> None:
+    checksum = sampled_checksum(table.array, table.row_bytes, header.sample_blocks,
                                 header.sample_block_bytes)
     if checksum != header.checksum:
-        table.close()
         raise _InvalidFile(f"sampled checksum {checksum:#010x}, header says "
                            f"{header.checksum:#010x} (data changed after loading)")
-    return table
 
 
 def _read_header(fd: int, layout: _Layout, fingerprint: str) -> _Header:

@@ -3,15 +3,19 @@
 Most of a restart goes on costs that do not depend on the tables: importing the daemon (torch:
 3.1-5.7 s on the H200) and, on GPUs, torch's CUDA start with its kernels loaded eagerly (2.2-3.3
 s; benchmarks/results/h200/start_costs.log). A standby pays them first, then waits for the
-socket's lock. When the serving daemon exits or dies (the kernel frees its lock), the standby
-takes the socket and goes on as any daemon starts from there: it re-attaches and pins the tables,
-warms its gather kernels and serves. Before it holds the lock it touches no table and binds
-nothing, so it cannot disturb the daemon it stands by for.
+socket's lock. While it waits it also maps and pins the tables it will serve, and keeps them
+current across the serving daemon's reloads (server/standby_tables.py): the other cost of a
+restart that grows with the tables. When the serving daemon exits or dies (the kernel frees its
+lock), the standby takes the socket and goes on as any daemon starts from there: it re-attaches
+the tables (adopting its own mappings and pins after checking them again), warms its gather
+kernels and serves. Before it holds the lock it binds nothing and writes, creates or removes no
+file, so it cannot disturb the daemon it stands by for.
 
 An upgrade: start the new version with --standby, then stop the old one (SIGTERM).
 
 What it is not: a second server. While it waits it answers nothing (`engramd health` reaches the
-serving daemon); it holds a CUDA context on every GPU it will serve.
+serving daemon); it holds a CUDA context on every GPU it will serve, and page tables and pins of
+the tables' shared memory (no second copy of it).
 """
 
 from __future__ import annotations
@@ -22,22 +26,30 @@ import threading
 import time
 
 from engramd.server.config import DaemonConfig
+from engramd.server.standby_tables import PreparedTables, TableWatch
 from engramd.server.startup import SocketLock
 from engramd.server.table_loader import choose_backend_name
 
 log = logging.getLogger("engramd.daemon")
 
 
-def wait_as_standby(config: DaemonConfig, lock: SocketLock) -> None:
-    """Start ahead, then take `lock` once it is free; DaemonHalt(EXIT_OK) if stopped first."""
+def wait_as_standby(config: DaemonConfig, lock: SocketLock) -> PreparedTables | None:
+    """Start ahead, then take `lock` once it is free; DaemonHalt(EXIT_OK) if stopped first.
+    Returns the tables prepared meanwhile (server/standby_tables.py), for the start to adopt."""
     stop = _stop_on_signals()
     seconds, on_gpu = start_ahead(config)
     log.info("standby: daemon modules%s ready in %.2f s", " and CUDA" if on_gpu else "", seconds)
-    lock.acquire(stop, on_held=lambda pid: log.info(
-        "standing by for %s (served by pid %s); SIGTERM ends the wait", config.socket_path, pid))
+    watch = TableWatch.start(config)
+    try:
+        lock.acquire(stop, on_held=lambda pid: log.info(
+            "standing by for %s (served by pid %s); SIGTERM ends the wait", config.socket_path, pid))
+    except BaseException:
+        watch.close()
+        raise
     for signum in (signal.SIGTERM, signal.SIGINT):  # the daemon installs its own as it starts
         signal.signal(signum, signal.SIG_DFL)
     log.info("standby: holding the lock of %s now; starting", config.socket_path)
+    return watch.hand_over()
 
 
 def start_ahead(config: DaemonConfig) -> tuple[float, bool]:

@@ -32,6 +32,7 @@ from engramd.server.synthetic import write_synthetic_checkpoint
 
 if TYPE_CHECKING:
     from engramd.server.backend import Backend
+    from engramd.server.standby_tables import PreparedTables
 
 log = logging.getLogger("engramd.tables")
 
@@ -220,30 +221,61 @@ def build_backend(config: DaemonConfig, opened: OpenTables) -> Backend:
 LOAD_DELAY_ENV = "ENGRAMD_DEBUG_LOAD_DELAY_S"
 
 
-def open_tables(config: DaemonConfig, progress: Callable[[float], None]) -> OpenTables:
-    """The first stage (no torch): the device checked, the host tables mapped, pinned for cuda."""
-    delay = float(os.environ.get(LOAD_DELAY_ENV, "0") or 0)
-    if delay > 0:
-        log.warning("%s=%s: stalling before the load", LOAD_DELAY_ENV, delay)
-        time.sleep(delay)
-    check_device_backend(config.backend)  # before gigabytes go into shared memory for nothing
-    backend_name = choose_backend_name(config.backend)
-    checkpoint = resolve_checkpoint(config)
+def open_tables(config: DaemonConfig, progress: Callable[[float], None],
+                prepared: PreparedTables | None = None) -> OpenTables:
+    """The first stage (no torch): the device checked, the host tables mapped, pinned for cuda.
+    `prepared`: a standby's tables, adopted where they are still the ones to serve (and then
+    their registration too, if it covers every table); the rest of them closed."""
+    try:
+        delay = float(os.environ.get(LOAD_DELAY_ENV, "0") or 0)
+        if delay > 0:
+            log.warning("%s=%s: stalling before the load", LOAD_DELAY_ENV, delay)
+            time.sleep(delay)
+        check_device_backend(config.backend)  # before gigabytes go into shared memory for nothing
+        backend_name = choose_backend_name(config.backend)
+        checkpoint = resolve_checkpoint(config)
+        store = TableStore(tables_folder(config.shm_dir, config.instance), config.instance)
+    except BaseException:
+        if prepared is not None:
+            prepared.close()
+        raise
     total = checkpoint.geometry.total_bytes
     on_progress = overall_progress(total, progress)
-    store = TableStore(tables_folder(config.shm_dir, config.instance), config.instance)
     started = time.monotonic()
     try:
-        tables = store.open(checkpoint, progress=on_progress, verify=config.verify_tables)
+        tables = store.open(checkpoint, progress=on_progress, verify=config.verify_tables,
+                            adopt=prepared.tables if prepared is not None else None)
         reattached = all(t.reattached for t in tables)
         seconds = time.monotonic() - started
         log.info("tables %s in %.2f s (%.2f GB/s)", "re-attached" if reattached else "loaded",
                  seconds, total / 1e9 / max(seconds, 1e-9))
-        registration = pin_for_backend(backend_name, tables)
+        registration = adopted_registration(prepared, tables, backend_name)
+        prepared = None  # closed or taken: the store owns its tables, the backend the registration
+        if registration is None:
+            registration = pin_for_backend(backend_name, tables)
     except BaseException:
+        if prepared is not None:  # before the store unmaps adopted tables: unpin them first
+            prepared.close()
         store.close()
         raise
     return OpenTables(checkpoint, store, tables, reattached, backend_name, registration)
+
+
+def adopted_registration(prepared: PreparedTables | None, tables: list[HostTable],
+                         backend_name: str) -> Any:
+    """The prepared registration when the store adopted every prepared table and they are all
+    of `tables` (cuda); otherwise None, with the registration closed and the prepared tables
+    the store did not take unmapped."""
+    if prepared is None:
+        return None
+    every = len(tables) == len(prepared.tables) and all(
+        any(t is p for p in prepared.tables) for t in tables)
+    if every and backend_name == "cuda" and prepared.registration is not None:
+        log.info("tables pinned ahead by the standby")
+        registration, prepared.registration, prepared.tables = prepared.registration, None, []
+        return registration
+    prepared.close(keep=tables)
+    return None
 
 
 def load_tables(config: DaemonConfig, progress: Callable[[float], None],
@@ -275,8 +307,9 @@ class TablePreload:
     The daemon's loader takes the result with take(); progress goes to whoever listens by then
     (listen()). A preload nobody takes (the daemon stopped first) closes what it opened."""
 
-    def __init__(self, config: DaemonConfig):
+    def __init__(self, config: DaemonConfig, prepared: PreparedTables | None = None):
         self._config = config
+        self._prepared = prepared
         self._lock = threading.Lock()
         self._progress = 0.0
         self._listener: Callable[[float], None] | None = None
@@ -286,14 +319,15 @@ class TablePreload:
         self._thread = threading.Thread(target=self._run, name="engramd-preload", daemon=True)
 
     @classmethod
-    def start(cls, config: DaemonConfig) -> TablePreload:
-        preload = cls(config)
+    def start(cls, config: DaemonConfig, prepared: PreparedTables | None = None) -> TablePreload:
+        """`prepared`: a standby's tables, for open_tables to adopt."""
+        preload = cls(config, prepared)
         preload._thread.start()
         return preload
 
     def _run(self) -> None:
         try:
-            opened = open_tables(self._config, self._on_progress)
+            opened = open_tables(self._config, self._on_progress, self._prepared)
         except BaseException as exc:
             self._error = exc
             return

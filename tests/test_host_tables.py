@@ -27,7 +27,9 @@ from engramd.server.host_tables import (
     StoreLockedError,
     TableStore,
     TableStoreError,
+    attach_complete,
     sample_ranges,
+    still_in_place,
 )
 
 SMALL = {
@@ -555,3 +557,69 @@ def test_a_cancelled_or_abandoned_reload_leaves_only_the_served_tables(shm: Path
             store.switch()
     with TableStore(shm, "test") as store, pytest.raises(TableStoreError, match="open\\(\\) first"):
         store.open_next(OtherSource(geometry))
+
+
+def test_tables_are_mapped_ahead_only_from_complete_files_and_nothing_is_removed(shm: Path):
+    """attach_complete, a standby's preparation: no lock taken, nothing created or removed."""
+    geometry = small_geometry()
+    assert attach_complete(shm, "test", FakeSource(geometry)) is None  # nothing loaded yet
+    with TableStore(shm, "test") as store:  # another daemon holds the lock and serves
+        store.open(FakeSource(geometry), chunk_bytes=CHUNK)
+        ahead = attach_complete(shm, "test", FakeSource(geometry))
+        assert ahead is not None
+        check_tables(ahead, geometry)
+        assert [t.identity for t in ahead] == [
+            (os.stat(t.path).st_dev, os.stat(t.path).st_ino) for t in ahead]
+        assert all(still_in_place(t) for t in ahead)
+        for table in ahead:
+            table.close()
+        assert attach_complete(shm, "test", FakeSource(geometry, fingerprint="0dd")) is None
+    files = table_files(shm)
+    victim = shm / "engramd.test.L14.00c0ffee.tbl"
+    size = victim.stat().st_size
+    victim.unlink()
+    victim.write_bytes(bytes(size))  # what a load in progress looks like: no complete header
+    assert attach_complete(shm, "test", FakeSource(geometry)) is None
+    assert table_files(shm) == files  # left for the store that holds the lock to judge
+
+
+def replace_file(path: Path, change_at: int | None = None) -> None:
+    """The same bytes (one of them flipped at `change_at`) in a new file at `path`, as the
+    store writes them: a new inode."""
+    data = bytearray(path.read_bytes())
+    if change_at is not None:
+        data[change_at] ^= 0xFF
+    path.unlink()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, host_tables.FILE_MODE)
+    try:
+        os.write(fd, bytes(data))
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("change", ["none", "file replaced", "rows changed in place"])
+def test_the_store_adopts_tables_mapped_ahead_only_while_they_pass_the_checks(shm: Path, caplog, change):
+    geometry = small_geometry()
+    load(shm, FakeSource(geometry))
+    ahead = attach_complete(shm, "test", FakeSource(geometry))
+    second = ahead[1]
+    if change == "file replaced":  # the same rows, but not the file mapped ahead
+        replace_file(second.path)
+        assert not still_in_place(second) and still_in_place(ahead[0])
+    elif change == "rows changed in place":  # the mapping ahead sees it too; the checksum tells
+        corrupt(second.path, second.data_offset + second.nbytes // 2 + 3)
+    source = FakeSource(geometry)
+    with caplog.at_level(logging.INFO, logger="engramd.tables"):
+        with TableStore(shm, "test") as store:
+            tables = store.open(source, chunk_bytes=CHUNK, adopt=ahead)
+            check_tables(tables, geometry)
+            assert tables[0] is ahead[0]
+            assert (tables[1] is second) == (change == "none")
+            assert [t.reattached for t in tables] == [True, change != "rows changed in place"]
+            assert {c[0] for c in source.calls} == ({1} if change == "rows changed in place" else set())
+        assert all(t.closed for t in tables)  # the store closes what it took
+    adopted = [m for m in caplog.messages if "mapped ahead by the standby" in m]
+    assert len(adopted) == (2 if change == "none" else 1)
+    if change != "none":
+        assert not second.closed  # not taken: still the caller's to close
+        second.close()

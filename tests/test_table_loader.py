@@ -96,9 +96,9 @@ def test_an_abandoned_preload_closes_its_tables_before_and_after_it_is_done(demo
     closed = []
     real_open = table_loader.open_tables
 
-    def slow_open(config, progress):
+    def slow_open(config, progress, prepared=None):
         time.sleep(0.3)  # still running when abandoned
-        result = real_open(config, progress)
+        result = real_open(config, progress, prepared)
         real_close = result.close
         result.close = lambda: (closed.append(True), real_close())
         return result

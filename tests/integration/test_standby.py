@@ -1,11 +1,13 @@
 """A standby daemon (`engramd serve --standby`, server/standby.py) beside a serving one: two real
 daemon processes on one socket and one shm folder, and a client process's view of the handover.
 
-Covered: while it waits, the standby binds nothing and maps no table, and the serving daemon goes
-on as before; when that one dies (kill -9) or stops (SIGTERM, the upgrade path), the standby
-takes the socket, re-attaches the same tables and serves exact rows to the client, which
-re-registers by itself; a standby stopped while it waits exits 0, and SIGHUP (a reload, meant for
-the serving daemon) does not end it.
+Covered: while it waits, the standby binds nothing and maps the tables ahead (server/
+standby_tables.py) without changing a file, and the serving daemon goes on as before; when that
+one dies (kill -9) or stops (SIGTERM, the upgrade path), the standby takes the socket, adopts
+the tables it mapped (the same files) and serves exact rows to the client, which re-registers by
+itself; a reload of the serving daemon makes the standby let go of the old tables and map the
+new ones, which it then serves; a standby stopped while it waits exits 0, and SIGHUP (a reload,
+meant for the serving daemon) does not end it.
 """
 
 from __future__ import annotations
@@ -16,14 +18,18 @@ import signal
 import numpy as np
 import pytest
 import torch
-from conftest import wait_until
+from conftest import point, reload, wait_until
 from reference import random_ids
 from test_daemon_lookups import assert_rows_equal
 from test_reload import mapped_names, table_files
 
 from engramd.client import EngramClient
+from engramd.server.standby_tables import WATCH_S
 
 STANDING_BY_S = 120.0  # its imports on a loaded CI machine; the wait needs no more
+# A replaced table is let go of at the standby's next look (WATCH_S); the margin is for a
+# loaded CI machine.
+LET_GO_S = 40 * WATCH_S
 
 
 def standby_for(daemon_factory, serving):
@@ -40,18 +46,30 @@ def rows_of(client: EngramClient, ids: np.ndarray) -> np.ndarray:
     return client.lookup(torch.from_numpy(ids)).result().double().numpy()
 
 
+def inodes(daemon) -> dict[str, int]:
+    return {path.name: path.stat().st_ino for path in daemon.tables_dir.glob("*.tbl")}
+
+
+def maps_exactly(standby, files: set[str]) -> bool:
+    """Whether the standby maps `files` and no other table file of the instance."""
+    return {n for n in mapped_names(standby.proc.pid) if n.endswith(".tbl")} == files
+
+
 @pytest.mark.parametrize("end", ["kill", "sigterm"])
 def test_a_standby_takes_over_when_the_serving_daemon_goes(daemon_factory, reference, end):
     serving = daemon_factory()
     ids = random_ids(np.random.default_rng(12), 24, reference.rows, reference.heads)
     with EngramClient(serving.socket, max_tokens=32, reconnect_timeout=60) as client:
         assert_rows_equal(rows_of(client, ids), reference.expected(ids), "before the standby")
-        files = {path.name: path.stat().st_ino for path in serving.tables_dir.glob("*.tbl")}
+        files = inodes(serving)
         standby = standby_for(daemon_factory, serving)
-        # Waiting: nothing bound, no table mapped, the serving daemon untouched.
+        # Waiting: nothing bound, the tables mapped ahead, no file changed, the serving daemon
+        # untouched.
+        wait_until(lambda: maps_exactly(standby, set(files)), timeout=LET_GO_S)
+        assert "mapped ahead" in standby.log()
         assert serving.health()["pid"] == serving.proc.pid
         assert "listening" not in standby.log()
-        assert not mapped_names(standby.proc.pid) & table_files(serving)
+        assert inodes(serving) == files
         assert_rows_equal(rows_of(client, ids), reference.expected(ids), "beside the standby")
         epoch = client.epoch
         if end == "kill":
@@ -61,8 +79,8 @@ def test_a_standby_takes_over_when_the_serving_daemon_goes(daemon_factory, refer
             assert serving.stop() == 0
         standby.wait_ready()
         assert standby.health()["pid"] == standby.proc.pid
-        assert "re-attached" in standby.log(), "the tables were loaded again"
-        assert {path.name: path.stat().st_ino for path in serving.tables_dir.glob("*.tbl")} == files
+        assert standby.log().count("mapped ahead by the standby") == len(files), standby.log()
+        assert inodes(serving) == files
         assert_rows_equal(rows_of(client, ids), reference.expected(ids), "after the takeover")
         assert client.epoch != epoch
     assert standby.stop() == 0, standby.log()
@@ -76,3 +94,34 @@ def test_a_standby_stopped_while_it_waits_exits_zero_and_sighup_does_not_end_it(
     assert "stopped while standing by" in standby.log()
     assert serving.health()["ready"] and serving.health()["pid"] == serving.proc.pid
     assert serving.stop() == 0
+
+
+def test_a_standby_follows_a_reload_and_serves_the_new_tables(
+        daemon_factory, demo_checkpoint, reference, second_checkpoint, second_reference, tmp_path):
+    current = tmp_path / "current"
+    point(current, demo_checkpoint)
+    serving = daemon_factory(tables=current)
+    old = set(table_files(serving))
+    standby = daemon_factory(tables=current, shm_dir=serving.shm_dir,
+                             extra=["--standby", "--socket", str(serving.socket)], start=False)
+    standby.socket = serving.socket
+    standby.start()
+    wait_until(lambda: maps_exactly(standby, old), timeout=STANDING_BY_S)
+    point(current, second_checkpoint)
+    status = reload(serving)
+    assert (status["exit"], status["state"]) == (0, "done"), status
+    new = set(table_files(serving))
+    assert new and not new & old
+    # The old files are gone from the folder; their memory goes once the standby lets go too.
+    wait_until(lambda: maps_exactly(standby, new), timeout=LET_GO_S)
+    assert "letting go of tables" in standby.log()
+    ids = random_ids(np.random.default_rng(13), 24, reference.rows, reference.heads)
+    serving.proc.kill()
+    serving.proc.wait()
+    standby.wait_ready()
+    assert standby.log().count("mapped ahead by the standby") == len(new), standby.log()
+    assert set(table_files(serving)) == new
+    with EngramClient(standby.socket, max_tokens=32) as client:
+        assert client.tables_id == status["tables"]
+        assert_rows_equal(rows_of(client, ids), second_reference.expected(ids), "after the takeover")
+    assert standby.stop() == 0, standby.log()

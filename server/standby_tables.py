@@ -1,0 +1,147 @@
+"""The tables a standby keeps ready for its takeover: mapped, checked and pinned while it waits.
+
+After torch, pinning is the largest part of a restart that grows with the tables: 5.4-5.7 s for
+64 GiB on /dev/shm, 1.6-1.9 s on hugetlbfs, on the H200 (benchmarks/results/h200/README.md),
+and ~3x that for V4.1's 189 GiB. A standby (server/standby.py) pays it while the serving daemon
+still serves: it maps the complete table files of its configured checkpoint as a re-attach
+would and registers them for the GPUs (read-only, beside the serving daemon's registration of
+the same pages). At the takeover the store adopts those mappings once it has checked them again
+(host_tables.TableStore.open), and the registration comes with them; the start then has only
+the backend left to build.
+
+It follows the serving daemon. Every WATCH_S it asks whether its tables are still the ones a
+start would re-attach: the checkpoint's fingerprint unchanged (a reload's new revision is
+deployed at the configured path), every file still in place (a reload's switch removes the old
+ones). When not, it lets go of them at once (a removed file's memory is freed only when its last
+mapping goes) and prepares the new ones as soon as their files are complete.
+
+What it never does: create, write or remove a file, or take the instance's lock. Whatever it
+prepared is checked again by the takeover, so a stale preparation costs only time.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from engramd.server.config import DaemonConfig
+from engramd.server.host_tables import HostTable, attach_complete, still_in_place
+from engramd.server.table_loader import (
+    DeviceBackendError,
+    choose_backend_name,
+    pin_for_backend,
+    resolve_checkpoint,
+    tables_folder_path,
+    unpin_then,
+)
+from engramd.server.units import size
+
+log = logging.getLogger("engramd.daemon")
+
+# How often a standby checks that its prepared tables are still current: also the longest it
+# keeps a replaced table's memory alive after the serving daemon removed its file.
+WATCH_S = 0.5
+
+
+@dataclass
+class PreparedTables:
+    """A checkpoint's tables mapped ahead and, for a cuda backend, pinned."""
+
+    fingerprint: str
+    tables: list[HostTable]
+    registration: Any = None  # HostRegistration over every table (cuda), or None
+
+    def current(self, fingerprint: str | None) -> bool:
+        return fingerprint == self.fingerprint and all(still_in_place(t) for t in self.tables)
+
+    def close(self, keep: list[HostTable] | None = None) -> None:
+        """Unpin, then unmap every table but those in `keep` (a store took them)."""
+        kept = keep or []
+        registration, self.registration = self.registration, None
+        tables, self.tables = self.tables, []
+        unpin_then(registration, lambda: _close_all([t for t in tables if not any(t is k for k in kept)]))
+
+
+def _close_all(tables: list[HostTable]) -> None:
+    for table in tables:
+        try:
+            table.close()
+        except Exception:  # a view still alive keeps it mapped until it goes; nothing to stop for
+            log.warning("standby: %s stays mapped until its last view goes", table.path)
+
+
+class TableWatch:
+    """Keeps a standby's PreparedTables current on a thread of its own until hand_over()."""
+
+    def __init__(self, config: DaemonConfig):
+        self._config = config
+        self._backend = choose_backend_name(config.backend)
+        self._prepared: PreparedTables | None = None
+        self._failed: str | None = None  # a fingerprint whose pin failed: not tried again
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engramd-standby-tables", daemon=True)
+
+    @classmethod
+    def start(cls, config: DaemonConfig) -> TableWatch:
+        watch = cls(config)
+        watch._thread.start()
+        return watch
+
+    def hand_over(self) -> PreparedTables | None:
+        """Stop watching (a preparation under way is finished first) and give up the tables."""
+        self._stop.set()
+        self._thread.join()
+        prepared, self._prepared = self._prepared, None
+        return prepared
+
+    def close(self) -> None:
+        prepared = self.hand_over()
+        if prepared is not None:
+            prepared.close()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._step()
+            except Exception:  # a standby that cannot prepare still takes over, only slower
+                log.exception("standby: preparing the tables failed; the takeover will map them")
+            self._stop.wait(WATCH_S)
+
+    def _step(self) -> None:
+        fingerprint, checkpoint = self._checkpoint()
+        if self._prepared is not None:
+            if self._prepared.current(fingerprint):
+                return
+            log.info("standby: letting go of tables %s (replaced or removed)", self._prepared.fingerprint)
+            prepared, self._prepared = self._prepared, None
+            prepared.close()
+        if checkpoint is None or fingerprint == self._failed:
+            return
+        folder = tables_folder_path(self._config.shm_dir, self._config.instance)
+        started = time.monotonic()
+        tables = attach_complete(folder, self._config.instance, checkpoint) if folder.is_dir() else None
+        if tables is None:
+            return  # not loaded yet, or still loading: looked at again in WATCH_S
+        try:
+            registration = pin_for_backend(self._backend, tables)
+        except DeviceBackendError as exc:
+            self._failed = fingerprint
+            _close_all(tables)
+            log.warning("standby: %s; the takeover will pin the tables itself", exc)
+            return
+        self._prepared = PreparedTables(fingerprint, tables, registration)
+        log.info("standby: tables %s (%s) mapped%s ahead in %.2f s", fingerprint,
+                 size(sum(t.nbytes for t in tables)), " and pinned" if registration else "",
+                 time.monotonic() - started)
+
+    def _checkpoint(self) -> tuple[str | None, Any]:
+        """The configured checkpoint and its fingerprint, or (None, None) while it cannot be
+        opened (it is being replaced, say): the takeover reports why, if it still cannot."""
+        try:
+            checkpoint = resolve_checkpoint(self._config)
+        except Exception:
+            return None, None
+        return checkpoint.fingerprint(), checkpoint
