@@ -149,3 +149,58 @@ def test_pin_parts_cover_every_range_exactly_in_aligned_capped_pieces(monkeypatc
         assert len(pieces) <= parts + len(ranges)
     monkeypatch.setattr(host_pin, "REGISTER_CHUNK", 4 * PART_ALIGN)
     assert max(n for _, n in split_ranges([(base, 64 * PART_ALIGN)], 1)) == 4 * PART_ALIGN
+
+
+class FakeRegistration:
+    """Stands in for a standby's HostRegistration: notes whether its tables were still mapped
+    when it was closed (a pinned range must be unregistered before it is unmapped)."""
+
+    def __init__(self, tables):
+        self.tables = list(tables)
+        self.closed_while_mapped: bool | None = None
+
+    def close(self):
+        self.closed_while_mapped = not any(t.closed for t in self.tables)
+
+
+def prepared_for(config):
+    from engramd.server.host_tables import attach_complete
+    from engramd.server.standby_tables import PreparedTables
+    from engramd.server.table_loader import resolve_checkpoint, tables_folder_path
+
+    checkpoint = resolve_checkpoint(config)
+    tables = attach_complete(tables_folder_path(config.shm_dir, config.instance), config.instance,
+                             checkpoint)
+    assert tables is not None
+    return PreparedTables(checkpoint.fingerprint(), tables, FakeRegistration(tables))
+
+
+def test_a_standbys_tables_are_adopted_and_its_registration_goes_only_with_all_of_them(demo_checkpoint):
+    from engramd.server.table_loader import adopted_registration, open_tables
+
+    config = demo_config(demo_checkpoint)
+    TablePreload.start(config).take().close()  # the files in shared memory, as a daemon left them
+    # A cpu start adopts the tables; their registration is let go of first.
+    prepared = prepared_for(config)
+    ahead, registration = list(prepared.tables), prepared.registration
+    opened = open_tables(config, lambda fraction: None, prepared)
+    try:
+        assert all(t is a for t, a in zip(opened.tables, ahead, strict=True))
+        assert opened.registration is None and registration.closed_while_mapped
+        assert not any(t.closed for t in opened.tables)
+    finally:
+        opened.close()
+    # Every table adopted, cuda: the registration is the backend's to close.
+    prepared = prepared_for(config)
+    tables, registration = list(prepared.tables), prepared.registration
+    assert adopted_registration(prepared, tables, "cuda") is registration
+    assert registration.closed_while_mapped is None and prepared.tables == []
+    for table in tables:
+        table.close()
+    # One table not adopted: unregistered, then that one unmapped; the adopted one kept.
+    prepared = prepared_for(config)
+    kept, dropped = prepared.tables
+    registration = prepared.registration
+    assert adopted_registration(prepared, [kept], "cuda") is None
+    assert registration.closed_while_mapped and dropped.closed and not kept.closed
+    kept.close()
