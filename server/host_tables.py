@@ -517,7 +517,7 @@ class TableStore:
             for layout in layouts:
                 table = self._try_attach(layout, fingerprint, progress, adopt)
                 if table is not None and verify:
-                    table = self._verified(table, source, chunk_bytes)
+                    table = self._verified(table, source, chunk_bytes, owned=not _among(table, adopt))
                 if table is None:
                     missing.append(layout)
                 else:
@@ -527,7 +527,7 @@ class TableStore:
                 opened.append(self._create(source, layout, fingerprint, progress, chunk_bytes))
         except BaseException:
             for table in opened:
-                if not any(table is a for a in adopt):  # those are the caller's (maybe pinned)
+                if not _among(table, adopt):  # those are the caller's (maybe pinned)
                     _close_quietly(table)
             raise
         return sorted(opened, key=lambda t: t.layer_index)
@@ -602,22 +602,26 @@ class TableStore:
         seconds = time.perf_counter() - start
         logger.info("L%d (layer %d): re-attached %s, %s, verified in %.3f s%s",
                     layout.layer_id, layout.layer_index, path, size(layout.nbytes), seconds,
-                    " (mapped ahead by the standby)" if any(table is a for a in adopt) else "")
+                    " (mapped ahead by the standby)" if _among(table, adopt) else "")
         if progress is not None:
             progress(LoadProgress(layout.layer_index, layout.nbytes, layout.nbytes, seconds,
                                   reattached=True))
         return table
 
-    def _verified(self, table: HostTable, source: TableSource, chunk_bytes: int) -> HostTable | None:
-        """`table` if every row equals `source`'s; else None, the file closed and removed."""
+    def _verified(self, table: HostTable, source: TableSource, chunk_bytes: int,
+                  owned: bool) -> HostTable | None:
+        """`table` if every row equals `source`'s; else None, the file removed and the table
+        closed if `owned` (else it is the caller's of open(), who may have pinned it)."""
         start = time.perf_counter()
         try:
             differs_at = _first_difference(table, source, chunk_bytes)
         except BaseException:
-            _close_quietly(table)  # not among the opened tables yet: nobody else would close it
+            if owned:  # not among the opened tables yet: nobody else would close it
+                _close_quietly(table)
             raise
         if differs_at is not None:
-            _close_quietly(table)
+            if owned:
+                _close_quietly(table)
             self._remove(table.path, f"row {differs_at} differs from the checkpoint")
             return None
         logger.info("L%d (layer %d): every row matches the checkpoint (%s verified in %.2f s)",
@@ -675,6 +679,10 @@ def _first_difference(table: HostTable, source: TableSource, chunk_bytes: int) -
         if differs.size:
             return row_start + int(differs[0])
     return None
+
+
+def _among(table: HostTable, tables: list[HostTable]) -> bool:
+    return any(table is t for t in tables)
 
 
 def _close_quietly(table: HostTable) -> None:

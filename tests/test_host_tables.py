@@ -623,3 +623,19 @@ def test_the_store_adopts_tables_mapped_ahead_only_while_they_pass_the_checks(sh
     if change != "none":
         assert not second.closed  # not taken: still the caller's to close
         second.close()
+
+
+def test_a_table_mapped_ahead_that_fails_verify_is_replaced_and_left_to_its_owner(shm: Path):
+    """With `verify`, an adopted table whose rows differ from the checkpoint is removed and
+    loaded again; the mapping made ahead is not closed by the store (its owner may have pinned
+    it, and must unregister it before it is unmapped)."""
+    geometry = small_geometry()
+    load(shm, FakeSource(geometry))
+    ahead = attach_complete(shm, "test", FakeSource(geometry))
+    forge_byte(ahead[1].path, ahead[1].data_offset + 250 * ahead[1].row_bytes + 7)
+    with TableStore(shm, "test") as store:
+        tables = store.open(FakeSource(geometry), chunk_bytes=CHUNK, verify=True, adopt=ahead)
+        check_tables(tables, geometry)
+        assert tables[0] is ahead[0] and tables[1] is not ahead[1] and not tables[1].reattached
+    assert not ahead[1].closed
+    ahead[1].close()
