@@ -30,6 +30,7 @@
 # step-text (step-rounds on real-text row IDs: the trace folder .traces travels with the run),
 # standby-64-huge (benchmarks/standby_takeover.py: restart to ready, plain against a standby, 64 GiB on hugetlbfs),
 # thp-probe (benchmarks/thp_probe.py: pinning /dev/shm pages collapsed into 2 MiB folios),
+# tests-pin-files (pinning through HugeViews: pin, standby, reload GPU tests),
 # standby-64-shm (the same on /dev/shm), tests-standby (tests/gpu/test_standby_gpu.py: a standby's pins across a reload and a takeover),
 # start-costs (torch's import and CUDA start, EAGER against LAZY, with and without a CUDA context
 # made first, as the daemon's preload does; the daemon's imports by cumulative time).
@@ -259,6 +260,10 @@ phase_standby_64_shm() {  # the same on /dev/shm, where pinning is ~3x slower th
     --out "$out/standby_64_shm" 2>&1 | tee "$out/standby_64_shm.log" | tail -14
 }
 phase_thp_probe() { python3 benchmarks/thp_probe.py --gib 16 --out "$out/thp" 2>&1 | tee "$out/thp_probe.log" | tail -12; }
+phase_tests_pin_files() {
+  python3 -m pytest tests/gpu/test_host_pin_gpu.py tests/gpu/test_standby_gpu.py tests/gpu/test_reload_gpu.py \
+    -q --durations=5 2>&1 | tee "$out/gpu_tests_pin_files.log"
+}
 phase_tests_standby() { python3 -m pytest tests/gpu/test_standby_gpu.py -q 2>&1 | tee "$out/gpu_tests_standby.log"; }
 phase_start_costs() {  # what a daemon's start pays for torch: import, then CUDA, by loading mode
   local mode order

@@ -8,15 +8,15 @@ MADV_COLLAPSE (Linux >= 6.1) makes them from a range's pages whatever the THP sy
 (`shmem_enabled` may say never); the collapsed folios stay in the file for every later mapping,
 and another process's MADV_COLLAPSE of a range already made of them only maps them by PMDs. The
 mapping must lie 2 MiB aligned (as file offset 0), which Python's mmap does not do, so the probe
-maps with mmap(2) at an aligned address. Every case runs in a fresh process:
+maps with mmap(2) at an aligned address (client/huge_pages.py). Every case runs in a fresh process:
 
   setup      a --gib file in /dev/shm, filled by pwrite (64 MiB chunks)
   pin_4k     Python's mmap, then HostRegistration read-only (8 parts after a prefault, as the
-             daemon pins today)
-  collapse   an aligned read/write mapping; MADV_COLLAPSE in --workers threads over 2 MiB
-             aligned parts: seconds, GB/s, the ShmemHugePages gained, failures
-  pin_pmd    an aligned read-only mapping; MADV_COLLAPSE (PMD mapping of the folios: timed),
-             then the same HostRegistration
+             tables were pinned before client/huge_pages.py)
+  collapse   huge_pages.collapse_file: an aligned mapping, MADV_COLLAPSE in --workers threads
+             over 2 MiB aligned parts: seconds, GB/s, the ShmemHugePages gained, bytes left small
+  pin_pmd    HostRegistration.of_files (as the daemon and mapped clients pin now): a HugeView
+             (aligned mapping, MADV_COLLAPSE: PMDs over the folios) and the same registration
   held_4k / held_pmd
              pin_4k / pin_pmd while a holder process keeps the file registered (a mapped client
              joining a daemon that pinned it)
@@ -38,7 +38,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -46,42 +45,15 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from common.report import machine, write_report  # noqa: E402
 
-HUGE = 2 << 20
-MADV_COLLAPSE = 25
 CHUNK = 64 << 20
-
-
-def aligned_map(fd: int, size: int, writable: bool) -> int:
-    """`fd` mapped MAP_SHARED from offset 0 at a 2 MiB aligned address (a PROT_NONE (0) reservation
-    made first, then MAP_FIXED into it)."""
-    from engramd.client.libc import MAP_FIXED, mmap_at
-
-    reservation = mmap_at(None, size + HUGE, 0, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1)
-    address = -(-reservation // HUGE) * HUGE
-    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-    return mmap_at(address, size, prot, mmap.MAP_SHARED | MAP_FIXED, fd)
-
-
 _KEEP: list = []  # mappings that live as long as the process
 
 
 def python_map(fd: int, size: int) -> int:
-    """`fd` mapped read-only by Python's mmap, as the daemon and clients map tables today."""
+    """`fd` mapped read-only by Python's mmap, as the tables were pinned before HugeView."""
     mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
     _KEEP.append(mapping)
     return np.frombuffer(mapping, dtype=np.uint8).ctypes.data
-
-
-def collapse(address: int, size: int, workers: int) -> int:
-    """MADV_COLLAPSE over the range in `workers` parts; the number of parts that failed."""
-    from engramd.client.libc import libc
-
-    step = max(HUGE, -(-size // workers) // HUGE * HUGE)
-    parts = [(address + start, min(step, size - start)) for start in range(0, size, step)]
-    with ThreadPoolExecutor(workers) as pool:
-        codes = list(pool.map(lambda p: libc().madvise(ctypes.c_void_p(p[0]), ctypes.c_size_t(p[1]),
-                                                       MADV_COLLAPSE), parts))
-    return sum(1 for code in codes if code != 0)
 
 
 def meminfo(key: str) -> int:
@@ -89,58 +61,62 @@ def meminfo(key: str) -> int:
 
 
 def pmd_mapped(address: int) -> int:
-    """ShmemPmdMapped bytes of the mapping that starts at `address` (this process)."""
+    """ShmemPmdMapped bytes of this process's mapping that starts at `address`."""
     for block in Path("/proc/self/smaps").read_text().split("\n" + format(address, "x") + "-")[1:2]:
         return int(re.search(r"ShmemPmdMapped:\s+(\d+) kB", block)[1]) << 10
     return 0
 
 
 def check_pin(address: int, path: str, size: int) -> bool:
+    """The first and last 4 KiB read through the device from `address` equal the file's."""
     from cuda.bindings import runtime as rt
 
     ok = True
+    fd = os.open(path, os.O_RDONLY)
     for offset in (0, size - 4096):
-        expected = os.pread(os.open(path, os.O_RDONLY), 4096, offset)
         device = rt.cudaMalloc(4096)[1]
         host = ctypes.create_string_buffer(4096)
         rt.cudaMemcpy(device, address + offset, 4096, rt.cudaMemcpyKind.cudaMemcpyDefault)
         rt.cudaMemcpy(ctypes.addressof(host), device, 4096, rt.cudaMemcpyKind.cudaMemcpyDefault)
         rt.cudaFree(device)
-        ok &= host.raw == expected
+        ok &= host.raw == os.pread(fd, 4096, offset)
+    os.close(fd)
     return ok
+
+
+def register(case: str, fd: int, size: int, workers: int):
+    """The pin of `case`: through Python's mapping (4 KiB) or HostRegistration.of_files."""
+    from engramd.client.host_pin import HostRegistration
+
+    if case.endswith("pmd"):
+        return HostRegistration.of_files([(fd, 0, size)], read_only=True, workers=workers)
+    return HostRegistration([(python_map(fd, size), size)], read_only=True, workers=workers)
 
 
 def run_case(case: str, path: str, size: int, workers: int) -> dict:
     """One case in this (fresh) process."""
     from cuda.bindings import runtime as rt
 
-    from engramd.client.host_pin import HostRegistration
+    from engramd.client.huge_pages import collapse_file
 
     rt.cudaFree(0)
     result: dict = {"case": case}
+    fd = os.open(path, os.O_RDONLY)
     if case == "collapse":
-        fd = os.open(path, os.O_RDWR)
-        address = aligned_map(fd, size, writable=True)
         before = meminfo("ShmemHugePages")
         started = time.perf_counter()
-        result["failed_parts"] = collapse(address, size, workers)
+        result["small_gib"] = round(collapse_file(fd, workers) / 2**30, 2)
         result["seconds"] = round(time.perf_counter() - started, 3)
         result["gbps"] = round(size / 1e9 / result["seconds"], 2)
         result["huge_gained_gib"] = round((meminfo("ShmemHugePages") - before) / 2**30, 2)
         return result
-    fd = os.open(path, os.O_RDONLY)
-    if case.endswith("pmd"):
-        address = aligned_map(fd, size, writable=False)
-        started = time.perf_counter()
-        result["collapse_failed_parts"] = collapse(address, size, workers)
-        result["collapse_s"] = round(time.perf_counter() - started, 4)
-        result["pmd_mapped_gib"] = round(pmd_mapped(address) / 2**30, 2)
-    else:
-        address = python_map(fd, size)
     started = time.perf_counter()
-    registration = HostRegistration([(address, size)], read_only=True)
+    registration = register(case, fd, size, workers)
     result["pin_s"] = round(time.perf_counter() - started, 3)
     result["pin_gbps"] = round(size / 1e9 / result["pin_s"], 2)
+    address = registration.addresses[0]
+    result["pmd_mapped_gib"] = round(pmd_mapped(address) / 2**30, 2)
+    result["small_gib"] = round(registration.small_page_bytes / 2**30, 2)
     result["rows_ok"] = check_pin(address, path, size)
     started = time.perf_counter()
     registration.close()
@@ -149,19 +125,11 @@ def run_case(case: str, path: str, size: int, workers: int) -> dict:
 
 
 def hold(path: str, size: int, workers: int, pmd: bool) -> None:
-    """A holder: the file registered (through a PMD mapping or Python's), until stdin closes."""
+    """A holder: the file registered (as pin_pmd or pin_4k do), until stdin closes."""
     from cuda.bindings import runtime as rt
 
-    from engramd.client.host_pin import HostRegistration
-
     rt.cudaFree(0)
-    fd = os.open(path, os.O_RDONLY)
-    if pmd:
-        address = aligned_map(fd, size, writable=False)
-        collapse(address, size, workers)
-    else:
-        address = python_map(fd, size)
-    registration = HostRegistration([(address, size)], read_only=True)
+    registration = register("held_pmd" if pmd else "held_4k", os.open(path, os.O_RDONLY), size, workers)
     print("held", flush=True)
     sys.stdin.read()
     registration.close()
@@ -172,7 +140,7 @@ def fresh(args: list[str], **kw) -> subprocess.Popen:
 
 
 def measure(args: argparse.Namespace) -> dict:
-    size = int(args.gib * 2**30) // HUGE * HUGE
+    size = int(args.gib * 2**30) // CHUNK * CHUNK
     fd, path = tempfile.mkstemp(prefix="engramd-thp-probe-", dir="/dev/shm")
     report = {"meta": {"benchmark": "thp_probe", "gib": args.gib, "workers": args.workers,
                        "kernel": platform.release(), "machine": machine(),

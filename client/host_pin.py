@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 
 from engramd.client.cuda import CudaError, check, cudart, make_current, require_cuda_python
+from engramd.client.huge_pages import HugeView
 from engramd.client.libc import libc
 
 REGISTER_CHUNK = 64 << 30  # the largest range registered in one call (DESIGN.md, host tier)
@@ -40,14 +41,17 @@ def split_ranges(ranges: list[tuple[int, int]], parts: int) -> list[tuple[int, i
 class HostRegistration:
     """cudaHostRegister of host ranges (Portable|Mapped, optionally ReadOnly), in parts that
     `workers` threads prefault and register at once, each part checked to be device-visible at
-    its own address (unified addressing: one host copy serves every GPU). close() unregisters;
-    a failed start unregisters what it did."""
+    its own address (unified addressing: one host copy serves every GPU). `addresses`: each
+    range's device-visible address. close() unregisters; a failed start unregisters what it did.
+    of_files() registers files through HugeViews of their own (2 MiB pages where possible)."""
 
     def __init__(self, ranges: list[tuple[int, int]], read_only: bool = False,
                  workers: int = PIN_WORKERS, device: int | None = None):
         """`device`: the GPU whose context the registering threads use (default: device 0, as a
         fresh thread's; a process on another GPU would get a context on GPU 0 for it)."""
         require_cuda_python()
+        self.addresses = [address for address, _ in ranges]
+        self._views: list[HugeView] = []
         self._parts: list[int] = []
         flags = cudart.cudaHostRegisterPortable | cudart.cudaHostRegisterMapped
         if read_only and read_only_supported():  # the device only ever reads these pages
@@ -67,16 +71,44 @@ class HostRegistration:
             raise
         self._parts = registered
 
+    @classmethod
+    def of_files(cls, files: list[tuple[int, int, int]], read_only: bool = False,
+                 workers: int = PIN_WORKERS, device: int | None = None) -> HostRegistration:
+        """Register (fd, offset, nbytes) ranges of files, each file mapped for it by a HugeView
+        (the caller may close the descriptors after): the pin walks 2 MiB pages where the
+        file's pages were collapsed (client/huge_pages.py). The views go with close()."""
+        views: list[HugeView] = []
+        try:
+            for fd, _, _ in files:
+                views.append(HugeView(fd, workers))
+            registration = cls([(view.address + offset, nbytes)
+                                for view, (_, offset, nbytes) in zip(views, files, strict=True)],
+                               read_only, workers, device)
+        except BaseException:
+            for view in views:
+                view.close()
+            raise
+        registration._views = views
+        return registration
+
+    @property
+    def small_page_bytes(self) -> int:
+        """Bytes of the files of_files() mapped that stayed in 4 KiB pages."""
+        return sum(view.small_bytes for view in self._views)
+
     def close(self) -> None:
         parts, self._parts = self._parts, []
+        views, self._views = self._views, []
         errors = []
         for address in parts:
             try:
                 check("cudaHostUnregister", cudart.cudaHostUnregister(address))
             except CudaError as exc:
                 errors.append(str(exc))
-        if errors:
+        if errors:  # a view still registered must stay mapped: the pages are the driver's
             raise CudaError("; ".join(errors))
+        for view in views:
+            view.close()
 
 
 def _prefault(part: tuple[int, int]) -> None:

@@ -47,7 +47,7 @@ class MappedTables:
                                        offset=g.data_offset).reshape(g.rows, g.row_bytes)
                          for m, g in zip(self._maps, grants, strict=True)]
             if device.type == "cuda":
-                self._register()
+                self._register(grants)
         except BaseException:
             self.close()
             raise
@@ -64,7 +64,7 @@ class MappedTables:
                 raise InternalError(f"table of layer {g.layer_id}: rows at {g.data_offset} do not "
                                     f"fit a {g.file_bytes}-byte file")
 
-    def _register(self) -> None:
+    def _register(self, grants: list[TableGrant]) -> None:
         from engramd.client.cuda import CudaError
         from engramd.client.host_pin import HostRegistration, read_only_supported
 
@@ -72,8 +72,11 @@ class MappedTables:
             raise CudaError("mapped mode needs read-only host registration, which this GPU or "
                             "driver does not offer (cudaDevAttrHostRegisterReadOnlySupported); "
                             "register in served mode")
-        self._registration = HostRegistration(
-            [(a.ctypes.data, a.nbytes) for a in self.rows], read_only=True, device=self.device.index)
+        # Through mappings of its own, in 2 MiB pages where the daemon's pin collapsed them
+        # (client/huge_pages.py); the rows' CPU reads go through self.rows.
+        self._registration = HostRegistration.of_files(
+            [(g.fd, g.data_offset, a.nbytes) for g, a in zip(grants, self.rows, strict=True)],
+            read_only=True, device=self.device.index)
 
     def cpu_tensors(self) -> list[torch.Tensor]:
         """uint8 [rows, row_bytes] CPU tensors over the mappings (never written)."""
@@ -85,7 +88,8 @@ class MappedTables:
         """The kernel's view: device-visible addresses of the registered rows (UVA)."""
         from engramd.kernels.gather_triton import LayerTable
 
-        return [LayerTable(a.ctypes.data, a.shape[0], a.shape[1], owner=self) for a in self.rows]
+        return [LayerTable(address, a.shape[0], a.shape[1], owner=self)
+                for address, a in zip(self._registration.addresses, self.rows, strict=True)]
 
     def close(self, synchronize: bool = True) -> None:
         """Unmap. A GPU client synchronises its device first (gathers may still read the rows),

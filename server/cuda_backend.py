@@ -121,12 +121,15 @@ class PinnedTables:
         self._registration = registration if registration is not None else pin_tables(tables)
 
     def layer_tables(self) -> list[LayerTable]:
-        return [LayerTable(t.address, t.rows, t.row_bytes, owner=self) for t in self.tables]
+        """The kernel's view: each table at its registered address (its HugeView, not the
+        store's own mapping: the same pages, mapped by PMDs where they could be)."""
+        return [LayerTable(address, t.rows, t.row_bytes, owner=self)
+                for address, t in zip(self._registration.addresses, self.tables, strict=True)]
 
     def row_views(self, device: torch.device) -> list[torch.Tensor]:
         """uint8 [rows, row_bytes] CUDA tensors over the registered tables (reads go over UVA)."""
-        return [cuda.tensor_view(t.address, t.nbytes, device).view(t.rows, t.row_bytes)
-                for t in self.tables]
+        return [cuda.tensor_view(address, t.nbytes, device).view(t.rows, t.row_bytes)
+                for address, t in zip(self._registration.addresses, self.tables, strict=True)]
 
     def close(self) -> None:
         try:

@@ -296,12 +296,15 @@ def sampled_checksum(data: np.ndarray, row_bytes: int, blocks: int, block_bytes:
 
 
 class HostTable:
-    """One layer's table, mapped MAP_SHARED from its file. Call close() when done with it."""
+    """One layer's table, mapped MAP_SHARED from its file, whose descriptor it keeps (the GPU
+    registration maps the file again: host_pin.HostRegistration.of_files). Call close() when
+    done with it."""
 
-    def __init__(self, mapping: mmap.mmap, path: Path, layout: _Layout, reattached: bool,
-                 identity: tuple[int, int] | None = None):
+    def __init__(self, mapping: mmap.mmap, fd: int, path: Path, layout: _Layout, reattached: bool):
         self.path = path
-        self.identity = identity  # (st_dev, st_ino) of the file a re-attach mapped
+        self._fd: int | None = fd
+        st = os.fstat(fd)
+        self.identity = (st.st_dev, st.st_ino)  # of the file mapped, whatever is at `path` now
         self.layer_index = layout.layer_index
         self.layer_id = layout.layer_id
         self.rows = layout.rows
@@ -336,9 +339,18 @@ class HostTable:
 
         return torch.from_numpy(self._writable())
 
+    @property
+    def fd(self) -> int:
+        if self._fd is None:
+            raise TableStoreError(f"{self.path}: table is closed")
+        return self._fd
+
     def close(self) -> None:
         """Unmap. Raises TableStoreError while views from `array`/`tensor` are still alive."""
         self._data = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         if self._mapping.closed:
             return
         try:
@@ -645,7 +657,7 @@ class TableStore:
         path = self.table_path(layout.layer_id, fingerprint)
         logger.info("L%d (layer %d): loading %s into %s", layout.layer_id,
                     layout.layer_index, size(layout.nbytes), path)
-        table = HostTable(_create_mapping(path, layout), path, layout, reattached=False)
+        table = HostTable(*_create_mapping(path, layout), path, layout, reattached=False)
         try:
             _fill(table, layout, source, fingerprint, progress, chunk_bytes)
         except BaseException as exc:
@@ -732,12 +744,11 @@ def _attach(path: Path, layout: _Layout, fingerprint: str) -> HostTable:
     fd = _open_table_file(path)
     try:
         header = _read_header(fd, layout, fingerprint)
-        st = os.fstat(fd)
         # Mapping past the end of a file and touching it raises SIGBUS, so sizes come first.
-        mapping = _map_writable(fd, layout.file_size)
-    finally:
+        table = HostTable(_map_writable(fd, layout.file_size), fd, path, layout, reattached=True)
+    except BaseException:
         os.close(fd)
-    table = HostTable(mapping, path, layout, reattached=True, identity=(st.st_dev, st.st_ino))
+        raise
     try:
         _check_rows(table, header)
     except _InvalidFile:
@@ -815,8 +826,9 @@ def _map_writable(fd: int, size: int) -> mmap.mmap:
         os.close(rw)
 
 
-def _create_mapping(path: Path, layout: _Layout) -> mmap.mmap:
-    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+def _create_mapping(path: Path, layout: _Layout) -> tuple[mmap.mmap, int]:
+    """A new file at `path` of the layout's size, mapped; the mapping and the descriptor."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
         fd = os.open(path, flags, FILE_MODE)
     except OSError as exc:
@@ -825,12 +837,11 @@ def _create_mapping(path: Path, layout: _Layout) -> mmap.mmap:
         os.fchmod(fd, FILE_MODE)  # the umask must not decide who may read the tables
         os.ftruncate(fd, layout.file_size)
         _reserve(fd, path, layout.file_size)
-        return mmap.mmap(fd, layout.file_size, flags=mmap.MAP_SHARED)
+        return mmap.mmap(fd, layout.file_size, flags=mmap.MAP_SHARED), fd
     except BaseException:
+        os.close(fd)
         os.unlink(path)
         raise
-    finally:
-        os.close(fd)
 
 
 def _reserve(fd: int, path: Path, size: int) -> None:
@@ -938,8 +949,10 @@ def pin_tables(tables: list[HostTable]) -> HostRegistration:
     from engramd.client.host_pin import HostRegistration
 
     started = time.monotonic()
-    registration = HostRegistration([(t.address, t.nbytes) for t in tables], read_only=True)
+    registration = HostRegistration.of_files([(t.fd, t.data_offset, t.nbytes) for t in tables],
+                                             read_only=True)
     total, seconds = sum(t.nbytes for t in tables), time.monotonic() - started
-    logger.info("pinned %s of host tables in %.2f s (%.1f GB/s)", size(total), seconds,
-             total / 1e9 / max(seconds, 1e-9))
+    logger.info("pinned %s of host tables in %.2f s (%.1f GB/s; %s in 4 KiB pages, the rest in "
+                "2 MiB)", size(total), seconds, total / 1e9 / max(seconds, 1e-9),
+                size(registration.small_page_bytes))
     return registration

@@ -55,3 +55,38 @@ def test_a_failed_registration_unpins_the_parts_that_did_register():
         HostRegistration([(first.ctypes.data, first.nbytes)], workers=4).close()
     finally:
         held.close()
+
+
+def test_files_registered_through_huge_views_read_back_exactly_beside_a_second_registration(tmp_path):
+    """HostRegistration.of_files, as the daemon and mapped clients pin tables: each range read
+    by a kernel at its registered address is the file's bytes there; a second registration of
+    the same files (a mapped client beside the daemon) reads the same; close() of one leaves
+    the other working."""
+    import os
+
+    from tests.conftest import shm_tempdir
+
+    folder = shm_tempdir()
+    files = []
+    for seed, (nbytes, offset) in enumerate([(9 * PART_ALIGN + 4096, 4096), (3 * 4096, 0)]):
+        data = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+        (folder / f"t{seed}").write_bytes(data.tobytes())
+        files.append((os.open(folder / f"t{seed}", os.O_RDONLY), offset, nbytes - offset, data[offset:]))
+    ranges = [(fd, offset, nbytes) for fd, offset, nbytes, _ in files]
+    first = HostRegistration.of_files(ranges, read_only=True, workers=4)
+    second = HostRegistration.of_files(ranges, read_only=True, workers=2)
+    try:
+        for registration in (first, second):
+            for address, (_, _, nbytes, expected) in zip(registration.addresses, files, strict=True):
+                view = cuda.tensor_view(address, nbytes, torch.device("cuda", 0))
+                np.testing.assert_array_equal(torch.bitwise_xor(view, 0).cpu().numpy(), expected)
+        assert first.addresses != second.addresses  # each its own mapping of the same pages
+        first.close()
+        address, (_, _, nbytes, expected) = second.addresses[0], files[0]
+        view = cuda.tensor_view(address, nbytes, torch.device("cuda", 0))
+        np.testing.assert_array_equal(torch.bitwise_xor(view, 0).cpu().numpy(), expected)
+    finally:
+        first.close()
+        second.close()
+        for fd, *_ in files:
+            os.close(fd)
