@@ -5,8 +5,10 @@ start, re-attached or freshly loaded), a mapped client its read-only mapping of 
 H200 a fresh process registers a 16 GiB /dev/shm file (benchmarks/results/h200/pin_probe.md) at
 5.5 GB/s with Portable|Mapped, 17.9 GB/s adding ReadOnly (the driver need not prepare the pages
 for device writes), 25 GB/s when eight threads first populate the page tables
-(MADV_POPULATE_READ) and then register eight parts at once, and ~40 GB/s on hugetlbfs. Threads
-without the prefault gain nothing. cuda-python releases the GIL in these calls.
+(MADV_POPULATE_READ) and then register eight parts at once, and ~40 GB/s on hugetlbfs or in
+/dev/shm pages collapsed into 2 MiB folios (37-39 GB/s, benchmarks/results/h200/thp_probe.md;
+HostRegistration.of_files, client/huge_pages.py). Threads without the prefault gain nothing.
+cuda-python releases the GIL in these calls.
 
 No torch here: the daemon pins its tables while it is still importing torch.
 """

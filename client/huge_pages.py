@@ -2,7 +2,8 @@
 
 Pinning walks page tables: a 64 GiB table in 4 KiB pages registers at 12-14 GB/s on the H200,
 the same table on hugetlbfs (2 MiB pages) at 40-48 GB/s (benchmarks/results/h200/README.md), but
-hugetlbfs needs a pool that root sets aside. tmpfs can hold 2 MiB folios as well: MADV_COLLAPSE
+hugetlbfs needs a pool that root sets aside. In collapsed tmpfs folios: 37-39 GB/s, after a
+one-time collapse at 7.3 GB/s (benchmarks/results/h200/thp_probe.md). tmpfs can hold 2 MiB folios as well: MADV_COLLAPSE
 (Linux >= 6.1) turns a mapped range's pages into them whatever the THP settings say
 (`shmem_enabled` may be `never`), and they stay in the file for every later mapping. A mapping
 only uses them through PMD entries if it lies 2 MiB aligned with the file (Python's mmap does not
