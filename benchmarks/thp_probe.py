@@ -13,10 +13,11 @@ maps with mmap(2) at an aligned address (client/huge_pages.py). Every case runs 
   setup      a --gib file in /dev/shm, filled by pwrite (64 MiB chunks)
   pin_4k     Python's mmap, then HostRegistration read-only (8 parts after a prefault, as the
              tables were pinned before client/huge_pages.py)
-  collapse   huge_pages.collapse_file: an aligned mapping, MADV_COLLAPSE in --workers threads
-             over 2 MiB aligned parts: seconds, GB/s, the ShmemHugePages gained, bytes left small
-  pin_pmd    HostRegistration.of_files (as the daemon and mapped clients pin now): a HugeView
-             (aligned mapping, MADV_COLLAPSE: PMDs over the folios) and the same registration
+  collapse   a HugeView with collapse_workers (as the daemon's pin collapses a table): an
+             aligned mapping, MADV_COLLAPSE in --workers threads over 2 MiB aligned parts:
+             seconds, GB/s, the ShmemHugePages gained, bytes not collapsed
+  pin_pmd    HostRegistration.of_files (as mapped clients and a standby pin): a HugeView (an
+             aligned mapping, whose faults map the folios by PMDs) and the same registration
   held_4k / held_pmd
              pin_4k / pin_pmd while a holder process keeps the file registered (a mapped client
              joining a daemon that pinned it)
@@ -97,7 +98,7 @@ def run_case(case: str, path: str, size: int, workers: int) -> dict:
     """One case in this (fresh) process."""
     from cuda.bindings import runtime as rt
 
-    from engramd.client.huge_pages import collapse_file
+    from engramd.client.huge_pages import HugeView
 
     rt.cudaFree(0)
     result: dict = {"case": case}
@@ -105,7 +106,9 @@ def run_case(case: str, path: str, size: int, workers: int) -> dict:
     if case == "collapse":
         before = meminfo("ShmemHugePages")
         started = time.perf_counter()
-        result["small_gib"] = round(collapse_file(fd, workers) / 2**30, 2)
+        view = HugeView(fd, collapse_workers=workers)
+        view.close()
+        result["not_collapsed_gib"] = round(view.collapsed_short / 2**30, 2)
         result["seconds"] = round(time.perf_counter() - started, 3)
         result["gbps"] = round(size / 1e9 / result["seconds"], 2)
         result["huge_gained_gib"] = round((meminfo("ShmemHugePages") - before) / 2**30, 2)
@@ -116,7 +119,6 @@ def run_case(case: str, path: str, size: int, workers: int) -> dict:
     result["pin_gbps"] = round(size / 1e9 / result["pin_s"], 2)
     address = registration.addresses[0]
     result["pmd_mapped_gib"] = round(pmd_mapped(address) / 2**30, 2)
-    result["small_gib"] = round(registration.small_page_bytes / 2**30, 2)
     result["rows_ok"] = check_pin(address, path, size)
     started = time.perf_counter()
     registration.close()

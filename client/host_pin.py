@@ -75,14 +75,17 @@ class HostRegistration:
 
     @classmethod
     def of_files(cls, files: list[tuple[int, int, int]], read_only: bool = False,
-                 workers: int = PIN_WORKERS, device: int | None = None) -> HostRegistration:
+                 workers: int = PIN_WORKERS, device: int | None = None,
+                 collapse: bool = False) -> HostRegistration:
         """Register (fd, offset, nbytes) ranges of files, each file mapped for it by a HugeView
         (the caller may close the descriptors after): the pin walks 2 MiB pages where the
-        file's pages were collapsed (client/huge_pages.py). The views go with close()."""
+        file's pages are 2 MiB folios, which `collapse` makes them first (the daemon's pin
+        only: client/huge_pages.py). The views go with close()."""
+        writable = not (read_only and read_only_supported())  # a read-only view needs the flag
         views: list[HugeView] = []
         try:
             for fd, _, _ in files:
-                views.append(HugeView(fd, workers))
+                views.append(HugeView(fd, writable, workers if collapse else 0))
             registration = cls([(view.address + offset, nbytes)
                                 for view, (_, offset, nbytes) in zip(views, files, strict=True)],
                                read_only, workers, device)
@@ -94,9 +97,9 @@ class HostRegistration:
         return registration
 
     @property
-    def small_page_bytes(self) -> int:
-        """Bytes of the files of_files() mapped that stayed in 4 KiB pages."""
-        return sum(view.small_bytes for view in self._views)
+    def not_collapsed_bytes(self) -> int:
+        """Bytes of the files of_files(collapse=True) mapped that it did not collapse."""
+        return sum(view.collapsed_short for view in self._views)
 
     def close(self) -> None:
         parts, self._parts = self._parts, []

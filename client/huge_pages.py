@@ -2,17 +2,19 @@
 
 Pinning walks page tables: a 64 GiB table in 4 KiB pages registers at 12-14 GB/s on the H200,
 the same table on hugetlbfs (2 MiB pages) at 40-48 GB/s (benchmarks/results/h200/README.md), but
-hugetlbfs needs a pool that root sets aside. In collapsed tmpfs folios: 37-39 GB/s, after a
-one-time collapse at 7.3 GB/s (benchmarks/results/h200/thp_probe.md). tmpfs can hold 2 MiB folios as well: MADV_COLLAPSE
+hugetlbfs needs a pool that root sets aside. tmpfs can hold 2 MiB folios as well: MADV_COLLAPSE
 (Linux >= 6.1) turns a mapped range's pages into them whatever the THP settings say
-(`shmem_enabled` may be `never`), and they stay in the file for every later mapping. A mapping
-only uses them through PMD entries if it lies 2 MiB aligned with the file (Python's mmap does not
-place it so) and the process asks, which MADV_COLLAPSE of a range of such folios does in
-microseconds. So whoever registers a table for the GPUs maps its file aligned and collapses it
-first (HugeView); the daemon collapses a table's pages once, when it loads it
-(host_tables.py), so that a reader's collapse finds them done.
+(`shmem_enabled` may be `never`), a copy at ~7 GB/s, and they stay in the file for every later
+mapping. A mapping that lies aligned with the file (Python's mmap does not place it so) then
+maps them by PMDs as it faults them in, and pins at 37-39 GB/s
+(benchmarks/results/h200/thp_probe.md).
 
-Everything here is best effort: on an older kernel, on pages pinned by another process (they
+Who does what: the daemon collapses a table when it pins it (host_tables.pin_tables: once per
+loaded table; later pins find the folios made). Everyone who pins a table (the daemon, a
+standby, a mapped client) maps it through a HugeView; only the daemon asks for the collapse,
+so a client never pays for a copy (nor is its memory cgroup charged for one).
+
+Everything here is best effort: on an older kernel, on pages another process holds pinned (they
 cannot move), or short of free 2 MiB blocks, the range stays in 4 KiB pages and works as before.
 """
 
@@ -32,8 +34,8 @@ _MADV_COLLAPSE = 25
 def collapse(address: int, nbytes: int, workers: int) -> int:
     """MADV_COLLAPSE of [address, address + nbytes) in about `workers` parts at once (the
     kernel copies pages into new folios where they are small, ~0 s where they are not); the
-    bytes left in small pages: those of the parts that failed, and those outside whole aligned
-    2 MiB blocks (the kernel leaves them as they are)."""
+    bytes not collapsed: those of the parts that failed (on hugetlbfs, all: its pages need
+    none), and those outside whole aligned 2 MiB blocks (the kernel leaves them as they are)."""
     step = max(HUGE_PAGE, -(-nbytes // max(1, workers)) // HUGE_PAGE * HUGE_PAGE)
     parts = [(address + start, min(step, nbytes - start)) for start in range(0, nbytes, step)]
 
@@ -49,15 +51,19 @@ def collapse(address: int, nbytes: int, workers: int) -> int:
 
 
 class HugeView:
-    """A file mapped whole, read-only, at a 2 MiB aligned address, its pages collapsed into 2
-    MiB folios and mapped by PMDs where the kernel can. For the GPUs to register (the rows are
-    read through Python's own mapping of the file); close() after unregistering."""
+    """A file mapped whole at an address aligned for its largest pages (2 MiB, or the
+    filesystem's block on hugetlbfs), read-only unless `writable`, for the GPUs to register:
+    the rows' CPU reads go through the store's own mapping. With `collapse_workers`, the file's
+    pages are collapsed into 2 MiB folios first (`collapsed_short`: the bytes that were not).
+    close() after unregistering."""
 
-    def __init__(self, fd: int, workers: int):
+    def __init__(self, fd: int, writable: bool = False, collapse_workers: int = 0):
         self.size = os.fstat(fd).st_size
-        self.address = _map_aligned(fd, self.size)
+        self.address = _map_aligned(fd, self.size, writable)
+        self.collapsed_short = self.size
         try:
-            self.small_bytes = collapse(self.address, self.size, workers) if self.size else 0
+            if collapse_workers and self.size:
+                self.collapsed_short = collapse(self.address, self.size, collapse_workers)
         except BaseException:
             self.close()
             raise
@@ -68,30 +74,31 @@ class HugeView:
             self.address = 0
 
 
-def collapse_file(fd: int, workers: int) -> int:
-    """Collapse a whole file's pages into 2 MiB folios (the daemon, once it loaded a table);
-    the bytes left in small pages."""
-    view = HugeView(fd, workers)
-    view.close()
-    return view.small_bytes
-
-
-def _map_aligned(fd: int, size: int) -> int:
-    """`fd` mapped MAP_SHARED read-only from offset 0 at a 2 MiB aligned address: a reservation
-    (PROT_NONE, 0) one huge page larger, the file mapped over its aligned part, the rest given
-    back."""
+def _map_aligned(fd: int, size: int, writable: bool) -> int:
+    """`fd` mapped MAP_SHARED from offset 0 at an aligned address: a reservation (PROT_NONE, 0)
+    one alignment larger, the file mapped over its aligned part, the rest given back. A
+    writable view reopens the file for writing through /proc (the path is not looked up)."""
     if size == 0:
         return 0
+    align = max(HUGE_PAGE, os.fstatvfs(fd).f_bsize)
     span = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
-    reservation = mmap_at(None, span + HUGE_PAGE, 0, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1)
-    address = -(-reservation // HUGE_PAGE) * HUGE_PAGE
+    reservation = mmap_at(None, span + align, 0, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1)
+    address = -(-reservation // align) * align
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
     try:
-        mmap_at(address, size, mmap.PROT_READ, mmap.MAP_SHARED | MAP_FIXED, fd)
+        if writable:
+            rw = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+            try:
+                mmap_at(address, size, prot, mmap.MAP_SHARED | MAP_FIXED, rw)
+            finally:
+                os.close(rw)
+        else:
+            mmap_at(address, size, prot, mmap.MAP_SHARED | MAP_FIXED, fd)
     except BaseException:
-        munmap(reservation, span + HUGE_PAGE)
+        munmap(reservation, span + align)
         raise
     if address > reservation:
         munmap(reservation, address - reservation)
-    if reservation + HUGE_PAGE > address:
-        munmap(address + span, reservation + HUGE_PAGE - address)
+    if reservation + align > address:
+        munmap(address + span, reservation + align - address)
     return address

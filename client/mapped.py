@@ -73,7 +73,7 @@ class MappedTables:
                             "driver does not offer (cudaDevAttrHostRegisterReadOnlySupported); "
                             "register in served mode")
         # Through mappings of its own, in 2 MiB pages where the daemon's pin collapsed them
-        # (client/huge_pages.py); the rows' CPU reads go through self.rows.
+        # (client/huge_pages.py: a client never collapses); CPU reads go through self.rows.
         self._registration = HostRegistration.of_files(
             [(g.fd, g.data_offset, a.nbytes) for g, a in zip(grants, self.rows, strict=True)],
             read_only=True, device=self.device.index)
@@ -149,7 +149,8 @@ class PendingMapping:
                 cuda.make_current(device.index)  # else the registration lands on device 0
             version, seq, grants = fetch()
             try:
-                self.tables = MappedTables(grants, geometry, device, populate=True)
+                # A GPU reads through the registration's own mapping: populate only the CPU's.
+                self.tables = MappedTables(grants, geometry, device, populate=device.type == "cpu")
             finally:
                 for grant in grants:  # the mappings keep the files
                     os.close(grant.fd)

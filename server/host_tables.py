@@ -539,7 +539,7 @@ class TableStore:
                 opened.append(self._create(source, layout, fingerprint, progress, chunk_bytes))
         except BaseException:
             for table in opened:
-                if not _among(table, adopt):  # those are the caller's (maybe pinned)
+                if not _among(table, adopt):  # those are the caller's to close
                     _close_quietly(table)
             raise
         return sorted(opened, key=lambda t: t.layer_index)
@@ -623,7 +623,7 @@ class TableStore:
     def _verified(self, table: HostTable, source: TableSource, chunk_bytes: int,
                   owned: bool) -> HostTable | None:
         """`table` if every row equals `source`'s; else None, the file removed and the table
-        closed if `owned` (else it is the caller's of open(), who may have pinned it)."""
+        closed if `owned` (else it is the caller's of open(): a standby's, with its pin)."""
         start = time.perf_counter()
         try:
             differs_at = _first_difference(table, source, chunk_bytes)
@@ -657,7 +657,14 @@ class TableStore:
         path = self.table_path(layout.layer_id, fingerprint)
         logger.info("L%d (layer %d): loading %s into %s", layout.layer_id,
                     layout.layer_index, size(layout.nbytes), path)
-        table = HostTable(*_create_mapping(path, layout), path, layout, reattached=False)
+        mapping, fd = _create_mapping(path, layout)
+        try:
+            table = HostTable(mapping, fd, path, layout, reattached=False)
+        except BaseException:
+            mapping.close()
+            os.close(fd)
+            self._remove(path, "loading did not start")
+            raise
         try:
             _fill(table, layout, source, fingerprint, progress, chunk_bytes)
         except BaseException as exc:
@@ -814,8 +821,8 @@ def _read_header(fd: int, layout: _Layout, fingerprint: str) -> _Header:
 
 
 def _map_writable(fd: int, size: int) -> mmap.mmap:
-    """A shared writable mapping (how the GPU backend registers tables) of the file `fd` was
-    opened read-only on, reopened through /proc so that the path is not looked up again."""
+    """A shared writable mapping (as a loaded table's) of the file `fd` was opened read-only
+    on, reopened through /proc so that the path is not looked up again."""
     try:
         rw = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
     except OSError as exc:
@@ -943,16 +950,19 @@ def _check_layer_ids(geometry: TableGeometry) -> None:
         raise TableStoreError(f"layer ids {ids} repeat; one table file per layer id")
 
 
-def pin_tables(tables: list[HostTable]) -> HostRegistration:
+def pin_tables(tables: list[HostTable], collapse: bool = True) -> HostRegistration:
     """The tables registered for the GPUs, read-only (the device never writes them); CudaError
-    if that fails. Needs no torch (the daemon pins while it imports torch)."""
+    if that fails. `collapse`: their pages made 2 MiB folios first (the serving daemon; a
+    standby leaves that to it: client/huge_pages.py). Needs no torch (the daemon pins while
+    it imports torch)."""
     from engramd.client.host_pin import HostRegistration
 
     started = time.monotonic()
     registration = HostRegistration.of_files([(t.fd, t.data_offset, t.nbytes) for t in tables],
-                                             read_only=True)
+                                             read_only=True, collapse=collapse)
     total, seconds = sum(t.nbytes for t in tables), time.monotonic() - started
-    logger.info("pinned %s of host tables in %.2f s (%.1f GB/s; %s in 4 KiB pages, the rest in "
-                "2 MiB)", size(total), seconds, total / 1e9 / max(seconds, 1e-9),
-                size(registration.small_page_bytes))
+    logger.info("pinned %s of host tables in %.2f s (%.1f GB/s)%s", size(total), seconds,
+                total / 1e9 / max(seconds, 1e-9),
+                f"; {size(registration.not_collapsed_bytes)} not in 2 MiB folios of tmpfs"
+                if collapse else "")
     return registration

@@ -15,8 +15,11 @@ deployed at the configured path), every file still in place (a reload's switch r
 ones). When not, it lets go of them at once (a removed file's memory is freed only when its last
 mapping goes) and prepares the new ones as soon as their files are complete.
 
-What it never does: create, write or remove a file, or take the instance's lock. Whatever it
-prepared is checked again by the takeover, so a stale preparation costs only time.
+What it never does: create, write or remove a table file, take the instance's lock, or
+collapse the tables' pages (client/huge_pages.py: the serving daemon did). (With `tables =
+demo`, resolving the checkpoint may write the demo checkpoint into its cache, atomically, as any
+start does.) Whatever it prepared is checked again by the takeover, so a stale preparation
+costs only time.
 """
 
 from __future__ import annotations
@@ -103,11 +106,15 @@ class TableWatch:
             prepared.close()
 
     def _run(self) -> None:
+        reported = None
         while not self._stop.is_set():
             try:
                 self._step()
-            except Exception:  # a standby that cannot prepare still takes over, only slower
-                log.exception("standby: preparing the tables failed; the takeover will map them")
+                reported = None
+            except Exception as exc:  # a standby that cannot prepare still takes over, slower
+                if str(exc) != reported:  # once per cause, not every WATCH_S
+                    log.exception("standby: preparing the tables failed; the takeover will map them")
+                    reported = str(exc)
             self._stop.wait(WATCH_S)
 
     def _step(self) -> None:
@@ -126,7 +133,7 @@ class TableWatch:
         if tables is None:
             return  # not loaded yet, or still loading: looked at again in WATCH_S
         try:
-            registration = pin_for_backend(self._backend, tables)
+            registration = pin_for_backend(self._backend, tables, collapse=False)
         except DeviceBackendError as exc:
             self._failed = fingerprint
             _close_all(tables)

@@ -254,7 +254,7 @@ def open_tables(config: DaemonConfig, progress: Callable[[float], None],
         if registration is None:
             registration = pin_for_backend(backend_name, tables)
     except BaseException:
-        if prepared is not None:  # before the store unmaps adopted tables: unpin them first
+        if prepared is not None:  # the adopted tables too: the store did not keep them
             prepared.close()
         store.close()
         raise
@@ -268,8 +268,9 @@ def adopted_registration(prepared: PreparedTables | None, tables: list[HostTable
     the store did not take unmapped."""
     if prepared is None:
         return None
+    # The backend pairs the registration's addresses with the tables by position.
     every = len(tables) == len(prepared.tables) and all(
-        any(t is p for p in prepared.tables) for t in tables)
+        t is p for t, p in zip(tables, prepared.tables, strict=True))
     if every and backend_name == "cuda" and prepared.registration is not None:
         log.info("tables pinned ahead by the standby")
         registration, prepared.registration, prepared.tables = prepared.registration, None, []
@@ -291,12 +292,13 @@ def load_tables(config: DaemonConfig, progress: Callable[[float], None],
                         opened.reattached)
 
 
-def pin_for_backend(backend_name: str, tables: list[HostTable]) -> Any:
-    """The tables' HostRegistration for a cuda backend (None for the cpu one)."""
+def pin_for_backend(backend_name: str, tables: list[HostTable], collapse: bool = True) -> Any:
+    """The tables' HostRegistration for a cuda backend (None for the cpu one); `collapse` as
+    for pin_tables."""
     if backend_name != "cuda":
         return None
     try:
-        return pin_tables(tables)
+        return pin_tables(tables, collapse)
     except Exception as exc:
         raise DeviceBackendError(f"cuda backend failed to start: cannot pin the tables: {exc}") from exc
 

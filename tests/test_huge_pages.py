@@ -1,12 +1,15 @@
-"""2 MiB pages for tables in tmpfs (client/huge_pages.py): a HugeView maps the whole file at a
-2 MiB aligned address and reads exactly the file's bytes; what it reports as left in small
-pages agrees with the kernel's own account (/proc/self/smaps); close() leaves no mapping
-behind, the reservation's ends included. Whoever pins a table maps it this way
-(host_pin.HostRegistration.of_files): pinning that is a GPU test (tests/gpu/test_host_pin_gpu.py)."""
+"""2 MiB pages for tables in tmpfs (client/huge_pages.py), checked against the kernel's own
+account (/proc/self/smaps): a HugeView maps the whole file aligned and reads exactly its bytes;
+a collapsing view (the daemon's pin) turns the file's whole 2 MiB blocks into folios and says
+how many bytes it could not; a reader's view (a client's, a standby's) never collapses, and maps
+folios already made by PMDs as it faults them in; a writable view writes the file; close()
+leaves no mapping behind, the reservation's ends included. Pinning through these views is a GPU
+test (tests/gpu/test_host_pin_gpu.py)."""
 
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import re
 from pathlib import Path
@@ -14,8 +17,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engramd.client.huge_pages import HUGE_PAGE, HugeView, collapse_file
+from engramd.client.huge_pages import HUGE_PAGE, HugeView
+from engramd.client.libc import MAP_FIXED, libc, mmap_at, munmap
 from tests.conftest import shm_tempdir
+
+WHOLE_BLOCKS = 9  # the file: 9 huge pages and one 4 KiB page
 
 
 def pmd_mapped(address: int) -> int:
@@ -25,53 +31,103 @@ def pmd_mapped(address: int) -> int:
     return int(re.search(r"ShmemPmdMapped:\s+(\d+) kB", blocks[1])[1]) << 10
 
 
-def leftovers(address: int, size: int, fd: int) -> list[str]:
-    """Mappings of this process that are the view's or its reservation's: of the file, or
-    PROT_NONE ones overlapping the view or the huge page on either side of it."""
+def reserved() -> set[str]:
+    """This process's PROT_NONE mappings (a view's reservation is one while it is made)."""
+    return {line.split()[0] for line in Path("/proc/self/maps").read_text().splitlines()
+            if line.split()[1].startswith("---")}
+
+
+def file_mappings(fd: int) -> list[str]:
     inode = os.fstat(fd).st_ino
-    lo, hi = address - HUGE_PAGE, address + size + HUGE_PAGE
-    found = []
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        span, perms, _, _, line_inode = line.split()[:5]
-        start, end = (int(x, 16) for x in span.split("-"))
-        if int(line_inode) == inode or (perms.startswith("---") and start < hi and end > lo):
-            found.append(line)
-    return found
+    return [line for line in Path("/proc/self/maps").read_text().splitlines()
+            if int(line.split()[4]) == inode]
+
+
+def leftovers(fd: int, before: set[str]) -> list[str]:
+    """What a closed view may have left: a mapping of its file, or a PROT_NONE mapping that
+    was not there before it was made. Only for views made without threads (no collapse):
+    new threads' stacks and malloc arenas bring PROT_NONE mappings of their own."""
+    return file_mappings(fd) + sorted(reserved() - before)
+
+
+def touch_every_page(address: int, size: int) -> None:
+    for offset in range(0, size, mmap.PAGESIZE):
+        ctypes.c_ubyte.from_address(address + offset).value  # noqa: B018 (a read faults it in)
+
+
+@pytest.fixture(scope="module")
+def kernel_collapses() -> bool:
+    """Whether this kernel makes 2 MiB folios of tmpfs pages on MADV_COLLAPSE (Linux >= 6.1),
+    asked without the module under test: a 2 MiB file mapped aligned by hand."""
+    path = shm_tempdir() / "probe"
+    path.write_bytes(b"\1" * HUGE_PAGE)
+    fd = os.open(path, os.O_RDONLY)
+    reservation = mmap_at(None, 2 * HUGE_PAGE, 0, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1)
+    address = -(-reservation // HUGE_PAGE) * HUGE_PAGE
+    try:
+        mmap_at(address, HUGE_PAGE, mmap.PROT_READ, mmap.MAP_SHARED | MAP_FIXED, fd)
+        libc().madvise(ctypes.c_void_p(address), ctypes.c_size_t(HUGE_PAGE), 25)
+        return pmd_mapped(address) == HUGE_PAGE
+    finally:
+        munmap(reservation, 2 * HUGE_PAGE)
+        os.close(fd)
 
 
 @pytest.fixture
 def table_file():
-    """A file in shared memory of 9 huge pages and one 4 KiB page, random bytes."""
     path = shm_tempdir() / "table"
-    data = np.random.default_rng(3).integers(0, 256, 9 * HUGE_PAGE + 4096, dtype=np.uint8).tobytes()
+    data = np.random.default_rng(3).integers(0, 256, WHOLE_BLOCKS * HUGE_PAGE + 4096,
+                                             dtype=np.uint8).tobytes()
     path.write_bytes(data)
     fd = os.open(path, os.O_RDONLY)
     yield fd, data
     os.close(fd)
 
 
-def test_a_huge_view_reads_the_file_and_reports_its_small_pages_as_the_kernel_does(table_file):
+def test_the_daemons_view_collapses_the_file_and_says_what_it_could_not(table_file, kernel_collapses):
     fd, data = table_file
-    view = HugeView(fd, workers=4)
+    view = HugeView(fd, collapse_workers=4)
     address = view.address
     try:
-        assert view.address % HUGE_PAGE == 0 and view.size == len(data)
-        assert ctypes.string_at(view.address, len(data)) == data
-        # The kernel's account: the whole huge pages it maps by PMDs; the tail page is small.
-        assert view.small_bytes == len(data) - pmd_mapped(view.address)
-        assert view.small_bytes in (4096, len(data))  # all collapsed, or (an old kernel) none
+        assert address % HUGE_PAGE == 0 and view.size == len(data)
+        assert ctypes.string_at(address, len(data)) == data
+        # The kernel's account: every whole 2 MiB block mapped by a PMD, the last page small.
+        assert view.collapsed_short == (4096 if kernel_collapses else len(data))
+        assert view.collapsed_short == len(data) - pmd_mapped(address)
     finally:
         view.close()
-    assert not leftovers(address, len(data), fd)  # nothing left of the view or its reservation
-    again = HugeView(fd, workers=1)  # a second reader finds the folios made: the same outcome
-    try:
-        assert again.small_bytes == view.small_bytes
-        assert ctypes.string_at(again.address, len(data)) == data
-    finally:
-        again.close()
-
-
-def test_collapsing_a_file_keeps_its_bytes(table_file):
-    fd, data = table_file
-    assert collapse_file(fd, workers=3) in (4096, len(data))
+    assert not file_mappings(fd)
     assert os.pread(fd, len(data), 0) == data
+
+
+def test_a_readers_view_maps_folios_by_pmds_and_never_collapses(table_file, kernel_collapses):
+    fd, data = table_file
+    before = reserved()
+    reader = HugeView(fd)  # small pages: a reader leaves them so
+    try:
+        touch_every_page(reader.address, reader.size)
+        assert pmd_mapped(reader.address) == 0 and reader.collapsed_short == len(data)
+    finally:
+        reader.close()
+    assert not leftovers(fd, before)  # nothing left of the view or its reservation
+    HugeView(fd, collapse_workers=2).close()  # the daemon's pin
+    reader = HugeView(fd)
+    try:
+        touch_every_page(reader.address, reader.size)
+        assert pmd_mapped(reader.address) == (WHOLE_BLOCKS * HUGE_PAGE if kernel_collapses else 0)
+        assert ctypes.string_at(reader.address, len(data)) == data
+    finally:
+        reader.close()
+
+
+def test_a_writable_view_writes_the_file(table_file):
+    fd, data = table_file
+    before = reserved()
+    view = HugeView(fd, writable=True)  # fd is read-only: the view reopens the file to write
+    address = view.address
+    try:
+        ctypes.memmove(address + HUGE_PAGE + 5, b"engram", 6)
+    finally:
+        view.close()
+    assert os.pread(fd, 6, HUGE_PAGE + 5) == b"engram"
+    assert not leftovers(fd, before)

@@ -152,8 +152,8 @@ def test_pin_parts_cover_every_range_exactly_in_aligned_capped_pieces(monkeypatc
 
 
 class FakeRegistration:
-    """Stands in for a standby's HostRegistration: notes whether its tables were still mapped
-    when it was closed (a pinned range must be unregistered before it is unmapped)."""
+    """Stands in for a standby's HostRegistration: notes whether it was closed, and whether
+    its tables were all still mapped then (it is let go of first, as the prepared set is)."""
 
     def __init__(self, tables):
         self.tables = list(tables)
@@ -195,6 +195,13 @@ def test_a_standbys_tables_are_adopted_and_its_registration_goes_only_with_all_o
     tables, registration = list(prepared.tables), prepared.registration
     assert adopted_registration(prepared, tables, "cuda") is registration
     assert registration.closed_while_mapped is None and prepared.tables == []
+    for table in tables:
+        table.close()
+    # Every table, in another order: the backend pairs addresses and tables by position.
+    prepared = prepared_for(config)
+    tables, registration = prepared.tables[::-1], prepared.registration
+    assert adopted_registration(prepared, tables, "cuda") is None
+    assert registration.closed_while_mapped and not any(t.closed for t in tables)
     for table in tables:
         table.close()
     # One table not adopted: unregistered, then that one unmapped; the adopted one kept.
