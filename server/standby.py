@@ -9,9 +9,10 @@ restart that grows with the tables. When the serving daemon exits or dies (the k
 lock), the standby takes the socket and goes on as any daemon starts from there: it re-attaches
 the tables (adopting its own mappings and pins after checking them again), warms its gather
 kernels and serves. Before it holds the lock it binds nothing and writes, creates or removes no
-file, so it cannot disturb the daemon it stands by for.
+table file, so it cannot disturb the daemon it stands by for.
 
-An upgrade: start the new version with --standby, then stop the old one (SIGTERM).
+An upgrade: start the new version with --standby, wait until it logs that the tables are
+"mapped and pinned ahead", then stop the old one (SIGTERM).
 
 What it is not: a second server. While it waits it answers nothing (`engramd health` reaches the
 serving daemon); it holds a CUDA context on every GPU it will serve, and page tables and pins of
