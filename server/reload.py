@@ -98,7 +98,7 @@ def open_next_tables(config: DaemonConfig, current: LoadedTables, progress: Call
     try:
         if config.self_check:  # the served kernel was checked at start; these are new bytes
             check_host_tables(checkpoint, tables)
-        next_tables.registration = pin_for_backend(current.backend.name, tables)
+        next_tables.registration = pin_for_backend(current.backend.name, tables, config.collapse_pages)
     except BaseException:
         next_tables.close()
         raise

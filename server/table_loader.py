@@ -252,7 +252,7 @@ def open_tables(config: DaemonConfig, progress: Callable[[float], None],
         registration = adopted_registration(prepared, tables, backend_name)
         prepared = None  # closed or taken: the store owns its tables, the backend the registration
         if registration is None:
-            registration = pin_for_backend(backend_name, tables)
+            registration = pin_for_backend(backend_name, tables, config.collapse_pages)
     except BaseException:
         if prepared is not None:  # the adopted tables too: the store did not keep them
             prepared.close()

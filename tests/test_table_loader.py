@@ -211,3 +211,16 @@ def test_a_standbys_tables_are_adopted_and_its_registration_goes_only_with_all_o
     assert adopted_registration(prepared, [kept], "cuda") is None
     assert registration.closed_while_mapped and dropped.closed and not kept.closed
     kept.close()
+
+
+@pytest.mark.parametrize("collapse", [True, False])
+def test_the_start_pins_with_the_configured_collapse(demo_checkpoint, monkeypatch, collapse):
+    """collapse_pages reaches the pin (client/huge_pages.py; its effect is a GPU matter)."""
+    from engramd.server import table_loader
+
+    seen = []
+    monkeypatch.setattr(table_loader, "pin_for_backend",
+                        lambda backend, tables, collapse=True: seen.append((backend, collapse)))
+    config = dataclasses.replace(demo_config(demo_checkpoint), collapse_pages=collapse)
+    table_loader.open_tables(config, lambda fraction: None).close()
+    assert seen == [("cpu", collapse)]
