@@ -13,7 +13,9 @@ It follows the serving daemon. Every WATCH_S it asks whether its tables are stil
 start would re-attach: the checkpoint's fingerprint unchanged (a reload's new revision is
 deployed at the configured path), every file still in place (a reload's switch removes the old
 ones). When not, it lets go of them at once (a removed file's memory is freed only when its last
-mapping goes) and prepares the new ones as soon as their files are complete.
+mapping goes). It prepares tables only once the serving daemon reports them served and ready
+(`health`): by then that daemon has pinned them and collapsed their pages into 2 MiB folios,
+which a standby's pin taken earlier would have kept in 4 KiB pages (pinned pages cannot move).
 
 What it never does: create, write or remove a table file, take the instance's lock, or
 collapse the tables' pages (client/huge_pages.py: the serving daemon did). (With `tables =
@@ -30,6 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from engramd.client.connection import probe
 from engramd.server.config import DaemonConfig
 from engramd.server.host_tables import HostTable, attach_complete, still_in_place
 from engramd.server.table_loader import (
@@ -47,6 +50,7 @@ log = logging.getLogger("engramd.daemon")
 # How often a standby checks that its prepared tables are still current: also the longest it
 # keeps a replaced table's memory alive after the serving daemon removed its file.
 WATCH_S = 0.5
+HEALTH_TIMEOUT_S = 1.0  # a ready daemon answers health within milliseconds
 
 
 @dataclass
@@ -84,6 +88,7 @@ class TableWatch:
         self._backend = choose_backend_name(config.backend)
         self._prepared: PreparedTables | None = None
         self._failed: str | None = None  # a fingerprint whose pin failed: not tried again
+        self._waiting_for: str | None = None  # the fingerprint the log last said it waits for
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engramd-standby-tables", daemon=True)
 
@@ -127,6 +132,12 @@ class TableWatch:
             prepared.close()
         if checkpoint is None or fingerprint == self._failed:
             return
+        if not self._served(fingerprint):
+            if self._waiting_for != fingerprint:
+                log.info("standby: waiting for the serving daemon to serve tables %s before "
+                         "mapping them", fingerprint)
+                self._waiting_for = fingerprint
+            return
         folder = tables_folder_path(self._config.shm_dir, self._config.instance)
         started = time.monotonic()
         tables = attach_complete(folder, self._config.instance, checkpoint) if folder.is_dir() else None
@@ -143,6 +154,14 @@ class TableWatch:
         log.info("standby: tables %s (%s) mapped%s ahead in %.2f s", fingerprint,
                  size(sum(t.nbytes for t in tables)), " and pinned" if registration else "",
                  time.monotonic() - started)
+
+    def _served(self, fingerprint: str) -> bool:
+        """Whether the serving daemon answers that it is ready on tables `fingerprint`."""
+        try:
+            health = probe(self._config.socket_path, "health", HEALTH_TIMEOUT_S).body
+        except Exception:  # gone, stopping or stuck: the takeover, if any, maps the tables
+            return False
+        return bool(health.ready) and health.tables == fingerprint
 
     def _checkpoint(self) -> tuple[str | None, Any]:
         """The configured checkpoint and its fingerprint, or (None, None) while it cannot be

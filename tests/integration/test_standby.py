@@ -6,7 +6,7 @@ standby_tables.py) without changing a file, and the serving daemon goes on as be
 one dies (kill -9) or stops (SIGTERM, the upgrade path), the standby takes the socket, adopts
 the tables it mapped (the same files) and serves exact rows to the client, which re-registers by
 itself; a reload of the serving daemon makes the standby let go of the old tables and map the
-new ones, which it then serves; a standby stopped while it waits exits 0, and SIGHUP (a reload,
+new ones, which it then serves; it maps tables only once the serving daemon serves them; a standby stopped while it waits exits 0, and SIGHUP (a reload,
 meant for the serving daemon) does not end it.
 """
 
@@ -25,11 +25,13 @@ from test_reload import mapped_names, table_files
 
 from engramd.client import EngramClient
 from engramd.server.standby_tables import WATCH_S
+from engramd.server.table_loader import LOAD_DELAY_ENV
 
 STANDING_BY_S = 120.0  # its imports on a loaded CI machine; the wait needs no more
 # A replaced table is let go of at the standby's next look (WATCH_S); the margin is for a
 # loaded CI machine.
 LET_GO_S = 40 * WATCH_S
+SERVING_STARTS_S = 25  # a serving daemon held back this long at its start (its tables' load)
 
 
 def standby_for(daemon_factory, serving):
@@ -125,3 +127,24 @@ def test_a_standby_follows_a_reload_and_serves_the_new_tables(
         assert client.tables_id == status["tables"]
         assert_rows_equal(rows_of(client, ids), second_reference.expected(ids), "after the takeover")
     assert standby.stop() == 0, standby.log()
+
+
+def test_a_standby_maps_the_tables_only_once_the_serving_daemon_serves_them(daemon_factory):
+    """A standby's pin taken before the serving daemon's would keep the pages in 4 KiB (pinned
+    pages cannot be collapsed into 2 MiB folios): complete files of a daemon that is still
+    starting are left alone until its health says it serves them."""
+    first = daemon_factory()
+    files = set(table_files(first))
+    assert first.stop() == 0  # the files stay, complete
+    serving = daemon_factory(shm_dir=first.shm_dir, ready=False,
+                             env={LOAD_DELAY_ENV: str(SERVING_STARTS_S)})
+    standby = standby_for(daemon_factory, serving)
+    wait_until(lambda: "waiting for the serving daemon to serve tables" in standby.log(),
+               timeout=STANDING_BY_S)
+    assert not maps_exactly(standby, files) and maps_exactly(standby, set())
+    health = serving.health()  # None: not answering yet (still importing)
+    assert health is None or not health["ready"], "the serving daemon was ready before the check"
+    serving.wait_ready()
+    wait_until(lambda: maps_exactly(standby, files), timeout=LET_GO_S)
+    assert standby.stop() == 0, standby.log()
+    assert serving.stop() == 0
