@@ -168,6 +168,12 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+def _layouts(geometry: TableGeometry, shm_dir: Path) -> list[_Layout]:
+    """Every layer's layout for files in `shm_dir` (aligned to its block size)."""
+    align = _alignment(os.statvfs(shm_dir))
+    return [_layout(geometry, index, align) for index in range(geometry.n_layers)]
+
+
 def _layout(geometry: TableGeometry, index: int, align: int) -> _Layout:
     data_offset = _round_up(HEADER_BYTES, align)
     nbytes = geometry.rows[index] * geometry.row_bytes
@@ -298,7 +304,7 @@ def sampled_checksum(data: np.ndarray, row_bytes: int, blocks: int, block_bytes:
 class HostTable:
     """One layer's table, mapped MAP_SHARED from its file, whose descriptor it keeps (the GPU
     registration maps the file again: host_pin.HostRegistration.of_files). Call close() when
-    done with it."""
+    done with it. Equal only to itself (`in` a list of tables means that very object)."""
 
     def __init__(self, mapping: mmap.mmap, fd: int, path: Path, layout: _Layout, reattached: bool):
         self.path = path
@@ -520,8 +526,7 @@ class TableStore:
         geometry = source.geometry
         fingerprint = _check_fingerprint(source.fingerprint())
         _check_layer_ids(geometry)
-        align = _alignment(os.statvfs(self.shm_dir))
-        layouts = [_layout(geometry, i, align) for i in range(geometry.n_layers)]
+        layouts = _layouts(geometry, self.shm_dir)
         self._sweep(geometry, fingerprint, keep)
         opened: list[HostTable] = []
         try:
@@ -529,7 +534,7 @@ class TableStore:
             for layout in layouts:
                 table = self._try_attach(layout, fingerprint, progress, adopt)
                 if table is not None and verify:
-                    table = self._verified(table, source, chunk_bytes, owned=not _among(table, adopt))
+                    table = self._verified(table, source, chunk_bytes, owned=table not in adopt)
                 if table is None:
                     missing.append(layout)
                 else:
@@ -539,7 +544,7 @@ class TableStore:
                 opened.append(self._create(source, layout, fingerprint, progress, chunk_bytes))
         except BaseException:
             for table in opened:
-                if not _among(table, adopt):  # those are the caller's to close
+                if table not in adopt:  # those are the caller's to close
                     _close_quietly(table)
             raise
         return sorted(opened, key=lambda t: t.layer_index)
@@ -614,7 +619,7 @@ class TableStore:
         seconds = time.perf_counter() - start
         logger.info("L%d (layer %d): re-attached %s, %s, verified in %.3f s%s",
                     layout.layer_id, layout.layer_index, path, size(layout.nbytes), seconds,
-                    " (mapped ahead by the standby)" if _among(table, adopt) else "")
+                    " (mapped ahead by the standby)" if table in adopt else "")
         if progress is not None:
             progress(LoadProgress(layout.layer_index, layout.nbytes, layout.nbytes, seconds,
                                   reattached=True))
@@ -700,10 +705,6 @@ def _first_difference(table: HostTable, source: TableSource, chunk_bytes: int) -
     return None
 
 
-def _among(table: HostTable, tables: list[HostTable]) -> bool:
-    return any(table is t for t in tables)
-
-
 def _close_quietly(table: HostTable) -> None:
     """Close on a failure path, where the original error must not be masked."""
     try:
@@ -723,11 +724,9 @@ def attach_complete(shm_dir: Path, instance: str, source: TableSource) -> list[H
     any file is missing or not valid (yet: another daemon may still be loading it)."""
     geometry = source.geometry
     fingerprint = _check_fingerprint(source.fingerprint())
-    align = _alignment(os.statvfs(shm_dir))
     tables: list[HostTable] = []
     try:
-        for index in range(geometry.n_layers):
-            layout = _layout(geometry, index, align)
+        for layout in _layouts(geometry, shm_dir):
             path = shm_dir / table_file_name(_check_instance(instance), layout.layer_id, fingerprint)
             tables.append(_attach(path, layout, fingerprint))
     except _InvalidFile:
@@ -748,10 +747,8 @@ def still_in_place(table: HostTable) -> bool:
 
 def _attach(path: Path, layout: _Layout, fingerprint: str) -> HostTable:
     """Map a complete file after validating owner, mode, header, size and sampled checksum."""
-    fd = _open_table_file(path)
-    try:
-        header = _read_header(fd, layout, fingerprint)
-        # Mapping past the end of a file and touching it raises SIGBUS, so sizes come first.
+    fd, header = _open_checked(path, layout, fingerprint)
+    try:  # mapping past the end of a file and touching it raises SIGBUS, so sizes came first
         table = HostTable(_map_writable(fd, layout.file_size), fd, path, layout, reattached=True)
     except BaseException:
         os.close(fd)
@@ -771,12 +768,9 @@ def _still_valid(table: HostTable, layout: _Layout, fingerprint: str) -> bool:
             layout.layer_index, layout.rows, layout.row_bytes, layout.data_offset):
         return False
     try:
-        fd = _open_table_file(table.path)
-        try:
-            header = _read_header(fd, layout, fingerprint)
-            st = os.fstat(fd)
-        finally:
-            os.close(fd)
+        fd, header = _open_checked(table.path, layout, fingerprint)
+        st = os.fstat(fd)
+        os.close(fd)
         if (st.st_dev, st.st_ino) != table.identity:
             return False
         _check_rows(table, header)
@@ -785,11 +779,18 @@ def _still_valid(table: HostTable, layout: _Layout, fingerprint: str) -> bool:
     return True
 
 
-def _open_table_file(path: Path) -> int:
+def _open_checked(path: Path, layout: _Layout, fingerprint: str) -> tuple[int, _Header]:
+    """The file opened read-only and its header, checked against `layout` (_InvalidFile, the
+    descriptor closed, if it does not fit)."""
     try:
-        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
         raise _InvalidFile(f"cannot open: {exc.strerror}") from exc
+    try:
+        return fd, _read_header(fd, layout, fingerprint)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _check_rows(table: HostTable, header: _Header) -> None:

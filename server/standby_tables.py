@@ -69,7 +69,7 @@ class PreparedTables:
         kept = keep or []
         registration, self.registration = self.registration, None
         tables, self.tables = self.tables, []
-        unpin_then(registration, lambda: _close_all([t for t in tables if not any(t is k for k in kept)]))
+        unpin_then(registration, lambda: _close_all([t for t in tables if t not in kept]))
 
 
 def _close_all(tables: list[HostTable]) -> None:

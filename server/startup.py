@@ -4,7 +4,8 @@ exit statuses that say why it stopped.
 `engramd serve` takes the lock first, then starts the table preload (table_loader.TablePreload),
 and only then imports the daemon (torch, the backends): a second daemon on the same socket
 must never touch the first one's tables. A standby (server/standby.py) imports first and then
-waits for the lock, touching no table until it holds it.
+waits for the lock, meanwhile only reading (mapping, pinning) the tables the serving daemon
+serves: it writes, creates or removes no table file until it holds the lock.
 """
 
 from __future__ import annotations

@@ -263,15 +263,13 @@ def open_tables(config: DaemonConfig, progress: Callable[[float], None],
 
 def adopted_registration(prepared: PreparedTables | None, tables: list[HostTable],
                          backend_name: str) -> Any:
-    """The prepared registration when the store adopted every prepared table and they are all
-    of `tables` (cuda); otherwise None, with the registration closed and the prepared tables
-    the store did not take unmapped."""
+    """The prepared registration when `tables` are the prepared ones, in their order (the
+    backend pairs the registration's addresses with the tables by position), for cuda;
+    otherwise None, with the registration closed and the prepared tables the store did not
+    take unmapped."""
     if prepared is None:
         return None
-    # The backend pairs the registration's addresses with the tables by position.
-    every = len(tables) == len(prepared.tables) and all(
-        t is p for t, p in zip(tables, prepared.tables, strict=True))
-    if every and backend_name == "cuda" and prepared.registration is not None:
+    if tables == prepared.tables and backend_name == "cuda" and prepared.registration is not None:
         log.info("tables pinned ahead by the standby")
         registration, prepared.registration, prepared.tables = prepared.registration, None, []
         return registration
