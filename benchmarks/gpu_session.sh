@@ -32,6 +32,7 @@
 # thp-probe (benchmarks/thp_probe.py: pinning /dev/shm pages collapsed into 2 MiB folios),
 # tests-pin-files (pinning through HugeViews: pin, standby, reload GPU tests),
 # standby-64-shm (the same on /dev/shm), tests-standby (tests/gpu/test_standby_gpu.py: a standby's pins across a reload and a takeover),
+# gather-pages (benchmarks/gather_pages.py), sm-cap-rows (benchmarks/sm_cap.py at 16 and 32 rows per block),
 # start-costs (torch's import and CUDA start, EAGER against LAZY, with and without a CUDA context
 # made first, as the daemon's preload does; the daemon's imports by cumulative time).
 # Logs and results are packed into OUT/results.tgz (one file); each phase's exit code is
@@ -263,6 +264,17 @@ phase_thp_probe() { python3 benchmarks/thp_probe.py --gib 16 --out "$out/thp" 2>
 phase_tests_pin_files() {
   python3 -m pytest tests/gpu/test_host_pin_gpu.py tests/gpu/test_standby_gpu.py tests/gpu/test_reload_gpu.py \
     -q --durations=5 2>&1 | tee "$out/gpu_tests_pin_files.log"
+}
+phase_gather_pages() {  # gather rates from 4 KiB pages, 2 MiB folios and a pinned copy, by grid
+  python3 benchmarks/gather_pages.py --out "$out/pages" 2>&1 | tee "$out/gather_pages.log" | tail -40
+}
+phase_sm_cap_rows() {  # sm_cap with 16 and 32 rows per block (the half grid's candidates)
+  local rows rc=0
+  for rows in 16 32; do
+    python3 benchmarks/sm_cap.py --block-rows "$rows" --out "$out/sm_cap_rows$rows" 2>&1 \
+      | tee "$out/sm_cap_rows$rows.log" | tail -10 || rc=1
+  done
+  return "$rc"
 }
 phase_tests_standby() { python3 -m pytest tests/gpu/test_standby_gpu.py -q 2>&1 | tee "$out/gpu_tests_standby.log"; }
 phase_start_costs() {  # what a daemon's start pays for torch: import, then CUDA, by loading mode

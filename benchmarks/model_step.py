@@ -89,6 +89,7 @@ from common.tables import (  # noqa: E402
     MappedTable,
     fill_tables,
     geometry_for,
+    pin_as_reader,
     reattach_flags,
 )
 from mps import (  # noqa: E402
@@ -127,8 +128,6 @@ class Bench:
 
     def __init__(self, geometry: TableGeometry, specs: list[dict], socket: Path, max_tokens: int,
                  variants: Sequence[str] = VARIANTS):
-        from engramd.server.cuda_backend import PinnedTables
-
         self.geometry = geometry
         self.shard = geometry.shard(0, 1)
         self.main = torch.cuda.current_stream()
@@ -141,7 +140,7 @@ class Bench:
         # own tables would); pinned pages are shared, nothing is copied.
         self.mapped = [MappedTable(s["path"], s["data_offset"], s["rows"], s["row_bytes"])
                        for s in specs]
-        self.pinned = PinnedTables(self.mapped)
+        self.pinned = pin_as_reader(self.mapped)
         self.plan = GatherPlan(self.pinned.layer_tables(), self.shard, torch.device("cuda", 0))
         self.plan.warm_up(dedupe=(False,))
         self.outs: dict[int, Tensor] = {}

@@ -47,7 +47,7 @@ from engramd.kernels import gather_ref
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common.rows import bitwise_mismatches  # noqa: E402
-from common.tables import MappedTable  # noqa: E402
+from common.tables import MappedTable, pin_as_reader  # noqa: E402
 
 WARM_LOOKUPS = 3  # untimed lookups before each timed loop (first use of each slot)
 
@@ -157,9 +157,7 @@ class Replica:
         shard = self.geometry.shard(0, 1)
         if self.cuda:
             from engramd.kernels.gather_triton import GatherPlan
-            from engramd.server.cuda_backend import PinnedTables
-
-            self.pinned = PinnedTables(self.mapped)
+            self.pinned = pin_as_reader(self.mapped)
             plan = GatherPlan(self.pinned.layer_tables(), shard, self.device)
             plan.warm_up()  # kernels load per process: warming on one stream serves all
             torch.cuda.synchronize(self.device)

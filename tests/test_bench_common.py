@@ -7,6 +7,7 @@ so that a broken helper shows without one.
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -83,8 +84,14 @@ def test_random_tables_over_a_sparse_checkpoint(tmp_path: Path):
             expected = np.full_like(mapped.array, 0xA5)  # poison: read_packed must overwrite it all
             tables.CpuRandomRows(opened).read_packed(layer, 0, expected)
             assert (mapped.array == expected).all()
+            # What pin_tables maps for the GPU (fd, data_offset, nbytes) is the same rows.
+            last = os.pread(mapped.fd, mapped.row_bytes, mapped.data_offset + mapped.nbytes
+                            - mapped.row_bytes)
+            assert last == expected[-1].tobytes()
+            assert os.fstat(mapped.fd).st_size >= mapped.data_offset + mapped.nbytes
         finally:
             mapped.close()
+        assert mapped.fd == -1
     flags = tables.reattach_flags(checkpoint, shm, tables.INSTANCE)
     assert flags[flags.index("--self-check") + 1] == "false"
 

@@ -128,18 +128,22 @@ class MappedTable:
 
     The store's HostTable cannot be used here: opening the store takes the instance lock, and the
     point is that a process maps the same file on its own, as engines with their own tables do.
+    It keeps its descriptor (`fd`, `data_offset`) as HostTable does: pin_tables maps the file
+    through a view of its own (client/huge_pages.py).
     """
 
     def __init__(self, path: str, data_offset: int, rows: int, row_bytes: int):
         self.path = path
+        self.data_offset = data_offset
         self.rows = rows
         self.row_bytes = row_bytes
         self.nbytes = rows * row_bytes
-        fd = os.open(path, os.O_RDWR)
+        self.fd = os.open(path, os.O_RDWR)
         try:
-            self._mapping = mmap.mmap(fd, data_offset + self.nbytes, flags=mmap.MAP_SHARED)
-        finally:
-            os.close(fd)
+            self._mapping = mmap.mmap(self.fd, data_offset + self.nbytes, flags=mmap.MAP_SHARED)
+        except BaseException:
+            os.close(self.fd)
+            raise
         self.array: np.ndarray | None = np.frombuffer(
             self._mapping, dtype=np.uint8, count=self.nbytes, offset=data_offset,
         ).reshape(rows, row_bytes)
@@ -147,7 +151,20 @@ class MappedTable:
 
     def close(self) -> None:
         self.array = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
         try:
             self._mapping.close()
         except BufferError:
             pass  # a tensor view is still alive; the mapping goes with it
+
+
+def pin_as_reader(tables: list[MappedTable]):
+    """`tables` registered for the GPUs as an engine with its own tables would: through views
+    of its own, as a reader (the daemon's pin made the pages 2 MiB folios; a reader only maps
+    them). A PinnedTables (server/cuda_backend.py); needs CUDA."""
+    from engramd.server.cuda_backend import PinnedTables
+    from engramd.server.host_tables import pin_tables
+
+    return PinnedTables(tables, pin_tables(tables, collapse=False))
