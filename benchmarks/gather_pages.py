@@ -1,6 +1,7 @@
 """Gather rate by host memory and grid: 4 KiB pages, 2 MiB folios, an engine's own pinned copy.
 
     python benchmarks/gather_pages.py [--table-gib 16] [--iterations 60] [--out DIR]
+    python benchmarks/gather_pages.py --memories folios --grids 132:8 66:32 --lookups 4096s 1024s
 
 The daemon's pin makes its /dev/shm tables 2 MiB folios (client/huge_pages.py), which pinned
 5x faster than 4 KiB pages. Does the GPU read rows over UVA faster from them too (the sorted
@@ -14,8 +15,10 @@ as the daemon stores it: common/tables.py), read from three memories in turn:
           mapped client or the daemon after its pin)
   copy    the rows copied into cudaHostAlloc memory: an engine that holds its own pinned tables
 For each: GatherPlan lookups of fresh IDs (uniform in each head's bucket, drawn before timing)
-of T in {16, 256, 4096} tokens unsorted and 4,096 sorted, at each (programs, rows per block) of
-GRIDS, and once more at half the SMs with the out-of-range counter a mapped client passes. CUDA
+of T in {16, 256, 4096} tokens unsorted and 4,096 sorted (--lookups: T, and s for sorted), at
+each (programs, rows per block) of --grids (default: all SMs with 8 rows, half of them with 8,
+16 and 32), and once more at half the SMs with the out-of-range counter a mapped client passes
+(8 rows; --memories picks some of the memories, the collapse before `folios` always runs). CUDA
 events around each lookup, alone on the GPU; p50 over --iterations. Every memory's rows are first
 checked bit for bit against gather_ref (sorted and unsorted); the script stops if one differs.
 Writes DIR/gather_pages.json and .md.
@@ -47,15 +50,25 @@ from common.rows import assert_exact, poisoned  # noqa: E402
 from common.tables import INSTANCE, MappedTable, fill_tables, geometry_for  # noqa: E402
 from common.timing import Clock, timed_steps  # noqa: E402
 
-LOOKUPS = ((16, False), (256, False), (4096, False), (4096, True))  # (T, sorted)
+LOOKUPS = ("16", "256", "4096", "4096s")  # T, and s: sorted
+MEMORIES = ("4k", "folios", "copy")
 WARM = 3
 COPY_CHUNK = 256 << 20
 
 
-def grids(sms: int) -> list[tuple[int, int]]:
+def default_grids(sms: int) -> list[tuple[int, int]]:
     """(programs, rows per block): all SMs, then half of them with 1x, 2x, 4x the rows."""
     half = max(1, sms // 2)
     return [(sms, 8), (half, 8), (half, 16), (half, 32)]
+
+
+def parse_grid(text: str) -> tuple[int, int]:
+    programs, _, rows = text.partition(":")
+    return int(programs), int(rows)
+
+
+def parse_lookup(text: str) -> tuple[int, bool]:
+    return int(text.rstrip("s")), text.endswith("s")
 
 
 def pmd_mapped_bytes() -> int:
@@ -113,7 +126,7 @@ def check_rows(plan: GatherPlan, tables: list[MappedTable], pools: dict[int, lis
 
 
 def time_memory(memory: str, layer_tables: list[LayerTable], tables: list[MappedTable],
-                pools: dict[int, list], shard, iterations: int) -> list[dict]:
+                pools: dict[int, list], shard, args: argparse.Namespace) -> list[dict]:
     device = torch.device("cuda", torch.cuda.current_device())
     plan = GatherPlan(layer_tables, shard, device)
     check_rows(plan, tables, pools, memory, shard)
@@ -121,17 +134,18 @@ def time_memory(memory: str, layer_tables: list[LayerTable], tables: list[Mapped
     counter = torch.zeros(1, dtype=torch.int64, device=device)
     clock = Clock(device)
     points = []
-    for tokens, ordered in LOOKUPS:
+    grids = [parse_grid(g) for g in args.grids] if args.grids else default_grids(sms)
+    for tokens, ordered in map(parse_lookup, args.lookups):
         pool, out = pools[tokens], torch.empty(plan.output_shape(tokens), dtype=torch.bfloat16,
                                                device=device)
-        runs = [(p, b, None) for p, b in grids(sms)] + [(max(1, sms // 2), 8, counter)]
+        runs = [(p, b, None) for p, b in grids] + [(max(1, sms // 2), 8, counter)]
         for programs, block_rows, count in runs:
             def step(k: int, pool=pool, out=out, ordered=ordered, programs=programs,
                      block_rows=block_rows, count=count) -> None:
                 plan(pool[k % len(pool)], out, sort=ordered, num_programs=programs,
                      block_rows=block_rows, out_of_range=count)
 
-            seconds = timed_steps(clock, step, iterations, WARM)
+            seconds = timed_steps(clock, step, args.iterations, WARM)
             p50 = float(np.percentile(seconds, 50))
             rows = tokens * plan.n_layers * shard.local_heads
             point = {"memory": memory, "tokens": tokens, "sorted": ordered, "programs": programs,
@@ -151,8 +165,8 @@ def measure(args: argparse.Namespace) -> dict:
     shard = geometry.shard(0, 1)
     device = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator(device=device).manual_seed(1)
-    pools = {t: bucket_ids(geometry, t, args.iterations + WARM, device, gen)
-             for t in sorted({t for t, _ in LOOKUPS})}
+    tokens = sorted({parse_lookup(lookup)[0] for lookup in args.lookups} | {256, 4096})
+    pools = {t: bucket_ids(geometry, t, args.iterations + WARM, device, gen) for t in tokens}
     points, memories = [], {}
     with bench_folders(show_log=False) as (work, shm):
         specs = fill_tables(geometry, work / "ckpt", shm, INSTANCE)
@@ -163,6 +177,9 @@ def measure(args: argparse.Namespace) -> dict:
                      ("folios", lambda: registered_files(tables, collapse=False)),
                      ("copy", lambda: pinned_copy(tables)))
             for memory, open_memory in cases:
+                if memory not in args.memories and not (memory == "collapse"
+                                                        and "folios" in args.memories):
+                    continue
                 before, at = pmd_mapped_bytes(), time.perf_counter()
                 with open_memory() as layer_tables:
                     memories[memory] = {"open_s": round(time.perf_counter() - at, 3),
@@ -170,8 +187,7 @@ def measure(args: argparse.Namespace) -> dict:
                                                                 / 2**30, 2)}
                     print(memory, memories[memory], flush=True)
                     if memory != "collapse":  # the collapse only makes the folios
-                        points += time_memory(memory, layer_tables, tables, pools, shard,
-                                              args.iterations)
+                        points += time_memory(memory, layer_tables, tables, pools, shard, args)
         finally:
             for t in tables:
                 t.close()
@@ -204,6 +220,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--table-gib", type=float, default=16.0)
     parser.add_argument("--iterations", type=int, default=60)
+    parser.add_argument("--memories", nargs="+", choices=MEMORIES, default=list(MEMORIES))
+    parser.add_argument("--grids", nargs="+", metavar="PROGRAMS:ROWS",
+                        help="grids to time (default: all SMs:8, half:8, half:16, half:32)")
+    parser.add_argument("--lookups", nargs="+", default=list(LOOKUPS),
+                        help="T of each lookup timed, with s for sorted (default: %(default)s)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     return parser.parse_args(argv)
 

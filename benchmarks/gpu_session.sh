@@ -32,7 +32,7 @@
 # thp-probe (benchmarks/thp_probe.py: pinning /dev/shm pages collapsed into 2 MiB folios),
 # tests-pin-files (pinning through HugeViews: pin, standby, reload GPU tests),
 # standby-64-shm (the same on /dev/shm), tests-standby (tests/gpu/test_standby_gpu.py: a standby's pins across a reload and a takeover),
-# gather-pages (benchmarks/gather_pages.py), sm-cap-rows (benchmarks/sm_cap.py at 16 and 32 rows per block),
+# gather-pages (benchmarks/gather_pages.py), gather-grids (the same, more grids, folios only), sm-cap-rows (benchmarks/sm_cap.py at 16 and 32 rows per block),
 # start-costs (torch's import and CUDA start, EAGER against LAZY, with and without a CUDA context
 # made first, as the daemon's preload does; the daemon's imports by cumulative time).
 # Logs and results are packed into OUT/results.tgz (one file); each phase's exit code is
@@ -267,6 +267,11 @@ phase_tests_pin_files() {
 }
 phase_gather_pages() {  # gather rates from 4 KiB pages, 2 MiB folios and a pinned copy, by grid
   python3 benchmarks/gather_pages.py --out "$out/pages" 2>&1 | tee "$out/gather_pages.log" | tail -40
+}
+phase_gather_grids() {  # gather_pages on the folios alone, more grids, sorted lookups of 1,024-4,096 tokens
+  python3 benchmarks/gather_pages.py --memories folios --grids 132:8 132:16 132:32 132:64 66:8 66:16 \
+    66:32 66:64 33:64 --lookups 256 1024s 2048s 4096s 4096 --out "$out/grids" 2>&1 \
+    | tee "$out/gather_grids.log" | tail -50
 }
 phase_sm_cap_rows() {  # sm_cap with 16 and 32 rows per block (the half grid's candidates)
   local rows rc=0
