@@ -19,7 +19,7 @@
 # dispatch modes), tests-kill-mps-connections (the same with CUDA_DEVICE_MAX_CONNECTIONS=32),
 # tests-kill-mps-worker, tests-kill-mps-inline, tests-kill-mps-inline-connections (one dispatch mode, 200 s),
 # tests-counters (host-memory counters, then test_cuda_daemon.py),
-# tests-warm-up (the daemon's kernel warm-up against the variants it launches), tests-rows (rows and counts of every kind of IDs), unmap-probe (benchmarks/unmap_probe.py),
+# tests-warm-up (the daemon's kernel warm-up against the variants it launches), tests-gather (all of test_gather_triton.py), tests-rows (rows and counts of every kind of IDs), unmap-probe (benchmarks/unmap_probe.py),
 # pin-probe (benchmarks/pin_probe.py: ways to pin a table file already in shared memory),
 # floods (benchmarks/floods.py: a good client beside floods, on more cores than a CI machine),
 # floods-switch20 and floods-omp1 (experiments: a 20 us GIL switch interval; one intra-op thread),
@@ -84,6 +84,9 @@ phase_tests_counters() {  # host-memory counters, then the end-to-end daemon tes
 }
 phase_tests_rows() {  # served and mapped rows of every kind of IDs, and their out-of-range counts
   python3 -m pytest tests/gpu/test_cuda_daemon.py -q -k rows_match_reference 2>&1 | tee "$out/gpu_tests_rows.log"
+}
+phase_tests_gather() {  # the gather kernel's GPU tests (rows of every grid, sort, warm-up), no MPS
+  python3 -m pytest tests/gpu/test_gather_triton.py -q --durations=5 2>&1 | tee "$out/gpu_tests_gather.log"
 }
 phase_tests_warm_up() {  # the daemon's warm-up covers the variants its lookups launch
   python3 -m pytest tests/gpu/test_gather_triton.py -q -k warm_up 2>&1 | tee "$out/gpu_tests_warm_up.log"

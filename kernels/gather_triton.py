@@ -45,6 +45,8 @@ except ImportError:  # the module stays importable; GatherPlan raises on use
     tl = None
 
 DEFAULT_BLOCK_ROWS = 8
+WIDE_BLOCK_ROWS = 32  # sorted lookups with many rows per program: sorted_block_rows
+WIDE_FROM_ROWS = 2048  # rows per program from which a sorted lookup takes WIDE_BLOCK_ROWS
 DEFAULT_NUM_WARPS = 4
 _META_COLUMNS = 4  # address, rows, row_lo, row_hi
 _ID_DTYPES = (torch.int32, torch.int64)
@@ -402,8 +404,9 @@ class GatherPlan:
                              device=self.device)
             for as_bytes, count, cache, leaders, ordered in itertools.product(packed, counts, caches,
                                                                                dedupe, sort):
-                self(ids, packed=as_bytes, stream=stream, out_of_range=count, cache=cache,
-                     dedupe=leaders, sort=ordered)
+                for rows in (DEFAULT_BLOCK_ROWS, WIDE_BLOCK_ROWS) if ordered else (DEFAULT_BLOCK_ROWS,):
+                    self(ids, packed=as_bytes, stream=stream, out_of_range=count, cache=cache,
+                         dedupe=leaders, sort=ordered, block_rows=rows)
 
     def output_shape(self, tokens: int, packed: bool = False) -> tuple[int, int, int, int]:
         width = self.row_bytes if packed else self.head_dim
@@ -418,7 +421,7 @@ class GatherPlan:
         num_programs: int | None = None,
         stream: torch.cuda.Stream | None = None,
         out_of_range: Tensor | None = None,
-        block_rows: int = DEFAULT_BLOCK_ROWS,
+        block_rows: int | None = None,
         num_warps: int = DEFAULT_NUM_WARPS,
         cache: HotCache | None = None,
         dedupe: bool = False,
@@ -437,14 +440,18 @@ class GatherPlan:
         (layer, row) once (a sort, the gather of the leaders, then a copy to the followers).
         `sort`: read the rows in sorted order (a sort of the IDs first; no synchronisation).
 
+        `block_rows` (default): DEFAULT_BLOCK_ROWS, or sorted_block_rows' choice for sorted reads.
         Grid size, measured on an H200 (8 M-row table, 393 K random rows): reads over UVA from
         pinned host memory run at 53-61 M rows/s whatever num_programs and block_rows are; from
         HBM, 4 programs per SM gather about twice as fast as 1 (1.3 G vs 0.6 G rows/s as bf16).
         """
         self._check_ids(ids)
         out = self._check_out(out, ids.shape[0], packed)
-        programs = self._check_launch(num_programs, block_rows, num_warps, out_of_range)
         n_items = self.n_layers * ids.shape[0] * self.shard.local_heads
+        programs = self._check_launch(num_programs, DEFAULT_BLOCK_ROWS if block_rows is None
+                                      else block_rows, num_warps, out_of_range)
+        if block_rows is None:
+            block_rows = sorted_block_rows(n_items, programs) if sort else DEFAULT_BLOCK_ROWS
         if n_items > _MAX_ITEMS:
             raise ValueError(f"{n_items} rows in one lookup; at most {_MAX_ITEMS} per launch")
         if n_items == 0:
@@ -728,6 +735,17 @@ def _stage_meta(tables: Sequence[LayerTable], shard: Shard, device: torch.device
 
 
 _SM_COUNTS: dict[torch.device, int] = {}
+
+
+def sorted_block_rows(n_items: int, programs: int) -> int:
+    """Rows per block of a sorted lookup of `n_items` rows on a grid of `programs`.
+
+    Sorted reads of host rows go faster in wider blocks once every program has many to do
+    (benchmarks/results/h200/gather_grids.md, 16 GiB on an H200, alone on the GPU): at 66
+    programs (the daemon's half of the SMs) 4,096 tokens (2,979 rows a program) took 3.77-3.88
+    ms in blocks of 32 rows against 4.10-4.17 in blocks of 8; at 1,024 tokens (745 a program)
+    32 rows were 8% slower, and at 132 programs 4,096 tokens (1,489) gained nothing."""
+    return WIDE_BLOCK_ROWS if n_items >= WIDE_FROM_ROWS * programs else DEFAULT_BLOCK_ROWS
 
 
 def _default_programs(device: torch.device) -> int:

@@ -412,6 +412,34 @@ def test_sorted_reads_equal_the_reference(kt, world, shards, packed):
     assert int(bad) == want_bad
 
 
+def test_sorted_lookups_take_wide_blocks_from_enough_rows_a_program(kt):
+    for programs in (1, 66, 132):
+        assert kt.sorted_block_rows(kt.WIDE_FROM_ROWS * programs - 1, programs) == kt.DEFAULT_BLOCK_ROWS
+        assert kt.sorted_block_rows(kt.WIDE_FROM_ROWS * programs, programs) == kt.WIDE_BLOCK_ROWS
+
+
+def test_a_sorted_lookup_in_wide_blocks_equals_the_reference(kt, world, monkeypatch):
+    """The default blocks of a sorted lookup widen with its rows per program (sorted_block_rows):
+    the wide variant must give the reference's rows too."""
+    geo, tables = world
+    shard = geo.shard(0, 1)
+    tokens = -(-kt.WIDE_FROM_ROWS // (geo.n_layers * shard.local_heads)) + 1
+    ids = with_boundaries(mixed_ids(geo, tokens, seed=91), shard)
+    original, launched = kt._Launch, []
+
+    def recording(*args):
+        launched.append(original(*args))
+        return launched[-1]
+
+    monkeypatch.setattr(kt, "_Launch", recording)
+    want, want_bad = gather_ref.gather(tables, ids, shard)
+    bad = torch.zeros(1, dtype=torch.int64)
+    got = kt.GatherPlan(tables, shard)(ids, sort=True, out_of_range=bad, num_programs=1)
+    assert [launch.block_rows for launch in launched] == [kt.WIDE_BLOCK_ROWS]
+    assert_same(got, want, "sorted in wide blocks")
+    assert int(bad) == want_bad
+
+
 def test_warming_from_a_trace_admits_its_repeated_rows_only(kt, world):
     from engramd.kernels import hot_cache
     from engramd.server.cache_keeper import CacheKeeper

@@ -151,6 +151,21 @@ def test_sorted_ids(world):
     assert_same(gt.GatherPlan(tables_gpu, shard)(ids.to(CUDA)), want, "sorted ids")
 
 
+@pytest.mark.parametrize("num_programs", [66, None])
+def test_sorted_reads_in_the_default_blocks_equal_the_reference(world, num_programs):
+    """At 66 programs a sorted lookup of 4,097 tokens takes wide blocks (sorted_block_rows), at
+    one program per SM narrow ones: both give the reference's rows and count."""
+    geo, tables_cpu, tables_gpu = world
+    shard = geo.shard(0, 1)
+    ids = mixed_ids(geo, 4097, seed=8)
+    want, want_bad = reference(tables_cpu, ids, shard)
+    counter = torch.zeros(1, dtype=torch.int64, device=CUDA)
+    got = gt.GatherPlan(tables_gpu, shard)(ids.to(CUDA), sort=True, num_programs=num_programs,
+                                           out_of_range=counter)
+    assert_same(got, want, f"sorted, {num_programs} programs")
+    assert counter.item() == want_bad
+
+
 @pytest.mark.parametrize("num_programs", [1, 7, None, 100_000])
 @pytest.mark.parametrize("block_rows,num_warps", [(1, 1), (8, 4), (32, 8)])
 def test_any_grid_gives_the_same_rows(world, num_programs, block_rows, num_warps):
