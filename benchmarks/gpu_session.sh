@@ -32,7 +32,7 @@
 # thp-probe (benchmarks/thp_probe.py: pinning /dev/shm pages collapsed into 2 MiB folios),
 # tests-pin-files (pinning through HugeViews: pin, standby, reload GPU tests),
 # standby-64-shm (the same on /dev/shm), tests-standby (tests/gpu/test_standby_gpu.py: a standby's pins across a reload and a takeover),
-# gather-pages (benchmarks/gather_pages.py), gather-grids (the same, more grids, folios only), sm-cap-rows (benchmarks/sm_cap.py at 16 and 32 rows per block),
+# step-grid (step-text without MPS at 16 and 4,096 tokens, the daemon's grid then all SMs), gather-pages (benchmarks/gather_pages.py), gather-grids (the same, more grids, folios only), sm-cap-rows (benchmarks/sm_cap.py at 16 and 32 rows per block),
 # start-costs (torch's import and CUDA start, EAGER against LAZY, with and without a CUDA context
 # made first, as the daemon's preload does; the daemon's imports by cumulative time).
 # Logs and results are packed into OUT/results.tgz (one file); each phase's exit code is
@@ -267,6 +267,17 @@ phase_thp_probe() { python3 benchmarks/thp_probe.py --gib 16 --out "$out/thp" 2>
 phase_tests_pin_files() {
   python3 -m pytest tests/gpu/test_host_pin_gpu.py tests/gpu/test_standby_gpu.py tests/gpu/test_reload_gpu.py \
     -q --durations=5 2>&1 | tee "$out/gpu_tests_pin_files.log"
+}
+phase_step_grid() {  # step-text without MPS at 16 and 4,096 tokens: the daemon's default grid, then all SMs
+  local name extra rc=0
+  for name in default all_sms; do
+    extra=""
+    [ "$name" = all_sms ] && extra="--gather-sm-fraction 1.0"
+    python3 benchmarks/model_step.py --mps off --steps 80 --rounds 3 --ids text --traces .traces \
+      --tokens 16 4096 --daemon-args="$extra" --out "$out/step_grid_$name" 2>&1 \
+      | tee "$out/step_grid_$name.log" | tail -12 || rc=1
+  done
+  return "$rc"
 }
 phase_gather_pages() {  # gather rates from 4 KiB pages, 2 MiB folios and a pinned copy, by grid
   python3 benchmarks/gather_pages.py --out "$out/pages" 2>&1 | tee "$out/gather_pages.log" | tail -40
