@@ -12,7 +12,10 @@ kernels and serves. Before it holds the lock it binds nothing and writes, create
 table file, so it cannot disturb the daemon it stands by for.
 
 An upgrade: start the new version with --standby, wait until it logs that the tables are
-"mapped and pinned ahead", then stop the old one (SIGTERM).
+"mapped and pinned ahead", then stop the old one (SIGTERM). Under systemd (Type=notify,
+packaging/engramd@.service) the standby says READY=1 at that point, so that `systemctl start`
+of the new instance returns when it can take over fast; it says where it stands in STATUS=
+and pets the watchdog while it waits (StandbyNotices).
 
 What it is not: a second server. While it waits it answers nothing (`engramd health` reaches the
 serving daemon); it holds a CUDA context on every GPU it will serve, and page tables and pins of
@@ -22,11 +25,13 @@ the tables' shared memory (no second copy of it).
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import threading
 import time
 
 from engramd.server.config import DaemonConfig
+from engramd.server.notify import Notifier
 from engramd.server.standby_tables import PreparedTables, TableWatch
 from engramd.server.startup import SocketLock
 from engramd.server.table_loader import choose_backend_name
@@ -38,9 +43,11 @@ def wait_as_standby(config: DaemonConfig, lock: SocketLock) -> PreparedTables | 
     """Start ahead, then take `lock` once it is free; DaemonHalt(EXIT_OK) if stopped first.
     Returns the tables prepared meanwhile (server/standby_tables.py), for the start to adopt."""
     stop = _stop_on_signals()
+    notifier = Notifier()
+    notifier.status("standby: starting ahead")
     seconds, on_gpu = start_ahead(config)
     log.info("standby: daemon modules%s ready in %.2f s", " and CUDA" if on_gpu else "", seconds)
-    watch = TableWatch.start(config)
+    watch = TableWatch.start(config, StandbyNotices(notifier))
     try:
         lock.acquire(stop, on_held=lambda pid: log.info(
             "standing by for %s (served by pid %s); SIGTERM ends the wait", config.socket_path, pid))
@@ -51,6 +58,32 @@ def wait_as_standby(config: DaemonConfig, lock: SocketLock) -> PreparedTables | 
         signal.signal(signum, signal.SIG_DFL)
     log.info("standby: holding the lock of %s now; starting", config.socket_path)
     return watch.hand_over()
+
+
+class StandbyNotices:
+    """What a waiting standby tells systemd, from its table watch's thread (TableWatch's
+    on_state): STATUS= whenever where it stands changes; READY=1 the first time it has done
+    what it can ahead of a takeover; WATCHDOG=1 every half WatchdogSec, so that a standby whose
+    watch hangs is restarted. Once it holds the lock the daemon's own notices take over."""
+
+    def __init__(self, notifier: Notifier):
+        self._notifier = notifier
+        self._status: str | None = None
+        self._ready = False
+        self._petted = -math.inf
+
+    def __call__(self, status: str, settled: bool) -> None:
+        notifier = self._notifier
+        if settled and not self._ready:
+            notifier.ready(status)
+            self._ready = True
+        elif status != self._status:
+            notifier.status(status)
+        self._status = status
+        now = time.monotonic()
+        if notifier.watchdog_interval is not None and now - self._petted >= notifier.watchdog_interval:
+            notifier.watchdog()
+            self._petted = now
 
 
 def start_ahead(config: DaemonConfig) -> tuple[float, bool]:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +62,11 @@ class PreparedTables:
     tables: list[HostTable]
     registration: Any = None  # HostRegistration over every table (cuda), or None
 
+    def status(self) -> str:
+        pinned = " and pinned" if self.registration is not None else ""
+        return (f"standby: tables {self.fingerprint} mapped{pinned} ahead; takes over when the "
+                "serving daemon goes")
+
     def current(self, fingerprint: str | None) -> bool:
         return fingerprint == self.fingerprint and all(still_in_place(t) for t in self.tables)
 
@@ -72,6 +78,10 @@ class PreparedTables:
         unpin_then(registration, lambda: _close_all([t for t in tables if t not in kept]))
 
 
+def _not_pinned(fingerprint: str) -> str:
+    return f"standby: tables {fingerprint} could not be pinned ahead; the takeover pins them"
+
+
 def _close_all(tables: list[HostTable]) -> None:
     for table in tables:
         try:
@@ -81,10 +91,15 @@ def _close_all(tables: list[HostTable]) -> None:
 
 
 class TableWatch:
-    """Keeps a standby's PreparedTables current on a thread of its own until hand_over()."""
+    """Keeps a standby's PreparedTables current on a thread of its own until hand_over().
 
-    def __init__(self, config: DaemonConfig):
+    After every look it tells `on_state(status, settled)` (if given) where it stands: a line
+    for a supervisor, and whether the standby has done what it can ahead of a takeover (its
+    tables prepared, or their pin failed and will not be tried again)."""
+
+    def __init__(self, config: DaemonConfig, on_state: Callable[[str, bool], None] | None = None):
         self._config = config
+        self._on_state = on_state
         self._backend = choose_backend_name(config.backend)
         self._prepared: PreparedTables | None = None
         self._failed: str | None = None  # a fingerprint whose pin failed: not tried again
@@ -93,8 +108,9 @@ class TableWatch:
         self._thread = threading.Thread(target=self._run, name="engramd-standby-tables", daemon=True)
 
     @classmethod
-    def start(cls, config: DaemonConfig) -> TableWatch:
-        watch = cls(config)
+    def start(cls, config: DaemonConfig,
+              on_state: Callable[[str, bool], None] | None = None) -> TableWatch:
+        watch = cls(config, on_state)
         watch._thread.start()
         return watch
 
@@ -114,46 +130,54 @@ class TableWatch:
         reported = None
         while not self._stop.is_set():
             try:
-                self._step()
+                state = self._step()
                 reported = None
             except Exception as exc:  # a standby that cannot prepare still takes over, slower
+                state = ("standby: preparing the tables failed; the takeover will map them", False)
                 if str(exc) != reported:  # once per cause, not every WATCH_S
                     log.exception("standby: preparing the tables failed; the takeover will map them")
                     reported = str(exc)
+            if self._on_state is not None:
+                self._on_state(*state)
             self._stop.wait(WATCH_S)
 
-    def _step(self) -> None:
+    def _step(self) -> tuple[str, bool]:
+        """One look: prepare, keep or let go of the tables; where the standby stands (see
+        on_state)."""
         fingerprint, checkpoint = self._checkpoint()
         if self._prepared is not None:
             if self._prepared.current(fingerprint):
-                return
+                return self._prepared.status(), True
             log.info("standby: letting go of tables %s (replaced or removed)", self._prepared.fingerprint)
             prepared, self._prepared = self._prepared, None
             prepared.close()
-        if checkpoint is None or fingerprint == self._failed:
-            return
+        if checkpoint is None:
+            return "standby: the configured tables cannot be opened now", False
+        if fingerprint == self._failed:
+            return _not_pinned(fingerprint), True
+        waiting = (f"standby: waiting for the serving daemon to serve tables {fingerprint}", False)
         if not self._served(fingerprint):
             if self._waiting_for != fingerprint:
-                log.info("standby: waiting for the serving daemon to serve tables %s before "
-                         "mapping them", fingerprint)
+                log.info("%s before mapping them", waiting[0])
                 self._waiting_for = fingerprint
-            return
+            return waiting
         folder = tables_folder_path(self._config.shm_dir, self._config.instance)
         started = time.monotonic()
         tables = attach_complete(folder, self._config.instance, checkpoint) if folder.is_dir() else None
         if tables is None:
-            return  # not loaded yet, or still loading: looked at again in WATCH_S
+            return waiting  # not loaded yet, or still loading: looked at again in WATCH_S
         try:
             registration = pin_for_backend(self._backend, tables, collapse=False)
         except DeviceBackendError as exc:
             self._failed = fingerprint
             _close_all(tables)
             log.warning("standby: %s; the takeover will pin the tables itself", exc)
-            return
+            return _not_pinned(fingerprint), True
         self._prepared = PreparedTables(fingerprint, tables, registration)
         log.info("standby: tables %s (%s) mapped%s ahead in %.2f s", fingerprint,
                  size(sum(t.nbytes for t in tables)), " and pinned" if registration else "",
                  time.monotonic() - started)
+        return self._prepared.status(), True
 
     def _served(self, fingerprint: str) -> bool:
         """Whether the serving daemon answers that it is ready on tables `fingerprint`."""

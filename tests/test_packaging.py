@@ -14,11 +14,15 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_systemd_unit_has_the_settings_the_daemon_relies_on():
+def systemd_unit(name: str) -> configparser.ConfigParser:
     unit = configparser.ConfigParser(strict=False, interpolation=None)
     unit.optionxform = str
-    unit.read(ROOT / "packaging" / "engramd.service")
-    service = unit["Service"]
+    unit.read(ROOT / "packaging" / name)
+    return unit
+
+
+def test_systemd_unit_has_the_settings_the_daemon_relies_on():
+    service = systemd_unit("engramd.service")["Service"]
     assert service["Type"] == "notify" and service["NotifyAccess"] == "main"
     assert service["KillMode"] == "mixed" and service["LimitMEMLOCK"] == "infinity"
     assert int(service["TimeoutStartSec"].rstrip("min")) >= 30
@@ -26,6 +30,21 @@ def test_systemd_unit_has_the_settings_the_daemon_relies_on():
     for breaking in ("PrivateDevices", "PrivateIPC", "MemoryDenyWriteExecute", "RemoveIPC"):
         assert breaking not in service, f"{breaking} breaks GPU access, CUDA IPC or the JIT"
     assert "/dev/shm" in service["ReadWritePaths"]
+
+
+def test_the_units_that_take_turns_are_the_plain_unit_standing_by():
+    """engramd@.service differs from engramd.service only where taking turns needs it: every
+    instance starts as a standby (the first one serves at once), and stopping one must not
+    remove the runtime folder that the other serves from."""
+    plain, turns = systemd_unit("engramd.service"), systemd_unit("engramd@.service")
+    assert plain.sections() == turns.sections()
+    differ = {"Description", "ExecStart", "RuntimeDirectoryPreserve"}
+    for section in plain.sections():
+        mine = {k: v for k, v in turns[section].items() if k not in differ}
+        assert mine == {k: v for k, v in plain[section].items() if k not in differ}, section
+    service = turns["Service"]
+    assert service["ExecStart"] == plain["Service"]["ExecStart"].replace(" serve ", " serve --standby ")
+    assert service["RuntimeDirectoryPreserve"] == "yes"
 
 
 def dockerfile_instructions() -> list[tuple[str, str]]:

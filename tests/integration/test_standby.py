@@ -7,13 +7,14 @@ one dies (kill -9) or stops (SIGTERM, the upgrade path), the standby takes the s
 the tables it mapped (the same files) and serves exact rows to the client, which re-registers by
 itself; a reload of the serving daemon makes the standby let go of the old tables and map the
 new ones, which it then serves; it maps tables only once the serving daemon serves them; a standby stopped while it waits exits 0, and SIGHUP (a reload,
-meant for the serving daemon) does not end it.
+meant for the serving daemon) does not end it; under systemd it says READY=1 once it can take over fast.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 
 import numpy as np
 import pytest
@@ -148,3 +149,35 @@ def test_a_standby_maps_the_tables_only_once_the_serving_daemon_serves_them(daem
     wait_until(lambda: maps_exactly(standby, files), timeout=LET_GO_S)
     assert standby.stop() == 0, standby.log()
     assert serving.stop() == 0
+
+
+def test_systemd_sees_a_standby_ready_once_it_can_take_over_fast(daemon_factory, tmp_path):
+    """Under Type=notify a standby says READY=1 once its tables are mapped ahead (so that
+    `systemctl start` of a new instance returns when stopping the old one is safe and fast),
+    says where it stands in STATUS=, and pets the watchdog while it waits; after the takeover
+    the daemon's own READY=1 follows."""
+    serving = daemon_factory()
+    address = str(tmp_path / "notify.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(address)
+    listener.settimeout(STANDING_BY_S)
+    standby = daemon_factory(shm_dir=serving.shm_dir, extra=["--standby", "--socket", str(serving.socket)],
+                             start=False, env={"NOTIFY_SOCKET": address, "WATCHDOG_USEC": "400000"})
+    standby.socket = serving.socket
+    standby.start()
+    messages = [listener.recv(4096).decode()]
+    while not messages[-1].startswith("READY=1"):
+        messages.append(listener.recv(4096).decode())
+    assert messages[0] == "STATUS=standby: starting ahead", messages
+    assert "mapped ahead; takes over" in messages[-1] and f"MAINPID={standby.proc.pid}" in messages[-1]
+    assert "listening" not in standby.log() and serving.health()["pid"] == serving.proc.pid
+    pets = 0
+    while pets < 3:  # every 0.2 s (half WATCHDOG_USEC) while it waits
+        pets += listener.recv(4096).decode() == "WATCHDOG=1"
+    assert serving.stop() == 0
+    while not messages[-1].startswith("READY=1") or "standby" in messages[-1]:
+        messages.append(listener.recv(4096).decode())
+    assert "ready: cpu backend" in messages[-1], messages[-1]
+    assert standby.health()["pid"] == standby.proc.pid
+    assert standby.stop() == 0, standby.log()
+    listener.close()
