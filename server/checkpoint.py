@@ -238,6 +238,12 @@ class EngramCheckpoint:
             for i, lid in enumerate(g.layer_ids))
         return cls(directory, geometry, weights, scales, shards)
 
+    def files(self) -> list[Path]:
+        """The files it was read from: config, index (if there is one), the Engram shards."""
+        index = self.directory / INDEX_FILE
+        return [self.directory / CONFIG_FILE, *([index] if index.exists() else []),
+                *sorted(self._shards)]
+
     def weight(self, layer_index: int) -> TensorRef:
         """The FP8 table of the layer at position `layer_index` of `geometry.layer_ids`."""
         return self._weights[self._check_layer(layer_index)]
