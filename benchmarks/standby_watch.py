@@ -10,7 +10,7 @@ shards that hold the Engram tables. The probe builds a sparse checkpoint of V4.1
 Engram shards' headers hold 600 other entries, then times, in CPU and wall time per look:
   open     EngramCheckpoint.open + fingerprint (what every look did before)
   watch    TableWatch._checkpoint on the untouched checkpoint (file stats; opens only on change)
-Writes DIR/standby_watch.json and .md.
+Writes DIR/standby_watch_cpu.json and .md.
 """
 
 from __future__ import annotations

@@ -205,7 +205,9 @@ def mapped_gather(shard: ShardView, tables: MappedTables, device: torch.device, 
     from engramd.kernels.gather_triton import GatherPlan, SlotGather
 
     plan = GatherPlan(tables.layer_tables(), shard, device)
-    plan.warm_up(sort=(False, True) if sort_min_tokens else (False,), dedupe=(False,))
+    # Exactly what gather_gpu launches: bf16 rows, always counted.
+    plan.warm_up(sort=(False, True) if sort_min_tokens else (False,), dedupe=(False,),
+                 packed=(False,), counted=(True,))
     counter = counter if counter is not None else torch.zeros(1, dtype=torch.int64, device=device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     programs = max(1, int(sms * min(1.0, max(0.0, sm_fraction))))

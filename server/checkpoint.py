@@ -239,10 +239,10 @@ class EngramCheckpoint:
         return cls(directory, geometry, weights, scales, shards)
 
     def files(self) -> list[Path]:
-        """The files it was read from: config, index (if there is one), the Engram shards."""
-        index = self.directory / INDEX_FILE
-        return [self.directory / CONFIG_FILE, *([index] if index.exists() else []),
-                *sorted(self._shards)]
+        """The files that decide what it is: config, index and single-file form (whichever
+        exist: one appearing changes it too), and the shards that hold its Engram tensors."""
+        return [self.directory / CONFIG_FILE, self.directory / INDEX_FILE,
+                self.directory / SINGLE_FILE, *sorted(self._shards)]
 
     def weight(self, layer_index: int) -> TensorRef:
         """The FP8 table of the layer at position `layer_index` of `geometry.layer_ids`."""

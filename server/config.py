@@ -91,9 +91,10 @@ SETTINGS: tuple[Setting, ...] = (
             "CUDA backend: lookups of at least this many tokens read their rows in sorted order (0: never)",
             low=0, high=1 << 20),
     # Half the SMs keep 97% of the gather's rate and slow a matmul beside it less (+9.8% against
-    # +12.0% with all of them; sm_cap). In a model step (model_step_grid_*) a mapped client's
-    # 4,096-token lookup then took 4-7% longer where the rows were wanted after one matmul, and
-    # 2-24% less where after twelve: 1.0 suits a model that consumes its rows right away.
+    # +12.0% with all of them; sm_cap). In a model step (model_step_grid_*) with a mapped
+    # client's 4,096-token lookup, the step then took 4-7% longer where the rows were wanted
+    # after one matmul, and 2-24% less where after twelve: 1.0 suits a model that consumes its
+    # rows right away.
     Setting("gather_sm_fraction", float, 0.5,
             "CUDA backend: fraction of each GPU's SMs the gather may occupy (leaves the model room); "
             "mapped clients' own gathers keep to it too",

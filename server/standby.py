@@ -33,7 +33,7 @@ import time
 from engramd.server.config import DaemonConfig
 from engramd.server.notify import Notifier
 from engramd.server.standby_tables import PreparedTables, TableWatch
-from engramd.server.startup import SocketLock
+from engramd.server.startup import EXIT_SOCKET_IN_USE, DaemonHalt, SocketLock
 from engramd.server.table_loader import choose_backend_name
 
 log = logging.getLogger("engramd.daemon")
@@ -41,16 +41,22 @@ log = logging.getLogger("engramd.daemon")
 
 def wait_as_standby(config: DaemonConfig, lock: SocketLock) -> PreparedTables | None:
     """Start ahead, then take `lock` once it is free; DaemonHalt(EXIT_OK) if stopped first.
-    Returns the tables prepared meanwhile (server/standby_tables.py), for the start to adopt."""
+    Returns the tables prepared meanwhile (server/standby_tables.py), for the start to adopt.
+    A free lock is taken at once, and the start goes on as a plain one (None)."""
+    if _free(lock):  # nobody to stand by for: a plain start, its pin beside the imports
+        log.info("standby: the socket %s is free; starting at once", config.socket_path)
+        return None
     stop = _stop_on_signals()
     notifier = Notifier()
     notifier.status("standby: starting ahead")
     seconds, on_gpu = start_ahead(config)
     log.info("standby: daemon modules%s ready in %.2f s", " and CUDA" if on_gpu else "", seconds)
-    watch = TableWatch.start(config, StandbyNotices(notifier))
+    notices = StandbyNotices(notifier)
+    watch = TableWatch.start(config, notices)
     try:
         lock.acquire(stop, on_held=lambda pid: log.info(
-            "standing by for %s (served by pid %s); SIGTERM ends the wait", config.socket_path, pid))
+            "standing by for %s (served by pid %s); SIGTERM ends the wait", config.socket_path, pid),
+            on_poll=notices.pet)
     except BaseException:
         watch.close()
         raise
@@ -61,10 +67,11 @@ def wait_as_standby(config: DaemonConfig, lock: SocketLock) -> PreparedTables | 
 
 
 class StandbyNotices:
-    """What a waiting standby tells systemd, from its table watch's thread (TableWatch's
-    on_state): STATUS= whenever where it stands changes; READY=1 the first time it has done
-    what it can ahead of a takeover; WATCHDOG=1 every half WatchdogSec, so that a standby whose
-    watch hangs is restarted. Once it holds the lock the daemon's own notices take over."""
+    """What a waiting standby tells systemd: STATUS= whenever where it stands changes and
+    READY=1 the first time it has done what it can ahead of a takeover (both from its table
+    watch's thread: TableWatch's on_state); WATCHDOG=1 every half WatchdogSec from the thread
+    that waits for the lock (pet), which a pin of the tables that takes long does not hold up.
+    Once it holds the lock the daemon's own notices take over."""
 
     def __init__(self, notifier: Notifier):
         self._notifier = notifier
@@ -73,17 +80,30 @@ class StandbyNotices:
         self._petted = -math.inf
 
     def __call__(self, status: str, settled: bool) -> None:
-        notifier = self._notifier
         if settled and not self._ready:
-            notifier.ready(status)
+            self._notifier.ready(status)
             self._ready = True
         elif status != self._status:
-            notifier.status(status)
+            self._notifier.status(status)
         self._status = status
+
+    def pet(self) -> None:
+        interval = self._notifier.watchdog_interval
         now = time.monotonic()
-        if notifier.watchdog_interval is not None and now - self._petted >= notifier.watchdog_interval:
-            notifier.watchdog()
+        if interval is not None and now - self._petted >= interval:
+            self._notifier.watchdog()
             self._petted = now
+
+
+def _free(lock: SocketLock) -> bool:
+    """Take `lock` if nobody holds it; False if another engramd does."""
+    try:
+        lock.acquire()
+    except DaemonHalt as halt:
+        if halt.status != EXIT_SOCKET_IN_USE:
+            raise
+        return False
+    return True
 
 
 def start_ahead(config: DaemonConfig) -> tuple[float, bool]:

@@ -54,6 +54,7 @@ log = logging.getLogger("engramd.daemon")
 # keeps a replaced table's memory alive after the serving daemon removed its file.
 WATCH_S = 0.5
 HEALTH_TIMEOUT_S = 1.0  # a ready daemon answers health within milliseconds
+SETTLE_AFTER_FAILURES = 20  # looks (10 s) that raise before a standby says it can do no more
 
 
 @dataclass
@@ -105,7 +106,7 @@ class TableWatch:
         self._backend = choose_backend_name(config.backend)
         self._prepared: PreparedTables | None = None
         self._failed: str | None = None  # a fingerprint whose pin failed: not tried again
-        self._waiting_for: str | None = None  # the fingerprint the log last said it waits for
+        self._waiting_for: str | None = None  # what the log last said it waits for
         self._opened: OpenedCheckpoint | None = None  # the checkpoint's last open (_checkpoint)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engramd-standby-tables", daemon=True)
@@ -130,18 +131,21 @@ class TableWatch:
             prepared.close()
 
     def _run(self) -> None:
-        reported = None
+        reported, failures = None, 0
         while not self._stop.is_set():
             try:
                 state = self._step()
-                reported = None
+                reported, failures = None, 0
             except Exception as exc:  # a standby that cannot prepare still takes over, slower
-                # Settled: an upgrade must not wait for what may never come.
-                state = ("standby: preparing the tables failed; the takeover will map them", True)
+                failures += 1
+                # Settled once it persists: an upgrade must not wait for what may never come,
+                # nor go ahead on a passing failure (a look that raced a reload, say).
+                state = ("standby: preparing the tables failed; the takeover will map them",
+                         failures >= SETTLE_AFTER_FAILURES)
                 if str(exc) != reported:  # once per cause, not every WATCH_S
                     log.exception("%s", state[0])
                     reported = str(exc)
-            if self._on_state is not None:
+            if self._on_state is not None and not self._stop.is_set():  # not once it took over
                 self._on_state(*state)
             self._stop.wait(WATCH_S)
 
@@ -159,17 +163,15 @@ class TableWatch:
             return "standby: the configured tables cannot be opened now", False
         if fingerprint == self._failed:
             return _not_pinned(fingerprint), True
-        waiting = (f"standby: waiting for the serving daemon to serve tables {fingerprint}", False)
-        if not self._served(fingerprint):
-            if self._waiting_for != fingerprint:
-                log.info("%s before mapping them", waiting[0])
-                self._waiting_for = fingerprint
-            return waiting
+        health = self._health()
+        if health is None or not health.ready or health.tables != fingerprint:
+            return self._not_served(fingerprint, health)
         folder = tables_folder_path(self._config.shm_dir, self._config.instance)
         started = time.monotonic()
         tables = attach_complete(folder, self._config.instance, checkpoint) if folder.is_dir() else None
-        if tables is None:
-            return waiting  # not loaded yet, or still loading: looked at again in WATCH_S
+        if tables is None:  # served and ready, so complete: not where this standby looks
+            return (f"standby: tables {fingerprint} are served, but not in {folder} (shm_dir and "
+                    "instance as the serving daemon's?); the takeover loads them", True)
         try:
             registration = pin_for_backend(self._backend, tables, collapse=False)
         except DeviceBackendError as exc:
@@ -183,13 +185,28 @@ class TableWatch:
                  time.monotonic() - started)
         return self._prepared.status(), True
 
-    def _served(self, fingerprint: str) -> bool:
-        """Whether the serving daemon answers that it is ready on tables `fingerprint`."""
+    def _not_served(self, fingerprint: str, health: Any) -> tuple[str, bool]:
+        """Where a standby stands whose tables the serving daemon does not serve (yet): it waits
+        while that daemon starts or reloads; one ready on other tables (the configured ones
+        deployed but not reloaded) may serve those for good, so the standby has done all it
+        can: its takeover will load the configured ones."""
+        if (health is not None and health.ready and health.tables != fingerprint
+                and (health.reload or {}).get("state") != "loading"):
+            state = (f"standby: the serving daemon serves tables {health.tables}, the configured "
+                     f"ones are {fingerprint}; the takeover loads them", True)
+        else:
+            state = (f"standby: waiting for the serving daemon to serve tables {fingerprint}", False)
+        if self._waiting_for != state[0]:
+            log.info("%s%s", state[0], "" if state[1] else " before mapping them")
+            self._waiting_for = state[0]
+        return state
+
+    def _health(self) -> Any:
+        """The serving daemon's health reply, None if it does not answer."""
         try:
-            health = probe(self._config.socket_path, "health", HEALTH_TIMEOUT_S).body
+            return probe(self._config.socket_path, "health", HEALTH_TIMEOUT_S).body
         except Exception:  # gone, stopping or stuck: the takeover, if any, maps the tables
-            return False
-        return bool(health.ready) and health.tables == fingerprint
+            return None
 
     def _checkpoint(self) -> tuple[str | None, Any]:
         """The configured checkpoint and its fingerprint, or (None, None) while it cannot be
@@ -201,30 +218,30 @@ class TableWatch:
         those taken before the open that read the same files, so a file replaced during an
         open is seen at the next look."""
         opened = self._opened
-        if opened is not None and opened.stats is not None and file_stats(opened.files) == opened.stats:
+        if opened is not None and opened.reusable_stats == file_stats(opened.files):
             return opened.fingerprint, opened.checkpoint
         files = opened.files if opened is not None else []
         before = file_stats(files)
         try:
             checkpoint = resolve_checkpoint(self._config)
+            read = checkpoint.files()
+            fingerprint = checkpoint.fingerprint()
         except Exception:
             self._opened = None
             return None, None
-        now = checkpoint.files()
-        self._opened = OpenedCheckpoint(checkpoint, checkpoint.fingerprint(), now,
-                                        before if now == files else None)
-        return self._opened.fingerprint, checkpoint
+        self._opened = OpenedCheckpoint(checkpoint, fingerprint, read, before if read == files else None)
+        return fingerprint, checkpoint
 
 
 @dataclass(frozen=True)
 class OpenedCheckpoint:
     """A checkpoint as a standby last opened it, and the stats of its files from before that
-    open (None when that open read other files than the one before: not reused)."""
+    open (None when that open read other files than the one before: then not reused)."""
 
     checkpoint: Any
     fingerprint: str
     files: list[Path]
-    stats: tuple | None
+    reusable_stats: tuple | None
 
 
 def file_stats(files: list[Path]) -> tuple:

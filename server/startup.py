@@ -50,10 +50,11 @@ class SocketLock:
         self._fd: int | None = None
 
     def acquire(self, stop: threading.Event | None = None,
-                on_held: Callable[[str], None] | None = None) -> None:
+                on_held: Callable[[str], None] | None = None,
+                on_poll: Callable[[], None] | None = None) -> None:
         """Take the lock. Held by another engramd: DaemonHalt, or, with `stop` (a standby), try
-        again every STANDBY_POLL_S until it is free (`on_held(holder pid)` is told once) or
-        `stop` is set (DaemonHalt with EXIT_OK)."""
+        again every STANDBY_POLL_S until it is free (`on_held(holder pid)` is told once, and
+        `on_poll()` at every try) or `stop` is set (DaemonHalt with EXIT_OK)."""
         try:  # never through a symlink planted where the lock goes (it would overwrite its target)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o660)
         except OSError as exc:
@@ -76,6 +77,8 @@ class SocketLock:
             if not told and on_held is not None:
                 on_held(holder)
                 told = True
+            if on_poll is not None:
+                on_poll()
             stop.wait(STANDBY_POLL_S)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)

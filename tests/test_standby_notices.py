@@ -44,5 +44,11 @@ def test_the_watchdog_is_petted_every_interval(monkeypatch: pytest.MonkeyPatch):
     notices = standby.StandbyNotices(recorder)
     for step in range(9):  # every 0.5 s for 4 s: a pet at 0, 1, 2, 3 and 4 s
         now[0] = 100.0 + step * 0.5
-        notices("waiting", False)
-    assert [kind for kind, _ in recorder.sent].count("watchdog") == 5
+        notices.pet()
+    assert recorder.sent == [("watchdog", None)] * 5
+
+
+def test_no_watchdog_without_an_interval():
+    recorder = Recorder(watchdog_interval=None)
+    standby.StandbyNotices(recorder).pet()
+    assert recorder.sent == []

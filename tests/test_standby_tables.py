@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -82,9 +83,73 @@ def test_a_change_during_an_open_is_seen_at_the_next_look(watch, monkeypatch):
     assert fresh == EngramCheckpoint.open(watch.folder).fingerprint()
 
 
+def test_a_form_of_the_checkpoint_that_appears_is_a_change(watch):
+    """A single-file checkpoint that gains an index (or the reverse) may be another checkpoint:
+    the files watched include the forms that are not there."""
+    fingerprint, _ = watch._checkpoint()
+    watch._checkpoint()
+    opens = watch.opens
+    (watch.folder / "model.safetensors").write_bytes(b"not read: the index comes first")
+    assert watch._checkpoint()[0] == fingerprint
+    assert watch.opens == opens + 1
+
+
 def test_a_checkpoint_that_cannot_be_opened_is_none_and_looked_at_again(watch):
     watch._checkpoint()
     (watch.folder / "config.json").rename(watch.folder / "config.moved")
     assert watch._checkpoint() == (None, None)
     (watch.folder / "config.moved").rename(watch.folder / "config.json")
     assert watch._checkpoint()[0] is not None
+
+
+class Health:
+    def __init__(self, ready: bool, tables: str | None, reload_state: str | None = None):
+        self.ready, self.tables = ready, tables
+        self.reload = {"state": reload_state} if reload_state else {}
+
+
+@pytest.mark.parametrize("health,settled", [
+    (None, False),  # the serving daemon does not answer (starting, or gone)
+    (Health(False, None), False),  # starting
+    (Health(True, "other"), True),  # ready on other tables, no reload: it may stay so
+    (Health(True, "other", reload_state="loading"), False),  # reloading: perhaps to ours
+])
+def test_a_standby_whose_tables_are_not_served_waits_or_settles(watch, health, settled):
+    fingerprint, _ = watch._checkpoint()
+    watch._health = lambda: health
+    status, got = watch._step()
+    assert got == settled, status
+    assert fingerprint in status
+
+
+def test_tables_served_but_not_where_the_standby_looks_settle_it(watch):
+    fingerprint, _ = watch._checkpoint()
+    watch._health = lambda: Health(True, fingerprint)  # nothing in the standby's shm folder
+    status, settled = watch._step()
+    assert settled and "are served, but not in" in status
+
+
+def test_looks_that_keep_failing_settle_after_a_while_and_one_that_passes_does_not(
+        watch, monkeypatch):
+    monkeypatch.setattr(standby_tables, "WATCH_S", 0.001)
+    monkeypatch.setattr(standby_tables, "SETTLE_AFTER_FAILURES", 3)
+    states = []
+    looks = iter([RuntimeError("a look that raced a reload"), ("waiting", False)]
+                 + [RuntimeError("for good")] * 1000)
+
+    def step():
+        look = next(looks)
+        if isinstance(look, Exception):
+            raise look
+        return look
+
+    watch._step = step
+    watch._on_state = lambda status, settled: states.append(settled)
+    watch._thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while True not in states and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        watch.hand_over()
+    assert states[:5] == [False, False, False, False, True]

@@ -151,17 +151,27 @@ def test_sorted_ids(world):
     assert_same(gt.GatherPlan(tables_gpu, shard)(ids.to(CUDA)), want, "sorted ids")
 
 
-@pytest.mark.parametrize("num_programs", [66, None])
-def test_sorted_reads_in_the_default_blocks_equal_the_reference(world, num_programs):
+@pytest.mark.parametrize("num_programs,block_rows", [(66, gt.WIDE_BLOCK_ROWS),
+                                                     (1000, gt.DEFAULT_BLOCK_ROWS)])
+def test_sorted_reads_in_the_default_blocks_equal_the_reference(world, num_programs, block_rows,
+                                                                 monkeypatch):
     """At 66 programs a sorted lookup of 4,097 tokens takes wide blocks (sorted_block_rows), at
-    one program per SM narrow ones: both give the reference's rows and count."""
+    1,000 narrow ones: both give the reference's rows and count."""
     geo, tables_cpu, tables_gpu = world
     shard = geo.shard(0, 1)
     ids = mixed_ids(geo, 4097, seed=8)
     want, want_bad = reference(tables_cpu, ids, shard)
     counter = torch.zeros(1, dtype=torch.int64, device=CUDA)
+    original, launched = gt._Launch, []
+
+    def recording(*args):
+        launched.append(original(*args))
+        return launched[-1]
+
+    monkeypatch.setattr(gt, "_Launch", recording)
     got = gt.GatherPlan(tables_gpu, shard)(ids.to(CUDA), sort=True, num_programs=num_programs,
                                            out_of_range=counter)
+    assert [launch.block_rows for launch in launched] == [block_rows]
     assert_same(got, want, f"sorted, {num_programs} programs")
     assert counter.item() == want_bad
 

@@ -139,6 +139,10 @@ def test_a_standby_maps_the_tables_only_once_the_serving_daemon_serves_them(daem
     assert first.stop() == 0  # the files stay, complete
     serving = daemon_factory(shm_dir=first.shm_dir, ready=False,
                              env={LOAD_DELAY_ENV: str(SERVING_STARTS_S)})
+    # A standby that finds the socket free starts at once: the serving daemon takes it first.
+    lock = serving.socket.with_name(serving.socket.name + ".lock")
+    wait_until(lambda: lock.exists() and lock.read_text().strip() == str(serving.proc.pid),
+               timeout=STANDING_BY_S, step=0.05)
     standby = standby_for(daemon_factory, serving)
     wait_until(lambda: "waiting for the serving daemon to serve tables" in standby.log(),
                timeout=STANDING_BY_S)
@@ -181,3 +185,15 @@ def test_systemd_sees_a_standby_ready_once_it_can_take_over_fast(daemon_factory,
     assert standby.health()["pid"] == standby.proc.pid
     assert standby.stop() == 0, standby.log()
     listener.close()
+
+
+def test_a_standby_on_a_free_socket_starts_at_once_as_a_plain_start(daemon_factory):
+    """Every instance of engramd@.service runs --standby; the first one on a node (or one
+    restarted alone) must start as engramd.service does, its tables' pin beside its imports,
+    not after them."""
+    daemon = daemon_factory(extra=["--standby"])
+    assert daemon.health()["ready"]
+    log = daemon.log()
+    assert "is free; starting at once" in log and "standing by" not in log, log
+    assert "daemon modules and CUDA ready" not in log and "standby: daemon modules" not in log
+    assert daemon.stop() == 0
