@@ -32,7 +32,7 @@
 # thp-probe (benchmarks/thp_probe.py: pinning /dev/shm pages collapsed into 2 MiB folios),
 # tests-pin-files (pinning through HugeViews: pin, standby, reload GPU tests),
 # standby-64-shm (the same on /dev/shm), tests-standby (tests/gpu/test_standby_gpu.py: a standby's pins across a reload and a takeover),
-# step-grid (step-text without MPS at 16 and 4,096 tokens, the daemon's grid then all SMs), gather-pages (benchmarks/gather_pages.py), gather-grids (the same, more grids, folios only), sm-cap-rows (benchmarks/sm_cap.py at 16 and 32 rows per block),
+# step-grid (step-text without MPS at 16 and 4,096 tokens, the daemon's grid then all SMs), gather-pages (benchmarks/gather_pages.py), gather-grids (the same, more grids, folios only), sm-cap-rows (benchmarks/sm_cap.py at 16 and 32 rows per block), sm-cap-sorted (the same, sorted reads, 8 and 32),
 # start-costs (torch's import and CUDA start, EAGER against LAZY, with and without a CUDA context
 # made first, as the daemon's preload does; the daemon's imports by cumulative time).
 # Logs and results are packed into OUT/results.tgz (one file); each phase's exit code is
@@ -292,6 +292,14 @@ phase_sm_cap_rows() {  # sm_cap with 16 and 32 rows per block (the half grid's c
   for rows in 16 32; do
     python3 benchmarks/sm_cap.py --block-rows "$rows" --out "$out/sm_cap_rows$rows" 2>&1 \
       | tee "$out/sm_cap_rows$rows.log" | tail -10 || rc=1
+  done
+  return "$rc"
+}
+phase_sm_cap_sorted() {  # sm_cap with sorted reads, 8 and 32 rows per block (sorted_block_rows' two sizes)
+  local rows rc=0
+  for rows in 8 32; do
+    python3 benchmarks/sm_cap.py --sort --block-rows "$rows" --out "$out/sm_cap_sorted$rows" 2>&1 \
+      | tee "$out/sm_cap_sorted$rows.log" | tail -10 || rc=1
   done
   return "$rc"
 }

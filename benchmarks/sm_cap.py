@@ -1,6 +1,7 @@
 """SM cap for the gather: what a concurrent lookup costs a bf16 matmul, with and without the cap.
 
     python benchmarks/sm_cap.py [--table-gib 16] [--out DIR]
+    python benchmarks/sm_cap.py --sort --block-rows 32 --out DIR   # sorted lookups, wide blocks
     TRITON_INTERPRET=1 python benchmarks/sm_cap.py --smoke --out DIR   # CPU, tiny, no timings
 
 A lookup prefetched while the model computes runs beside its kernels; the gather's persistent grid
@@ -72,6 +73,7 @@ class Settings:
     check_tokens: int
     block_rows: int
     num_warps: int
+    sort: bool  # GatherPlan's sorted reads (a sort of the IDs, then the gather)
     seed: int
     smoke: bool
 
@@ -126,7 +128,7 @@ class Bench:
     def gather_step(self, programs: int):
         def step(k: int = 0) -> None:
             self.plan(self.ids.next(), self.out, num_programs=programs,
-                      block_rows=self.s.block_rows, num_warps=self.s.num_warps)
+                      block_rows=self.s.block_rows, num_warps=self.s.num_warps, sort=self.s.sort)
         return step
 
     def matmul_loop(self) -> StreamLoop:
@@ -181,7 +183,7 @@ def check_gather(bench: Bench, layout: HostLayout, geometry: TableGeometry, s: S
     want, _ = gather_ref.gather(layout.packed_tables(), ids, geometry.shard(0, 1))
     for programs in s.caps:
         got = bench.plan(ids.to(s.device), poisoned(want.shape, s.device), num_programs=programs,
-                         block_rows=s.block_rows, num_warps=s.num_warps)
+                         block_rows=s.block_rows, num_warps=s.num_warps, sort=s.sort)
         assert_exact(got, want, f"GatherPlan with {programs} programs")
     print(f"GatherPlan matches gather_ref bit for bit at {s.caps} programs", flush=True)
 
@@ -228,7 +230,7 @@ def measure(bench: Bench, s: Settings) -> dict:
                    "tflops": flops / baseline / 1e12, "starved": mm_starved + mm_starved2},
         "gather": {"tokens": s.tokens, "rows_per_lookup": bench.rows, "id_batches": s.id_batches,
                    "ids_reused_after_pool": bench.ids.cycled, "block_rows": s.block_rows,
-                   "num_warps": s.num_warps},
+                   "num_warps": s.num_warps, "sorted": s.sort},
         "points": points,
     }
 
@@ -270,7 +272,8 @@ def markdown(meta: dict, results: dict) -> str:
         f"the baseline of the slowdowns)",
         f"- gather: GatherPlan bf16, T = {g['tokens']} tokens x 2 layers x 24 heads = "
         f"{g['rows_per_lookup']:,} rows per lookup from {meta['table_gib']} GiB of packed rows in "
-        f"registered host memory, fresh random IDs, {g['block_rows']} rows per block, "
+        f"registered host memory, fresh random IDs{', sorted reads' if g.get('sorted') else ''}, "
+        f"{g['block_rows']} rows per block, "
         f"{g['num_warps']} warps",
         "",
         "| gather programs | share of SMs | gather alone M rows/s | gather beside matmul M rows/s "
@@ -309,13 +312,13 @@ def settings_from(args: argparse.Namespace) -> Settings:
             raise SystemExit("--smoke runs on the CPU under Triton's interpreter: "
                              "set TRITON_INTERPRET=1")
         return Settings(torch.device("cpu"), 8, 8, 64, 0.0, 0.0, 4, 8, args.block_rows or 32,
-                        args.num_warps, args.seed, True)
+                        args.num_warps, args.sort, args.seed, True)
     if not torch.cuda.is_available() or kernels_interpreted():
         raise SystemExit("needs a CUDA GPU and TRITON_INTERPRET unset (or --smoke on the CPU)")
     device = torch.device("cuda", torch.cuda.current_device())
     return Settings(device, device_programs(device), args.tokens, args.matmul_n, args.seconds,
                     args.concurrent_seconds, args.id_batches, 64, args.block_rows or 8,
-                    args.num_warps, args.seed, False)
+                    args.num_warps, args.sort, args.seed, False)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -331,6 +334,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--block-rows", type=int, default=None,
                         help="GatherPlan rows per block (default 8, its default; smoke 32)")
     parser.add_argument("--num-warps", type=int, default=4)
+    parser.add_argument("--sort", action="store_true", help="sorted reads (GatherPlan sort=True)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--smoke", action="store_true",
                         help="tiny table and matmul on the CPU under TRITON_INTERPRET=1")
