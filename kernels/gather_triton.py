@@ -741,9 +741,9 @@ def sorted_block_rows(n_items: int, programs: int) -> int:
     """Rows per block of a sorted lookup of `n_items` rows on a grid of `programs`.
 
     Sorted reads of host rows go faster in wider blocks once every program has many to do
-    (benchmarks/results/h200/gather_grids.md, 16 GiB on an H200, alone on the GPU): at 66
-    programs (the daemon's half of the SMs) 4,096 tokens (2,979 rows a program) took 3.77-3.88
-    ms in blocks of 32 rows against 4.10-4.17 in blocks of 8; at 1,024 tokens (745 a program)
+    (benchmarks/results/h200/gather_pages.md, gather_grids.md: 16 GiB on an H200, alone on
+    the GPU): at 66 programs (the daemon's half of the SMs) 4,096 tokens (2,979 rows a program)
+    took 3.72-3.88 ms in blocks of 32 rows against 4.08-4.17 in blocks of 8; at 1,024 tokens (745 a program)
     32 rows were 8% slower, and at 132 programs 4,096 tokens (1,489) gained nothing. Beside a
     matmul wide blocks cost it more (unsorted, 66 programs: +24.3% against +9.8%; sm_cap_rows32.md,
     sm_cap.md); in the model step, where a mapped client's sorted lookup runs beside twelve

@@ -769,8 +769,10 @@ def _still_valid(table: HostTable, layout: _Layout, fingerprint: str) -> bool:
         return False
     try:
         fd, header = _open_checked(table.path, layout, fingerprint)
-        st = os.fstat(fd)
-        os.close(fd)
+        try:
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
         if (st.st_dev, st.st_ino) != table.identity:
             return False
         _check_rows(table, header)

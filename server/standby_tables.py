@@ -97,8 +97,9 @@ class TableWatch:
     """Keeps a standby's PreparedTables current on a thread of its own until hand_over().
 
     After every look it tells `on_state(status, settled)` (if given) where it stands: a line
-    for a supervisor, and whether the standby has done what it can ahead of a takeover (its
-    tables prepared, or their pin failed and will not be tried again)."""
+    for a supervisor, and whether the standby has done what it can ahead of a takeover: its
+    tables prepared; their pin failed (not tried again); the serving daemon ready on other
+    tables, or on these from another folder; or SETTLE_AFTER_FAILURES looks in a row raised."""
 
     def __init__(self, config: DaemonConfig, on_state: Callable[[str, bool], None] | None = None):
         self._config = config
@@ -106,7 +107,7 @@ class TableWatch:
         self._backend = choose_backend_name(config.backend)
         self._prepared: PreparedTables | None = None
         self._failed: str | None = None  # a fingerprint whose pin failed: not tried again
-        self._waiting_for: str | None = None  # what the log last said it waits for
+        self._logged: str | None = None  # the last state _not_served logged
         self._opened: OpenedCheckpoint | None = None  # the checkpoint's last open (_checkpoint)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engramd-standby-tables", daemon=True)
@@ -196,9 +197,9 @@ class TableWatch:
                      f"ones are {fingerprint}; the takeover loads them", True)
         else:
             state = (f"standby: waiting for the serving daemon to serve tables {fingerprint}", False)
-        if self._waiting_for != state[0]:
+        if self._logged != state[0]:
             log.info("%s%s", state[0], "" if state[1] else " before mapping them")
-            self._waiting_for = state[0]
+            self._logged = state[0]
         return state
 
     def _health(self) -> Any:
@@ -213,10 +214,10 @@ class TableWatch:
         opened (it is being replaced, say): the takeover reports why, if it still cannot.
 
         Opened again only when one of the files it was read from changed (file_stats): V4.1's
-        index alone is ~8 MB of JSON; an open took 77 ms of CPU, a look at the stats 0.02 ms
-        (benchmarks/results/standby_watch_cpu.md). The stats kept are
-        those taken before the open that read the same files, so a file replaced during an
-        open is seen at the next look."""
+        index alone is ~7 MB of JSON; an open took 75 ms of CPU, a look at the stats 0.03 ms
+        (benchmarks/results/standby_watch_cpu.md). The stats kept are those taken before the
+        open that read the same files, so a file replaced during an open is seen at the next
+        look."""
         opened = self._opened
         if opened is not None and opened.reusable_stats == file_stats(opened.files):
             return opened.fingerprint, opened.checkpoint
