@@ -33,6 +33,7 @@
 # tests-pin-files (pinning through HugeViews: pin, standby, reload GPU tests),
 # standby-64-shm (the same on /dev/shm), tests-standby (tests/gpu/test_standby_gpu.py: a standby's pins across a reload and a takeover),
 # step-grid (step-text without MPS at 16 and 4,096 tokens, the daemon's grid then all SMs), gather-pages (benchmarks/gather_pages.py), gather-grids (the same, more grids, folios only), sm-cap-rows (benchmarks/sm_cap.py at 16 and 32 rows per block), sm-cap-sorted (the same, sorted reads, 8 and 32),
+# step-profile (model_step --profile: in-process against mapped, kernel by kernel), step-hint (step-text, mapped lookups of lead 1 on all SMs),
 # start-costs (torch's import and CUDA start, EAGER against LAZY, with and without a CUDA context
 # made first, as the daemon's preload does; the daemon's imports by cumulative time).
 # Logs and results are packed into OUT/results.tgz (one file); each phase's exit code is
@@ -294,6 +295,16 @@ phase_sm_cap_rows() {  # sm_cap with 16 and 32 rows per block (the half grid's c
       | tee "$out/sm_cap_rows$rows.log" | tail -10 || rc=1
   done
   return "$rc"
+}
+phase_step_profile() {  # model_step --profile at 16 and 4,096 tokens, leads 1 and 12: in-process against mapped, kernel by kernel
+  [ -f .traces/tokens.npz ] || { echo "no .traces folder (carry it)"; return 1; }
+  python3 benchmarks/model_step.py --profile --ids text --traces .traces --tokens 16 4096 --lead 1 12 \
+    --variants inproc mapped --steps 40 --out "$out/step_profile" 2>&1 | tee "$out/step_profile.log" | tail -16
+}
+phase_step_hint() {  # step-text with the mapped lookups of lead 1 on all SMs (lookup(..., sm_fraction=1.0))
+  [ -f .traces/tokens.npz ] || { echo "no .traces folder (carry it)"; return 1; }
+  python3 benchmarks/model_step.py --mps both --steps 80 --rounds 3 --ids text --traces .traces \
+    --mapped-sm-fraction 1=1.0 --out "$out/step_hint" 2>&1 | tee "$out/step_hint.log" | tail -30
 }
 phase_sm_cap_sorted() {  # sm_cap with sorted reads, 8 and 32 rows per block (sorted_block_rows' two sizes)
   local rows rc=0

@@ -127,8 +127,9 @@ class Bench:
     and mapped) and one step per variant."""
 
     def __init__(self, geometry: TableGeometry, specs: list[dict], socket: Path, max_tokens: int,
-                 variants: Sequence[str] = VARIANTS):
+                 variants: Sequence[str] = VARIANTS, mapped_sm_fraction: dict[int, float] | None = None):
         self.geometry = geometry
+        self.mapped_sm_fraction = mapped_sm_fraction or {}  # lead -> the mapped lookups' share
         self.shard = geometry.shard(0, 1)
         self.main = torch.cuda.current_stream()
         self.side = torch.cuda.Stream()
@@ -211,7 +212,8 @@ class Bench:
     def step_mapped(self, ids: Tensor, lead: int) -> None:
         # The client gathers on its own side stream after the main stream's earlier work (the
         # previous step's readers of the slot included); wait() is an event wait.
-        future = self.clients["mapped"].lookup(ids, self.main)
+        future = self.clients["mapped"].lookup(ids, self.main,
+                                               sm_fraction=self.mapped_sm_fraction.get(lead))
         self.matmuls(lead)
         rows = future.wait(self.main)
         self.consume(rows)
@@ -419,7 +421,8 @@ def measure(args: argparse.Namespace) -> dict:
             ids = UniformIds(geometry)
         flags = daemon_flags(work, shm, max(tokens), extra)
         with running_daemon(work, flags, timeout=300) as socket:
-            bench = Bench(geometry, specs, socket, max(tokens), args.variants)
+            bench = Bench(geometry, specs, socket, max(tokens), args.variants,
+                          args.mapped_sm_fraction)
             try:
                 processes = gpu_processes()  # while the daemon and this process both hold the GPU
                 # the daemon's verdicts on MPS, per client (absent: its variant did not run)
@@ -429,8 +432,15 @@ def measure(args: argparse.Namespace) -> dict:
                     "mode": mapped.mode, "mps": mapped.mps, "attach_s": bench.attach_s["mapped"]}
                 attach_s = dict(bench.attach_s)
                 auto_mode = granted_auto_mode(socket, max(tokens))
-                cells, checks = run_grid(bench, ids, tokens, leads, args.steps, mps["mps"],
-                                         args.rounds)
+                if args.profile:
+                    from step_profile import profile_grid
+
+                    profiled, checks = profile_grid(bench, ids, tokens, leads, args.steps,
+                                                    Path(args.out), WARM_STEPS)
+                    cells = []
+                else:
+                    cells, checks = run_grid(bench, ids, tokens, leads, args.steps, mps["mps"],
+                                             args.rounds)
             finally:
                 bench.close()
     run = {**mps, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -441,12 +451,16 @@ def measure(args: argparse.Namespace) -> dict:
            "matmul": f"bf16 [{MATMUL_N} x {MATMUL_N}] @ [{MATMUL_N} x {MATMUL_N}], torch.mm",
            "tail_matmuls": TAIL, "daemon_args": args.daemon_args, "gpu_processes": processes,
            "engramd_mps": served_mps, "variants": list(args.variants), "mapped": mapped_meta,
+           "mapped_sm_fraction": args.mapped_sm_fraction,
            "client_attach_s": attach_s,
            "machine": machine(),
            "command": _command(), "date": time.strftime("%Y-%m-%d %H:%M"),
            "seconds": round(time.monotonic() - started, 1),
            "rows_exact": all(c["exact"] for c in checks), "checks": checks}
-    return {"meta": _top_meta(), "runs": [run], "cells": cells}
+    report = {"meta": _top_meta(), "runs": [run], "cells": cells}
+    if args.profile:
+        report["profiled"] = profiled
+    return report
 
 
 def granted_auto_mode(socket: Path, max_tokens: int) -> str:
@@ -560,7 +574,10 @@ def _attach_note(run: dict) -> str:
     mapped = run.get("mapped")
     if not mapped:
         return ""
-    return f"mapped client attached in {mapped['attach_s']:.2f} s (granted mode {mapped['mode']}); "
+    hints = "".join(f"mapped lookups at lead {lead} pass sm_fraction={fraction}; "
+                    for lead, fraction in sorted((run.get("mapped_sm_fraction") or {}).items()))
+    return (f"mapped client attached in {mapped['attach_s']:.2f} s (granted mode {mapped['mode']}); "
+            + hints)
 
 
 def _on(mps: bool) -> str:
@@ -679,14 +696,37 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--daemon-args", default="",
                         help="extra `engramd serve` flags, one string split like a shell's "
                              "(write it with '=': --daemon-args='--hot-cache-gib 0')")
+    parser.add_argument("--mapped-sm-fraction", nargs="+", default=[], metavar="LEAD=F",
+                        help="at these leads the mapped variant's lookups pass sm_fraction=F "
+                             "(an engine that knows how soon it reads its rows); elsewhere the "
+                             "daemon's grid")
+    parser.add_argument("--profile", action="store_true",
+                        help="instead of timing, profile synced steps of every cell "
+                             "(benchmarks/step_profile.py); without MPS only")
     parser.add_argument("--replot", metavar="DIR",
                         help=f"only re-make {MD_NAME} and {PNG_NAME} from DIR/{JSON_NAME}")
     mps_argument(parser)
     args = parser.parse_args(argv)
     if args.steps < 1 or min(args.tokens) < 1 or min(args.lead) < 0:
         parser.error("--steps and --tokens must be >= 1, --lead >= 0")
+    if args.profile and args.mps != "off":
+        parser.error("--profile runs without MPS only (one process, no children)")
     args.variants = [v for v in VARIANTS if v in args.variants]  # the table's order, once each
+    args.mapped_sm_fraction = _lead_fractions(parser, args.mapped_sm_fraction)
     return args
+
+
+def _lead_fractions(parser: argparse.ArgumentParser, pairs: Sequence[str]) -> dict[int, float]:
+    fractions = {}
+    for pair in pairs:
+        lead, _, fraction = pair.partition("=")
+        try:
+            fractions[int(lead)] = float(fraction)
+        except ValueError:
+            parser.error(f"--mapped-sm-fraction {pair!r}: write LEAD=F, e.g. 1=1.0")
+        if not 0 < fractions[int(lead)] <= 1:
+            parser.error(f"--mapped-sm-fraction {pair!r}: F is a share of the SMs, 0 < F <= 1")
+    return fractions
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -697,7 +737,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if needs_children(args):
         return run_parent(args)  # this process never touches CUDA: MPS starts around a child
     report = measure(args)
-    write_report(Path(args.out), report)
+    if args.profile:
+        import step_profile
+
+        print(step_profile.write(Path(args.out), report["runs"][0], report["profiled"]), flush=True)
+    else:
+        write_report(Path(args.out), report)
     return 0 if all(run["rows_exact"] for run in report["runs"]) else 1
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import numbers
 import operator
 import os
 import socket
@@ -836,19 +837,25 @@ class EngramClient:
     # -- lookups --------------------------------------------------------------------------------
 
     def lookup(self, hash_ids: torch.Tensor, stream: torch.cuda.Stream | None = None,
-               slot: int | None = None) -> LookupFuture:
+               slot: int | None = None, sm_fraction: float | None = None) -> LookupFuture:
         """Submit `[T, n_layers, heads]` int32/int64 row IDs (-1 = DEAD); returns at once.
 
         GPU clients: IDs on the client's GPU are copied into the slot on `stream` (default: the
         current stream), so they may be produced by earlier work on that stream.
         `slot`: the slot whose rows the lookup fills (default: the next one in turn), for a
         caller that keeps views of a slot's rows (slot_rows).
+        `sm_fraction` (0 < f <= 1): the share of the GPU's SMs that a mapped client's gather
+        may take, for this lookup (default: the daemon's `gather_sm_fraction`). A model that
+        reads the rows right after this lookup waits for the whole gather: 1.0 shortens it;
+        one that runs many kernels before reading them leaves those kernels SMs with the
+        default. Served lookups, and a CPU client's, take the daemon's grid whatever it says.
         """
+        fraction = self._check_sm_fraction(sm_fraction)
         with self._tables_lock:
-            return self._lookup(hash_ids, stream, slot)
+            return self._lookup(hash_ids, stream, slot, fraction)
 
     def _lookup(self, hash_ids: torch.Tensor, stream: torch.cuda.Stream | None,
-                slot: int | None) -> LookupFuture:
+                slot: int | None, sm_fraction: float | None) -> LookupFuture:
         if self._conn is None:
             raise DaemonUnavailableError("client is closed")
         self._close_replaced()
@@ -859,7 +866,7 @@ class EngramClient:
         ids = self._check_ids(hash_ids)
         slot = self._check_slot(slot)  # after a re-registration: its slots
         if self.mode == "mapped":
-            return self._lookup_mapped(ids, stream, slot)
+            return self._lookup_mapped(ids, stream, slot, sm_fraction)
         if self.device.type == "cuda":
             return self._lookup_cuda(ids, stream or torch.cuda.current_stream(self.device.index), slot)
         slot = self._claim_slot(slot)
@@ -895,7 +902,7 @@ class EngramClient:
         return self._track(LookupFuture(self, rid, slot, seq, tokens, acked=False))
 
     def _lookup_mapped(self, ids: torch.Tensor, stream: torch.cuda.Stream | None,
-                       slot: int | None) -> LookupFuture:
+                       slot: int | None, sm_fraction: float | None) -> LookupFuture:
         """Mapped mode: this process gathers from its mapping of the daemon's tables. On a GPU
         the gather runs on a side stream after `stream`'s earlier work (the IDs' producers) and
         after the previous readers of the slot; wait() makes a stream wait for its event."""
@@ -908,13 +915,13 @@ class EngramClient:
             future.out_of_range = self._gather(ids.to("cpu"), out, None)
             self.counts["out_of_range"] += future.out_of_range
         else:
-            future.event = self._gather_on_side(ids, out, slot, stream)
+            future.event = self._gather_on_side(ids, out, slot, stream, sm_fraction)
         self.counts["lookups"] += 1
         self.counts["rows"] += tokens * self.geometry.n_layers * self.shard.owned_heads
         return self._track(future)
 
     def _gather_on_side(self, ids: torch.Tensor, out: torch.Tensor, slot: int,
-                        stream: torch.cuda.Stream | None) -> torch.cuda.Event:
+                        stream: torch.cuda.Stream | None, sm_fraction: float | None) -> torch.cuda.Event:
         side = self._side
         stream = stream or torch.cuda.current_stream(self.device.index)
         if ids.device != self.device:
@@ -926,7 +933,7 @@ class EngramClient:
                 side.wait_stream(consumer)  # its readers are done before the rows are overwritten
         side.wait_stream(stream)
         ids.record_stream(side)  # the caller may free the IDs once lookup() returns
-        self._gather(ids, out, side)
+        self._gather(ids, out, side, sm_fraction)
         event = torch.cuda.Event()
         event.record(side)
         return event
@@ -1028,6 +1035,15 @@ class EngramClient:
         if not 1 <= ids.shape[0] <= self.max_tokens:
             raise BadIdsError(f"{ids.shape[0]} tokens; this client registered 1..{self.max_tokens}")
         return ids.detach()
+
+    @staticmethod
+    def _check_sm_fraction(fraction: Any) -> float | None:
+        if fraction is None:
+            return None
+        if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real) \
+                or not 0.0 < float(fraction) <= 1.0:  # NaN fails the range too
+            raise BadRequestError(f"sm_fraction {fraction!r}: a share of the SMs, 0 < f <= 1")
+        return float(fraction)
 
     def _check_slot(self, slot: Any) -> int | None:
         if slot is None:

@@ -189,40 +189,48 @@ class LocalSlots:
 
 def mapped_gather(shard: ShardView, tables: MappedTables, device: torch.device, sort_min_tokens: int,
                   sm_fraction: float = 1.0, counter: torch.Tensor | None = None):
-    """The gather a mapped client runs: fn(ids, out, stream) -> out_of_range (CPU) or None.
-    On a GPU it follows the daemon's policy: sorted reads from `sort_min_tokens` tokens on, and
-    a persistent grid on `sm_fraction` of the SMs (leaving the model's kernels room); it counts
-    out-of-range IDs into `counter` (default: a new one), its `out_of_range`."""
+    """The gather a mapped client runs: fn(ids, out, stream, sm_fraction=None) -> out_of_range
+    (CPU) or None. On a GPU it follows the daemon's policy: sorted reads from `sort_min_tokens`
+    tokens on, and a persistent grid on `sm_fraction` of the SMs (leaving the model's kernels
+    room), unless the call names a fraction of its own; it counts out-of-range IDs into
+    `counter` (default: a new one), its `out_of_range`."""
     if device.type == "cpu":
         from engramd.kernels.gather_ref import gather
 
         cpu_tables = tables.cpu_tensors()
 
-        def gather_cpu(ids: torch.Tensor, out: torch.Tensor, stream: Any) -> int:
+        def gather_cpu(ids: torch.Tensor, out: torch.Tensor, stream: Any,
+                       sm_fraction: float | None = None) -> int:
             return gather(cpu_tables, ids, shard, out=out)[1]
 
         return gather_cpu
-    from engramd.kernels.gather_triton import GatherPlan, SlotGather
+    from engramd.kernels.gather_triton import GatherPlan, SlotGather, grid_programs
 
     plan = GatherPlan(tables.layer_tables(), shard, device)
-    # Exactly what gather_gpu launches: bf16 rows, always counted.
+    # Exactly what gather_gpu launches: bf16 rows, always counted. The grid is not a variant:
+    # a fraction of its own compiles nothing.
     plan.warm_up(sort=(False, True) if sort_min_tokens else (False,), dedupe=(False,),
                  packed=(False,), counted=(True,))
     counter = counter if counter is not None else torch.zeros(1, dtype=torch.int64, device=device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    programs = max(1, int(sms * min(1.0, max(0.0, sm_fraction))))
+    default_programs = grid_programs(sms, sm_fraction)
     # Unsorted lookups of contiguous, 16-byte aligned IDs (what the kernel the direct launch
     # reuses was specialised for; slot rows always are) take the served hot path's direct
     # launch of the same kernel: no argument binding, no stream context, less host time before
     # the model's next kernel is queued. Sorted ones, and any other IDs, the plan's checked call.
-    direct = SlotGather(plan, counter, None, programs)
+    direct: dict[int, SlotGather] = {}  # by grid
 
-    def gather_gpu(ids: torch.Tensor, out: torch.Tensor, stream: Any) -> None:
+    def gather_gpu(ids: torch.Tensor, out: torch.Tensor, stream: Any,
+                   sm_fraction: float | None = None) -> None:
+        programs = default_programs if sm_fraction is None else grid_programs(sms, sm_fraction)
         if 0 < sort_min_tokens <= ids.shape[0]:
             plan(ids, out, stream=stream, out_of_range=counter, num_programs=programs, sort=True)
         elif (ids.is_contiguous() and ids.data_ptr() % 16 == 0
               and torch.cuda.current_device() == device.index):  # the launch's context
-            direct(ids, out, stream)
+            launch = direct.get(programs)
+            if launch is None:
+                launch = direct[programs] = SlotGather(plan, counter, None, programs)
+            launch(ids, out, stream)
         else:
             plan(ids, out, stream=stream, out_of_range=counter, num_programs=programs)
 

@@ -751,6 +751,12 @@ def sorted_block_rows(n_items: int, programs: int) -> int:
     return WIDE_BLOCK_ROWS if n_items >= WIDE_FROM_ROWS * programs else DEFAULT_BLOCK_ROWS
 
 
+def grid_programs(sms: int, sm_fraction: float) -> int:
+    """Programs of a persistent grid on `sm_fraction` (clamped to [0, 1]) of `sms` SMs: at
+    least one."""
+    return max(1, int(sms * min(1.0, max(0.0, sm_fraction))))
+
+
 def _default_programs(device: torch.device) -> int:
     """One program per SM; a couple of programs under the interpreter."""
     if device.type != "cuda":

@@ -66,7 +66,7 @@ from engramd.client.slab import (
     release_value,
     wait_passes,
 )
-from engramd.kernels.gather_triton import GatherPlan, LayerTable, SlotGather
+from engramd.kernels.gather_triton import GatherPlan, LayerTable, SlotGather, grid_programs
 from engramd.kernels.hot_cache import CacheLayout, HotCache
 from engramd.server.backend import Completion, LookupJob
 from engramd.server.cache_keeper import CacheKeeper
@@ -329,7 +329,7 @@ class GpuState:
         self.options = options
         self.slabs: set[CudaSlab] = set()  # live ones; the keeper's grace waits on their streams
         sms = torch.cuda.get_device_properties(index).multi_processor_count
-        self.programs = max(1, int(sms * options.sm_fraction))
+        self.programs = grid_programs(sms, options.sm_fraction)
         self.cache: HotCache | None = None
         self.keeper: CacheKeeper | None = None
         # Reads the device's out-of-range counters; copies only, so a read never waits on a gather.

@@ -142,3 +142,32 @@ def test_timed_steps_on_the_cpu_times_every_counted_step_after_the_warm_ones():
     timed = timing.timed_steps(clock, seen.append, count=5, warm=2)
     assert seen == list(range(7))
     assert len(timed) == 5 and min(timed) >= 0  # one non-negative time per counted step
+
+
+def test_step_profile_reads_each_steps_kernels_from_a_trace():
+    """step_profile.step_metrics on a hand-made trace of two steps: each step's kernels are its
+    own, timed from the step's start; the rows' wait is the consumer's start after the matmul
+    before it."""
+    import step_profile
+
+    def x(name, cat, ts, dur):
+        return {"name": name, "cat": cat, "ph": "X", "ts": ts, "dur": dur}
+
+    events = []
+    for start in (1000.0, 5000.0):
+        events += [x("step", "user_annotation", start, 900.0),
+                   x("cudaLaunchKernel", "cuda_runtime", start + 5, 3),
+                   x("_gather_kernel", "kernel", start + 20, 40),
+                   x("nvjet_tst_128x256", "kernel", start + 22, 100),
+                   x("nvjet_tst_128x256", "kernel", start + 130, 90),
+                   x("cudaLaunchKernel", "cuda_runtime", start + 50, 4),
+                   x("reduce_kernel<sum>", "kernel", start + 260, 10),
+                   x("nvjet_tst_128x256", "kernel", start + 280, 94)]
+    events.append(x("nvjet_tst_128x256", "kernel", 3000.0, 50))  # between the steps: no one's
+    steps = step_profile.step_metrics(events)
+    assert steps == [{"wall": 900.0, "first_kernel": 20.0, "gpu_end": 374.0, "submitted": 54.0,
+                      "gather_start": 20.0, "gather": 40.0, "matmul_first": 100.0,
+                      "matmul_rest": 92.0, "rows_wait": 40.0}] * 2
+    assert step_profile.medians(steps)["rows_wait"] == 40.0
+    assert [step_profile.kind(n) for n in ("_gather_kernel", "sm90_xmma_gemm", "reduce_kernel",
+                                           "elementwise")] == ["gather", "matmul", "consume", "other"]

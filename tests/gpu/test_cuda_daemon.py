@@ -214,6 +214,42 @@ def test_mapped_rows_of_ids_in_any_layout_match_the_reference(daemon_factory, re
                     assert_exact(rows, reference.expected(sent), f"{layout}, {tokens} tokens, {dtype}")
 
 
+def test_a_mapped_lookups_sm_fraction_sets_its_grid(daemon_factory, reference, monkeypatch):
+    """Without a fraction a mapped gather's grid takes the daemon's share of the SMs; with one,
+    its own, in the direct launch (unsorted) and the checked one (sorted) alike; rows exact."""
+    import triton
+
+    from engramd.kernels import gather_triton as gt
+
+    sort_from = 1000
+    daemon = daemon_factory(extra=[*CUDA, "--gather-sm-fraction", "0.5",
+                                   "--sort-min-tokens", str(sort_from)])
+    launched = []
+    original = gt._Launch
+
+    def recording(*args):
+        launched.append(original(*args))
+        return launched[-1]
+
+    monkeypatch.setattr(gt, "_Launch", recording)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rng = np.random.default_rng(12)
+    with EngramClient(daemon.socket, device="cuda", max_tokens=2 * sort_from, slots=2,
+                      mode="mapped") as client:
+        for tokens in (600, 2 * sort_from):  # unsorted, sorted
+            for fraction, share in ((None, 0.5), (1.0, 1.0), (0.25, 0.25), (None, 0.5)):
+                ids = random_ids(rng, tokens, reference.rows, reference.heads)
+                launched.clear()
+                rows = client.lookup(torch.from_numpy(ids).cuda(), sm_fraction=fraction).wait()
+                torch.cuda.current_stream().synchronize()
+                what = f"{tokens} tokens, sm_fraction {fraction}"
+                assert_exact(rows, reference.expected(ids), what)
+                programs = gt.grid_programs(sms, share)
+                items = tokens * len(reference.layer_ids) * reference.heads
+                block = gt.sorted_block_rows(items, programs) if tokens >= sort_from else gt.DEFAULT_BLOCK_ROWS
+                assert [launch.grid for launch in launched] == [min(programs, triton.cdiv(items, block))], what
+
+
 def ids_in_layout(exact: torch.Tensor, layout: str) -> torch.Tensor:
     """`exact` (on the CPU) as IDs of `layout`: on the GPU contiguous, one element past a 16-byte
     aligned start, strided (every other element of a wider tensor), or left on the host."""

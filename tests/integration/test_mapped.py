@@ -68,6 +68,21 @@ def test_mapped_out_of_range_count_matches_the_served_one(daemon_factory, refere
     assert counts["served"] == counts["mapped"] > 0
 
 
+@pytest.mark.parametrize("mode", ["served", "mapped"])
+def test_a_lookups_sm_fraction_is_checked_in_both_modes(daemon_factory, reference, mode):
+    """A share of the SMs for one lookup's gather: out of (0, 1] it is a typed error, in either
+    mode (an engine under `auto` learns of a bad one wherever it runs); the client goes on."""
+    daemon = daemon_factory()
+    ids = random_ids(np.random.default_rng(4), 16, reference.rows, reference.heads)
+    with EngramClient(daemon.socket, mode=mode, max_tokens=16) as client:
+        for bad in (0, 0.0, -0.5, 1.5, float("nan"), True, "1.0", [0.5]):
+            with pytest.raises(BadRequestError, match="sm_fraction"):
+                client.lookup(torch.from_numpy(ids), sm_fraction=bad)
+        for fraction in (1, 0.01, 1.0):
+            rows = client.lookup(torch.from_numpy(ids), sm_fraction=fraction).result()
+            assert_rows_equal(rows.double().numpy(), reference.expected(ids), f"{mode} {fraction}")
+
+
 def test_auto_mode_and_forbidden_modes(daemon_factory):
     both = daemon_factory()
     with EngramClient(both.socket) as client:
