@@ -10,7 +10,7 @@
 One "model step" stands for a forward pass that prefetches its rows:
   submit a lookup of T tokens (fresh random row IDs [T, 2, 24] int64 every step, drawn on the GPU
   before timing) -> LEAD bf16 [4096 x 4096] @ [4096 x 4096] matmuls (torch.mm into preallocated
-  tensors) -> wait for the rows -> consume them (their column sum is written into the next
+  tensors) -> wait for the rows -> consume them (each layer's column sum is written into the next
   matmul's operand, so the rows are on the critical path) -> 4 more matmuls.
 Variants:
   compute  the matmuls alone, no lookup: the floor
@@ -106,6 +106,7 @@ from traces import TextTrace  # noqa: E402
 TOKENS = (1, 16, 256, 4096)
 LEADS = (1, 4, 12)
 TAIL = 4  # matmuls after the rows are consumed
+CONSUMER = "a column sum per layer"  # Bench.consume; results before it summed all layers at once
 MATMUL_N = 4096
 VARIANTS = ("compute", "inproc", "engramd", "mapped")
 CLIENT_VARIANTS = ("engramd", "mapped")  # EngramClient variants; their rows are checked
@@ -183,9 +184,14 @@ class Bench:
             torch.mm(self.a, self.b, out=self.c)
 
     def consume(self, rows: Tensor) -> None:
-        """Sum the rows over tokens, layers and heads into the next matmul's first operand."""
-        head_dim = rows.shape[-1]  # rows of a slot are strided by layer (client/slab.py)
-        torch.sum(rows, dim=(0, 1, 2), out=self.a[0, :head_dim])
+        """Sum each Engram layer's rows over tokens and heads into a row of the next matmul's
+        first operand. Per layer, as a model reads them (the output contract's [T, local_heads,
+        head_dim] per layer, each contiguous): a slot's layers lie max_tokens apart
+        (client/slab.py), and one sum over all of them at once took 82 us instead of 25 at
+        16 tokens (step_profile.py), a cost of this benchmark's reader, not of the rows."""
+        head_dim = rows.shape[-1]
+        for layer in range(rows.shape[0]):
+            torch.sum(rows[layer], dim=(0, 1), out=self.a[layer, :head_dim])
 
     def step_compute(self, ids: Tensor, lead: int) -> None:
         self.matmuls(lead + TAIL)
@@ -449,7 +455,8 @@ def measure(args: argparse.Namespace) -> dict:
            "ids": ids.name, "trace_tokens": ids.tokens,
            "warm_steps": WARM_STEPS, "auto_mode": auto_mode,
            "matmul": f"bf16 [{MATMUL_N} x {MATMUL_N}] @ [{MATMUL_N} x {MATMUL_N}], torch.mm",
-           "tail_matmuls": TAIL, "daemon_args": args.daemon_args, "gpu_processes": processes,
+           "tail_matmuls": TAIL, "consumer": CONSUMER,
+           "daemon_args": args.daemon_args, "gpu_processes": processes,
            "engramd_mps": served_mps, "variants": list(args.variants), "mapped": mapped_meta,
            "mapped_sm_fraction": args.mapped_sm_fraction,
            "client_attach_s": attach_s,
@@ -504,7 +511,8 @@ def markdown(report: dict) -> str:
     first = runs[0] if runs else {}
     lines = [f"# Model step on {first.get('gpu', '?')} ({report['meta']['date']})", "",
              f"Step = lookup of T tokens -> LEAD {first.get('matmul', 'bf16 matmuls')} -> wait for "
-             f"the rows -> consume them (column sum into the next matmul's operand) -> "
+             f"the rows -> consume them ({first.get('consumer', 'one column sum of all layers')} into the "
+             "next matmul's operand) -> "
              f"{first.get('tail_matmuls', TAIL)} more matmuls. Host table {first.get('table_gib')} "
              f"GiB, {_ids_note(first)}, {first.get('steps')} timed steps per cell after "
              f"{first.get('warm_steps')} untimed ones"
