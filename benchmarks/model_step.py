@@ -583,7 +583,8 @@ def _attach_note(run: dict) -> str:
     if not mapped:
         return ""
     hints = "".join(f"mapped lookups at lead {lead} pass sm_fraction={fraction}; "
-                    for lead, fraction in sorted((run.get("mapped_sm_fraction") or {}).items()))
+                    for lead, fraction in sorted((run.get("mapped_sm_fraction") or {}).items(),
+                                                 key=lambda item: int(item[0])))  # JSON: str keys
     return (f"mapped client attached in {mapped['attach_s']:.2f} s (granted mode {mapped['mode']}); "
             + hints)
 
@@ -720,20 +721,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.profile and args.mps != "off":
         parser.error("--profile runs without MPS only (one process, no children)")
     args.variants = [v for v in VARIANTS if v in args.variants]  # the table's order, once each
-    args.mapped_sm_fraction = _lead_fractions(parser, args.mapped_sm_fraction)
+    args.mapped_sm_fraction = _lead_fractions(parser, args.mapped_sm_fraction, args.lead)
     return args
 
 
-def _lead_fractions(parser: argparse.ArgumentParser, pairs: Sequence[str]) -> dict[int, float]:
-    fractions = {}
+def _lead_fractions(parser: argparse.ArgumentParser, pairs: Sequence[str],
+                    leads: Sequence[int]) -> dict[int, float]:
+    """--mapped-sm-fraction's LEAD=F pairs: each lead once, one of --lead, 0 < F <= 1."""
+    fractions: dict[int, float] = {}
     for pair in pairs:
         lead, _, fraction = pair.partition("=")
         try:
-            fractions[int(lead)] = float(fraction)
+            lead_n, share = int(lead), float(fraction)
         except ValueError:
             parser.error(f"--mapped-sm-fraction {pair!r}: write LEAD=F, e.g. 1=1.0")
-        if not 0 < fractions[int(lead)] <= 1:
+        if not 0 < share <= 1:
             parser.error(f"--mapped-sm-fraction {pair!r}: F is a share of the SMs, 0 < F <= 1")
+        if lead_n not in leads or lead_n in fractions:
+            parser.error(f"--mapped-sm-fraction {pair!r}: each LEAD once, one of --lead {list(leads)}")
+        fractions[lead_n] = share
     return fractions
 
 

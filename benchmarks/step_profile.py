@@ -3,6 +3,7 @@ profiler (CUPTI), for the cells where two variants' step times differ and the to
 
     python benchmarks/model_step.py --profile --tokens 16 --lead 1 12 --variants inproc mapped \
         --ids text --traces .traces --out DIR
+    python benchmarks/step_profile.py DIR   # the tables again from DIR's traces
 
 Every cell (T, lead) and variant runs model_step's warm steps, then `--steps` synced steps under
 the profiler, each inside a "step" annotation that ends after its synchronize. From the trace,
@@ -14,7 +15,9 @@ per step, in us from the step's start on the host:
   matmul 1      the first matmul's length (the one the gather runs beside), and the median of
                 the others
   rows wait     from the end of the matmul before the rows' consumer to the consumer's start:
-                what the main stream waited for the rows
+                what the main stream's event wait held it (a matmul that could not start beside
+                a gather on every SM shows as a later matmul, not here)
+  consume       the rows' consumer kernels (model_step's sums), their lengths added up
   GPU end       the last kernel's end
 Reported: each metric's median over the steps. DIR/model_step_profile.json holds every step's
 metrics; DIR/model_step_profile.md the table; DIR/traces/ one Chrome trace per cell and variant.
@@ -25,7 +28,7 @@ from __future__ import annotations
 import gzip
 import json
 import statistics
-import time
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -34,9 +37,9 @@ import torch
 
 STEP = "step"
 METRICS = ("wall", "submitted", "first_kernel", "gather_start", "gather", "matmul_first",
-           "matmul_rest", "rows_wait", "gpu_end")
+           "matmul_rest", "rows_wait", "consume", "gpu_end")
 HEADERS = ("wall", "submitted", "first kernel", "gather at", "gather", "matmul 1", "matmuls 2+",
-           "rows wait", "GPU end")
+           "rows wait", "consume", "GPU end")
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
 JSON_NAME, MD_NAME = "model_step_profile.json", "model_step_profile.md"
 
@@ -46,7 +49,7 @@ def kind(kernel_name: str) -> str:
     name = kernel_name.lower()
     if "gather_kernel" in name:
         return "gather"
-    if any(word in name for word in ("gemm", "nvjet", "cutlass", "xmma", "sm90_")):
+    if any(word in name for word in ("gemm", "nvjet", "cutlass", "xmma")):
         return "matmul"
     if "reduce" in name:
         return "consume"
@@ -84,6 +87,7 @@ def step_metrics(events: list[dict]) -> list[dict[str, float]]:
             metrics["matmul_rest"] = statistics.median(k["dur"] for k in matmuls[1:])
         consumers = [k for k in mine if kind(k["name"]) == "consume"]
         if consumers:
+            metrics["consume"] = sum(k["dur"] for k in consumers)
             before = [k for k in matmuls if k["ts"] < consumers[0]["ts"]]
             if before:
                 metrics["rows_wait"] = consumers[0]["ts"] - (before[-1]["ts"] + before[-1]["dur"])
@@ -121,19 +125,39 @@ def profile_grid(bench: Any, ids: Any, tokens: Sequence[int], leads: Sequence[in
                         with record_function(STEP):
                             step(batch, lead)
                             torch.cuda.synchronize()
-                path = traces / f"T{t}_lead{lead}_{variant}.json"
-                prof.export_chrome_trace(str(path))
-                events = json.loads(path.read_text())["traceEvents"]
-                with open(path, "rb") as raw, gzip.open(f"{path}.gz", "wb") as packed:
+                path = trace_path(out, t, lead, variant)
+                prof.export_chrome_trace(str(path.with_suffix("")))
+                with open(path.with_suffix(""), "rb") as raw, gzip.open(path, "wb") as packed:
                     packed.write(raw.read())
-                path.unlink()
-                per_step = step_metrics(events)
+                path.with_suffix("").unlink()
+                per_step = step_metrics(read_trace(path))
                 cell = {"tokens": t, "lead": lead, "variant": variant, "steps": per_step,
                         "median_us": medians(per_step)}
                 cells.append(cell)
                 print(f"T={t} lead={lead} {variant}: " + ", ".join(
                     f"{m} {v:.0f}" for m, v in cell["median_us"].items()), flush=True)
     return cells, checks
+
+
+def trace_path(out: Path, tokens: int, lead: int, variant: str) -> Path:
+    return out / "traces" / f"T{tokens}_lead{lead}_{variant}.json.gz"
+
+
+def read_trace(path: Path) -> list[dict]:
+    with gzip.open(path, "rt") as trace:
+        return json.load(trace)["traceEvents"]
+
+
+def reread(out: Path) -> str:
+    """DIR's tables again from its traces (a metric added since the run, say); cells whose trace
+    is gone keep their steps."""
+    report = json.loads((out / JSON_NAME).read_text())
+    for cell in report["cells"]:
+        path = trace_path(out, cell["tokens"], cell["lead"], cell["variant"])
+        if path.exists():
+            cell["steps"] = step_metrics(read_trace(path))
+            cell["median_us"] = medians(cell["steps"])
+    return write(out, report["run"], report["cells"])
 
 
 def write(out: Path, run: dict, cells: list[dict]) -> str:
@@ -145,7 +169,7 @@ def write(out: Path, run: dict, cells: list[dict]) -> str:
 
 
 def markdown(run: dict, cells: list[dict]) -> str:
-    lines = [f"# Model step, profiled ({run.get('gpu', '?')}, {time.strftime('%Y-%m-%d')})", "",
+    lines = [f"# Model step, profiled ({run.get('gpu', '?')}, {run.get('date', '?')})", "",
              "Synced steps under torch's profiler (which adds its own host time to every launch: "
              "compare variants, not these walls with model_step.md's). Medians over the steps, "
              "us from the step's start on the host. See benchmarks/step_profile.py for each "
@@ -159,3 +183,7 @@ def markdown(run: dict, cells: list[dict]) -> str:
         row += [f"{values[m]:.1f}" if m in values else "" for m in METRICS]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(reread(Path(sys.argv[1])) if len(sys.argv) == 2 else __doc__)

@@ -56,19 +56,21 @@ class EngramRunnerAdapter:
 
     def prefetch(self, token_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                  dead: torch.Tensor | None = None, state: HashState | None = None,
-                 stream: torch.cuda.Stream | None = None) -> HashState:
+                 stream: torch.cuda.Stream | None = None,
+                 sm_fraction: float | None = None) -> HashState:
         """Hash this step's tokens and submit their lookup; returns the carry for the next step.
 
         `token_ids` [T] raw token IDs of B request chunks laid end to end (`cu_seqlens` [B+1]),
         `dead` [T] marks DEAD tokens, `state` is what the previous prefetch returned for the
-        same requests (None: every chunk starts its sequence).
+        same requests (None: every chunk starts its sequence). `sm_fraction`: as
+        EngramClient.lookup's (a mapped client's gather grid for this lookup).
         """
         on_gpu = self.device.type == "cuda"
         token_ids = token_ids.to(self.device, non_blocking=True)
         with torch.cuda.stream(stream) if on_gpu and stream is not None else nullcontext():
             ids, next_state = self.hasher.hash_batch(token_ids, cu_seqlens, dead, state,
                                                      validate=not on_gpu)
-        self._future = self.client.lookup(ids, stream)
+        self._future = self.client.lookup(ids, stream, sm_fraction=sm_fraction)
         self._rows = None
         return next_state
 

@@ -848,7 +848,8 @@ class EngramClient:
         may take, for this lookup (default: the daemon's `gather_sm_fraction`). A model that
         reads the rows right after this lookup waits for the whole gather: 1.0 shortens it;
         one that runs many kernels before reading them leaves those kernels SMs with the
-        default. Served lookups, and a CPU client's, take the daemon's grid whatever it says.
+        default; it takes one program at least. Served lookups keep the daemon's grid, and a CPU
+        client has none: both check the value and ignore it.
         """
         fraction = self._check_sm_fraction(sm_fraction)
         with self._tables_lock:
@@ -1040,8 +1041,9 @@ class EngramClient:
     def _check_sm_fraction(fraction: Any) -> float | None:
         if fraction is None:
             return None
+        # Compared as given (a huge int would overflow float()); NaN fails the range too.
         if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real) \
-                or not 0.0 < float(fraction) <= 1.0:  # NaN fails the range too
+                or not 0 < fraction <= 1:
             raise BadRequestError(f"sm_fraction {fraction!r}: a share of the SMs, 0 < f <= 1")
         return float(fraction)
 

@@ -188,11 +188,11 @@ class LocalSlots:
 
 
 def mapped_gather(shard: ShardView, tables: MappedTables, device: torch.device, sort_min_tokens: int,
-                  sm_fraction: float = 1.0, counter: torch.Tensor | None = None):
+                  default_fraction: float = 1.0, counter: torch.Tensor | None = None):
     """The gather a mapped client runs: fn(ids, out, stream, sm_fraction=None) -> out_of_range
     (CPU) or None. On a GPU it follows the daemon's policy: sorted reads from `sort_min_tokens`
-    tokens on, and a persistent grid on `sm_fraction` of the SMs (leaving the model's kernels
-    room), unless the call names a fraction of its own; it counts out-of-range IDs into
+    tokens on, and a persistent grid on `default_fraction` of the SMs (leaving the model's
+    kernels room), unless the call names a fraction of its own; it counts out-of-range IDs into
     `counter` (default: a new one), its `out_of_range`."""
     if device.type == "cpu":
         from engramd.kernels.gather_ref import gather
@@ -207,18 +207,19 @@ def mapped_gather(shard: ShardView, tables: MappedTables, device: torch.device, 
     from engramd.kernels.gather_triton import GatherPlan, SlotGather, grid_programs
 
     plan = GatherPlan(tables.layer_tables(), shard, device)
-    # Exactly what gather_gpu launches: bf16 rows, always counted. The grid is not a variant:
-    # a fraction of its own compiles nothing.
+    # Exactly what gather_gpu launches: bf16 rows, always counted. The grid is a launch
+    # argument, but it picks a sorted lookup's block size (sorted_block_rows), which is one:
+    # warm_up compiles both sizes, so no fraction of a lookup's own compiles in the hot path.
     plan.warm_up(sort=(False, True) if sort_min_tokens else (False,), dedupe=(False,),
                  packed=(False,), counted=(True,))
     counter = counter if counter is not None else torch.zeros(1, dtype=torch.int64, device=device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    default_programs = grid_programs(sms, sm_fraction)
+    default_programs = grid_programs(sms, default_fraction)
     # Unsorted lookups of contiguous, 16-byte aligned IDs (what the kernel the direct launch
     # reuses was specialised for; slot rows always are) take the served hot path's direct
     # launch of the same kernel: no argument binding, no stream context, less host time before
     # the model's next kernel is queued. Sorted ones, and any other IDs, the plan's checked call.
-    direct: dict[int, SlotGather] = {}  # by grid
+    direct_by_programs: dict[int, SlotGather] = {}  # at most one per SM count; under the client's lock
 
     def gather_gpu(ids: torch.Tensor, out: torch.Tensor, stream: Any,
                    sm_fraction: float | None = None) -> None:
@@ -227,10 +228,10 @@ def mapped_gather(shard: ShardView, tables: MappedTables, device: torch.device, 
             plan(ids, out, stream=stream, out_of_range=counter, num_programs=programs, sort=True)
         elif (ids.is_contiguous() and ids.data_ptr() % 16 == 0
               and torch.cuda.current_device() == device.index):  # the launch's context
-            launch = direct.get(programs)
-            if launch is None:
-                launch = direct[programs] = SlotGather(plan, counter, None, programs)
-            launch(ids, out, stream)
+            direct = direct_by_programs.get(programs)
+            if direct is None:
+                direct = direct_by_programs[programs] = SlotGather(plan, counter, None, programs)
+            direct(ids, out, stream)
         else:
             plan(ids, out, stream=stream, out_of_range=counter, num_programs=programs)
 

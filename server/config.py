@@ -97,7 +97,7 @@ SETTINGS: tuple[Setting, ...] = (
     # rows right away.
     Setting("gather_sm_fraction", float, 0.5,
             "CUDA backend: fraction of each GPU's SMs the gather may occupy (leaves the model room); "
-            "mapped clients' own gathers keep to it too",
+            "mapped clients' own gathers by default (a mapped lookup may name its own share)",
             low=0.01, high=1.0),
     Setting("heartbeat_interval", float, 1.0,
             "seconds between client liveness checks; a dead client is retired within two (its slab "

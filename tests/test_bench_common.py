@@ -167,7 +167,19 @@ def test_step_profile_reads_each_steps_kernels_from_a_trace():
     steps = step_profile.step_metrics(events)
     assert steps == [{"wall": 900.0, "first_kernel": 20.0, "gpu_end": 374.0, "submitted": 54.0,
                       "gather_start": 20.0, "gather": 40.0, "matmul_first": 100.0,
-                      "matmul_rest": 92.0, "rows_wait": 40.0}] * 2
+                      "matmul_rest": 92.0, "rows_wait": 40.0, "consume": 10.0}] * 2
     assert step_profile.medians(steps)["rows_wait"] == 40.0
     assert [step_profile.kind(n) for n in ("_gather_kernel", "sm90_xmma_gemm", "reduce_kernel",
                                            "elementwise")] == ["gather", "matmul", "consume", "other"]
+
+
+def test_model_step_takes_each_leads_sm_fraction_once_and_only_for_a_timed_lead(capsys):
+    import model_step
+
+    args = model_step.parse_args(["--lead", "1", "4", "--mapped-sm-fraction", "1=1.0", "4=0.5"])
+    assert args.mapped_sm_fraction == {1: 1.0, 4: 0.5}
+    for bad, says in ((["1=1.0", "1=0.5"], "each LEAD once"), (["12=1.0"], "each LEAD once"),
+                      (["1=0"], "0 < F <= 1"), (["1:1.0"], "LEAD=F")):
+        with pytest.raises(SystemExit):
+            model_step.parse_args(["--lead", "1", "4", "--mapped-sm-fraction", *bad])
+        assert says in capsys.readouterr().err

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from engramd.client import BadRequestError
 from engramd.client.adapter import EngramRunnerAdapter
 
 TEXTS = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "texts"
@@ -38,7 +39,8 @@ def test_adapter_returns_the_rows_of_the_hashed_ngrams(daemon_factory, reference
         assert whole.shape == (len(tokens), 2, 24)
         state = None
         for lo, hi in ((0, split), (split, len(tokens))):  # chunked prefill, look-back carried
-            state = runner.prefetch(tokens[lo:hi], state=state)
+            # The second chunk names its gather's grid: checked, and the rows are the same.
+            state = runner.prefetch(tokens[lo:hi], state=state, sm_fraction=1.0 if lo else None)
             expected = reference.expected(whole[lo:hi], rank, shards)
             for index, layer_id in enumerate(runner.geometry.layer_ids):
                 rows = runner.rows(layer_id)
@@ -49,3 +51,5 @@ def test_adapter_returns_the_rows_of_the_hashed_ngrams(daemon_factory, reference
         assert len(np.unique(whole[:, 0, 0])) < len(tokens)
         with pytest.raises(ValueError, match="no Engram table"):
             runner.rows(7)
+        with pytest.raises(BadRequestError, match="sm_fraction"):
+            runner.prefetch(tokens[:4], sm_fraction=2.0)

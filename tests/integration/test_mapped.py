@@ -75,7 +75,7 @@ def test_a_lookups_sm_fraction_is_checked_in_both_modes(daemon_factory, referenc
     daemon = daemon_factory()
     ids = random_ids(np.random.default_rng(4), 16, reference.rows, reference.heads)
     with EngramClient(daemon.socket, mode=mode, max_tokens=16) as client:
-        for bad in (0, 0.0, -0.5, 1.5, float("nan"), True, "1.0", [0.5]):
+        for bad in (0, 0.0, -0.5, 1.5, 10**400, float("nan"), True, "1.0", [0.5]):
             with pytest.raises(BadRequestError, match="sm_fraction"):
                 client.lookup(torch.from_numpy(ids), sm_fraction=bad)
         for fraction in (1, 0.01, 1.0):
