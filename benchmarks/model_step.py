@@ -187,8 +187,8 @@ class Bench:
         """Sum each Engram layer's rows over tokens and heads into a row of the next matmul's
         first operand. Per layer, as a model reads them (the output contract's [T, local_heads,
         head_dim] per layer, each contiguous): a slot's layers lie max_tokens apart
-        (client/slab.py), and one sum over all of them at once took 82 us instead of 25 at
-        16 tokens (step_profile.py), a cost of this benchmark's reader, not of the rows."""
+        (client/slab.py), and one sum over all of them at once took 86 us instead of 26 at
+        16 tokens (step_profile.py, medians), a cost of this benchmark's reader, not of the rows."""
         head_dim = rows.shape[-1]
         for layer in range(rows.shape[0]):
             torch.sum(rows[layer], dim=(0, 1), out=self.a[layer, :head_dim])

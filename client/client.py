@@ -846,10 +846,10 @@ class EngramClient:
         caller that keeps views of a slot's rows (slot_rows).
         `sm_fraction` (0 < f <= 1): the share of the GPU's SMs that a mapped client's gather
         may take, for this lookup (default: the daemon's `gather_sm_fraction`). A model that
-        reads the rows right after this lookup waits for the whole gather: 1.0 shortens it;
-        one that runs many kernels before reading them leaves those kernels SMs with the
-        default; it takes one program at least. Served lookups keep the daemon's grid, and a CPU
-        client has none: both check the value and ignore it.
+        reads the rows right after this lookup waits for the whole gather: 1.0 shortens it.
+        One that runs many kernels before reading them leaves those kernels SMs with the
+        default. Any share runs one program at least. Served lookups keep the daemon's grid,
+        and a CPU client has none: both check the value and ignore it.
         """
         fraction = self._check_sm_fraction(sm_fraction)
         with self._tables_lock:
