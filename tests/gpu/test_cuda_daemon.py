@@ -216,7 +216,8 @@ def test_mapped_rows_of_ids_in_any_layout_match_the_reference(daemon_factory, re
 
 def test_a_mapped_lookups_sm_fraction_sets_its_grid(daemon_factory, reference, monkeypatch):
     """Without a fraction a mapped gather's grid takes the daemon's share of the SMs; with one,
-    its own, in the direct launch (unsorted) and the checked one (sorted) alike; rows exact."""
+    its own, in the direct launch (unsorted) and the checked ones (strided IDs, sorted) alike;
+    rows exact."""
     import triton
 
     from engramd.kernels import gather_triton as gt
@@ -236,13 +237,14 @@ def test_a_mapped_lookups_sm_fraction_sets_its_grid(daemon_factory, reference, m
     rng = np.random.default_rng(12)
     with EngramClient(daemon.socket, device="cuda", max_tokens=2 * sort_from, slots=2,
                       mode="mapped") as client:
-        for tokens in (600, 2 * sort_from):  # unsorted, sorted
+        for tokens, layout in ((600, "contiguous"), (600, "strided"), (2 * sort_from, "contiguous")):
             for fraction, share in ((None, 0.5), (1.0, 1.0), (0.25, 0.25), (None, 0.5)):
                 ids = random_ids(rng, tokens, reference.rows, reference.heads)
                 launched.clear()
-                rows = client.lookup(torch.from_numpy(ids).cuda(), sm_fraction=fraction).wait()
+                source = ids_in_layout(torch.from_numpy(ids), layout)
+                rows = client.lookup(source, sm_fraction=fraction).wait()
                 torch.cuda.current_stream().synchronize()
-                what = f"{tokens} tokens, sm_fraction {fraction}"
+                what = f"{tokens} tokens, {layout}, sm_fraction {fraction}"
                 assert_exact(rows, reference.expected(ids), what)
                 programs = gt.grid_programs(sms, share)
                 items = tokens * len(reference.layer_ids) * reference.heads
