@@ -126,11 +126,12 @@ def profile_grid(bench: Any, ids: Any, tokens: Sequence[int], leads: Sequence[in
                             step(batch, lead)
                             torch.cuda.synchronize()
                 path = trace_path(out, t, lead, variant)
-                prof.export_chrome_trace(str(path.with_suffix("")))
-                with open(path.with_suffix(""), "rb") as raw, gzip.open(path, "wb") as packed:
-                    packed.write(raw.read())
-                path.with_suffix("").unlink()
-                per_step = step_metrics(read_trace(path))
+                raw = path.with_suffix("")  # the profiler writes plain JSON: kept gzipped
+                prof.export_chrome_trace(str(raw))
+                trace = raw.read_bytes()
+                raw.unlink()
+                path.write_bytes(gzip.compress(trace))
+                per_step = step_metrics(json.loads(trace)["traceEvents"])
                 cell = {"tokens": t, "lead": lead, "variant": variant, "steps": per_step,
                         "median_us": medians(per_step)}
                 cells.append(cell)

@@ -219,7 +219,7 @@ def mapped_gather(shard: ShardView, tables: MappedTables, device: torch.device, 
     # reuses was specialised for; slot rows always are) take the served hot path's direct
     # launch of the same kernel: no argument binding, no stream context, less host time before
     # the model's next kernel is queued. Sorted ones, and any other IDs, the plan's checked call.
-    direct_by_programs: dict[int, SlotGather] = {}  # at most one per SM count; under the client's lock
+    direct = SlotGather(plan, counter, None, default_programs)
 
     def gather_gpu(ids: torch.Tensor, out: torch.Tensor, stream: Any,
                    sm_fraction: float | None = None) -> None:
@@ -228,10 +228,7 @@ def mapped_gather(shard: ShardView, tables: MappedTables, device: torch.device, 
             plan(ids, out, stream=stream, out_of_range=counter, num_programs=programs, sort=True)
         elif (ids.is_contiguous() and ids.data_ptr() % 16 == 0
               and torch.cuda.current_device() == device.index):  # the launch's context
-            direct = direct_by_programs.get(programs)
-            if direct is None:
-                direct = direct_by_programs[programs] = SlotGather(plan, counter, None, programs)
-            direct(ids, out, stream)
+            direct(ids, out, stream, programs)
         else:
             plan(ids, out, stream=stream, out_of_range=counter, num_programs=programs)
 

@@ -623,15 +623,19 @@ class SlotGather:
         self._kernels: dict[torch.dtype, Any] = {}
         self._direct = not _kernel_is_interpreted()
 
-    def __call__(self, ids: Tensor, out: Tensor, stream: torch.cuda.Stream) -> None:
+    def __call__(self, ids: Tensor, out: Tensor, stream: torch.cuda.Stream,
+                 num_programs: int | None = None) -> None:
         """Queue the gather of `ids` [T, L, heads] (contiguous) into `out` (a slot's rows: each
-        row contiguous, as GatherPlan checks on the first launch)."""
+        row contiguous, as GatherPlan checks on the first launch), on `num_programs` programs
+        (>= 1; default: this launcher's). The grid is a launch argument: any grid reuses the
+        kernel."""
+        programs = self.programs if num_programs is None else num_programs
         kernel = self._kernels.get(ids.dtype) if self._direct else None
         if kernel is None:
-            self._checked(ids, out, stream)
+            self._checked(ids, out, stream, programs)
             return
         n_items = self.items_per_token * ids.shape[0]
-        launch = _Launch(min(self.programs, triton.cdiv(n_items, self.block_rows)), n_items,
+        launch = _Launch(min(programs, triton.cdiv(n_items, self.block_rows)), n_items,
                          False, self.block_rows, self.num_warps)
         plan = self.plan
         args = plan.kernel_args(ids.data_ptr(), out.data_ptr(), self.out_of_range, self.cache,
@@ -643,12 +647,12 @@ class SlotGather:
                                         stream=stream.cuda_stream)
         except TypeError:  # this Triton's launcher takes other arguments: stay on the checked path
             self._direct = False
-            self._checked(ids, out, stream)
+            self._checked(ids, out, stream, programs)
 
-    def _checked(self, ids: Tensor, out: Tensor, stream: torch.cuda.Stream) -> None:
+    def _checked(self, ids: Tensor, out: Tensor, stream: torch.cuda.Stream, programs: int) -> None:
         plan = self.plan
         plan(ids, out, stream=stream, out_of_range=self.out_of_range, cache=self.cache,
-             num_programs=self.programs, block_rows=self.block_rows, num_warps=self.num_warps)
+             num_programs=programs, block_rows=self.block_rows, num_warps=self.num_warps)
         if plan._launched is not None and ids.shape[0] > 0:
             self._kernels[ids.dtype] = plan._launched
 

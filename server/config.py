@@ -94,7 +94,7 @@ SETTINGS: tuple[Setting, ...] = (
     # +12.0% with all of them; sm_cap). In a model step (model_step_grid_*) with a mapped
     # client's 4,096-token lookup, the step then took 4-7% longer where the rows were wanted
     # after one matmul, and 2-24% less where after twelve: 1.0 suits a model that consumes its
-    # rows right away.
+    # rows right away (or such a lookup alone: lookup(..., sm_fraction=1.0)).
     Setting("gather_sm_fraction", float, 0.5,
             "CUDA backend: fraction of each GPU's SMs the gather may occupy (leaves the model room); "
             "mapped clients' own gathers by default (a mapped lookup may name its own share)",

@@ -491,6 +491,31 @@ def test_slot_gather_fills_slab_slots_like_the_reference(kt, world, shards, cach
     assert int(bad) == expected_bad
 
 
+def test_slot_gather_takes_a_grid_per_call(kt, world, monkeypatch):
+    """A mapped lookup's own share of the SMs reaches SlotGather as a grid for that call; the
+    launcher's own grid stays the default."""
+    geo, tables = world
+    shard = geo.shard(0, 1)
+    original, launched = kt._Launch, []
+
+    def recording(*args):
+        launched.append(original(*args))
+        return launched[-1]
+
+    monkeypatch.setattr(kt, "_Launch", recording)
+    bad = torch.zeros(1, dtype=torch.int64)
+    launch = kt.SlotGather(kt.GatherPlan(tables, shard), bad, None, num_programs=4,
+                           block_rows=BLOCK_ROWS)
+    ids = mixed_ids(geo, 9, seed=77)
+    want, _ = gather_ref.gather(tables, ids, shard)
+    for programs, grid in ((None, 4), (1, 1), (3, 3), (None, 4)):
+        out = torch.zeros(want.shape, dtype=torch.bfloat16)
+        launched.clear()
+        launch(ids, out, stream=None, num_programs=programs)
+        assert [one.grid for one in launched] == [grid], programs
+        assert_same(out, want, f"{programs} programs")
+
+
 def test_slot_views_are_the_layouts_views_made_once():
     from engramd.client.slab import SlabLayout, SlotViews
 
