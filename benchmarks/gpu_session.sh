@@ -33,7 +33,7 @@
 # tests-pin-files (pinning through HugeViews: pin, standby, reload GPU tests),
 # standby-64-shm (the same on /dev/shm), tests-standby (tests/gpu/test_standby_gpu.py: a standby's pins across a reload and a takeover),
 # step-grid (step-text without MPS at 16 and 4,096 tokens, the daemon's grid then all SMs), gather-pages (benchmarks/gather_pages.py), gather-grids (the same, more grids, folios only), sm-cap-rows (benchmarks/sm_cap.py at 16 and 32 rows per block), sm-cap-sorted (the same, sorted reads, 8 and 32),
-# step-profile (model_step --profile: in-process against mapped, kernel by kernel), step-hint (step-text, mapped lookups of lead 1 on all SMs), step-hint-near (leads 1 and 4),
+# step-profile (model_step --profile: in-process against mapped, kernel by kernel), step-hint (step-text, mapped lookups of lead 1 on all SMs), step-hint-near (leads 1 and 4), step-client-cache (step-hint-near, mapped clients with caches of their own), tests-client-cache,
 # start-costs (torch's import and CUDA start, EAGER against LAZY, with and without a CUDA context
 # made first, as the daemon's preload does; the daemon's imports by cumulative time).
 # Logs and results are packed into OUT/results.tgz (one file); each phase's exit code is
@@ -310,6 +310,15 @@ phase_step_hint_near() {  # step-hint with the mapped lookups of leads 1 and 4 o
   [ -f .traces/tokens.npz ] || { echo "no .traces folder (carry it)"; return 1; }
   python3 benchmarks/model_step.py --mps both --steps 80 --rounds 3 --ids text --traces .traces \
     --mapped-sm-fraction 1=1.0 4=1.0 --out "$out/step_hint_near" 2>&1 | tee "$out/step_hint_near.log" | tail -30
+}
+phase_tests_client_cache() {  # the end-to-end GPU tests, where mapped clients keep hot-row caches of their own, with the reload's and the cache's
+  python3 -m pytest tests/gpu/test_cuda_daemon.py tests/gpu/test_reload_gpu.py tests/gpu/test_hot_cache_gpu.py \
+    -q --durations=5 2>&1 | tee "$out/gpu_tests_client_cache.log"
+}
+phase_step_client_cache() {  # step-hint-near, the mapped client reading through a hot-row cache of its own
+  [ -f .traces/tokens.npz ] || { echo "no .traces folder (carry it)"; return 1; }
+  python3 benchmarks/model_step.py --mps both --steps 80 --rounds 3 --ids text --traces .traces \
+    --mapped-sm-fraction 1=1.0 4=1.0 --out "$out/step_client_cache" 2>&1 | tee "$out/step_client_cache.log" | tail -30
 }
 phase_sm_cap_sorted() {  # sm_cap with sorted reads, 8 and 32 rows per block (sorted_block_rows' two sizes)
   local rows rc=0

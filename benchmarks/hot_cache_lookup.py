@@ -40,9 +40,9 @@ from common.tables import INSTANCE, geometry_for, random_tables, reattach_flags 
 from traces import TextTrace, uniform_batches  # noqa: E402
 
 from engramd.client import EngramClient  # noqa: E402
+from engramd.client.cache_keeper import CacheKeeper  # noqa: E402
 from engramd.kernels import hot_cache  # noqa: E402
 from engramd.kernels.gather_triton import GatherPlan  # noqa: E402
-from engramd.server.cache_keeper import CacheKeeper  # noqa: E402
 from engramd.server.cuda_backend import PinnedTables  # noqa: E402
 
 TOKENS = (256, 4096, 16384)

@@ -447,6 +447,10 @@ def measure(args: argparse.Namespace) -> dict:
                 else:
                     cells, checks = run_grid(bench, ids, tokens, leads, args.steps, mps["mps"],
                                              args.rounds)
+                if mapped_meta is not None:  # what each cache served: the client's own, the daemon's
+                    mapped_meta["hot_cache"] = _hit_rate(mapped.hot_cache_stats())
+                    daemon_caches = list(mapped.stats().get("hot_cache", {}).values())
+                    mapped_meta["daemon_hot_cache"] = _hit_rate(daemon_caches[0] if daemon_caches else None)
             finally:
                 bench.close()
     run = {**mps, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -578,6 +582,13 @@ def _rows_verdict(run: dict) -> str:
     return f"exact ({names} = gather_ref at every T)"
 
 
+def _hit_rate(stats: dict | None) -> float | None:
+    """Hits over rows read, all layers, of a hot-row cache's stats (None: no cache)."""
+    if not stats or not sum(stats["reads"]):
+        return None
+    return round(sum(stats["hits"]) / sum(stats["reads"]), 4)
+
+
 def _attach_note(run: dict) -> str:
     mapped = run.get("mapped")
     if not mapped:
@@ -585,8 +596,12 @@ def _attach_note(run: dict) -> str:
     hints = "".join(f"mapped lookups at lead {lead} pass sm_fraction={fraction}; "
                     for lead, fraction in sorted((run.get("mapped_sm_fraction") or {}).items(),
                                                  key=lambda item: int(item[0])))  # JSON: str keys
+    caches = ""
+    if "hot_cache" in mapped:
+        caches = (f"hot-row cache hit rate over the run: the mapped client's own "
+                  f"{mapped['hot_cache']}, the daemon's {mapped['daemon_hot_cache']}; ")
     return (f"mapped client attached in {mapped['attach_s']:.2f} s (granted mode {mapped['mode']}); "
-            + hints)
+            + caches + hints)
 
 
 def _on(mps: bool) -> str:

@@ -798,7 +798,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "features the in-process gather does not have)")
     parser.add_argument("--shm-dir", default="/dev/shm", help="where the table file goes")
     parser.add_argument("--mode", choices=("auto", "served", "mapped"), default="auto",
-                        help="the clients' mode (auto: the daemon picks, served under shared MPS)")
+                        help="the clients' mode (auto: the daemon picks, mapped on a GPU)")
     parser.add_argument("--backend", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: smoke test of the orchestration without GPUs")
     parser.add_argument("--clients", type=int, default=2, help="--backend cpu: client processes")

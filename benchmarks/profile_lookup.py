@@ -1,10 +1,12 @@
 """Where a lookup's host time goes: cProfile of the client loop and of the daemon process.
 
-    python benchmarks/profile_lookup.py [--tokens 1] [--iters 2000] [--out DIR]
+    python benchmarks/profile_lookup.py [--tokens 1] [--iters 2000] [--mode served] [--out DIR]
 
 Starts `engramd serve --backend cuda` on the demo table under cProfile, runs `--iters` lookups of
-`--tokens` tokens (lookup + wait + synchronize) under cProfile in this process, stops the daemon,
-and prints both profiles' top entries by own time. Host overhead only: the table is tiny.
+`--tokens` tokens (lookup + wait + synchronize) under cProfile in this process, as a client of
+`--mode` (served by default: without MPS `auto` would be granted mapped, whose gathers never reach
+the daemon), stops the daemon, and prints both profiles' top entries by own time. Host overhead
+only: the table is tiny.
 """
 
 from __future__ import annotations
@@ -26,9 +28,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common.daemon import start_daemon  # noqa: E402
 
 
-def top(stats: pstats.Stats, n: int = 30) -> str:
+def top(stats: pstats.Stats, n: int = 30, min_calls: int = 0) -> str:
+    """The `n` entries of most own time among those called at least `min_calls` times (the
+    daemon's profile covers its start too: its per-lookup functions are the ones called once
+    per lookup or more)."""
     out = io.StringIO()
     stats.stream = out
+    stats.stats = {key: value for key, value in stats.stats.items() if value[1] >= min_calls}
     stats.sort_stats("tottime").print_stats(n)
     return out.getvalue()
 
@@ -38,15 +44,18 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=1)
     parser.add_argument("--iters", type=int, default=2000)
     parser.add_argument("--top", type=int, default=30, help="entries of each profile to print")
+    parser.add_argument("--mode", choices=("served", "mapped"), default="served")
     parser.add_argument("--out", default=tempfile.mkdtemp(prefix="engramd-prof-"))
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="egd-prof-"))
     shm = Path(tempfile.mkdtemp(prefix="egd-prof-", dir="/dev/shm"))  # cudaHostRegister needs tmpfs
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     daemon, socket = start_daemon(work, ["--backend", "cuda", "--shm-dir", str(shm),
                                          "--cache-dir", str(work)], timeout=120,
                                   python=[sys.executable, "-m", "cProfile", "-o", str(out / "daemon.prof")])
-    with EngramClient(socket, device="cuda", max_tokens=args.tokens, slots=2) as client:
+    with EngramClient(socket, device="cuda", max_tokens=args.tokens, slots=2,
+                      mode=args.mode) as client:
         ids = torch.zeros((args.tokens, 2, 24), dtype=torch.int64, device="cuda")
         stream = torch.cuda.current_stream()
         for _ in range(50):
@@ -60,13 +69,13 @@ def main() -> int:
             stream.synchronize()
         profile.disable()
         print(f"{(time.perf_counter() - start) / args.iters * 1e6:.1f} us per lookup (profiled)")
-        print("daemon stats:", client.stats().get("dispatch_us"))
+        print(f"mode {client.mode}; daemon dispatch us:", client.stats().get("dispatch_us"))
     daemon.terminate()
     daemon.wait(60)
     print("=== client ===")
     print(top(pstats.Stats(profile), args.top))
     print("=== daemon ===")
-    print(top(pstats.Stats(str(out / "daemon.prof")), args.top))
+    print(top(pstats.Stats(str(out / "daemon.prof")), args.top, min_calls=args.iters))
     return 0
 
 

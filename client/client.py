@@ -43,10 +43,12 @@ from typing import Any
 
 import torch
 
+from engramd.client.cache_keeper import load_warm_ids
 from engramd.client.connection import Connection, default_socket_path
 from engramd.client.errors import (
     BadIdsError,
     BadRequestError,
+    ConfigError,
     DaemonUnavailableError,
     EngramError,
     InternalError,
@@ -65,6 +67,7 @@ from engramd.client.handles import (
 )
 from engramd.client.ids import dtype_name
 from engramd.client.mapped import (
+    ClientCache,
     DeviceCounterReader,
     LocalSlots,
     MappedTables,
@@ -76,6 +79,7 @@ from engramd.client.messages import RegisterReply
 from engramd.client.rejoin import Rejoin, retry_until
 from engramd.client.shared_mapping import SharedMapping
 from engramd.client.slab import FAILED, IDS_READY, ROWS_DONE, SlabLayout, SlotViews
+from engramd.kernels.hot_cache import CacheConfigError
 
 log = logging.getLogger("engramd.client")
 
@@ -661,20 +665,41 @@ class EngramClient:
         return None
 
     def _map_tables(self, attachment: Attachment, gather: dict[str, Any]) -> None:
-        """Mapped mode: the tables' descriptors, mapped read-only."""
+        """Mapped mode: the tables' descriptors, mapped read-only, and on a GPU the side stream
+        the gathers run on and the hot-row cache they read through."""
         self._mapped = MappedTables(attachment.tables, self.geometry, self.device)
         if attachment.version is not None:  # a reload between register and attach: these
             self._read_tables(attachment.version, attachment.tables_seq)
-        self._gather = mapped_gather(self.shard, self._mapped, self.device,
-                                     int(gather.get("sort_min_tokens", 0)),
-                                     float(gather.get("sm_fraction", 1.0)))
         if self.device.type == "cuda":
             from engramd.client import cuda
 
             self._side = cuda.new_stream(self.device.index)
-            # The plan's device arrays were made on this thread's stream; the gathers run on ours.
+            self._start_cache(self._mapped, attachment.warm_fd)
+        self._gather = mapped_gather(self.shard, self._mapped, self.device,
+                                     int(gather.get("sort_min_tokens", 0)),
+                                     float(gather.get("sm_fraction", 1.0)))
+        if self.device.type == "cuda":
+            # The plan's and cache's device arrays were made on this thread's stream; the
+            # gathers run on ours.
             self._side.wait_stream(torch.cuda.current_stream(self.device))
             self._out_of_range = DeviceCounterReader(self._gather.out_of_range)
+
+    def _start_cache(self, mapped: MappedTables, warm_fd: int | None = None) -> None:
+        """A GPU client's own hot-row cache over `mapped` (client/mapped.py, ClientCache), of the
+        size the daemon says (none for 0), warmed from the daemon's trace when it passed one. A
+        cache that cannot be made only costs hits: the client gathers without one."""
+        budget = int(self._gather_policy.get("cache_bytes", 0))
+        if budget <= 0:
+            return
+        side = self._side
+        try:
+            warm_ids = (load_warm_ids(warm_fd, self.geometry.n_layers, self.geometry.heads)
+                        if warm_fd is not None else None)
+            mapped.cache = ClientCache(mapped, self.geometry, self.shard, budget,
+                                       float(self._gather_policy.get("cache_refresh_s", 0.05)),
+                                       lambda: [side], warm_ids)
+        except (ConfigError, CacheConfigError, torch.cuda.OutOfMemoryError) as exc:
+            log.warning("client %s gathers without a hot-row cache: %s", self.client_id, exc)
 
     # -- reloads ----------------------------------------------------------------------------------
 
@@ -756,6 +781,8 @@ class EngramClient:
             log.warning("client %d could not map the reloaded tables: %s", self.client_id, pending.error)
             return
         try:
+            if self._side is not None:  # a new cache: the old one holds rows of the old tables
+                self._start_cache(pending.tables)
             gather = mapped_gather(
                 self.shard, pending.tables, self.device, int(self._gather_policy.get("sort_min_tokens", 0)),
                 float(self._gather_policy.get("sm_fraction", 1.0)),
@@ -768,6 +795,8 @@ class EngramClient:
         old, old_gather = self._mapped, self._gather
         self._mapped, self._gather = pending.tables, gather
         del gather
+        if old.cache is not None:
+            old.cache.keeper.stop()  # nothing will read it once the gathers queued on it are done
         done = None  # CPU gathers ran inside their lookup() calls
         if self.device.type == "cuda":  # gathers on the old mapping may still run: after them
             done = torch.cuda.Event()
@@ -810,6 +839,14 @@ class EngramClient:
                                device=self.device)
             self._slab.ids(0, 1, dtype).copy_(probe)
         torch.cuda.synchronize(self.device)
+
+    def hot_cache_stats(self) -> dict[str, Any] | None:
+        """A mapped GPU client's own hot-row cache: rows read per layer and of them hits,
+        admissions, refreshes, size (None without one: served lookups read the daemon's cache,
+        in stats()["hot_cache"])."""
+        with self._tables_lock:
+            cache = self._mapped.cache if self._mapped is not None else None
+            return cache.stats() if cache is not None else None
 
     @property
     def max_tokens(self) -> int:

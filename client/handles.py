@@ -175,12 +175,13 @@ class Attachment:
     version: str | None = None  # mapped: the granted tables' id
     tables_seq: int = 0  # and their seq (client/messages.py)
     counters_fd: int | None = None  # a GPU slab's counter block (client/host_counters.py)
+    warm_fd: int | None = None  # mapped: the hot-row cache's warm-up trace (.npy)
 
     def close_descriptors(self) -> None:
         """Close the descriptors not taken over by their users (the lease stays)."""
-        _close_all([fd for fd in (self.slab_fd, self.counters_fd) if fd is not None])
+        _close_all([fd for fd in (self.slab_fd, self.counters_fd, self.warm_fd) if fd is not None])
         _close_all([t.fd for t in self.tables])
-        self.slab_fd, self.counters_fd, self.tables = None, None, []
+        self.slab_fd, self.counters_fd, self.warm_fd, self.tables = None, None, None, []
 
 
 def attach(path: str | os.PathLike, client_id: int, token: str,
@@ -245,15 +246,17 @@ def _attachment(sock: socket.socket, header: dict[str, Any], fds: list[int]) -> 
     epoch, reply = read_reply(header, AttachReply)
     slab, tables = reply.slab, reply.tables
     slab_fds = _slab_descriptors(slab)
-    wanted = slab_fds + len(tables)
+    warm = reply.warm
+    wanted = slab_fds + len(tables) + warm
     if len(fds) != wanted:
         raise ProtocolError(f"attach reply describes {wanted} descriptors but carried {len(fds)}")
     slab_fd = fds[0] if slab_fds else None
     counters_fd = fds[1] if slab_fds == 2 else None
-    grants = _grants(tables, fds[slab_fds:], "attach")
+    grants = _grants(tables, fds[slab_fds:slab_fds + len(tables)], "attach")
     sock.settimeout(None)
     return Attachment(sock, epoch, slab, slab_fd, grants, version=reply.version,
-                      tables_seq=reply.tables_seq, counters_fd=counters_fd)
+                      tables_seq=reply.tables_seq, counters_fd=counters_fd,
+                      warm_fd=fds[-1] if warm else None)
 
 
 def _slab_descriptors(slab: dict[str, Any] | None) -> int:

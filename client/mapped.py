@@ -6,6 +6,10 @@ read-only descriptors of the table files over the handle socket (client/handles.
 and runs the same gather (the Triton kernel on its GPU, the reference on the CPU) into slots of
 its own memory. The daemon keeps the tables, their lifetime, health and metrics.
 
+On a GPU the client also keeps a hot-row cache of its own in HBM (ClientCache), as the daemon
+does per GPU for its served lookups: a gather in another process cannot safely read the
+daemon's cache, and write access to it would let one client change every client's rows.
+
 What this is not: the client's lookup logic (client.py holds it, for both modes).
 """
 
@@ -38,6 +42,7 @@ class MappedTables:
         self._maps: list[mmap.mmap] = []
         self._registration: Any = None
         self.rows: list[np.ndarray] = []
+        self.cache: ClientCache | None = None  # a GPU client's, over these tables (set by its owner)
         self._check(grants, geometry)
         try:  # the caller closes the descriptors: the mappings keep the files
             for grant in grants:
@@ -91,9 +96,20 @@ class MappedTables:
         return [LayerTable(address, a.shape[0], a.shape[1], owner=self)
                 for address, a in zip(self._registration.addresses, self.rows, strict=True)]
 
+    def device_rows(self) -> list[torch.Tensor]:
+        """uint8 [rows, row_bytes] tensors on the GPU over the registered rows (reads go over UVA)."""
+        from engramd.client import cuda
+
+        return [cuda.tensor_view(address, a.nbytes, self.device).view(a.shape)
+                for address, a in zip(self._registration.addresses, self.rows, strict=True)]
+
     def close(self, synchronize: bool = True) -> None:
-        """Unmap. A GPU client synchronises its device first (gathers may still read the rows),
-        unless `synchronize` is false: the caller knows that they are done."""
+        """Unmap, after the cache's keeper has stopped (it reads the rows). A GPU client
+        synchronises its device first (gathers may still read the rows), unless `synchronize`
+        is false: the caller knows that they are done."""
+        cache, self.cache = self.cache, None
+        if cache is not None:
+            cache.close()
         registration, self._registration = self._registration, None
         try:
             if registration is not None:
@@ -187,12 +203,44 @@ class LocalSlots:
         self.views.close()
 
 
+class ClientCache:
+    """A mapped GPU client's hot-row cache over its mapping of the tables, and the keeper thread
+    that refreshes it (client/cache_keeper.py: the daemon's protocol, whose grace waits out the
+    gathers on `streams`, the client's side stream)."""
+
+    def __init__(self, tables: MappedTables, geometry: TableGeometry, shard: ShardView,
+                 budget_bytes: int, refresh_s: float, streams: Callable[[], list[torch.cuda.Stream]],
+                 warm_ids: torch.Tensor | None = None):
+        from engramd.client.cache_keeper import CacheKeeper
+        from engramd.kernels.hot_cache import CacheLayout, HotCache
+
+        device = tables.device
+        with torch.cuda.device(device):
+            layout = CacheLayout.from_budget(budget_bytes, geometry.row_bytes)
+            self.cache = HotCache(layout, geometry.n_layers, device)
+            self.keeper = CacheKeeper(self.cache, tables.device_rows(), streams, interval=refresh_s)
+            # Only this shard's heads: the others' rows are never read here.
+            self.warmed = (self.keeper.warm(warm_ids[:, :, shard.head_start:shard.head_end])
+                           if warm_ids is not None else 0)
+        self.keeper.start()
+
+    def stats(self) -> dict[str, Any]:
+        layout = self.cache.layout
+        return self.keeper.stats.snapshot(layout.row_bytes) | {"slots": layout.slots,
+                                                               "bytes": layout.nbytes}
+
+    def close(self) -> None:
+        """Stop the keeper and wait for its thread and stream (before the rows go)."""
+        self.keeper.close()
+
+
 def mapped_gather(shard: ShardView, tables: MappedTables, device: torch.device, sort_min_tokens: int,
                   default_fraction: float = 1.0, counter: torch.Tensor | None = None):
     """The gather a mapped client runs: fn(ids, out, stream, sm_fraction=None) -> out_of_range
     (CPU) or None. On a GPU it follows the daemon's policy: sorted reads from `sort_min_tokens`
     tokens on, and a persistent grid on `default_fraction` of the SMs (leaving the model's
-    kernels room), unless the call names a fraction of its own; it counts out-of-range IDs into
+    kernels room), unless the call names a fraction of its own; it reads through the tables'
+    hot-row cache where they have one (`tables.cache`), and counts out-of-range IDs into
     `counter` (default: a new one), its `out_of_range`."""
     if device.type == "cpu":
         from engramd.kernels.gather_ref import gather
@@ -207,11 +255,12 @@ def mapped_gather(shard: ShardView, tables: MappedTables, device: torch.device, 
     from engramd.kernels.gather_triton import GatherPlan, SlotGather, grid_programs
 
     plan = GatherPlan(tables.layer_tables(), shard, device)
-    # Exactly what gather_gpu launches: bf16 rows, always counted. The grid is a launch
-    # argument, but it picks a sorted lookup's block size (sorted_block_rows), which is one:
-    # warm_up compiles both sizes, so no fraction of a lookup's own compiles in the hot path.
-    plan.warm_up(sort=(False, True) if sort_min_tokens else (False,), dedupe=(False,),
-                 packed=(False,), counted=(True,))
+    cache = tables.cache.cache if tables.cache is not None else None
+    # Exactly what gather_gpu launches: bf16 rows, always counted, through this cache. The grid
+    # is a launch argument, but it picks a sorted lookup's block size (sorted_block_rows), which
+    # is one: warm_up compiles both sizes, so no fraction of a lookup's own compiles in the hot path.
+    plan.warm_up(caches=(cache,), sort=(False, True) if sort_min_tokens else (False,),
+                 dedupe=(False,), packed=(False,), counted=(True,))
     counter = counter if counter is not None else torch.zeros(1, dtype=torch.int64, device=device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     default_programs = grid_programs(sms, default_fraction)
@@ -219,18 +268,19 @@ def mapped_gather(shard: ShardView, tables: MappedTables, device: torch.device, 
     # reuses was specialised for; slot rows always are) take the served hot path's direct
     # launch of the same kernel: no argument binding, no stream context, less host time before
     # the model's next kernel is queued. Sorted ones, and any other IDs, the plan's checked call.
-    direct = SlotGather(plan, counter, None, default_programs)
+    direct = SlotGather(plan, counter, cache, default_programs)
 
     def gather_gpu(ids: torch.Tensor, out: torch.Tensor, stream: Any,
                    sm_fraction: float | None = None) -> None:
         programs = default_programs if sm_fraction is None else grid_programs(sms, sm_fraction)
         if 0 < sort_min_tokens <= ids.shape[0]:
-            plan(ids, out, stream=stream, out_of_range=counter, num_programs=programs, sort=True)
+            plan(ids, out, stream=stream, out_of_range=counter, num_programs=programs, sort=True,
+                 cache=cache)
         elif (ids.is_contiguous() and ids.data_ptr() % 16 == 0
               and torch.cuda.current_device() == device.index):  # the launch's context
             direct(ids, out, stream, programs)
         else:
-            plan(ids, out, stream=stream, out_of_range=counter, num_programs=programs)
+            plan(ids, out, stream=stream, out_of_range=counter, num_programs=programs, cache=cache)
 
     gather_gpu.out_of_range = counter  # type: ignore[attr-defined]
     return gather_gpu

@@ -249,13 +249,16 @@ class AttachRequest(Message):
 @dataclass(slots=True)
 class AttachReply(Message):
     """Served: `slab` says how to map descriptor 0 (and descriptor 1, a GPU slab's counter
-    block, when slab["fds"] is 2). Mapped: descriptor i is table i."""
+    block, when slab["fds"] is 2). Mapped: descriptor i is table i, and when `warm` is true
+    one more follows the tables: the daemon's hot-row cache warm-up trace (a .npy), for the
+    client's own cache."""
 
     OP = "attach"
     slab: dict | None = None
     tables: list = field(default_factory=list)  # {layer_id, rows, row_bytes, data_offset, file_bytes}
     version: str | None = None  # mapped: the granted tables' id (a reload may come between)
     tables_seq: int = 0
+    warm: bool = False
 
 
 @dataclass(slots=True)

@@ -78,9 +78,18 @@ SETTINGS: tuple[Setting, ...] = (
             low=0.0, high=1024.0),
     Setting("hot_cache_warm_file", str, "",
             "CUDA backend: .npy of row IDs [N, layers, heads] (as EngramHasher.hash returns them) "
-            "counted into every GPU's cache before serving; empty: start cold"),
+            "counted into every GPU's cache before serving, and into each mapped client's; "
+            "empty: start cold"),
     Setting("hot_cache_refresh_ms", float, 50.0,
-            "CUDA backend: milliseconds between hot-row cache refreshes", low=1.0, high=60000.0),
+            "CUDA backend: milliseconds between hot-row cache refreshes (mapped clients' too)",
+            low=1.0, high=60000.0),
+    # A mapped client gathers in its own process, so it cannot read the daemon's cache (its
+    # keeper waits out readers on the daemon's streams, and a client mapping that memory could
+    # write every client's rows): it keeps one of its own on its GPU, in its own memory.
+    Setting("mapped_hot_cache_gib", float, 2.0,
+            "hot-row cache that each mapped GPU client keeps in its own GPU memory, in GiB, "
+            "refreshed by a thread of the client and warmed from hot_cache_warm_file; 0: none",
+            low=0.0, high=1024.0),
     # On real text, reading each distinct row once costs more than it saves (hot_cache_lookup).
     Setting("dedupe_min_tokens", int, 0,
             "CUDA backend: lookups of at least this many tokens read each distinct row once (0: never)",

@@ -26,7 +26,7 @@ enqueues it at once and the daemon may enqueue its write before or after. Measur
 benchmarks/completion_mechanisms.py (results under benchmarks/results/).
 
 Each GPU also has a hot-row cache in HBM (kernels/hot_cache.py) that the gathers probe, kept
-filled by a CacheKeeper thread (server/cache_keeper.py), and lookups of at least
+filled by a CacheKeeper thread (client/cache_keeper.py), and lookups of at least
 `dedupe_min_tokens` tokens read each distinct row once. The persistent gather grid may be capped
 to a fraction of the SMs, so that prefetched lookups leave the model's kernels room.
 
@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from engramd.client import cuda
+from engramd.client.cache_keeper import CacheKeeper
 from engramd.client.cuda import CudaError, check
 from engramd.client.errors import BadRequestError, ResourceError
 from engramd.client.geometry import ShardView, TableGeometry
@@ -69,7 +70,6 @@ from engramd.client.slab import (
 from engramd.kernels.gather_triton import GatherPlan, LayerTable, SlotGather, grid_programs
 from engramd.kernels.hot_cache import CacheLayout, HotCache
 from engramd.server.backend import Completion, LookupJob
-from engramd.server.cache_keeper import CacheKeeper
 from engramd.server.config import default
 from engramd.server.host_tables import HostTable, pin_tables
 

@@ -117,6 +117,7 @@ class Daemon:
         self._halt: DaemonHalt | None = None
         self._handles: HandleServer | None = None
         self._table_fds: list[int] = []  # read-only descriptors of the tables, for mapped clients
+        self._warm_fd: int | None = None  # and of the hot-row cache's warm-up trace, for their caches
         self._poller = zmq.Poller()
         # Each attached client's lease: our end of its handle-socket connection, polled by the loop.
         self._leases: dict[int, int] = {}  # client_id -> descriptor
@@ -210,6 +211,7 @@ class Daemon:
 
     def _on_loaded(self, loaded: LoadedTables) -> None:
         self._table_fds = self._open_table_fds(loaded.tables)
+        self._warm_fd = self._open_warm_file()
         self.service.serve(loaded, on_retire=self._end_lease)
         freeze_long_lived()
         summary = (f"ready: {loaded.backend.name} backend, {loaded.geometry.n_layers} layers, "
@@ -584,6 +586,21 @@ class Daemon:
         """Read-only descriptors of the tables, for mapped clients."""
         return [os.open(t.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW) for t in tables]
 
+    def _open_warm_file(self) -> int | None:
+        """A read-only descriptor of hot_cache_warm_file, when mapped GPU clients keep caches;
+        a file that cannot be opened leaves their caches to start cold (the daemon's own cache
+        checked it already where it has one)."""
+        config = self.config
+        if not (config.hot_cache_warm_file and config.mapped_hot_cache_gib
+                and "mapped" in config.client_modes.split(",")):
+            return None
+        try:
+            return os.open(config.hot_cache_warm_file, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            log.warning("hot_cache_warm_file %s: %s; mapped clients' caches start cold",
+                        config.hot_cache_warm_file, exc.strerror)
+            return None
+
     def _table_grants(self) -> tuple[list[dict[str, int]], list[int]]:
         """What a mapped client needs of the served tables: their descriptions, and a new
         read-only descriptor of each (the caller closes them once sent)."""
@@ -690,9 +707,12 @@ class Daemon:
                 fds.extend(record.slab.descriptors())
             else:
                 grants, table_fds = self._table_grants()
-                reply = AttachReply(tables=grants, version=self.service.tables_id,
-                                    tables_seq=self.service.tables_seq)
                 fds.extend(table_fds)
+                warm = self._warm_fd is not None and record.device != "cpu"  # GPU clients' caches
+                if warm:
+                    fds.append(os.dup(self._warm_fd))
+                reply = AttachReply(tables=grants, version=self.service.tables_id,
+                                    tables_seq=self.service.tables_seq, warm=warm)
         except Exception as exc:  # out of descriptors, or the device would not export
             for fd in fds:
                 os.close(fd)
@@ -751,6 +771,9 @@ class Daemon:
         for fd in self._table_fds:
             os.close(fd)
         self._table_fds = []
+        if self._warm_fd is not None:
+            os.close(self._warm_fd)
+            self._warm_fd = None
         self.metrics.close()
         tables, registry = self.service.tables, self.service.registry
         if tables is not None:

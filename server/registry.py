@@ -76,6 +76,8 @@ class Limits:
     modes: tuple[str, ...] = MODES  # the modes this daemon allows (config: client_modes)
     sort_min_tokens: int = default("sort_min_tokens")  # told to mapped clients: the daemon's policy
     sm_fraction: float = default("gather_sm_fraction")  # a mapped client's gather grid, as the daemon's
+    mapped_cache_bytes: int = int(default("mapped_hot_cache_gib") * 2**30)  # a mapped GPU client's own cache
+    cache_refresh_s: float = default("hot_cache_refresh_ms") / 1e3  # and how often it refreshes
     # Who may attach, by the kernel's credentials of the handle-socket peer (None: whoever can
     # open the socket). A peer passes when its uid or its gid is listed.
     allowed_uids: frozenset[int] | None = None
@@ -186,7 +188,7 @@ class ClientRegistry:
             n_layers=self.geometry.n_layers, heads=self.geometry.heads,
             local_heads=shard.local_heads, head_dim=self.geometry.head_dim)
         mps = self._mps_report(req.device, req.mps)
-        mode = self._mode_for(req.mode, req.device, mps)
+        mode = self._mode_for(req.mode, req.device)
         if mode == "served":
             self.backend.check_device(req.device)
             self._check_budget(layout)
@@ -209,7 +211,9 @@ class ClientRegistry:
                  layout.slots, layout.max_tokens)
         return RegisterReply(
             client_id=client_id, token=record.token, mode=mode, layout=layout.to_wire(),
-            gather={"sort_min_tokens": self.limits.sort_min_tokens, "sm_fraction": self.limits.sm_fraction},
+            gather={"sort_min_tokens": self.limits.sort_min_tokens, "sm_fraction": self.limits.sm_fraction,
+                    "cache_bytes": self.limits.mapped_cache_bytes,
+                    "cache_refresh_s": self.limits.cache_refresh_s},
             heartbeat_interval=self.limits.heartbeat_interval, attach_within=self.limits.attach_timeout,
             geometry=self.geometry.to_config(),
             shard={"rank": shard.rank, "shards": shard.shards, "head_start": shard.head_start,
@@ -238,15 +242,18 @@ class ClientRegistry:
                                 f"({held} of {self.limits.slab_budget} bytes held; config: "
                                 "slab_budget_gib); register fewer slots or max_tokens")
 
-    def _mode_for(self, asked: Any, device: str, mps: dict[str, Any] | None) -> str:
-        """The mode a registration gets: the one asked for if allowed; for "auto", served where
-        the daemon's gathers can overlap the client's kernels (a CPU client, or a GPU whose MPS
-        server the daemon shares), mapped elsewhere (also a GPU this daemon does not drive)."""
+    def _mode_for(self, asked: Any, device: str) -> str:
+        """The mode a registration gets: the one asked for if allowed; for "auto", mapped on a
+        GPU and served on the CPU. A mapped GPU client reads through a hot-row cache of its own
+        and launches its gathers with no hop through the daemon: without MPS it is the only mode
+        that overlaps the model, and under MPS it was within 2% of served or faster in 22 of 24
+        model-step cells, served ahead by 4-5% in the other two (benchmarks/results/h200/README.md,
+        "Mapped clients keep a hot-row cache of their own")."""
         allowed = self.limits.modes
         if asked is None:  # a client that predates modes: what it expects is a slab
             asked = "served"
         if asked == "auto":
-            preferred = "served" if device == "cpu" or (mps is not None and mps["shared"]) else "mapped"
+            preferred = "served" if device == "cpu" else "mapped"
             return preferred if preferred in allowed else allowed[0]
         if asked not in MODES:
             raise BadRequestError(f"mode {asked!r}: expected auto, served or mapped")

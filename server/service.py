@@ -202,6 +202,8 @@ def limits_of(config: DaemonConfig) -> Limits:
     return Limits(config.max_clients, config.max_tokens, config.max_slots, config.heartbeat_interval,
                   modes=tuple(config.client_modes.split(",")), sort_min_tokens=config.sort_min_tokens,
                   sm_fraction=config.gather_sm_fraction,
+                  mapped_cache_bytes=int(config.mapped_hot_cache_gib * 2**30),
+                  cache_refresh_s=config.hot_cache_refresh_ms / 1e3,
                   allowed_uids=_id_set(config.allowed_uids), allowed_gids=_id_set(config.allowed_gids),
                   slab_budget=int(config.slab_budget_gib * 2**30),
                   max_clients_per_uid=config.max_clients_per_uid, ids_wait_s=config.ids_wait_s)

@@ -192,10 +192,11 @@ def build_backend(config: DaemonConfig, opened: OpenTables) -> Backend:
     if opened.backend_name == "cpu":
         from engramd.server.cpu_backend import CpuBackend
         if config.hot_cache_warm_file:
-            log.warning("hot_cache_warm_file is ignored: the cpu backend has no hot-row cache")
+            log.warning("the cpu backend has no hot-row cache: hot_cache_warm_file only warms "
+                        "mapped GPU clients' caches")
         return CpuBackend([t.tensor for t in tables], geometry, config.workers)
     try:
-        from engramd.server.cache_keeper import load_warm_ids
+        from engramd.client.cache_keeper import load_warm_ids
         from engramd.server.cuda_backend import CudaBackend, GatherOptions
     except ImportError as exc:
         raise DeviceBackendError(f"cuda backend unavailable: {exc}") from exc

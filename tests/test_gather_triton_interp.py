@@ -368,8 +368,8 @@ def test_dedupe_leaders_point_at_the_first_equal_read(kt, world):
 
 
 def test_keeper_admits_repeated_rows_and_keeps_every_slot_equal_to_its_row(kt, world):
+    from engramd.client.cache_keeper import CacheKeeper
     from engramd.kernels import hot_cache
-    from engramd.server.cache_keeper import CacheKeeper
 
     geo, tables = world
     shard = geo.shard(0, 1)
@@ -441,8 +441,8 @@ def test_a_sorted_lookup_in_wide_blocks_equals_the_reference(kt, world, monkeypa
 
 
 def test_warming_from_a_trace_admits_its_repeated_rows_only(kt, world):
+    from engramd.client.cache_keeper import CacheKeeper
     from engramd.kernels import hot_cache
-    from engramd.server.cache_keeper import CacheKeeper
 
     geo, tables = world
     layout = hot_cache.CacheLayout(sets=8, row_bytes=geo.row_bytes, sketch_bits=14, log_entries=1024)

@@ -126,8 +126,8 @@ def test_empty_ways_take_only_rows_seen_more_than_admit_min_times_and_at_most_li
 def test_warm_file_loads_integer_row_ids_and_names_the_file_when_wrong(tmp_path):
     import numpy as np
 
+    from engramd.client.cache_keeper import load_warm_ids
     from engramd.client.errors import ConfigError
-    from engramd.server.cache_keeper import load_warm_ids
 
     good = tmp_path / "warm.npy"
     np.save(good, np.arange(2 * 2 * 3, dtype=np.int32).reshape(2, 2, 3))

@@ -269,24 +269,25 @@ def test_mps_state_identity_follows_the_folder_not_its_name(tmp_path, monkeypatc
     assert MpsState.from_wire([True]) is None
 
 
-def test_auto_mode_serves_where_mps_is_shared_and_maps_elsewhere():
+def test_auto_mode_maps_gpu_clients_with_or_without_mps_and_serves_cpu_ones():
     from engramd.client.mps import MpsState
 
     store, backend = make_store(orders_slots=True)
     backend.mps = {"GPU-a": MpsState(True, "1:1")}
 
-    def mode_of(reported_server: str, **over) -> str:
-        reply = store.register(b"x", RegisterRequest(**{"pid": os.getpid(), "device": "cuda:GPU-a", "tp_rank": 0,
+    def mode_of(reported_server: str, device: str = "cuda:GPU-a") -> str:
+        reply = store.register(b"x", RegisterRequest(**{"pid": os.getpid(), "device": device, "tp_rank": 0,
                                       "tp_size": 1, "max_tokens": 8, "slots": 2, "mode": "auto",
-                                      "mps": {"enabled": True, "server": reported_server}, **over}))
+                                      "mps": {"enabled": True, "server": reported_server}}))
         record = store.attach(reply.client_id, reply.token, me())
         store.release(b"x", reply.client_id)
         assert (record.slab is None) == (reply.mode == "mapped")
         return reply.mode
 
-    assert mode_of("1:1") == "served"
+    assert mode_of("1:1") == "mapped"  # the daemon's MPS server shared
     assert mode_of("9:9") == "mapped"
-    assert len(backend.slabs) == 1  # a mapped client gets no slab
+    assert mode_of("1:1", device="cpu") == "served"
+    assert len(backend.slabs) == 1  # the CPU client's: a mapped client gets no slab
     store.limits = Limits(2, 64, 4, modes=("served",))
     assert mode_of("9:9") == "served"  # auto takes what the daemon allows
 

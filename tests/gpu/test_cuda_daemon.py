@@ -252,6 +252,38 @@ def test_a_mapped_lookups_sm_fraction_sets_its_grid(daemon_factory, reference, m
                 assert [launch.grid for launch in launched] == [min(programs, triton.cdiv(items, block))], what
 
 
+def test_a_mapped_clients_own_cache_serves_hits_with_exact_rows(daemon_factory, reference, tmp_path):
+    """A mapped GPU client gathers through a hot-row cache of its own, warmed from the daemon's
+    trace and refreshed by its keeper while the lookups run (every 5 ms, so ways change under
+    running gathers): rows stay exact, the cache is hit, and closing the client stops the
+    keeper's thread."""
+    import threading
+
+    rng = np.random.default_rng(21)
+    hot = random_ids(rng, 64, reference.rows, reference.heads, dead=0.0, out_of_range=0.0)
+    np.save(tmp_path / "warm.npy", np.repeat(hot[:32], 8, axis=0))  # counted past admit_min
+    daemon = daemon_factory(extra=[*CUDA, "--hot-cache-warm-file", str(tmp_path / "warm.npy"),
+                                   "--mapped-hot-cache-gib", "0.01", "--hot-cache-refresh-ms", "5"])
+    keepers = lambda: [t for t in threading.enumerate() if t.name.startswith("engramd-cache-")]  # noqa: E731
+    with EngramClient(daemon.socket, device="cuda", max_tokens=256, slots=2, mode="mapped") as client:
+        stats = client.hot_cache_stats()
+        assert stats is not None and stats["admitted"] > 0, stats  # the warm-up's admissions
+        assert len(keepers()) == 1
+        for i in range(80):  # hot tokens (the warmed half and one the refreshes admit) and cold ones
+            ids = np.concatenate([hot[rng.integers(0, 64, 160)],
+                                  random_ids(rng, 40, reference.rows, reference.heads)])
+            for dtype in (torch.int64, torch.int32):
+                source = torch.from_numpy(ids).to(dtype).cuda()
+                rows = client.lookup(source).wait()
+                torch.cuda.current_stream().synchronize()
+                assert_exact(rows, reference.expected(source.long().cpu().numpy()), f"lookup {i} {dtype}")
+            time.sleep(0.002)
+        wait_until(lambda: sum(client.hot_cache_stats()["hits"]) > 0, timeout=5.0, step=0.02)
+        stats = client.hot_cache_stats()
+        assert stats["refreshes"] > 0 and stats["admitted"] > 0, stats
+    assert keepers() == []
+
+
 def ids_in_layout(exact: torch.Tensor, layout: str) -> torch.Tensor:
     """`exact` (on the CPU) as IDs of `layout`: on the GPU contiguous, one element past a 16-byte
     aligned start, strided (every other element of a wider tensor), or left on the host."""
@@ -316,7 +348,7 @@ def test_mps_report_matches_reality(daemon_factory):
     running = mps_control_running()
     with EngramClient(daemon.socket, device="cuda:0", max_tokens=4) as client:
         assert client.mps["shared"] is running, client.mps
-        assert client.mode == ("served" if running else "mapped")  # what auto makes of it
+        assert client.mode == "mapped"  # what auto makes of a GPU client, with or without MPS
         assert client.mps["daemon"]["enabled"] is running and client.mps["client"]["enabled"] is running
         stats = client.stats()
         assert [c["mps_shared"] for c in stats["clients"]] == [running]

@@ -18,9 +18,9 @@ from engramd.kernels import gather_ref
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 pytest.importorskip("triton")
 
+from engramd.client.cache_keeper import CacheKeeper  # noqa: E402
 from engramd.kernels import hot_cache  # noqa: E402
 from engramd.kernels.gather_triton import GatherPlan  # noqa: E402
-from engramd.server.cache_keeper import CacheKeeper  # noqa: E402
 
 TOKENS = 256
 

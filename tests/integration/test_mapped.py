@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import torch
 import zmq
-from conftest import run_client_processes, wait_until
+from conftest import attach_raw, run_client_processes, wait_until
 from reference import random_ids
 from test_daemon_lookups import assert_rows_equal, check_worker_output
 
@@ -99,13 +99,13 @@ def test_auto_mode_and_forbidden_modes(daemon_factory):
         EngramClient(both.socket, mode="sideways")
 
 
-def raw_register(daemon, mode: str) -> dict:
+def raw_register(daemon, mode: str, device: str = "cpu") -> dict:
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, 5000)
     sock.connect(f"ipc://{daemon.socket}")
     sock.send_multipart([msgpack.packb({"v": PROTOCOL_VERSION, "op": "register", "rid": 1, "pid": os.getpid(),
-                                        "device": "cpu", "tp_rank": 0, "tp_size": 1,
+                                        "device": device, "tp_rank": 0, "tp_size": 1,
                                         "max_tokens": 4, "slots": 1, "mode": mode})])
     reply = msgpack.unpackb(sock.recv_multipart()[0])
     assert reply["status"] == "ok", reply
@@ -440,12 +440,45 @@ def test_silent_handle_peers_block_no_one_and_not_the_stop(daemon_factory):
             peer.close()
 
 
+def test_mapped_gpu_clients_get_the_warm_up_trace_read_only_for_their_own_cache(daemon_factory, tmp_path):
+    """A mapped GPU client keeps a hot-row cache of its own, warmed from the daemon's
+    hot_cache_warm_file: its attach passes the file as a read-only descriptor after the tables,
+    which reads as the file's row IDs; a CPU client, which keeps no cache, gets none."""
+    from engramd.client.cache_keeper import load_warm_ids
+    from engramd.client.geometry import TableGeometry
+
+    probe = daemon_factory()
+    geometry = TableGeometry.from_config(raw_register(probe, "mapped")["reply"]["geometry"])
+    probe.stop()
+    ids = np.random.default_rng(5).integers(-1, 100, (64, geometry.n_layers, geometry.heads))
+    np.save(tmp_path / "warm.npy", ids)
+    daemon = daemon_factory(extra=["--hot-cache-warm-file", str(tmp_path / "warm.npy")])
+    gpu, cpu = raw_register(daemon, "mapped", device="cuda:0"), raw_register(daemon, "mapped")
+    attached = [attach_raw(daemon.socket, r["reply"], keep_descriptors=True) for r in (gpu, cpu)]
+    try:
+        warm_fd = attached[0].warm_fd
+        assert warm_fd is not None and attached[1].warm_fd is None
+        assert fcntl.fcntl(warm_fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
+        warm = load_warm_ids(warm_fd, geometry.n_layers, geometry.heads)
+        assert torch.equal(warm, torch.from_numpy(ids.astype(np.int64)))
+        assert len(attached[0].tables) == len(attached[1].tables) == geometry.n_layers
+    finally:
+        for a in attached:
+            a.close_descriptors()
+            a.lease.close()
+        for r in (gpu, cpu):
+            r["sock"].close(0)
+
+
 def test_mapped_clients_are_told_the_daemons_gather_policy(daemon_factory):
     """Mapped clients gather themselves, by the daemon's policy: sorted reads from the same
-    token count, and a grid on the same share of the SMs (client/mapped.py applies both)."""
-    daemon = daemon_factory(extra=["--gather-sm-fraction", "0.25", "--sort-min-tokens", "77"])
+    token count, a grid on the same share of the SMs, and a hot-row cache of their own of the
+    configured size, refreshed as often as the daemon's (client/mapped.py applies them)."""
+    daemon = daemon_factory(extra=["--gather-sm-fraction", "0.25", "--sort-min-tokens", "77",
+                                   "--mapped-hot-cache-gib", "0.5", "--hot-cache-refresh-ms", "20"])
     mapped = raw_register(daemon, "mapped")
     try:
-        assert mapped["reply"]["gather"] == {"sort_min_tokens": 77, "sm_fraction": 0.25}
+        assert mapped["reply"]["gather"] == {"sort_min_tokens": 77, "sm_fraction": 0.25,
+                                             "cache_bytes": 2**29, "cache_refresh_s": 0.02}
     finally:
         mapped["sock"].close(0)

@@ -1,6 +1,7 @@
 """Keeps one device's hot-row cache holding the rows its lookups use most.
 
-A thread per device refreshes the cache (kernels/hot_cache.py) every `interval` seconds when the
+The daemon keeps one per GPU for its served lookups (server/cuda_backend.py); a mapped GPU
+client keeps one of its own for its gathers (client/mapped.py). A thread per cache refreshes the cache (kernels/hot_cache.py) every `interval` seconds when the
 gathers have logged new candidates. Gathers read keys and rows while the keeper changes them, so
 a way changes in four steps, each on the keeper's own stream:
 
@@ -11,7 +12,8 @@ a way changes in four steps, each on the keeper's own stream:
     4. publish:    write the new keys                         (the rows are there before the keys)
 
 No gather ever waits for the keeper, and the keeper never waits on a client: a stream held up by
-a slow client only delays step 2 of this refresh, during which those ways simply miss. Gathers
+a slow client (or, in a mapped client, by its own engine) only delays step 2 of this refresh,
+during which those ways simply miss. Gathers
 read keys and rows at L2 (coherent across the device), so a gather that sees a key of step 4 sees
 the rows of step 3. The sketch is halved after every `age_rows` counted reads, so that rows that
 were hot long ago can be displaced, and at most `max_admissions` ways change per refresh.
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -42,10 +45,17 @@ log = logging.getLogger("engramd.cache")
 GRACE_WARN_S = 5.0
 
 
-def load_warm_ids(path: str, n_layers: int, heads: int) -> Tensor:
-    """The row IDs of a warm-up trace file (.npy, integers [N, n_layers, heads]) as a CPU tensor."""
+def load_warm_ids(path: str | int, n_layers: int, heads: int) -> Tensor:
+    """The row IDs of a warm-up trace file (.npy, integers [N, n_layers, heads]) as a CPU tensor.
+    `path` may be an open descriptor of the file (a mapped client's, passed by the daemon): it is
+    read through a mapping of its own, not reopened and not at the descriptor's file offset,
+    which every descriptor the daemon passed of the file shares; it stays the caller's."""
     try:
-        ids = np.load(path, mmap_mode="r", allow_pickle=False)
+        if isinstance(path, int):
+            with mmap.mmap(path, 0, prot=mmap.PROT_READ) as file:
+                ids = np.load(file, allow_pickle=False)  # read (copied) out of the mapping
+        else:
+            ids = np.load(path, mmap_mode="r", allow_pickle=False)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"hot_cache_warm_file {path}: cannot read it as .npy ({exc})") from None
     if ids.dtype.kind not in "iu" or ids.ndim != 3 or ids.shape[1:] != (n_layers, heads):
@@ -93,6 +103,8 @@ class CacheKeeper:
         self._logged = 0  # log entries taken so far
         self._reads_at_aging = 0
         self._stream = torch.cuda.Stream(cache.device) if cache.device.type == "cuda" else None
+        if self._stream is not None:  # the cache's arrays were filled on the creator's stream
+            self._stream.wait_stream(torch.cuda.current_stream(cache.device))
         self._stop = threading.Event()
         self._lock = threading.Lock()  # one refresh at a time (thread, or a caller of refresh())
         self._thread: threading.Thread | None = None
