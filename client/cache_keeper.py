@@ -1,9 +1,10 @@
 """Keeps one device's hot-row cache holding the rows its lookups use most.
 
 The daemon keeps one per GPU for its served lookups (server/cuda_backend.py); a mapped GPU
-client keeps one of its own for its gathers (client/mapped.py). A thread per cache refreshes the cache (kernels/hot_cache.py) every `interval` seconds when the
-gathers have logged new candidates. Gathers read keys and rows while the keeper changes them, so
-a way changes in four steps, each on the keeper's own stream:
+client keeps one of its own for its gathers (client/mapped.py). A thread per cache refreshes it
+(kernels/hot_cache.py) every `interval` seconds when the gathers have logged new candidates.
+Gathers read keys and rows while the keeper changes them, so a way changes in four steps, each
+on the keeper's own stream:
 
     1. invalidate: the chosen ways' keys become EMPTY        (gathers now miss there: correct)
     2. grace:      an event on every stream that runs gathers on this device; wait for all
@@ -13,9 +14,8 @@ a way changes in four steps, each on the keeper's own stream:
 
 No gather ever waits for the keeper, and the keeper never waits on a client: a stream held up by
 a slow client (or, in a mapped client, by its own engine) only delays step 2 of this refresh,
-during which those ways simply miss. Gathers
-read keys and rows at L2 (coherent across the device), so a gather that sees a key of step 4 sees
-the rows of step 3. The sketch is halved after every `age_rows` counted reads, so that rows that
+during which those ways simply miss. Gathers read keys and rows at L2 (coherent across the
+device), so a gather that sees a key of step 4 sees the rows of step 3. The sketch is halved after every `age_rows` counted reads, so that rows that
 were hot long ago can be displaced, and at most `max_admissions` ways change per refresh.
 
 On a CPU device (tests, with the Triton interpreter) there are no streams: the same steps run in

@@ -700,6 +700,9 @@ class EngramClient:
                                        lambda: [side], warm_ids)
         except (ConfigError, CacheConfigError, torch.cuda.OutOfMemoryError) as exc:
             log.warning("client %s gathers without a hot-row cache: %s", self.client_id, exc)
+            return
+        log.info("client %s: hot-row cache of %d rows, %d admitted from the warm-up trace",
+                 self.client_id, mapped.cache.cache.layout.slots, mapped.cache.warmed)
 
     # -- reloads ----------------------------------------------------------------------------------
 

@@ -173,6 +173,30 @@ def test_handle_socket_messages_are_declared_and_checked_on_both_sides():
     assert info.value.epoch == "ep"
 
 
+def test_a_mapped_attach_reply_passes_the_warm_up_trace_after_the_tables():
+    import os
+    import socket
+
+    from engramd.client.handles import _attachment, ok_reply
+    from engramd.client.messages import AttachReply
+
+    table = {"layer_id": 0, "rows": 4, "row_bytes": 8, "data_offset": 0, "file_bytes": 4096}
+    lease, other = socket.socketpair()
+    fds = [os.open(os.devnull, os.O_RDONLY) for _ in range(3)]
+    try:
+        got = _attachment(lease, ok_reply("ep", AttachReply(tables=[table, table], warm=True)), fds)
+        assert [t.fd for t in got.tables] == fds[:2] and got.warm_fd == fds[2]
+        plain = _attachment(lease, ok_reply("ep", AttachReply(tables=[table, table])), fds[:2])
+        assert plain.warm_fd is None
+        with pytest.raises(ProtocolError, match="describes 3 descriptors but carried 2"):
+            _attachment(lease, ok_reply("ep", AttachReply(tables=[table, table], warm=True)), fds[:2])
+    finally:
+        for fd in fds:
+            os.close(fd)
+        lease.close()
+        other.close()
+
+
 def test_an_attach_reply_passes_a_gpu_slabs_counter_block_as_its_second_descriptor():
     import os
     import socket
