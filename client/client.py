@@ -692,13 +692,17 @@ class EngramClient:
         if budget <= 0:
             return
         side = self._side
+        warm_ids = None
         try:
-            warm_ids = (load_warm_ids(warm_fd, self.geometry.n_layers, self.geometry.heads)
-                        if warm_fd is not None else None)
+            if warm_fd is not None:
+                warm_ids = load_warm_ids(warm_fd, self.geometry.n_layers, self.geometry.heads)
+        except ConfigError as exc:
+            log.warning("client %s: its hot-row cache starts cold: %s", self.client_id, exc)
+        try:
             mapped.cache = ClientCache(mapped, self.geometry, self.shard, budget,
                                        float(self._gather_policy.get("cache_refresh_s", 0.05)),
                                        lambda: [side], warm_ids)
-        except (ConfigError, CacheConfigError, torch.cuda.OutOfMemoryError) as exc:
+        except (CacheConfigError, torch.cuda.OutOfMemoryError) as exc:
             log.warning("client %s gathers without a hot-row cache: %s", self.client_id, exc)
             return
         log.info("client %s: hot-row cache of %d rows, %d admitted from the warm-up trace",
