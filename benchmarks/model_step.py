@@ -475,8 +475,8 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def granted_auto_mode(socket: Path, max_tokens: int) -> str:
-    """The mode the daemon grants a client that asks for "auto" on this GPU (served under an MPS
-    server it shares with this process, else mapped)."""
+    """The mode the daemon grants a client that asks for "auto" on this GPU (mapped, unless the
+    daemon's client_modes forbid it)."""
     client = EngramClient(socket, device="cuda:0", max_tokens=max_tokens, slots=2, timeout=120,
                           mode="auto")
     try:

@@ -14,8 +14,8 @@ indices differ between the processes and only UUIDs match. Steps, in order:
     IDs past the table) and must get rows bit-exact with a CPU reference (engramd's reference
     kernel, gather_ref, over the same /dev/shm bytes), as a view of the daemon's slab in its own
     GPU's memory. --mode picks how the clients are served (default auto: the daemon decides,
-    served under an MPS server both share, else mapped): mapped clients gather themselves from
-    their read-only mappings of the daemon's tables, into slot memory of their own.
+    mapped on a GPU): mapped clients gather themselves from their read-only mappings of the
+    daemon's tables, into slot memory of their own.
  2. Throughput, all GPUs at once: each client loops lookups of --tokens tokens for --seconds
     through the daemon (fresh IDs from a pool pre-drawn on its GPU, at most --depth in flight).
     Host memory (PSS from /proc/<pid>/smaps_rollup of the daemon and the clients) is sampled

@@ -4,8 +4,8 @@
 
 Starts `engramd serve --backend cuda` on the demo table under cProfile, runs `--iters` lookups of
 `--tokens` tokens (lookup + wait + synchronize) under cProfile in this process, as a client of
-`--mode` (served by default: without MPS `auto` would be granted mapped, whose gathers never reach
-the daemon), stops the daemon, and prints both profiles' top entries by own time. Host overhead
+`--mode` (served by default: `auto` is granted mapped on a GPU, whose gathers never reach the
+daemon), stops the daemon, and prints both profiles' top entries by own time. Host overhead
 only: the table is tiny.
 """
 

@@ -43,6 +43,7 @@ from engramd.kernels.hot_cache import Admissions, HotCache
 log = logging.getLogger("engramd.cache")
 
 GRACE_WARN_S = 5.0
+GRACE_FIRST_PAUSE_S, GRACE_MAX_PAUSE_S = 0.0005, 0.005  # between polls of a gather stream's event
 
 
 def load_warm_ids(path: str | int, n_layers: int, heads: int) -> Tensor:
@@ -212,6 +213,7 @@ class CacheKeeper:
         events = [self._record(stream) for stream in self.gather_streams()]
         started = time.monotonic()
         warned = False
+        pause = GRACE_FIRST_PAUSE_S
         for event in events:
             while not event.query():
                 if self._stop.is_set():
@@ -220,7 +222,10 @@ class CacheKeeper:
                     log.warning("cache refresh on %s waits > %.0f s for a gather stream (a client "
                                 "stream held up?)", self.cache.device, GRACE_WARN_S)
                     warned = True
-                time.sleep(0.0005)
+                time.sleep(pause)
+                # A gather stream may wait on a whole model step (a mapped client's side stream
+                # waits on its engine): polling less often then leaves the GIL to the engine.
+                pause = min(pause * 2, GRACE_MAX_PAUSE_S)
         return True
 
     def _read_counters(self) -> None:

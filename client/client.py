@@ -79,7 +79,6 @@ from engramd.client.messages import RegisterReply
 from engramd.client.rejoin import Rejoin, retry_until
 from engramd.client.shared_mapping import SharedMapping
 from engramd.client.slab import FAILED, IDS_READY, ROWS_DONE, SlabLayout, SlotViews
-from engramd.kernels.hot_cache import CacheConfigError
 
 log = logging.getLogger("engramd.client")
 
@@ -285,6 +284,23 @@ class _CudaSlabView:
         self.counters.close()
 
 
+def _check_cache_cap(gib: Any) -> int | None:
+    """`hot_cache_gib` as a byte cap (None: none), or a BadRequestError naming the value."""
+    if gib is None:
+        return None
+    if isinstance(gib, bool) or not isinstance(gib, numbers.Real) or not 0 <= gib < 1 << 20:
+        raise BadRequestError(f"hot_cache_gib must be a number of GiB >= 0 (0: no cache), got {gib!r}")
+    return int(gib * 2**30)
+
+
+def cache_budget(policy: dict[str, Any], cap: int | None) -> int:
+    """Bytes of a mapped GPU client's own hot-row cache: the daemon's size, capped by the
+    client's (an older daemon sends none: no cache)."""
+    offered = policy.get("cache_bytes", 0)
+    offered = offered if type(offered) is int and offered > 0 else 0
+    return offered if cap is None else min(offered, cap)
+
+
 def _resolve_device(device: str | torch.device) -> torch.device:
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -299,13 +315,17 @@ class EngramClient:
                  tp_rank: int = 0, tp_size: int = 1, max_tokens: int = 1024, slots: int = 2,
                  timeout: float = DEFAULT_TIMEOUT_S, name: str = "",
                  reconnect_timeout: float = DEFAULT_RECONNECT_S, mode: str = "auto",
-                 pin_tables: bool = False):
+                 pin_tables: bool = False, hot_cache_gib: float | None = None):
         """`pin_tables`: rows only ever from the tables the daemon serves at the first
         registration; once it serves others (a reload, or a restart on another checkpoint),
         lookups raise TablesChangedError. Without it the client follows a reload (see
-        tables_id)."""
+        tables_id).
+
+        `hot_cache_gib`: at most this much of the GPU's memory for a mapped client's own
+        hot-row cache (None: what the daemon's mapped_hot_cache_gib says; 0: no cache)."""
         if mode not in MODES:
             raise BadRequestError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
+        self._cache_cap = _check_cache_cap(hot_cache_gib)
         self.socket_path = Path(socket_path or default_socket_path())
         self.device = _resolve_device(device)
         self.requested_mode = mode
@@ -554,7 +574,8 @@ class EngramClient:
         pinned = self.tables_id if self.pin_tables else None  # a re-registration names them
         return dict(pid=os.getpid(), device=wire_device, tp_rank=tp_rank, tp_size=tp_size,
                     max_tokens=max_tokens, slots=slots, name=name, mps=mps,
-                    mode=self.requested_mode, pin_tables=self.pin_tables, tables=pinned)
+                    mode=self.requested_mode, pin_tables=self.pin_tables, tables=pinned,
+                    warm_file=self.device.type == "cuda" and self._cache_cap != 0)
 
     def _register(self, timeout: float) -> None:
         reply = self._conn.call("register", timeout, **self._register_fields())
@@ -670,14 +691,18 @@ class EngramClient:
         self._mapped = MappedTables(attachment.tables, self.geometry, self.device)
         if attachment.version is not None:  # a reload between register and attach: these
             self._read_tables(attachment.version, attachment.tables_seq)
-        if self.device.type == "cuda":
-            from engramd.client import cuda
+        try:
+            if self.device.type == "cuda":
+                from engramd.client import cuda
 
-            self._side = cuda.new_stream(self.device.index)
-            self._start_cache(self._mapped, attachment.warm_fd)
-        self._gather = mapped_gather(self.shard, self._mapped, self.device,
-                                     int(gather.get("sort_min_tokens", 0)),
-                                     float(gather.get("sm_fraction", 1.0)))
+                self._side = cuda.new_stream(self.device.index)
+                self._start_cache(self._mapped, attachment.warm_fd)
+            self._gather = mapped_gather(self.shard, self._mapped, self.device,
+                                         int(gather.get("sort_min_tokens", 0)),
+                                         float(gather.get("sm_fraction", 1.0)))
+        except BaseException:  # the mapping, its cache's keeper and the stream go with it
+            self._unmap()
+            raise
         if self.device.type == "cuda":
             # The plan's and cache's device arrays were made on this thread's stream; the
             # gathers run on ours.
@@ -688,7 +713,7 @@ class EngramClient:
         """A GPU client's own hot-row cache over `mapped` (client/mapped.py, ClientCache), of the
         size the daemon says (none for 0), warmed from the daemon's trace when it passed one. A
         cache that cannot be made only costs hits: the client gathers without one."""
-        budget = int(self._gather_policy.get("cache_bytes", 0))
+        budget = cache_budget(self._gather_policy, self._cache_cap)
         if budget <= 0:
             return
         side = self._side
@@ -696,13 +721,13 @@ class EngramClient:
         try:
             if warm_fd is not None:
                 warm_ids = load_warm_ids(warm_fd, self.geometry.n_layers, self.geometry.heads)
-        except ConfigError as exc:
+        except (ConfigError, MemoryError) as exc:
             log.warning("client %s: its hot-row cache starts cold: %s", self.client_id, exc)
         try:
             mapped.cache = ClientCache(mapped, self.geometry, self.shard, budget,
                                        float(self._gather_policy.get("cache_refresh_s", 0.05)),
                                        lambda: [side], warm_ids)
-        except (CacheConfigError, torch.cuda.OutOfMemoryError) as exc:
+        except Exception as exc:  # e.g. too small a budget (CacheConfigError), or out of memory
             log.warning("client %s gathers without a hot-row cache: %s", self.client_id, exc)
             return
         log.info("client %s: hot-row cache of %d rows, %d admitted from the warm-up trace",
@@ -1181,7 +1206,7 @@ class EngramClient:
     def _final_counts(self) -> dict[str, int]:
         """Mapped clients at release, the device idle: exact counts, the last word on them."""
         counts = dict(self.counts)
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self._gather is not None:  # None: mapping failed half-way
             torch.cuda.synchronize(self.device)  # the side stream's gathers count into it
             counts["out_of_range"] = int(self._gather.out_of_range.item())
         return self._since_registered(counts)

@@ -98,6 +98,9 @@ class RegisterRequest(Message):
     # reload; a re-registration names the ones it pinned in `tables`, and is refused elsewhere.
     pin_tables: bool = False
     tables: str | None = None
+    # Mapped GPU clients that keep a hot-row cache: pass the warm-up trace's descriptor at attach
+    # (asked for, so that a client predating it is not sent a descriptor it does not count).
+    warm_file: bool = False
 
 
 @dataclass(slots=True)
@@ -251,7 +254,7 @@ class AttachReply(Message):
     """Served: `slab` says how to map descriptor 0 (and descriptor 1, a GPU slab's counter
     block, when slab["fds"] is 2). Mapped: descriptor i is table i, and when `warm` is true
     one more follows the tables: the daemon's hot-row cache warm-up trace (a .npy), for the
-    client's own cache."""
+    client's own cache (only to a client whose registration asked for it: `warm_file`)."""
 
     OP = "attach"
     slab: dict | None = None

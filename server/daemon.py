@@ -708,7 +708,7 @@ class Daemon:
             else:
                 grants, table_fds = self._table_grants()
                 fds.extend(table_fds)
-                warm = self._warm_fd is not None and record.device != "cpu"  # GPU clients' caches
+                warm = self._warm_fd is not None and record.warm_file  # for its own cache
                 if warm:
                     fds.append(os.dup(self._warm_fd))
                 reply = AttachReply(tables=grants, version=self.service.tables_id,

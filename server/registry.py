@@ -119,6 +119,7 @@ class ClientRecord:
     mps_shared: bool | None = None  # GPU clients: do daemon and client share an MPS server there
     tables: str | None = None  # the tables it reads: served, the daemon's; mapped, as it reports
     pinned_tables: str | None = None  # its lookups are refused once the daemon serves others
+    warm_file: bool = False  # mapped: it asked for the hot-row cache's warm-up trace at attach
     in_flight: Counter[int] = field(default_factory=Counter)  # slot -> jobs not yet completed
     last_seq: dict[int, int] = field(default_factory=dict)  # slot -> seq of its last job submitted
     releasing: bool = False
@@ -203,7 +204,8 @@ class ClientRegistry:
                               req.tp_rank, req.tp_size, shard, layout, req.pid,
                               secrets.token_hex(16), mps_shared=mps["shared"] if mps else None,
                               mode=mode, tables=self.tables_id,
-                              pinned_tables=self.tables_id if req.pin_tables or req.tables else None)
+                              pinned_tables=self.tables_id if req.pin_tables or req.tables else None,
+                              warm_file=req.warm_file is True)
         self.clients[client_id] = record
         self.totals["registrations"] += 1
         log.info("registered client %d (pid %d as it says, %s, tp %d/%d, %s, %d slots x %d tokens)",

@@ -83,6 +83,27 @@ def test_a_lookups_sm_fraction_is_checked_in_both_modes(daemon_factory, referenc
             assert_rows_equal(rows.double().numpy(), reference.expected(ids), f"{mode} {fraction}")
 
 
+def test_a_client_caps_its_own_cache_and_a_bad_cap_is_refused(daemon_factory):
+    """An engine short of GPU memory caps (or turns off, 0) the hot-row cache a mapped GPU
+    client keeps: the size is the daemon's capped by the client's, and an older daemon, which
+    offers none, gets none. A cap that is no size of GiB is a typed error before anything is
+    registered."""
+    from engramd.client.client import cache_budget
+
+    daemon = daemon_factory()
+    for bad in (-1, float("nan"), True, "2", [1], 10**9):
+        with pytest.raises(BadRequestError, match="hot_cache_gib"):
+            EngramClient(daemon.socket, hot_cache_gib=bad)
+    assert probe(daemon.socket, "stats", 5.0).body.encode()["registrations"] == 0
+    with EngramClient(daemon.socket, mode="mapped", hot_cache_gib=0.5) as client:
+        assert client.mode == "mapped" and client.hot_cache_stats() is None  # a CPU client keeps none
+    offered = {"cache_bytes": 2 << 30}
+    assert cache_budget(offered, None) == 2 << 30
+    assert cache_budget(offered, 1 << 29) == 1 << 29
+    assert cache_budget(offered, 0) == 0
+    assert cache_budget({}, None) == cache_budget({"cache_bytes": "2"}, 1 << 29) == 0
+
+
 def test_auto_mode_and_forbidden_modes(daemon_factory):
     both = daemon_factory()
     with EngramClient(both.socket) as client:
@@ -99,14 +120,14 @@ def test_auto_mode_and_forbidden_modes(daemon_factory):
         EngramClient(both.socket, mode="sideways")
 
 
-def raw_register(daemon, mode: str, device: str = "cpu") -> dict:
+def raw_register(daemon, mode: str, device: str = "cpu", **fields) -> dict:
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, 5000)
     sock.connect(f"ipc://{daemon.socket}")
     sock.send_multipart([msgpack.packb({"v": PROTOCOL_VERSION, "op": "register", "rid": 1, "pid": os.getpid(),
                                         "device": device, "tp_rank": 0, "tp_size": 1,
-                                        "max_tokens": 4, "slots": 1, "mode": mode})])
+                                        "max_tokens": 4, "slots": 1, "mode": mode, **fields})])
     reply = msgpack.unpackb(sock.recv_multipart()[0])
     assert reply["status"] == "ok", reply
     return {"reply": reply, "sock": sock}
@@ -443,7 +464,8 @@ def test_silent_handle_peers_block_no_one_and_not_the_stop(daemon_factory):
 def test_mapped_gpu_clients_get_the_warm_up_trace_read_only_for_their_own_cache(daemon_factory, tmp_path):
     """A mapped GPU client keeps a hot-row cache of its own, warmed from the daemon's
     hot_cache_warm_file: its attach passes the file as a read-only descriptor after the tables,
-    which reads as the file's row IDs; a CPU client, which keeps no cache, gets none."""
+    which reads as the file's row IDs. Only to a client that asks (warm_file): a CPU client
+    keeps no cache, and one predating the field counts no such descriptor."""
     from engramd.client.cache_keeper import load_warm_ids
     from engramd.client.geometry import TableGeometry
 
@@ -453,20 +475,22 @@ def test_mapped_gpu_clients_get_the_warm_up_trace_read_only_for_their_own_cache(
     ids = np.random.default_rng(5).integers(-1, 100, (64, geometry.n_layers, geometry.heads))
     np.save(tmp_path / "warm.npy", ids)
     daemon = daemon_factory(extra=["--hot-cache-warm-file", str(tmp_path / "warm.npy")])
-    gpu, cpu = raw_register(daemon, "mapped", device="cuda:0"), raw_register(daemon, "mapped")
-    attached = [attach_raw(daemon.socket, r["reply"], keep_descriptors=True) for r in (gpu, cpu)]
+    gpu = raw_register(daemon, "mapped", device="cuda:0", warm_file=True)
+    older = raw_register(daemon, "mapped", device="cuda:0")
+    cpu = raw_register(daemon, "mapped")
+    attached = [attach_raw(daemon.socket, r["reply"], keep_descriptors=True) for r in (gpu, older, cpu)]
     try:
         warm_fd = attached[0].warm_fd
-        assert warm_fd is not None and attached[1].warm_fd is None
+        assert warm_fd is not None and attached[1].warm_fd is None and attached[2].warm_fd is None
         assert fcntl.fcntl(warm_fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
         warm = load_warm_ids(warm_fd, geometry.n_layers, geometry.heads)
         assert torch.equal(warm, torch.from_numpy(ids.astype(np.int64)))
-        assert len(attached[0].tables) == len(attached[1].tables) == geometry.n_layers
+        assert all(len(a.tables) == geometry.n_layers for a in attached)
     finally:
         for a in attached:
             a.close_descriptors()
             a.lease.close()
-        for r in (gpu, cpu):
+        for r in (gpu, older, cpu):
             r["sock"].close(0)
 
 
