@@ -10,7 +10,9 @@ every seam it replaces has the signature it expects, and raises `VllmPluginError
 changed otherwise: a seam that moved would otherwise leave the model reading a table nobody
 loaded. Then it replaces, on vLLM's `Engram` class, the methods that own the table
 (engramd.client.vllm_engram holds the replacements and says what each does).
-`ENGRAMD_MODE` (auto | served | mapped, default auto) picks the client mode.
+`ENGRAMD_MODE` (auto | served | mapped, default auto) picks the client mode;
+`ENGRAMD_HOT_CACHE_GIB` caps a mapped client's own hot-row cache (0: none; unset: the daemon's
+`mapped_hot_cache_gib`), for a vLLM that leaves its GPU little memory beside the KV cache.
 
 What it is not: the replacements themselves, and nothing that vLLM's own hashing does (the hash
 IDs are vLLM's, computed once per forward by its `NgramHashState`).
@@ -28,6 +30,7 @@ from engramd.client.connection import SOCKET_ENV
 log = logging.getLogger("engramd.vllm")
 
 MODE_ENV = "ENGRAMD_MODE"
+HOT_CACHE_ENV = "ENGRAMD_HOT_CACHE_GIB"
 SUPPORTED_VLLM = ("0.33.0",)
 ENGRAM_MODULE = "vllm.models.deepseek_v41.common.engram"
 
@@ -83,9 +86,24 @@ def register() -> None:
     check_seams(engram)
     from engramd.client import vllm_engram
 
-    if vllm_engram.install(engram, os.environ[SOCKET_ENV], os.environ.get(MODE_ENV, "auto")):
+    if vllm_engram.install(engram, os.environ[SOCKET_ENV], os.environ.get(MODE_ENV, "auto"),
+                           hot_cache_cap(os.environ.get(HOT_CACHE_ENV))):
         log.info("engramd plugin installed: Engram rows come from the daemon at %s",
                  os.environ[SOCKET_ENV])
+
+
+def hot_cache_cap(value: str | None) -> float | None:
+    """ENGRAMD_HOT_CACHE_GIB as GiB (None: unset or empty); VllmPluginError naming a bad one."""
+    if not value:
+        return None
+    try:
+        gib = float(value)
+    except ValueError:
+        gib = -1.0
+    if not 0 <= gib < 1 << 20:  # NaN too
+        raise VllmPluginError(f"{HOT_CACHE_ENV}={value!r}: expected GiB as a number >= 0 "
+                              "(0: no hot-row cache in the client)")
+    return gib
 
 
 def check_version(version: str) -> None:

@@ -57,16 +57,18 @@ STAGED_SLOT, DIRECT_SLOT = 0, 1  # the client's slots: staged_rows views the fir
 SLOTS = 2
 
 _originals: dict[str, object] = {}  # vLLM's own methods, for modules built before install
-_settings = {"socket": "", "mode": "auto"}  # where and how the process's client registers
+# Where and how the process's client registers.
+_settings: dict = {"socket": "", "mode": "auto", "hot_cache_gib": None}
 _process_rows: ProcessRows | None = None
 
 
-def install(engram_module, socket_path: str, mode: str) -> bool:
-    """Replace the seams on vLLM's Engram class; False if this process did already."""
+def install(engram_module, socket_path: str, mode: str, hot_cache_gib: float | None = None) -> bool:
+    """Replace the seams on vLLM's Engram class; False if this process did already.
+    `hot_cache_gib`: the client's cap on its own hot-row cache (EngramClient)."""
     cls = engram_module.Engram
     if _originals:
         return False
-    _settings.update(socket=socket_path, mode=mode)
+    _settings.update(socket=socket_path, mode=mode, hot_cache_gib=hot_cache_gib)
     _originals.update({name: getattr(cls, name) for name in REPLACED})
     cls._create_embedding = _create_embedding
     cls._init_staging = _init_staging
@@ -191,7 +193,8 @@ def _register_client() -> EngramClient:
     max_tokens = get_current_vllm_config().scheduler_config.max_num_batched_tokens
     client = EngramClient(_settings["socket"], device=_device(), tp_rank=tp_rank, tp_size=tp_size,
                           max_tokens=max_tokens, slots=SLOTS, name=f"vllm-tp{tp_rank}",
-                          mode=_settings["mode"], pin_tables=True)
+                          mode=_settings["mode"], pin_tables=True,
+                          hot_cache_gib=_settings["hot_cache_gib"])
     log.info("engramd client %d (%s, pid %d): TP rank %d of %d, heads %d..%d, up to %d tokens",
              client.client_id, client.mode, os.getpid(), tp_rank, tp_size,
              client.shard.head_start, client.shard.head_end, max_tokens)

@@ -53,3 +53,12 @@ def test_adapter_returns_the_rows_of_the_hashed_ngrams(daemon_factory, reference
             runner.rows(7)
         with pytest.raises(BadRequestError, match="sm_fraction"):
             runner.prefetch(tokens[:4], sm_fraction=2.0)
+
+
+def test_the_adapter_passes_a_cache_cap_on(daemon_factory):
+    """An engine's cap on its own hot-row cache reaches the client (a bad one is refused there)."""
+    daemon = daemon_factory()
+    with pytest.raises(BadRequestError, match="hot_cache_gib"):
+        EngramRunnerAdapter(daemon.socket, hot_cache_gib=-1.0)
+    with EngramRunnerAdapter(daemon.socket, hot_cache_gib=0) as runner:
+        assert runner.client._cache_cap == 0

@@ -88,6 +88,14 @@ def test_entry_point_loads_and_does_nothing_without_the_setting():
     assert run.returncode == 0 and "untouched" in run.stdout, run.stdout + run.stderr
 
 
+def test_the_hot_cache_cap_is_read_from_the_environment_and_a_bad_one_named():
+    assert plugin.hot_cache_cap(None) is None and plugin.hot_cache_cap("") is None
+    assert plugin.hot_cache_cap("0") == 0.0 and plugin.hot_cache_cap("1.5") == 1.5
+    for bad in ("-1", "nan", "two", "1e9"):
+        with pytest.raises(plugin.VllmPluginError, match=f"ENGRAMD_HOT_CACHE_GIB='{bad}'"):
+            plugin.hot_cache_cap(bad)
+
+
 def test_another_vllm_version_fails_closed(monkeypatch):
     monkeypatch.setenv("ENGRAMD_SOCKET", "/nonexistent/engramd.sock")
     monkeypatch.setattr(vllm, "__version__", "0.34.0")
