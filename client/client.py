@@ -711,8 +711,9 @@ class EngramClient:
 
     def _start_cache(self, mapped: MappedTables, warm_fd: int | None = None) -> None:
         """A GPU client's own hot-row cache over `mapped` (client/mapped.py, ClientCache), of the
-        size the daemon says (none for 0), warmed from the daemon's trace when it passed one. A
-        cache that cannot be made only costs hits: the client gathers without one."""
+        size the daemon says capped by `hot_cache_gib` (none for 0), warmed from the daemon's
+        trace when it passed one. A cache that cannot be made only costs hits: the client
+        gathers without one."""
         budget = cache_budget(self._gather_policy, self._cache_cap)
         if budget <= 0:
             return
