@@ -51,6 +51,12 @@ def load_warm_ids(path: str | int, n_layers: int, heads: int) -> Tensor:
     `path` may be an open descriptor of the file (a mapped client's, passed by the daemon): it is
     read through a mapping of its own, not reopened and not at the descriptor's file offset,
     which every descriptor the daemon passed of the file shares; it stays the caller's."""
+    return torch.from_numpy(np.ascontiguousarray(warm_ids_array(path, n_layers, heads), dtype=np.int64))
+
+
+def warm_ids_array(path: str | int, n_layers: int, heads: int) -> np.ndarray:
+    """The warm-up trace as load_warm_ids reads it, checked but not converted (from a path, a
+    read-only mapping: checking a file reads none of its rows); ConfigError naming what is wrong."""
     try:
         if isinstance(path, int):
             with mmap.mmap(path, 0, prot=mmap.PROT_READ) as file:
@@ -62,7 +68,7 @@ def load_warm_ids(path: str | int, n_layers: int, heads: int) -> Tensor:
     if ids.dtype.kind not in "iu" or ids.ndim != 3 or ids.shape[1:] != (n_layers, heads):
         raise ConfigError(f"hot_cache_warm_file {path}: expected integer row IDs [N, {n_layers}, "
                           f"{heads}], got {ids.dtype} {list(ids.shape)}")
-    return torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
+    return ids
 
 
 @dataclass
@@ -109,6 +115,20 @@ class CacheKeeper:
         self._stop = threading.Event()
         self._lock = threading.Lock()  # one refresh at a time (thread, or a caller of refresh())
         self._thread: threading.Thread | None = None
+
+    @classmethod
+    def over(cls, tables: Sequence[Tensor], budget_bytes: int,
+             gather_streams: Callable[[], list[torch.cuda.Stream]], interval: float) -> CacheKeeper:
+        """The keeper of a new, empty cache of `budget_bytes` over `tables` (one per layer), on
+        their device; not started. CacheConfigError for a budget too small for one set."""
+        layout = hot_cache.CacheLayout.from_budget(budget_bytes, tables[0].shape[1])
+        return cls(HotCache(layout, len(tables), tables[0].device), tables, gather_streams,
+                   interval=interval)
+
+    def report(self) -> dict:
+        """The stats snapshot, with the cache's size (`engramd stats`, hot_cache_stats())."""
+        layout = self.cache.layout
+        return self.stats.snapshot(layout.row_bytes) | {"slots": layout.slots, "bytes": layout.nbytes}
 
     def start(self) -> CacheKeeper:
         self._thread = threading.Thread(target=self._run, name=f"engramd-cache-{self.cache.device}",

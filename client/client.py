@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from engramd.client.cache_keeper import load_warm_ids
+from engramd.client.cache_keeper import CacheKeeper, load_warm_ids
 from engramd.client.connection import Connection, default_socket_path
 from engramd.client.errors import (
     BadIdsError,
@@ -67,7 +67,6 @@ from engramd.client.handles import (
 )
 from engramd.client.ids import dtype_name
 from engramd.client.mapped import (
-    ClientCache,
     DeviceCounterReader,
     LocalSlots,
     MappedTables,
@@ -284,7 +283,7 @@ class _CudaSlabView:
         self.counters.close()
 
 
-def _check_cache_cap(gib: Any) -> int | None:
+def check_cache_cap(gib: Any) -> int | None:
     """`hot_cache_gib` as a byte cap (None: none), or a BadRequestError naming the value."""
     if gib is None:
         return None
@@ -325,7 +324,7 @@ class EngramClient:
         hot-row cache (None: what the daemon's mapped_hot_cache_gib says; 0: no cache)."""
         if mode not in MODES:
             raise BadRequestError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
-        self._cache_cap = _check_cache_cap(hot_cache_gib)
+        self._cache_cap = check_cache_cap(hot_cache_gib)
         self.socket_path = Path(socket_path or default_socket_path())
         self.device = _resolve_device(device)
         self.requested_mode = mode
@@ -615,7 +614,7 @@ class EngramClient:
         self._take_lease(attachment)
         self._start_watchdog(f.heartbeat_interval)  # from now on: mapping tables may take seconds
         try:
-            self._take_attachment(attachment, f.gather)
+            self._take_attachment(attachment)
         finally:
             attachment.close_descriptors()  # what was mapped keeps its memory
 
@@ -632,11 +631,11 @@ class EngramClient:
             name="engramd-watchdog", daemon=True)
         self._watchdog.start()
 
-    def _take_attachment(self, attachment: Attachment, gather: dict[str, Any]) -> None:
+    def _take_attachment(self, attachment: Attachment) -> None:
         """Map what the attach passed: the slab (served) or the tables (mapped, which gather
         by the daemon's `gather` policy)."""
         if self.mode == "mapped":
-            self._map_tables(attachment, gather)
+            self._map_tables(attachment)
             self._slab = self._keep_rows(LocalSlots, None) or LocalSlots(self.layout, self.device)
         elif attachment.slab is None or attachment.slab_fd is None:
             raise InternalError("the daemon attached a served client without a slab")
@@ -685,7 +684,7 @@ class EngramClient:
             return "the daemon closed this client's lease (it exited, or retired the client)"
         return None
 
-    def _map_tables(self, attachment: Attachment, gather: dict[str, Any]) -> None:
+    def _map_tables(self, attachment: Attachment) -> None:
         """Mapped mode: the tables' descriptors, mapped read-only, and on a GPU the side stream
         the gathers run on and the hot-row cache they read through."""
         self._mapped = MappedTables(attachment.tables, self.geometry, self.device)
@@ -696,10 +695,7 @@ class EngramClient:
                 from engramd.client import cuda
 
                 self._side = cuda.new_stream(self.device.index)
-                self._start_cache(self._mapped, attachment.warm_fd)
-            self._gather = mapped_gather(self.shard, self._mapped, self.device,
-                                         int(gather.get("sort_min_tokens", 0)),
-                                         float(gather.get("sm_fraction", 1.0)))
+            self._gather = self._gather_over(self._mapped, attachment.warm_fd)
         except BaseException:  # the mapping, its cache's keeper and the stream go with it
             self._unmap()
             raise
@@ -709,11 +705,22 @@ class EngramClient:
             self._side.wait_stream(torch.cuda.current_stream(self.device))
             self._out_of_range = DeviceCounterReader(self._gather.out_of_range)
 
-    def _start_cache(self, mapped: MappedTables, warm_fd: int | None = None) -> None:
-        """A GPU client's own hot-row cache over `mapped` (client/mapped.py, ClientCache), of the
-        size the daemon says capped by `hot_cache_gib` (none for 0), warmed from the daemon's
-        trace when it passed one. A cache that cannot be made only costs hits: the client
-        gathers without one."""
+    def _gather_over(self, mapped: MappedTables, warm_fd: int | None = None,
+                     counter: torch.Tensor | None = None):
+        """The gather over `mapped`, by the daemon's policy (mapped_gather), through a hot-row
+        cache of its own on a GPU (_start_cache)."""
+        if self._side is not None:
+            self._start_cache(mapped, warm_fd)
+        policy = self._gather_policy
+        return mapped_gather(self.shard, mapped, self.device, int(policy.get("sort_min_tokens", 0)),
+                             float(policy.get("sm_fraction", 1.0)), counter=counter)
+
+    def _start_cache(self, mapped: MappedTables, warm_fd: int | None) -> None:
+        """A GPU client's own hot-row cache over `mapped` and its keeper (client/cache_keeper.py,
+        whose grace waits out the gathers on our side stream), of the size the daemon says
+        capped by `hot_cache_gib` (none for 0), warmed from the daemon's trace when it passed
+        one (this shard's heads: the others' rows are never read here). A cache that cannot be
+        made only costs hits: the client gathers without one."""
         budget = cache_budget(self._gather_policy, self._cache_cap)
         if budget <= 0:
             return
@@ -725,14 +732,17 @@ class EngramClient:
         except (ConfigError, MemoryError) as exc:
             log.warning("client %s: its hot-row cache starts cold: %s", self.client_id, exc)
         try:
-            mapped.cache = ClientCache(mapped, self.geometry, self.shard, budget,
-                                       float(self._gather_policy.get("cache_refresh_s", 0.05)),
-                                       lambda: [side], warm_ids)
+            with torch.cuda.device(self.device):
+                keeper = CacheKeeper.over(mapped.device_rows(), budget, lambda: [side],
+                                          float(self._gather_policy.get("cache_refresh_s", 0.05)))
+                shard = slice(self.shard.head_start, self.shard.head_end)
+                warmed = keeper.warm(warm_ids[:, :, shard]) if warm_ids is not None else 0
         except Exception as exc:  # e.g. too small a budget (CacheConfigError), or out of memory
             log.warning("client %s gathers without a hot-row cache: %s", self.client_id, exc)
             return
+        mapped.keeper = keeper.start()
         log.info("client %s: hot-row cache of %d rows, %d admitted from the warm-up trace",
-                 self.client_id, mapped.cache.cache.layout.slots, mapped.cache.warmed)
+                 self.client_id, keeper.cache.layout.slots, warmed)
 
     # -- reloads ----------------------------------------------------------------------------------
 
@@ -813,13 +823,8 @@ class EngramClient:
             self._conn.tables_notice = self._heard_tables = None
             log.warning("client %d could not map the reloaded tables: %s", self.client_id, pending.error)
             return
-        try:
-            if self._side is not None:  # a new cache: the old one holds rows of the old tables
-                self._start_cache(pending.tables)
-            gather = mapped_gather(
-                self.shard, pending.tables, self.device, int(self._gather_policy.get("sort_min_tokens", 0)),
-                float(self._gather_policy.get("sm_fraction", 1.0)),
-                counter=getattr(self._gather, "out_of_range", None))  # counts go on where they were
+        try:  # a new cache too (the old one holds rows of the old tables); counts go on where they were
+            gather = self._gather_over(pending.tables, counter=getattr(self._gather, "out_of_range", None))
         except BaseException:
             pending.discard()
             raise
@@ -828,8 +833,8 @@ class EngramClient:
         old, old_gather = self._mapped, self._gather
         self._mapped, self._gather = pending.tables, gather
         del gather
-        if old.cache is not None:
-            old.cache.keeper.stop()  # nothing will read it once the gathers queued on it are done
+        if old.keeper is not None:
+            old.keeper.stop()  # nothing will read its cache once the gathers queued on it are done
         done = None  # CPU gathers ran inside their lookup() calls
         if self.device.type == "cuda":  # gathers on the old mapping may still run: after them
             done = torch.cuda.Event()
@@ -878,8 +883,8 @@ class EngramClient:
         admissions, refreshes, size (None without one: served lookups read the daemon's cache,
         in stats()["hot_cache"])."""
         with self._tables_lock:
-            cache = self._mapped.cache if self._mapped is not None else None
-            return cache.stats() if cache is not None else None
+            keeper = self._mapped.keeper if self._mapped is not None else None
+            return keeper.report() if keeper is not None else None
 
     @property
     def max_tokens(self) -> int:

@@ -276,6 +276,13 @@ def tensor_view(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
     return torch.as_tensor(DeviceMemory(ptr, nbytes), device=device)
 
 
+def row_views(addresses: list[int], shapes: list[tuple[int, int]], device: torch.device) -> list[torch.Tensor]:
+    """uint8 [rows, row_bytes] CUDA tensors over registered host tables at `addresses` (reads
+    go over UVA), one per (rows, row_bytes) of `shapes`."""
+    return [tensor_view(address, rows * row_bytes, device).view(rows, row_bytes)
+            for address, (rows, row_bytes) in zip(addresses, shapes, strict=True)]
+
+
 class IdleStreams:
     """Non-blocking streams of this process's own, handed out one holder at a time.
 

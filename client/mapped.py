@@ -6,8 +6,8 @@ read-only descriptors of the table files over the handle socket (client/handles.
 and runs the same gather (the Triton kernel on its GPU, the reference on the CPU) into slots of
 its own memory. The daemon keeps the tables, their lifetime, health and metrics.
 
-On a GPU the client also keeps a hot-row cache of its own in HBM (ClientCache), as the daemon
-does per GPU for its served lookups: a gather in another process cannot safely read the
+On a GPU the client also keeps a hot-row cache of its own in HBM (a CacheKeeper over the
+mapping, `MappedTables.keeper`), as the daemon does per GPU for its served lookups: a gather in another process cannot safely read the
 daemon's cache, and write access to it would let one client change every client's rows.
 
 What this is not: the client's lookup logic (client.py holds it, for both modes).
@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engramd.client.cache_keeper import CacheKeeper
 from engramd.client.errors import InternalError
 from engramd.client.geometry import ShardView, TableGeometry
 from engramd.client.handles import TableGrant
@@ -42,7 +43,8 @@ class MappedTables:
         self._maps: list[mmap.mmap] = []
         self._registration: Any = None
         self.rows: list[np.ndarray] = []
-        self.cache: ClientCache | None = None  # a GPU client's, over these tables (set by its owner)
+        # A GPU client's hot-row cache over these tables, and its keeper (set by the client).
+        self.keeper: CacheKeeper | None = None
         self._check(grants, geometry)
         try:  # the caller closes the descriptors: the mappings keep the files
             for grant in grants:
@@ -100,16 +102,15 @@ class MappedTables:
         """uint8 [rows, row_bytes] tensors on the GPU over the registered rows (reads go over UVA)."""
         from engramd.client import cuda
 
-        return [cuda.tensor_view(address, a.nbytes, self.device).view(a.shape)
-                for address, a in zip(self._registration.addresses, self.rows, strict=True)]
+        return cuda.row_views(self._registration.addresses, [a.shape for a in self.rows], self.device)
 
     def close(self, synchronize: bool = True) -> None:
         """Unmap, after the cache's keeper has stopped (it reads the rows). A GPU client
         synchronises its device first (gathers may still read the rows), unless `synchronize`
         is false: the caller knows that they are done."""
-        cache, self.cache = self.cache, None
-        if cache is not None:
-            cache.close()
+        keeper, self.keeper = self.keeper, None
+        if keeper is not None:
+            keeper.close()
         registration, self._registration = self._registration, None
         try:
             if registration is not None:
@@ -203,44 +204,13 @@ class LocalSlots:
         self.views.close()
 
 
-class ClientCache:
-    """A mapped GPU client's hot-row cache over its mapping of the tables, and the keeper thread
-    that refreshes it (client/cache_keeper.py: the daemon's protocol, whose grace waits out the
-    gathers on `streams`, the client's side stream)."""
-
-    def __init__(self, tables: MappedTables, geometry: TableGeometry, shard: ShardView,
-                 budget_bytes: int, refresh_s: float, streams: Callable[[], list[torch.cuda.Stream]],
-                 warm_ids: torch.Tensor | None = None):
-        from engramd.client.cache_keeper import CacheKeeper
-        from engramd.kernels.hot_cache import CacheLayout, HotCache
-
-        device = tables.device
-        with torch.cuda.device(device):
-            layout = CacheLayout.from_budget(budget_bytes, geometry.row_bytes)
-            self.cache = HotCache(layout, geometry.n_layers, device)
-            self.keeper = CacheKeeper(self.cache, tables.device_rows(), streams, interval=refresh_s)
-            # Only this shard's heads: the others' rows are never read here.
-            self.warmed = (self.keeper.warm(warm_ids[:, :, shard.head_start:shard.head_end])
-                           if warm_ids is not None else 0)
-        self.keeper.start()
-
-    def stats(self) -> dict[str, Any]:
-        layout = self.cache.layout
-        return self.keeper.stats.snapshot(layout.row_bytes) | {"slots": layout.slots,
-                                                               "bytes": layout.nbytes}
-
-    def close(self) -> None:
-        """Stop the keeper and wait for its thread and stream (before the rows go)."""
-        self.keeper.close()
-
-
 def mapped_gather(shard: ShardView, tables: MappedTables, device: torch.device, sort_min_tokens: int,
                   default_fraction: float = 1.0, counter: torch.Tensor | None = None):
     """The gather a mapped client runs: fn(ids, out, stream, sm_fraction=None) -> out_of_range
     (CPU) or None. On a GPU it follows the daemon's policy: sorted reads from `sort_min_tokens`
     tokens on, and a persistent grid on `default_fraction` of the SMs (leaving the model's
     kernels room), unless the call names a fraction of its own; it reads through the tables'
-    hot-row cache where they have one (`tables.cache`), and counts out-of-range IDs into
+    hot-row cache where they have one (`tables.keeper`), and counts out-of-range IDs into
     `counter` (default: a new one), its `out_of_range`."""
     if device.type == "cpu":
         from engramd.kernels.gather_ref import gather
@@ -255,7 +225,7 @@ def mapped_gather(shard: ShardView, tables: MappedTables, device: torch.device, 
     from engramd.kernels.gather_triton import GatherPlan, SlotGather, grid_programs
 
     plan = GatherPlan(tables.layer_tables(), shard, device)
-    cache = tables.cache.cache if tables.cache is not None else None
+    cache = tables.keeper.cache if tables.keeper is not None else None
     # Exactly what gather_gpu launches: bf16 rows, always counted, through this cache. The grid
     # is a launch argument, but it picks a sorted lookup's block size (sorted_block_rows), which
     # is one: warm_up compiles both sizes, so no fraction of a lookup's own compiles in the hot path.

@@ -93,16 +93,19 @@ def register() -> None:
 
 
 def hot_cache_cap(value: str | None) -> float | None:
-    """ENGRAMD_HOT_CACHE_GIB as GiB (None: unset or empty); VllmPluginError naming a bad one."""
+    """ENGRAMD_HOT_CACHE_GIB as GiB (None: unset or empty), checked as EngramClient checks its
+    hot_cache_gib; VllmPluginError naming a bad one, before any worker registers."""
     if not value:
         return None
+    from engramd.client.client import check_cache_cap
+    from engramd.client.errors import BadRequestError
+
     try:
         gib = float(value)
-    except ValueError:
-        gib = -1.0
-    if not 0 <= gib < 1 << 20:  # NaN too
+        check_cache_cap(gib)
+    except (ValueError, BadRequestError):
         raise VllmPluginError(f"{HOT_CACHE_ENV}={value!r}: expected GiB as a number >= 0 "
-                              "(0: no hot-row cache in the client)")
+                              "(0: no hot-row cache in the client)") from None
     return gib
 
 

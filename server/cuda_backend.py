@@ -68,7 +68,7 @@ from engramd.client.slab import (
     wait_passes,
 )
 from engramd.kernels.gather_triton import GatherPlan, LayerTable, SlotGather, grid_programs
-from engramd.kernels.hot_cache import CacheLayout, HotCache
+from engramd.kernels.hot_cache import HotCache
 from engramd.server.backend import Completion, LookupJob
 from engramd.server.config import default
 from engramd.server.host_tables import HostTable, pin_tables
@@ -128,8 +128,8 @@ class PinnedTables:
 
     def row_views(self, device: torch.device) -> list[torch.Tensor]:
         """uint8 [rows, row_bytes] CUDA tensors over the registered tables (reads go over UVA)."""
-        return [cuda.tensor_view(address, t.nbytes, device).view(t.rows, t.row_bytes)
-                for address, t in zip(self._registration.addresses, self.tables, strict=True)]
+        return cuda.row_views(self._registration.addresses,
+                              [(t.rows, t.row_bytes) for t in self.tables], device)
 
     def close(self) -> None:
         try:
@@ -356,13 +356,12 @@ class GpuState:
         if not self.options.cache_bytes:
             return None, None
         with torch.cuda.device(self.index):
-            layout = CacheLayout.from_budget(self.options.cache_bytes, self.geometry.row_bytes)
-            cache = HotCache(layout, self.geometry.n_layers, self.device)
-            keeper = CacheKeeper(cache, pinned.row_views(self.device), self.gather_streams,
-                                 interval=self.options.cache_refresh_s)
+            keeper = CacheKeeper.over(pinned.row_views(self.device), self.options.cache_bytes,
+                                      self.gather_streams, self.options.cache_refresh_s)
+        layout = keeper.cache.layout
         log.info("GPU %d: hot-row cache of %d rows (%.2f GiB)", self.index, layout.slots,
                  layout.nbytes / 2**30)
-        return cache, keeper
+        return keeper.cache, keeper
 
     def gather_streams(self) -> list[torch.cuda.Stream]:
         return [slab.stream for slab in list(self.slabs)]
@@ -447,8 +446,7 @@ class GpuState:
     def cache_stats(self) -> dict[str, Any] | None:
         if self.keeper is None:
             return None
-        return self.keeper.stats.snapshot(self.cache.layout.row_bytes) | {
-            "slots": self.cache.layout.slots, "bytes": self.cache.layout.nbytes}
+        return self.keeper.report()
 
     def close(self) -> None:
         if self.keeper is not None:

@@ -196,17 +196,17 @@ def build_backend(config: DaemonConfig, opened: OpenTables) -> Backend:
                         "mapped GPU clients' caches")
         return CpuBackend([t.tensor for t in tables], geometry, config.workers)
     try:
-        from engramd.client.cache_keeper import load_warm_ids
+        from engramd.client.cache_keeper import load_warm_ids, warm_ids_array
         from engramd.server.cuda_backend import CudaBackend, GatherOptions
     except ImportError as exc:
         raise DeviceBackendError(f"cuda backend unavailable: {exc}") from exc
     warm_ids = None
-    if config.hot_cache_warm_file and (config.hot_cache_gib or config.mapped_hot_cache_gib):
-        # Read for the GPUs' caches, and checked for the mapped clients' even where the daemon
-        # keeps none: a bad file stops the start instead of every client's warm-up.
+    if config.hot_cache_warm_file and config.hot_cache_gib:
         warm_ids = load_warm_ids(config.hot_cache_warm_file, geometry.n_layers, geometry.heads)
-        if not config.hot_cache_gib:
-            warm_ids = None
+    elif config.hot_cache_warm_file and config.mapped_hot_cache_gib:
+        # Checked (not read) for the mapped clients' caches where the daemon keeps none: a bad
+        # file stops the start instead of every client's warm-up.
+        warm_ids_array(config.hot_cache_warm_file, geometry.n_layers, geometry.heads)
     options = GatherOptions(cache_bytes=int(config.hot_cache_gib * 2**30), warm_ids=warm_ids,
                             cache_refresh_s=config.hot_cache_refresh_ms / 1e3,
                             dedupe_min_tokens=config.dedupe_min_tokens,

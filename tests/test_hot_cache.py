@@ -140,3 +140,28 @@ def test_warm_file_loads_integer_row_ids_and_names_the_file_when_wrong(tmp_path)
     for path in (wrong_shape, floats, text, tmp_path / "missing.npy"):
         with pytest.raises(ConfigError, match=path.name):
             load_warm_ids(str(path), n_layers=2, heads=3)
+    import os
+
+    fd = os.open(good, os.O_RDONLY)
+    try:  # through a descriptor (a mapped client's), whatever its file offset
+        os.lseek(fd, 7, os.SEEK_SET)
+        assert load_warm_ids(fd, n_layers=2, heads=3).tolist() == ids.tolist()
+        assert os.lseek(fd, 0, os.SEEK_CUR) == 7
+    finally:
+        os.close(fd)
+
+
+def test_a_keeper_over_new_tables_sizes_its_cache_from_the_budget_and_reports_it():
+    from engramd.client.cache_keeper import CacheKeeper
+
+    tables = [torch.zeros((100, 264), dtype=torch.uint8), torch.zeros((50, 264), dtype=torch.uint8)]
+    budget = 3 << 20
+    keeper = CacheKeeper.over(tables, budget, lambda: [], interval=0.05)
+    expected = CacheLayout.from_budget(budget, 264)
+    assert keeper.cache.layout == expected and keeper.cache.n_layers == 2
+    assert keeper.table_rows.tolist() == [100, 50]
+    report = keeper.report()
+    assert (report["slots"], report["bytes"]) == (expected.slots, expected.nbytes)
+    assert report["reads"] == report["hits"] == [0, 0] and report["admitted"] == 0
+    with pytest.raises(CacheConfigError):
+        CacheKeeper.over(tables, 1000, lambda: [], interval=0.05)
