@@ -34,6 +34,7 @@
 # standby-64-shm (the same on /dev/shm), tests-standby (tests/gpu/test_standby_gpu.py: a standby's pins across a reload and a takeover),
 # step-grid (step-text without MPS at 16 and 4,096 tokens, the daemon's grid then all SMs), gather-pages (benchmarks/gather_pages.py), gather-grids (the same, more grids, folios only), sm-cap-rows (benchmarks/sm_cap.py at 16 and 32 rows per block), sm-cap-sorted (the same, sorted reads, 8 and 32),
 # step-profile (model_step --profile: in-process against mapped, kernel by kernel), step-hint (step-text, mapped lookups of lead 1 on all SMs), step-hint-near (leads 1 and 4), step-client-cache (step-hint-near, mapped clients with caches of their own), tests-client-cache,
+# step-launch-order (step-client-cache with the in-process gather also queued behind the first matmul and behind all of them),
 # start-costs (torch's import and CUDA start, EAGER against LAZY, with and without a CUDA context
 # made first, as the daemon's preload does; the daemon's imports by cumulative time).
 # Logs and results are packed into OUT/results.tgz (one file); each phase's exit code is
@@ -319,6 +320,12 @@ phase_step_client_cache() {  # step-hint-near, the mapped client reading through
   [ -f .traces/tokens.npz ] || { echo "no .traces folder (carry it)"; return 1; }
   python3 benchmarks/model_step.py --mps both --steps 80 --rounds 3 --ids text --traces .traces \
     --mapped-sm-fraction 1=1.0 4=1.0 --out "$out/step_client_cache" 2>&1 | tee "$out/step_client_cache.log" | tail -30
+}
+phase_step_launch_order() {  # step-client-cache plus inproc_late and inproc_at_wait: what the gather's place in the launch order costs
+  [ -f .traces/tokens.npz ] || { echo "no .traces folder (carry it)"; return 1; }
+  python3 benchmarks/model_step.py --mps both --steps 80 --rounds 3 --ids text --traces .traces \
+    --variants compute inproc inproc_late inproc_at_wait engramd mapped \
+    --mapped-sm-fraction 1=1.0 4=1.0 --out "$out/step_launch_order" 2>&1 | tee "$out/step_launch_order.log" | tail -30
 }
 phase_sm_cap_sorted() {  # sm_cap with sorted reads, 8 and 32 rows per block (sorted_block_rows' two sizes)
   local rows rc=0

@@ -25,8 +25,12 @@ Variants:
            table files read-only (descriptors over the handle socket), registers them with CUDA
            and runs the gather on the client's own side stream (client/mapped.py); the same
            lookup() -> matmuls -> future.wait(stream) (an event wait)
---variants picks some of them (default all four). The in-process plan is built in every run: the
-row check below needs it.
+  inproc_late     inproc with the gather queued behind the step's first matmul (its stream still
+                  waits only for the work before the step): the same work in another launch order
+  inproc_at_wait  the same, queued behind all LEAD matmuls, where the step waits for the rows
+--variants picks some of them (default: compute, inproc, engramd, mapped; the two launch-order
+variants only when named). The in-process plan is built in every run: the row check below needs
+it.
 Modes:
   pipelined  the host runs ahead; one torch.cuda.synchronize() after N steps; reported: total / N
   synced     synchronize after every step; reported: p50 of the per-step wall times
@@ -108,7 +112,9 @@ LEADS = (1, 4, 12)
 TAIL = 4  # matmuls after the rows are consumed
 CONSUMER = "a column sum per layer"  # Bench.consume; results before it summed all layers at once
 MATMUL_N = 4096
-VARIANTS = ("compute", "inproc", "engramd", "mapped")
+VARIANTS = ("compute", "inproc", "inproc_late", "inproc_at_wait", "engramd", "mapped")
+# Variants a run takes unless --variants names others; the two launch-order ones are asked for.
+DEFAULT_VARIANTS = ("compute", "inproc", "engramd", "mapped")
 CLIENT_VARIANTS = ("engramd", "mapped")  # EngramClient variants; their rows are checked
 CLIENT_MODES = {"engramd": "served", "mapped": "mapped"}  # variant -> EngramClient mode
 AUTO_VARIANT = {mode: variant for variant, mode in CLIENT_MODES.items()}  # granted mode -> variant
@@ -119,7 +125,8 @@ SORT_MIN_TOKENS = 1024  # the daemon's default sort_min_tokens
 DEAD_FRACTION = 0.05  # of the check IDs: -1
 SPIN_UP_S = 1.0  # matmuls before the first cell, so clocks and cuBLAS heuristics have settled
 JSON_NAME, MD_NAME, PNG_NAME = "model_step.json", "model_step.md", "model_step.png"
-COLORS = {"compute": "tab:gray", "inproc": "tab:blue", "engramd": "tab:red", "mapped": "tab:green"}
+COLORS = {"compute": "tab:gray", "inproc": "tab:blue", "inproc_late": "tab:cyan",
+          "inproc_at_wait": "tab:purple", "engramd": "tab:red", "mapped": "tab:green"}
 LABELS = {"engramd": "engramd", "mapped": "mapped", "inproc": "in-process"}  # in the row check's line
 
 
@@ -128,13 +135,14 @@ class Bench:
     and mapped) and one step per variant."""
 
     def __init__(self, geometry: TableGeometry, specs: list[dict], socket: Path, max_tokens: int,
-                 variants: Sequence[str] = VARIANTS, mapped_sm_fraction: dict[int, float] | None = None):
+                 variants: Sequence[str] = DEFAULT_VARIANTS, mapped_sm_fraction: dict[int, float] | None = None):
         self.geometry = geometry
         self.mapped_sm_fraction = mapped_sm_fraction or {}  # lead -> the mapped lookups' share
         self.shard = geometry.shard(0, 1)
         self.main = torch.cuda.current_stream()
         self.side = torch.cuda.Stream()
         self.ready = torch.cuda.Event()
+        self.started = torch.cuda.Event()  # the late variants: the step's start on the main stream
         self.a = torch.randn(MATMUL_N, MATMUL_N, device="cuda").bfloat16()
         self.b = torch.randn(MATMUL_N, MATMUL_N, device="cuda").bfloat16()
         self.c = torch.empty_like(self.a)
@@ -160,8 +168,10 @@ class Bench:
             self.close()
             raise
         self.steps: dict[str, Callable[[Tensor, int], None]] = {
-            "compute": self.step_compute, "inproc": self.step_inproc, "engramd": self.step_engramd,
-            "mapped": self.step_mapped}
+            "compute": self.step_compute, "inproc": self.step_inproc,
+            "inproc_late": lambda ids, lead: self.step_inproc_after(ids, lead, 1),
+            "inproc_at_wait": lambda ids, lead: self.step_inproc_after(ids, lead, lead),
+            "engramd": self.step_engramd, "mapped": self.step_mapped}
 
     def _add_client(self, variant: str, socket: Path, max_tokens: int) -> None:
         client, attach_s = open_client(socket, CLIENT_MODES[variant], "cuda:0", max_tokens)
@@ -204,6 +214,22 @@ class Bench:
                          sort=ids.shape[0] >= SORT_MIN_TOKENS)
         self.ready.record(self.side)
         self.matmuls(lead)
+        self.main.wait_event(self.ready)
+        self.consume(rows)
+        self.matmuls(TAIL)
+
+    def step_inproc_after(self, ids: Tensor, lead: int, queued: int) -> None:
+        """step_inproc with the gather queued behind the step's first `queued` matmuls on the
+        host, its dependency still taken at the step's start: the same work in another launch
+        order, for an engine that queues its gather behind a kernel rather than in front of it
+        (1: after the first matmul; `lead`: when it waits for the rows)."""
+        self.started.record(self.main)
+        self.matmuls(queued)
+        self.side.wait_event(self.started)
+        rows = self.plan(ids, self.out(ids.shape[0]), stream=self.side,
+                         sort=ids.shape[0] >= SORT_MIN_TOKENS)
+        self.ready.record(self.side)
+        self.matmuls(lead - queued)
         self.main.wait_event(self.ready)
         self.consume(rows)
         self.matmuls(TAIL)
@@ -708,7 +734,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     parser.add_argument("--lead", type=int, nargs="+", default=list(LEADS),
                         help="matmuls between the lookup and the wait for its rows")
-    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(DEFAULT_VARIANTS),
                         help="the variants to time (default: all four); the rows of each "
                              "client variant that runs (engramd, mapped) are checked against "
                              "gather_ref and the in-process gather")
