@@ -140,7 +140,7 @@ def engramd_column(geometry: TableGeometry, socket: Path, dispatch: str, results
     """Column (c) for one daemon (mode "served"), or (d) (mode "mapped", same timing); returns
     what the daemon reported after the whole column."""
     name = f"c_engramd_{dispatch}" if mode == "served" else MAPPED_COLUMN
-    client, attach_s = open_client(socket, mode, "cuda", max(TOKENS))
+    client, attach_s = open_client(socket, "cuda", max(TOKENS), mode)
     with client:
         stream = torch.cuda.current_stream()
         processes = gpu_processes()  # while the daemon and this process both hold the GPU

@@ -24,11 +24,14 @@ Variants:
   mapped   the same with mode="mapped", against the same daemon: this process maps the daemon's
            table files read-only (descriptors over the handle socket), registers them with CUDA
            and runs the gather on the client's own side stream (client/mapped.py); the same
-           lookup() -> matmuls -> future.wait(stream) (an event wait)
+           lookup() -> matmuls -> future.wait(stream) (an event wait), the gather queued in the
+           wait (the client's default, gather_at="wait")
   inproc_late     inproc with the gather queued behind the step's first matmul (its stream still
                   waits only for the work before the step): the same work in another launch order
   inproc_at_wait  the same, queued behind all LEAD matmuls, where the step waits for the rows
---variants picks some of them (default: compute, inproc, engramd, mapped; the two launch-order
+  mapped_at_lookup  mapped with gather_at="lookup": the gather queued in lookup(), in front of
+                  the matmuls (a client of its own, with its own hot-row cache)
+--variants picks some of them (default: compute, inproc, engramd, mapped; the launch-order
 variants only when named). The in-process plan is built in every run: the row check below needs
 it.
 Modes:
@@ -112,12 +115,15 @@ LEADS = (1, 4, 12)
 TAIL = 4  # matmuls after the rows are consumed
 CONSUMER = "a column sum per layer"  # Bench.consume; results before it summed all layers at once
 MATMUL_N = 4096
-VARIANTS = ("compute", "inproc", "inproc_late", "inproc_at_wait", "engramd", "mapped")
-# Variants a run takes unless --variants names others; the two launch-order ones are asked for.
+VARIANTS = ("compute", "inproc", "inproc_late", "inproc_at_wait", "engramd", "mapped",
+            "mapped_at_lookup")
+# Variants a run takes unless --variants names others; the launch-order ones are asked for.
 DEFAULT_VARIANTS = ("compute", "inproc", "engramd", "mapped")
-CLIENT_VARIANTS = ("engramd", "mapped")  # EngramClient variants; their rows are checked
-CLIENT_MODES = {"engramd": "served", "mapped": "mapped"}  # variant -> EngramClient mode
-AUTO_VARIANT = {mode: variant for variant, mode in CLIENT_MODES.items()}  # granted mode -> variant
+# EngramClient variants (their rows are checked): variant -> the client's options
+CLIENT_OPTIONS = {"engramd": {"mode": "served"}, "mapped": {"mode": "mapped"},
+                  "mapped_at_lookup": {"mode": "mapped", "gather_at": "lookup"}}
+CLIENT_VARIANTS = tuple(CLIENT_OPTIONS)
+AUTO_VARIANT = {"served": "engramd", "mapped": "mapped"}  # the mode `auto` grants -> its variant
 MODES = ("pipelined", "synced")
 DEFAULT_STEPS = 40  # timed steps per cell (4 variants x 40 take about what 3 x 50 took)
 WARM_STEPS = 3  # untimed steps before every cell (first use of its IDs' sizes, slots, events)
@@ -126,8 +132,10 @@ DEAD_FRACTION = 0.05  # of the check IDs: -1
 SPIN_UP_S = 1.0  # matmuls before the first cell, so clocks and cuBLAS heuristics have settled
 JSON_NAME, MD_NAME, PNG_NAME = "model_step.json", "model_step.md", "model_step.png"
 COLORS = {"compute": "tab:gray", "inproc": "tab:blue", "inproc_late": "tab:cyan",
-          "inproc_at_wait": "tab:purple", "engramd": "tab:red", "mapped": "tab:green"}
-LABELS = {"engramd": "engramd", "mapped": "mapped", "inproc": "in-process"}  # in the row check's line
+          "inproc_at_wait": "tab:purple", "engramd": "tab:red", "mapped": "tab:green",
+          "mapped_at_lookup": "tab:olive"}
+LABELS = {"engramd": "engramd", "mapped": "mapped", "mapped_at_lookup": "mapped (gather at lookup)",
+          "inproc": "in-process"}  # in the row check's line
 
 
 class Bench:
@@ -171,10 +179,11 @@ class Bench:
             "compute": self.step_compute, "inproc": self.step_inproc,
             "inproc_late": lambda ids, lead: self.step_inproc_after(ids, lead, 1),
             "inproc_at_wait": lambda ids, lead: self.step_inproc_after(ids, lead, lead),
-            "engramd": self.step_engramd, "mapped": self.step_mapped}
+            "engramd": self.step_engramd, "mapped": self.step_mapped,
+            "mapped_at_lookup": lambda ids, lead: self.step_mapped(ids, lead, "mapped_at_lookup")}
 
     def _add_client(self, variant: str, socket: Path, max_tokens: int) -> None:
-        client, attach_s = open_client(socket, CLIENT_MODES[variant], "cuda:0", max_tokens)
+        client, attach_s = open_client(socket, "cuda:0", max_tokens, **CLIENT_OPTIONS[variant])
         self.attach_s[variant] = round(attach_s, 3)
         self.clients[variant] = client
 
@@ -241,11 +250,12 @@ class Bench:
         self.consume(rows)
         self.matmuls(TAIL)
 
-    def step_mapped(self, ids: Tensor, lead: int) -> None:
+    def step_mapped(self, ids: Tensor, lead: int, variant: str = "mapped") -> None:
         # The client gathers on its own side stream after the main stream's earlier work (the
-        # previous step's readers of the slot included); wait() is an event wait.
-        future = self.clients["mapped"].lookup(ids, self.main,
-                                               sm_fraction=self.mapped_sm_fraction.get(lead))
+        # previous step's readers of the slot included), queued in wait() (gather_at="wait") or
+        # in lookup() ("lookup"); wait() is an event wait.
+        future = self.clients[variant].lookup(ids, self.main,
+                                              sm_fraction=self.mapped_sm_fraction.get(lead))
         self.matmuls(lead)
         rows = future.wait(self.main)
         self.consume(rows)
@@ -307,9 +317,10 @@ class Bench:
         pairs["inproc_vs_ref"] = (local, want)
         if "engramd" in got:
             pairs["engramd_vs_inproc"] = (got["engramd"], local)
-        if "mapped" in got:
-            pairs["mapped_vs_ref"] = (got["mapped"], want)
-            pairs["mapped_vs_inproc"] = (got["mapped"], local)
+        for variant in ("mapped", "mapped_at_lookup"):
+            if variant in got:
+                pairs[f"{variant}_vs_ref"] = (got[variant], want)
+                pairs[f"{variant}_vs_inproc"] = (got[variant], local)
         result: dict[str, Any] = {"tokens": tokens, "sorted_inproc": tokens >= SORT_MIN_TOKENS}
         for name, (actual, expected) in pairs.items():
             wrong, first = bitwise_mismatches(actual, expected)
@@ -564,7 +575,7 @@ def markdown(report: dict) -> str:
     ratios = [v for v in CLIENT_VARIANTS if v in variants and "inproc" in variants]
     # auto's pick against the faster client mode, where the runs say what auto was granted
     auto = {run["mps"]: AUTO_VARIANT[run["auto_mode"]] for run in runs if run.get("auto_mode")}
-    with_auto = bool(auto) and all(v in variants for v in CLIENT_VARIANTS)
+    with_auto = bool(auto) and all(v in variants for v in AUTO_VARIANT.values())
     header = ["MPS", "T", "lead"]
     for mode in MODES:
         header += [f"{mode} {v}" for v in variants] + [f"{v} / inproc" for v in ratios]
@@ -579,7 +590,7 @@ def markdown(report: dict) -> str:
             row += [_us(values[v]) for v in variants]
             row += [_ratio(values[v], values["inproc"]) for v in ratios]
             if with_auto:
-                faster = min((values[v] for v in CLIENT_VARIANTS if values[v]), default=None)
+                faster = min((values[v] for v in AUTO_VARIANT.values() if values[v]), default=None)
                 row.append(_ratio(values.get(auto.get(mps, "")), faster))
         lines.append("| " + " | ".join(row) + " |")
     if with_auto:

@@ -130,9 +130,13 @@ class CacheKeeper:
         layout = self.cache.layout
         return self.stats.snapshot(layout.row_bytes) | {"slots": layout.slots, "bytes": layout.nbytes}
 
-    def start(self) -> CacheKeeper:
-        self._thread = threading.Thread(target=self._run, name=f"engramd-cache-{self.cache.device}",
-                                        daemon=True)
+    def start(self, warm_up: Callable[[], Tensor | None] | None = None) -> CacheKeeper:
+        """Run the refreshes on a thread of their own; `warm_up`, if given, is called there first
+        and what it returns (row IDs, as warm() takes them; None: none) is warmed before the
+        first refresh, so that the caller need not wait for the trace to be read and counted.
+        Its errors are logged: the cache then starts cold."""
+        self._thread = threading.Thread(target=self._run, args=(warm_up,),
+                                        name=f"engramd-cache-{self.cache.device}", daemon=True)
         self._thread.start()
         return self
 
@@ -149,9 +153,11 @@ class CacheKeeper:
         if self._stream is not None:
             self._stream.synchronize()
 
-    def _run(self) -> None:
+    def _run(self, warm_up: Callable[[], Tensor | None] | None) -> None:
         if self._stream is not None:
             torch.cuda.set_device(self.cache.device)
+        if warm_up is not None:
+            self._warm_from(warm_up)
         while not self._stop.wait(self.interval):
             try:
                 self.refresh()
@@ -201,6 +207,16 @@ class CacheKeeper:
             admitted = len(chosen) if len(chosen) and self._change(chosen) else 0
             self.stats.admitted += admitted
             return admitted
+
+    def _warm_from(self, warm_up: Callable[[], Tensor | None]) -> None:
+        try:
+            row_ids = warm_up()
+            if row_ids is not None and not self._stop.is_set():
+                admitted = self.warm(row_ids)
+                log.info("hot-row cache on %s: %d of %d rows admitted from the warm-up trace",
+                         self.cache.device, admitted, self.cache.layout.slots)
+        except Exception as exc:  # a trace that cannot be read, or no memory to count it
+            log.warning("hot-row cache on %s starts cold: %s", self.cache.device, exc)
 
     def _candidates(self, cursor: int) -> Tensor:
         entries = self.cache.logged_since(self._logged, cursor)

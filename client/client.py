@@ -18,6 +18,12 @@ GPU path, per lookup (see server/cuda_backend.py for the daemon's half):
     caller stream:    [wait for the slot's previous consumers] copy IDs -> slot; IDS_READY = seq
     LOOKUP message -> daemon (no reply awaited)
     wait(stream):     stream waits ROWS_DONE >= seq
+Mapped GPU path (this process gathers from its mapping of the daemon's tables, on a side stream):
+    lookup():         an event on the caller stream (the IDs' producers, the slot's readers)
+    first wait():     side stream waits for it, gather -> slot, event; stream waits for that
+The gather is queued at the first wait (gather_at="wait", the default), behind the kernels the
+engine queued since the lookup: queued in front of them, it would hold SMs that the next one
+needs, and its launch's host time would come before theirs.
 If the daemon dies (or retires the registration: either way its end of the lease closes), a
 watchdog thread satisfies every pending wait (CPU stores into the slab's counters, which live in
 pinned host memory: client/host_counters.py) within WATCHDOG_S, so no stream
@@ -48,7 +54,6 @@ from engramd.client.connection import Connection, default_socket_path
 from engramd.client.errors import (
     BadIdsError,
     BadRequestError,
-    ConfigError,
     DaemonUnavailableError,
     EngramError,
     InternalError,
@@ -67,6 +72,7 @@ from engramd.client.handles import (
 )
 from engramd.client.ids import dtype_name
 from engramd.client.mapped import (
+    DeferredGather,
     DeviceCounterReader,
     LocalSlots,
     MappedTables,
@@ -82,6 +88,7 @@ from engramd.client.slab import FAILED, IDS_READY, ROWS_DONE, SlabLayout, SlotVi
 log = logging.getLogger("engramd.client")
 
 MODES = ("auto", "served", "mapped")
+GATHER_AT = ("wait", "lookup")  # when a mapped GPU client queues a lookup's gather
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_RECONNECT_S = 60.0  # how long lookup() waits for a restarted daemon before giving up
 WATCHDOG_S = 0.1
@@ -119,6 +126,7 @@ class LookupFuture:
         self._error: EngramError | None = None
         self.consumers: list[torch.cuda.Stream] = []  # GPU: streams that waited on these rows
         self.event: torch.cuda.Event | None = None  # mapped GPU lookups: recorded after the gather
+        self.deferred: DeferredGather | None = None  # mapped GPU lookups: the gather, until queued
 
     def done(self) -> bool:
         """True once the host has nothing left to wait for: on the CPU, the daemon's reply with
@@ -314,16 +322,26 @@ class EngramClient:
                  tp_rank: int = 0, tp_size: int = 1, max_tokens: int = 1024, slots: int = 2,
                  timeout: float = DEFAULT_TIMEOUT_S, name: str = "",
                  reconnect_timeout: float = DEFAULT_RECONNECT_S, mode: str = "auto",
-                 pin_tables: bool = False, hot_cache_gib: float | None = None):
+                 pin_tables: bool = False, hot_cache_gib: float | None = None,
+                 gather_at: str = "wait"):
         """`pin_tables`: rows only ever from the tables the daemon serves at the first
         registration; once it serves others (a reload, or a restart on another checkpoint),
         lookups raise TablesChangedError. Without it the client follows a reload (see
         tables_id).
 
         `hot_cache_gib`: at most this much of the GPU's memory for a mapped client's own
-        hot-row cache (None: what the daemon's mapped_hot_cache_gib says; 0: no cache)."""
+        hot-row cache (None: what the daemon's mapped_hot_cache_gib says; 0: no cache).
+
+        `gather_at`: when a mapped GPU client queues a lookup's gather. "wait" (the default): at
+        the lookup's first wait() or result(), or at the next lookup, whichever comes first,
+        behind the kernels the engine queued in between. "lookup": in lookup() itself, for an
+        engine whose GPU would otherwise idle between the two (a step bound by its host).
+        Served and CPU clients gather as they always do."""
         if mode not in MODES:
             raise BadRequestError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
+        if gather_at not in GATHER_AT:
+            raise BadRequestError(f"gather_at {gather_at!r}: expected one of {', '.join(GATHER_AT)}")
+        self.gather_at = gather_at
         self._cache_cap = check_cache_cap(hot_cache_gib)
         self.socket_path = Path(socket_path or default_socket_path())
         self.device = _resolve_device(device)
@@ -356,6 +374,7 @@ class EngramClient:
         self._mapped: MappedTables | None = None
         self._gather: Any = None  # mapped: the gather this process runs
         self._side: torch.cuda.Stream | None = None  # mapped GPU clients gather on it
+        self._unqueued: LookupFuture | None = None  # mapped GPU: the lookup whose gather waits
         self._out_of_range: DeviceCounterReader | None = None  # mapped GPU: their device count
         self.counts = {"lookups": 0, "rows": 0, "out_of_range": 0}  # mapped: since the mapping
         # Mapped: the counts when the registration began; the daemon is told those since then.
@@ -549,6 +568,7 @@ class EngramClient:
         """Mapped mode: let go of the tables and of everything built on them."""
         mapped, side = self._mapped, self._side
         self._mapped, self._gather, self._side, self._out_of_range = None, None, None, None
+        self._unqueued = None  # its wait() raises: the rows would come from a mapping now gone
         pending, self._remapping = self._remapping, None
         if pending is not None:
             pending.discard()
@@ -718,31 +738,40 @@ class EngramClient:
     def _start_cache(self, mapped: MappedTables, warm_fd: int | None) -> None:
         """A GPU client's own hot-row cache over `mapped` and its keeper (client/cache_keeper.py,
         whose grace waits out the gathers on our side stream), of the size the daemon says
-        capped by `hot_cache_gib` (none for 0), warmed from the daemon's trace when it passed
-        one (this shard's heads: the others' rows are never read here). A cache that cannot be
-        made only costs hits: the client gathers without one."""
+        capped by `hot_cache_gib` (none for 0). The keeper's thread warms it from the daemon's
+        trace when it passed one (this shard's heads: the others' rows are never read here),
+        while lookups already run: reading and counting the trace is no part of the attach. A
+        cache that cannot be made only costs hits: the client gathers without one."""
         budget = cache_budget(self._gather_policy, self._cache_cap)
         if budget <= 0:
             return
         side = self._side
-        warm_ids = None
-        try:
-            if warm_fd is not None:
-                warm_ids = load_warm_ids(warm_fd, self.geometry.n_layers, self.geometry.heads)
-        except (ConfigError, MemoryError) as exc:
-            log.warning("client %s: its hot-row cache starts cold: %s", self.client_id, exc)
         try:
             with torch.cuda.device(self.device):
                 keeper = CacheKeeper.over(mapped.device_rows(), budget, lambda: [side],
                                           float(self._gather_policy.get("cache_refresh_s", 0.05)))
-                shard = slice(self.shard.head_start, self.shard.head_end)
-                warmed = keeper.warm(warm_ids[:, :, shard]) if warm_ids is not None else 0
         except Exception as exc:  # e.g. too small a budget (CacheConfigError), or out of memory
             log.warning("client %s gathers without a hot-row cache: %s", self.client_id, exc)
             return
-        mapped.keeper = keeper.start()
-        log.info("client %s: hot-row cache of %d rows, %d admitted from the warm-up trace",
-                 self.client_id, keeper.cache.layout.slots, warmed)
+        warm_up = None
+        if warm_fd is not None:  # the attachment's descriptor is closed once the attach is done
+            warm_up = self._warm_ids_reader(os.dup(warm_fd))
+        mapped.keeper = keeper.start(warm_up)
+        log.info("client %s: hot-row cache of %d rows", self.client_id, keeper.cache.layout.slots)
+
+    def _warm_ids_reader(self, fd: int):
+        """For the keeper's thread: this shard's heads of the warm-up trace at `fd` (which it
+        closes)."""
+        n_layers, heads = self.geometry.n_layers, self.geometry.heads
+        shard = slice(self.shard.head_start, self.shard.head_end)
+
+        def read() -> torch.Tensor:
+            try:
+                return load_warm_ids(fd, n_layers, heads)[:, :, shard]
+            finally:
+                os.close(fd)
+
+        return read
 
     # -- reloads ----------------------------------------------------------------------------------
 
@@ -819,6 +848,7 @@ class EngramClient:
     def _take_mapping(self, pending: PendingMapping) -> None:
         """Gather from the reload's tables from this lookup on; the old mapping goes once the
         gathers on it are done."""
+        self._queue_gather()  # a lookup made before the switch reads the tables of its time
         if pending.error is not None:  # the news goes: the next heartbeat's reply tries again
             self._conn.tables_notice = self._heard_tables = None
             log.warning("client %d could not map the reloaded tables: %s", self.client_id, pending.error)
@@ -934,6 +964,7 @@ class EngramClient:
                 slot: int | None, sm_fraction: float | None) -> LookupFuture:
         if self._conn is None:
             raise DaemonUnavailableError("client is closed")
+        self._queue_gather()  # lookups reach the side stream in the order they were made
         self._close_replaced()
         self._take_in()
         if self._daemon_gone() and not self._riding_through():
@@ -991,28 +1022,61 @@ class EngramClient:
             future.out_of_range = self._gather(ids.to("cpu"), out, None)
             self.counts["out_of_range"] += future.out_of_range
         else:
-            future.event = self._gather_on_side(ids, out, slot, stream, sm_fraction)
+            future.deferred = self._gather_inputs(ids, out, slot, stream, sm_fraction)
+            future.event = torch.cuda.Event()
+            self._unqueued = future
+            if self.gather_at == "lookup":
+                self._queue_gather()
         self.counts["lookups"] += 1
         self.counts["rows"] += tokens * self.geometry.n_layers * self.shard.owned_heads
         return self._track(future)
 
-    def _gather_on_side(self, ids: torch.Tensor, out: torch.Tensor, slot: int,
-                        stream: torch.cuda.Stream | None, sm_fraction: float | None) -> torch.cuda.Event:
-        side = self._side
+    def _gather_inputs(self, ids: torch.Tensor, out: torch.Tensor, slot: int,
+                       stream: torch.cuda.Stream | None, sm_fraction: float | None) -> DeferredGather:
+        """What a mapped GPU lookup's gather needs, its dependencies taken now: events on the
+        streams whose work so far must come first, `stream`'s (the IDs' producers) and the
+        slot's previous readers'. The gather itself is queued later (_queue_gather)."""
         stream = stream or torch.cuda.current_stream(self.device.index)
         if ids.device != self.device:
-            with torch.cuda.stream(stream):  # the side stream waits for `stream` below
+            with torch.cuda.stream(stream):  # recorded in `stream`'s order below
                 ids = ids.to(self.device, non_blocking=True)
         previous = self._pending.pop(slot, None)
-        for consumer in previous.consumers if previous is not None else ():
-            if consumer != stream:  # `stream`'s reads are covered by the wait below
-                side.wait_stream(consumer)  # its readers are done before the rows are overwritten
-        side.wait_stream(stream)
-        ids.record_stream(side)  # the caller may free the IDs once lookup() returns
-        self._gather(ids, out, side, sm_fraction)
-        event = torch.cuda.Event()
-        event.record(side)
-        return event
+        streams = [stream, *(c for c in (previous.consumers if previous is not None else ())
+                             if c != stream)]  # `stream`'s reads are covered by its own event
+        after = []
+        for waited in streams:
+            event = torch.cuda.Event()
+            event.record(waited)
+            after.append(event)
+        # Held until the gather is queued, so the caller may drop the IDs once lookup() returns.
+        return DeferredGather(ids, out, after, sm_fraction)
+
+    def _queue_gather(self) -> None:
+        """Queue the gather of the lookup that waits for it (if any) on the side stream, on the
+        mapping of this moment. Callers hold _tables_lock."""
+        future, self._unqueued = self._unqueued, None
+        if future is None:
+            return
+        work, future.deferred = future.deferred, None
+        side = self._side
+        for event in work.after:
+            side.wait_event(event)
+        work.ids.record_stream(side)  # the allocator keeps the IDs until the gather has read them
+        self._gather(work.ids, work.out, side, work.sm_fraction)
+        future.event.record(side)
+
+    def _queued(self, future: LookupFuture) -> None:
+        """Before a stream waits for a mapped lookup's event: its gather is queued (now, if it
+        was waiting for this), or the lookup's rows are lost."""
+        if future.deferred is None:
+            return
+        with self._tables_lock:
+            if self._unqueued is future:
+                self._queue_gather()
+            if future.deferred is not None:  # dropped with the mapping it was to read
+                raise DaemonUnavailableError(
+                    "this lookup's gather was dropped with the tables mapping it was to read "
+                    "(the client closed or re-registered): look it up again")
 
     def _after_previous_use(self, slot: int, stream: torch.cuda.Stream, raw: int) -> None:
         """`stream` must not touch the slot before its previous lookup and readers are done, and
@@ -1055,7 +1119,8 @@ class EngramClient:
             pause = min(pause * 2, 1e-3)
 
     def _stream_wait(self, future: LookupFuture, stream: torch.cuda.Stream) -> None:
-        if future.event is not None:  # mapped: the gather ran on this process's side stream
+        if future.event is not None:  # mapped: the gather runs on this process's side stream
+            self._queued(future)
             stream.wait_event(future.event)
         else:
             self._slab.ops.wait_u32(stream.cuda_stream, self._slab.rows_done[future.slot], future.seq)
@@ -1271,6 +1336,7 @@ class EngramClient:
                     pass
             counts = None
             if self._mapped is not None:  # synchronises first: our gathers write our slots
+                self._queue_gather()  # every lookup is gathered, its out-of-range IDs counted
                 counts = self._final_counts()
                 self._unmap()
             if isinstance(self._slab, _CudaSlabView):

@@ -20,6 +20,7 @@ import os
 import threading
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -254,6 +255,18 @@ def mapped_gather(shard: ShardView, tables: MappedTables, device: torch.device, 
 
     gather_gpu.out_of_range = counter  # type: ignore[attr-defined]
     return gather_gpu
+
+
+@dataclass
+class DeferredGather:
+    """A mapped GPU lookup's gather before it is queued (EngramClient's gather_at): its IDs
+    (held, so the caller may drop its own reference), the slot rows it fills, the events on
+    the streams whose earlier work comes first, and its share of the SMs."""
+
+    ids: torch.Tensor
+    out: torch.Tensor
+    after: list[torch.cuda.Event]
+    sm_fraction: float | None
 
 
 class DeviceCounterReader:

@@ -6,6 +6,8 @@ test_gather_triton_interp.py; the refresh protocol on a GPU in tests/gpu/.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -165,3 +167,49 @@ def test_a_keeper_over_new_tables_sizes_its_cache_from_the_budget_and_reports_it
     assert report["reads"] == report["hits"] == [0, 0] and report["admitted"] == 0
     with pytest.raises(CacheConfigError):
         CacheKeeper.over(tables, 1000, lambda: [], interval=0.05)
+
+
+def test_a_keeper_warms_on_its_own_thread_and_a_warm_up_that_fails_leaves_it_cold(caplog):
+    """start(warm_up) returns before the trace is read; the keeper's thread then counts it and
+    admits its hot rows. A warm-up that raises is logged, and the keeper goes on refreshing."""
+    import threading
+
+    from engramd.client.cache_keeper import CacheKeeper
+    from engramd.client.errors import ConfigError
+
+    tables = [torch.randint(0, 256, (100, 264), dtype=torch.uint8),
+              torch.randint(0, 256, (50, 264), dtype=torch.uint8)]
+    hot = torch.stack([torch.arange(0, 40, 5), torch.arange(1, 41, 5)], dim=1)  # [8 tokens, 2 layers]
+    trace = hot.unsqueeze(-1).repeat(12, 1, 3)  # each row read 36 times, past admit_min
+    release = threading.Event()
+
+    def warm_up():
+        assert release.wait(10.0)
+        return trace
+
+    keeper = CacheKeeper.over(tables, 3 << 20, lambda: [], interval=0.01).start(warm_up)
+    try:
+        assert keeper.report()["admitted"] == 0  # start() returned with the trace not yet read
+        release.set()
+        deadline = time.monotonic() + 10.0
+        while keeper.report()["admitted"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        layers = torch.arange(2).view(1, 2).expand_as(hot)
+        keys = hot_cache.row_keys(layers, hot).reshape(-1)
+        assert keeper.report()["admitted"] == keys.numel()
+        assert bool(keeper.cache.resident(keys).all())
+    finally:
+        keeper.close()
+
+    def broken():
+        raise ConfigError("warm-up trace: not an .npy file")
+
+    keeper = CacheKeeper.over(tables, 3 << 20, lambda: [], interval=0.01).start(broken)
+    try:
+        deadline = time.monotonic() + 10.0
+        while keeper.report()["refreshes"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert keeper.report()["refreshes"] > 0 and keeper.report()["admitted"] == 0
+        assert "starts cold" in caplog.text and "warm-up trace: not an .npy file" in caplog.text
+    finally:
+        keeper.close()

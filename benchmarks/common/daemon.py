@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from engramd.client import EngramClient
 from engramd.client.connection import probe
@@ -108,13 +109,14 @@ def bench_folders(show_log: bool = True, shm_root: str | None = None) -> Iterato
         shutil.rmtree(shm, ignore_errors=True)
 
 
-def open_client(socket: Path, mode: str, device: str,
-                max_tokens: int) -> tuple[EngramClient, float]:
-    """An EngramClient (2 slots) that the daemon granted `mode`, and the seconds its construction
-    took, end to end. Refuses a client of another mode: its column would be mislabelled."""
+def open_client(socket: Path, device: str, max_tokens: int, mode: str,
+                **options: Any) -> tuple[EngramClient, float]:
+    """An EngramClient (2 slots, EngramClient's other `options`) that the daemon granted `mode`,
+    and the seconds its construction took, end to end. Refuses a client of another mode: its
+    column would be mislabelled."""
     started = time.perf_counter()
     client = EngramClient(socket, device=device, max_tokens=max_tokens, slots=2, timeout=120,
-                          mode=mode)
+                          mode=mode, **options)
     attach_s = time.perf_counter() - started
     if client.mode != mode:
         client.close()

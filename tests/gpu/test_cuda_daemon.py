@@ -254,7 +254,7 @@ def test_a_mapped_lookups_sm_fraction_sets_its_grid(daemon_factory, reference, m
 
 def test_a_mapped_clients_own_cache_serves_hits_with_exact_rows(daemon_factory, reference, tmp_path):
     """A mapped GPU client gathers through a hot-row cache of its own, warmed from the daemon's
-    trace and refreshed by its keeper while the lookups run (every 5 ms, so ways change under
+    trace (on the keeper's thread) and refreshed by its keeper while the lookups run (every 5 ms, so ways change under
     running gathers): rows stay exact, the cache is hit, and closing the client stops the
     keeper's thread."""
     import threading
@@ -266,9 +266,9 @@ def test_a_mapped_clients_own_cache_serves_hits_with_exact_rows(daemon_factory, 
                                    "--mapped-hot-cache-gib", "0.01", "--hot-cache-refresh-ms", "5"])
     keepers = lambda: [t for t in threading.enumerate() if t.name.startswith("engramd-cache-")]  # noqa: E731
     with EngramClient(daemon.socket, device="cuda", max_tokens=256, slots=2, mode="mapped") as client:
-        stats = client.hot_cache_stats()
-        assert stats is not None and stats["admitted"] > 0, stats  # the warm-up's admissions
-        assert len(keepers()) == 1
+        assert client.hot_cache_stats() is not None and len(keepers()) == 1
+        # the warm-up's admissions, made on the keeper's thread after the attach
+        wait_until(lambda: client.hot_cache_stats()["admitted"] > 0, timeout=10.0, step=0.02)
         for i in range(80):  # hot tokens (the warmed half and one the refreshes admit) and cold ones
             ids = np.concatenate([hot[rng.integers(0, 64, 160)],
                                   random_ids(rng, 40, reference.rows, reference.heads)])
@@ -282,6 +282,54 @@ def test_a_mapped_clients_own_cache_serves_hits_with_exact_rows(daemon_factory, 
         stats = client.hot_cache_stats()
         assert stats["refreshes"] > 0 and stats["admitted"] > 0, stats
     assert keepers() == []
+
+
+@pytest.mark.parametrize("gather_at", ["wait", "lookup"])
+def test_a_mapped_gather_is_queued_where_gather_at_says(daemon_factory, reference, gather_at):
+    """gather_at="wait" (the default): a mapped lookup's gather is queued at its first wait or at
+    the next lookup, not in lookup(): after lookup() and a device sync its slot still holds what
+    was there, and the IDs, dropped by the caller in between while the allocator hands memory
+    out again, are still the ones gathered. gather_at="lookup": the rows are there after
+    lookup() and a sync. Rows exact either way; a lookup never waited for is gathered at
+    close(), its out-of-range IDs counted."""
+    sentinel, tokens = -3.0, 48
+    daemon = daemon_factory(extra=CUDA)
+    rng = np.random.default_rng(31)
+    options = {} if gather_at == "wait" else {"gather_at": gather_at}
+    batches = [random_ids(rng, tokens, reference.rows, reference.heads) for _ in range(3)]
+    with EngramClient(daemon.socket, device="cuda", max_tokens=64, slots=2, mode="mapped",
+                      **options) as client:
+        assert client.gather_at == gather_at
+        client.lookup(torch.from_numpy(batches[0]).cuda()).wait()  # load the kernels
+        torch.cuda.synchronize()
+        for slot in range(client.slots):
+            client.slot_rows(slot).fill_(sentinel)
+        slot_of = lambda future: client.slot_rows(future.slot)[:, :tokens]  # noqa: E731
+        ids = torch.from_numpy(batches[1]).cuda()
+        first = client.lookup(ids)
+        del ids
+        clobber = [torch.from_numpy(batches[2]).cuda() for _ in range(4)]  # may reuse freed blocks
+        torch.cuda.synchronize()
+        if gather_at == "wait":
+            assert bool((slot_of(first) == sentinel).all()), "gathered before its wait"
+        else:
+            assert_exact(slot_of(first), reference.expected(batches[1]), "gathered in lookup()")
+        second = client.lookup(clobber[0])  # queues the first lookup's gather, if it waits
+        torch.cuda.synchronize()
+        assert_exact(slot_of(first), reference.expected(batches[1]), "the first lookup, then a second")
+        if gather_at == "wait":
+            assert bool((slot_of(second) == sentinel).all()), "gathered before its wait"
+        assert_exact(second.wait(), reference.expected(batches[2]), "the second lookup, waited")
+        assert_exact(first.wait(), reference.expected(batches[1]), "the first lookup, waited last")
+        torch.cuda.synchronize()
+        last = random_ids(rng, tokens, reference.rows, reference.heads, dead=0.0, out_of_range=0.5)
+        client.lookup(torch.from_numpy(last).cuda())  # never waited for: close() gathers it
+    rows_per_layer = np.asarray(reference.rows).reshape(1, -1, 1)
+    outside = [int(np.count_nonzero((ids != -1) & ((ids < 0) | (ids >= rows_per_layer))))
+               for ids in (*batches, last)]
+    assert outside[-1] > 0
+    stats = probe(daemon.socket, "stats", 5.0).body.encode()  # the counts of the release
+    assert stats["clients"] == [] and stats["out_of_range"] == sum(outside), (stats, outside)
 
 
 def ids_in_layout(exact: torch.Tensor, layout: str) -> torch.Tensor:

@@ -118,6 +118,11 @@ def test_auto_mode_and_forbidden_modes(daemon_factory):
         EngramClient(mapped_only.socket, mode="served")
     with pytest.raises(BadRequestError, match="mode 'sideways'"):
         EngramClient(both.socket, mode="sideways")
+    with pytest.raises(BadRequestError, match="gather_at 'soon': expected one of wait, lookup"):
+        EngramClient(both.socket, mode="mapped", gather_at="soon")
+    with EngramClient(mapped_only.socket, gather_at="lookup") as client:  # CPU: gathers in lookup()
+        assert client.mode == "mapped" and client.gather_at == "lookup"
+        assert client.lookup(torch.zeros((1, 2, 24), dtype=torch.int64)).result().shape[1] == 1
 
 
 def raw_register(daemon, mode: str, device: str = "cpu", **fields) -> dict:
