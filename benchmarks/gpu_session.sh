@@ -335,7 +335,7 @@ phase_tests_gather_at() {  # the end-to-end GPU tests with mapped gathers queued
 phase_step_gather_at() {  # step-launch-order with the mapped client's gather queued at the wait, against one that queues it in lookup()
   [ -f .traces/tokens.npz ] || { echo "no .traces folder (carry it)"; return 1; }
   python3 benchmarks/model_step.py --mps both --steps 80 --rounds 3 --ids text --traces .traces \
-    --variants compute inproc inproc_at_wait engramd mapped mapped_at_lookup \
+    --variants compute inproc engramd mapped mapped_at_lookup \
     --mapped-sm-fraction 1=1.0 4=1.0 --out "$out/step_gather_at" 2>&1 | tee "$out/step_gather_at.log" | tail -30
 }
 phase_sm_cap_sorted() {  # sm_cap with sorted reads, 8 and 32 rows per block (sorted_block_rows' two sizes)
