@@ -34,10 +34,11 @@ class EngramRunnerAdapter:
                  tp_rank: int = 0, tp_size: int = 1, max_tokens: int = 8192, slots: int = 2,
                  tokenizer_json_path: str | Path | None = None,
                  token_map_path: str | Path | None = None, token_map: np.ndarray | None = None,
-                 timeout: float = 30.0, mode: str = "auto", hot_cache_gib: float | None = None):
+                 timeout: float = 30.0, mode: str = "auto", hot_cache_gib: float | None = None,
+                 gather_at: str = "wait"):
         self.client = EngramClient(socket_path, device=device, tp_rank=tp_rank, tp_size=tp_size,
                                    max_tokens=max_tokens, slots=slots, timeout=timeout, name="runner",
-                                   mode=mode, hot_cache_gib=hot_cache_gib)
+                                   mode=mode, hot_cache_gib=hot_cache_gib, gather_at=gather_at)
         try:
             if token_map is None:
                 token_map = (load_token_map(token_map_path) if token_map_path is not None else

@@ -13,6 +13,8 @@ loaded. Then it replaces, on vLLM's `Engram` class, the methods that own the tab
 `ENGRAMD_MODE` (auto | served | mapped, default auto) picks the client mode;
 `ENGRAMD_HOT_CACHE_GIB` caps a mapped client's own hot-row cache (0: none; unset: the daemon's
 `mapped_hot_cache_gib`), for a vLLM that leaves its GPU little memory beside the KV cache.
+`ENGRAMD_GATHER_AT` (wait | lookup, default wait) is the client's `gather_at`: where a mapped
+client queues its gather, at the first Engram layer's wait for the rows or at the lookup.
 
 What it is not: the replacements themselves, and nothing that vLLM's own hashing does (the hash
 IDs are vLLM's, computed once per forward by its `NgramHashState`).
@@ -31,6 +33,7 @@ log = logging.getLogger("engramd.vllm")
 
 MODE_ENV = "ENGRAMD_MODE"
 HOT_CACHE_ENV = "ENGRAMD_HOT_CACHE_GIB"
+GATHER_AT_ENV = "ENGRAMD_GATHER_AT"
 SUPPORTED_VLLM = ("0.33.0",)
 ENGRAM_MODULE = "vllm.models.deepseek_v41.common.engram"
 
@@ -87,7 +90,8 @@ def register() -> None:
     from engramd.client import vllm_engram
 
     if vllm_engram.install(engram, os.environ[SOCKET_ENV], os.environ.get(MODE_ENV, "auto"),
-                           hot_cache_cap(os.environ.get(HOT_CACHE_ENV))):
+                           hot_cache_cap(os.environ.get(HOT_CACHE_ENV)),
+                           gather_at(os.environ.get(GATHER_AT_ENV))):
         log.info("engramd plugin installed: Engram rows come from the daemon at %s",
                  os.environ[SOCKET_ENV])
 
@@ -107,6 +111,18 @@ def hot_cache_cap(value: str | None) -> float | None:
         raise VllmPluginError(f"{HOT_CACHE_ENV}={value!r}: expected GiB as a number >= 0 "
                               "(0: no hot-row cache in the client)") from None
     return gib
+
+
+def gather_at(value: str | None) -> str:
+    """ENGRAMD_GATHER_AT as EngramClient's gather_at ("wait" when unset or empty);
+    VllmPluginError naming a bad one, before any worker registers."""
+    from engramd.client.client import GATHER_AT
+
+    if not value:
+        return GATHER_AT[0]
+    if value not in GATHER_AT:
+        raise VllmPluginError(f"{GATHER_AT_ENV}={value!r}: expected one of {', '.join(GATHER_AT)}")
+    return value
 
 
 def check_version(version: str) -> None:

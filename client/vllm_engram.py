@@ -58,17 +58,18 @@ SLOTS = 2
 
 _originals: dict[str, object] = {}  # vLLM's own methods, for modules built before install
 # Where and how the process's client registers.
-_settings: dict = {"socket": "", "mode": "auto", "hot_cache_gib": None}
+_settings: dict = {"socket": "", "mode": "auto", "hot_cache_gib": None, "gather_at": "wait"}
 _process_rows: ProcessRows | None = None
 
 
-def install(engram_module, socket_path: str, mode: str, hot_cache_gib: float | None = None) -> bool:
+def install(engram_module, socket_path: str, mode: str, hot_cache_gib: float | None = None,
+            gather_at: str = "wait") -> bool:
     """Replace the seams on vLLM's Engram class; False if this process did already.
-    `hot_cache_gib`: the client's cap on its own hot-row cache (EngramClient)."""
+    `hot_cache_gib`, `gather_at`: the client's options of those names (EngramClient)."""
     cls = engram_module.Engram
     if _originals:
         return False
-    _settings.update(socket=socket_path, mode=mode, hot_cache_gib=hot_cache_gib)
+    _settings.update(socket=socket_path, mode=mode, hot_cache_gib=hot_cache_gib, gather_at=gather_at)
     _originals.update({name: getattr(cls, name) for name in REPLACED})
     cls._create_embedding = _create_embedding
     cls._init_staging = _init_staging
@@ -194,7 +195,7 @@ def _register_client() -> EngramClient:
     client = EngramClient(_settings["socket"], device=_device(), tp_rank=tp_rank, tp_size=tp_size,
                           max_tokens=max_tokens, slots=SLOTS, name=f"vllm-tp{tp_rank}",
                           mode=_settings["mode"], pin_tables=True,
-                          hot_cache_gib=_settings["hot_cache_gib"])
+                          hot_cache_gib=_settings["hot_cache_gib"], gather_at=_settings["gather_at"])
     log.info("engramd client %d (%s, pid %d): TP rank %d of %d, heads %d..%d, up to %d tokens",
              client.client_id, client.mode, os.getpid(), tp_rank, tp_size,
              client.shard.head_start, client.shard.head_end, max_tokens)

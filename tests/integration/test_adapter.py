@@ -55,10 +55,13 @@ def test_adapter_returns_the_rows_of_the_hashed_ngrams(daemon_factory, reference
             runner.prefetch(tokens[:4], sm_fraction=2.0)
 
 
-def test_the_adapter_passes_a_cache_cap_on(daemon_factory):
-    """An engine's cap on its own hot-row cache reaches the client (a bad one is refused there)."""
+def test_the_adapter_passes_a_cache_cap_and_gather_point_on(daemon_factory):
+    """An engine's cap on its own hot-row cache and its gather_at reach the client (bad ones are
+    refused there)."""
     daemon = daemon_factory()
     with pytest.raises(BadRequestError, match="hot_cache_gib"):
         EngramRunnerAdapter(daemon.socket, hot_cache_gib=-1.0)
-    with EngramRunnerAdapter(daemon.socket, hot_cache_gib=0) as runner:
-        assert runner.client._cache_cap == 0
+    with pytest.raises(BadRequestError, match="gather_at 'later'"):
+        EngramRunnerAdapter(daemon.socket, gather_at="later")
+    with EngramRunnerAdapter(daemon.socket, hot_cache_gib=0, gather_at="lookup") as runner:
+        assert runner.client._cache_cap == 0 and runner.client.gather_at == "lookup"

@@ -96,6 +96,14 @@ def test_the_hot_cache_cap_is_read_from_the_environment_and_a_bad_one_named():
             plugin.hot_cache_cap(bad)
 
 
+def test_the_gather_point_is_read_from_the_environment_and_a_bad_one_named():
+    assert plugin.gather_at(None) == plugin.gather_at("") == plugin.gather_at("wait") == "wait"
+    assert plugin.gather_at("lookup") == "lookup"
+    for bad in ("Wait", "soon", " lookup"):
+        with pytest.raises(plugin.VllmPluginError, match=f"ENGRAMD_GATHER_AT='{bad}'"):
+            plugin.gather_at(bad)
+
+
 def test_another_vllm_version_fails_closed(monkeypatch):
     monkeypatch.setenv("ENGRAMD_SOCKET", "/nonexistent/engramd.sock")
     monkeypatch.setattr(vllm, "__version__", "0.34.0")
