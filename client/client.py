@@ -1062,21 +1062,28 @@ class EngramClient:
         for event in work.after:
             side.wait_event(event)
         work.ids.record_stream(side)  # the allocator keeps the IDs until the gather has read them
-        self._gather(work.ids, work.out, side, work.sm_fraction)
+        try:
+            self._gather(work.ids, work.out, side, work.sm_fraction)
+        except Exception as exc:  # e.g. out of memory for a sort: that lookup's wait() says so
+            future._error = exc if isinstance(exc, EngramError) else InternalError(
+                f"the gather of a lookup of {future.tokens} tokens failed: {exc}")
+            return
         future.event.record(side)
 
     def _queued(self, future: LookupFuture) -> None:
         """Before a stream waits for a mapped lookup's event: its gather is queued (now, if it
-        was waiting for this), or the lookup's rows are lost."""
-        if future.deferred is None:
-            return
-        with self._tables_lock:
-            if self._unqueued is future:
-                self._queue_gather()
-            if future.deferred is not None:  # dropped with the mapping it was to read
-                raise DaemonUnavailableError(
-                    "this lookup's gather was dropped with the tables mapping it was to read "
-                    "(the client closed or re-registered): look it up again")
+        was waiting for this), or the lookup's error is raised (its gather failed, or was
+        dropped with its mapping)."""
+        if future.deferred is not None:
+            with self._tables_lock:
+                if self._unqueued is future:
+                    self._queue_gather()
+        if future.deferred is not None:
+            raise DaemonUnavailableError(
+                "this lookup's gather was dropped with the tables mapping it was to read "
+                "(the client closed or re-registered): look it up again")
+        if future._error is not None:
+            raise future._error
 
     def _after_previous_use(self, slot: int, stream: torch.cuda.Stream, raw: int) -> None:
         """`stream` must not touch the slot before its previous lookup and readers are done, and

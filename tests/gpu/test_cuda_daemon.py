@@ -332,6 +332,38 @@ def test_a_mapped_gather_is_queued_where_gather_at_says(daemon_factory, referenc
     assert stats["clients"] == [] and stats["out_of_range"] == sum(outside), (stats, outside)
 
 
+@pytest.mark.parametrize("gather_at", ["wait", "lookup"])
+def test_a_mapped_gather_that_fails_is_raised_by_its_own_wait(daemon_factory, reference, gather_at):
+    """A gather that raises when it is queued (here: at the next lookup, or in lookup()) fails
+    that lookup's wait() with InternalError; the next lookup is served, rows exact."""
+    from engramd.client.errors import InternalError
+
+    daemon = daemon_factory(extra=CUDA)
+    rng = np.random.default_rng(32)
+    with EngramClient(daemon.socket, device="cuda", max_tokens=64, slots=2, mode="mapped",
+                      gather_at=gather_at) as client:
+        gather = client._gather
+
+        class FailsOnce:
+            out_of_range = gather.out_of_range
+            failed = False
+
+            def __call__(self, *args):
+                if not self.failed:
+                    self.failed = True
+                    raise RuntimeError("CUDA out of memory (a test's)")
+                return gather(*args)
+
+        client._gather = FailsOnce()
+        batches = [random_ids(rng, 16, reference.rows, reference.heads) for _ in range(2)]
+        failed = client.lookup(torch.from_numpy(batches[0]).cuda())
+        served = client.lookup(torch.from_numpy(batches[1]).cuda())
+        assert client._gather.failed
+        with pytest.raises(InternalError, match="gather of a lookup of 16 tokens failed: CUDA out of memory"):
+            failed.wait()
+        assert_exact(served.wait(), reference.expected(batches[1]), "the lookup after the failed one")
+
+
 def ids_in_layout(exact: torch.Tensor, layout: str) -> torch.Tensor:
     """`exact` (on the CPU) as IDs of `layout`: on the GPU contiguous, one element past a 16-byte
     aligned start, strided (every other element of a wider tensor), or left on the host."""
