@@ -34,7 +34,7 @@
 # standby-64-shm (the same on /dev/shm), tests-standby (tests/gpu/test_standby_gpu.py: a standby's pins across a reload and a takeover),
 # step-grid (step-text without MPS at 16 and 4,096 tokens, the daemon's grid then all SMs), gather-pages (benchmarks/gather_pages.py), gather-grids (the same, more grids, folios only), sm-cap-rows (benchmarks/sm_cap.py at 16 and 32 rows per block), sm-cap-sorted (the same, sorted reads, 8 and 32),
 # step-profile (model_step --profile: in-process against mapped, kernel by kernel), step-hint (step-text, mapped lookups of lead 1 on all SMs), step-hint-near (leads 1 and 4), step-client-cache (step-hint-near, mapped clients with caches of their own), tests-client-cache,
-# tests-gather-at (test_cuda_daemon, reload, hot cache and adapter GPU tests), step-gather-at (the mapped client's gather queued at the wait against in lookup()),
+# tests-gather-at (test_cuda_daemon, reload, hot cache and adapter GPU tests), tests-gather-at-review (the tests of the review's fixes), step-gather-at (the mapped client's gather queued at the wait against in lookup()),
 # step-launch-order (step-client-cache with the in-process gather also queued behind the first matmul and behind all of them),
 # start-costs (torch's import and CUDA start, EAGER against LAZY, with and without a CUDA context
 # made first, as the daemon's preload does; the daemon's imports by cumulative time).
@@ -331,6 +331,10 @@ phase_step_launch_order() {  # step-client-cache plus inproc_late and inproc_at_
 phase_tests_gather_at() {  # the end-to-end GPU tests with mapped gathers queued at the wait, and the adapter's
   python3 -m pytest tests/gpu/test_cuda_daemon.py tests/gpu/test_reload_gpu.py tests/gpu/test_hot_cache_gpu.py \
     tests/gpu/test_adapter_gpu.py -q --durations=5 2>&1 | tee "$out/gpu_tests_gather_at.log"
+}
+phase_tests_gather_at_review() {  # the GPU tests of what the review of the gather at the wait changed: queueing, a failed gather, the cache's warm-up, the reload
+  python3 -m pytest tests/gpu/test_cuda_daemon.py tests/gpu/test_reload_gpu.py -q --durations=5 \
+    -k "gather_at_says or fails_is_raised or own_cache or slow_reader or reload" 2>&1 | tee "$out/gpu_tests_gather_at_review.log"
 }
 phase_step_gather_at() {  # step-launch-order with the mapped client's gather queued at the wait, against one that queues it in lookup()
   [ -f .traces/tokens.npz ] || { echo "no .traces folder (carry it)"; return 1; }

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import mmap
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -71,6 +72,26 @@ def warm_ids_array(path: str | int, n_layers: int, heads: int) -> np.ndarray:
     return ids
 
 
+class WarmUpTrace:
+    """A warm-up trace for a keeper's thread to read (CacheKeeper.start): a descriptor of the file
+    of its own (closed once read, or with close()), and the heads of it to count."""
+
+    def __init__(self, fd: int, n_layers: int, heads: int, head_slice: slice):
+        self._fd: int | None = fd
+        self.n_layers, self.heads, self.head_slice = n_layers, heads, head_slice
+
+    def read(self) -> Tensor:
+        try:
+            return load_warm_ids(self._fd, self.n_layers, self.heads)[:, :, self.head_slice]
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+
 @dataclass
 class KeeperStats:
     refreshes: int = 0
@@ -113,6 +134,7 @@ class CacheKeeper:
         if self._stream is not None:  # the cache's arrays were filled on the creator's stream
             self._stream.wait_stream(torch.cuda.current_stream(cache.device))
         self._stop = threading.Event()
+        self._warming = False  # a warm-up trace is being read and counted on the thread
         self._lock = threading.Lock()  # one refresh at a time (thread, or a caller of refresh())
         self._thread: threading.Thread | None = None
 
@@ -128,16 +150,24 @@ class CacheKeeper:
     def report(self) -> dict:
         """The stats snapshot, with the cache's size (`engramd stats`, hot_cache_stats())."""
         layout = self.cache.layout
-        return self.stats.snapshot(layout.row_bytes) | {"slots": layout.slots, "bytes": layout.nbytes}
+        return self.stats.snapshot(layout.row_bytes) | {"slots": layout.slots, "bytes": layout.nbytes,
+                                                        "warming": self._warming}
 
-    def start(self, warm_up: Callable[[], Tensor | None] | None = None) -> CacheKeeper:
-        """Run the refreshes on a thread of their own; `warm_up`, if given, is called there first
-        and what it returns (row IDs, as warm() takes them; None: none) is warmed before the
-        first refresh, so that the caller need not wait for the trace to be read and counted.
-        Its errors are logged: the cache then starts cold."""
+    def start(self, warm_up: WarmUpTrace | None = None) -> CacheKeeper:
+        """Run the refreshes on a thread of their own; `warm_up`, if given (the keeper takes it
+        over), is read and warmed there before the first refresh, so that the caller need not
+        wait for the trace to be read and counted (report()'s "warming" says until when). Its
+        errors are logged: the cache then starts cold."""
+        self._warming = warm_up is not None
         self._thread = threading.Thread(target=self._run, args=(warm_up,),
                                         name=f"engramd-cache-{self.cache.device}", daemon=True)
-        self._thread.start()
+        try:
+            self._thread.start()
+        except BaseException:
+            self._warming, self._thread = False, None
+            if warm_up is not None:
+                warm_up.close()
+            raise
         return self
 
     def stop(self) -> None:
@@ -153,7 +183,7 @@ class CacheKeeper:
         if self._stream is not None:
             self._stream.synchronize()
 
-    def _run(self, warm_up: Callable[[], Tensor | None] | None) -> None:
+    def _run(self, warm_up: WarmUpTrace | None) -> None:
         if self._stream is not None:
             torch.cuda.set_device(self.cache.device)
         if warm_up is not None:
@@ -204,19 +234,29 @@ class CacheKeeper:
             candidates = torch.unique(keys)
             candidates = candidates[~self.cache.resident(candidates)]
             chosen = hot_cache.choose_admissions(self.cache, candidates, self.margin)
-            admitted = len(chosen) if len(chosen) and self._change(chosen) else 0
-            self.stats.admitted += admitted
+            # In parts of a refresh's size: each part's rows are copied through a buffer of
+            # their own, and read from host memory beside any gathers already running.
+            admitted = 0
+            for start in range(0, len(chosen), self.max_admissions):
+                part = slice(start, start + self.max_admissions)
+                if not self._change(Admissions(chosen.sets[part], chosen.ways[part], chosen.keys[part])):
+                    break  # stopping
+                admitted += chosen.keys[part].numel()
+                self.stats.admitted += chosen.keys[part].numel()
             return admitted
 
-    def _warm_from(self, warm_up: Callable[[], Tensor | None]) -> None:
+    def _warm_from(self, warm_up: WarmUpTrace) -> None:
         try:
-            row_ids = warm_up()
-            if row_ids is not None and not self._stop.is_set():
-                admitted = self.warm(row_ids)
-                log.info("hot-row cache on %s: %d of %d rows admitted from the warm-up trace",
-                         self.cache.device, admitted, self.cache.layout.slots)
+            if self._stop.is_set():  # stopped before it began: the trace is not worth reading
+                return
+            admitted = self.warm(warm_up.read())
+            log.info("hot-row cache on %s: %d of %d rows admitted from the warm-up trace",
+                     self.cache.device, admitted, self.cache.layout.slots)
         except Exception as exc:  # a trace that cannot be read, or no memory to count it
             log.warning("hot-row cache on %s starts cold: %s", self.cache.device, exc)
+        finally:
+            warm_up.close()
+            self._warming = False
 
     def _candidates(self, cursor: int) -> Tensor:
         entries = self.cache.logged_since(self._logged, cursor)

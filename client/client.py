@@ -19,10 +19,12 @@ GPU path, per lookup (see server/cuda_backend.py for the daemon's half):
     LOOKUP message -> daemon (no reply awaited)
     wait(stream):     stream waits ROWS_DONE >= seq
 Mapped GPU path (this process gathers from its mapping of the daemon's tables, on a side stream):
-    lookup():         an event on the caller stream (the IDs' producers, the slot's readers)
-    first wait():     side stream waits for it, gather -> slot, event; stream waits for that
-The gather is queued at the first wait (gather_at="wait", the default), behind the kernels the
-engine queued since the lookup: queued in front of them, it would hold SMs that the next one
+    lookup():         events on the caller stream (the IDs' producers) and on the streams that
+                      read the slot's previous rows
+    first wait():     side stream waits for them, gather -> slot, event; stream waits for that
+The gather is queued at the first wait (gather_at="wait", the default) or at whatever comes
+first of the next lookup, a reload's switch of mappings and close(): behind the kernels the
+engine queued since the lookup. Queued in front of them, it would hold SMs that the next one
 needs, and its launch's host time would come before theirs.
 If the daemon dies (or retires the registration: either way its end of the lease closes), a
 watchdog thread satisfies every pending wait (CPU stores into the slab's counters, which live in
@@ -49,7 +51,7 @@ from typing import Any
 
 import torch
 
-from engramd.client.cache_keeper import CacheKeeper, load_warm_ids
+from engramd.client.cache_keeper import CacheKeeper, WarmUpTrace
 from engramd.client.connection import Connection, default_socket_path
 from engramd.client.errors import (
     BadIdsError,
@@ -754,24 +756,15 @@ class EngramClient:
             log.warning("client %s gathers without a hot-row cache: %s", self.client_id, exc)
             return
         warm_up = None
-        if warm_fd is not None:  # the attachment's descriptor is closed once the attach is done
-            warm_up = self._warm_ids_reader(os.dup(warm_fd))
+        try:  # a descriptor of the keeper's own: the attachment's is closed once it is done
+            if warm_fd is not None:
+                warm_up = WarmUpTrace(os.dup(warm_fd), self.geometry.n_layers, self.geometry.heads,
+                                      slice(self.shard.head_start, self.shard.head_end))
+        except OSError as exc:
+            log.warning("client %s: its hot-row cache starts cold: %s", self.client_id, exc)
         mapped.keeper = keeper.start(warm_up)
-        log.info("client %s: hot-row cache of %d rows", self.client_id, keeper.cache.layout.slots)
-
-    def _warm_ids_reader(self, fd: int):
-        """For the keeper's thread: this shard's heads of the warm-up trace at `fd` (which it
-        closes)."""
-        n_layers, heads = self.geometry.n_layers, self.geometry.heads
-        shard = slice(self.shard.head_start, self.shard.head_end)
-
-        def read() -> torch.Tensor:
-            try:
-                return load_warm_ids(fd, n_layers, heads)[:, :, shard]
-            finally:
-                os.close(fd)
-
-        return read
+        log.info("client %s: hot-row cache of %d rows%s", self.client_id, keeper.cache.layout.slots,
+                 ", warming on its keeper's thread" if warm_up is not None else "")
 
     # -- reloads ----------------------------------------------------------------------------------
 
@@ -848,7 +841,9 @@ class EngramClient:
     def _take_mapping(self, pending: PendingMapping) -> None:
         """Gather from the reload's tables from this lookup on; the old mapping goes once the
         gathers on it are done."""
-        self._queue_gather()  # a lookup made before the switch reads the tables of its time
+        # A lookup made before the switch reads the tables of its time; queued first, so that
+        # its wait() need not take the lock this thread holds while the new gather is built.
+        self._queue_gather()
         if pending.error is not None:  # the news goes: the next heartbeat's reply tries again
             self._conn.tables_notice = self._heard_tables = None
             log.warning("client %d could not map the reloaded tables: %s", self.client_id, pending.error)
@@ -945,8 +940,10 @@ class EngramClient:
                slot: int | None = None, sm_fraction: float | None = None) -> LookupFuture:
         """Submit `[T, n_layers, heads]` int32/int64 row IDs (-1 = DEAD); returns at once.
 
-        GPU clients: IDs on the client's GPU are copied into the slot on `stream` (default: the
-        current stream), so they may be produced by earlier work on that stream.
+        GPU clients: the IDs may be produced by earlier work on `stream` (default: the current
+        stream). A served client copies them into the slot on it; a mapped one reads them where
+        they are when its gather runs (gather_at): the caller may drop them after lookup(), but
+        not overwrite them before the wait.
         `slot`: the slot whose rows the lookup fills (default: the next one in turn), for a
         caller that keeps views of a slot's rows (slot_rows).
         `sm_fraction` (0 < f <= 1): the share of the GPU's SMs that a mapped client's gather
@@ -1057,18 +1054,22 @@ class EngramClient:
         future, self._unqueued = self._unqueued, None
         if future is None:
             return
-        work, future.deferred = future.deferred, None
-        side = self._side
-        for event in work.after:
-            side.wait_event(event)
-        work.ids.record_stream(side)  # the allocator keeps the IDs until the gather has read them
+        work, side = future.deferred, self._side
         try:
+            for event in work.after:
+                side.wait_event(event)
+            work.ids.record_stream(side)  # the allocator keeps the IDs until the gather read them
             self._gather(work.ids, work.out, side, work.sm_fraction)
-        except Exception as exc:  # e.g. out of memory for a sort: that lookup's wait() says so
+            future.event.record(side)
+        except BaseException as exc:  # e.g. out of memory for a sort: that lookup's wait() says so
             future._error = exc if isinstance(exc, EngramError) else InternalError(
                 f"the gather of a lookup of {future.tokens} tokens failed: {exc}")
-            return
-        future.event.record(side)
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            # Last: a wait() on another thread that finds it None without the lock finds the
+            # event recorded or the error set.
+            future.deferred = None
 
     def _queued(self, future: LookupFuture) -> None:
         """Before a stream waits for a mapped lookup's event: its gather is queued (now, if it
@@ -1080,8 +1081,8 @@ class EngramClient:
                     self._queue_gather()
         if future.deferred is not None:
             raise DaemonUnavailableError(
-                "this lookup's gather was dropped with the tables mapping it was to read "
-                "(the client closed or re-registered): look it up again")
+                "this lookup's gather was dropped with the tables mapping it was to read (the "
+                "client closed while its daemon was gone): look it up again")
         if future._error is not None:
             raise future._error
 
@@ -1214,6 +1215,8 @@ class EngramClient:
         return slot
 
     def _check_current(self, future: LookupFuture) -> None:
+        if self._slab is None:
+            raise DaemonUnavailableError("client is closed or not registered")
         if future.slots_epoch != self._slots_epoch:
             raise DaemonUnavailableError(
                 "this lookup was made before the client re-registered with a restarted daemon; "

@@ -169,47 +169,77 @@ def test_a_keeper_over_new_tables_sizes_its_cache_from_the_budget_and_reports_it
         CacheKeeper.over(tables, 1000, lambda: [], interval=0.05)
 
 
-def test_a_keeper_warms_on_its_own_thread_and_a_warm_up_that_fails_leaves_it_cold(caplog):
-    """start(warm_up) returns before the trace is read; the keeper's thread then counts it and
-    admits its hot rows. A warm-up that raises is logged, and the keeper goes on refreshing."""
+def test_a_keeper_warms_on_its_own_thread_and_a_trace_it_cannot_read_leaves_it_cold(tmp_path, caplog):
+    """start(trace) returns before the trace is read; the keeper's thread then counts it, admits
+    its hot rows (in parts of a refresh's size) and closes the trace's descriptor, and report()
+    says "warming" until then. A trace that cannot be read is logged and the keeper goes on
+    refreshing; one given to a keeper stopped first is closed unread."""
+    import os
     import threading
 
-    from engramd.client.cache_keeper import CacheKeeper
-    from engramd.client.errors import ConfigError
+    import numpy as np
+
+    from engramd.client.cache_keeper import CacheKeeper, WarmUpTrace
 
     tables = [torch.randint(0, 256, (100, 264), dtype=torch.uint8),
               torch.randint(0, 256, (50, 264), dtype=torch.uint8)]
     hot = torch.stack([torch.arange(0, 40, 5), torch.arange(1, 41, 5)], dim=1)  # [8 tokens, 2 layers]
-    trace = hot.unsqueeze(-1).repeat(12, 1, 3)  # each row read 36 times, past admit_min
+    np.save(tmp_path / "warm.npy", hot.unsqueeze(-1).repeat(12, 1, 3).numpy())  # each row 36 times
+    (tmp_path / "bad.npy").write_bytes(b"not an array")
     release = threading.Event()
 
-    def warm_up():
-        assert release.wait(10.0)
-        return trace
+    class HeldTrace(WarmUpTrace):
+        def read(self):
+            assert release.wait(10.0)
+            return super().read()
 
-    keeper = CacheKeeper.over(tables, 3 << 20, lambda: [], interval=0.01).start(warm_up)
-    try:
-        assert keeper.report()["admitted"] == 0  # start() returned with the trace not yet read
-        release.set()
+    def trace(name: str, kind: type = WarmUpTrace) -> WarmUpTrace:
+        return kind(os.open(tmp_path / name, os.O_RDONLY), 2, 3, slice(0, 3))
+
+    def closed(fd: int) -> bool:
+        try:
+            os.fstat(fd)
+        except OSError:
+            return True
+        return False
+
+    def settle(keeper: CacheKeeper, done) -> None:
         deadline = time.monotonic() + 10.0
-        while keeper.report()["admitted"] == 0 and time.monotonic() < deadline:
+        while not done(keeper.report()) and time.monotonic() < deadline:
             time.sleep(0.01)
+
+    held = trace("warm.npy", HeldTrace)
+    fd = held._fd
+    keeper = CacheKeeper.over(tables, 3 << 20, lambda: [], interval=0.01)
+    keeper.max_admissions = 3  # 16 rows (8 tokens x 2 layers): six parts
+    parts, change = [], keeper._change
+    keeper._change = lambda chosen: parts.append(len(chosen)) or change(chosen)
+    keeper.start(held)
+    try:
+        assert keeper.report()["admitted"] == 0 and keeper.report()["warming"]  # not read yet
+        release.set()
+        settle(keeper, lambda r: not r["warming"])
         layers = torch.arange(2).view(1, 2).expand_as(hot)
         keys = hot_cache.row_keys(layers, hot).reshape(-1)
-        assert keeper.report()["admitted"] == keys.numel()
-        assert bool(keeper.cache.resident(keys).all())
+        assert keeper.report()["admitted"] == keys.numel() and not keeper.report()["warming"]
+        assert bool(keeper.cache.resident(keys).all()) and closed(fd) and parts == [3, 3, 3, 3, 3, 1]
     finally:
         keeper.close()
 
-    def broken():
-        raise ConfigError("warm-up trace: not an .npy file")
-
+    broken = trace("bad.npy")
+    fd = broken._fd
     keeper = CacheKeeper.over(tables, 3 << 20, lambda: [], interval=0.01).start(broken)
     try:
-        deadline = time.monotonic() + 10.0
-        while keeper.report()["refreshes"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        settle(keeper, lambda r: r["refreshes"] > 0)
         assert keeper.report()["refreshes"] > 0 and keeper.report()["admitted"] == 0
-        assert "starts cold" in caplog.text and "warm-up trace: not an .npy file" in caplog.text
+        assert "starts cold" in caplog.text and closed(fd) and not keeper.report()["warming"]
     finally:
         keeper.close()
+
+    unread = trace("warm.npy", HeldTrace)
+    fd = unread._fd
+    keeper = CacheKeeper.over(tables, 3 << 20, lambda: [], interval=0.01)
+    keeper.stop()
+    keeper.start(unread)
+    keeper.close()
+    assert closed(fd) and keeper.report()["admitted"] == 0 and not keeper.report()["warming"]

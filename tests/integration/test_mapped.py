@@ -68,6 +68,18 @@ def test_mapped_out_of_range_count_matches_the_served_one(daemon_factory, refere
     assert counts["served"] == counts["mapped"] > 0
 
 
+def test_a_lookups_result_after_close_says_the_client_is_closed(daemon_factory, reference):
+    daemon = daemon_factory()
+    ids = torch.from_numpy(random_ids(np.random.default_rng(5), 8, reference.rows, reference.heads))
+    for mode in ("served", "mapped"):
+        client = EngramClient(daemon.socket, mode=mode, max_tokens=64)
+        future = client.lookup(ids)
+        client.close()
+        for read in (future.result, future.wait):
+            with pytest.raises(DaemonUnavailableError, match="client is closed"):
+                read()
+
+
 @pytest.mark.parametrize("mode", ["served", "mapped"])
 def test_a_lookups_sm_fraction_is_checked_in_both_modes(daemon_factory, reference, mode):
     """A share of the SMs for one lookup's gather: out of (0, 1] it is a typed error, in either
