@@ -151,7 +151,7 @@ class Bench:
         self.main = torch.cuda.current_stream()
         self.side = torch.cuda.Stream()
         self.ready = torch.cuda.Event()
-        self.started = torch.cuda.Event()  # the late variants: the step's start on the main stream
+        self.started = torch.cuda.Event()  # the in-process variants: the step's start on the main stream
         self.a = torch.randn(MATMUL_N, MATMUL_N, device="cuda").bfloat16()
         self.b = torch.randn(MATMUL_N, MATMUL_N, device="cuda").bfloat16()
         self.c = torch.empty_like(self.a)
@@ -178,8 +178,8 @@ class Bench:
             raise
         self.steps: dict[str, Callable[[Tensor, int], None]] = {
             "compute": self.step_compute, "inproc": self.step_inproc,
-            "inproc_late": lambda ids, lead: self.step_inproc_after(ids, lead, 1),
-            "inproc_at_wait": lambda ids, lead: self.step_inproc_after(ids, lead, lead),
+            "inproc_late": lambda ids, lead: self.step_inproc(ids, lead, 1),
+            "inproc_at_wait": lambda ids, lead: self.step_inproc(ids, lead, lead),
             "engramd": self.step_engramd, "mapped": self.step_mapped,
             "mapped_at_lookup": lambda ids, lead: self.step_mapped(ids, lead, "mapped_at_lookup")}
 
@@ -221,23 +221,12 @@ class Bench:
     def step_compute(self, ids: Tensor, lead: int) -> None:
         self.matmuls(lead + TAIL)
 
-    def step_inproc(self, ids: Tensor, lead: int) -> None:
-        # The side stream waits for the main one: the previous step's reader of the output
-        # buffer is done before this gather overwrites it (as engramd's slot reuse guarantees).
-        self.side.wait_stream(self.main)
-        rows = self.plan(ids, self.out(ids.shape[0]), stream=self.side,
-                         sort=ids.shape[0] >= SORT_MIN_TOKENS)
-        self.ready.record(self.side)
-        self.matmuls(lead)
-        self.main.wait_event(self.ready)
-        self.consume(rows)
-        self.matmuls(TAIL)
-
-    def step_inproc_after(self, ids: Tensor, lead: int, queued: int) -> None:
-        """step_inproc with the gather queued behind the step's first `queued` matmuls on the
-        host, its dependency still taken at the step's start: the same work in another launch
-        order, for an engine that queues its gather behind a kernel rather than in front of it
-        (1: after the first matmul; `lead`: when it waits for the rows)."""
+    def step_inproc(self, ids: Tensor, lead: int, queued: int = 0) -> None:
+        """The in-process gather on the side stream, queued behind the step's first `queued`
+        matmuls on the host (0: in front of them; 1: after the first; `lead`: where the step
+        waits for the rows), its dependency taken at the step's start either way: the previous
+        step's reader of the output buffer is done before this gather overwrites it (as
+        engramd's slot reuse guarantees)."""
         self.started.record(self.main)
         self.matmuls(queued)
         self.side.wait_event(self.started)

@@ -74,17 +74,14 @@ def warm_ids_array(path: str | int, n_layers: int, heads: int) -> np.ndarray:
 
 class WarmUpTrace:
     """A warm-up trace for a keeper's thread to read (CacheKeeper.start): a descriptor of the file
-    of its own (closed once read, or with close()), and the heads of it to count."""
+    of its own (the keeper closes it), and the heads of it to count."""
 
     def __init__(self, fd: int, n_layers: int, heads: int, head_slice: slice):
         self._fd: int | None = fd
         self.n_layers, self.heads, self.head_slice = n_layers, heads, head_slice
 
     def read(self) -> Tensor:
-        try:
-            return load_warm_ids(self._fd, self.n_layers, self.heads)[:, :, self.head_slice]
-        finally:
-            self.close()
+        return load_warm_ids(self._fd, self.n_layers, self.heads)[:, :, self.head_slice]
 
     def close(self) -> None:
         fd, self._fd = self._fd, None
@@ -239,10 +236,11 @@ class CacheKeeper:
             admitted = 0
             for start in range(0, len(chosen), self.max_admissions):
                 part = slice(start, start + self.max_admissions)
-                if not self._change(Admissions(chosen.sets[part], chosen.ways[part], chosen.keys[part])):
+                ways = Admissions(chosen.sets[part], chosen.ways[part], chosen.keys[part])
+                if not self._change(ways):
                     break  # stopping
-                admitted += chosen.keys[part].numel()
-                self.stats.admitted += chosen.keys[part].numel()
+                admitted += len(ways)
+                self.stats.admitted += len(ways)
             return admitted
 
     def _warm_from(self, warm_up: WarmUpTrace) -> None:

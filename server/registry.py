@@ -248,9 +248,9 @@ class ClientRegistry:
         """The mode a registration gets: the one asked for if allowed; for "auto", mapped on a
         GPU and served on the CPU. A mapped GPU client reads through a hot-row cache of its own
         and launches its gathers with no hop through the daemon: without MPS it is the only mode
-        that overlaps the model, and under MPS it was within 2% of served or faster in 21 of 24
-        model-step cells, served ahead by 2-5% in the other three (benchmarks/results/h200/README.md,
-        "Mapped clients keep a hot-row cache of their own")."""
+        that overlaps the model, and under MPS, its gathers queued at the wait, it was within 2%
+        of served or faster in all 24 model-step cells (benchmarks/results/h200/README.md, "The
+        gather queued where the engine waits")."""
         allowed = self.limits.modes
         if asked is None:  # a client that predates modes: what it expects is a slab
             asked = "served"
