@@ -1,18 +1,67 @@
 #!/usr/bin/env bash
-# Build the environment the vLLM plugin's tests run in: a virtual environment over the main one
-# (--system-site-packages, so torch 2.13.0 CPU and engramd's dependencies are reused, never
-# replaced), with vLLM and what its Engram code imports pinned in .ci/vllm-requirements.txt, and
-# engramd installed in it so that its `vllm.general_plugins` entry point is visible there.
+# Build the environment the vLLM plugin's tests run in: a virtual environment layered over the
+# environment of the `python` that runs this script (torch 2.13.0 CPU and engramd's dependencies
+# are reused from there, never replaced), with vLLM and what its Engram code imports pinned in
+# .ci/vllm-requirements.txt, and engramd installed in it so that its `vllm.general_plugins` entry
+# point is visible there.
 #   .ci/vllm_env.sh [DIR]        (default: .venv-vllm in the repository)
-#   DIR/bin/python -m pytest -q tests/vllm
-set -euo pipefail
+#   DIR/bin/python -m pytest -q tests/vllm_plugin
+#
+# Why not `venv --system-site-packages`: when `python` is itself a virtual environment (or a
+# conda-style prefix), "system" means the base interpreter's packages, not the ones installed
+# where `python` is, and torch would be missing. The new environment instead reads the running
+# interpreter's site folders through a .pth file, after its own packages, so what it installs
+# wins and everything else comes from the environment it was built over. Works the same from the
+# system Python, from a venv and from a conda prefix.
+set -uo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 venv="${1:-$repo/.venv-vllm}"
-python -m venv --system-site-packages "$venv"
-"$venv/bin/python" -m pip install -q --no-deps -r "$repo/.ci/vllm-requirements.txt"
-"$venv/bin/python" -m pip install -q --no-deps -e "$repo"
-"$venv/bin/python" - <<'PY'
+
+# Run one step; on failure say which, with the last lines it printed, on stdout (CI shows stdout).
+step() {
+    local what="$1" log
+    shift
+    log="$(mktemp)"
+    if ! "$@" >"$log" 2>&1; then
+        echo "vllm_env.sh: $what failed:"
+        tail -n 25 "$log" | sed 's/^/    /'
+        rm -f "$log"
+        exit 1
+    fi
+    rm -f "$log"
+}
+
+# The new environment sees every site folder of the running interpreter (its own, and the base's
+# where it was made with --system-site-packages), after its own. Each .pth line runs
+# site.addsitedir so that the parent's own .pth files (editable installs) are processed too.
+link_parent() {
+    local own
+    own="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || return 1
+    python - "$own/engramd-parent-env.pth" <<'PY'
+import sys
+import sysconfig
+
+sites = [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+sites += [path for path in sys.path if path.endswith(("site-packages", "dist-packages"))]
+with open(sys.argv[1], "w") as pth:
+    for path in dict.fromkeys(sites):
+        pth.write(f"import site; site.addsitedir({path!r})\n")
+PY
+}
+
+check() {
+    "$venv/bin/python" - <<'PY'
 import torch, triton, vllm
 assert torch.__version__.startswith("2.13.0"), f"torch {torch.__version__}: the venv must reuse 2.13.0"
+import engramd.client.vllm  # noqa: F401  (the plugin imports in this environment)
 print(f"vLLM test environment: vllm {vllm.__version__}, triton {triton.__version__}, torch {torch.__version__}")
 PY
+}
+
+step "checking that $(command -v python) has torch" python -c "import torch"
+step "creating the virtual environment $venv" python -m venv --clear "$venv"
+step "linking it to the environment of $(command -v python)" link_parent
+step "installing .ci/vllm-requirements.txt" \
+    "$venv/bin/python" -m pip install -q --no-deps -r "$repo/.ci/vllm-requirements.txt"
+step "installing engramd into it" "$venv/bin/python" -m pip install -q --no-deps -e "$repo"
+check || { echo "vllm_env.sh: importing torch, triton, vllm and the plugin in $venv failed (above)"; exit 1; }

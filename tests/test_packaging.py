@@ -138,3 +138,18 @@ def test_engine_pod_example_shares_only_the_runtime_folder_and_mps():
     daemon_ids = daemon["securityContext"]
     assert spec["securityContext"]["runAsUser"] == daemon_ids["runAsUser"]
     assert daemon_ids["runAsGroup"] in spec["securityContext"]["supplementalGroups"]
+
+
+def test_the_distribution_is_engramd_daemon_and_provides_the_engramd_package_and_command():
+    """`engramd` on PyPI is an unrelated project: `pip install engramd` must not be what README
+    tells a user, and the installed distribution must still bring `import engramd`, the
+    `engramd` command and the vLLM plugin's entry point."""
+    from importlib.metadata import distribution
+
+    declared = re.search(r'^name = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M)
+    assert declared and declared.group(1) == "engramd-daemon"
+    dist = distribution("engramd-daemon")
+    points = {(p.group, p.name): p.value for p in dist.entry_points}
+    assert points[("console_scripts", "engramd")] == "engramd.server.cli:main"
+    assert points[("vllm.general_plugins", "engramd")] == "engramd.client.vllm:register"
+    assert (dist.read_text("top_level.txt") or "").split() == ["engramd"]
