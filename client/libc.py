@@ -20,6 +20,8 @@ def libc() -> ctypes.CDLL:
     lib.mmap.restype = ctypes.c_void_p
     lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     lib.munmap.restype = ctypes.c_int
+    lib.statfs.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
+    lib.statfs.restype = ctypes.c_int
     return lib
 
 
@@ -34,3 +36,13 @@ def mmap_at(address: int | None, size: int, prot: int, flags: int, fd: int) -> i
 
 def munmap(address: int, size: int) -> None:
     libc().munmap(address, size)
+
+
+def filesystem_type(path: str | os.PathLike) -> int:
+    """statfs(2)'s f_type (the filesystem's magic number) of the filesystem holding `path`, or
+    OSError; os.statvfs does not report the type."""
+    buffer = ctypes.create_string_buffer(256)  # struct statfs (120 bytes), f_type its first field
+    if libc().statfs(os.fsencode(path), buffer) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(path))
+    return ctypes.c_long.from_buffer(buffer).value & 0xFFFFFFFF

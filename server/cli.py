@@ -23,11 +23,14 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from engramd.client.connection import default_socket_path, probe
+from engramd.client.connection import SOCKET_ENV, default_socket_path, probe
 from engramd.client.errors import ConfigError, EngramError
 from engramd.client.geometry import GeometryError, TableGeometry
+
+if TYPE_CHECKING:
+    from engramd.server.config import DaemonConfig
 
 EXIT_READY, EXIT_NOT_READY = 0, 1
 
@@ -47,6 +50,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         EXIT_OK,
         DaemonHalt,
         SocketLock,
+        check_folders,
         prepare_runtime_dir,
     )
     from engramd.server.table_loader import TablePreload
@@ -57,7 +61,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"engramd: {exc.message}", file=sys.stderr)
         return EXIT_CONFIG
     if args.print_config:
-        print(dump_toml(config))
+        print(dump_toml(config, settings_in_effect(config)))
         return 0
     _setup_logging(config.log_level)
     # `kill -USR1 <pid>` writes every thread's stack to the log: what a stuck daemon is doing.
@@ -67,6 +71,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # standby has done the imports, and mapped and pinned the tables, before it took the lock.
     lock = SocketLock(config.socket_path)
     try:
+        check_folders(config)
         prepare_runtime_dir(config.runtime_dir)
         prepared = None
         if args.standby:  # imports and CUDA first, then wait for the serving daemon to go
@@ -86,6 +91,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.getLogger("engramd.daemon").info("daemon modules imported in %.2f s (beside the preload)",
                                              time.monotonic() - started)
     return run_daemon(config, lock, preload)
+
+
+def settings_in_effect(config: DaemonConfig) -> dict[str, tuple[Any, str]]:
+    """For --print-config: the settings whose value is decided at start, as (the value this
+    start would use, why). Resolving `auto` asks the CUDA driver, not torch, which is not
+    imported for this (a torch that cannot use the GPU still makes the start fall back to cpu)."""
+    from engramd.server.table_loader import choose_backend_name
+
+    resolved: dict[str, tuple[Any, str]] = {}
+    if not config.socket:
+        from_env = os.environ.get(SOCKET_ENV)
+        why = f"empty: ${SOCKET_ENV}" if from_env else "empty: this user's default"
+        resolved["socket"] = (str(config.socket_path), why)
+    if config.backend == "auto":
+        name = choose_backend_name("auto")
+        resolved["backend"] = (name, f"auto: {'a' if name == 'cuda' else 'no'} GPU visible here")
+    return resolved
 
 
 def _probe(args: argparse.Namespace, op: str) -> dict[str, Any] | None:
@@ -125,6 +147,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(fields, sort_keys=True))
         return 0
+    fields = _escaped(fields)  # what clients said (names, tables) must not drive the terminal
     print(f"state {fields.get('state')}  epoch {fields['epoch']}  uptime {fields.get('uptime', 0):.0f} s")
     reload = fields.get("reload") or {}
     print(f"tables {fields.get('tables')}" + (f"  last reload {reload.get('state')}"
@@ -140,6 +163,17 @@ def cmd_stats(args: argparse.Namespace) -> int:
         print(f"  #{c['client_id']} {who} {c['device']} tp {c['tp_rank']}/{c['tp_size']} "
               f"lookups {c['lookups']} rows {c['rows']} errors {c['errors']}{other}")
     return 0
+
+
+def _escaped(value: Any) -> Any:
+    """`value` with every string's non-printable characters written as escapes."""
+    if isinstance(value, str):
+        return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in value)
+    if isinstance(value, dict):
+        return {_escaped(k): _escaped(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_escaped(v) for v in value]
+    return value
 
 
 def _add_identities(args: argparse.Namespace, clients: list[dict[str, Any]]) -> None:

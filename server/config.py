@@ -58,9 +58,19 @@ SETTINGS: tuple[Setting, ...] = (
             "comma-separated user ids that may run admin operations (engramd drain), checked by "
             "the kernel's credentials; the daemon's own user always may. Root is not implied: "
             "engines in containers often run as uid 0", pattern=r"(\d+(,\d+)*)?"),
-    Setting("max_clients_per_uid", int, 0,
+    # Half of max_clients' default: one user cannot take every place (a node of 8 GPUs runs
+    # a client or two per GPU); a node whose engines all run as one user with more clients
+    # raises it (the refusal names it).
+    Setting("max_clients_per_uid", int, 32,
             "attached clients one user (by its kernel credentials) may hold; 0: only max_clients "
             "caps them", low=0, high=4096),
+    Setting("handle_connections_per_uid", int, 64,
+            "handle-socket connections one user (by its kernel credentials) may have waiting for "
+            "their request; past it, the user's oldest such connection is closed", low=1, high=65536),
+    Setting("pending_registrations_per_uid", int, 8,
+            "registrations one user (by the kernel's credentials of its ZeroMQ connection) may hold "
+            "before attaching them; past it, the oldest of its process with the most is retired",
+            low=1, high=4096),
     Setting("slab_budget_gib", float, 64.0,
             "GiB of slabs all served clients may hold together (device and host); a registration "
             "past it gets a 'resource' error", low=0.001, high=65536.0),
@@ -255,5 +265,14 @@ def _toml_value(value: Any) -> str:
     return repr(value)
 
 
-def dump_toml(config: DaemonConfig) -> str:
-    return "\n".join(f"{k} = {_toml_value(v)}" for k, v in config.to_dict().items())
+def dump_toml(config: DaemonConfig, resolved: dict[str, tuple[Any, str]] | None = None) -> str:
+    """The settings as TOML. `resolved`: key -> (the value in effect, why), for settings decided
+    at start (an empty socket, backend auto): that value is shown, with the reason as a comment."""
+    lines = []
+    for key, value in config.to_dict().items():
+        if resolved and key in resolved:
+            value, why = resolved[key]
+            lines.append(f"{key} = {_toml_value(value)}  # {why}")
+        else:
+            lines.append(f"{key} = {_toml_value(value)}")
+    return "\n".join(lines)

@@ -27,6 +27,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -41,6 +42,7 @@ from engramd.client.errors import (
     ProtocolError,
     ResourceError,
 )
+from engramd.client.geometry import TableGeometry
 from engramd.client.handles import PeerCredentials, error_reply, handle_socket_path, ok_reply
 from engramd.client.messages import (
     AttachReply,
@@ -53,10 +55,11 @@ from engramd.client.messages import (
     TablesReply,
     TablesRequest,
 )
+from engramd.server.checkpoint import CONFIG_FILE
 from engramd.server.config import DaemonConfig
-from engramd.server.handle_server import HandleServer
+from engramd.server.handle_server import MAX_CONNECTIONS, HandleServer
 from engramd.server.host_tables import HostTable
-from engramd.server.metrics import Metrics
+from engramd.server.metrics import MAX_SCRAPERS, Metrics
 from engramd.server.notify import Notifier
 from engramd.server.reload import NextTables, TableReload
 from engramd.server.selfcheck import run_self_check
@@ -71,7 +74,7 @@ from engramd.server.startup import (
     prepare_runtime_dir,
 )
 from engramd.server.table_loader import LoadedTables, TablePreload, load_tables, tables_folder_path
-from engramd.server.throttle import Throttled
+from engramd.server.throttle import Throttled, ThrottledBy
 from engramd.server.units import size
 
 log = logging.getLogger("engramd.daemon")
@@ -130,9 +133,11 @@ class Daemon:
         self._dropped = Throttled(log)  # a peer that reads no replies must not flood the log
         self._oversized = Throttled(log)
         self._overdue = Throttled(log)
+        self._refusals = ThrottledBy(log)  # handle-socket requests refused, per peer uid
         # Peers whose reply queue was full, until when: their requests other than lookups are
         # not worth the loop's time (nobody reads the answer). Lookups are always served.
         self._deaf: dict[bytes, float] = {}
+        self._first_frame: zmq.Frame | None = None  # of the message being handled
 
     # -- thread-safe event posting --------------------------------------------------------------
 
@@ -167,8 +172,11 @@ class Daemon:
         # other peers' replies wait.
         self._sock.setsockopt(zmq.RCVHWM, 1000)
         # Enforced by libzmq while decoding, before the frame is allocated: a peer that sends a
-        # larger frame is disconnected; the daemon never buffers it.
-        self._sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_PAYLOAD_BYTES)
+        # larger frame is disconnected; the daemon never buffers it. Each connection holds up to
+        # one frame in progress: sized to what this daemon's clients send, not the protocol's
+        # 64 MiB, 16 peers leaving frames unfinished held 1.2 GB of it. (Set before bind: the
+        # listener copies the options then.)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, largest_frame(self.config))
         # Sending to a peer that has disconnected fails instead of vanishing: that is how a client
         # that died before its registration was answered is noticed (see _send).
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -179,7 +187,8 @@ class Daemon:
             signal.signal(signum, self._on_signal)
         log.info("engramd epoch %s listening on %s (pid %d)", self.epoch, path, os.getpid())
         self._handles = HandleServer(handle_socket_path(path), self._ask_handles, self.epoch,
-                                     admit=self._admits, count=lambda code: self.post("refused", code))
+                                     admit=self._admits, count=lambda code: self.post("refused", code),
+                                     per_uid=self.config.handle_connections_per_uid)
         self.metrics.serve(self.config.metrics_address)
         self.service.state = "loading"
         self.notifier.status("loading tables")
@@ -299,7 +308,9 @@ class Daemon:
         of them; past MAX_MESSAGE_FRAMES the rest are received uncopied and dropped at once (a
         copy of gigabytes stalled the loop for seconds)."""
         sock = self._sock
-        frames = [sock.recv(zmq.NOBLOCK)]
+        first = sock.recv(zmq.NOBLOCK, copy=False)
+        self._first_frame = first  # its metadata says who sent the message (_sender)
+        frames = [first.bytes]
         while sock.getsockopt(zmq.RCVMORE):
             if len(frames) == MAX_MESSAGE_FRAMES:
                 self._refuse_oversized(frames)
@@ -468,7 +479,17 @@ class Daemon:
         return protocol.encode_reply(request.rid, self.epoch, body)
 
     def _op_register(self, identity: bytes, request: protocol.Request) -> list[bytes]:
-        return self._reply(request, self.service.register(identity, request.body))
+        return self._reply(request, self.service.register(identity, request.body, self._sender()))
+
+    def _sender(self) -> PeerCredentials | None:
+        """Who holds the connection of the message being handled: libzmq reads the kernel's
+        credentials of an ipc peer (SO_PEERCRED) when it accepts, and names them in each
+        message's Peer-Address, "<host>:<uid>:<gid>:<pid>". None where it does not."""
+        try:
+            _, uid, gid, pid = self._first_frame.get("Peer-Address").rsplit(":", 3)
+            return PeerCredentials(int(pid), int(uid), int(gid))
+        except (zmq.ZMQError, ValueError, AttributeError):
+            return None
 
     def _op_lookup(self, identity: bytes, request: protocol.Request) -> None:
         self.service.lookup(identity, request.body, request.payload, self._on_done,
@@ -685,8 +706,9 @@ class Daemon:
             if not isinstance(exc, EngramError):
                 log.exception("handle socket: attach failed")
                 exc = InternalError(f"attach failed: {type(exc).__name__}: {exc}")
-            log.info("handle socket: refused %s from pid %d uid %d gid %d: %s", request.OP,
-                     peer.pid, peer.uid, peer.gid, exc.message)
+            # Once per interval per user: 3,200 refused admin requests once wrote 564 KB in 1.4 s.
+            self._refusals[peer.uid].info("handle socket: refused %s from pid %d uid %d gid %d: %s",
+                                          request.OP, peer.pid, peer.uid, peer.gid, exc.message)
             self._count_error(exc)
             future.set_result((error_reply(exc, self.epoch), []))
 
@@ -793,6 +815,24 @@ class Daemon:
             self._wake_w = -1
 
 
+# Frames up to this size are read whatever the tables, so that one a little too large gets a
+# typed error saying so, not a silent disconnect; 16 connections may hold 64 MiB of them.
+MIN_FRAME_BOUND = 4 << 20
+
+
+def largest_frame(config: DaemonConfig) -> int:
+    """The largest frame a request to this daemon may carry: a lookup's inline IDs (int64) at
+    max_tokens, with a header's worth of margin; the protocol's bound where the geometry cannot
+    be read yet (the load then says why). A reload keeps the geometry (server/reload.py)."""
+    try:
+        geometry = (TableGeometry.named("demo") if config.tables == "demo"
+                    else TableGeometry.from_file(Path(config.tables) / CONFIG_FILE))
+    except Exception:  # whatever is wrong with it, loading the tables reports it
+        return protocol.MAX_PAYLOAD_BYTES
+    ids = config.max_tokens * geometry.n_layers * geometry.heads * 8
+    return min(protocol.MAX_PAYLOAD_BYTES, max(ids + protocol.MAX_HEADER_BYTES, MIN_FRAME_BOUND))
+
+
 def freeze_long_lived() -> None:
     """Move every object alive now out of the collector's sight (gc.freeze): what exists once
     the daemon serves (torch, the tables' bookkeeping, the kernels) lives as long as it does, and
@@ -802,30 +842,55 @@ def freeze_long_lived() -> None:
     gc.freeze()
 
 
-def raise_open_file_limit() -> int:
+# Descriptors the daemon holds whatever its clients: libraries, the sockets, the tables, CUDA's
+# device files (21 measured for an idle CPU daemon; CUDA adds a few per GPU).
+BASE_FILES = 128
+# Per registered client: its ZeroMQ connection, its lease and its slab's descriptors (5 measured
+# for a served CPU client, 3 for a mapped one), with room for a GPU slab's counters.
+FILES_PER_CLIENT = 8
+# Per handle-socket connection in progress: it, its duplicate, and the descriptors it passes (a
+# slab's, or a mapped client's tables and warm-up trace).
+FILES_PER_HANDLE_CONNECTION = 8
+
+
+def files_needed(config: DaemonConfig) -> int:
+    """Descriptors the daemon may need with max_clients clients attached, while one user has
+    handle_connections_per_uid connections waiting (one each) and the handle socket and the
+    metrics endpoint answer as many as they take at once."""
+    return (BASE_FILES + FILES_PER_CLIENT * config.max_clients + config.handle_connections_per_uid
+            + FILES_PER_HANDLE_CONNECTION * MAX_CONNECTIONS + MAX_SCRAPERS)
+
+
+def raise_open_file_limit(config: DaemonConfig) -> int:
     """Raise the soft limit on open files to the hard one; returns the limit now in force.
 
     Every peer connection costs the daemon a descriptor, and libzmq aborts the whole process
-    (an assertion in its ipc listener) when an accept fails for want of one: the soft limit
-    (often 1,024) is far too easy for a local peer to reach by opening idle connections.
+    (an assertion in its ipc listener) when an accept fails for want of one. So the limit must
+    cover what the configured clients need (files_needed); a warning names max_clients when it
+    does not. A higher limit only raises the number of idle connections a hostile local peer
+    must open to reach it, so a limit that covers the clients is not warned about: a warning at
+    every start is one nobody reads.
     """
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != hard:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
             soft = hard
-        except (OSError, ValueError) as exc:
-            log.warning("cannot raise the open-file limit from %d to %d: %s", soft, hard, exc)
-    if soft != resource.RLIM_INFINITY and soft < 65536:
-        log.warning("open-file limit %d: a local peer can exhaust it with idle connections and "
-                    "stop the daemon; raise it (systemd: LimitNOFILE, docker: --ulimit nofile)", soft)
+        except (OSError, ValueError):  # needs no privilege; if it fails, the check below tells
+            pass
+    need = files_needed(config)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        log.warning("open-file limit %d is below the %d descriptors that max_clients = %d and "
+                    "handle_connections_per_uid = %d may need; raise it (systemd: LimitNOFILE, "
+                    "docker: --ulimit nofile) or lower max_clients", soft, need, config.max_clients,
+                    config.handle_connections_per_uid)
     return soft
 
 
 def run_daemon(config: DaemonConfig, lock: SocketLock | None = None,
                preload: TablePreload | None = None) -> int:
     """Run until stopped; returns the exit status. `lock` and `preload` as for Daemon."""
-    raise_open_file_limit()
+    raise_open_file_limit(config)
     daemon = Daemon(config, lock, preload)
     status = EXIT_OK
     try:

@@ -249,7 +249,10 @@ class Metrics:
         self._collector.snapshot = snapshot
 
     def serve(self, address: str) -> None:
-        """Start the HTTP endpoint; port 0 disables it. A bind failure is logged, not fatal."""
+        """Start the HTTP endpoint; port 0 disables it. A bind failure is a warning: the
+        daemon serves lookups without metrics. Two daemons on one machine (another instance,
+        a second demo) meet on the default port, and refusing lookups for want of metrics would
+        be the worse outcome."""
         host, _, port = address.rpartition(":")
         if int(port) == 0:
             return
@@ -257,7 +260,9 @@ class Metrics:
             self._server = make_server(host or "127.0.0.1", int(port), make_wsgi_app(self.registry),
                                        server_class=_BoundedServer, handler_class=_QuietHandler)
         except OSError as exc:
-            log.error("metrics endpoint %s not started: %s", address, exc)
+            log.warning("metrics_address %s: cannot listen (%s); serving without metrics (set "
+                        "metrics_address to a free port, or its port to 0 to turn them off)",
+                        address, exc.strerror or exc)
             return
         self.gc_pauses.install()
         threading.Thread(target=self._server.serve_forever, name="engramd-metrics", daemon=True).start()

@@ -13,6 +13,7 @@ drive the registry in-process.
 from __future__ import annotations
 
 import logging
+import re
 import secrets
 import time
 from collections import Counter, deque
@@ -64,6 +65,15 @@ ATTACH_TIMEOUT_S = 10.0
 MAX_PENDING_PER_CONNECTION = 4
 # When every place is taken, a registration unattached for this long gives its place up.
 PENDING_GRACE_S = 1.0
+# The counts a mapped client reports (heartbeat, release): cumulative, so each only grows. 2**53
+# rows is 285 years at a billion rows a second, and stays exact as a float (Prometheus); a
+# larger one is a lie that once overflowed the daemon's totals and broke `stats` until a restart.
+COUNT_NAMES = ("lookups", "rows", "out_of_range")
+MAX_COUNT = 2**53
+# What `stats` reports of a total at most: the totals of every client since the start, released
+# ones too, could pass what msgpack encodes (2**64 - 1) over a long life.
+MAX_TOTAL = 2**63 - 1
+TABLES_ID = re.compile(r"[0-9a-f]{16}")  # a tables id (server/checkpoint.py fingerprint)
 
 
 @dataclass(frozen=True)
@@ -85,6 +95,7 @@ class Limits:
     slab_budget: int = int(default("slab_budget_gib") * 2**30)  # all served clients' slabs together
     max_clients_per_uid: int = default("max_clients_per_uid")  # attached clients one user may hold
     ids_wait_s: float = default("ids_wait_s")  # a GPU lookup waiting longer for its IDs is reported
+    pending_per_uid: int = default("pending_registrations_per_uid")  # unattached ones of one user
 
     def allows(self, peer: PeerCredentials) -> bool:
         if self.allowed_uids is None and self.allowed_gids is None:
@@ -129,6 +140,7 @@ class ClientRecord:
     errors: int = 0
     last_seen: float = field(default_factory=lambda: time.monotonic())
     registered_at: float = field(default_factory=lambda: time.monotonic())
+    registrant: PeerCredentials | None = None  # who held the connection it registered on, if known
 
     @property
     def attached(self) -> bool:
@@ -170,12 +182,17 @@ class ClientRegistry:
 
     # -- registration ---------------------------------------------------------------------------
 
-    def register(self, identity: bytes, req: RegisterRequest) -> RegisterReply:
+    def register(self, identity: bytes, req: RegisterRequest,
+                 peer: PeerCredentials | None = None) -> RegisterReply:
+        """Reserve a place; `peer`: who holds the connection (the kernel's credentials, as
+        libzmq read them at connect), which bounds its user's unattached registrations."""
         if req.tables is not None and req.tables != self.tables_id:
             raise TablesChangedError(f"this client pinned tables {req.tables}; the daemon serves "
                                      f"{self.tables_id} now (a reload, or a restart on another "
                                      "checkpoint)")
         live = [c for c in self.clients.values() if not c.releasing]
+        if peer is not None:
+            live = self._bound_pending(live, peer)
         if len(live) >= self.limits.max_clients and not self._evict_unattached(live):
             raise ResourceError(f"client limit reached ({self.limits.max_clients} registered)")
         pending = sum(1 for c in live if c.identity == identity and not c.attached)
@@ -200,12 +217,12 @@ class ClientRegistry:
                         "or register it in mapped mode", req.device, mps["daemon"], mps["client"])
         client_id = self._next_id
         self._next_id += 1
-        record = ClientRecord(client_id, identity, req.name[:128], req.device,
+        record = ClientRecord(client_id, identity, printable(req.name[:128]), req.device,
                               req.tp_rank, req.tp_size, shard, layout, req.pid,
                               secrets.token_hex(16), mps_shared=mps["shared"] if mps else None,
                               mode=mode, tables=self.tables_id,
                               pinned_tables=self.tables_id if req.pin_tables or req.tables else None,
-                              warm_file=req.warm_file is True)
+                              warm_file=req.warm_file is True, registrant=peer)
         self.clients[client_id] = record
         self.totals["registrations"] += 1
         log.info("registered client %d (pid %d as it says, %s, tp %d/%d, %s, %d slots x %d tokens)",
@@ -235,6 +252,24 @@ class ClientRegistry:
         self.totals["reaped"] += 1
         self._retire(min(stale, key=lambda c: c.registered_at), "evicted (never attached)")
         return True
+
+    def _bound_pending(self, live: list[ClientRecord], peer: PeerCredentials) -> list[ClientRecord]:
+        """Keep `peer`'s user under `pending_per_uid` unattached registrations, counting the one
+        it makes now, by retiring the oldest of its process with the most: a client attaches
+        within milliseconds, so a user's many unattached ones are dead or hostile, and without
+        this 32 connections renewing theirs let a good client of any user in 0-1 times in 20.
+        Returns the live registrations left."""
+        mine = [c for c in live if not c.attached and c.registrant is not None
+                and c.registrant.uid == peer.uid]
+        if len(mine) < self.limits.pending_per_uid:
+            return live
+        pids = Counter(c.registrant.pid for c in mine)
+        most = max(pids.values())
+        victim = min((c for c in mine if pids[c.registrant.pid] == most), key=lambda c: c.registered_at)
+        self.totals["reaped"] += 1
+        self._retire(victim, f"evicted (uid {peer.uid} has {len(mine)} registrations not "
+                             "attached; config: pending_registrations_per_uid)")
+        return [c for c in live if c is not victim]
 
     def _check_budget(self, layout: SlabLayout) -> None:
         """Slabs are reserved at registration (allocated at attach) against one budget."""
@@ -341,11 +376,17 @@ class ClientRegistry:
         if (record is None or record.releasing or not token
                 or not secrets.compare_digest(token.encode(), record.token.encode())):
             record = self.client(identity, client_id)  # NotRegisteredError unless it is that connection
-        record.last_seen = time.monotonic()
-        if record.mode == "mapped" and isinstance(counts, dict):
-            self._take_counts(record, counts)
-        if record.mode == "mapped" and tables is not None:
-            record.tables = tables[:64]
+        record.last_seen = time.monotonic()  # alive, whatever it reports
+        if record.mode != "mapped":
+            return
+        checked = self._checked_counts(record, counts) if counts is not None else None
+        if tables is not None and not TABLES_ID.fullmatch(tables):
+            raise BadRequestError(f"tables {printable(tables[:40])!r}: expected a tables id "
+                                  "(16 hex digits, as the daemon names them)")
+        if checked is not None:
+            self._take_counts(record, checked)
+        if tables is not None:
+            record.tables = tables
 
     def grant_tables(self, client_id: int, token: str, peer: PeerCredentials) -> ClientRecord:
         """A mapped client asks for the descriptors of the tables served now (after a reload):
@@ -373,13 +414,29 @@ class ClientRegistry:
             if record.mode == "served" and record.pinned_tables is None:
                 record.tables = tables_id
 
-    def _take_counts(self, record: ClientRecord, counts: dict[str, Any]) -> None:
-        """Cumulative counts, so a lost heartbeat loses nothing; they only ever grow."""
-        for name in ("lookups", "rows", "out_of_range"):
-            value = counts.get(name)
-            if type(value) is int and value > getattr(record, name):
-                self.totals[name] += value - getattr(record, name)
-                setattr(record, name, value)
+    @staticmethod
+    def _checked_counts(record: ClientRecord, counts: Any) -> dict[str, int]:
+        """A mapped client's cumulative counts, each an int in [0, MAX_COUNT] no lower than the
+        last; BadRequestError, with nothing counted, for any other."""
+        if not isinstance(counts, dict):
+            raise BadRequestError(f"counts: expected a map of {', '.join(COUNT_NAMES)}")
+        checked = {}
+        for name in COUNT_NAMES:
+            value, before = counts.get(name, getattr(record, name)), getattr(record, name)
+            if type(value) is not int or not 0 <= value <= MAX_COUNT:
+                raise BadRequestError(f"counts[{name!r}] = {printable(repr(value)[:40])}: expected "
+                                      f"an int in [0, 2**53]")
+            if value < before:
+                raise BadRequestError(f"counts[{name!r}] = {value}, below the {before} reported "
+                                      "before: the counts are cumulative")
+            checked[name] = value
+        return checked
+
+    def _take_counts(self, record: ClientRecord, counts: dict[str, int]) -> None:
+        """Checked cumulative counts (_checked_counts), so a lost heartbeat loses nothing."""
+        for name, value in counts.items():
+            self.totals[name] += value - getattr(record, name)
+            setattr(record, name, value)
 
     def retire_client(self, client_id: int, why: str) -> None:
         """The registration's lease closed (the client's process is gone, or it let go)."""
@@ -399,8 +456,11 @@ class ClientRegistry:
     def release(self, identity: bytes, client_id: int, counts: Any = None) -> None:
         """The client is done; a mapped one reports its final counts with it."""
         record = self.client(identity, client_id)
-        if record.mode == "mapped" and isinstance(counts, dict):
-            self._take_counts(record, counts)
+        if record.mode == "mapped" and counts is not None:
+            try:  # the release goes ahead whatever it reports: its counts are only not taken
+                self._take_counts(record, self._checked_counts(record, counts))
+            except BadRequestError as exc:
+                log.info("client %d released with counts not taken: %s", client_id, exc.message)
         self._retire(record, "released")
 
     def _retire(self, record: ClientRecord, why: str) -> None:
@@ -511,8 +571,10 @@ class ClientRegistry:
         slot = req.slot
         if not self.backend.orders_slots or not 0 <= slot < record.slab.layout.slots:
             return
-        job = LookupJob(record.client_id, record.slab, record.shard, slot, req.seq, 0,
-                        skip=True, context={"silent": True})
+        # Its rows: the whole slot becomes NaN (the request's own size may be what was wrong),
+        # for a consumer whose wait() returned before the refusal reached its client.
+        job = LookupJob(record.client_id, record.slab, record.shard, slot, req.seq,
+                        record.slab.layout.max_tokens, skip=True, context={"silent": True})
         self._submit(record, job, done)
 
     def _validate_lookup(self, record: ClientRecord, req: LookupRequest, payload: list[bytes]) -> LookupJob:
@@ -592,8 +654,9 @@ class ClientRegistry:
         out_of_range = self.totals["out_of_range"] + self._device_out_of_range(slabs)
         return {"clients": [c.summary() for c in live],
                 "slabs": len(slabs), "slab_bytes": sum(s.layout.size for s in slabs),
-                "lookups": self.totals["lookups"], "rows": self.totals["rows"],
-                "out_of_range": out_of_range,
+                "lookups": min(self.totals["lookups"], MAX_TOTAL),
+                "rows": min(self.totals["rows"], MAX_TOTAL),
+                "out_of_range": min(out_of_range, MAX_TOTAL),
                 "registrations": self.totals["registrations"], "reaped": self.totals["reaped"],
                 "errors": dict(self.errors), "dispatch_us": _percentiles(self.dispatch_us)}
 
@@ -601,6 +664,12 @@ class ClientRegistry:
         """Free every slab. The backend must have finished its jobs (backend.close first)."""
         for record in list(self.clients.values()):
             self._free(record)
+
+
+def printable(text: str) -> str:
+    """`text` with what a terminal would act on (escape sequences, control characters)
+    written as escapes: client-supplied text reaches `engramd stats` and the log."""
+    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
 
 
 def _tokens_of(req: LookupRequest) -> int:

@@ -107,8 +107,10 @@ class Service:
             raise NotReadyError(f"{op}: daemon is {self.state}")
         return self.registry
 
-    def register(self, identity: bytes, request: RegisterRequest) -> RegisterReply:
-        return self._serving("register").register(identity, request)
+    def register(self, identity: bytes, request: RegisterRequest,
+                 peer: PeerCredentials | None = None) -> RegisterReply:
+        """`peer`: who holds the connection, where the transport can say (registry.register)."""
+        return self._serving("register").register(identity, request, peer)
 
     def lookup(self, identity: bytes, request: LookupRequest, payload: list[bytes], done: Completion,
                context: dict[str, Any]) -> None:
@@ -206,7 +208,8 @@ def limits_of(config: DaemonConfig) -> Limits:
                   cache_refresh_s=config.hot_cache_refresh_ms / 1e3,
                   allowed_uids=_id_set(config.allowed_uids), allowed_gids=_id_set(config.allowed_gids),
                   slab_budget=int(config.slab_budget_gib * 2**30),
-                  max_clients_per_uid=config.max_clients_per_uid, ids_wait_s=config.ids_wait_s)
+                  max_clients_per_uid=config.max_clients_per_uid, ids_wait_s=config.ids_wait_s,
+                  pending_per_uid=config.pending_registrations_per_uid)
 
 
 def _id_set(listed: str) -> frozenset[int] | None:

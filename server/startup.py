@@ -11,13 +11,18 @@ serves: it writes, creates or removes no table file until it holds the lock.
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 from engramd.client.errors import ConfigError
+from engramd.client.libc import filesystem_type
+from engramd.server.config import DaemonConfig
 from engramd.server.ownership import make_own_folder
+
+log = logging.getLogger("engramd.daemon")
 
 # Named exit codes (sysexits.h values, so that service managers show something meaningful).
 EXIT_OK = 0
@@ -31,6 +36,14 @@ RUNTIME_DIR_MODE = 0o750
 # How often a standby tries the lock: the longest a takeover waits after the holder's death.
 # A failed flock is one system call; 20 a second cost nothing.
 STANDBY_POLL_S = 0.05
+
+# statfs(2) magic numbers: the filesystems shm_dir is meant for, and the disks it is most often
+# put on by mistake (named in the warning; others by their number).
+TMPFS_MAGIC = 0x01021994
+HUGETLBFS_MAGIC = 0x958458F6
+DISK_FILESYSTEMS = {0xEF53: "ext2/3/4", 0x58465342: "xfs", 0x9123683E: "btrfs",
+                    0x794C7630: "overlayfs", 0x6969: "nfs", 0x2FC12FC1: "zfs",
+                    0x65735546: "fuse", 0x01021997: "9p"}
 
 
 class DaemonHalt(Exception):
@@ -103,3 +116,44 @@ def prepare_runtime_dir(path: Path) -> None:
         os.chmod(path, RUNTIME_DIR_MODE)  # ours, not a shared sticky folder (mkdir met the umask)
 
 
+def check_folders(config: DaemonConfig) -> None:
+    """The folders the settings name, before the lock, the preload and the heavy imports: a
+    typo is then reported at once, naming its setting (DaemonHalt with EXIT_CONFIG), not as a
+    missing file seconds after the daemon said it was listening."""
+    try:
+        check_tables_folder(config.tables)
+        check_shm_dir(Path(config.shm_dir))
+    except ConfigError as exc:
+        raise DaemonHalt(exc.message, EXIT_CONFIG) from None
+
+
+def check_tables_folder(tables: str) -> None:
+    """ConfigError unless `tables` is "demo" or a folder (what is in it is the checkpoint's
+    to check: a broken checkpoint is a tables error, EXIT_TABLES)."""
+    path = Path(tables)
+    if tables == "demo" or path.is_dir():
+        return
+    what = "is not a folder" if path.exists() else "does not exist"
+    raise ConfigError(f"tables = {tables!r}: the checkpoint folder {path.absolute()} {what} "
+                      "(a folder with config.json and safetensors shards, or \"demo\" for the "
+                      "built-in demo table)")
+
+
+def check_shm_dir(shm_dir: Path) -> None:
+    """ConfigError when shm_dir's parent is missing, a warning when it is not on tmpfs or
+    hugetlbfs. The daemon creates shm_dir itself (a folder in a mount, such as
+    /dev/hugepages/engramd), so a typo was made, parents and all, on whatever disk it named."""
+    parent = shm_dir.absolute().parent
+    if not parent.is_dir():
+        raise ConfigError(f"shm_dir = {str(shm_dir)!r}: its parent folder {parent} does not "
+                          "exist (the daemon creates shm_dir, not the folders above it); shm_dir "
+                          "belongs on tmpfs (/dev/shm) or hugetlbfs")
+    try:
+        kind = filesystem_type(shm_dir if shm_dir.exists() else parent)
+    except OSError:
+        return  # what is wrong there is reported where the table folder is made
+    if kind not in (TMPFS_MAGIC, HUGETLBFS_MAGIC):
+        name = DISK_FILESYSTEMS.get(kind, f"a filesystem of type {kind:#x}")
+        log.warning("shm_dir %s is on %s, not tmpfs or hugetlbfs: the tables are written to it, "
+                    "and what memory evicts is read back from it, so loads and lookups can wait "
+                    "on it (a mistyped --shm-dir? /dev/shm is tmpfs)", shm_dir, name)

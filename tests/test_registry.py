@@ -317,7 +317,10 @@ def test_mapped_counts_from_heartbeats_only_grow_and_survive_the_client():
                                   "max_tokens": 8, "slots": 2, "mode": "mapped"}))
     client_id, token = reply.client_id, reply.token
     store.heartbeat(b"other-connection", client_id, token, {"lookups": 4, "rows": 40, "out_of_range": 1})
-    store.heartbeat(b"m", client_id, "", {"lookups": 3, "rows": "lots", "out_of_range": 1})  # stale
+    with pytest.raises(BadRequestError, match="cumulative"):  # stale: refused, nothing counted
+        store.heartbeat(b"m", client_id, "", {"lookups": 3, "rows": 40, "out_of_range": 1})
+    with pytest.raises(BadRequestError, match=r"an int in \[0, 2\*\*53\]"):
+        store.heartbeat(b"m", client_id, "", {"lookups": 5, "rows": "lots", "out_of_range": 1})
     stats = store.stats()
     assert (stats["lookups"], stats["rows"], stats["out_of_range"]) == (4, 40, 1)
     assert stats["clients"][0]["lookups"] == 4

@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 import torch
 import zmq
-from conftest import attach_raw
+from helpers import attach_raw
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from reference import random_ids
@@ -432,14 +432,19 @@ def header_of_size(size: int, **fields) -> bytes:
 
 
 def test_frames_at_and_past_the_limits(fuzz_target, reference):
-    """The largest frames: a payload of exactly MAX_PAYLOAD_BYTES and a header one byte over
-    MAX_HEADER_BYTES are answered; a payload one byte over MAX_PAYLOAD_BYTES is refused by
-    libzmq (MAXMSGSIZE), which drops that connection. No stall, and other clients are served."""
+    """The largest frames: a payload of exactly the daemon's frame bound (server/daemon.py
+    largest_frame: what its clients send at max_tokens) and a header one byte over
+    MAX_HEADER_BYTES are answered; a payload one byte over the bound is refused by libzmq
+    (MAXMSGSIZE), which drops that connection. No stall, and other clients are served."""
+    from engramd.server.config import build_config
+    from engramd.server.daemon import largest_frame
+
+    bound = largest_frame(build_config({"max_tokens": 64}, "the fuzzed daemon's flags"))
     daemon, raw = fuzz_target
     client_id, _ = register_raw(raw)
     lookup = dict(client_id=client_id, slot=0, seq=1, tokens=2, ids_dtype="int32",
                   ids_shape=[2, 2, 24], inline=True)
-    at_limit = bytes(protocol.MAX_PAYLOAD_BYTES)
+    at_limit = bytes(bound)
     raw.sock.send_multipart(protocol.encode_request("lookup", 7, [at_limit], **lookup))
     raw.sock.send_multipart([header_of_size(protocol.MAX_HEADER_BYTES + 1, op="health", rid=8)])
     replies = {r["rid"]: r for r in raw.drain(2, timeout=30)}
@@ -450,7 +455,7 @@ def test_frames_at_and_past_the_limits(fuzz_target, reference):
     try:
         started = time.monotonic()
         over.sock.send_multipart(protocol.encode_request(
-            "health", 9, [bytes(protocol.MAX_PAYLOAD_BYTES + 1)]))
+            "health", 9, [bytes(bound + 1)]))
         if over.sock.poll(2000):  # answered, if the daemon reads it at all: then it is typed
             reply = msgpack.unpackb(over.sock.recv_multipart()[0])
             assert reply["code"] == "bad_message", reply
