@@ -38,6 +38,9 @@
 # step-launch-order (step-client-cache with the in-process gather also queued behind the first matmul and behind all of them),
 # start-costs (torch's import and CUDA start, EAGER against LAZY, with and without a CUDA context
 # made first, as the daemon's preload does; the daemon's imports by cumulative time).
+# faults, faults-mps (a served client across kills, takeovers, drains and reloads), tests-kill-repeat
+# (the twenty-killed-clients test, worker dispatch, KILL_REPEAT times).
+# The wheels it installs: benchmarks/fetch_wheels.sh, run here first.
 # Logs and results are packed into OUT/results.tgz (one file); each phase's exit code is
 # printed at the end.
 set -u
@@ -361,6 +364,30 @@ phase_start_costs() {  # what a daemon's start pays for torch: import, then CUDA
   python3 -X importtime -c "import engramd.server.daemon, engramd.server.cuda_backend" 2>"$out/importtime.txt"
   echo "# the daemon's imports, cumulative us, top 25" | tee -a "$out/start_costs.log"
   sort -t'|' -k2 -n "$out/importtime.txt" | tail -25 | tee -a "$out/start_costs.log"
+}
+
+phase_faults() {  # a served client across kills, standby takeovers, drains and reloads: no wrong row
+  # without an error (tests/gpu/test_served_faults_gpu.py, ENGRAMD_TEST_KILLS per run), and the
+  # killed-mid-lookup test (FAULTS_K: a pytest -k expression for a part of them); no MPS
+  python3 -m pytest tests/gpu/test_served_faults_gpu.py tests/gpu/test_cuda_daemon.py -q -s \
+    -k "${FAULTS_K:-never_takes or killed_mid_lookup}" --timeout 280 --durations=10 2>&1 | tee "$out/gpu_tests_faults.log"
+}
+phase_faults_mps() {  # the same under MPS
+  mps_start
+  ( set -o pipefail; python3 -m pytest tests/gpu/test_served_faults_gpu.py tests/gpu/test_cuda_daemon.py \
+    -q -s -k "${FAULTS_K:-never_takes or killed_mid_lookup}" --timeout 280 --durations=10 2>&1 | tee "$out/gpu_tests_faults_mps.log" )
+  local rc=$?
+  mps_stop
+  return "$rc"
+}
+phase_tests_kill_repeat() {  # the twenty-killed-clients test, worker dispatch, KILL_REPEAT runs in a row
+  local i rc=0
+  for i in $(seq "${KILL_REPEAT:-10}"); do
+    echo "# run $i $(date -u +%H:%M:%S)" | tee -a "$out/gpu_tests_kill_repeat.log"
+    timeout -s INT 200 python3 -m pytest tests/gpu/test_containers_gpu.py -q -s -k "twenty and worker" \
+      2>&1 | tee -a "$out/gpu_tests_kill_repeat.log" | tail -4 || rc=1
+  done
+  return "$rc"
 }
 
 phase_lookup_host() {  # benchmarks/lookup_host.py: host time of a lookup, mapped / served / in-process

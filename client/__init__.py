@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 _HOMES = {
     "EngramClient": "client", "LookupFuture": "client",
-    "BadIdsError": "errors", "BadRequestError": "errors", "DaemonUnavailableError": "errors",
+    "BadIdsError": "errors", "BadRequestError": "errors", "CudaUnavailableError": "errors",
+    "DaemonUnavailableError": "errors", "LookupFailedError": "errors",
     "EngramError": "errors", "NotReadyError": "errors", "NotRegisteredError": "errors",
     "PermissionDeniedError": "errors", "ProtocolError": "errors", "ReplyTimeoutError": "errors",
     "DEAD_ID": "geometry", "ShardView": "geometry", "TableGeometry": "geometry",
@@ -22,12 +23,14 @@ _HOMES = {
 __all__ = [
     "BadIdsError",
     "BadRequestError",
+    "CudaUnavailableError",
     "DEAD_ID",
     "DaemonUnavailableError",
     "EngramClient",
     "EngramError",
     "EngramHasher",
     "HashState",
+    "LookupFailedError",
     "LookupFuture",
     "NotReadyError",
     "NotRegisteredError",
@@ -43,8 +46,10 @@ if TYPE_CHECKING:
     from engramd.client.errors import (
         BadIdsError,
         BadRequestError,
+        CudaUnavailableError,
         DaemonUnavailableError,
         EngramError,
+        LookupFailedError,
         NotReadyError,
         NotRegisteredError,
         PermissionDeniedError,

@@ -29,8 +29,10 @@ needs, and its launch's host time would come before theirs.
 If the daemon dies (or retires the registration: either way its end of the lease closes), a
 watchdog thread satisfies every pending wait (CPU stores into the slab's counters, which live in
 pinned host memory: client/host_counters.py) within WATCHDOG_S, so no stream
-of this process hangs, and every later call raises DaemonUnavailableError until the next lookup()
-re-registers. A mapped client's lookups go on from its mapping instead, while a thread registers
+of this process hangs. A lookup whose rows the daemon had not written is failed first: its rows
+are filled with NaN before its waits are released, and the next lookup(), wait() or result()
+raises LookupFailedError naming it (client/failures.py); then calls raise DaemonUnavailableError
+until the next lookup() re-registers. A mapped client's lookups go on from its mapping instead, while a thread registers
 with the restarted daemon (client/rejoin.py). One client object serves one thread.
 """
 
@@ -56,12 +58,15 @@ from engramd.client.connection import Connection, default_socket_path
 from engramd.client.errors import (
     BadIdsError,
     BadRequestError,
+    CudaUnavailableError,
     DaemonUnavailableError,
     EngramError,
     InternalError,
+    LookupFailedError,
     ReplyTimeoutError,
     TablesChangedError,
 )
+from engramd.client.failures import FailedLookups
 from engramd.client.geometry import ShardView, TableGeometry
 from engramd.client.handles import (
     HANDLE_TIMEOUT_S,
@@ -85,7 +90,16 @@ from engramd.client.mapped import (
 from engramd.client.messages import RegisterReply
 from engramd.client.rejoin import Rejoin, retry_until
 from engramd.client.shared_mapping import SharedMapping
-from engramd.client.slab import FAILED, IDS_READY, ROWS_DONE, SlabLayout, SlotViews
+from engramd.client.slab import (
+    BF16_NAN,
+    DONE_AT_RELEASE,
+    FAILED,
+    IDS_READY,
+    ROWS_DONE,
+    SlabLayout,
+    SlotViews,
+    rows_written,
+)
 
 log = logging.getLogger("engramd.client")
 
@@ -94,6 +108,7 @@ GATHER_AT = ("wait", "lookup")  # when a mapped GPU client queues a lookup's gat
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_RECONNECT_S = 60.0  # how long lookup() waits for a restarted daemon before giving up
 WATCHDOG_S = 0.1
+RELEASE_DEADLINE_S = 0.5  # for the NaN over rows the daemon did not write (_invalidate)
 REJOIN_STOP_S = 3.0  # how long close() waits for a rejoin in flight (client/rejoin.py)
 
 # Leases of this process's clients. A child made by fork() must not hold them: a lease is closed
@@ -129,6 +144,25 @@ class LookupFuture:
         self.consumers: list[torch.cuda.Stream] = []  # GPU: streams that waited on these rows
         self.event: torch.cuda.Event | None = None  # mapped GPU lookups: recorded after the gather
         self.deferred: DeferredGather | None = None  # mapped GPU lookups: the gather, until queued
+        # Served GPU lookups whose wait the daemon did not satisfy: their rows are NaN, not
+        # theirs (client/failures.py). Set once, by the watchdog or the lookup thread.
+        self.failure: LookupFailedError | None = None
+
+    def failed(self) -> bool:
+        """True once this lookup is known to have failed: its rows are not its own (the daemon
+        died, retired this client or refused the lookup) and wait()/result() raise. Never waits
+        and never syncs: an engine may poll it off its critical path."""
+        client = self._client
+        if self.failure is None and self._error is None and client.device.type == "cuda":
+            client._take_in()  # error replies the daemon sent since
+            if self._error is None and client._daemon_failed(self):  # its reply may be late
+                client._failed.add(self, "the daemon did not serve it")
+        return self.failure is not None or self._error is not None
+
+    def ok(self) -> bool:
+        """True once the rows are known to be this lookup's (written, not failed); False while
+        they may still come, and after a failure. Never waits and never syncs."""
+        return not self.failed() and self._client._rows_written(self)
 
     def done(self) -> bool:
         """True once the host has nothing left to wait for: on the CPU, the daemon's reply with
@@ -140,7 +174,10 @@ class LookupFuture:
         return self._replied
 
     def result(self, timeout: float | None = None, copy: bool = False) -> torch.Tensor:
-        """Block until the rows are ready; `[n_layers, T, local_heads, head_dim]` bfloat16."""
+        """Block until the rows are ready; `[n_layers, T, local_heads, head_dim]` bfloat16.
+        Raises LookupFailedError if this lookup, or one whose failure was not yet reported,
+        failed (client/failures.py)."""
+        self._raise_failure()
         self._client._check_current(self)
         self._collect(timeout)
         rows = self._client._slab.rows(self.slot, self.tokens)
@@ -148,12 +185,14 @@ class LookupFuture:
             stream = torch.cuda.current_stream(self._client.device.index)
             self._client._stream_wait(self, stream)
             stream.synchronize()
+            self._raise_failure()  # released by the watchdog while we synced
             if self.event is None:  # served: error replies and the daemon's death come in here
                 self._client._take_in()
                 self._client._check_alive()
             if self._error is None and self._client._daemon_failed(self):
                 self._error = self._client._error_of(self)
             if self._error is not None:
+                self._client._failed.reported(self.seq)
                 raise self._error
         return rows.clone() if copy else rows
 
@@ -162,15 +201,26 @@ class LookupFuture:
         client = self._client
         if client.device.type != "cuda":
             return self.result()
+        self._raise_failure()
         client._check_current(self)
         if self.event is None:  # served: error replies and the daemon's death come in here
             client._take_in()
+            self._raise_failure()
             client._check_alive()
         if self._error is not None:
+            client._failed.reported(self.seq)
             raise self._error
         stream = stream or torch.cuda.current_stream(client.device.index)
         client._stream_wait(self, stream)
         return client._slab.rows(self.slot, self.tokens)
+
+    def _raise_failure(self) -> None:
+        """This lookup's own failure, else any failure of the client not yet reported."""
+        failed = self._client._failed
+        if self.failure is not None:
+            failed.reported(self.seq)
+            raise self.failure
+        failed.raise_unreported()
 
     def _collect(self, timeout: float | None) -> None:
         if not self._replied:
@@ -235,6 +285,8 @@ class _CudaSlabView:
                 self.views = SlotViews(layout, cuda.tensor_view(self.ptr, layout.size, device))
             self.ops = cuda.StreamOps()
             self._map_counters(attachment)
+            # Where the watchdog invalidates rows the daemon will not write (invalidate()).
+            self.release_stream = cuda.new_stream(device.index)
         except BaseException:
             self.memory.close()
             raise
@@ -268,10 +320,30 @@ class _CudaSlabView:
         self.memory.replace_from_descriptor(attachment.slab_fd)
         self._map_counters(attachment)
 
-    def release(self, slot: int, seq: int) -> None:
-        """Pass every wait of ours for the slot's rows up to `seq` (a CPU store: the daemon that
-        would have written it is gone)."""
-        self.counters.store(slot, ROWS_DONE, seq)
+    def invalidate(self, slot: int, tokens: int) -> torch.cuda.Event:
+        """NaN over the first `tokens` tokens of the slot's rows, which the daemon will not
+        write, on the release stream; returns an event that passes once it is done. The waits
+        are released after it (release()), so they read NaN, not the slot's previous rows
+        (client/failures.py). A driver memset: no kernel module is loaded while this process's
+        streams wait on a dead one."""
+        rows = self.views.rows(slot, tokens)  # [n_layers, T, local_heads, head_dim], layers apart
+        self.ops.fill_u16_rows(self.release_stream.cuda_stream, rows.data_ptr(),
+                               rows.stride(0) * rows.element_size(), BF16_NAN, rows[0].numel(),
+                               rows.shape[0])
+        done = torch.cuda.Event()
+        done.record(self.release_stream)
+        return done
+
+    def release(self, slot: int, last_seq: int) -> None:
+        """Pass every wait of ours on the slot's rows (a CPU store, which no GPU queue holds up:
+        client/host_counters.py)."""
+        self.counters.release(slot, last_seq)
+
+    def written(self, slot: int, seq: int, last_seq: int) -> bool:
+        """Whether the slot's counters show `seq`'s rows written (slab.rows_written)."""
+        load = self.counters.load
+        return rows_written(load(slot, ROWS_DONE), load(slot, FAILED), load(slot, DONE_AT_RELEASE),
+                            seq, last_seq)
 
     def failed_seq(self, slot: int) -> int:
         """The slot's FAILED word (host memory: meaningful once the lookup's rows are done)."""
@@ -287,7 +359,10 @@ class _CudaSlabView:
         return self.views.slot_rows(slot)
 
     def close(self) -> None:
+        from engramd.client import cuda
+
         torch.cuda.synchronize(self.device)
+        cuda.STREAMS.give(self.release_stream)  # idle: synchronised above
         self.views.close()
         self.memory.close()
         self.counters.close()
@@ -312,11 +387,27 @@ def cache_budget(policy: dict[str, Any], cap: int | None) -> int:
 
 def _resolve_device(device: str | torch.device) -> torch.device:
     device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cuda":
+        _require_cuda(device)
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
     if device.type not in ("cpu", "cuda"):
         raise BadRequestError(f"device {device}: engramd serves 'cpu' and 'cuda' clients")
     return device
+
+
+def _require_cuda(device: torch.device) -> None:
+    """CudaUnavailableError, before the daemon is contacted, where this process cannot use
+    `device`: the driver first (no driver, no GPU), then torch (a CPU build, or one built for a
+    newer CUDA than the driver's: the slab and lookups are its tensors)."""
+    from engramd.client import cuda
+
+    cuda.require_device(device.index)
+    if not torch.cuda.is_available():
+        raise CudaUnavailableError(
+            f"device {str(device)!r}: torch {torch.__version__} cannot use CUDA here "
+            "(torch.cuda.is_available() is false: a CPU build, or built for a newer CUDA than "
+            "this driver); install a CUDA build of torch, or use device='cpu'")
 
 
 class EngramClient:
@@ -385,6 +476,7 @@ class EngramClient:
         self._closing: threading.Event | None = None
         self._dead: str | None = None
         self._pending: dict[int, LookupFuture] = {}
+        self._failed = FailedLookups()  # served GPU: lookups the daemon did not serve, unreported
         self.client_id: int | None = None
         self.mps: dict[str, Any] | None = None
         self._warned_mps = False
@@ -407,9 +499,14 @@ class EngramClient:
         self.registrations += 1
         self._slots_epoch += 1
         self._pending: dict[int, LookupFuture] = {}
+        # Served GPU: lookups sent whose rows are not known written, every slot's (a slot's
+        # previous lookup may still be gathering when its next one replaces it in _pending).
+        self._unsettled: list[LookupFuture] = []
         self._submitted: dict[int, torch.cuda.Event] = {}  # served GPU: per slot, see _await_submitted
         self._next_slot = 0
+        self._unsettled = []
         self._seqs = itertools.count(1)
+        self._last_seq = 0  # served GPU: the seq of the last lookup sent (rows_written)
         self._dead: str | None = None
         self._register(timeout or self.timeout)
 
@@ -961,6 +1058,7 @@ class EngramClient:
                 slot: int | None, sm_fraction: float | None) -> LookupFuture:
         if self._conn is None:
             raise DaemonUnavailableError("client is closed")
+        self._failed.raise_unreported()  # before anything else: the engine must hear of them
         self._queue_gather()  # lookups reach the side stream in the order they were made
         self._close_replaced()
         self._take_in()
@@ -999,11 +1097,31 @@ class EngramClient:
                 slab.ids(slot, tokens, ids.dtype).copy_(ids, non_blocking=True)
         slab.ops.write_u32(raw, slab.ids_ready[slot], seq)
         self._slot_submitted(slot).record(stream)
+        self._last_seq = seq
         rid = self._conn.send("lookup", None, client_id=self.client_id, slot=slot, seq=seq,
                               ids_dtype=dtype_name(ids.dtype),
                               ids_shape=[tokens, ids.shape[1], ids.shape[2]], inline=False,
                               ack=False)
-        return self._track(LookupFuture(self, rid, slot, seq, tokens, acked=False))
+        future = self._track(LookupFuture(self, rid, slot, seq, tokens, acked=False))
+        self._unsettled = [*self._settle(), future]  # one reference swap: the watchdog may read it
+        if self._dead is not None:  # the watchdog released the waits, maybe before it saw this one
+            self._invalidate([future])
+        return future
+
+    def _settle(self) -> list[LookupFuture]:
+        """The served lookups whose rows are still not known written (host reads of counters).
+        One the daemon marked not served (FAILED) is failed here, for the next call to report:
+        its error reply may come after a later lookup took its place in _pending."""
+        slab, last, unsettled = self._slab, self._last_seq, []
+        for future in self._unsettled:
+            if (future.slots_epoch != self._slots_epoch or future._error is not None
+                    or slab.written(future.slot, future.seq, last)):
+                continue  # another registration's, reported by its own wait, or done
+            if self._daemon_failed(future):
+                self._failed.add(future, "the daemon did not serve it")
+            else:
+                unsettled.append(future)
+        return unsettled
 
     def _lookup_mapped(self, ids: torch.Tensor, stream: torch.cuda.Stream | None,
                        slot: int | None, sm_fraction: float | None) -> LookupFuture:
@@ -1093,7 +1211,6 @@ class EngramClient:
         if previous is None:
             return
         self._await_submitted(slot, previous)
-        del self._pending[slot]
         self._slab.ops.wait_u32(raw, self._slab.rows_done[slot], previous.seq)
         for consumer in previous.consumers:
             if consumer != stream:
@@ -1139,9 +1256,21 @@ class EngramClient:
         self._pending[future.slot] = future
         return future
 
+    def _rows_written(self, future: LookupFuture) -> bool:
+        """Whether `future`'s rows are known written, without waiting (LookupFuture.ok)."""
+        if future.slots_epoch != self._slots_epoch or self._slab is None:
+            return False
+        if future.event is not None:  # mapped GPU: the gather's event, once it is queued
+            return future.deferred is None and future.event.query()
+        if isinstance(self._slab, _CudaSlabView):
+            return self._slab.written(future.slot, future.seq, self._last_seq)
+        return future.done()  # CPU: the reply, rows included
+
     def _daemon_failed(self, future: LookupFuture) -> bool:
-        """Served GPU lookups, after a sync: did the daemon mark this lookup as not served?"""
-        if future.event is not None or not isinstance(self._slab, _CudaSlabView):
+        """Served GPU lookups: did the daemon mark this lookup as not served (FAILED, written
+        before its ROWS_DONE, names it)?"""
+        if (future.event is not None or not isinstance(self._slab, _CudaSlabView)
+                or future.slots_epoch != self._slots_epoch):
             return False
         return self._slab.failed_seq(future.slot) == future.seq & 0xFFFFFFFF
 
@@ -1163,12 +1292,14 @@ class EngramClient:
         conn.collect()
         if self.device.type != "cuda" or not conn.has_replies():
             return
-        for future in self._pending.values():
+        for future in {*self._pending.values(), *self._unsettled}:
             if future._error is None and conn.has_reply(future.rid):
                 try:
                     conn.wait(future.rid, 0, "lookup")
                 except EngramError as exc:
                     future._error = exc
+                    if future.consumers:  # its wait() returned: the engine hears of it next call
+                        self._failed.add(future, f"refused by the daemon: {exc.message}")
         for rid, error in conn.take_stale_errors():  # their slots were reused meanwhile
             log.warning("lookup (rid %d) failed after its slot was reused: %s", rid, error)
 
@@ -1293,13 +1424,39 @@ class EngramClient:
         return self._since_registered(counts)
 
     def _release_waits(self) -> None:
-        """From the watchdog: satisfy every stream wait on the daemon's counters. close() stops
-        the watchdog before it unmaps the slab, so the slab seen here is mapped."""
-        slab = self._slab
+        """From the watchdog, once the lease closed (`_dead` set first): satisfy every stream
+        wait on the daemon's counters, the lookups whose rows were not written failed first.
+        close() stops the watchdog before it unmaps the slab, so the slab seen here is mapped."""
+        self._invalidate(self._unsettled)
+
+    def _invalidate(self, futures: list[LookupFuture]) -> None:
+        """Fail each of `futures` whose rows the daemon did not write, fill its rows with NaN,
+        then release its waits (client/failures.py). Idempotent: the watchdog and the lookup
+        thread may both get here for one lookup. The release waits RELEASE_DEADLINE_S at most
+        for the fill (which a GPU queue may hold up behind the very waits it is for): nothing
+        hangs."""
+        slab, last = self._slab, self._last_seq
         if not isinstance(slab, _CudaSlabView):
             return  # not mapped yet: nothing waits on it
-        for future in list(self._pending.values()):
-            slab.release(future.slot, future.seq)
+        filling = []
+        for future in futures:
+            if future.slots_epoch != self._slots_epoch or slab.written(future.slot, future.seq, last):
+                continue
+            self._failed.add(future, self._dead or "the daemon's lease closed")
+            try:
+                filling.append((future, slab.invalidate(future.slot, future.tokens)))
+            except EngramError as exc:
+                log.error("could not fill the rows of lookup seq %d with NaN: %s", future.seq, exc)
+                filling.append((future, None))
+        deadline = time.monotonic() + RELEASE_DEADLINE_S
+        for future, filled in filling:
+            while filled is not None and not filled.query() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            if filled is None or not filled.query():
+                log.error("lookup seq %d: its rows could not be filled with NaN within %.1f s; "
+                          "released as they are (the lookup is failed all the same)", future.seq,
+                          RELEASE_DEADLINE_S)
+            slab.release(future.slot, last)
 
     def _daemon_gone(self) -> bool:
         """The daemon of our registration died, retired us, or said it is stopping (a reconnect

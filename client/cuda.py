@@ -13,6 +13,8 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any
 
+from engramd.client.errors import CudaUnavailableError
+
 if TYPE_CHECKING:
     import torch
 
@@ -52,6 +54,37 @@ def _error_name(err: Any) -> str:
         return text.decode() if isinstance(text, bytes) else str(text)
     except Exception:
         return str(err)
+
+
+CUDA_ERROR_NO_DEVICE = 100  # cuInit's answer on a machine with a driver but no GPU visible
+
+
+def require_device(index: int | None) -> None:
+    """CudaUnavailableError unless the driver sees device `index` (None: any device). Without
+    it, a machine with no driver fails deep in cuda-python, with cuda.pathfinder's
+    DynamicLibNotFoundError from the first call, after the client has already registered."""
+    name = "cuda" if index is None else f"cuda:{index}"
+    if cu is None:
+        raise CudaUnavailableError(f"device {name!r}: cuda-python is not installed "
+                                   "(pip install cuda-python); device='cpu' needs no GPU")
+    try:
+        err, *_ = cu.cuInit(0)
+    except Exception as exc:  # cuda.pathfinder's DynamicLibNotFoundError: no libcuda here
+        raise CudaUnavailableError(
+            f"device {name!r}: no CUDA driver on this machine (the NVIDIA driver library "
+            f"libcuda cannot be loaded: {type(exc).__name__}); use device='cpu', which needs "
+            "no GPU") from None
+    if int(err) == CUDA_ERROR_NO_DEVICE:
+        raise CudaUnavailableError(f"device {name!r}: the CUDA driver sees no GPU in this "
+                                   "process (CUDA_VISIBLE_DEVICES, the container's GPUs?); use "
+                                   "device='cpu'")
+    if int(err) != 0:
+        raise CudaUnavailableError(f"device {name!r}: cuInit failed: {_error_name(err)} "
+                                   f"({int(err)}); use device='cpu' where CUDA cannot start")
+    count = check("cuDeviceGetCount", cu.cuDeviceGetCount())
+    if index is not None and not 0 <= index < count:
+        raise CudaUnavailableError(f"device {name!r}: this process sees {count} GPU(s), "
+                                   f"cuda:0 to cuda:{count - 1}")
 
 
 def device_uuid(index: int) -> str:
@@ -248,6 +281,16 @@ class StreamOps:
                                         self._wait_flags)
         if err != self._ok:
             check("cuStreamWaitValue32", (err,))
+
+    def fill_u16_rows(self, stream: int, address: int, pitch: int, value: int, width: int,
+                      height: int) -> None:
+        """`height` rows of `width` 16-bit words, `pitch` bytes apart, set to `value` on `stream`:
+        a driver memset, so no kernel module is loaded (a first kernel launch blocks the host
+        while a stream of the process waits on another process)."""
+        (err,) = cu.cuMemsetD2D16Async(address, pitch, value & 0xFFFF, width, height,
+                                       self.stream(stream))
+        if err != self._ok:
+            check(f"cuMemsetD2D16Async({width} x {height})", (err,))
 
     def copy(self, stream: int, dst: int, src: int, nbytes: int) -> None:
         """Device-to-device copy of `nbytes` on `stream` (ordered like a kernel on it)."""

@@ -44,6 +44,12 @@ class BadRequestError(EngramError):
     code = "bad_request"
 
 
+class CudaUnavailableError(BadRequestError):
+    """A CUDA device was asked for where this process cannot use one: no driver on the machine,
+    no GPU visible to the process, or a torch built without CUDA. Raised by the client before it
+    contacts the daemon, so it never goes over the wire (its code is its parent's)."""
+
+
 class BadIdsError(EngramError):
     """Hash IDs of the wrong dtype or shape, or more tokens than the client registered."""
 
@@ -95,6 +101,20 @@ class DaemonUnavailableError(EngramError):
     """No answer from the daemon: not running, died, or did not reply within the timeout."""
 
     code = "unavailable"
+
+
+class LookupFailedError(EngramError):
+    """Lookups whose rows the daemon did not write, found out after their wait() had returned:
+    it died, retired this client, or refused them. Their rows are NaN (or, where even that could
+    not be written, stale) and must not be used; `seqs` names them (LookupFuture.seq). Raised
+    once, by the client's next lookup(), wait() or result(), and by the failed lookup's own
+    wait() and result(). Made by the client, never sent over the wire."""
+
+    code = "lookup_failed"
+
+    def __init__(self, message: str, seqs: tuple[int, ...] = (), *, epoch: str | None = None):
+        super().__init__(message, epoch=epoch)
+        self.seqs = tuple(seqs)
 
 
 class ReplyTimeoutError(DaemonUnavailableError):

@@ -1,6 +1,6 @@
 """A GPU slab's completion counters, in pinned host memory that the daemon and its client share.
 
-The counters (client/slab.py: IDS_READY, ROWS_DONE, FAILED per slot) are written and waited on
+The counters (client/slab.py: IDS_READY, ROWS_DONE, FAILED, DONE_AT_RELEASE per slot) are written and waited on
 by both processes' streams (cuStreamWriteValue32 / cuStreamWaitValue32 on the mapped host
 address). Why host memory and not the slab's device memory: a stream wait holds up the hardware
 queue it sits in, and streams share queues (more streams than CUDA_DEVICE_MAX_CONNECTIONS, and
@@ -27,7 +27,7 @@ import os
 
 from engramd.client.host_pin import HostRegistration
 from engramd.client.libc import mmap_at, munmap
-from engramd.client.slab import SlabLayout
+from engramd.client.slab import DONE_AT_RELEASE, ROWS_DONE, SlabLayout, is_release, release_value
 
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
@@ -85,6 +85,15 @@ class HostCounters:
     def store(self, slot: int, word: int, value: int) -> None:
         """A CPU store: seen by every stream wait on the word, whatever the GPU queues hold."""
         self._words[self.layout.counter_offset(slot, word) // 4] = value & 0xFFFFFFFF
+
+    def release(self, slot: int, last_seq: int) -> None:
+        """Pass every wait on the slot's ROWS_DONE that a client can have made around `last_seq`
+        (slab.release_value), first keeping in DONE_AT_RELEASE the seq its gathers had reached,
+        unless an earlier release already overwrote it (slab.rows_written reads both)."""
+        done = self.load(slot, ROWS_DONE)
+        if not is_release(done, last_seq):
+            self.store(slot, DONE_AT_RELEASE, done)
+        self.store(slot, ROWS_DONE, release_value(last_seq))
 
     def close(self) -> None:
         if not self.base:

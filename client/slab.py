@@ -33,7 +33,10 @@ ROW_ITEMSIZE = 2  # bf16
 # Counter words inside a slot's 64-byte line of the counter block (u32 each). FAILED holds the seq of the
 # slot's last lookup the daemon could not serve (refused, or its gather failed to enqueue): it is
 # written before that lookup's ROWS_DONE, so a reader that has seen ROWS_DONE sees it too.
-IDS_READY, ROWS_DONE, FAILED = 0, 1, 2
+# DONE_AT_RELEASE keeps what ROWS_DONE had reached when a release overwrote it (release()), so
+# that whether a lookup's rows were written can still be told after it (rows_written).
+IDS_READY, ROWS_DONE, FAILED, DONE_AT_RELEASE = 0, 1, 2, 3
+BF16_NAN = 0x7FC0  # the rows of a lookup that was not served (client/failures.py)
 # Stream waits on a counter compare cyclically: a wait for `seq` passes once
 # (int32)(counter - seq) >= 0, so seqs may wrap past 2^32. A counter set RELEASE_AHEAD past the
 # last seq passes every wait for a seq within 2^30 of it, behind or ahead (release_value).
@@ -50,6 +53,21 @@ def release_value(last_seq: int) -> int:
     (lookups it sent but the daemon never got, as well as done ones): the largest u32 would not,
     it is behind every seq below 2^31."""
     return (last_seq + RELEASE_AHEAD) & 0xFFFFFFFF
+
+
+def is_release(counter: int, last_seq: int) -> bool:
+    """Whether a ROWS_DONE value is a release (release_value of a seq near `last_seq`, by either
+    side), not a seq a gather wrote: releases run RELEASE_AHEAD ahead of every seq issued."""
+    return wait_passes(counter, last_seq + RELEASE_AHEAD // 2)
+
+
+def rows_written(rows_done: int, failed: int, done_at_release: int, seq: int, last_seq: int) -> bool:
+    """Whether a slot's counters show the rows of lookup `seq` written by its gather: the seq the
+    gathers reached (ROWS_DONE, or DONE_AT_RELEASE once a release overwrote it) has passed `seq`,
+    and the daemon did not mark `seq` failed. `last_seq`: the last seq the client issued. A
+    slot's gathers run in seq order, so a later seq reached means this one was written."""
+    reached = done_at_release if is_release(rows_done, last_seq) else rows_done
+    return wait_passes(reached, seq) and failed != seq & 0xFFFFFFFF
 
 
 def _align(value: int, to: int) -> int:

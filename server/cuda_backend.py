@@ -64,7 +64,6 @@ from engramd.client.slab import (
     ROWS_DONE,
     SlabLayout,
     SlotViews,
-    release_value,
     wait_passes,
 )
 from engramd.kernels.gather_triton import GatherPlan, LayerTable, SlotGather, grid_programs
@@ -267,20 +266,21 @@ class CudaSlab:
         slab nobody reads). The client's streams may wait for ROWS_DONE of a lookup whose
         request died with it in its socket's queue (in a shared MPS server a dead client's
         waiting work can hold up every other client's): each ROWS_DONE is set past every seq
-        the client can have used (client/slab.py release_value: waits compare cyclically). A
+        the client can have used (client/slab.py release_value: waits compare cyclically), and
+        the lookups it did not write fail on the client's side (client/failures.py). A
         dead client's stream may still run after its process is gone (an MPS server tears the
         client's context down later) and write an older IDS_READY over the release, and the
         daemon stream's last gathers write older ROWS_DONEs: so the stores are repeated until
         the daemon stream is done, and ROWS_DONE once more after it. Past RELEASE_DEADLINE_S
         that is logged, the slab is counted as stuck (close() then leaves the GPU alone) and
         the release goes on once a second."""
-        past = release_value(max((job.seq for job in self.last_job.values()), default=0))
+        last = max((job.seq for job in self.last_job.values()), default=0)
         drained = torch.cuda.Event()
         drained.record(self.stream)
         deadline, pause = time.monotonic() + RELEASE_DEADLINE_S, RELEASE_FIRST_PAUSE_S
         longest = RELEASE_MAX_PAUSE_S
         while True:
-            self._store_release(past)
+            self._store_release(last)
             if drained.query():
                 break
             if deadline is not None and time.monotonic() > deadline:
@@ -292,7 +292,7 @@ class CudaSlab:
                 longest = RELEASE_STUCK_PAUSE_S
             time.sleep(pause)
             pause = min(pause * 2, longest)
-        self._store_release(past)  # after the last gather's ROWS_DONE: nothing lowers it again
+        self._store_release(last)  # after the last gather's ROWS_DONE: nothing lowers it again
         self.gpu.stuck.discard(self)
 
     def overdue_ids(self, limit_s: float, now: float) -> list[LookupJob]:
@@ -312,11 +312,13 @@ class CudaSlab:
             overdue.append(job)
         return overdue
 
-    def _store_release(self, past: int) -> None:
+    def _store_release(self, last: int) -> None:
+        """One round of the release; HostCounters.release keeps what the gathers had reached,
+        so the client can still tell which of its lookups were served (slab.rows_written)."""
         for slot, job in self.last_job.items():
             self.counters.store(slot, IDS_READY, job.seq)
         for slot in range(self.layout.slots):
-            self.counters.store(slot, ROWS_DONE, past)
+            self.counters.release(slot, last)
 
 
 class GpuState:
@@ -520,10 +522,23 @@ def enqueue_lookup(job: LookupJob) -> None:
             served = True
     finally:  # whatever happened, the client's streams must not wait for ROWS_DONE forever
         if not served:
+            _invalidate_rows(slab, slot, job.tokens)
             slab.ops.write_u32(raw, slab.failed[slot], seq)
         slab.ops.write_u32(raw, slab.rows_done[slot], seq)
         slab.last_job[slot] = job
     job.out_of_range = 0  # counted on the GPU (slab.out_of_range); never synchronised per lookup
+
+
+def _invalidate_rows(slab: CudaSlab, slot: int, tokens: int) -> None:
+    """NaN over the rows of a lookup that is not served, on the daemon stream before its
+    ROWS_DONE: a consumer whose wait() returned before the refusal reached its client reads NaN,
+    never the slot's previous rows (client/failures.py). Best effort: where the stream itself
+    is broken (the failure that got us here), the FAILED mark and the error reply remain."""
+    try:
+        with torch.cuda.stream(slab.stream):
+            slab.rows(slot, tokens).fill_(float("nan"))
+    except Exception:
+        log.exception("could not fill the rows of a refused lookup (slot %d) with NaN", slot)
 
 
 def _gather(slab: CudaSlab, slot: int, tokens: int, dtype: torch.dtype) -> None:

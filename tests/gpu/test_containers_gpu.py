@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import (
+from helpers import (
     NAMESPACES_UNAVAILABLE,
     client_pids,
     namespaced,
@@ -77,12 +77,34 @@ def stats_or_stacks(daemon, timeout: float) -> dict:
     try:
         return probe(daemon.socket, "stats", timeout).body.encode()
     except Exception as exc:
-        exited = daemon.proc.poll()
-        if exited is None:
-            daemon.proc.send_signal(signal.SIGUSR1)  # the daemon logs its threads' stacks
-            time.sleep(1)
-        raise AssertionError(f"{exc} (daemon exit code {exited})\n{daemon.log()[-30000:]}\n"
-                             f"{thread_states(daemon.proc.pid)}") from None
+        fail_with_state(daemon, str(exc), None)
+
+
+def fail_with_state(daemon, what: str, stats: dict | None) -> None:
+    """Fail with everything that explains a stuck release: the daemon's last stats (each
+    client's lookups in flight, the slabs it holds), its threads' Python stacks (SIGUSR1 writes
+    them to its log), their kernel states, and the GPU's processes."""
+    exited = daemon.proc.poll()
+    if exited is None:
+        daemon.proc.send_signal(signal.SIGUSR1)
+        time.sleep(1)
+    raise AssertionError(f"{what} (daemon exit code {exited})\nlast stats: {stats}\n"
+                         f"GPU processes (pid: MiB): {gpu_processes()}\n{daemon.log()[-30000:]}\n"
+                         f"{thread_states(daemon.proc.pid)}") from None
+
+
+def stats_until(daemon, condition, timeout: float, what: str) -> float:
+    """Seconds until the daemon's stats meet `condition`; past `timeout`, fail_with_state."""
+    last: list[dict] = []
+
+    def met() -> bool:
+        last[:] = [stats_or_stacks(daemon, 60.0)]
+        return condition(last[0])
+
+    try:
+        return wait_until(met, timeout=timeout, step=0.05)
+    except AssertionError:
+        fail_with_state(daemon, f"{what}: not within {timeout} s", last[0] if last else None)
 
 
 def thread_states(pid: int) -> str:
@@ -118,7 +140,8 @@ def kill_round(daemon) -> tuple[float, float, list[int]]:
         killed = time.monotonic()
         stats_or_stacks(daemon, 120.0)  # no hang: the loop answers
         answered = time.monotonic() - killed
-        gone = answered + wait_until(lambda: stats_or_stacks(daemon, 60.0)["slabs"] == 0, timeout=60.0)
+        gone = answered + stats_until(daemon, lambda stats: stats["slabs"] == 0, 60.0,
+                                      f"the slabs of {KILLED} killed clients freed")
         stats = stats_or_stacks(daemon, 10.0)
         assert stats["clients"] == [] and stats["slab_bytes"] == 0
         return answered, gone, pids
@@ -148,10 +171,13 @@ def settled_free_memory(killed: list[int]) -> int:
     (a driver tears contexts down one by one, with pauses)."""
     wait_until(lambda: not set(killed) & set(gpu_processes()), timeout=120.0, step=0.5)
     last, free, steady = -1, torch.cuda.mem_get_info()[0], 0
+    seen = [free]
     while steady < 3:
         time.sleep(1.0)
         last, free = free, torch.cuda.mem_get_info()[0]
+        seen.append(free)
         steady = steady + 1 if free <= last else 0
+    print(f"free memory after the kills, once a second (MiB): {[f >> 20 for f in seen]}")
     return free
 
 
@@ -171,8 +197,10 @@ def test_twenty_killed_namespaced_gpu_clients_leave_no_slab_and_no_memory(daemon
           f"left after {first[1]:.3f} / {second[1]:.3f} s; free memory {free_after_first / 2**30:.2f}"
           f" -> {free_after_second / 2**30:.2f} GiB; MiB held by pid {held_after_first} -> "
           f"{held_after_second} (daemon {daemon.proc.pid})")
-    assert free_after_second >= free_after_first - LEAK_SLACK_BYTES, (
-        f"{held_after_second}\n{daemon.log()[-20000:]}")
+    if free_after_second < free_after_first - LEAK_SLACK_BYTES:
+        fail_with_state(daemon, f"{(free_after_first - free_after_second) >> 20} MiB less free "
+                        f"after the second round; held before {held_after_first}",
+                        stats_or_stacks(daemon, 10.0))
     assert probe(daemon.socket, "stats", 10.0).body.reaped == 2 * KILLED
     assert daemon.proc.poll() is None
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import check_rows_stay_across_a_restart, run_client_processes, wait_until
+from helpers import check_rows_stay_across_a_restart, run_client_processes, wait_until
 from reference import bucket_ids, random_ids
 
-from engramd.client import DaemonUnavailableError, EngramClient
+from engramd.client import DaemonUnavailableError, EngramClient, LookupFailedError
 from engramd.client.connection import probe
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -114,15 +114,22 @@ def test_daemon_killed_mid_lookup_releases_the_stream(daemon_factory, reference)
     client = EngramClient(daemon.socket, device="cuda", max_tokens=16, slots=2, mode="served",
                           reconnect_timeout=1.0)  # no restart comes: give up at once
     ids = torch.zeros((4, 2, 24), dtype=torch.int64, device="cuda")
-    rows = client.lookup(ids).wait()
-    _ = rows.float().sum()
+    future = client.lookup(ids)
+    consumed = future.wait().clone()  # the engine's consumer: queued behind the wait
     daemon.proc.send_signal(signal.SIGKILL)
     daemon.proc.wait()
     started = time.perf_counter()
     torch.cuda.current_stream().synchronize()  # must not hang: the watchdog releases the wait
     released_s = time.perf_counter() - started
+    assert future.failed() and not future.ok()
+    assert bool(consumed.isnan().all()), "the rows the daemon never wrote must read as NaN"
+    with pytest.raises(LookupFailedError) as raised:  # the engine hears of it at its next call
+        client.lookup(ids)
+    assert raised.value.seqs == (future.seq,)
     with pytest.raises(DaemonUnavailableError, match="exited"):
         client.lookup(ids)
+    with pytest.raises(LookupFailedError):
+        future.wait()  # its own wait says so too
     client.close()
     assert released_s < 2.0, f"stream released after {released_s:.2f} s"
 
