@@ -20,9 +20,11 @@ or kill; kill is a crash, SIGKILL):
 standby, how long it took to map (and pin) the tables ahead and whether the takeover adopted
 them (its log); and the median of each way. Writes DIR/standby_takeover.json and .md (printed last).
 
-What it is not: a client's view (clients re-register with backoff: client/rejoin.py; mapped
-clients do not wait at all, benchmarks/mapped_attach.py), nor a load from a checkpoint (the tables
-are re-attached every time).
+With --client, a served client in this process looks up and waits for its rows in a loop all
+along, and each restart also reports end -> the client's first rows from the successor (it
+re-registers with backoff, client/rejoin.py; --longest-pause sets the longest pause between its
+attempts, for comparing). Mapped clients do not wait at all (benchmarks/mapped_attach.py). Not a
+load from a checkpoint: the tables are re-attached every time.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -52,6 +55,8 @@ from common.daemon import (  # noqa: E402
 from common.report import machine, write_report  # noqa: E402
 from common.tables import INSTANCE, fill_tables, geometry_for, reattach_flags  # noqa: E402
 
+from engramd.client import rejoin  # noqa: E402
+
 POLL_S = 0.01
 START_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 60.0
@@ -62,10 +67,48 @@ ADOPTED = "mapped ahead by the standby"  # the store's re-attach log line of an 
 PINNED_AGAIN = "of host tables in"  # pin_tables' log line: the takeover pinned the tables itself
 
 
+class LoopingClient:
+    """A served client looking up rows in a loop on a thread of its own; when rows came back."""
+
+    def __init__(self, socket: Path, geometry):
+        import torch
+
+        from engramd.client import EngramClient
+
+        self.client = EngramClient(socket, mode="served", max_tokens=16, reconnect_timeout=START_TIMEOUT_S)
+        self.ids = torch.zeros((16, geometry.n_layers, geometry.heads), dtype=torch.int64)
+        self.last_rows = time.perf_counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="looping-client", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        from engramd.client.errors import EngramError
+
+        while not self._stop.is_set():
+            try:
+                self.client.lookup(self.ids).result(timeout=5.0)
+                self.last_rows = time.perf_counter()
+            except EngramError:
+                time.sleep(0.001)
+
+    def rows_after(self, moment: float) -> float:
+        """Seconds from `moment` to the first rows after it (waits for them)."""
+        while self.last_rows <= moment:
+            time.sleep(0.001)
+        return self.last_rows - moment
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(START_TIMEOUT_S)
+        self.client.close()
+
+
 class Node:
     """The serving daemon and, in the standby way, the standby waiting behind it."""
 
     def __init__(self, work: Path, flags: list[str]):
+        self.client: LoopingClient | None = None
         self.socket = work / SOCKET_NAME
         self.log_path = work / LOG_NAME
         self.flags = flags
@@ -107,6 +150,8 @@ class Node:
         self.wait_ready(successor)
         ready = time.perf_counter() - started
         self.serving = successor
+        if self.client is not None:
+            ahead["client_rows_s"] = round(self.client.rows_after(started), 3)
         if way == "standby":
             text = self._log_since(offset)
             ahead["adopted"] = ADOPTED in text and PINNED_AGAIN not in text
@@ -124,6 +169,8 @@ class Node:
             return f.read().decode(errors="replace")
 
     def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
         for proc in (self.standby, self.serving):
             if proc is not None and proc.poll() is None:
                 stop_process(proc, STOP_TIMEOUT_S)
@@ -140,6 +187,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         node = Node(work, flags)
         try:
             node.serve()
+            if args.client:
+                rejoin.LONGEST_PAUSE_S = args.longest_pause
+                node.client = LoopingClient(node.socket, geometry)
             for repeat in range(args.restarts):
                 for way in WAYS if repeat % 2 == 0 else WAYS[::-1]:  # neither always goes first
                     row = {"way": way, "end": args.end, "repeat": repeat + 1,
@@ -149,9 +199,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             node.close()
     medians = {way: float(np.median([r["ready_s"] for r in rows if r["way"] == way])) for way in WAYS}
+    if args.client:
+        medians.update({f"{way} client rows": float(np.median(
+            [r["client_rows_s"] for r in rows if r["way"] == way])) for way in WAYS})
     return {"meta": {"benchmark": "standby_takeover", "backend": args.backend,
                      "table_gib": round(geometry.total_bytes / 2**30, 2), "end": args.end,
                      "shm_root": args.shm_root or "/dev/shm", "daemon_args": args.daemon_args,
+                     "client": args.client, "longest_pause_s": args.longest_pause,
                      "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"),
                      "command": "python benchmarks/standby_takeover.py " + shlex.join(sys.argv[1:]),
                      "seconds": round(time.monotonic() - started_run, 1)},
@@ -165,10 +219,12 @@ def markdown(report: dict[str, Any]) -> str:
              f"(re-attached every time), the daemon ended by {meta['end']}. Command: "
              f"`{meta['command']}`.", "",
              "| way | repeat | end -> exited, s | end -> ready, s | standby: tables ahead, s "
-             "| standby: adopted |", "|---|---:|---:|---:|---:|---|"]
+             "| standby: adopted | end -> a served client's rows, s |", "|---|---:|---:|---:|---:|---|---:|"]
     for r in report["restarts"]:
         ahead = f"{r['ahead_s']:.2f} | {'yes' if r['adopted'] else 'no'}" if "ahead_s" in r else "- | -"
-        lines.append(f"| {r['way']} | {r['repeat']} | {r['exited_s']:.3f} | {r['ready_s']:.3f} | {ahead} |")
+        rows = f"{r['client_rows_s']:.3f}" if "client_rows_s" in r else "-"
+        lines.append(f"| {r['way']} | {r['repeat']} | {r['exited_s']:.3f} | {r['ready_s']:.3f} | {ahead} "
+                     f"| {rows} |")
     lines += ["", "Median end -> ready: " + ", ".join(
         f"{way} {s:.3f} s" for way, s in report["median_ready_s"].items()) + "."]
     return "\n".join(lines) + "\n"
@@ -182,6 +238,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--end", choices=("sigterm", "kill"), default="sigterm")
     parser.add_argument("--shm-root", help="where the tables go (default /dev/shm)")
     parser.add_argument("--daemon-args", default="", help="extra `engramd serve` flags, one string")
+    parser.add_argument("--client", action="store_true",
+                        help="a served client looks up all along: end -> its first rows")
+    parser.add_argument("--longest-pause", type=float, default=rejoin.LONGEST_PAUSE_S,
+                        help="the client's longest pause between attempts to re-register, s")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args(argv)
     if args.restarts < 1 or args.table_gib <= 0:
