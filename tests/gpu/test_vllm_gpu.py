@@ -1,0 +1,115 @@
+"""The vLLM plugin on the GPU against vLLM 0.33.0's own offloaded Engram modules.
+
+tests/vllm_plugin runs vLLM's Engram code on the CPU under Triton's interpreter; here it runs as
+vLLM runs it on a GPU: EngramConfig(cpu_offload=True), tables in pinned host memory, vLLM's
+Triton lookup kernel reading them through UVA on its prefetch stream (TP=1). The same modules
+served by a real daemon (the CUDA backend, the plugin's client mapped, the default, and served)
+must give the same rows, `embed`, `forward` and `embed_tokens`, bit for bit; and, on a
+checkpoint whose scale blocks take every byte 0..255, the same rows for every scale byte.
+
+vLLM travels to the GPU machine as its Python tree without compiled parts
+(benchmarks/vllm_gpu/README.md); benchmarks/vllm_gpu/stubs.py stands in for those. The
+comparisons run in worker processes (benchmarks/vllm_gpu/worker_gpu.py), as in tests/vllm_plugin.
+Skipped without CUDA or without vLLM's tree on the path.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import json
+import mmap
+import socket
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = REPO / "benchmarks" / "vllm_gpu" / "worker_gpu.py"
+ENGRAM_FILE = Path("models", "deepseek_v41", "common", "engram.py")
+WORKER_TIMEOUT_S = 240
+
+
+def _vllm_tree() -> Path | None:
+    """vLLM's package folder, found without importing it (that takes seconds)."""
+    spec = importlib.machinery.PathFinder.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    return folder if (folder / ENGRAM_FILE).is_file() else None
+
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(_vllm_tree() is None,
+                       reason="needs vLLM 0.33.0's tree on the path (benchmarks/vllm_gpu/setup_device.sh)"),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_worker(daemon, checkpoint: Path, mode: str, check: str, report: Path) -> dict:
+    cmd = [sys.executable, str(WORKER), "--socket", str(daemon.socket), "--checkpoint", str(checkpoint),
+           "--port", str(free_port()), "--mode", mode, "--check", check, "--report", str(report)]
+    try:
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"worker timed out:\n{exc.stdout}\n{exc.stderr}") from None
+    result = json.loads(report.read_text()) if report.exists() else {}
+    print(json.dumps(result, indent=1))  # shown with -s, and kept in the failure report
+    assert run.returncode == 0, f"{run.stdout[-4000:]}\n{run.stderr[-8000:]}\n{daemon.log()[-2000:]}"
+    return result
+
+
+def every_scale_byte(checkpoint: Path) -> Path:
+    """Rewrite the scale tensors of a synthetic checkpoint in place so that the scale blocks
+    take every byte 0..255 (server/synthetic.py draws them from 127 +- 20): block b of row r
+    gets (r * 8 + b) * 37 + 11 mod 256 (37 is odd, so every 256 blocks hold each byte once),
+    each scale byte then meets all kinds of FP8 values."""
+    index = json.loads((checkpoint / "model.safetensors.index.json").read_text())["weight_map"]
+    for name, shard in index.items():
+        if not (name.endswith(".engram.embed.scale")):
+            continue
+        with open(checkpoint / shard, "r+b") as file, mmap.mmap(file.fileno(), 0) as data:
+            header_len = struct.unpack("<Q", data[:8])[0]
+            entry = json.loads(data[8:8 + header_len])[name]
+            start, stop = (8 + header_len + offset for offset in entry["data_offsets"])
+            blocks = np.arange(stop - start, dtype=np.int64)
+            data[start:stop] = ((blocks * 37 + 11) % 256).astype(np.uint8).tobytes()
+    return checkpoint
+
+
+@pytest.fixture(scope="module")
+def all_scales_checkpoint(tmp_path_factory) -> Path:
+    from engramd.client.geometry import TableGeometry
+    from engramd.server.synthetic import write_synthetic_checkpoint
+
+    folder = write_synthetic_checkpoint(TableGeometry.named("demo"),
+                                        tmp_path_factory.mktemp("all-scales-ckpt"), seed=9)
+    return every_scale_byte(folder)
+
+
+@pytest.mark.parametrize("mode", ["mapped", "served"])
+def test_rows_embed_and_forward_are_vllms_offloaded_ones(daemon_factory, demo_checkpoint, tmp_path, mode):
+    daemon = daemon_factory(extra=["--backend", "cuda"])
+    report = run_worker(daemon, demo_checkpoint, mode, "flow", tmp_path / "report.json")
+    assert report["client_mode"] == mode
+
+
+def test_every_scale_byte_gives_vllms_rows(daemon_factory, all_scales_checkpoint, tmp_path):
+    """Scale bytes 0 and 255 are where vLLM's kernel (the float32 bit-cast `s << 23`: 0.0 and
+    inf) and an exact 2^(s - 127) (2^-127, and UE8M0's NaN) part; the report names every byte
+    whose rows differ."""
+    daemon = daemon_factory(tables=all_scales_checkpoint, extra=["--backend", "cuda"])
+    report = run_worker(daemon, all_scales_checkpoint, "mapped", "scales", tmp_path / "report.json")
+    assert report["scale_bytes_seen"] == 256 and report["differing_values"] == 0
