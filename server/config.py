@@ -8,6 +8,7 @@ checked on load; an error names the file, the key and the bad value. Command-lin
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from dataclasses import dataclass, fields, make_dataclass
 from pathlib import Path
@@ -40,8 +41,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("socket", str, "",
             "ZeroMQ ipc socket path; its folder is the runtime folder (0750). Empty: the default"),
     Setting("shm_dir", str, "/dev/shm", "folder for the shared-memory table files"),
-    Setting("instance", str, "default", "daemon instance name, part of every shared-memory file name",
-            pattern=r"[A-Za-z0-9_.-]{1,64}"),
+    Setting("instance", str, "default", "daemon instance name, part of every shared-memory file "
+            "name; {uid} stands for the daemon's user id", pattern=r"[A-Za-z0-9_.-]{1,64}"),
     Setting("backend", str, "auto", "device backend: cpu, cuda, or auto (cuda when a GPU is visible)",
             choices=("auto", "cpu", "cuda")),
     Setting("max_clients", int, 64, "registered clients at most", low=1, high=4096),
@@ -183,6 +184,10 @@ def _check(source: str, setting: Setting, value: Any) -> Any:
 
     if setting.kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
+    if setting.key == "instance" and isinstance(value, str):
+        # One config run by several users (the demo's) gives each their own files: the table
+        # folder in a shared /dev/shm belongs to whoever made it first.
+        value = value.replace("{uid}", str(os.geteuid()))
     if not isinstance(value, setting.kind) or (isinstance(value, bool) and setting.kind is not bool):
         raise bad(f"expected {setting.kind.__name__}")
     if setting.low is not None and value < setting.low:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,13 @@ def test_demo_config_sets_every_setting_and_loads():
     assert written == {s.key for s in SETTINGS}, {
         "missing": sorted({s.key for s in SETTINGS} - written), "unknown": sorted(written - {s.key for s in SETTINGS})}
     load_config(str(path), {})
+
+
+def test_uid_in_the_instance_gives_each_user_their_own_table_folder(tmp_path):
+    """The demo's instance is per user: its table folder in a shared /dev/shm belongs to whoever
+    made it first, so a second user running the same config would be refused."""
+    uid = os.geteuid()
+    assert load_config(CONFIGS / "demo.toml").instance == f"demo-{uid}"
+    assert load_config(None, {"instance": "a{uid}b{uid}"}).instance == f"a{uid}b{uid}"
+    with pytest.raises(ConfigError, match="instance"):
+        load_config(write(tmp_path, 'instance = "{user}"\n'))
