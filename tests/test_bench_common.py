@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import shm_tempdir
+from helpers import shm_tempdir
 
 from engramd.client import EngramClient
 from engramd.client.geometry import DEAD_ID, TableGeometry

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import remove_tempdir, shm_tempdir
 
 from engramd.client.huge_pages import HUGE_PAGE, HugeView
 from engramd.client.libc import MAP_FIXED, libc, mmap_at, munmap
-from tests.conftest import shm_tempdir
 
 WHOLE_BLOCKS = 9  # the file: 9 huge pages and one 4 KiB page
 
@@ -59,23 +59,27 @@ def touch_every_page(address: int, size: int) -> None:
 def kernel_collapses() -> bool:
     """Whether this kernel makes 2 MiB folios of tmpfs pages on MADV_COLLAPSE (Linux >= 6.1),
     asked without the module under test: a 2 MiB file mapped aligned by hand."""
-    path = shm_tempdir() / "probe"
-    path.write_bytes(b"\1" * HUGE_PAGE)
-    fd = os.open(path, os.O_RDONLY)
-    reservation = mmap_at(None, 2 * HUGE_PAGE, 0, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1)
-    address = -(-reservation // HUGE_PAGE) * HUGE_PAGE
+    folder = shm_tempdir()  # the answer is what the module keeps; the probe goes at once
     try:
-        mmap_at(address, HUGE_PAGE, mmap.PROT_READ, mmap.MAP_SHARED | MAP_FIXED, fd)
-        libc().madvise(ctypes.c_void_p(address), ctypes.c_size_t(HUGE_PAGE), 25)
-        return pmd_mapped(address) == HUGE_PAGE
+        path = folder / "probe"
+        path.write_bytes(b"\1" * HUGE_PAGE)
+        fd = os.open(path, os.O_RDONLY)
+        reservation = mmap_at(None, 2 * HUGE_PAGE, 0, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1)
+        address = -(-reservation // HUGE_PAGE) * HUGE_PAGE
+        try:
+            mmap_at(address, HUGE_PAGE, mmap.PROT_READ, mmap.MAP_SHARED | MAP_FIXED, fd)
+            libc().madvise(ctypes.c_void_p(address), ctypes.c_size_t(HUGE_PAGE), 25)
+            return pmd_mapped(address) == HUGE_PAGE
+        finally:
+            munmap(reservation, 2 * HUGE_PAGE)
+            os.close(fd)
     finally:
-        munmap(reservation, 2 * HUGE_PAGE)
-        os.close(fd)
+        remove_tempdir(folder)
 
 
 @pytest.fixture
-def table_file():
-    path = shm_tempdir() / "table"
+def table_file(shm_dir):
+    path = shm_dir / "table"
     data = np.random.default_rng(3).integers(0, 256, WHOLE_BLOCKS * HUGE_PAGE + 4096,
                                              dtype=np.uint8).tobytes()
     path.write_bytes(data)

@@ -7,7 +7,7 @@ import os
 import subprocess
 
 import pytest
-from conftest import engramd_command
+from helpers import engramd_command
 
 
 def make_tables(*args: str) -> subprocess.CompletedProcess:

@@ -10,7 +10,7 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import shm_tempdir
+from helpers import shm_tempdir
 from reference import random_ids
 
 from engramd.client import protocol

@@ -16,29 +16,27 @@ import types
 
 import numpy as np
 import pytest
+from helpers import wait_until
 
 from engramd.client import host_pin
 from engramd.client.host_pin import PART_ALIGN, split_ranges
 from engramd.server.checkpoint import CheckpointError
 from engramd.server.config import load_config
 from engramd.server.table_loader import TablePreload
-from tests.conftest import shm_tempdir, wait_until
 
 
-def demo_config(demo_checkpoint, tables=None):
-    shm = shm_tempdir()
+def demo_config(demo_checkpoint, shm, tables=None):
     return load_config(None, {"tables": str(tables or demo_checkpoint), "shm_dir": str(shm),
                               "socket": str(shm / "engramd.sock"), "backend": "cpu"})
 
 
-def test_the_first_stage_and_the_serve_command_up_to_it_import_no_torch(demo_checkpoint):
-    shm = shm_tempdir()
+def test_the_first_stage_and_the_serve_command_up_to_it_import_no_torch(demo_checkpoint, shm_dir):
     script = textwrap.dedent(f"""
         import sys
         import engramd.server.cli, engramd.server.startup, engramd.client.host_pin
         from engramd.server.config import load_config
         from engramd.server.table_loader import open_tables
-        config = load_config(None, {{"tables": {str(demo_checkpoint)!r}, "shm_dir": {str(shm)!r},
+        config = load_config(None, {{"tables": {str(demo_checkpoint)!r}, "shm_dir": {str(shm_dir)!r},
                                      "backend": "auto"}})
         opened = open_tables(config, lambda fraction: None)
         opened.close()
@@ -49,8 +47,8 @@ def test_the_first_stage_and_the_serve_command_up_to_it_import_no_torch(demo_che
     assert out.stdout.strip() == "False", "the first stage imported torch"
 
 
-def test_a_preload_hands_over_the_checkpoint_rows_and_the_load_progress(demo_checkpoint):
-    config = demo_config(demo_checkpoint)
+def test_a_preload_hands_over_the_checkpoint_rows_and_the_load_progress(demo_checkpoint, shm_dir):
+    config = demo_config(demo_checkpoint, shm_dir)
     preload = TablePreload.start(config)
     seen: list[float] = []
     preload.listen(seen.append)
@@ -76,17 +74,18 @@ def test_a_preload_hands_over_the_checkpoint_rows_and_the_load_progress(demo_che
         again.close()
 
 
-def test_a_preload_passes_its_error_to_the_taker(demo_checkpoint, tmp_path):
-    config = demo_config(demo_checkpoint, tables=tmp_path / "no-such-checkpoint")
+def test_a_preload_passes_its_error_to_the_taker(demo_checkpoint, shm_dir, tmp_path):
+    config = demo_config(demo_checkpoint, shm_dir, tables=tmp_path / "no-such-checkpoint")
     preload = TablePreload.start(config)
     with pytest.raises(CheckpointError, match="no-such-checkpoint.*missing config.json"):
         preload.take()
 
 
-def test_an_abandoned_preload_closes_its_tables_before_and_after_it_is_done(demo_checkpoint, monkeypatch):
+def test_an_abandoned_preload_closes_its_tables_before_and_after_it_is_done(demo_checkpoint, shm_dir,
+                                                                          monkeypatch):
     from engramd.server import table_loader
 
-    config = demo_config(demo_checkpoint)
+    config = demo_config(demo_checkpoint, shm_dir)
     finished = TablePreload.start(config)
     finished._thread.join()
     opened = finished._result
@@ -110,19 +109,19 @@ def test_an_abandoned_preload_closes_its_tables_before_and_after_it_is_done(demo
     running._thread.join()
 
 
-def test_take_after_abandon_says_the_daemon_is_stopping(demo_checkpoint):
-    preload = TablePreload.start(demo_config(demo_checkpoint))
+def test_take_after_abandon_says_the_daemon_is_stopping(demo_checkpoint, shm_dir):
+    preload = TablePreload.start(demo_config(demo_checkpoint, shm_dir))
     preload.abandon()
     with pytest.raises(RuntimeError, match="abandoned"):
         preload.take()
 
 
 def test_auto_serves_on_the_cpu_when_the_driver_sees_a_gpu_that_torch_cannot_use(demo_checkpoint,
-                                                                                  monkeypatch):
+                                                                                  shm_dir, monkeypatch):
     from engramd.server import table_loader
     from engramd.server.cpu_backend import CpuBackend
 
-    config = dataclasses.replace(demo_config(demo_checkpoint), backend="auto")
+    config = dataclasses.replace(demo_config(demo_checkpoint, shm_dir), backend="auto")
     opened = TablePreload.start(config).take()
     unpinned = []
     opened.backend_name, opened.registration = "cuda", types.SimpleNamespace(close=lambda: unpinned.append(1))
@@ -175,10 +174,11 @@ def prepared_for(config):
     return PreparedTables(checkpoint.fingerprint(), tables, FakeRegistration(tables))
 
 
-def test_a_standbys_tables_are_adopted_and_its_registration_goes_only_with_all_of_them(demo_checkpoint):
+def test_a_standbys_tables_are_adopted_and_its_registration_goes_only_with_all_of_them(demo_checkpoint,
+                                                                                        shm_dir):
     from engramd.server.table_loader import adopted_registration, open_tables
 
-    config = demo_config(demo_checkpoint)
+    config = demo_config(demo_checkpoint, shm_dir)
     TablePreload.start(config).take().close()  # the files in shared memory, as a daemon left them
     # A cpu start adopts the tables; their registration is let go of first.
     prepared = prepared_for(config)
@@ -214,13 +214,13 @@ def test_a_standbys_tables_are_adopted_and_its_registration_goes_only_with_all_o
 
 
 @pytest.mark.parametrize("collapse", [True, False])
-def test_the_start_pins_with_the_configured_collapse(demo_checkpoint, monkeypatch, collapse):
+def test_the_start_pins_with_the_configured_collapse(demo_checkpoint, shm_dir, monkeypatch, collapse):
     """collapse_pages reaches the pin (client/huge_pages.py; its effect is a GPU matter)."""
     from engramd.server import table_loader
 
     seen = []
     monkeypatch.setattr(table_loader, "pin_for_backend",
                         lambda backend, tables, collapse=True: seen.append((backend, collapse)))
-    config = dataclasses.replace(demo_config(demo_checkpoint), collapse_pages=collapse)
+    config = dataclasses.replace(demo_config(demo_checkpoint, shm_dir), collapse_pages=collapse)
     table_loader.open_tables(config, lambda fraction: None).close()
     assert seen == [("cpu", collapse)]

@@ -57,16 +57,14 @@ def test_a_failed_registration_unpins_the_parts_that_did_register():
         held.close()
 
 
-def test_files_registered_through_huge_views_read_back_exactly_beside_a_second_registration(tmp_path):
+def test_files_registered_through_huge_views_read_back_exactly_beside_a_second_registration(shm_dir):
     """HostRegistration.of_files, as the daemon and mapped clients pin tables: each range read
     by a kernel at its registered address is the file's bytes there; a second registration of
     the same files (a mapped client beside the daemon) reads the same; close() of one leaves
     the other working."""
     import os
 
-    from tests.conftest import shm_tempdir
-
-    folder = shm_tempdir()
+    folder = shm_dir
     files = []
     for seed, (nbytes, offset) in enumerate([(9 * PART_ALIGN + 4096, 4096), (3 * 4096, 0)]):
         data = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import point, reload, rows_match, wait_until
+from helpers import point, reload, rows_match, wait_until
 from reference import random_ids
 from test_reload_gpu import CUDA, rows_of
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import zmq
-from conftest import attach_raw
+from helpers import attach_raw
 from reference import random_ids
 
 from engramd.client import EngramClient

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import run_client_processes
+from helpers import run_client_processes
 from reference import bucket_ids
 
 from engramd.client import BadIdsError, EngramClient, NotRegisteredError

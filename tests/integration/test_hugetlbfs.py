@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers import short_tempdir
 from reference import random_ids
 
 from engramd.client import EngramClient
@@ -31,7 +31,7 @@ def hugetlbfs():
         POOL.write_text(str(before + PAGES))
     except OSError as exc:
         pytest.skip(f"cannot grow the huge page pool: {exc}")
-    mount = Path(tempfile.mkdtemp(prefix="engramd-huge-"))
+    mount = short_tempdir("huge-")
     try:
         done = subprocess.run(["mount", "-t", "hugetlbfs", "-o", "pagesize=2M,mode=0755", "none",
                                str(mount)], capture_output=True, text=True)

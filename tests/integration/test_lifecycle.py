@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import check_rows_stay_across_a_restart, engramd_command
+from helpers import check_rows_stay_across_a_restart, engramd_command
 from reference import random_ids
 
 from engramd.client import BadRequestError, DaemonUnavailableError, EngramClient

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import torch
 import zmq
-from conftest import attach_raw, run_client_processes, wait_until
+from helpers import attach_raw, run_client_processes, wait_until
 from reference import random_ids
 from test_daemon_lookups import assert_rows_equal, check_worker_output
 
@@ -39,7 +39,7 @@ from engramd.client.handles import attach, handle_socket_path, recv_message, sen
 from engramd.client.protocol import PROTOCOL_VERSION
 
 WORKER = Path(__file__).parent / "client_worker.py"
-HEARTBEAT_S = 0.2  # conftest's DaemonProcess passes this interval
+HEARTBEAT_S = 0.2  # helpers' DaemonProcess passes this interval
 
 
 def test_served_and_mapped_clients_of_one_daemon_get_exact_rows(daemon_factory, reference, tmp_path):

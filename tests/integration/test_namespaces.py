@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import (
+from helpers import (
     NAMESPACES_UNAVAILABLE,
     client_pids,
     namespaced,
@@ -34,7 +34,7 @@ from test_daemon_lookups import check_worker_output
 from engramd.client.connection import probe
 
 WORKER = Path(__file__).parent / "client_worker.py"
-HEARTBEAT_S = 0.2  # what conftest's DaemonProcess passes
+HEARTBEAT_S = 0.2  # what helpers' DaemonProcess passes
 # The promise for a killed client (README, "Client death"): retired within two heartbeat
 # periods, its idle slab with it; plus what a loaded 2-core machine may add. The tight figure
 # (tens of milliseconds) is benchmarks/reap_latency.py's.

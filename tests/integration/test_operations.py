@@ -13,7 +13,7 @@ import urllib.request
 import numpy as np
 import pytest
 import torch
-from conftest import engramd_command, wait_until
+from helpers import engramd_command, wait_until
 
 from engramd.client import DaemonUnavailableError, EngramClient
 from engramd.client.connection import probe

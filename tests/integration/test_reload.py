@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import point, reload, rows_match, wait_until
+from helpers import point, reload, rows_match, wait_until
 from reference import random_ids
 from test_daemon_lookups import assert_rows_equal
 

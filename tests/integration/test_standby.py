@@ -19,7 +19,7 @@ import socket
 import numpy as np
 import pytest
 import torch
-from conftest import point, reload, wait_until
+from helpers import point, reload, wait_until
 from reference import random_ids
 from test_daemon_lookups import assert_rows_equal
 from test_reload import mapped_names, table_files

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import slab_files
+from helpers import slab_files
 from reference import random_ids
 
 from engramd.client import EngramClient

@@ -30,8 +30,8 @@ import msgpack
 import numpy as np
 import torch
 import zmq
-from conftest import SLAB_MEMFD, engramd_command, wait_until
-from conftest import slab_files as slab_files_of
+from helpers import SLAB_MEMFD, engramd_command, wait_until
+from helpers import slab_files as slab_files_of
 from reference import random_ids
 
 from engramd.client import EngramClient
@@ -39,7 +39,7 @@ from engramd.client.connection import probe
 from engramd.client.protocol import PROTOCOL_VERSION
 from engramd.server.registry import ATTACH_TIMEOUT_S
 
-HEARTBEAT_S = 0.2  # what conftest's DaemonProcess passes as --heartbeat-interval
+HEARTBEAT_S = 0.2  # what helpers' DaemonProcess passes as --heartbeat-interval
 # The daemon's promise (README, "Client death"): a client whose process died is retired within
 # RETIRE_PERIODS heartbeat periods, and its slab is freed as soon as its in-flight lookups finish.
 RETIRE_PERIODS = 2

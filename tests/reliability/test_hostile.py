@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 import zmq
-from conftest import attach_raw, engramd_command, shm_tempdir, short_tempdir, slab_files, wait_until
+from helpers import attach_raw, engramd_command, shm_tempdir, short_tempdir, slab_files, wait_until
 from reference import random_ids
 
 from engramd.client import EngramClient

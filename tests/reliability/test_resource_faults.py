@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 import torch
 import zmq
-from conftest import DaemonProcess, shm_tempdir, short_tempdir, slab_files
+from helpers import DaemonProcess, shm_tempdir, short_tempdir, slab_files
 from reference import random_ids
 
 from engramd.client import EngramClient

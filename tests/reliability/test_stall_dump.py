@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from conftest import DEMO_HEARTBEAT_S, wait_until
+from helpers import DEMO_HEARTBEAT_S, wait_until
 
 from engramd.client.connection import probe
 

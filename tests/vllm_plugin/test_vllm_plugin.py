@@ -25,7 +25,7 @@ WORKER_TIMEOUT_S = 300  # vLLM's kernels under Triton's interpreter: tens of sec
 
 def run_workers(commands: list[list[str]]) -> None:
     """Run worker processes side by side (TP ranks meet in gloo); fail with the output of each
-    that failed. (tests/conftest.py has the same helper; this folder's conftest shadows its name.)"""
+    that failed. (tests/helpers.py run_client_processes does the same for the main tests.)"""
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for cmd in commands]
     outputs = []

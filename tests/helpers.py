@@ -1,0 +1,432 @@
+"""What the tests share besides fixtures: temporary folders, real daemon processes, raw client
+steps, and the leak scan the fixtures in conftest.py run around every test.
+
+Import it one way only, `from helpers import ...` (conftest.py puts this folder on sys.path).
+Imported under a second name (`tests.helpers`) it would be a second module with a second set of
+the temporary folders made, which the leak check would not see; the guard below refuses that.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engramd.client.connection import probe
+from engramd.client.errors import EngramError
+from engramd.client.handles import admin_request, handle_socket_path
+
+if __name__ != "helpers":
+    raise ImportError(f"import the test helpers as `helpers`, not as `{__name__}`: a second copy "
+                      "would keep its own record of the temporary folders made")
+
+from reference import ReferenceTables  # noqa: E402 (after the guard: same folder, same rule)
+
+START_TIMEOUT_S = 60.0
+DEMO_HEARTBEAT_S = 0.2  # the demo daemons' heartbeat interval (daemon_factory)
+
+# -- temporary folders and the leak scan -------------------------------------------------------
+
+# Every folder the helpers make is named RUN_PREFIX...: the pid says which pytest process made
+# it. Other test runs and people on the machine make engramd-* folders in /dev/shm and /tmp at
+# the same time, so a name pattern alone cannot tell a leak of this run from their work; this
+# prefix can (a folder left by an earlier process of the same pid was there before the test and
+# is not new). A pid rather than a random token: whoever finds such a folder can tell with `ps`
+# whether the run that made it is still going.
+RUN_PREFIX = f"engramd-test-{os.getpid()}-"
+SHM = Path("/dev/shm")
+# Where the leak scan looks: tmpfs for tables, the temp folder for sockets, logs and caches.
+WATCHED = tuple(dict.fromkeys(path for path in (SHM, Path("/tmp"), Path(tempfile.gettempdir()))
+                              if path.is_dir()))
+
+# The one record of the folders made here (the module guard keeps it one).
+_made_temp_dirs: set[Path] = set()
+# Processes of this run that may have made engramd-* folders of their own: this process
+# (in-process services) and the daemons DaemonProcess started. Their pids are in the lock files
+# a daemon writes (server/host_tables.py, server/startup.py).
+_our_pids: set[int] = {os.getpid()}
+
+
+def _made(path: Path) -> Path:
+    _made_temp_dirs.add(path)
+    return path
+
+
+def short_tempdir(prefix: str) -> Path:
+    """A new folder in the temp folder; ipc:// socket paths must stay under ~100 bytes, so
+    sockets live in a short temp folder. The caller removes it (remove_tempdir, or the
+    `work_dir` fixture); the leak check fails a test that leaves it."""
+    return _made(Path(tempfile.mkdtemp(prefix=f"{RUN_PREFIX}{prefix}")))
+
+
+def shm_tempdir() -> Path:
+    """A new folder in /dev/shm (tmpfs, where tables live), or in the temp folder where there is
+    none to write. The caller removes it (remove_tempdir, or the `shm_dir` fixture)."""
+    base = str(SHM) if SHM.is_dir() and os.access(SHM, os.W_OK) else None
+    return _made(Path(tempfile.mkdtemp(prefix=RUN_PREFIX, dir=base)))
+
+
+def remove_tempdir(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    _made_temp_dirs.discard(path)
+
+
+def watched_entries() -> set[Path]:
+    """The top-level entries of /dev/shm and /tmp now."""
+    found = set()
+    for folder in WATCHED:
+        try:
+            found.update(folder / name for name in os.listdir(folder))
+        except OSError:
+            continue
+    return found
+
+
+def _lock_pids(folder: Path) -> set[int]:
+    """The pids in the lock files directly inside `folder`: a table folder's
+    engramd.<instance>.lock, a runtime folder's <socket>.lock."""
+    pids = set()
+    try:
+        locks = [p for p in folder.iterdir() if p.name.endswith(".lock")]
+    except OSError:
+        return pids
+    for lock in locks:
+        try:
+            text = lock.read_text(errors="replace").strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            pids.add(int(text))
+    return pids
+
+
+def _descends_from_us(pid: int) -> bool:
+    me = os.getpid()
+    while pid > 1:
+        if pid == me:
+            return True
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return False
+    return False
+
+
+def _run_pid(pid: int) -> bool:
+    """Whether `pid` is a process of this run: one it started, unless that pid now belongs to a
+    live process of someone else (a pid reused after our daemon exited)."""
+    return pid in _our_pids and (not Path(f"/proc/{pid}").exists() or _descends_from_us(pid))
+
+
+def ours(entry: Path) -> bool:
+    """Whether a /dev/shm or /tmp entry was made by this run: by the helpers (its name starts
+    with RUN_PREFIX: every folder short_tempdir and shm_tempdir make, daemon_factory's among
+    them), or a daemon's engramd-* table or runtime folder whose lock file names a process of
+    this run (a daemon started on the default shm_dir or runtime folder instead of a temp folder
+    of the test's). engramd-* folders of other processes are never ours: the leak check removes
+    what it reports."""
+    if entry.name.startswith(RUN_PREFIX) or entry in _made_temp_dirs:
+        return True
+    return (entry.name.startswith("engramd-") and not entry.is_symlink() and entry.is_dir()
+            and any(_run_pid(pid) for pid in _lock_pids(entry)))
+
+
+def new_entries_of_ours(before: set[Path]) -> list[Path]:
+    """What this run made in /dev/shm and /tmp since `before` (watched_entries())."""
+    return sorted(entry for entry in watched_entries() - before if ours(entry))
+
+
+def remove_entry(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+    _made_temp_dirs.discard(path)
+
+
+def children() -> dict[int, str]:
+    """Live child processes of this process (pid -> command line), zombies excluded."""
+    me, found = os.getpid(), {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        state, ppid = stat.rsplit(") ", 1)[1].split()[:2]
+        if int(ppid) == me and state != "Z":
+            found[int(entry)] = cmdline.replace(b"\0", b" ").decode(errors="replace").strip()
+    return found
+
+
+def long_lived_helpers() -> set[int]:
+    """Children that outlive a test on purpose: multiprocessing's forkserver and resource
+    tracker (started once, on first use, and kept for the session)."""
+    from multiprocessing import forkserver, resource_tracker
+
+    pids = {getattr(forkserver._forkserver, "_forkserver_pid", None),
+            getattr(resource_tracker._resource_tracker, "_pid", None)}
+    return {pid for pid in pids if pid}
+
+
+# -- daemons -------------------------------------------------------------------------------------
+
+
+def client_pids(socket_path: Path) -> dict[int, int]:
+    """client_id -> pid in the daemon's namespace, as an admin sees them (the test's user is the
+    daemon's, an admin; `stats` leaves pids out)."""
+    reply = admin_request(handle_socket_path(socket_path), "clients", 10.0)
+    return {c["client_id"]: c["pid"] for c in reply.clients}
+
+
+def wait_until(condition, timeout: float, step: float = 0.01) -> float:
+    """Seconds until `condition()` held; raises AssertionError after `timeout`."""
+    start = time.monotonic()
+    while not condition():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"condition not met within {timeout} s")
+        time.sleep(step)
+    return time.monotonic() - start
+
+
+def engramd_command() -> list[str]:
+    exe = shutil.which("engramd")
+    return [exe] if exe else [sys.executable, "-m", "engramd.server.cli"]
+
+
+class DaemonProcess:
+    """`engramd serve` started as users start it, on a private socket and shm folder."""
+
+    def __init__(self, workdir: Path, shm_dir: Path, tables: Path | str, instance: str,
+                 extra: list[str], env: dict[str, str] | None = None,
+                 nofile: tuple[int, int] | None = None):
+        self.env = {**os.environ, **(env or {})}
+        self.workdir = workdir
+        self.socket = workdir / "run" / "engramd.sock"
+        self.shm_dir = shm_dir
+        self.log_path = workdir / f"daemon-{instance}.log"
+        self.tables_dir = shm_dir / f"engramd-{instance}"  # server/table_loader.py tables_folder
+        self.args = [*engramd_command(), "serve", "--tables", str(tables), "--socket",
+                     str(self.socket), "--shm-dir", str(shm_dir), "--instance", instance,
+                     "--backend", "cpu", "--heartbeat-interval", str(DEMO_HEARTBEAT_S),
+                     "--metrics-address", "127.0.0.1:0", *extra]
+        self.nofile = nofile  # (soft, hard) open-file limits to start it with
+        self.proc: subprocess.Popen | None = None
+
+    def _limits(self) -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, self.nofile)
+
+    def start(self) -> DaemonProcess:
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=self.env,
+                                     preexec_fn=self._limits if self.nofile else None)
+        _our_pids.add(self.proc.pid)  # the leak scan knows its lock files by this pid
+        return self
+
+    def health(self, timeout: float = 1.0) -> dict | None:
+        try:
+            return probe(self.socket, "health", timeout).body.encode()
+        except EngramError:
+            return None
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> DaemonProcess:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
+            health = self.health()
+            if health and health["ready"]:
+                return self
+            time.sleep(0.05)
+        raise AssertionError(f"daemon not ready within {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise AssertionError(f"daemon ignored {sig} for {timeout} s:\n{self.log()}") from None
+        self._log.close()
+        return self.proc.returncode
+
+
+SLAB_MEMFD = "/memfd:engramd-slab-c"  # how the daemon's slabs show in /proc (server/cpu_backend.py)
+
+
+def slab_files(pid: int) -> set[str]:
+    """The slabs a daemon process holds open: its memfd descriptors, read from /proc."""
+    names = set()
+    fd_dir = Path(f"/proc/{pid}/fd")
+    for fd in os.listdir(fd_dir):
+        try:
+            target = os.readlink(fd_dir / fd)
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith(SLAB_MEMFD):
+            names.add(target.split(" ")[0])
+    return names
+
+
+UNSHARE = ["unshare", "--pid", "--ipc", "--mount", "--fork", "--mount-proc"]
+
+
+def namespaced(command: list[str], private_shm: bool = True) -> list[str]:
+    """`command` as pid 1 of new PID, IPC and mount namespaces, with a private /dev/shm unless
+    told otherwise (an MPS client needs its server's): as an engine in a container of its own
+    sees the machine."""
+    script = ('mount -t tmpfs engramd-private /dev/shm && ' if private_shm else '') + 'exec "$@"'
+    return [*UNSHARE, "sh", "-c", script, "sh", *command]
+
+
+def _namespaces_unavailable() -> str | None:
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return "needs root and unshare"
+    run = subprocess.run(namespaced(["true"]), capture_output=True, text=True, timeout=30)
+    return None if run.returncode == 0 else f"unshare failed here: {run.stderr.strip()}"
+
+
+NAMESPACES_UNAVAILABLE = _namespaces_unavailable()  # None where namespaced clients can run
+
+
+def attach_raw(socket_path: Path, reply: dict, keep_descriptors: bool = False):
+    """The second step of a registration made with raw messages: attach over the handle socket
+    (client/handles.py). Keep the returned attachment: its lease is the registration's life."""
+    from engramd.client.handles import attach, handle_socket_path
+
+    attached = attach(handle_socket_path(socket_path), reply["client_id"], reply["token"])
+    if not keep_descriptors:
+        attached.close_descriptors()
+    return attached
+
+
+def run_client_processes(commands: list[list[str]], timeout: float = 120.0) -> None:
+    """Run client scripts as separate processes concurrently; fail with their output if any fails."""
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for cmd in commands]
+    failures = []
+    for cmd, proc in zip(commands, procs, strict=True):
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+            failures.append(f"{cmd}: timed out\n{out.decode(errors='replace')}")
+            continue
+        if proc.returncode != 0:
+            failures.append(f"{cmd}: exit {proc.returncode}\n{out.decode(errors='replace')}")
+    assert not failures, "\n\n".join(failures)
+
+
+def check_rows_stay_across_a_restart(daemon_factory, reference, device: str, mode: str,
+                                     extra: tuple[str, ...] = ()) -> None:
+    """EngramClient.slot_rows' promise: views of a slot's rows taken once read every later
+    lookup into that slot, of any token count, also after the daemon was killed and restarted
+    (the client re-registers and keeps its rows' address). The restarted daemon comes up while
+    the client's next lookup is already waiting for it, so failed attempts come first; a lookup
+    made before the restart is refused afterwards, not waited for. A mapped client does not wait:
+    its lookups go on from its mapping with no daemon, re-registering in the background, and
+    its lookup made before the restart stays valid."""
+    import threading
+
+    import torch
+    from reference import random_ids
+
+    from engramd.client import DaemonUnavailableError, EngramClient
+
+    first = daemon_factory(instance="stay", extra=list(extra))
+    client = EngramClient(first.socket, device=device, mode=mode, max_tokens=64, slots=2,
+                          timeout=10, reconnect_timeout=60)
+    rng = np.random.default_rng(9)
+    views = [client.slot_rows(slot) for slot in range(2)]
+
+    def lookups(when: str) -> None:
+        for tokens, slot in ((5, 1), (64, 0), (1, 0), (17, 1)):
+            ids = torch.from_numpy(random_ids(rng, tokens, reference.rows, reference.heads))
+            rows = client.lookup(ids.to(device), slot=slot).wait()
+            if device == "cuda":
+                torch.cuda.current_stream().synchronize()
+            what = f"{when}, {tokens} tokens into slot {slot}"
+            assert rows.data_ptr() == views[slot].data_ptr(), f"{what}: the rows moved"
+            got = views[slot][:, :tokens].double().cpu().numpy()
+            wrong = np.argwhere(got != reference.expected(ids.numpy()))
+            assert wrong.size == 0, f"{what}: {len(wrong)} wrong values, first {wrong[:3].tolist()}"
+
+    try:
+        assert client.mode == mode
+        lookups("before the restart")
+        epoch, generation, tables = client.epoch, client.rows_generation, client.tables_id
+        stale_ids = random_ids(rng, 3, reference.rows, reference.heads)
+        stale = client.lookup(torch.from_numpy(stale_ids).to(device))
+        first.proc.kill()
+        first.proc.wait()
+        if mode == "mapped":  # its own gather, which no daemon took part in: still valid
+            rows = stale.wait()
+            if device == "cuda":
+                torch.cuda.current_stream().synchronize()
+            assert np.array_equal(rows.double().cpu().numpy(), reference.expected(stale_ids)), \
+                "a lookup made before the kill"
+        second = daemon_factory(instance="stay", shm_dir=first.shm_dir, workdir=first.workdir,
+                                extra=list(extra), start=False)
+        restart = threading.Timer(1.0, second.start)
+        restart.start()
+        lookups("after the restart" if mode == "served" else "with no daemon")
+        restart.join()
+        second.wait_ready()
+        if mode == "mapped":
+            wait_until(lambda: client.epoch != epoch, timeout=30)
+            lookups("after the restart")
+        assert client.epoch != epoch and client.mode == mode
+        assert client.rows_generation == generation, "the rows moved"
+        assert tables is not None and client.tables_id == tables, "the same checkpoint, other tables?"
+        assert stale.done()  # nothing to wait for: its rid belongs to the new connection now
+        if mode == "served":
+            with pytest.raises(DaemonUnavailableError, match="before the client re-registered"):
+                stale.wait()  # its slot has been the new registration's since
+    finally:
+        client.close()
+    assert second.stop() == 0, second.log()
+
+
+def point(link: Path, target: Path) -> None:
+    """Point the symlink `link` at `target` in one step (as a deployment flips it)."""
+    staged = link.with_name(link.name + ".new")
+    staged.unlink(missing_ok=True)
+    staged.symlink_to(target)
+    os.replace(staged, link)
+
+
+def reload(daemon: DaemonProcess, *flags: str, timeout: float = 120.0) -> dict:
+    """`engramd reload --json` against `daemon`: its exit status, stderr and final status."""
+    result = subprocess.run([*engramd_command(), "reload", "--socket", str(daemon.socket), "--json",
+                             *flags], capture_output=True, text=True, timeout=timeout)
+    status = json.loads(result.stdout) if result.stdout.strip() else {}
+    return {"exit": result.returncode, "stderr": result.stderr, **status}
+
+
+def rows_match(actual: np.ndarray, reference: ReferenceTables, ids: np.ndarray,
+               rank: int = 0, shards: int = 1) -> bool:
+    """Whether float64 rows are exactly the reference's for `ids` (NaN where it has NaN)."""
+    expected = reference.expected(ids, rank, shards)
+    return actual.shape == expected.shape and bool(
+        ((actual == expected) | (np.isnan(actual) & np.isnan(expected))).all())
