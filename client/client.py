@@ -28,9 +28,9 @@ engine queued since the lookup. Queued in front of them, it would hold SMs that 
 needs, and its launch's host time would come before theirs.
 If the daemon dies (or retires the registration: either way its end of the lease closes), a
 watchdog thread satisfies every pending wait (CPU stores into the slab's counters, which live in
-pinned host memory: client/host_counters.py) within WATCHDOG_S, so no stream
-of this process hangs. A lookup whose rows the daemon had not written is failed first: its rows
-are filled with NaN before its waits are released, and the next lookup(), wait() or result()
+pinned host memory: client/host_counters.py) within WATCHDOG_S (plus RELEASE_DEADLINE_S for each
+lookup it fails), so no stream of this process hangs. A lookup whose rows the daemon had not
+written is failed first: its rows are filled with NaN before its waits are released, and the next lookup(), wait() or result()
 raises LookupFailedError naming it (client/failures.py); then calls raise DaemonUnavailableError
 until the next lookup() re-registers. A mapped client's lookups go on from its mapping instead, while a thread registers
 with the restarted daemon (client/rejoin.py). One client object serves one thread.
@@ -47,6 +47,7 @@ import socket
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,7 @@ from engramd.client.slab import (
     SlabLayout,
     SlotViews,
     rows_written,
+    wait_passes,
 )
 
 log = logging.getLogger("engramd.client")
@@ -109,6 +111,11 @@ DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_RECONNECT_S = 60.0  # how long lookup() waits for a restarted daemon before giving up
 WATCHDOG_S = 0.1
 RELEASE_DEADLINE_S = 0.5  # for the NaN over rows the daemon did not write (_invalidate)
+# How long the watchdog keeps storing the release after its daemon died: the dead process's last
+# gathers can still run for a moment and write older ROWS_DONEs over it (as the daemon's own
+# release repeats its stores: server/cuda_backend.py).
+RELEASE_REPEAT_S, RELEASE_REPEAT_PAUSE_S = 2.0, 0.01
+RECENT_LOOKUPS = 64  # served GPU lookups remembered by rid for their late error replies
 REJOIN_STOP_S = 3.0  # how long close() waits for a rejoin in flight (client/rejoin.py)
 
 # Leases of this process's clients. A child made by fork() must not hold them: a lease is closed
@@ -147,11 +154,15 @@ class LookupFuture:
         # Served GPU lookups whose wait the daemon did not satisfy: their rows are NaN, not
         # theirs (client/failures.py). Set once, by the watchdog or the lookup thread.
         self.failure: LookupFailedError | None = None
+        # Served GPU: recorded where its stream handed the IDs over (after the slot's previous
+        # readers): what the slot's next use and a release's NaN fill wait for.
+        self.submitted: torch.cuda.Event | None = None
 
     def failed(self) -> bool:
         """True once this lookup is known to have failed: its rows are not its own (the daemon
         died, retired this client or refused the lookup) and wait()/result() raise. Never waits
-        and never syncs: an engine may poll it off its critical path."""
+        and never syncs: an engine may poll it off its critical path, from the thread that uses
+        the client (it reads the daemon's replies)."""
         client = self._client
         if self.failure is None and self._error is None and client.device.type == "cuda":
             client._take_in()  # error replies the daemon sent since
@@ -191,9 +202,11 @@ class LookupFuture:
                 self._client._check_alive()
             if self._error is None and self._client._daemon_failed(self):
                 self._error = self._client._error_of(self)
-            if self._error is not None:
-                self._client._failed.reported(self.seq)
-                raise self._error
+            if self.event is None and self._error is None and not self._client._rows_written(self):
+                # Released by the daemon's free of the slab (it retired us) before our watchdog
+                # saw the lease close: the counters say these rows were never written.
+                self._client._failed.add(self, "its wait was released without its rows")
+            self._raise_failure()
         return rows.clone() if copy else rows
 
     def wait(self, stream: torch.cuda.Stream | None = None) -> torch.Tensor:
@@ -208,18 +221,20 @@ class LookupFuture:
             self._raise_failure()
             client._check_alive()
         if self._error is not None:
-            client._failed.reported(self.seq)
+            client._failed.reported(self)
             raise self._error
         stream = stream or torch.cuda.current_stream(client.device.index)
         client._stream_wait(self, stream)
         return client._slab.rows(self.slot, self.tokens)
 
     def _raise_failure(self) -> None:
-        """This lookup's own failure, else any failure of the client not yet reported."""
+        """This lookup's own failure (the daemon's typed error first), else any failure of the
+        client not yet reported."""
         failed = self._client._failed
-        if self.failure is not None:
-            failed.reported(self.seq)
-            raise self.failure
+        for own in (self._error, self.failure):
+            if own is not None:
+                failed.reported(self)
+                raise own
         failed.raise_unreported()
 
     def _collect(self, timeout: float | None) -> None:
@@ -320,19 +335,28 @@ class _CudaSlabView:
         self.memory.replace_from_descriptor(attachment.slab_fd)
         self._map_counters(attachment)
 
-    def invalidate(self, slot: int, tokens: int) -> torch.cuda.Event:
+    def invalidate(self, slot: int, tokens: int, after: torch.cuda.Event) -> torch.cuda.Event:
         """NaN over the first `tokens` tokens of the slot's rows, which the daemon will not
-        write, on the release stream; returns an event that passes once it is done. The waits
-        are released after it (release()), so they read NaN, not the slot's previous rows
-        (client/failures.py). A driver memset: no kernel module is loaded while this process's
-        streams wait on a dead one."""
+        write, on the release stream once `after` (the lookup's submission: its stream has
+        passed the slot's previous readers) has passed; returns an event that passes once it is
+        done. Its waits are released after it (fail()), so they read NaN, not the slot's
+        previous rows (client/failures.py). A driver memset: no kernel module is loaded while
+        this process's streams wait on a dead one."""
         rows = self.views.rows(slot, tokens)  # [n_layers, T, local_heads, head_dim], layers apart
+        self.release_stream.wait_event(after)
         self.ops.fill_u16_rows(self.release_stream.cuda_stream, rows.data_ptr(),
                                rows.stride(0) * rows.element_size(), BF16_NAN, rows[0].numel(),
                                rows.shape[0])
         done = torch.cuda.Event()
         done.record(self.release_stream)
         return done
+
+    def fail(self, slot: int, seq: int) -> None:
+        """Mark the slot's lookup `seq` not served (FAILED, as the daemon's refusal does) and
+        pass the waits for it, and for no later lookup of the slot (CPU stores)."""
+        self.counters.store(slot, FAILED, seq)
+        if not wait_passes(self.counters.load(slot, ROWS_DONE), seq):
+            self.counters.store(slot, ROWS_DONE, seq)
 
     def release(self, slot: int, last_seq: int) -> None:
         """Pass every wait of ours on the slot's rows (a CPU store, which no GPU queue holds up:
@@ -502,9 +526,10 @@ class EngramClient:
         # Served GPU: lookups sent whose rows are not known written, every slot's (a slot's
         # previous lookup may still be gathering when its next one replaces it in _pending).
         self._unsettled: list[LookupFuture] = []
-        self._submitted: dict[int, torch.cuda.Event] = {}  # served GPU: per slot, see _await_submitted
+        # Served GPU: the last lookups sent, by rid, so that an error reply that comes after a
+        # later lookup took a lookup's place in _pending still fails it (_take_in).
+        self._recent: OrderedDict[int, LookupFuture] = OrderedDict()
         self._next_slot = 0
-        self._unsettled = []
         self._seqs = itertools.count(1)
         self._last_seq = 0  # served GPU: the seq of the last lookup sent (rows_written)
         self._dead: str | None = None
@@ -1096,13 +1121,16 @@ class EngramClient:
             with torch.cuda.stream(stream):
                 slab.ids(slot, tokens, ids.dtype).copy_(ids, non_blocking=True)
         slab.ops.write_u32(raw, slab.ids_ready[slot], seq)
-        self._slot_submitted(slot).record(stream)
+        submitted = torch.cuda.Event()
+        submitted.record(stream)
         self._last_seq = seq
         rid = self._conn.send("lookup", None, client_id=self.client_id, slot=slot, seq=seq,
                               ids_dtype=dtype_name(ids.dtype),
                               ids_shape=[tokens, ids.shape[1], ids.shape[2]], inline=False,
                               ack=False)
         future = self._track(LookupFuture(self, rid, slot, seq, tokens, acked=False))
+        future.submitted = submitted
+        self._remember(future)
         self._unsettled = [*self._settle(), future]  # one reference swap: the watchdog may read it
         if self._dead is not None:  # the watchdog released the waits, maybe before it saw this one
             self._invalidate([future])
@@ -1216,12 +1244,10 @@ class EngramClient:
             if consumer != stream:
                 stream.wait_stream(consumer)
 
-    def _slot_submitted(self, slot: int) -> torch.cuda.Event:
-        """The slot's event, recorded where its last lookup's IDs were handed to the daemon."""
-        event = self._submitted.get(slot)
-        if event is None:
-            event = self._submitted[slot] = torch.cuda.Event()
-        return event
+    def _remember(self, future: LookupFuture) -> None:
+        self._recent[future.rid] = future
+        while len(self._recent) > RECENT_LOOKUPS:
+            self._recent.popitem(last=False)
 
     def _await_submitted(self, slot: int, previous: LookupFuture) -> None:
         """Block until this GPU has handed the slot's previous IDs to the daemon.
@@ -1231,7 +1257,7 @@ class EngramClient:
         client killed then leaves all of them for the daemon to release. Engines run at most a
         step or two ahead, so this rarely waits. Bounded by the client's timeout: a stream held
         up for that long is a fault to report, not to wait out."""
-        event = self._submitted.get(slot)
+        event = previous.submitted
         if event is None or event.query():
             return
         deadline, pause = time.monotonic() + self.timeout, 20e-6
@@ -1301,7 +1327,12 @@ class EngramClient:
                     if future.consumers:  # its wait() returned: the engine hears of it next call
                         self._failed.add(future, f"refused by the daemon: {exc.message}")
         for rid, error in conn.take_stale_errors():  # their slots were reused meanwhile
-            log.warning("lookup (rid %d) failed after its slot was reused: %s", rid, error)
+            future = self._recent.get(rid)
+            if future is None:
+                log.warning("lookup (rid %d) failed after its slot was reused: %s", rid, error)
+            elif future._error is None:
+                future._error = error
+                self._failed.add(future, f"refused by the daemon: {error.message}")
 
     def _check_ids(self, ids: torch.Tensor) -> torch.Tensor:
         if not isinstance(ids, torch.Tensor):
@@ -1369,6 +1400,10 @@ class EngramClient:
         """Background thread: heartbeats on a connection of its own (so a daemon that cannot see
         our process knows we live), and for GPU clients, release of every stream wait on the
         daemon's counters once the lease closes (the daemon died or retired us)."""
+        if self.device.type == "cuda":
+            from engramd.client import cuda
+
+            cuda.make_current(self.device.index)  # the release's driver calls need the context
         beat = Connection(self.socket_path)
         next_beat = 0.0
         try:
@@ -1381,6 +1416,7 @@ class EngramClient:
                     self._dead = f"{gone}; results of in-flight lookups are invalid"
                     if self.device.type == "cuda":
                         self._release_waits()
+                        self._keep_releasing(closing)
                     return
                 if time.monotonic() >= next_beat:
                     next_beat = time.monotonic() + interval
@@ -1430,33 +1466,53 @@ class EngramClient:
         self._invalidate(self._unsettled)
 
     def _invalidate(self, futures: list[LookupFuture]) -> None:
-        """Fail each of `futures` whose rows the daemon did not write, fill its rows with NaN,
-        then release its waits (client/failures.py). Idempotent: the watchdog and the lookup
-        thread may both get here for one lookup. The release waits RELEASE_DEADLINE_S at most
-        for the fill (which a GPU queue may hold up behind the very waits it is for): nothing
-        hangs."""
+        """Fail each of `futures` whose rows the daemon did not write, then release every wait
+        on the slab's counters (the watchdog, once the lease closed; the lookup thread, for one
+        sent after the watchdog's scan; a disconnect). In seq order, each lookup's rows are
+        filled with NaN once its own stream has handed its IDs over (after the slot's previous
+        readers, which must not read NaN), and its waits, and no later lookup's of the slot,
+        are released when the fill is done or RELEASE_DEADLINE_S has passed: a later lookup's
+        submission can wait for that release. Any error on the way still releases every slot
+        in the end: nothing hangs (client/failures.py)."""
         slab, last = self._slab, self._last_seq
         if not isinstance(slab, _CudaSlabView):
             return  # not mapped yet: nothing waits on it
-        filling = []
-        for future in futures:
-            if future.slots_epoch != self._slots_epoch or slab.written(future.slot, future.seq, last):
-                continue
-            self._failed.add(future, self._dead or "the daemon's lease closed")
-            try:
-                filling.append((future, slab.invalidate(future.slot, future.tokens)))
-            except EngramError as exc:
-                log.error("could not fill the rows of lookup seq %d with NaN: %s", future.seq, exc)
-                filling.append((future, None))
-        deadline = time.monotonic() + RELEASE_DEADLINE_S
-        for future, filled in filling:
-            while filled is not None and not filled.query() and time.monotonic() < deadline:
+        try:
+            for future in sorted(futures, key=lambda f: f.seq):
+                if (future.slots_epoch == self._slots_epoch and future._error is None
+                        and not slab.written(future.slot, future.seq, last)
+                        and self._failed.add(future, self._dead or "the daemon's lease closed")):
+                    self._fill_then_fail(slab, future)
+        finally:
+            for slot in range(slab.layout.slots):
+                slab.release(slot, last)
+
+    @staticmethod
+    def _fill_then_fail(slab: _CudaSlabView, future: LookupFuture) -> None:
+        filled = None
+        try:
+            filled = slab.invalidate(future.slot, future.tokens, future.submitted)
+            deadline = time.monotonic() + RELEASE_DEADLINE_S
+            while not filled.query() and time.monotonic() < deadline:
                 time.sleep(0.001)
-            if filled is None or not filled.query():
-                log.error("lookup seq %d: its rows could not be filled with NaN within %.1f s; "
-                          "released as they are (the lookup is failed all the same)", future.seq,
-                          RELEASE_DEADLINE_S)
-            slab.release(future.slot, last)
+        except Exception as exc:  # a CUDA error here must not keep the waits from their release
+            log.error("lookup seq %d: its rows could not be filled with NaN: %s", future.seq, exc)
+        if filled is not None and not filled.query():
+            log.error("lookup seq %d: its rows were not filled with NaN within %.1f s; its waits "
+                      "are released with them as they are (it is failed all the same)",
+                      future.seq, RELEASE_DEADLINE_S)
+        slab.fail(future.slot, future.seq)
+
+    def _keep_releasing(self, closing: threading.Event) -> None:
+        """From the watchdog, after its release: store it again for RELEASE_REPEAT_S, over what
+        the dead daemon's last gathers write, until the client closes or re-registers."""
+        slab, last = self._slab, self._last_seq
+        deadline = time.monotonic() + RELEASE_REPEAT_S
+        while isinstance(slab, _CudaSlabView) and time.monotonic() < deadline:
+            if closing.wait(RELEASE_REPEAT_PAUSE_S) or self._slab is not slab:
+                return
+            for slot in range(slab.layout.slots):
+                slab.release(slot, last)
 
     def _daemon_gone(self) -> bool:
         """The daemon of our registration died, retired us, or said it is stopping (a reconnect

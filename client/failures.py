@@ -26,7 +26,7 @@ from engramd.client.errors import LookupFailedError
 
 class Failable(Protocol):
     seq: int
-    tokens: int
+    slots_epoch: int  # its registration: seqs start again at each
     failure: LookupFailedError | None
 
 
@@ -36,20 +36,23 @@ class FailedLookups:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._unreported: dict[int, str] = {}  # seq -> why its rows are not its own
+        self._unreported: dict[tuple[int, int], str] = {}  # (registration, seq) -> why
 
-    def add(self, lookup: Failable, why: str) -> None:
+    def add(self, lookup: Failable, why: str) -> bool:
         """Mark `lookup` failed (its own wait()/result() raise from now on) and keep it for the
-        client's next call. Idempotent: the watchdog and the lookup thread may both find it."""
-        if lookup.failure is None:
+        client's next call; False if it was failed already (the watchdog and the lookup thread
+        may both find it: it is failed, and reported, once)."""
+        with self._lock:
+            if lookup.failure is not None:
+                return False
             lookup.failure = failure_error({lookup.seq: why})
-        with self._lock:
-            self._unreported.setdefault(lookup.seq, why)
+            self._unreported[(lookup.slots_epoch, lookup.seq)] = why
+            return True
 
-    def reported(self, seq: int) -> None:
-        """`seq`'s failure reached its caller through its own future: not raised again."""
+    def reported(self, lookup: Failable) -> None:
+        """`lookup`'s failure reached its caller through its own future: not raised again."""
         with self._lock:
-            self._unreported.pop(seq, None)
+            self._unreported.pop((lookup.slots_epoch, lookup.seq), None)
 
     def raise_unreported(self) -> None:
         """LookupFailedError naming every failure not yet reported, once."""
@@ -57,7 +60,7 @@ class FailedLookups:
             if not self._unreported:
                 return
             failed, self._unreported = self._unreported, {}
-        raise failure_error(failed)
+        raise failure_error({seq: why for (_, seq), why in failed.items()})
 
     def __len__(self) -> int:
         with self._lock:
@@ -70,5 +73,5 @@ def failure_error(failed: dict[int, str]) -> LookupFailedError:
     shown = ", ".join(map(str, seqs[:8])) + (f" and {len(seqs) - 8} more" if len(seqs) > 8 else "")
     return LookupFailedError(
         f"the rows of lookup(s) seq {shown} were not written by the daemon ({reasons}); they "
-        "hold NaN: whatever read them (the steps that waited on them) must be computed again",
-        seqs)
+        "hold NaN (or, where the fill could not run in time, older rows): whatever read them "
+        "(the steps that waited on them) must be computed again", seqs)

@@ -571,10 +571,11 @@ class ClientRegistry:
         slot = req.slot
         if not self.backend.orders_slots or not 0 <= slot < record.slab.layout.slots:
             return
-        # Its rows: the whole slot becomes NaN (the request's own size may be what was wrong),
-        # for a consumer whose wait() returned before the refusal reached its client.
+        # Its rows become NaN, for a consumer whose wait() returned before the refusal reached its
+        # client: the request's tokens, or the whole slot where its size is what was wrong.
         job = LookupJob(record.client_id, record.slab, record.shard, slot, req.seq,
-                        record.slab.layout.max_tokens, skip=True, context={"silent": True})
+                        _refused_tokens(req, record.slab.layout.max_tokens), skip=True,
+                        context={"silent": True})
         self._submit(record, job, done)
 
     def _validate_lookup(self, record: ClientRecord, req: LookupRequest, payload: list[bytes]) -> LookupJob:
@@ -670,6 +671,14 @@ def printable(text: str) -> str:
     """`text` with what a terminal would act on (escape sequences, control characters)
     written as escapes: client-supplied text reaches `engramd stats` and the log."""
     return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
+
+
+def _refused_tokens(req: LookupRequest, max_tokens: int) -> int:
+    try:
+        tokens = _tokens_of(req)
+    except BadIdsError:
+        return max_tokens
+    return tokens if 0 < tokens <= max_tokens else max_tokens
 
 
 def _tokens_of(req: LookupRequest) -> int:

@@ -18,27 +18,37 @@ from engramd.client.failures import FailedLookups
 @dataclass
 class Lookup:
     seq: int
-    tokens: int = 4
+    slots_epoch: int = 1
     failure: LookupFailedError | None = None
 
 
 def test_a_failure_is_raised_once_naming_its_lookups():
     failed, first, second = FailedLookups(), Lookup(7), Lookup(9)
-    failed.add(first, "the daemon exited")
-    failed.add(second, "the daemon exited")
-    failed.add(first, "found again by the other thread")  # idempotent
+    assert failed.add(first, "the daemon exited") and failed.add(second, "the daemon exited")
+    assert not failed.add(first, "found again by the other thread")  # failed once
     with pytest.raises(LookupFailedError, match=r"seq 7, 9 .*the daemon exited") as raised:
         failed.raise_unreported()
     assert raised.value.seqs == (7, 9) and raised.value.code == "lookup_failed"
     failed.raise_unreported()  # reported: not again
+    assert not failed.add(first, "the client's disconnect finds it again")
+    failed.raise_unreported()  # still not again
     assert isinstance(first.failure, LookupFailedError) and first.failure.seqs == (7,)
     assert "found again" not in str(first.failure)
+
+
+def test_the_same_seq_of_another_registration_is_another_lookup():
+    failed = FailedLookups()
+    old, new = Lookup(5, slots_epoch=1), Lookup(5, slots_epoch=2)
+    failed.add(old, "the daemon exited")
+    failed.reported(new)  # the new registration's seq 5 reported: the old one's still stands
+    with pytest.raises(LookupFailedError, match="seq 5 "):
+        failed.raise_unreported()
 
 
 def test_a_failure_its_own_future_reported_is_not_raised_again():
     failed, lookup = FailedLookups(), Lookup(3)
     failed.add(lookup, "refused by the daemon: slot busy")
-    failed.reported(3)
+    failed.reported(lookup)
     assert len(failed) == 0
     failed.raise_unreported()
 

@@ -1,0 +1,127 @@
+"""The served client's release when its daemon's lease closes (EngramClient._invalidate), on the
+CPU: which lookups fail, in which order their rows are filled and their waits released, and that
+every slot is released whatever happens on the way. A slab whose counters are a dict stands in
+for the GPU's (the GPU tests run the real one: tests/gpu/test_served_faults_gpu.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from engramd.client.client import EngramClient, _CudaSlabView
+from engramd.client.failures import FailedLookups
+from engramd.client.slab import DONE_AT_RELEASE, FAILED, ROWS_DONE, release_value, rows_written
+
+
+class Event:
+    def __init__(self, done: bool = True):
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
+class Slab(_CudaSlabView):
+    """Counters in a dict; what the release did, in order, in `calls`."""
+
+    def __init__(self, slots: int, fill: str = "ok"):  # no GPU: none of the parent's set-up
+        self.layout = SimpleNamespace(slots=slots)
+        self.words: dict[tuple[int, int], int] = {}
+        self.calls: list[tuple] = []
+        self.fill = fill
+
+    def load(self, slot: int, word: int) -> int:
+        return self.words.get((slot, word), 0)
+
+    def written(self, slot: int, seq: int, last_seq: int) -> bool:
+        return rows_written(self.load(slot, ROWS_DONE), self.load(slot, FAILED),
+                            self.load(slot, DONE_AT_RELEASE), seq, last_seq)
+
+    def invalidate(self, slot: int, tokens: int, after) -> Event:
+        self.calls.append(("fill", slot, after))
+        if self.fill == "raises":
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return Event(done=self.fill == "ok")
+
+    def fail(self, slot: int, seq: int) -> None:
+        self.calls.append(("fail", slot, seq))
+        self.words[(slot, FAILED)] = seq
+        self.words[(slot, ROWS_DONE)] = max(seq, self.load(slot, ROWS_DONE))
+
+    def release(self, slot: int, last_seq: int) -> None:
+        self.calls.append(("release", slot))
+        self.words[(slot, ROWS_DONE)] = release_value(last_seq)
+
+
+def lookup(seq: int, slot: int, error=None):
+    return SimpleNamespace(seq=seq, slot=slot, tokens=4, slots_epoch=1, _error=error, failure=None,
+                           submitted=f"submitted {seq}")
+
+
+def client(slab: Slab, last_seq: int):
+    """The attributes _invalidate reads, on a stand-in for the client."""
+    return SimpleNamespace(_slab=slab, _last_seq=last_seq, _slots_epoch=1, _failed=FailedLookups(),
+                           _dead="the daemon exited", _fill_then_fail=EngramClient._fill_then_fail)
+
+
+def invalidate(fake, lookups) -> None:
+    EngramClient._invalidate(fake, lookups)
+
+
+def test_unwritten_lookups_fail_in_seq_order_each_filled_after_its_own_submission():
+    """Slot 0 holds lookups 1 (written) and 3 and 5 (not), slot 1 lookup 4 (not): each unwritten
+    one is filled once its stream handed its IDs over (after the slot's earlier readers), then its
+    waits pass, up to its seq only, before the next one's fill; then every slot is released."""
+    slab = Slab(slots=2)
+    slab.words[(0, ROWS_DONE)] = 1
+    fake = client(slab, last_seq=5)
+    lookups = [lookup(5, 0), lookup(1, 0), lookup(4, 1), lookup(3, 0)]
+    invalidate(fake, lookups)
+    assert slab.calls == [("fill", 0, "submitted 3"), ("fail", 0, 3),
+                          ("fill", 1, "submitted 4"), ("fail", 1, 4),
+                          ("fill", 0, "submitted 5"), ("fail", 0, 5),
+                          ("release", 0), ("release", 1)]
+    assert [x.failure is not None for x in lookups] == [True, False, True, True]
+    with pytest.raises(Exception, match=r"seq 3, 4, 5 "):
+        fake._failed.raise_unreported()
+
+
+def test_a_fill_that_fails_still_fails_its_lookup_and_releases_every_slot():
+    slab = Slab(slots=3, fill="raises")
+    fake = client(slab, last_seq=2)
+    lost = lookup(2, 1)
+    invalidate(fake, [lost])
+    assert lost.failure is not None
+    assert slab.calls == [("fill", 1, "submitted 2"), ("fail", 1, 2),
+                          ("release", 0), ("release", 1), ("release", 2)]
+
+
+def test_a_fill_that_does_not_finish_in_time_releases_all_the_same(monkeypatch):
+    monkeypatch.setattr("engramd.client.client.RELEASE_DEADLINE_S", 0.05)
+    slab = Slab(slots=1, fill="never")
+    invalidate(client(slab, last_seq=1), [lookup(1, 0)])
+    assert slab.calls == [("fill", 0, "submitted 1"), ("fail", 0, 1), ("release", 0)]
+
+
+def test_a_second_release_neither_fails_nor_fills_again():
+    """The client's disconnect releases again what its watchdog released: the lookup failed and
+    reported once stays reported, and its rows are not filled twice."""
+    slab = Slab(slots=1)
+    fake = client(slab, last_seq=1)
+    lost = lookup(1, 0)
+    invalidate(fake, [lost])
+    with pytest.raises(Exception, match="seq 1 "):
+        fake._failed.raise_unreported()
+    slab.calls.clear()
+    invalidate(fake, [lost])
+    assert slab.calls == [("release", 0)]
+    fake._failed.raise_unreported()  # nothing new
+
+
+def test_a_refused_lookup_is_not_filled_by_the_client_but_its_slot_is_released():
+    """The daemon fills a refused lookup's rows itself, on its stream; if it dies first, the
+    slot's waits must still pass."""
+    slab = Slab(slots=2)
+    invalidate(client(slab, last_seq=3), [lookup(3, 1, error=RuntimeError("tables changed"))])
+    assert slab.calls == [("release", 0), ("release", 1)]
