@@ -24,7 +24,8 @@ from engramd.client.cuda import CudaError, check, cudart, make_current, require_
 from engramd.client.huge_pages import HugeView
 from engramd.client.libc import libc
 
-REGISTER_CHUNK = 64 << 30  # the largest range registered in one call (DESIGN.md, host tier)
+# The largest range registered in one call (docs/architecture.md, "Host tier").
+REGISTER_CHUNK = 64 << 30
 PART_ALIGN = 2 << 20  # parts start on 2 MiB boundaries: no two parts share a 2 MiB huge page
 PIN_WORKERS = 8  # the fastest measured; more threads were no faster
 _MADV_POPULATE_READ = 22  # Linux >= 5.14; older kernels answer EINVAL and the pin faults pages itself

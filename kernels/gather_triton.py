@@ -395,7 +395,8 @@ class GatherPlan:
         cache variant warms up on the real cache (DEAD IDs read, count and log nothing).
 
         A first launch loads the module lazily, and a process whose stream waits on another
-        process must not do that in its hot path (DESIGN.md, data path point 4).
+        process must not do that in its hot path (docs/architecture.md, "Cross-process waits and
+        lazy module loading").
         """
         counter = torch.zeros(1, dtype=torch.int64, device=self.device)
         counts = [counter if on else None for on in counted]

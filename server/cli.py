@@ -42,7 +42,8 @@ def _setup_logging(level: str) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     # Before anything initialises CUDA: a lazily loaded kernel, launched while one of our streams
-    # waits on a client process, would block the host until that client delivers (DESIGN.md).
+    # waits on a client process, would block the host until that client delivers
+    # (docs/architecture.md, "Cross-process waits and lazy module loading").
     os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
     from engramd.server.config import dump_toml, load_config, overrides_from_args
     from engramd.server.startup import (

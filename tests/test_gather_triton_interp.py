@@ -188,10 +188,31 @@ def test_row_offsets_past_2_to_the_31(kt, world):
     assert_same(out, want, "rows past 2^31 bytes")
 
 
-def test_warm_up_runs_every_variant(kt, world):
+def test_warm_up_runs_every_variant(kt, world, monkeypatch):
+    """Every variant a lookup can launch (ID dtype, packed rows, counter, dedupe, sort, and the
+    sorted lookups' wide blocks) runs once, on DEAD IDs, which read and count nothing."""
     geo, tables = world
+    launched, call = [], kt.GatherPlan.__call__
+
+    def recording(plan, ids, **kw):
+        launched.append((ids.dtype, kw["packed"], kw["out_of_range"] is not None, kw["dedupe"],
+                         kw["sort"], kw["block_rows"]))
+        out = call(plan, ids, **kw)
+        assert not out.any(), "DEAD IDs gather zeros"
+        if kw["out_of_range"] is not None:
+            assert int(kw["out_of_range"]) == 0, "DEAD IDs count as out of range"
+        return out
+
+    monkeypatch.setattr(kt.GatherPlan, "__call__", recording)
     kt.GatherPlan(tables, geo.shard(6, 7)).warm_up()  # a shard that owns no heads, too
     kt.GatherPlan(tables, geo.shard(0, 1)).warm_up()
+    sorted_rows = (kt.DEFAULT_BLOCK_ROWS, kt.WIDE_BLOCK_ROWS)
+    every = {(dtype, packed, counted, dedupe, ordered, rows)
+             for dtype in (torch.int32, torch.int64) for packed in (False, True)
+             for counted in (False, True) for dedupe in (False, True) for ordered in (False, True)
+             for rows in (sorted_rows if ordered else (kt.DEFAULT_BLOCK_ROWS,))}
+    assert launched[:len(every)] == launched[len(every):], "both plans warm the same variants"
+    assert set(launched[:len(every)]) == every and len(launched) == 2 * len(every)
 
 
 def test_no_tokens_launches_nothing(kt, world):
