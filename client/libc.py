@@ -22,8 +22,6 @@ def libc() -> ctypes.CDLL:
     lib.munmap.restype = ctypes.c_int
     lib.statfs.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
     lib.statfs.restype = ctypes.c_int
-    lib.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
-    lib.fallocate.restype = ctypes.c_int
     return lib
 
 
@@ -48,14 +46,3 @@ def filesystem_type(path: str | os.PathLike) -> int:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err), str(path))
     return ctypes.c_long.from_buffer(buffer).value & 0xFFFFFFFF
-
-
-FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
-
-
-def punch_hole(fd: int, size: int) -> None:
-    """Give the first `size` bytes of `fd`'s pages back (fallocate(2) PUNCH_HOLE, the size kept):
-    every mapping of the file reads zeros there from now on; OSError if the file refuses."""
-    if libc().fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, size) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"fallocate(PUNCH_HOLE) of {size} bytes: {os.strerror(err)}")

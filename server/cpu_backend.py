@@ -23,7 +23,6 @@ import torch
 from engramd.client.errors import BadRequestError, ResourceError
 from engramd.client.geometry import ShardView, TableGeometry
 from engramd.client.ids import ID_DTYPES
-from engramd.client.libc import punch_hole
 from engramd.client.slab import SlabLayout
 from engramd.kernels.gather_ref import gather
 from engramd.server.backend import Completion, LookupJob
@@ -83,18 +82,9 @@ class MemfdSlab:
     def close(self) -> None:
         """Let go of the slab. The mapping is not closed here: torch views of it do not pin it
         (closing it would leave them dangling), they hold a reference, so it is unmapped when
-        the last of them goes, at once when there is none.
-
-        Its pages go back first (a hole punched over the memfd): a retired client that keeps
-        the descriptor or its mapping would otherwise keep the slab's memory alive, outside
-        slab_budget_gib, and register again for more. It then reads zeros; a page it writes
-        again is its own, charged to it."""
+        the last of them goes, at once when there is none."""
         if self._map is None:
             return
-        try:
-            punch_hole(self._fd, self.layout.size)
-        except OSError as exc:  # the memory goes with the last holder instead
-            log.warning("slab of %d bytes: its pages could not be given back: %s", self.layout.size, exc)
         os.close(self._fd)
         self.buffer, self._map = None, None
 
