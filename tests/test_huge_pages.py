@@ -95,9 +95,14 @@ def test_the_daemons_view_collapses_the_file_and_says_what_it_could_not(table_fi
     try:
         assert address % HUGE_PAGE == 0 and view.size == len(data)
         assert ctypes.string_at(address, len(data)) == data
-        # The kernel's account: every whole 2 MiB block mapped by a PMD, the last page small.
-        assert view.collapsed_short == (4096 if kernel_collapses else len(data))
+        # What it says it could not collapse is what the kernel maps with small pages. The last
+        # page always; a block the kernel found no free 2 MiB page for at that moment too (a
+        # busy machine's memory is fragmented), so only some collapse is required of it.
         assert view.collapsed_short == len(data) - pmd_mapped(address)
+        if kernel_collapses:
+            assert 4096 <= view.collapsed_short < len(data) - HUGE_PAGE, "hardly any block collapsed"
+        else:
+            assert view.collapsed_short == len(data)
     finally:
         view.close()
     assert not file_mappings(fd)
