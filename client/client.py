@@ -342,11 +342,8 @@ class _CudaSlabView:
         done. Its waits are released after it (fail()), so they read NaN, not the slot's
         previous rows (client/failures.py). A driver memset: no kernel module is loaded while
         this process's streams wait on a dead one."""
-        rows = self.views.rows(slot, tokens)  # [n_layers, T, local_heads, head_dim], layers apart
         self.release_stream.wait_event(after)
-        self.ops.fill_u16_rows(self.release_stream.cuda_stream, rows.data_ptr(),
-                               rows.stride(0) * rows.element_size(), BF16_NAN, rows[0].numel(),
-                               rows.shape[0])
+        self.ops.fill_layers(self.release_stream.cuda_stream, self.views.rows(slot, tokens), BF16_NAN)
         done = torch.cuda.Event()
         done.record(self.release_stream)
         return done
@@ -370,7 +367,8 @@ class _CudaSlabView:
                             seq, last_seq)
 
     def failed_seq(self, slot: int) -> int:
-        """The slot's FAILED word (host memory: meaningful once the lookup's rows are done)."""
+        """The slot's FAILED word: the last of its lookups marked not served (written before
+        that lookup's ROWS_DONE, by the daemon's refusal or the client's release)."""
         return self.counters.load(slot, FAILED)
 
     def ids(self, slot: int, tokens: int, dtype: torch.dtype) -> torch.Tensor:

@@ -282,13 +282,14 @@ class StreamOps:
         if err != self._ok:
             check("cuStreamWaitValue32", (err,))
 
-    def fill_u16_rows(self, stream: int, address: int, pitch: int, value: int, width: int,
-                      height: int) -> None:
-        """`height` rows of `width` 16-bit words, `pitch` bytes apart, set to `value` on `stream`:
-        a driver memset, so no kernel module is loaded (a first kernel launch blocks the host
-        while a stream of the process waits on another process)."""
-        (err,) = cu.cuMemsetD2D16Async(address, pitch, value & 0xFFFF, width, height,
-                                       self.stream(stream))
+    def fill_layers(self, stream: int, rows: torch.Tensor, value: int) -> None:
+        """Every 16-bit word of `rows` (a slot's `[n_layers, T, ...]` view: each layer
+        contiguous, layers a stride apart) set to `value` on `stream`: one driver memset, so no
+        kernel module is loaded (a first kernel launch blocks the host while a stream of the
+        process waits on another process)."""
+        width, height = rows[0].numel(), rows.shape[0]
+        (err,) = cu.cuMemsetD2D16Async(rows.data_ptr(), rows.stride(0) * rows.element_size(),
+                                       value & 0xFFFF, width, height, self.stream(stream))
         if err != self._ok:
             check(f"cuMemsetD2D16Async({width} x {height})", (err,))
 

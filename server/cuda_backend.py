@@ -59,6 +59,7 @@ from engramd.client.ids import ID_DTYPES
 from engramd.client.mapped import DeviceCounterReader
 from engramd.client.mps import MpsState, mps_state
 from engramd.client.slab import (
+    BF16_NAN,
     FAILED,
     IDS_READY,
     ROWS_DONE,
@@ -532,11 +533,11 @@ def enqueue_lookup(job: LookupJob) -> None:
 def _invalidate_rows(slab: CudaSlab, slot: int, tokens: int) -> None:
     """NaN over the rows of a lookup that is not served, on the daemon stream before its
     ROWS_DONE: a consumer whose wait() returned before the refusal reached its client reads NaN,
-    never the slot's previous rows (client/failures.py). Best effort: where the stream itself
-    is broken (the failure that got us here), the FAILED mark and the error reply remain."""
+    never the slot's previous rows (client/failures.py). The client's release fills the same
+    way. Best effort: where the stream itself is broken (the failure that got us here), the
+    FAILED mark and the error reply remain."""
     try:
-        with torch.cuda.stream(slab.stream):
-            slab.rows(slot, tokens).fill_(float("nan"))
+        slab.ops.fill_layers(slab.raw_stream, slab.rows(slot, tokens), BF16_NAN)
     except Exception:
         log.exception("could not fill the rows of a refused lookup (slot %d) with NaN", slot)
 

@@ -197,17 +197,10 @@ def test_frames_larger_than_any_request_are_cut_before_they_are_buffered(daemon_
 SILENT_PEER = """
 import os, socket, sys, time
 
+from engramd.client.handles import lease_closed as closed
+
 path, count = sys.argv[1], int(sys.argv[2])
 conns, opened, said = [], 0, False
-
-
-def closed(conn):
-    try:
-        return conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
 
 
 while True:
