@@ -82,6 +82,11 @@ class Backend(Protocol):
         """Whether gathers run on threads of this process now (the CPU backend's): they need
         the GIL between their torch calls, so the request loop makes room for them (Daemon._drain_socket)."""
 
+    def settle(self, timeout_s: float) -> bool:
+        """Wait until every lookup enqueued so far has written its rows, at most `timeout_s`;
+        whether they all have. A stopping daemon settles before it closes its leases: a client
+        whose lease closes fails the lookups whose rows it has not seen yet (client/failures.py)."""
+
     def mps_states(self) -> dict[str, MpsState]:
         """Per GPU UUID, whether the daemon's work there goes through an MPS server (CPU: {})."""
 

@@ -231,6 +231,9 @@ class CpuBackend:
     def gathering(self) -> bool:
         return self._in_flight > 0
 
+    def settle(self, timeout_s: float) -> bool:
+        return True  # a job's rows are written before it completes, and stopping waits for those
+
     def mps_states(self) -> dict:
         return {}  # no GPU, so nothing to share
 

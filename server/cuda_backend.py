@@ -84,6 +84,7 @@ GATHER_DELAY_MS = float(os.environ.get(GATHER_DELAY_ENV, "0") or 0)
 # second.
 RELEASE_FIRST_PAUSE_S, RELEASE_MAX_PAUSE_S, RELEASE_DEADLINE_S = 1e-4, 1e-2, 60.0
 RELEASE_STUCK_PAUSE_S = 1.0  # past the deadline
+SETTLE_POLL_S = 0.001  # a stopping daemon's look at its streams (settle)
 _CYCLES_PER_MS = 2_000_000  # torch.cuda._sleep counts GPU clock cycles (~2 GHz on H100/H200)
 
 
@@ -678,6 +679,23 @@ class CudaBackend:
                 rows = gpu.warm_plan(ids.to(gpu.device), cache=gpu.cache, num_programs=gpu.programs,
                                      out_of_range=counter)
                 yield f"GPU {uuid}", rows.cpu()
+
+    def settle(self, timeout_s: float) -> bool:
+        """Every live slab's daemon stream past what is enqueued on it now (a stopping daemon's
+        loop has handed every job to its stream: in_flight counts jobs until enqueued)."""
+        done = []
+        for gpu in self.gpus.values():
+            with torch.cuda.device(gpu.index):
+                for slab in list(gpu.slabs):
+                    event = torch.cuda.Event()
+                    event.record(slab.stream)
+                    done.append(event)
+        deadline = time.monotonic() + timeout_s
+        while not all(event.query() for event in done):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(SETTLE_POLL_S)
+        return True
 
     def mps_states(self) -> dict[str, MpsState]:
         return self.mps

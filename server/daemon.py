@@ -274,7 +274,18 @@ class Daemon:
         if self._halt is not None:
             log.error("%s", self._halt.reason)
             return self._halt.status
+        self._settle_gathers()
         return EXIT_OK
+
+    def _settle_gathers(self) -> None:
+        """Before the leases close (close()): the rows of every lookup handed to a device are
+        written, within what is left of the drain's time. A lease that closed first would fail
+        lookups whose rows were on their way (client/failures.py)."""
+        tables = self.service.tables
+        left = max(0.0, self._stop_deadline - time.monotonic())
+        if tables is not None and not tables.backend.settle(left):
+            log.warning("stopping with gathers still running after %.0f s: their clients fail them",
+                        DRAIN_TIMEOUT_S)
 
     def _drain_socket(self) -> None:
         """Requests waiting on the socket, at most DRAIN_BATCH. Every EVENTS_EVERY requests:
