@@ -473,6 +473,11 @@ class EngramClient:
         self._remapping: PendingMapping | None = None  # mapped: a reload's tables, being mapped
         # Held by lookup() and close(); the watch thread follows a reload only while it is free.
         self._tables_lock = threading.RLock()
+        # One failure of lookups at a time (_invalidate): the watchdog's, and a lookup's that
+        # found the daemon gone. Two at once could release a slot's waits (fail() of a later
+        # lookup) before an earlier lookup of that slot has its NaN, or queue one's fill on the
+        # release stream behind a wait that needs the other's.
+        self._invalidating = threading.Lock()
         self.timeout = timeout
         self.reconnect_timeout = reconnect_timeout
         self._registration = (tp_rank, tp_size, max_tokens, slots, name)
@@ -1130,8 +1135,8 @@ class EngramClient:
         future.submitted = submitted
         self._remember(future)
         self._unsettled = [*self._settle(), future]  # one reference swap: the watchdog may read it
-        if self._dead is not None:  # the watchdog released the waits, maybe before it saw this one
-            self._invalidate([future])
+        if self._dead is not None:  # the watchdog released the waits, maybe before it saw this one:
+            self._invalidate(self._unsettled)  # every one, in seq order, after the watchdog's
         return future
 
     def _settle(self) -> list[LookupFuture]:
@@ -1472,18 +1477,19 @@ class EngramClient:
         are released when the fill is done or RELEASE_DEADLINE_S has passed: a later lookup's
         submission can wait for that release. Any error on the way still releases every slot
         in the end: nothing hangs (client/failures.py)."""
-        slab, last = self._slab, self._last_seq
-        if not isinstance(slab, _CudaSlabView):
-            return  # not mapped yet: nothing waits on it
-        try:
-            for future in sorted(futures, key=lambda f: f.seq):
-                if (future.slots_epoch == self._slots_epoch and future._error is None
-                        and not slab.written(future.slot, future.seq, last)
-                        and self._failed.add(future, self._dead or "the daemon's lease closed")):
-                    self._fill_then_fail(slab, future)
-        finally:
-            for slot in range(slab.layout.slots):
-                slab.release(slot, last)
+        with self._invalidating:
+            slab, last = self._slab, self._last_seq
+            if not isinstance(slab, _CudaSlabView):
+                return  # not mapped yet: nothing waits on it
+            try:
+                for future in sorted(futures, key=lambda f: f.seq):
+                    if (future.slots_epoch == self._slots_epoch and future._error is None
+                            and not slab.written(future.slot, future.seq, last)
+                            and self._failed.add(future, self._dead or "the daemon's lease closed")):
+                        self._fill_then_fail(slab, future)
+            finally:
+                for slot in range(slab.layout.slots):
+                    slab.release(slot, last)
 
     @staticmethod
     def _fill_then_fail(slab: _CudaSlabView, future: LookupFuture) -> None:

@@ -5,6 +5,8 @@ for the GPU's (the GPU tests run the real one: tests/gpu/test_served_faults_gpu.
 
 from __future__ import annotations
 
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -15,11 +17,12 @@ from engramd.client.slab import DONE_AT_RELEASE, FAILED, ROWS_DONE, release_valu
 
 
 class Event:
-    def __init__(self, done: bool = True):
+    def __init__(self, done: bool = True, after: threading.Event | None = None):
         self.done = done
+        self.after = after  # done once this is set
 
     def query(self) -> bool:
-        return self.done
+        return self.done and (self.after is None or self.after.is_set())
 
 
 class Slab(_CudaSlabView):
@@ -30,6 +33,7 @@ class Slab(_CudaSlabView):
         self.words: dict[tuple[int, int], int] = {}
         self.calls: list[tuple] = []
         self.fill = fill
+        self.fill_done: threading.Event | None = None  # set: fills finish when it is set
 
     def load(self, slot: int, word: int) -> int:
         return self.words.get((slot, word), 0)
@@ -42,7 +46,7 @@ class Slab(_CudaSlabView):
         self.calls.append(("fill", slot, after))
         if self.fill == "raises":
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        return Event(done=self.fill == "ok")
+        return Event(done=self.fill == "ok", after=self.fill_done)
 
     def fail(self, slot: int, seq: int) -> None:
         self.calls.append(("fail", slot, seq))
@@ -62,7 +66,8 @@ def lookup(seq: int, slot: int, error=None):
 def client(slab: Slab, last_seq: int):
     """The attributes _invalidate reads, on a stand-in for the client."""
     return SimpleNamespace(_slab=slab, _last_seq=last_seq, _slots_epoch=1, _failed=FailedLookups(),
-                           _dead="the daemon exited", _fill_then_fail=EngramClient._fill_then_fail)
+                           _dead="the daemon exited", _fill_then_fail=EngramClient._fill_then_fail,
+                           _invalidating=threading.Lock())
 
 
 def invalidate(fake, lookups) -> None:
@@ -125,3 +130,27 @@ def test_a_refused_lookup_is_not_filled_by_the_client_but_its_slot_is_released()
     slab = Slab(slots=2)
     invalidate(client(slab, last_seq=3), [lookup(3, 1, error=RuntimeError("tables changed"))])
     assert slab.calls == [("release", 0), ("release", 1)]
+
+
+def test_a_lookup_that_finds_the_daemon_gone_waits_for_the_watchdogs_release():
+    """The watchdog fails lookup 40 (slot 0; its fill still running) while a lookup thread sends
+    41 on the same slot, finds the daemon gone and fails every unsettled lookup. Had the second
+    release run beside the first, fail(41) would pass 40's waits before 40's NaN, and 40's
+    consumer would read the slot's old rows: the releases run one after the other."""
+    slab = Slab(slots=1)
+    slab.fill_done = threading.Event()
+    fake = client(slab, last_seq=41)
+    first, second = lookup(40, 0), lookup(41, 0)
+    watchdog = threading.Thread(target=invalidate, args=(fake, [first]))
+    watchdog.start()
+    deadline = time.monotonic() + 10
+    while ("fill", 0, "submitted 40") not in slab.calls and time.monotonic() < deadline:
+        time.sleep(0.001)
+    lookup_thread = threading.Thread(target=invalidate, args=(fake, [first, second]))
+    lookup_thread.start()
+    time.sleep(0.05)  # room for the lookup thread to run ahead, if nothing holds it
+    slab.fill_done.set()
+    watchdog.join(10)
+    lookup_thread.join(10)
+    assert slab.calls == [("fill", 0, "submitted 40"), ("fail", 0, 40), ("release", 0),
+                          ("fill", 0, "submitted 41"), ("fail", 0, 41), ("release", 0)]
