@@ -276,7 +276,9 @@ class DeviceCounterReader:
 
     def __init__(self, counter: torch.Tensor, stream: torch.cuda.Stream | None = None):
         self.counter = counter
-        self._host = torch.zeros(1, dtype=counter.dtype).pin_memory()
+        # device="cpu" whatever the caller's default device: engines build their modules, and
+        # so this client, under `with torch.device("cuda")` (vLLM does).
+        self._host = torch.zeros(1, dtype=counter.dtype, device="cpu").pin_memory()
         self._stream = stream if stream is not None else torch.cuda.Stream(counter.device)
         self._copied: torch.cuda.Event | None = None
         self._value = 0

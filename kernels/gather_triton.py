@@ -736,7 +736,7 @@ def _stage_meta(tables: Sequence[LayerTable], shard: Shard, device: torch.device
                 f"but tables[{layer}] has {table.rows} rows"
             )
         rows.append([table.address, table.rows, lo, hi])
-    return torch.tensor(rows, dtype=torch.int64).reshape(-1, _META_COLUMNS).to(device)
+    return torch.tensor(rows, dtype=torch.int64, device="cpu").reshape(-1, _META_COLUMNS).to(device)
 
 
 _SM_COUNTS: dict[torch.device, int] = {}

@@ -222,6 +222,20 @@ def test_mapped_rows_of_ids_in_any_layout_match_the_reference(daemon_factory, re
                     assert_exact(rows, reference.expected(sent), f"{layout}, {tokens} tokens, {dtype}")
 
 
+@pytest.mark.parametrize("mode", ["mapped", "served"])
+def test_a_client_made_and_used_under_a_cuda_default_device(daemon_factory, reference, mode):
+    """Engines build their modules, and so their engramd client, under `with torch.device("cuda")`
+    (vLLM does): the client's host buffers stay on the host there (pinning a CUDA tensor fails)
+    and its rows are exact."""
+    daemon = daemon_factory(extra=CUDA)
+    ids = torch.from_numpy(random_ids(np.random.default_rng(5), 40, reference.rows, reference.heads))
+    with torch.device("cuda"), EngramClient(daemon.socket, device="cuda", max_tokens=64, slots=2,
+                                            mode=mode) as client:
+        rows = client.lookup(ids).wait()
+        torch.cuda.current_stream().synchronize()
+        assert_exact(rows, reference.expected(ids.numpy()), f"{mode}, CUDA default device")
+
+
 def test_a_mapped_lookups_sm_fraction_sets_its_grid(daemon_factory, reference, monkeypatch):
     """Without a fraction a mapped gather's grid takes the daemon's share of the SMs; with one,
     its own, in the direct launch (unsorted) and the checked ones (strided IDs, sorted) alike;
