@@ -42,6 +42,13 @@ IMPORT_TIME_ANSWERS: dict[str, object] = {
     # at import (reached from vllm.models.deepseek_v41's quant config): no CUTLASS kernels here,
     # so vLLM's block-FP8 GEMMs would take their Triton path. Engram's wkv is not FP8 in the test.
     "cutlass_scaled_mm_supports_block_fp8": lambda cuda_device_capability: False,
+    # vllm/model_executor/layers/quantization/online/fp8.py asks cutlass_fp8_supported() in a
+    # class body (w8a8_utils.py), reached when Engram's modules are built on a CUDA platform.
+    # The other CUTLASS capability queries get the same answer, so that a path reached later
+    # takes vLLM's non-CUTLASS kernels rather than failing on a missing op.
+    "cutlass_scaled_mm_supports_fp8": lambda cuda_device_capability: False,
+    "cutlass_scaled_mm_supports_fp4": lambda cuda_device_capability: False,
+    "cutlass_group_gemm_supported": lambda cuda_device_capability: False,
 }
 
 _installed = False
