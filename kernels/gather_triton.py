@@ -48,7 +48,10 @@ DEFAULT_BLOCK_ROWS = 8
 WIDE_BLOCK_ROWS = 32  # sorted lookups with many rows per program: sorted_block_rows
 WIDE_FROM_ROWS = 2048  # rows per program from which a sorted lookup takes WIDE_BLOCK_ROWS
 DEFAULT_NUM_WARPS = 4
-_META_COLUMNS = 4  # address, rows, row_lo, row_hi
+# A layer's row of the plan's metadata (_stage_meta): its table's address and rows, and the rows
+# [row_lo, row_hi) this shard owns.
+_META_COLUMNS = 4
+_TABLE_ADDRESS, _TABLE_ROWS, _ROW_LO, _ROW_HI = range(_META_COLUMNS)
 _ID_DTYPES = (torch.int32, torch.int64)
 _MAX_ITEMS = 2**31 - 1  # work-item indices are int32 inside the kernel
 
@@ -64,6 +67,14 @@ if triton is not None:
     # TRITON_INTERPRET was set, and the interpreter cannot call them.
 
     _DEAD = tl.constexpr(DEAD_ID)  # a kernel may read module globals only as constexpr
+    _META_WIDTH = tl.constexpr(_META_COLUMNS)
+    _ADDRESS, _ROWS = tl.constexpr(_TABLE_ADDRESS), tl.constexpr(_TABLE_ROWS)
+    _LO, _HI = tl.constexpr(_ROW_LO), tl.constexpr(_ROW_HI)
+    # The hot-row cache's metadata, one int64 each, in kernels/hot_cache.META_FIELDS order.
+    (_C_KEYS, _C_POOL, _C_SETS, _C_SKETCH, _C_LOG, _C_CURSOR, _C_COUNTERS, _C_LOG_MASK, _C_ADMIT_MIN,
+     _C_SKETCH_BITS) = (tl.constexpr(hot_cache.META_FIELDS.index(name)) for name in (
+        "keys", "pool", "sets", "sketch", "log", "cursor", "counters", "log_mask", "admit_min",
+        "sketch_bits"))
 
     @triton.jit
     def _add(a, b):
@@ -114,12 +125,12 @@ if triton is not None:
     def _cache_slot(cache_ptr, key, hit, WAYS: tl.constexpr, SET_MUL: tl.constexpr):
         """Pool slot of each key in the hot-row cache, -1 on a miss (or where not `hit`).
 
-        Field order of cache_ptr: kernels/hot_cache.META_FIELDS; hashing as hot_cache.set_index.
+        cache_ptr: the cache's metadata (the _C_* offsets); hashing as hot_cache.set_index.
         """
-        sets = tl.load(cache_ptr + 2)
+        sets = tl.load(cache_ptr + _C_SETS)
         set_i = (((key * SET_MUL) >> 32) & 0xFFFFFFFF) * sets >> 32
         ways = tl.arange(0, WAYS)
-        keys = tl.load(cache_ptr + 0).to(tl.pointer_type(tl.int64))
+        keys = tl.load(cache_ptr + _C_KEYS).to(tl.pointer_type(tl.int64))
         resident = tl.load(keys + set_i[:, None] * WAYS + ways[None, :], mask=hit[:, None],
                            other=-1, cache_modifier=".cg")
         match = (resident == key[:, None]) & hit[:, None]
@@ -132,23 +143,23 @@ if triton is not None:
         """Count the `counted` keys in the sketch, log their repeated misses, add the counters."""
         # Count-min sketch (hashing as hot_cache.sketch_index): the old counts are the estimate
         # before this lookup.
-        bits = tl.load(cache_ptr + 9)
-        sketch = tl.load(cache_ptr + 3).to(tl.pointer_type(tl.int32))
+        bits = tl.load(cache_ptr + _C_SKETCH_BITS)
+        sketch = tl.load(cache_ptr + _C_SKETCH).to(tl.pointer_type(tl.int32))
         index0 = ((key * SKETCH_MUL0) >> (64 - bits)) & ((1 << bits) - 1)
         index1 = ((key * SKETCH_MUL1) >> (64 - bits)) & ((1 << bits) - 1)
         old0 = tl.atomic_add(sketch + index0, 1, mask=counted)
         old1 = tl.atomic_add(sketch + (1 << bits) + index1, 1, mask=counted)
         estimate = tl.minimum(old0, old1)
         # Misses seen before go to the candidate log: one cursor atomic per block.
-        logged = counted & ~cached & (estimate >= tl.load(cache_ptr + 8))
+        logged = counted & ~cached & (estimate >= tl.load(cache_ptr + _C_ADMIT_MIN))
         n_logged = tl.reduce(logged.to(tl.int64), 0, _add)
-        cursor = tl.load(cache_ptr + 5).to(tl.pointer_type(tl.int64))
+        cursor = tl.load(cache_ptr + _C_CURSOR).to(tl.pointer_type(tl.int64))
         start = tl.atomic_add(cursor, n_logged, mask=n_logged > 0)
         position = start + tl.associative_scan(logged.to(tl.int64), 0, _add) - 1
-        log = tl.load(cache_ptr + 4).to(tl.pointer_type(tl.int64))
-        tl.store(log + (position & tl.load(cache_ptr + 7)), key, mask=logged)
+        log = tl.load(cache_ptr + _C_LOG).to(tl.pointer_type(tl.int64))
+        tl.store(log + (position & tl.load(cache_ptr + _C_LOG_MASK)), key, mask=logged)
         # counters[0][layer] = rows read, counters[1][layer] = of them from the cache
-        counters = tl.load(cache_ptr + 6).to(tl.pointer_type(tl.int64))
+        counters = tl.load(cache_ptr + _C_COUNTERS).to(tl.pointer_type(tl.int64))
         for lay in range(0, n_layers):
             mine = counted & (layer == lay)
             reads = tl.reduce(mine.to(tl.int64), 0, _add)
@@ -201,12 +212,12 @@ if triton is not None:
             id_offset = (token.to(tl.int64) * ids_stride_t + layer.to(tl.int64) * ids_stride_l
                          + (head_start + j).to(tl.int64) * ids_stride_h)
             row = tl.load(ids_ptr + id_offset, mask=owned, other=_DEAD).to(tl.int64)
-            meta = meta_ptr + layer * 4  # _META_COLUMNS: address, rows, row_lo, row_hi
-            base = tl.load(meta, mask=live, other=0)
-            hit = (owned & (row >= tl.load(meta + 2, mask=live, other=0))
-                   & (row < tl.load(meta + 3, mask=live, other=0)))
+            meta = meta_ptr + layer * _META_WIDTH
+            base = tl.load(meta + _ADDRESS, mask=live, other=0)
+            hit = (owned & (row >= tl.load(meta + _LO, mask=live, other=0))
+                   & (row < tl.load(meta + _HI, mask=live, other=0)))
             if COUNT_BAD:
-                rows = tl.load(meta + 1, mask=live, other=0)
+                rows = tl.load(meta + _ROWS, mask=live, other=0)
                 bad = owned & (row != _DEAD) & ((row < 0) | (row >= rows))
                 n_bad = tl.reduce(bad.to(tl.int64), 0, _add)
                 tl.atomic_add(bad_ptr, n_bad, mask=n_bad > 0)
@@ -214,7 +225,7 @@ if triton is not None:
             if CACHED:
                 key = (layer.to(tl.int64) << KEY_SHIFT) | row
                 slot = _cache_slot(cache_ptr, key, hit, WAYS, SET_MUL)
-                address = tl.where(slot >= 0, tl.load(cache_ptr + 1) + slot * ROW_BYTES, address)
+                address = tl.where(slot >= 0, tl.load(cache_ptr + _C_POOL) + slot * ROW_BYTES, address)
             src = address.to(tl.pointer_type(tl.uint8))
             if ALIGNED:
                 src = tl.multiple_of(src, 8)
@@ -735,7 +746,7 @@ def _stage_meta(tables: Sequence[LayerTable], shard: Shard, device: torch.device
                 f"shard {shard.rank}/{shard.shards} owns rows [{lo}, {hi}) of layer {layer}, "
                 f"but tables[{layer}] has {table.rows} rows"
             )
-        rows.append([table.address, table.rows, lo, hi])
+        rows.append([table.address, table.rows, lo, hi])  # _TABLE_ADDRESS, _TABLE_ROWS, _ROW_LO, _ROW_HI
     return torch.tensor(rows, dtype=torch.int64, device="cpu").reshape(-1, _META_COLUMNS).to(device)
 
 
