@@ -9,8 +9,8 @@ mapping. A mapping that lies aligned with the file (Python's mmap does not place
 maps them by PMDs as it faults them in, and pins at 37-39 GB/s
 (benchmarks/results/h200/thp_probe.md).
 
-Who does what: the daemon collapses a table when it pins it (host_tables.pin_tables: once per
-loaded table; later pins find the folios made). Everyone who pins a table (the daemon, a
+Who does what: the daemon collapses a table when it pins it (server/table_registration.py: once
+per loaded table; later pins find the folios made). Everyone who pins a table (the daemon, a
 standby, a mapped client) maps it through a HugeView; only the daemon asks for the collapse,
 so a client never pays for a copy (nor is its memory cgroup charged for one).
 

@@ -71,7 +71,8 @@ from engramd.kernels.gather_triton import GatherPlan, LayerTable, SlotGather, gr
 from engramd.kernels.hot_cache import HotCache
 from engramd.server.backend import Completion, LookupJob
 from engramd.server.config import default
-from engramd.server.host_tables import HostTable, pin_tables
+from engramd.server.host_tables import HostTable
+from engramd.server.table_registration import register_for_gpus
 
 log = logging.getLogger("engramd.cuda")
 
@@ -115,11 +116,11 @@ class GatherOptions:
 
 
 class PinnedTables:
-    """The host tables registered for the GPUs (host_tables.pin_tables); unregistered on close."""
+    """The host tables registered for the GPUs (table_registration.py); unregistered on close."""
 
     def __init__(self, tables: list[HostTable], registration: HostRegistration | None = None):
         self.tables = tables
-        self._registration = registration if registration is not None else pin_tables(tables)
+        self._registration = registration if registration is not None else register_for_gpus(tables)
 
     def layer_tables(self) -> list[LayerTable]:
         """The kernel's view: each table at its registered address (its HugeView, not the

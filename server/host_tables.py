@@ -7,7 +7,7 @@ cudaHostRegister. The files outlive the daemon: a restarted daemon of the same i
 complete files in seconds instead of reloading ~189 GiB from the checkpoint.
 
 What this is not: a checkpoint reader (the source object fills the rows), the GPU registration
-(callers get `address` and `nbytes`), or a cache.
+(server/table_registration.py), or a cache.
 
 One table file, little-endian:
 
@@ -54,8 +54,6 @@ from engramd.server.units import size
 
 if TYPE_CHECKING:
     import torch
-
-    from engramd.client.host_pin import HostRegistration
 
 logger = logging.getLogger("engramd.tables")
 
@@ -951,21 +949,3 @@ def _check_layer_ids(geometry: TableGeometry) -> None:
     ids = list(geometry.layer_ids)
     if len(set(ids)) != len(ids):
         raise TableStoreError(f"layer ids {ids} repeat; one table file per layer id")
-
-
-def pin_tables(tables: list[HostTable], collapse: bool = True) -> HostRegistration:
-    """The tables registered for the GPUs, read-only (the device never writes them); CudaError
-    if that fails. `collapse`: their pages made 2 MiB folios first (the serving daemon; a
-    standby leaves that to it: client/huge_pages.py). Needs no torch (the daemon pins while
-    it imports torch)."""
-    from engramd.client.host_pin import HostRegistration
-
-    started = time.monotonic()
-    registration = HostRegistration.of_files([(t.fd, t.data_offset, t.nbytes) for t in tables],
-                                             read_only=True, collapse=collapse)
-    total, seconds = sum(t.nbytes for t in tables), time.monotonic() - started
-    logger.info("pinned %s of host tables in %.2f s (%.1f GB/s)%s", size(total), seconds,
-                total / 1e9 / max(seconds, 1e-9),
-                f"; {size(registration.not_collapsed_bytes)} not in 2 MiB folios of tmpfs"
-                if collapse else "")
-    return registration

@@ -26,9 +26,10 @@ from typing import TYPE_CHECKING, Any
 from engramd.client.geometry import TableGeometry
 from engramd.server.checkpoint import EngramCheckpoint
 from engramd.server.config import DaemonConfig
-from engramd.server.host_tables import HostTable, LoadProgress, TableStore, pin_tables
+from engramd.server.host_tables import HostTable, LoadProgress, TableStore
 from engramd.server.ownership import check_own_folder, make_own_folder
 from engramd.server.synthetic import write_synthetic_checkpoint
+from engramd.server.table_registration import register_for_gpus
 
 if TYPE_CHECKING:
     from engramd.server.backend import Backend
@@ -297,11 +298,11 @@ def load_tables(config: DaemonConfig, progress: Callable[[float], None],
 
 def pin_for_backend(backend_name: str, tables: list[HostTable], collapse: bool = True) -> Any:
     """The tables' HostRegistration for a cuda backend (None for the cpu one); `collapse` as
-    for pin_tables."""
+    for register_for_gpus."""
     if backend_name != "cuda":
         return None
     try:
-        return pin_tables(tables, collapse)
+        return register_for_gpus(tables, collapse)
     except Exception as exc:
         raise DeviceBackendError(f"cuda backend failed to start: cannot pin the tables: {exc}") from exc
 

@@ -84,7 +84,7 @@ def test_random_tables_over_a_sparse_checkpoint(tmp_path: Path):
             expected = np.full_like(mapped.array, 0xA5)  # poison: read_packed must overwrite it all
             tables.CpuRandomRows(opened).read_packed(layer, 0, expected)
             assert (mapped.array == expected).all()
-            # What pin_tables maps for the GPU (fd, data_offset, nbytes) is the same rows.
+            # What register_for_gpus maps for the GPU (fd, data_offset, nbytes) is the same rows.
             last = os.pread(mapped.fd, mapped.row_bytes, mapped.data_offset + mapped.nbytes
                             - mapped.row_bytes)
             assert last == expected[-1].tobytes()

@@ -128,7 +128,7 @@ class MappedTable:
 
     The store's HostTable cannot be used here: opening the store takes the instance lock, and the
     point is that a process maps the same file on its own, as engines with their own tables do.
-    It keeps its descriptor (`fd`, `data_offset`) as HostTable does: pin_tables maps the file
+    It keeps its descriptor (`fd`, `data_offset`) as HostTable does: register_for_gpus maps the file
     through a view of its own (client/huge_pages.py).
     """
 
@@ -165,6 +165,6 @@ def pin_as_reader(tables: list[MappedTable]):
     of its own, as a reader (the daemon's pin made the pages 2 MiB folios; a reader only maps
     them). A PinnedTables (server/cuda_backend.py); needs CUDA."""
     from engramd.server.cuda_backend import PinnedTables
-    from engramd.server.host_tables import pin_tables
+    from engramd.server.table_registration import register_for_gpus
 
-    return PinnedTables(tables, pin_tables(tables, collapse=False))
+    return PinnedTables(tables, register_for_gpus(tables, collapse=False))
