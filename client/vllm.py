@@ -22,24 +22,27 @@ IDs are vLLM's, computed once per forward by its `NgramHashState`).
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
-from collections.abc import Callable
 
-from engramd.client.connection import SOCKET_ENV
+from engramd.client import engine_plugin
+from engramd.client.engine_plugin import (  # noqa: F401  (names this module has always had)
+    GATHER_AT_ENV,
+    HOT_CACHE_ENV,
+    MODE_ENV,
+    SOCKET_ENV,
+    PluginError,
+    enabled,
+)
 
 log = logging.getLogger("engramd.vllm")
 
-MODE_ENV = "ENGRAMD_MODE"
-HOT_CACHE_ENV = "ENGRAMD_HOT_CACHE_GIB"
-GATHER_AT_ENV = "ENGRAMD_GATHER_AT"
 SUPPORTED_VLLM = ("0.33.0",)
 ENGRAM_MODULE = "vllm.models.deepseek_v41.common.engram"
 
 # The seams of vLLM's Engram code the plugin replaces or relies on, with the parameters each must
 # take: (class name or None for a module function, attribute, parameter names).
-SEAMS: tuple[tuple[str | None, str, tuple[str, ...]], ...] = (
+SEAMS: tuple[engine_plugin.Seam, ...] = (
     ("Engram", "__init__", ("self", "config", "quant_config", "layout", "layer_hash_index",
                             "use_sequence_parallel", "prefix", "prefetch_stream")),
     ("Engram", "_create_embedding", ("self", "layout", "layer_hash_index")),
@@ -68,12 +71,8 @@ CALLS: tuple[tuple[str, str, str], ...] = (
 WRAPPED = (("Engram", "_start_prefetch"), ("Engram", "_finish_prefetch"))
 
 
-class VllmPluginError(RuntimeError):
+class VllmPluginError(PluginError):
     """The installed vLLM is not one the engramd plugin can serve, or serving it failed."""
-
-
-def enabled() -> bool:
-    return bool(os.environ.get(SOCKET_ENV))
 
 
 def register() -> None:
@@ -89,93 +88,43 @@ def register() -> None:
     check_seams(engram)
     from engramd.client import vllm_engram
 
-    if vllm_engram.install(engram, os.environ[SOCKET_ENV], os.environ.get(MODE_ENV, "auto"),
-                           hot_cache_cap(os.environ.get(HOT_CACHE_ENV)),
-                           gather_at(os.environ.get(GATHER_AT_ENV))):
+    settings = engine_plugin.Settings.from_environment(VllmPluginError)
+    if vllm_engram.install(engram, settings.socket, settings.mode, settings.hot_cache_gib,
+                           settings.gather_at):
         log.info("engramd plugin installed: Engram rows come from the daemon at %s",
                  os.environ[SOCKET_ENV])
 
 
 def hot_cache_cap(value: str | None) -> float | None:
-    """ENGRAMD_HOT_CACHE_GIB as GiB (None: unset or empty), checked as EngramClient checks its
-    hot_cache_gib; VllmPluginError naming a bad one, before any worker registers."""
-    if not value:
-        return None
-    from engramd.client.client import check_cache_cap
-    from engramd.client.errors import BadRequestError
-
-    try:
-        gib = float(value)
-        check_cache_cap(gib)
-    except (ValueError, BadRequestError):
-        raise VllmPluginError(f"{HOT_CACHE_ENV}={value!r}: expected GiB as a number >= 0 "
-                              "(0: no hot-row cache in the client)") from None
-    return gib
+    """ENGRAMD_HOT_CACHE_GIB as GiB (None: unset or empty); VllmPluginError naming a bad one,
+    before any worker registers."""
+    return engine_plugin.hot_cache_cap(value, VllmPluginError)
 
 
 def gather_at(value: str | None) -> str:
     """ENGRAMD_GATHER_AT as EngramClient's gather_at ("wait" when unset or empty);
     VllmPluginError naming a bad one, before any worker registers."""
-    from engramd.client.client import GATHER_AT
-
-    if not value:
-        return GATHER_AT[0]
-    if value not in GATHER_AT:
-        raise VllmPluginError(f"{GATHER_AT_ENV}={value!r}: expected one of {', '.join(GATHER_AT)}")
-    return value
+    return engine_plugin.gather_at(value, VllmPluginError)
 
 
 def check_version(version: str) -> None:
-    if version not in SUPPORTED_VLLM:
-        raise VllmPluginError(
-            f"{SOCKET_ENV} is set but vLLM {version} is installed; the engramd plugin supports "
-            f"vLLM {', '.join(SUPPORTED_VLLM)} only (its Engram seams change between releases). "
-            f"Install a supported vLLM, or unset {SOCKET_ENV} to run vLLM's own Engram tables.")
+    engine_plugin.check_version("vLLM", version, SUPPORTED_VLLM, VllmPluginError)
 
 
 def check_seams(engram_module) -> None:
     """Raise VllmPluginError listing every seam that is missing or changed."""
-    changes = [*_signature_changes(engram_module), *_call_changes(engram_module),
-               *_wrapper_changes(engram_module)]
+    changes = [*engine_plugin.signature_changes(engram_module, SEAMS),
+               *engine_plugin.call_changes(engram_module, CALLS), *_wrapper_changes(engram_module)]
     if changes:
         raise VllmPluginError(
             f"{SOCKET_ENV} is set but vLLM's Engram code ({ENGRAM_MODULE}) is not what the engramd "
             f"plugin was written against: {'; '.join(changes)}. Refusing to serve Engram rows.")
 
 
-def _seam(engram_module, owner: str | None, name: str) -> Callable | None:
-    holder = getattr(engram_module, owner, None) if owner else engram_module
-    return getattr(holder, name, None) if holder is not None else None
-
-
-def _signature_changes(engram_module) -> list[str]:
-    changes = []
-    for owner, name, expected in SEAMS:
-        where = f"{owner}.{name}" if owner else name
-        seam = _seam(engram_module, owner, name)
-        if seam is None:
-            changes.append(f"{where} is missing")
-            continue
-        got = tuple(inspect.signature(seam).parameters)
-        if got != expected:
-            changes.append(f"{where} takes ({', '.join(got)}), expected ({', '.join(expected)})")
-    return changes
-
-
-def _call_changes(engram_module) -> list[str]:
-    changes = []
-    for owner, name, callee in CALLS:
-        seam = _seam(engram_module, owner, name)
-        code = getattr(inspect.unwrap(seam), "__code__", None) if seam is not None else None
-        if code is not None and callee not in code.co_names:
-            changes.append(f"{owner}.{name} no longer calls {callee}")
-    return changes
-
-
 def _wrapper_changes(engram_module) -> list[str]:
     changes = []
     for owner, name in WRAPPED:
-        seam = _seam(engram_module, owner, name)
+        seam = engine_plugin.seam(engram_module, owner, name)
         if seam is not None and not hasattr(seam, "__wrapped__"):
             changes.append(f"{owner}.{name} is no longer wrapped by eager_break_during_capture")
     return changes

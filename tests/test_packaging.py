@@ -143,7 +143,7 @@ def test_engine_pod_example_shares_only_the_runtime_folder_and_mps():
 def test_the_distribution_is_engramd_daemon_and_provides_the_engramd_package_and_command():
     """`engramd` on PyPI is an unrelated project: `pip install engramd` must not be what README
     tells a user, and the installed distribution must still bring `import engramd`, the
-    `engramd` command and the vLLM plugin's entry point."""
+    `engramd` command and the vLLM and SGLang plugins' entry points."""
     from importlib.metadata import distribution
 
     declared = re.search(r'^name = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M)
@@ -152,4 +152,5 @@ def test_the_distribution_is_engramd_daemon_and_provides_the_engramd_package_and
     points = {(p.group, p.name): p.value for p in dist.entry_points}
     assert points[("console_scripts", "engramd")] == "engramd.server.cli:main"
     assert points[("vllm.general_plugins", "engramd")] == "engramd.client.vllm:register"
+    assert points[("sglang.srt.plugins", "engramd")] == "engramd.client.sglang:register"
     assert (dist.read_text("top_level.txt") or "").split() == ["engramd"]

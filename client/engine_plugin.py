@@ -1,0 +1,122 @@
+"""What engramd's engine plugins share (engramd.client.vllm, engramd.client.sglang): the settings
+read from the environment, and the fail-closed checks of the engine's version and of the seams a
+plugin replaces.
+
+    ENGRAMD_SOCKET         the daemon's socket; unset or empty: the plugin does nothing
+    ENGRAMD_MODE           auto | served | mapped (default auto): the client's mode
+    ENGRAMD_HOT_CACHE_GIB  a mapped client's own hot-row cache cap (0: none; unset: the daemon's)
+    ENGRAMD_GATHER_AT      wait | lookup (default wait): the client's gather_at
+
+Every check raises the engine's own PluginError subclass, with a message that names the setting
+or the seam. What it is not: anything that imports an engine, or replaces anything in one.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engramd.client.connection import SOCKET_ENV
+
+MODE_ENV = "ENGRAMD_MODE"
+HOT_CACHE_ENV = "ENGRAMD_HOT_CACHE_GIB"
+GATHER_AT_ENV = "ENGRAMD_GATHER_AT"
+
+# A seam: (class name or None for a module function, attribute, parameter names).
+Seam = tuple[str | None, str, tuple[str, ...]]
+
+
+class PluginError(RuntimeError):
+    """The installed engine is not one an engramd plugin can serve, or serving it failed."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Where and how an engine's processes register their clients."""
+
+    socket: str
+    mode: str = "auto"
+    hot_cache_gib: float | None = None
+    gather_at: str = "wait"
+
+    @classmethod
+    def from_environment(cls, error: type[PluginError]) -> Settings:
+        """The settings of this process; `error` names a bad one before any worker registers."""
+        return cls(os.environ[SOCKET_ENV], os.environ.get(MODE_ENV, "auto"),
+                   hot_cache_cap(os.environ.get(HOT_CACHE_ENV), error),
+                   gather_at(os.environ.get(GATHER_AT_ENV), error))
+
+
+def enabled() -> bool:
+    return bool(os.environ.get(SOCKET_ENV))
+
+
+def hot_cache_cap(value: str | None, error: type[PluginError]) -> float | None:
+    """ENGRAMD_HOT_CACHE_GIB as GiB (None: unset or empty), checked as EngramClient checks its
+    hot_cache_gib."""
+    if not value:
+        return None
+    from engramd.client.client import check_cache_cap
+    from engramd.client.errors import BadRequestError
+
+    try:
+        gib = float(value)
+        check_cache_cap(gib)
+    except (ValueError, BadRequestError):
+        raise error(f"{HOT_CACHE_ENV}={value!r}: expected GiB as a number >= 0 "
+                    "(0: no hot-row cache in the client)") from None
+    return gib
+
+
+def gather_at(value: str | None, error: type[PluginError]) -> str:
+    """ENGRAMD_GATHER_AT as EngramClient's gather_at ("wait" when unset or empty)."""
+    from engramd.client.client import GATHER_AT
+
+    if not value:
+        return GATHER_AT[0]
+    if value not in GATHER_AT:
+        raise error(f"{GATHER_AT_ENV}={value!r}: expected one of {', '.join(GATHER_AT)}")
+    return value
+
+
+def check_version(engine: str, version: str, supported: tuple[str, ...],
+                  error: type[PluginError]) -> None:
+    if version not in supported:
+        raise error(
+            f"{SOCKET_ENV} is set but {engine} {version} is installed; the engramd plugin supports "
+            f"{engine} {', '.join(supported)} only (its Engram seams change between releases). "
+            f"Install a supported {engine}, or unset {SOCKET_ENV} to run {engine}'s own Engram "
+            "tables.")
+
+
+def seam(module, owner: str | None, name: str) -> Callable | None:
+    holder = getattr(module, owner, None) if owner else module
+    return getattr(holder, name, None) if holder is not None else None
+
+
+def signature_changes(module, seams: tuple[Seam, ...]) -> list[str]:
+    """Each seam that is missing or whose parameters are not the expected ones."""
+    changes = []
+    for owner, name, expected in seams:
+        where = f"{owner}.{name}" if owner else name
+        found = seam(module, owner, name)
+        if found is None:
+            changes.append(f"{where} is missing")
+            continue
+        got = tuple(inspect.signature(found).parameters)
+        if got != expected:
+            changes.append(f"{where} takes ({', '.join(got)}), expected ({', '.join(expected)})")
+    return changes
+
+
+def call_changes(module, calls: tuple[tuple[str, str, str], ...]) -> list[str]:
+    """Each (class, method, callee) whose method no longer names the callee."""
+    changes = []
+    for owner, name, callee in calls:
+        found = seam(module, owner, name)
+        code = getattr(inspect.unwrap(found), "__code__", None) if found is not None else None
+        if code is not None and callee not in code.co_names:
+            changes.append(f"{owner}.{name} no longer calls {callee}")
+    return changes

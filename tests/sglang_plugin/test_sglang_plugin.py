@@ -1,0 +1,160 @@
+"""The SGLang plugin against SGLang 0.5.23's own Engram modules and a real daemon process.
+
+SGLang is imported in subprocesses only (worker.py, and the probes below): its parallel state
+is per process, the plugin is installed the way SGLang installs it, through its plugin loader,
+and each needs the torchvision stand-in on its path (conftest.py).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+WORKER = Path(__file__).with_name("worker.py")
+WORKER_TIMEOUT_S = 300
+
+
+def run_workers(commands: list[list[str]]) -> None:
+    """Run worker processes side by side (TP ranks meet in gloo); fail with the output of each
+    that failed (tests/vllm_plugin does the same)."""
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for cmd in commands]
+    outputs = []
+    for proc in procs:
+        try:
+            outputs.append(proc.communicate(timeout=WORKER_TIMEOUT_S)[0])
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            outputs.append(proc.communicate()[0] + "\n(timed out)")
+    failed = [out for proc, out in zip(procs, outputs, strict=True) if proc.returncode != 0]
+    assert not failed, "\n\n".join(failed)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def worker(daemon, checkpoint: Path, port: int, rank: int = 0, world: int = 1,
+           mode: str = "auto") -> list[str]:
+    return [sys.executable, str(WORKER), "--socket", str(daemon.socket), "--checkpoint",
+            str(checkpoint), "--rank", str(rank), "--world", str(world), "--port", str(port),
+            "--mode", mode]
+
+
+def run_probe(code: str, *argv: str) -> str:
+    run = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
+                         timeout=WORKER_TIMEOUT_S)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return run.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["served", "mapped"])
+def test_rows_and_forward_are_sglangs_and_the_ids_its_hashes(daemon_factory, demo_checkpoint, mode):
+    daemon = daemon_factory()
+    run_workers([worker(daemon, demo_checkpoint, free_port(), mode=mode)])
+
+
+# The probes below import SGLang in a subprocess of their own (the torchvision stand-in is on
+# its path there), and print what they found.
+
+ENTRY_POINT_PROBE = """
+import os, sys
+os.environ.pop("ENGRAMD_SOCKET", None)
+from sglang.srt.layers.engram import EngramEmbedding
+before = dict(vars(EngramEmbedding))
+from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins, load_plugins_by_group
+assert "engramd" in load_plugins_by_group(GENERAL_PLUGINS_GROUP), "no engramd entry point"
+load_plugins()
+assert dict(vars(EngramEmbedding)) == before, "the plugin changed SGLang without ENGRAMD_SOCKET"
+assert "engramd.client.sglang_engram" not in sys.modules
+print("untouched")
+"""
+
+
+def test_entry_point_loads_through_sglangs_loader_and_does_nothing_without_the_setting():
+    assert "untouched" in run_probe(ENTRY_POINT_PROBE)
+
+
+FAIL_CLOSED_PROBE = """
+import importlib, json, os, sys, types
+os.environ["ENGRAMD_SOCKET"] = "/nonexistent/engramd.sock"
+from engramd.client import sglang as plugin
+import sglang.version
+errors = {}
+
+def refused(name, call):
+    try:
+        call()
+    except plugin.SglangPluginError as exc:
+        errors[name] = str(exc)
+
+engram = importlib.import_module(plugin.ENGRAM_MODULE)
+plugin.check_seams(engram)
+
+class EngramEmbedding(engram.EngramEmbedding):
+    def _owned_rows(self, indices, out):  # a new parameter
+        raise AssertionError
+    def _lookup(self, indices):  # no longer reads rows through _owned_rows
+        return self._gather(indices)
+
+changed = types.SimpleNamespace(**{**vars(engram), "EngramEmbedding": EngramEmbedding})
+del changed.eager_on_graph
+refused("seams", lambda: plugin.check_seams(changed))
+os.environ["SGLANG_OPT_DSV41_ENGRAM_HOST_STAGING"] = "1"
+refused("staging", plugin.register)
+del os.environ["SGLANG_OPT_DSV41_ENGRAM_HOST_STAGING"]
+sglang.version.__version__ = "0.5.24"
+refused("version", plugin.register)
+# SGLang's loader swallows the error: building a table must then fail with it
+refused("table", lambda: engram.EngramEmbedding(10, 256, 1, (0, 10)))
+print(json.dumps(errors))
+"""
+
+
+def test_another_version_a_changed_seam_or_sglangs_own_table_placement_fail_closed():
+    errors = json.loads(run_probe(FAIL_CLOSED_PROBE).splitlines()[-1])
+    assert "SGLang 0.5.24 is installed; the engramd plugin supports SGLang 0.5.23 only" in \
+        errors["version"], errors
+    assert errors["table"] == errors["version"], errors
+    assert "SGLANG_OPT_DSV41_ENGRAM_HOST_STAGING asks for rows staged by SGLang's scheduler" in \
+        errors["staging"], errors
+    for expected in ("EngramEmbedding._owned_rows takes (self, indices, out), expected (self, indices)",
+                     "EngramEmbedding._lookup no longer calls _owned_rows",
+                     "eager_on_graph is missing"):
+        assert expected in errors["seams"], errors
+
+
+GEOMETRY_PROBE = """
+import json, sys
+from engramd.client.geometry import TableGeometry
+from engramd.client import sglang_engram
+from sglang.srt.layers.engram import EngramLayout
+import types
+config = json.load(open(sys.argv[1]))
+served = TableGeometry.from_config(config)
+layout = EngramLayout.from_config(types.SimpleNamespace(**config))
+for index, layer_id in enumerate(layout.layer_ids):
+    assert sglang_engram.check_layer(served, layer_id, layout.num_embeddings[index], layout.head_dim,
+                                     layout.column_bounds(index), "sock") == index
+del config["engram_num_embeddings"]
+other = TableGeometry.from_config({**config, "engram_vocab_size": served.vocab_size + 100})
+try:
+    sglang_engram.check_layer(other, layout.layer_ids[0], layout.num_embeddings[0], layout.head_dim,
+                              layout.column_bounds(0), "sock")
+except sglang_engram.SglangPluginError as exc:
+    print(exc)
+"""
+
+
+def test_a_daemon_serving_other_tables_is_refused(demo_checkpoint):
+    out = run_probe(GEOMETRY_PROBE, str(demo_checkpoint / "config.json"))
+    assert "start the daemon on this model's checkpoint" in out, out
+

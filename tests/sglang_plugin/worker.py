@@ -1,0 +1,255 @@
+"""One SGLang TP worker process of the plugin tests: SGLang's own Engram modules beside the plugin's.
+
+    python worker.py --socket S --checkpoint DIR --rank R --world W --port P [--mode M]
+
+Builds, on one TP rank (gloo, CPU: SGLang's torch paths), SGLang's Engram modules with their
+tables loaded from the checkpoint (the reference), then loads the plugins as SGLang does
+(`sglang.srt.plugins.load_plugins`, with ENGRAMD_SOCKET set), builds the same modules again (now
+served by the daemon), and checks that the rows, `embed` and `forward` are the same bits, and
+that the IDs the daemon got are the hashes SGLang's `EngramHasher` computed (and that engramd's
+own hasher agrees). Exits non-zero with the first difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+os.environ.update(CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")
+
+import torch  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+
+HIDDEN, HC_MULT = 64, 2
+PREFIX = "model.layers.{}.engram"
+
+
+def parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    for flag in ("--socket", "--checkpoint", "--mode"):
+        parser.add_argument(flag, default="auto")
+    for flag in ("--rank", "--world", "--port"):
+        parser.add_argument(flag, type=int, default=0)
+    return parser.parse_args()
+
+
+def model_config(checkpoint: Path) -> types.SimpleNamespace:
+    config = json.loads((checkpoint / "config.json").read_text())
+    return types.SimpleNamespace(**config, hidden_size=HIDDEN, hc_mult=HC_MULT, rms_norm_eps=1e-6)
+
+
+def checkpoint_tensors(checkpoint: Path, layer_id: int) -> dict[str, torch.Tensor]:
+    index = json.loads((checkpoint / "model.safetensors.index.json").read_text())["weight_map"]
+    out = {}
+    for name in ("weight", "scale"):
+        key = f"layers.{layer_id}.engram.embed.{name}"
+        with safe_open(checkpoint / index[key], framework="pt") as shard:
+            out[name] = shard.get_tensor(key)
+    return out
+
+
+@contextmanager
+def parallel_state(args: argparse.Namespace) -> Iterator[None]:
+    """SGLang's runtime context's parallel ranks: one TP rank (no process group: at TP 1 SGLang's
+    Engram lookup runs no collective)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    if args.world != 1:
+        raise AssertionError("the worker runs one TP rank (TP over gloo: docs/sglang_plugin_status.md)")
+    with get_parallel().override(tp_rank=args.rank, tp_size=args.world, attn_dp_size=1,
+                                 attn_cp_size=1):
+        yield
+
+
+def build_layers(engram, hf, layout) -> list:
+    """The model's Engram layers, in the model's dtype as SGLang's loader builds them."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        return [engram.Engram(hf, layer_id, layout, None, PREFIX.format(layer_id))
+                for layer_id in layout.layer_ids]
+    finally:
+        torch.set_default_dtype(default)
+
+
+def load_tables(layers, layout, checkpoint: Path) -> None:
+    """Through each parameter's own weight_loader, as SGLang's model loader calls it, then the
+    layer's finish_load (collective in some of SGLang's layouts)."""
+    for layer, layer_id in zip(layers, layout.layer_ids, strict=True):
+        for name, tensor in checkpoint_tensors(checkpoint, layer_id).items():
+            param = getattr(layer.embed, name)
+            param.weight_loader(param, tensor)
+        layer.embed.finish_load(label=f"layer {layer_id}")
+
+
+def refuses_other_table(param, head_dim: int, error: type[Exception]) -> None:
+    """A checkpoint whose table is not the daemon's shape fails to load (fail closed)."""
+    try:
+        param.weight_loader(param, torch.zeros(7, head_dim, dtype=torch.float8_e4m3fn))
+    except error:
+        return
+    raise AssertionError("a checkpoint table of 7 rows loaded against the daemon's")
+
+
+def copy_projections(reference, served) -> None:
+    """The plugin replaces only the table: the same wkv, q and k weights on both."""
+    generator = torch.Generator().manual_seed(11)
+    for ref, ours in zip(reference, served, strict=True):
+        for name in ("q_weight", "k_weight"):
+            getattr(ref, name).data.copy_(torch.randn(getattr(ref, name).shape, generator=generator))
+        ref.wkv.weight.data.copy_(torch.randn(ref.wkv.weight.shape, generator=generator) * 0.02)
+        for name in ("q_weight", "k_weight"):
+            getattr(ours, name).data.copy_(getattr(ref, name).data)
+        ours.wkv.weight.data.copy_(ref.wkv.weight.data)
+
+
+def same_bits(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    """Exact equality, NaN included (a gather is a copy); names the first differing index."""
+    assert got.shape == want.shape, f"{name}: shape {list(got.shape)} != {list(want.shape)}"
+    assert got.dtype == want.dtype, f"{name}: dtype {got.dtype} != {want.dtype}"
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[got.element_size()]
+    differ = (got.contiguous().view(bits) != want.contiguous().view(bits)).nonzero()
+    assert differ.numel() == 0, f"{name}: {differ.shape[0]} values differ, first at {differ[:3].tolist()}"
+
+
+def sglang_hasher(engram, layout, hf):
+    """SGLang's EngramHasher over the official DeepSeek-V4 tokenizer (engramd's test tokenizer)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from engramd.client.token_map import default_tokenizer_path
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(default_tokenizer_path()))
+    hasher = engram.EngramHasher(layout, tokenizer, hf.engram_pad_token_id,
+                                 hf.engram_compressed_vocab_size)
+    hasher.init_history(num_req_slots=4, device="cpu")
+    return hasher
+
+
+def sglang_hashes(hasher):
+    """An extend batch of two requests hashed by SGLang's EngramHasher: request 0 starts its
+    sequence, request 1 continues at position 100 with three tokens of history (its slot's)."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    generator = torch.Generator().manual_seed(5)
+    lengths = (37, 23)
+    tokens = torch.randint(0, 128_000, (sum(lengths),), generator=generator, dtype=torch.int64)
+    positions = torch.cat([torch.arange(n) + start for n, start in zip(lengths, (0, 100), strict=True)])
+    history = torch.randint(0, 128_000, (3,), generator=generator, dtype=torch.int32)
+    hasher.history.zero_()
+    hasher.history[1] = history  # oldest first
+    batch = types.SimpleNamespace(
+        forward_mode=ForwardMode.EXTEND, req_pool_indices=torch.tensor([0, 1]),
+        positions=positions, extend_seq_lens=torch.tensor(lengths),
+        extend_start_loc=torch.tensor([0, lengths[0]]), extend_seq_lens_cpu=list(lengths),
+        engram_history=None, out_cache_loc=None, engram_staged_rows=None)
+    hashes = hasher(tokens, batch)
+    starts = torch.tensor([0, lengths[0], sum(lengths)])
+    lookback = torch.stack([torch.full((3,), -1), history.flip(0).to(torch.int64)])
+    return hashes, (tokens, starts, lookback)
+
+
+def engramd_hashes(checkpoint: Path, tokens, starts, lookback) -> torch.Tensor:
+    """The same chunk through engramd's own hasher (an independent implementation)."""
+    from engramd.client.geometry import TableGeometry
+    from engramd.client.hashing import EngramHasher, HashState
+    from engramd.client.token_map import build_token_map, default_tokenizer_path
+
+    hasher = EngramHasher(TableGeometry.from_file(checkpoint / "config.json"),
+                          build_token_map(default_tokenizer_path()))
+    history = lookback.flip(1)  # engramd's carry is oldest first; -1 is "before the start"
+    state = HashState(history.clamp(min=0).to(torch.int64), history < 0)
+    rows, _ = hasher.hash_batch(tokens.to(torch.int64), starts.to(torch.int64), state=state)
+    return rows
+
+
+def raw_ids(rows: tuple[int, ...], tokens: int) -> torch.Tensor:
+    """Row IDs straight into the table (every shard's rows among them), as SGLang's int64."""
+    generator = torch.Generator().manual_seed(tokens)
+    return torch.stack([torch.randint(0, n, (tokens, 24), generator=generator) for n in rows], dim=1)
+
+
+def compare_step(name: str, reference, served, ids: torch.Tensor, rank: int) -> None:
+    tokens = ids.shape[0]
+    generator = torch.Generator().manual_seed(tokens)
+    hidden = torch.randn((tokens, HC_MULT, HIDDEN), generator=generator).to(torch.bfloat16)
+    input_ids = torch.randint(0, 1000, (tokens,), generator=generator)
+    for ref, ours in zip(reference, served, strict=True):
+        layer_ids = ids[:, ref.layer_hash_index]
+        where = f"{name}, layer {ref.layer_hash_index}, rank {rank}"
+        same_bits(f"{where}: rows", ours.embed(layer_ids), ref.embed(layer_ids))
+        same_bits(f"{where}: forward", ours(hidden, layer_ids, None, input_ids=input_ids),
+                  ref(hidden, layer_ids, None, input_ids=input_ids))
+
+
+def main() -> None:
+    args = parse()
+    checkpoint = Path(args.checkpoint)
+    hf = model_config(checkpoint)
+    from sglang.srt.layers import engram
+
+    with parallel_state(args):
+        layout = engram.EngramLayout.from_config(hf)
+        reference = build_layers(engram, hf, layout)
+        load_tables(reference, layout, checkpoint)
+
+        os.environ.update(ENGRAMD_SOCKET=args.socket, ENGRAMD_MODE=args.mode)
+        from sglang.srt.plugins import load_plugins
+
+        load_plugins()
+        from engramd.client import sglang_engram
+
+        assert engram.EngramEmbedding._owned_rows is sglang_engram._owned_rows, \
+            "the entry point did not install"
+        served = build_layers(engram, hf, layout)
+        run_checks(engram, layout, hf, checkpoint, reference, served, args, sglang_engram)
+    print(f"rank {args.rank}: all equal ({sglang_engram._process_client.client.mode} mode)")
+
+
+def run_checks(engram, layout, hf, checkpoint, reference, served, args, sglang_engram) -> None:
+    daemon = sglang_engram._process_client
+    load_tables(served, layout, checkpoint)  # skipped, but the checkpoint loads
+    assert all(layer.embed.weight.shape[0] == 0 for layer in served), "a table was kept"
+    refuses_other_table(served[0].embed.weight, layout.head_dim, sglang_engram.SglangPluginError)
+    copy_projections(reference, served)
+
+    sent = []
+    lookup = daemon.client.lookup
+    daemon.client.lookup = lambda ids, *rest, **kw: (sent.append(ids.clone()), lookup(ids, *rest, **kw))[1]
+    hashes, chunk = sglang_hashes(sglang_hasher(engram, layout, hf))
+    same_bits("SGLang's hashes vs engramd's hasher", hashes,
+              engramd_hashes(checkpoint, *chunk).to(hashes.dtype))
+    compare_step("hashed chunk", reference, served, hashes, args.rank)
+    looked_up = set()  # each lookup carried one layer's IDs, SGLang's, and DEAD for the others
+    for ids in sent:
+        layer = int((ids != -1).any(dim=(0, 2)).nonzero()[0])
+        same_bits(f"IDs of a lookup of layer {layer}", ids[:, layer], hashes[:, layer])
+        assert bool((ids[:, torch.arange(ids.shape[1]) != layer] == -1).all()), "other layers not DEAD"
+        looked_up.add(layer)
+    assert looked_up == set(range(len(layout.layer_ids))), f"lookups of layers {looked_up} only"
+    for tokens in (5, 64, 1):
+        compare_step(f"raw IDs x {tokens}", reference, served, raw_ids(layout.num_embeddings, tokens),
+                     args.rank)
+    staging_is_refused(served[0], sglang_engram.SglangPluginError)
+
+
+def staging_is_refused(layer, error: type[Exception]) -> None:
+    try:
+        layer.embed.enable_scheduler_staging()
+    except error as exc:
+        assert "SGLANG_OPT_DSV41_ENGRAM_HOST_STAGING" in str(exc), exc
+    else:
+        raise AssertionError("scheduler staging was enabled on a daemon-served layer")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except AssertionError as exc:
+        print(f"FAILED: {exc}", file=sys.stderr)
+        sys.exit(1)
