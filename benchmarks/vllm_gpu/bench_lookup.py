@@ -1,0 +1,438 @@
+"""vLLM's own Engram lookup held against engramd's, on the same table bytes (an H200).
+
+On the GPU machine, after `bash benchmarks/vllm_gpu/setup_device.sh` (README.md):
+
+    export PYTHONPATH=/tmp/vllm-gpu-site
+    python benchmarks/vllm_gpu/bench_lookup.py --out DIR                # 16 GiB table, uniform IDs
+    python benchmarks/vllm_gpu/bench_lookup.py --ids text --traces .traces --out DIR
+    python benchmarks/vllm_gpu/bench_lookup.py --mps both --out DIR     # without MPS, then under it
+    python benchmarks/vllm_gpu/bench_lookup.py --parts lookup --out DIR # the lookups alone
+In vLLM's CPU environment (.ci/vllm_env.sh), every path but CUDA's, on the demo geometry:
+    .venv-vllm/bin/python benchmarks/vllm_gpu/bench_lookup.py --dry-run --out DIR
+
+The table has V4.1-Flash's shape (v4.1-flash: 2 layers x 24 heads x 256) with its buckets scaled
+down to --table-gib (common/tables.geometry_for), every byte a function of --seed
+(bench_tables.py). vLLM's pinned copy and the daemon's /dev/shm copy of a 64 GiB table do not fit
+in the machine's 128 GiB together, so one process runs two phases, one after the other, each
+with a copy of its own:
+
+1. vLLM: its Engram layers (EngramLayout, Engram, ParallelEngramEmbedding) built as worker_gpu.py
+   builds them, with EngramConfig(cpu_offload=True): pinned host tables, filled here, read by
+   vLLM's Triton kernel through UVA. The rows of the check batches are kept (host memory), the
+   lookups (vllm_fg, vllm_bg) and the model step (vllm) timed; then the layers go and their
+   pinned memory is handed back (bench_device.Gpu.release_host_memory; the host's MemAvailable
+   is printed before and after, and phase 2 refuses to start without room for its table).
+2. engramd: the same bytes in /dev/shm, a `--backend cuda` daemon that re-attaches them
+   (common/daemon.py), a mapped and a served EngramClient (lookups mapped, served); then the
+   plugin, loaded as vLLM loads it (bench_plugin.py), and vLLM's Engram layers built again once
+   per --plugin-modes mode (model steps plugin_mapped, plugin_served).
+The variants: bench_variants.py. IDs (--ids uniform | text): bench_ids.py. Timing: bench_timing.py.
+
+Rows: one batch per T (bench_ids.check_ids, 5% DEAD). vLLM's foreground rows are the reference;
+its background rows must equal them, and so must, before anything of phase 2 is timed, the rows
+of each client and of the plugin's layers in each mode: bit for bit, NaN equal to NaN
+(common/rows.py). What differs is not timed (the clients' rows differing, nothing of phase 2
+is), and the script exits 1.
+
+What it is not: the equality test of vLLM's modules and the plugin's (tests/gpu/test_vllm_gpu.py
+compares embed, forward and embed_tokens too); here rows are checked so that the timed paths are
+known to read the same table.
+
+Output: DIR/bench_lookup.json (command, date, machine; every run and cell) and DIR/bench_lookup.md
+(printed last), bench_report.py. --mps on|both (benchmarks/mps.py): each MPS mode in a child
+process, a private MPS server around the `on` one (the daemon and the child its clients); with
+both, each child's files are in DIR/mps_off and DIR/mps_on, the merged ones in DIR.
+
+Cost on an H200 at the defaults, for one MPS mode (estimated from earlier runs there; the script
+prints each phase's seconds and the JSON keeps them): importing vLLM, its Engram module and the
+plugin, 35-40 s; phase 1, 30-60 s (pinning and filling 16 GiB, the checks; its timing, 16 lookup
+cells and 24 model-step cells of 55 steps, takes a few s); phase 2, 60-120 s (filling /dev/shm,
+the daemon's start and pin, two clients' attach, per plugin mode a client's attach and 24 cells).
+About 2-4 minutes in all, twice that with --mps both. The fills grow with --table-gib: at 64 GiB,
+one MPS mode per command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import socket
+import sys
+import time
+import types
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+# What a dry run needs set before Triton (whose own @jit helpers are made when it is imported),
+# vLLM and CUDA read it, as tests/vllm_plugin/worker.py sets it: so, before the imports below.
+DRY_RUN_ENV = {"VLLM_TARGET_DEVICE": "cpu", "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+if "--dry-run" in sys.argv[1:]:
+    os.environ.update(DRY_RUN_ENV)
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+import bench_device  # noqa: E402
+import bench_plugin  # noqa: E402
+import bench_report  # noqa: E402
+import torch  # noqa: E402
+from bench_ids import TextIds, UniformIds, check_ids  # noqa: E402
+from bench_tables import fill_daemon_tables, fill_vllm_tables  # noqa: E402
+from bench_timing import MODES, time_cell  # noqa: E402
+from bench_variants import (  # noqa: E402
+    ClientLookup,
+    EngramLayers,
+    Matmuls,
+    ModelStep,
+    VllmForeground,
+    init_projections,
+    wait_warm,
+)
+from common.daemon import bench_folders, open_client, running_daemon  # noqa: E402
+from common.rows import bitwise_mismatches  # noqa: E402
+from common.tables import INSTANCE, geometry_for, reattach_flags  # noqa: E402
+from mps import (  # noqa: E402
+    child_reports,
+    gpu_processes,
+    mps_argument,
+    mps_modes,
+    needs_children,
+    require_mps_state,
+    run_children,
+)
+from torch import Tensor  # noqa: E402
+
+from engramd.client.geometry import TableGeometry  # noqa: E402
+
+CLIENT_MODES = ("mapped", "served")
+PARTS = ("lookup", "step")
+# Defaults on the GPU and in a dry run (tiny: vLLM's kernels run under Triton's interpreter).
+DEFAULTS = {
+    False: {"tokens": [1, 16, 256, 4096], "lead": [1, 4, 12], "steps": 50, "warm": 5,
+            "matmul_n": 4096, "hidden": 4096, "hc_mult": 4, "trace_tokens": None},
+    True: {"tokens": [1, 16], "lead": [1, 2], "steps": 3, "warm": 1,
+           "matmul_n": 64, "hidden": 64, "hc_mult": 2, "trace_tokens": 1 << 14},
+}
+CHECK_SEED = 7
+HOST_MARGIN_GIB = 4.0  # free host memory phase 2 wants beyond its table before it fills it
+
+
+class Run:
+    """One measurement in this process (one MPS mode): the phases and all they found."""
+
+    def __init__(self, args: argparse.Namespace, device, geometry: TableGeometry, ids, mps: bool):
+        self.args, self.device, self.geometry, self.ids, self.mps = args, device, geometry, ids, mps
+        self.tokens = sorted(set(args.tokens))
+        self.lookups: list[dict] = []
+        self.steps: list[dict] = []
+        self.checks: list[dict] = []
+        self.phases: dict[str, dict] = {}
+        self.reference: dict[int, Tensor] = {}  # T -> vLLM's rows of the check batch (host)
+        self.matmuls = Matmuls(args.matmul_n, device.device, args.seed)
+
+    @property
+    def exact(self) -> bool:
+        return all(check["mismatches"] == 0 for check in self.checks)
+
+    # -- cells
+
+    def time_lookups(self, variant) -> None:
+        for tokens in self.tokens:
+            line = []
+            for mode in MODES:
+                cell = self._time(variant, tokens, mode)
+                self.lookups.append({"mps": self.mps, "variant": variant.name, "tokens": tokens,
+                                     "mode": mode, **cell})
+                line.append(f"{mode} gpu {cell['gpu_us']:.0f} host {cell['host_us']:.0f}")
+            print(f"  {variant.name} T={tokens}: {', '.join(line)} us", flush=True)
+
+    def time_model_steps(self, model: ModelStep) -> None:
+        for tokens in self.tokens:
+            for lead in sorted(set(self.args.lead)):
+                line = []
+                for mode in MODES:
+                    cell = self._time(model.step(lead), tokens, mode)
+                    self.steps.append({"mps": self.mps, "variant": model.name, "tokens": tokens,
+                                       "lead": lead, "mode": mode, **cell})
+                    line.append(f"{mode} {cell['step_us']:.0f}")
+                print(f"  {model.name} T={tokens} lead={lead}: {', '.join(line)} us/step",
+                      flush=True)
+
+    def _time(self, step, tokens: int, mode: str) -> dict[str, Any]:
+        pool = self.ids.pool(tokens, self.args.warm + self.args.steps)
+        return time_cell(self.device.clock, step, pool, self.args.warm, mode == "synced")
+
+    # -- rows
+
+    def check_batch(self, tokens: int) -> Tensor:
+        return check_ids(self.geometry, tokens, CHECK_SEED).to(self.device.device)
+
+    def keep_reference(self, foreground: VllmForeground, background: EngramLayers) -> None:
+        """vLLM's foreground rows of each check batch, kept on the host for phase 2; its
+        background rows checked against them."""
+        for tokens in self.tokens:
+            ids = self.check_batch(tokens)
+            # A copy: on the CPU, .cpu() would keep a view of the buffer the next lookup fills.
+            self.reference[tokens] = foreground.rows(ids).to("cpu", copy=True)
+            self.compare(background, tokens, ids)
+
+    def compare(self, variant, tokens: int, ids: Tensor | None = None) -> bool:
+        ids = self.check_batch(tokens) if ids is None else ids
+        wrong, first = bitwise_mismatches(variant.rows(ids).cpu(), self.reference[tokens])
+        self.checks.append({"variant": variant.name, "tokens": tokens, "against": "vllm_fg",
+                            "mismatches": wrong, **({"first": first} if wrong else {})})
+        verdict = "exact" if wrong == 0 else f"{wrong} values DIFFER, first at {first}"
+        print(f"  rows {variant.name} T={tokens}: {verdict}", flush=True)
+        return wrong == 0
+
+    def compare_all(self, variant) -> bool:
+        return all([self.compare(variant, tokens) for tokens in self.tokens])
+
+    # -- phase 1
+
+    def vllm_phase(self, engram, hf, layout) -> None:
+        """vLLM's own lookup; its layers, and with them its pinned tables, go when it returns."""
+        started = time.monotonic()
+        phase = self.phases["vllm"] = {"host_available_gib_before": host_available_gib()}
+        layers = self.device.build_layers(engram, hf, layout)
+        phase["build_s"] = round(time.monotonic() - started, 1)
+        phase["fill_s"] = round(fill_vllm_tables(layers, self.geometry, self.args.seed), 1)
+        print(f"[vllm] built in {phase['build_s']} s, filled in {phase['fill_s']} s", flush=True)
+        self.device.check_offloaded(layers)
+        init_projections(layers, self.args.seed)
+        foreground = VllmForeground(layers, max(self.tokens))
+        background = EngramLayers("vllm_bg", layers)
+        self.keep_reference(foreground, background)
+        if "lookup" in self.args.parts:
+            self.time_lookups(foreground)
+            self.time_lookups(background)
+        if "step" in self.args.parts:
+            self.time_model_steps(ModelStep("vllm", layers, self.matmuls, self.args.seed))
+        phase["seconds"] = round(time.monotonic() - started, 1)
+
+    def free_vllm(self) -> None:
+        phase = self.phases["vllm"]
+        phase["pinned_after_free"] = self.device.release_host_memory()
+        phase["host_available_gib_after_free"] = host_available_gib()
+        print(f"[vllm] done in {phase['seconds']} s; host memory available: "
+              f"{phase['host_available_gib_before']} GiB before, "
+              f"{phase['host_available_gib_after_free']} GiB after freeing", flush=True)
+
+    # -- phase 2
+
+    def engramd_phase(self, work: Path, shm: Path, engram, hf, layout) -> None:
+        started = time.monotonic()
+        phase = self.phases["engramd"] = {}
+        require_host_memory(self.geometry)
+        phase["fill_s"] = round(fill_daemon_tables(self.geometry, work / "ckpt", shm,
+                                                   self.args.seed), 1)
+        print(f"[engramd] filled /dev/shm in {phase['fill_s']} s", flush=True)
+        begun = time.monotonic()
+        with running_daemon(work, self.daemon_flags(work, shm), timeout=600) as sock:
+            phase["daemon_start_s"] = round(time.monotonic() - begun, 1)
+            print(f"[engramd] daemon ready in {phase['daemon_start_s']} s", flush=True)
+            exact = self.client_lookups(sock, phase)
+            if not exact:
+                print("[engramd] rows differ from vLLM's: nothing of engramd is timed", flush=True)
+            elif "step" in self.args.parts:
+                self.plugin_steps(sock, engram, hf, layout, phase)
+        phase["seconds"] = round(time.monotonic() - started, 1)
+        print(f"[engramd] done in {phase['seconds']} s", flush=True)
+
+    def daemon_flags(self, work: Path, shm: Path) -> list[str]:
+        extra = shlex.split(self.args.daemon_args)
+        if isinstance(self.ids, TextIds):
+            extra = ["--hot-cache-warm-file", str(work / "warm.npy"), *extra]
+        return [*reattach_flags(work / "ckpt", shm, INSTANCE), "--backend", self.device.backend,
+                "--max-tokens", str(max(self.tokens)),
+                "--metrics-address", "127.0.0.1:0",  # no port that another run could hold
+                *extra]  # last: the caller's flags win
+
+    def client_lookups(self, sock: Path, phase: dict) -> bool:
+        """A mapped and a served client: their rows checked, then, if exact, their lookups timed."""
+        variants, phase["attach_s"], phase["client_mps"] = [], {}, {}
+        try:
+            for mode in CLIENT_MODES:
+                client, attach_s = open_client(sock, self.device.client_device, max(self.tokens),
+                                               mode)
+                variants.append(ClientLookup(client, self.device.stream()))
+                wait_warm(client)
+                phase["attach_s"][mode], phase["client_mps"][mode] = round(attach_s, 2), client.mps
+            phase["gpu_processes"] = gpu_processes()  # the daemon and this process hold the GPU
+            exact = all([self.compare_all(variant) for variant in variants])
+            if exact and "lookup" in self.args.parts:
+                for variant in variants:
+                    self.time_lookups(variant)
+            return exact
+        finally:
+            for variant in variants:
+                variant.client.close()
+
+    def plugin_steps(self, sock: Path, engram, hf, layout, phase: dict) -> None:
+        """vLLM's Engram layers built with the plugin loaded, once per mode: rows, model step."""
+        vllm_engram = bench_plugin.load_plugin(engram, sock, self.args.plugin_modes[0])
+        for mode in self.args.plugin_modes:
+            bench_plugin.forget_client(vllm_engram, mode)
+            begun = time.monotonic()
+            layers = self.device.build_layers(engram, hf, layout)
+            client = vllm_engram._process_rows.client
+            if client.mode != mode:
+                raise SystemExit(f"the plugin's client was granted {client.mode}, not {mode}")
+            wait_warm(client)
+            phase[f"plugin_{mode}_build_s"] = round(time.monotonic() - begun, 1)
+            init_projections(layers, self.args.seed)
+            name = f"plugin_{mode}"
+            if self.compare_all(EngramLayers(name, layers)):
+                self.time_model_steps(ModelStep(name, layers, self.matmuls, self.args.seed))
+            del layers, client  # before the next mode closes the client their rows view
+        bench_plugin.forget_client(vllm_engram, None)
+
+
+def host_available_gib() -> float | None:
+    """MemAvailable of /proc/meminfo, GiB (None where there is none)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return None
+
+
+def require_host_memory(geometry: TableGeometry) -> None:
+    """Refuse to fill /dev/shm where the table would not fit beside what is in use."""
+    available = host_available_gib()
+    need = geometry.total_bytes / 2**30 + HOST_MARGIN_GIB
+    if available is not None and available < need:
+        raise SystemExit(f"{available} GiB of host memory available, the daemon's tables need "
+                         f"{need:.1f} (the table + {HOST_MARGIN_GIB} GiB): were vLLM's pinned "
+                         "tables freed?")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def make_ids(args: argparse.Namespace, geometry: TableGeometry, device, work: Path):
+    if args.ids == "text":
+        return TextIds(Path(args.traces), geometry, device.device, work / "warm.npy",
+                       args.trace_tokens)
+    return UniformIds(geometry, device.device, args.seed)
+
+
+def model_config(args: argparse.Namespace, geometry: TableGeometry) -> types.SimpleNamespace:
+    """The fields of the model's config that vLLM's Engram modules read: the table's geometry,
+    and a hidden size and hyper-connection count of this benchmark's choosing."""
+    return types.SimpleNamespace(**geometry.to_config(), hidden_size=args.hidden,
+                                 hc_mult=args.hc_mult, rms_norm_eps=1e-6)
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """Both phases in this process (one MPS mode); the run's report."""
+    started = time.monotonic()
+    device = bench_device.open_device(args.dry_run)  # first: it brings vLLM's tree in
+    mps = require_mps_state(args.mps == "on")
+    geometry = TableGeometry.named("demo") if args.dry_run else geometry_for(args.table_gib)
+    hf = model_config(args, geometry)
+    with bench_folders() as (work, shm), device.vllm_scope():
+        from vllm.config import set_current_vllm_config
+        from vllm.models.deepseek_v41.common import engram
+
+        print(f"vLLM's Engram module imported ({time.monotonic() - started:.0f} s)", flush=True)
+        config = device.vllm_config()
+        config.scheduler_config.max_num_batched_tokens = max(args.tokens)  # the layers' staging
+        place = types.SimpleNamespace(rank=0, world=1, port=free_port())
+        with set_current_vllm_config(config), device.helpers.parallel_state(place):
+            layout = engram.EngramLayout(hf)
+            run = Run(args, device, geometry, make_ids(args, geometry, device, work), mps["mps"])
+            run.vllm_phase(engram, hf, layout)
+            run.free_vllm()
+            run.engramd_phase(work, shm, engram, hf, layout)
+    return {"meta": bench_report.header(), "runs": [describe(run, mps, started)],
+            "lookups": run.lookups, "steps": run.steps}
+
+
+def describe(run: Run, mps: dict, started: float) -> dict:
+    import triton  # imported by now, after the dry run's settings
+    import vllm
+
+    args, geometry = run.args, run.geometry
+    shape = "demo" if args.dry_run else f"v4.1-flash, buckets scaled to {args.table_gib} GiB"
+    return {**mps, **run.device.describe(), "torch": torch.__version__,
+            "triton": triton.__version__, "vllm": vllm.__version__, "dry_run": args.dry_run,
+            "geometry": shape,
+            "table_gib": round(geometry.total_bytes / 2**30, 3), "rows": list(geometry.rows),
+            "seed": args.seed, "ids": run.ids.name, "trace_tokens": run.ids.trace_tokens,
+            "steps": args.steps, "warm": args.warm, "parts": args.parts,
+            "model": {"hidden": args.hidden, "hc_mult": args.hc_mult,
+                      "matmul": f"bf16 [{args.matmul_n} x {args.matmul_n}] squared, torch.mm"},
+            "plugin_modes": args.plugin_modes, "daemon_args": args.daemon_args,
+            "phases": run.phases, "seconds": round(time.monotonic() - started, 1),
+            "rows_exact": run.exact, "checks": run.checks}
+
+
+def run_parent(args: argparse.Namespace) -> int:
+    """--mps on|both: a child process per MPS mode (mps.run_children), their reports merged.
+    GPU only: MPS needs NVIDIA's control daemon."""
+    out = Path(args.out)
+    children = run_children(Path(__file__).resolve(), mps_modes(args), out)
+    reports = [report for _, report in child_reports(children, bench_report.JSON_NAME)]
+    if reports:
+        bench_report.write(out, bench_report.merge(reports))
+    ok = len(reports) == len(children) and all(child.returncode == 0 for child in children)
+    return 0 if ok else 1
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true",
+                        help="on a CPU machine, in vLLM's CPU environment: the demo geometry and "
+                             "tiny settings, every path but CUDA's (--mps off only)")
+    parser.add_argument("--table-gib", type=float, default=16.0)
+    parser.add_argument("--seed", type=int, default=1, help="of the table's bytes and the IDs")
+    parser.add_argument("--tokens", type=int, nargs="+", help="T per lookup (1 16 256 4096)")
+    parser.add_argument("--lead", type=int, nargs="+",
+                        help="model step: matmuls between the lookup and the forward (1 4 12)")
+    parser.add_argument("--steps", type=int, help="timed steps per cell (50)")
+    parser.add_argument("--warm", type=int, help="untimed steps before each cell's (5)")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
+                        help="the lookups alone, the model step, or both")
+    parser.add_argument("--plugin-modes", nargs="+", choices=CLIENT_MODES,
+                        default=list(CLIENT_MODES), help="the plugin's ENGRAMD_MODE, in turn")
+    parser.add_argument("--ids", choices=("uniform", "text"), default="uniform")
+    parser.add_argument("--traces", default=".traces",
+                        help="the trace folder of --ids text (benchmarks/traces.py build)")
+    parser.add_argument("--trace-tokens", type=int, help="hash only the trace's first documents")
+    parser.add_argument("--matmul-n", type=int, help="the model step's square matmuls (4096)")
+    parser.add_argument("--hidden", type=int, help="the Engram layers' hidden size (4096)")
+    parser.add_argument("--hc-mult", type=int, help="their hyper-connection copies (4)")
+    parser.add_argument("--daemon-args", default="",
+                        help="extra `engramd serve` flags, one string (write it with '=')")
+    parser.add_argument("--out", required=True)
+    mps_argument(parser)
+    args = parser.parse_args(argv)
+    for name, value in DEFAULTS[args.dry_run].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.dry_run and args.mps != "off":
+        parser.error("--dry-run runs without MPS (--mps off)")
+    if args.steps < 1 or args.warm < 0 or min(args.tokens) < 1 or min(args.lead) < 0:
+        parser.error("--steps and --tokens must be >= 1, --warm and --lead >= 0")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if needs_children(args):
+        return run_parent(args)  # this process never touches CUDA: MPS starts around a child
+    report = measure(args)
+    bench_report.write(Path(args.out), report)
+    return 0 if report["runs"][0]["rows_exact"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""What bench_lookup.py times: each variant is a call `variant(ids)` for IDs [T, n_layers, heads]
+on the device, after which the rows are ready in the current stream's order (no host sync), and
+`variant.rows(ids)`, the rows it gives, [n_layers, T, heads, head_dim] bf16, for the row check.
+
+Lookup alone:
+  vllm_fg   vLLM's ParallelEngramEmbedding.lookup(ids[:, i], out[i]) for each layer i, on the
+            current stream: its Triton kernel, a persistent grid of one program per SM (on the
+            GPU reading the pinned tables through UVA).
+  vllm_bg   vLLM's Engram.prepare_embeddings(ids[:, i]) for each layer, then each layer's
+            _ready_rows(T): its offloaded prefetch, lookup(background=True) (half the SMs) on
+            the prefetch stream behind the current stream's work, and the current stream's wait
+            for the layer's event.
+  mapped    EngramClient(mode="mapped").lookup(ids, stream).wait(stream): this process gathers
+            from its mapping of the daemon's tables, on the client's side stream, queued at the
+            wait (the client's default).
+  served    the same with mode="served": the daemon gathers into the client's slab.
+Model step (`ModelStep`, over vLLM's Engram layers, its own or built with the plugin loaded):
+  each layer's prepare_embeddings(ids[:, i]) -> LEAD bf16 [N x N] @ [N x N] matmuls (torch.mm
+  into a preallocated tensor) -> each layer's forward(hidden [T, hc_mult, hidden], ids[:, i]),
+  whose embed() takes the rows from _ready_rows(T), then the WKV GEMM and vLLM's fused post-WKV
+  kernel.
+
+What this is not: the timing (bench_timing.py) or the row check (bench_lookup.py).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import Tensor
+
+from engramd.client import EngramClient
+
+LOOKUP_VARIANTS = ("vllm_fg", "vllm_bg", "mapped", "served")
+STEP_VARIANTS = ("vllm", "plugin_mapped", "plugin_served")
+WARM_CACHE_S = 120.0  # at most, for a mapped client's hot-row cache to warm after its attach
+
+
+class VllmForeground:
+    name = "vllm_fg"
+
+    def __init__(self, layers: list, max_tokens: int):
+        table = layers[0].embed_tokens
+        self.layers = layers
+        self.out = torch.empty((len(layers), max_tokens, table.part_n_hash_cols, table.dim),
+                               dtype=torch.bfloat16, device=layers[0].staged_rows.device)
+
+    def __call__(self, ids: Tensor) -> None:
+        tokens = ids.shape[0]
+        for layer in self.layers:
+            index = layer.layer_hash_index
+            layer.embed_tokens.lookup(ids[:, index], self.out[index, :tokens])
+
+    def rows(self, ids: Tensor) -> Tensor:
+        self(ids)
+        return self.out[:, :ids.shape[0]]
+
+
+class EngramLayers:
+    """vLLM's staged path through its Engram layers: vllm_bg with vLLM's own layers; with the
+    plugin's, the client's lookup (what the model step's plugin variants run)."""
+
+    def __init__(self, name: str, layers: list):
+        self.name, self.layers = name, layers
+
+    def __call__(self, ids: Tensor) -> None:
+        self.prepare(ids)
+        for layer in self.layers:
+            layer._ready_rows(ids.shape[0])
+
+    def prepare(self, ids: Tensor) -> None:
+        for layer in self.layers:
+            layer.prepare_embeddings(ids[:, layer.layer_hash_index])
+
+    def rows(self, ids: Tensor) -> Tensor:
+        self.prepare(ids)
+        return torch.stack([layer._ready_rows(ids.shape[0]) for layer in self.layers])
+
+
+class ClientLookup:
+    """An EngramClient's lookup, the current stream (None on the CPU) waiting for its rows."""
+
+    def __init__(self, client: EngramClient, stream: torch.cuda.Stream | None):
+        self.name, self.client, self.stream = client.mode, client, stream
+
+    def __call__(self, ids: Tensor) -> Tensor:
+        return self.client.lookup(ids, self.stream).wait(self.stream)
+
+    rows = __call__
+
+
+def wait_warm(client: EngramClient) -> None:
+    """A mapped client's keeper warms its hot-row cache after the attach: time it warm, as the
+    daemon's own cache is warm before it serves (model_step.py does the same)."""
+    deadline = time.monotonic() + WARM_CACHE_S
+    while (client.hot_cache_stats() or {}).get("warming") and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+class Matmuls:
+    """`count` bf16 [n x n] @ [n x n] products into one preallocated tensor."""
+
+    def __init__(self, n: int, device: torch.device, seed: int):
+        generator = torch.Generator(device=device).manual_seed(seed)
+        self.a = torch.randn((n, n), generator=generator, device=device).to(torch.bfloat16)
+        self.b = torch.randn((n, n), generator=generator, device=device).to(torch.bfloat16)
+        self.c = torch.empty_like(self.a)
+
+    def __call__(self, count: int) -> None:
+        for _ in range(count):
+            torch.mm(self.a, self.b, out=self.c)
+
+
+class ModelStep:
+    """prepare_embeddings -> `lead` matmuls -> forward, over one set of Engram layers."""
+
+    def __init__(self, name: str, layers: list, matmuls: Matmuls, seed: int):
+        self.name, self.layers, self.matmuls, self.seed = name, layers, matmuls, seed
+        self.staged = EngramLayers(name, layers)
+        self._hidden: dict[int, Tensor] = {}
+
+    def hidden(self, tokens: int) -> Tensor:
+        """The residual stream [T, hc_mult, hidden] bf16, the same for every step of T tokens."""
+        if tokens not in self._hidden:
+            layer = self.layers[0]
+            device = layer.q_weight.device
+            generator = torch.Generator(device=device).manual_seed(self.seed + tokens)
+            shape = (tokens, layer.hc_mult, layer.dim)
+            self._hidden[tokens] = torch.randn(shape, generator=generator,
+                                               device=device).to(torch.bfloat16)
+        return self._hidden[tokens]
+
+    def step(self, lead: int):
+        def run(ids: Tensor) -> None:
+            hidden = self.hidden(ids.shape[0])
+            self.staged.prepare(ids)
+            self.matmuls(lead)
+            for layer in self.layers:
+                layer(hidden, ids[:, layer.layer_hash_index])
+
+        return run
+
+
+def init_projections(layers: list, seed: int) -> None:
+    """The same q, k and WKV weights for every build of the layers (vLLM's own, the plugin's):
+    seeded, made where they live, then finished as vLLM's loader finishes a layer."""
+    for layer in layers:
+        generator = torch.Generator(device=layer.q_weight.device)
+        generator.manual_seed(seed + layer.layer_hash_index)
+        weights = ((layer.q_weight, 1.0), (layer.k_weight, 1.0), (layer.wkv.weight, 0.02))
+        for param, scale in weights:
+            values = torch.randn(param.shape, generator=generator, device=param.device) * scale
+            param.data.copy_(values)
+        layer.wkv.quant_method.process_weights_after_loading(layer.wkv)
