@@ -18,6 +18,7 @@ import torch
 from engramd.client.geometry import ShardView
 from engramd.client.mps import MpsState
 from engramd.client.slab import SlabLayout
+from engramd.server.job_context import JobContext
 
 
 class Slab(Protocol):
@@ -52,7 +53,7 @@ class LookupJob:
     skip: bool = False  # a refused lookup: only release the slot's completion counter
     out_of_range: int = 0
     error: BaseException | None = None
-    context: dict[str, Any] = field(default_factory=dict)  # transport data the store carries along
+    context: JobContext = field(default_factory=JobContext)  # reply routing and times, carried along
 
 
 Completion = Callable[[LookupJob], None]

@@ -164,7 +164,7 @@ class CpuBackend:
         try:
             pieces = self._pieces(job, done)
             if pieces:
-                job.context["submitted"] = time.perf_counter()
+                job.context.submitted = time.perf_counter()
                 try:
                     self._queue.put(job.client_id, pieces)
                 except BaseException:
@@ -174,7 +174,7 @@ class CpuBackend:
         except BaseException as exc:  # the job must complete all the same, or its slot never frees
             log.exception("cannot queue the gather of client %d slot %d", job.client_id, job.slot)
             job.error = exc
-        job.context["enqueued"] = time.perf_counter()
+        job.context.enqueued = time.perf_counter()
         done(job)
 
     def _pieces(self, job: LookupJob, done: Completion) -> list[tuple[_Lookup, int, int]]:
@@ -200,21 +200,23 @@ class CpuBackend:
 
     def _run_piece(self, lookup: _Lookup, start: int, stop: int) -> None:
         job, bad, error = lookup.job, 0, None
-        job.context.setdefault("started", time.perf_counter())  # its first piece's start
+        began = time.perf_counter()  # the lookup's `started`: its first piece's start
         try:
             rows = job.slab.rows(job.slot, job.tokens)[:, start:stop]
             _, bad = gather(lookup.tables.tensors, lookup.ids[start:stop], job.shard, out=rows)
         except BaseException as exc:  # reported to the client; the worker must survive
             log.exception("gather failed for client %d slot %d", job.client_id, job.slot)
             error = exc
-        with lookup.lock:
+        with lookup.lock:  # its pieces may run on several workers at once
+            context = job.context
+            context.started = began if context.started is None else min(context.started, began)
             job.out_of_range += bad
             job.error = job.error or error
             lookup.left -= 1
             finished = lookup.left == 0
         if finished:
             self._let_go(lookup.tables)
-            job.context["enqueued"] = time.perf_counter()  # on the CPU: the rows are written
+            job.context.enqueued = time.perf_counter()  # on the CPU: the rows are written
             lookup.done(job)
 
     def _let_go(self, tables: _TableSet) -> None:

@@ -307,11 +307,11 @@ class CudaSlab:
         rows under readers of its previous lookup, queued behind the same stall."""
         overdue = []
         for slot, job in list(self.last_job.items()):
-            enqueued = job.context.get("enqueued")
-            if (job.context.get("overdue") or enqueued is None or now - enqueued < limit_s
+            enqueued = job.context.enqueued
+            if (job.context.overdue or enqueued is None or now - enqueued < limit_s
                     or self.ids_handed_over(slot, job.seq)):
                 continue
-            job.context["overdue"] = True
+            job.context.overdue = True
             overdue.append(job)
         return overdue
 
@@ -506,7 +506,7 @@ def run_job(job: LookupJob, done: Completion) -> None:
     except BaseException as exc:  # reported to the client; the dispatcher keeps serving
         log.exception("enqueue failed for client %d slot %d", job.client_id, job.slot)
         job.error = exc
-    job.context["enqueued"] = time.perf_counter()
+    job.context.enqueued = time.perf_counter()
     done(job)
 
 
@@ -702,7 +702,7 @@ class CudaBackend:
         return self.mps
 
     def overdue_lookups(self, limit_s: float) -> list[LookupJob]:
-        now = time.perf_counter()  # the clock of job.context["enqueued"]
+        now = time.perf_counter()  # the clock of job.context.enqueued
         return [job for gpu in self.gpus.values() for slab in list(gpu.slabs)
                 for job in slab.overdue_ids(limit_s, now)]
 

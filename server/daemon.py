@@ -55,10 +55,12 @@ from engramd.client.messages import (
     TablesReply,
     TablesRequest,
 )
+from engramd.server.backend import LookupJob
 from engramd.server.checkpoint import CONFIG_FILE
 from engramd.server.config import DaemonConfig
 from engramd.server.handle_server import MAX_CONNECTIONS, HandleServer
 from engramd.server.host_tables import HostTable
+from engramd.server.job_context import JobContext
 from engramd.server.metrics import MAX_SCRAPERS, Metrics
 from engramd.server.notify import Notifier
 from engramd.server.reload import NextTables, TableReload
@@ -362,24 +364,24 @@ class Daemon:
                 return
             getattr(self, f"_event_{event.kind}")(event.value)
 
-    def _event_done(self, job: Any) -> None:
-        if job.context.get("silent"):
+    def _event_done(self, job: LookupJob) -> None:
+        context = job.context
+        if context.silent:
             self.service.finish_lookup(job)
             return
-        if "enqueued" in job.context:
-            self.metrics.latency.observe(job.context["enqueued"] - job.context["received"])
-            if "started" in job.context:  # a CPU gather: where its time went
-                job.context["answered"] = time.perf_counter()
-                self.metrics.observe_stages(job.context)
-        identity, rid = job.context["identity"], job.context["rid"]
+        if context.enqueued is not None:
+            self.metrics.latency.observe(context.enqueued - context.received)
+            if context.started is not None:  # a CPU gather: where its time went
+                context.answered = time.perf_counter()
+                self.metrics.observe_stages(context)
         try:
             reply = self.service.finish_lookup(job)
         except EngramError as exc:
             self.service.count_error(exc.code)
-            self._send(identity, protocol.encode_error("lookup", rid, self.epoch, exc))
+            self._send(context.identity, protocol.encode_error("lookup", context.rid, self.epoch, exc))
             return
-        if reply is not None and job.context["ack"]:  # None: a refused lookup's slot release
-            self._send(identity, protocol.encode_reply(rid, self.epoch, reply))
+        if reply is not None and context.ack:  # None: a refused lookup's slot release
+            self._send(context.identity, protocol.encode_reply(context.rid, self.epoch, reply))
 
     def _event_loaded(self, loaded: LoadedTables) -> None:
         if self.service.state == "stopping":
@@ -504,11 +506,11 @@ class Daemon:
 
     def _op_lookup(self, identity: bytes, request: protocol.Request) -> None:
         self.service.lookup(identity, request.body, request.payload, self._on_done,
-                            {"identity": identity, "rid": request.rid, "ack": request.body.ack,
-                             "received": request.received})
+                            JobContext(identity=identity, rid=request.rid, ack=request.body.ack,
+                                       received=request.received))
         return None  # answered on completion (GPU lookups without ack: only if they fail)
 
-    def _on_done(self, job: Any) -> None:
+    def _on_done(self, job: LookupJob) -> None:
         if threading.get_ident() == self._loop_thread:
             self._event_done(job)  # enqueued inline: no need to go round the event queue
         else:

@@ -26,6 +26,7 @@ from engramd.client.handles import PeerCredentials
 from engramd.client.messages import LookupRequest, RegisterRequest, ReleaseRequest
 from engramd.server.backend import LookupJob
 from engramd.server.config import DaemonConfig
+from engramd.server.job_context import JobContext
 from engramd.server.registry import ClientRecord
 from engramd.server.selfcheck import run_self_check
 from engramd.server.service import Service
@@ -100,7 +101,7 @@ class InProcessClient:
 
         request = LookupRequest(client_id=self.client_id, slot=slot, seq=seq, ids_dtype=str(ids.dtype),
                                 ids_shape=list(ids.shape), inline=True)
-        self.service.lookup(self.identity, request, [ids.tobytes()], done, {})
+        self.service.lookup(self.identity, request, [ids.tobytes()], done, JobContext())
         if not finished.wait(LOOKUP_TIMEOUT_S):
             raise ReplyTimeoutError(f"in-process lookup {seq} not done within {LOOKUP_TIMEOUT_S} s")
         reply = self.service.finish_lookup(jobs[0])  # raises the lookup's typed error

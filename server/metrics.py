@@ -28,6 +28,7 @@ from prometheus_client.core import (
 from prometheus_client.exposition import make_wsgi_app
 
 from engramd.server.gc_pauses import GENERATIONS, GcPauses
+from engramd.server.job_context import JobContext
 
 log = logging.getLogger("engramd.metrics")
 
@@ -36,9 +37,9 @@ log = logging.getLogger("engramd.metrics")
 MAX_SCRAPERS = 8
 SCRAPE_TIMEOUT_S = 5.0
 
-# A CPU lookup's stages: (name, the job context's time it starts at, the one it ends at).
-CPU_STAGES = (("submit", "received", "submitted"), ("queue", "submitted", "started"),
-              ("gather", "started", "enqueued"), ("completion", "enqueued", "answered"))
+# A CPU lookup's stages, each from one of its job context's times to the next: received ->
+# submitted -> started -> enqueued -> answered (observe_stages).
+CPU_STAGES = ("submit", "queue", "gather", "completion")
 
 LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 200e-6, 400e-6, 800e-6, 1.6e-3, 3.2e-3, 6.4e-3,
                    12.8e-3, 25.6e-3, 51.2e-3, 0.1, 0.2, 0.5)
@@ -235,15 +236,18 @@ class Metrics:
                            "its last piece's rows written, waits between pieces included), "
                            "completion (-> the loop answers)", labelnames=["stage"],
                            buckets=LATENCY_BUCKETS, registry=self.registry)
-        self._stages = [(start, end, stages.labels(stage)) for stage, start, end in CPU_STAGES]
+        self._stages = [stages.labels(stage) for stage in CPU_STAGES]
         self.gc_pauses = GcPauses(LATENCY_BUCKETS)
         self.registry.register(_GcCollector(self.gc_pauses))
         self._server = None
 
-    def observe_stages(self, context: dict[str, float]) -> None:
-        """A finished CPU lookup's stages, from the times its job's context holds."""
-        for start, end, histogram in self._stages:
-            histogram.observe(context[end] - context[start])
+    def observe_stages(self, context: JobContext) -> None:
+        """A finished CPU lookup's stages, from the times its job's context holds (all five, once
+        the loop has answered a CPU lookup)."""
+        c = context
+        times = (c.received, c.submitted, c.started, c.enqueued, c.answered)
+        for histogram, start, end in zip(self._stages, times[:-1], times[1:], strict=True):
+            histogram.observe(end - start)
 
     def publish(self, snapshot: dict[str, Any]) -> None:
         self._collector.snapshot = snapshot

@@ -42,6 +42,7 @@ from engramd.client.mps import MpsState
 from engramd.client.slab import SlabLayout
 from engramd.server.backend import Backend, Completion, LookupJob, Slab
 from engramd.server.config import default
+from engramd.server.job_context import JobContext
 from engramd.server.procwatch import ProcessWatch
 
 log = logging.getLogger("engramd.registry")
@@ -513,7 +514,7 @@ class ClientRegistry:
     # -- lookups --------------------------------------------------------------------------------
 
     def start_lookup(self, identity: bytes, req: LookupRequest, payload: list[bytes],
-                     done: Completion, context: dict[str, Any]) -> LookupJob:
+                     done: Completion, context: JobContext) -> LookupJob:
         record = self.client(identity, req.client_id)
         if record.slab is None:
             record.errors += 1
@@ -528,7 +529,9 @@ class ClientRegistry:
             record.errors += 1
             self._release_refused(record, req, done)
             raise
-        job.context = context if "received" in context else {**context, "received": time.perf_counter()}
+        if context.received is None:  # a caller without a transport: the store's own time
+            context.received = time.perf_counter()
+        job.context = context
         self._submit(record, job, done)
         return job
 
@@ -575,7 +578,7 @@ class ClientRegistry:
         # client: the request's tokens, or the whole slot where its size is what was wrong.
         job = LookupJob(record.client_id, record.slab, record.shard, slot, req.seq,
                         _refused_tokens(req, record.slab.layout.max_tokens), skip=True,
-                        context={"silent": True})
+                        context=JobContext(silent=True))
         self._submit(record, job, done)
 
     def _validate_lookup(self, record: ClientRecord, req: LookupRequest, payload: list[bytes]) -> LookupJob:
@@ -627,8 +630,8 @@ class ClientRegistry:
             if isinstance(job.error, EngramError):
                 raise job.error
             raise InternalError(f"gather failed: {type(job.error).__name__}: {job.error}")
-        if "enqueued" in job.context:
-            self.dispatch_us.append((job.context["enqueued"] - job.context["received"]) * 1e6)
+        if job.context.enqueued is not None:
+            self.dispatch_us.append((job.context.enqueued - job.context.received) * 1e6)
         rows = job.tokens * self.geometry.n_layers * job.shard.owned_heads
         self.totals["lookups"] += 1
         self.totals["rows"] += rows

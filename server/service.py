@@ -36,6 +36,7 @@ from engramd.client.messages import (
 )
 from engramd.server.backend import Completion, LookupJob
 from engramd.server.config import DaemonConfig
+from engramd.server.job_context import JobContext
 from engramd.server.registry import ClientRecord, ClientRegistry, Limits
 from engramd.server.table_loader import LoadedTables
 
@@ -113,7 +114,7 @@ class Service:
         return self._serving("register").register(identity, request, peer)
 
     def lookup(self, identity: bytes, request: LookupRequest, payload: list[bytes], done: Completion,
-               context: dict[str, Any]) -> None:
+               context: JobContext) -> None:
         """Start a lookup; `done(job)` is called once, from any thread (see finish_lookup)."""
         self._registered("lookup").start_lookup(identity, request, payload, done, context)
 

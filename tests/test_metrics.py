@@ -8,6 +8,7 @@ from prometheus_client.exposition import generate_latest
 
 from engramd.server import gc_pauses
 from engramd.server.gc_pauses import GcPauses
+from engramd.server.job_context import JobContext
 from engramd.server.metrics import Metrics
 
 
@@ -107,8 +108,8 @@ def test_a_pause_lands_in_the_first_bucket_at_least_as_long(monkeypatch):
 
 def test_a_cpu_lookups_stages_are_observed_from_its_context():
     metrics = Metrics()
-    metrics.observe_stages({"received": 1.0, "submitted": 1.00002, "started": 1.0003,
-                            "enqueued": 1.0063, "answered": 1.5})
+    metrics.observe_stages(JobContext(received=1.0, submitted=1.00002, started=1.0003,
+                                      enqueued=1.0063, answered=1.5))
     text = generate_latest(metrics.registry).decode()
 
     def count(stage: str, le: str) -> float:

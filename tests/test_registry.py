@@ -23,6 +23,7 @@ from engramd.client.errors import (
 from engramd.client.geometry import TableGeometry
 from engramd.client.handles import PeerCredentials
 from engramd.client.messages import LookupReply, LookupRequest, RegisterRequest
+from engramd.server.job_context import JobContext
 from engramd.server.registry import ATTACH_TIMEOUT_S, HUNG_AFTER_S, ClientRegistry, Limits
 
 
@@ -114,7 +115,7 @@ def ids_frame(tokens: int = 2) -> list[bytes]:
 
 def start(store, client_id, identity=b"a", **over):
     req = lookup_req(client_id, **over)
-    return store.start_lookup(identity, req, ids_frame(req.tokens), lambda job: None, {})
+    return store.start_lookup(identity, req, ids_frame(req.tokens), lambda job: None, JobContext())
 
 
 def test_register_limits_and_identity():
@@ -151,7 +152,7 @@ def test_ordered_backend_queues_one_slot_and_releases_refused_lookups():
     with pytest.raises(BadIdsError, match="registered 1..8"):
         start(store, client_id, slot=1, seq=4, tokens=9)
     skip = backend.jobs[-1]
-    assert skip.skip and skip.slot == 1 and skip.seq == 4 and skip.context == {"silent": True}
+    assert skip.skip and skip.slot == 1 and skip.seq == 4 and skip.context == JobContext(silent=True)
     for job in backend.jobs:
         store.finish_lookup(job)
     stats = store.stats()
@@ -307,7 +308,7 @@ def test_a_token_attaches_once_and_mapped_clients_are_refused_served_lookups():
     lookup = {"client_id": client_id, "slot": 0, "seq": 1, "tokens": 1, "ids_dtype": "int64",
               "ids_shape": [1, 2, 24], "inline": True}
     with pytest.raises(BadRequestError, match="mapped mode"):
-        store.start_lookup(b"m", LookupRequest(**lookup), [np.zeros((1, 2, 24)).tobytes()], lambda job: None, {})
+        store.start_lookup(b"m", LookupRequest(**lookup), [np.zeros((1, 2, 24)).tobytes()], lambda job: None, JobContext())
     assert backend.jobs == [] and backend.slabs == []
 
 
@@ -406,11 +407,11 @@ def test_tokens_come_from_the_ids_shape_and_a_sent_count_must_agree():
     client_id = register(store)
     unsent = LookupRequest(client_id, slot=0, seq=1, ids_dtype="int32", ids_shape=[2, 2, 24], inline=True)
     assert unsent.tokens is None
-    store.start_lookup(b"a", unsent, ids_frame(2), lambda job: None, {})
+    store.start_lookup(b"a", unsent, ids_frame(2), lambda job: None, JobContext())
     assert backend.jobs[-1].tokens == 2
     with pytest.raises(BadIdsError, match=r"tokens 3 but ids shape \[2, 2, 24\]"):
         store.start_lookup(b"a", dataclasses.replace(lookup_req(client_id, slot=1), tokens=3),
-                           ids_frame(2), lambda job: None, {})
+                           ids_frame(2), lambda job: None, JobContext())
 
 
 def test_a_device_counting_backend_reports_no_per_lookup_count():
@@ -420,7 +421,7 @@ def test_a_device_counting_backend_reports_no_per_lookup_count():
         store, backend = make_store()
         backend.counts_per_job = per_job
         client_id = register(store)
-        store.start_lookup(b"a", lookup_req(client_id), ids_frame(2), lambda job: None, {})
+        store.start_lookup(b"a", lookup_req(client_id), ids_frame(2), lambda job: None, JobContext())
         job = backend.jobs[-1]
         job.out_of_range = 5
         reply = store.finish_lookup(job)

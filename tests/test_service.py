@@ -31,6 +31,7 @@ from engramd.client.messages import (
 )
 from engramd.server.config import build_config
 from engramd.server.inprocess import InProcessService
+from engramd.server.job_context import JobContext
 from engramd.server.service import Service
 
 ME = PeerCredentials(os.getpid(), os.getuid(), os.getgid())
@@ -62,7 +63,7 @@ def test_before_its_tables_the_service_serves_nobody(config):
     with pytest.raises(NotReadyError, match="daemon is starting"):
         service.register(b"a", RegisterRequest(1, "cpu", 0, 1, 8, 1))
     with pytest.raises(NotReadyError, match="lookup: daemon is starting"):
-        service.lookup(b"a", LookupRequest(1, 0, 1, "int32", [1, 2, 24], True), [], lambda job: None, {})
+        service.lookup(b"a", LookupRequest(1, 0, 1, "int32", [1, 2, 24], True), [], lambda job: None, JobContext())
 
 
 def test_rows_through_the_service_equal_the_reference(served, reference):
