@@ -102,7 +102,14 @@ class TableGrant:
     file_bytes: int
 
     def wire(self) -> dict[str, int]:
+        """Its description in a reply; the descriptor travels beside it (SCM_RIGHTS)."""
         return {name: getattr(self, name) for name in _GRANT_FIELDS}
+
+    @classmethod
+    def from_wire(cls, fd: int, description: dict[str, Any]) -> TableGrant:
+        """The grant `description` (a reply's, from wire()) and its descriptor `fd` make;
+        KeyError, TypeError or ValueError where the description is malformed."""
+        return cls(fd, **{name: int(description[name]) for name in _GRANT_FIELDS})
 
 
 def handle_socket_path(zmq_socket: str | os.PathLike) -> Path:
@@ -236,8 +243,7 @@ def _grants(tables: list[Any], fds: list[int], what: str) -> list[TableGrant]:
     if len(fds) != len(tables):
         raise ProtocolError(f"{what} reply describes {len(tables)} tables but carried {len(fds)} descriptors")
     try:
-        return [TableGrant(fd, **{k: int(t[k]) for k in _GRANT_FIELDS})
-                for fd, t in zip(fds, tables, strict=True)]
+        return [TableGrant.from_wire(fd, t) for fd, t in zip(fds, tables, strict=True)]
     except (KeyError, TypeError, ValueError):
         raise ProtocolError(f"malformed table descriptions in the {what} reply: {tables!r:.200}") from None
 

@@ -43,7 +43,13 @@ from engramd.client.errors import (
     ResourceError,
 )
 from engramd.client.geometry import TableGeometry
-from engramd.client.handles import PeerCredentials, error_reply, handle_socket_path, ok_reply
+from engramd.client.handles import (
+    PeerCredentials,
+    TableGrant,
+    error_reply,
+    handle_socket_path,
+    ok_reply,
+)
 from engramd.client.messages import (
     AttachReply,
     AttachRequest,
@@ -638,17 +644,17 @@ class Daemon:
     def _table_grants(self) -> tuple[list[dict[str, int]], list[int]]:
         """What a mapped client needs of the served tables: their descriptions, and a new
         read-only descriptor of each (the caller closes them once sent)."""
-        grants = [{"layer_id": t.layer_id, "rows": t.rows, "row_bytes": t.row_bytes,
-                   "data_offset": t.data_offset, "file_bytes": os.fstat(fd).st_size}
-                  for t, fd in zip(self.service.tables.tables, self._table_fds, strict=True)]
         fds: list[int] = []
         try:
             fds.extend(os.dup(fd) for fd in self._table_fds)
+            grants = [TableGrant(fd, layer_id=t.layer_id, rows=t.rows, row_bytes=t.row_bytes,
+                                 data_offset=t.data_offset, file_bytes=os.fstat(fd).st_size)
+                      for t, fd in zip(self.service.tables.tables, fds, strict=True)]
         except BaseException:
             for fd in fds:
                 os.close(fd)
             raise
-        return grants, fds
+        return [grant.wire() for grant in grants], fds
 
     def _grant_tables(self, request: TablesRequest, peer: PeerCredentials) -> tuple[dict[str, Any], list[int]]:
         """A mapped client after a reload: the served tables' descriptors."""
