@@ -120,3 +120,30 @@ def call_changes(module, calls: tuple[tuple[str, str, str], ...]) -> list[str]:
         if code is not None and callee not in code.co_names:
             changes.append(f"{owner}.{name} no longer calls {callee}")
     return changes
+
+
+class ServedTables:
+    """What an engine's model was checked against: the tables its client's daemon served at
+    registration. A lookup may re-register with a restarted daemon (client/client.py); rows of
+    other tables than the model's must not reach it."""
+
+    def __init__(self, client, error: type[PluginError], engine: str):
+        self.client, self._error, self._engine = client, error, engine
+        self._registration = client.registrations
+        self._served = (client.geometry, client.tables_id)
+
+    def check(self) -> None:
+        """After a lookup's wait: the engine's error unless a re-registration found the same
+        geometry and tables (a daemon that does not name its tables: its geometry alone)."""
+        client = self.client
+        if client.registrations == self._registration:
+            return
+        geometry, tables = self._served
+        if client.geometry != geometry or (
+                None not in (tables, client.tables_id) and client.tables_id != tables):
+            raise self._error(
+                f"the engramd daemon at {client.socket_path} restarted on other Engram tables "
+                f"(tables {client.tables_id}, before {tables}) than the ones this model was "
+                f"checked against: restart this {self._engine} server")
+        self._registration = client.registrations
+

@@ -40,6 +40,7 @@ import torch
 from sglang.srt.layers.engram import eager_on_graph
 from torch import nn
 
+from engramd.client import engine_plugin
 from engramd.client.client import EngramClient
 from engramd.client.engine_plugin import Settings
 from engramd.client.geometry import DEAD_ID, SCALE_BLOCK, TableGeometry
@@ -76,8 +77,7 @@ class ProcessClient:
 
     def __init__(self, client: EngramClient):
         self.client = client
-        self._registration = client.registrations
-        self._served = (client.geometry, client.tables_id)
+        self._tables = engine_plugin.ServedTables(client, SglangPluginError, "SGLang")
 
     @property
     def geometry(self) -> TableGeometry:
@@ -98,19 +98,8 @@ class ProcessClient:
             out[start:start + chunk.shape[0], shard.head_start:shard.head_end] = rows[layer][:, :heads]
 
     def check_still_served(self) -> None:
-        """After a lookup's wait: refuse rows of other tables than the model was checked against
-        (a daemon that restarted on another checkpoint; see client/client.py tables_id)."""
-        client = self.client
-        if client.registrations == self._registration:
-            return
-        geometry, tables = self._served  # a daemon that does not name its tables: None
-        if client.geometry != geometry or (
-                None not in (tables, client.tables_id) and client.tables_id != tables):
-            raise SglangPluginError(
-                f"the engramd daemon at {client.socket_path} restarted on other Engram tables "
-                f"(tables {client.tables_id}, before {tables}) than the ones this model was "
-                "checked against: restart this SGLang server")
-        self._registration = client.registrations
+        """After a lookup's wait: refuse rows of other tables than the model was checked against."""
+        self._tables.check()
 
     def close(self) -> None:
         self.client.close()

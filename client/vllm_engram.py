@@ -46,6 +46,7 @@ from vllm.models.deepseek_v41.common.engram import (
     eager_break_during_capture,
 )
 
+from engramd.client import engine_plugin
 from engramd.client.client import EngramClient, LookupFuture
 from engramd.client.geometry import DEAD_ID, SCALE_BLOCK, TableGeometry
 from engramd.client.vllm import VllmPluginError
@@ -92,8 +93,7 @@ class ProcessRows:
         self._rows_generation = client.rows_generation  # where the staged views point
         # What the model's layout was checked against (process_rows): a re-registration with a
         # restarted daemon must find the same tables.
-        self._registration = client.registrations
-        self._served = (client.geometry, client.tables_id)
+        self._tables = engine_plugin.ServedTables(client, VllmPluginError, "vLLM")
 
     @property
     def geometry(self) -> TableGeometry:
@@ -153,15 +153,7 @@ class ProcessRows:
                 "the engramd daemon re-registered this client with another mode or slab layout, "
                 "so its rows moved away from the staged_rows that vLLM's captured graphs read: "
                 "restart this vLLM server")
-        if client.registrations != self._registration:
-            geometry, tables = self._served  # a daemon that does not name its tables: None
-            if client.geometry != geometry or (
-                    None not in (tables, client.tables_id) and client.tables_id != tables):
-                raise VllmPluginError(
-                    f"the engramd daemon at {client.socket_path} restarted on other Engram tables "
-                    f"(tables {client.tables_id}, before {self._served[1]}) than the ones this "
-                    "model was checked against: restart this vLLM server")
-            self._registration = client.registrations
+        self._tables.check()
 
     def close(self) -> None:
         self.client.close()
