@@ -111,6 +111,9 @@ DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_RECONNECT_S = 60.0  # how long lookup() waits for a restarted daemon before giving up
 WATCHDOG_S = 0.1
 RELEASE_DEADLINE_S = 0.5  # for the NaN over rows the daemon did not write (_invalidate)
+# How long a served GPU client that heard "stopping" waits for the rows its daemon still writes
+# before it fails the rest (_await_stopping_daemon); the daemon's drain takes at most 30 s.
+STOPPING_SETTLE_S, SETTLE_POLL_S = 5.0, 0.001
 # How long the watchdog keeps storing the release after its daemon died: the dead process's last
 # gathers can still run for a moment and write older ROWS_DONEs over it (as the daemon's own
 # release repeats its stores: server/cuda_backend.py).
@@ -674,6 +677,7 @@ class EngramClient:
         `keep_rows`, keep the slot memory's address for the next registration (_keep_rows)."""
         self._stop_watchdog()
         if isinstance(self._slab, _CudaSlabView):
+            self._await_stopping_daemon()
             self._release_waits()  # the daemon is gone or going: its counters may never move
         try:
             self._unmap()  # first: it synchronises the device, so no gather of ours still reads
@@ -1461,6 +1465,19 @@ class EngramClient:
             torch.cuda.synchronize(self.device)  # the side stream's gathers count into it
             counts["out_of_range"] = int(self._gather.out_of_range.item())
         return self._since_registered(counts)
+
+    def _await_stopping_daemon(self) -> None:
+        """A daemon that said it is stopping still writes the rows of every lookup it took, and
+        only then closes its leases (Daemon._settle_gathers): wait for those rows, while the
+        lease is open and at most STOPPING_SETTLE_S, so that the release that follows fails
+        only the lookups it refused or never got, not rows on their way."""
+        if self._dead is not None or self._conn is None or self._conn.notice != "stopping":
+            return
+        deadline = time.monotonic() + STOPPING_SETTLE_S
+        while (self._unsettled and self._lease_gone() is None
+               and time.monotonic() < deadline):
+            time.sleep(SETTLE_POLL_S)
+            self._unsettled = self._settle()
 
     def _release_waits(self) -> None:
         """From the watchdog, once the lease closed (`_dead` set first): satisfy every stream

@@ -154,3 +154,49 @@ def test_a_lookup_that_finds_the_daemon_gone_waits_for_the_watchdogs_release():
     lookup_thread.join(10)
     assert slab.calls == [("fill", 0, "submitted 40"), ("fail", 0, 40), ("release", 0),
                           ("fill", 0, "submitted 41"), ("fail", 0, 41), ("release", 0)]
+
+
+def stopping_client(slab: Slab, unsettled, lease_open: bool = True):
+    """The attributes _await_stopping_daemon and _settle read: a daemon that said "stopping"."""
+    fake = client(slab, last_seq=max(x.seq for x in unsettled))
+    fake._dead = None
+    fake._conn = SimpleNamespace(notice="stopping")
+    fake._unsettled = list(unsettled)
+    fake._lease_gone = lambda: None if lease_open else "the daemon closed this client's lease"
+    fake._settle = lambda: EngramClient._settle(fake)
+    fake._daemon_failed = lambda future: slab.load(future.slot, FAILED) == future.seq
+    return fake
+
+
+def test_a_stopping_daemons_rows_on_their_way_are_awaited_not_failed():
+    """A drain: the daemon writes the rows of the lookups it took, then closes its leases. A
+    client that heard "stopping" and re-registers first waits for those rows, so its release
+    fails none of them."""
+    slab = Slab(slots=2)
+    lookups = [lookup(1, 0), lookup(2, 1)]
+    fake = stopping_client(slab, lookups)
+
+    def gathers_finish() -> None:
+        time.sleep(0.05)
+        slab.words[(0, ROWS_DONE)], slab.words[(1, ROWS_DONE)] = 1, 2
+
+    writer = threading.Thread(target=gathers_finish)
+    writer.start()
+    EngramClient._await_stopping_daemon(fake)
+    writer.join()
+    assert fake._unsettled == []
+    invalidate(fake, lookups)
+    assert [x.failure for x in lookups] == [None, None]
+    assert slab.calls == [("release", 0), ("release", 1)]
+
+
+def test_a_stopping_daemon_that_closed_the_lease_is_not_awaited():
+    """The lookups it never got will not be written: once the lease is closed they fail at once."""
+    slab = Slab(slots=1)
+    lost = lookup(1, 0)
+    fake = stopping_client(slab, [lost], lease_open=False)
+    started = time.monotonic()
+    EngramClient._await_stopping_daemon(fake)
+    assert time.monotonic() - started < 1.0  # not the STOPPING_SETTLE_S wait
+    invalidate(fake, [lost])
+    assert lost.failure is not None
