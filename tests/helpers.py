@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -319,6 +320,13 @@ def attach_raw(socket_path: Path, reply: dict, keep_descriptors: bool = False):
     if not keep_descriptors:
         attached.close_descriptors()
     return attached
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free now (a metrics endpoint, a gloo rendezvous)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def run_client_processes(commands: list[list[str]], timeout: float = 120.0) -> None:

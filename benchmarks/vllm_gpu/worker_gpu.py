@@ -252,7 +252,7 @@ def main() -> None:
             assert engram.Engram._ready_rows is vllm_engram._ready_rows, "the entry point did not install"
             served = build_layers(engram, hf, layout)
             cpu.load_tables(served, layout, checkpoint)  # skipped, but the checkpoint loads
-            cpu.copy_projections(reference, served)
+            cpu.copy_weights(reference, served)
             report["client_mode"] = vllm_engram._process_rows.client.mode
             if args.check == "flow":
                 report.update(check_flow(engram, layout, checkpoint, reference, served, vllm_engram))

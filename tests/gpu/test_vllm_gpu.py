@@ -18,7 +18,6 @@ from __future__ import annotations
 import importlib.machinery
 import json
 import mmap
-import socket
 import struct
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "benchmarks" / "vllm_gpu" / "worker_gpu.py"
@@ -52,10 +52,6 @@ pytestmark = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def run_worker(daemon, checkpoint: Path, mode: str, check: str, report: Path) -> dict:

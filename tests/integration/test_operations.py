@@ -13,17 +13,11 @@ import urllib.request
 import numpy as np
 import pytest
 import torch
-from helpers import engramd_command, wait_until
+from helpers import engramd_command, free_port, wait_until
 
 from engramd.client import DaemonUnavailableError, EngramClient
 from engramd.client.connection import probe
 from engramd.server.startup import EXIT_TABLES
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_systemd_sees_status_ready_and_stopping(daemon_factory, tmp_path):

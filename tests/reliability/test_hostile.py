@@ -22,7 +22,15 @@ import numpy as np
 import pytest
 import torch
 import zmq
-from helpers import attach_raw, engramd_command, shm_tempdir, short_tempdir, slab_files, wait_until
+from helpers import (
+    attach_raw,
+    engramd_command,
+    free_port,
+    shm_tempdir,
+    short_tempdir,
+    slab_files,
+    wait_until,
+)
 from reference import random_ids
 
 from engramd.client import EngramClient
@@ -135,10 +143,6 @@ def test_idle_connections_past_the_soft_file_limit_do_not_stop_the_daemon(daemon
     assert daemon.proc.poll() is None
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def threads_of(pid: int) -> int:

@@ -8,37 +8,19 @@ and each needs the torchvision stand-in on its path (conftest.py).
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import free_port, run_client_processes
 
 WORKER = Path(__file__).with_name("worker.py")
 WORKER_TIMEOUT_S = 300
 
 
-def run_workers(commands: list[list[str]]) -> None:
-    """Run worker processes side by side (TP ranks meet in gloo); fail with the output of each
-    that failed (tests/vllm_plugin does the same)."""
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for cmd in commands]
-    outputs = []
-    for proc in procs:
-        try:
-            outputs.append(proc.communicate(timeout=WORKER_TIMEOUT_S)[0])
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            outputs.append(proc.communicate()[0] + "\n(timed out)")
-    failed = [out for proc, out in zip(procs, outputs, strict=True) if proc.returncode != 0]
-    assert not failed, "\n\n".join(failed)
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def worker(daemon, checkpoint: Path, port: int, rank: int = 0, world: int = 1,
@@ -59,7 +41,7 @@ def run_probe(code: str, *argv: str) -> str:
 @pytest.mark.parametrize("mode", ["served", "mapped"])
 def test_rows_and_forward_are_sglangs_and_the_ids_its_hashes(daemon_factory, demo_checkpoint, mode):
     daemon = daemon_factory()
-    run_workers([worker(daemon, demo_checkpoint, free_port(), mode=mode)])
+    run_client_processes([worker(daemon, demo_checkpoint, free_port(), mode=mode)], timeout=WORKER_TIMEOUT_S)
 
 
 # The probes below import SGLang in a subprocess of their own (the torchvision stand-in is on

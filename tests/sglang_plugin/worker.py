@@ -26,8 +26,18 @@ os.environ.update(CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")
 import torch  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
-HIDDEN, HC_MULT = 64, 2
-PREFIX = "model.layers.{}.engram"
+sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: engine_worker
+from engine_worker import (  # noqa: E402
+    HC_MULT,
+    HIDDEN,
+    PREFIX,
+    copy_projections,
+    engramd_hashes,
+    model_config,
+    refuses_other_table,
+    run,
+    same_bits,
+)
 
 
 def parse() -> argparse.Namespace:
@@ -37,11 +47,6 @@ def parse() -> argparse.Namespace:
     for flag in ("--rank", "--world", "--port"):
         parser.add_argument(flag, type=int, default=0)
     return parser.parse_args()
-
-
-def model_config(checkpoint: Path) -> types.SimpleNamespace:
-    config = json.loads((checkpoint / "config.json").read_text())
-    return types.SimpleNamespace(**config, hidden_size=HIDDEN, hc_mult=HC_MULT, rms_norm_eps=1e-6)
 
 
 def checkpoint_tensors(checkpoint: Path, layer_id: int) -> dict[str, torch.Tensor]:
@@ -88,36 +93,6 @@ def load_tables(layers, layout, checkpoint: Path) -> None:
         layer.embed.finish_load(label=f"layer {layer_id}")
 
 
-def refuses_other_table(param, head_dim: int, error: type[Exception]) -> None:
-    """A checkpoint whose table is not the daemon's shape fails to load (fail closed)."""
-    try:
-        param.weight_loader(param, torch.zeros(7, head_dim, dtype=torch.float8_e4m3fn))
-    except error:
-        return
-    raise AssertionError("a checkpoint table of 7 rows loaded against the daemon's")
-
-
-def copy_projections(reference, served) -> None:
-    """The plugin replaces only the table: the same wkv, q and k weights on both."""
-    generator = torch.Generator().manual_seed(11)
-    for ref, ours in zip(reference, served, strict=True):
-        for name in ("q_weight", "k_weight"):
-            getattr(ref, name).data.copy_(torch.randn(getattr(ref, name).shape, generator=generator))
-        ref.wkv.weight.data.copy_(torch.randn(ref.wkv.weight.shape, generator=generator) * 0.02)
-        for name in ("q_weight", "k_weight"):
-            getattr(ours, name).data.copy_(getattr(ref, name).data)
-        ours.wkv.weight.data.copy_(ref.wkv.weight.data)
-
-
-def same_bits(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
-    """Exact equality, NaN included (a gather is a copy); names the first differing index."""
-    assert got.shape == want.shape, f"{name}: shape {list(got.shape)} != {list(want.shape)}"
-    assert got.dtype == want.dtype, f"{name}: dtype {got.dtype} != {want.dtype}"
-    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[got.element_size()]
-    differ = (got.contiguous().view(bits) != want.contiguous().view(bits)).nonzero()
-    assert differ.numel() == 0, f"{name}: {differ.shape[0]} values differ, first at {differ[:3].tolist()}"
-
-
 def sglang_hasher(engram, layout, hf):
     """SGLang's EngramHasher over the official DeepSeek-V4 tokenizer (engramd's test tokenizer)."""
     from transformers import PreTrainedTokenizerFast
@@ -152,20 +127,6 @@ def sglang_hashes(hasher):
     starts = torch.tensor([0, lengths[0], sum(lengths)])
     lookback = torch.stack([torch.full((3,), -1), history.flip(0).to(torch.int64)])
     return hashes, (tokens, starts, lookback)
-
-
-def engramd_hashes(checkpoint: Path, tokens, starts, lookback) -> torch.Tensor:
-    """The same chunk through engramd's own hasher (an independent implementation)."""
-    from engramd.client.geometry import TableGeometry
-    from engramd.client.hashing import EngramHasher, HashState
-    from engramd.client.token_map import build_token_map, default_tokenizer_path
-
-    hasher = EngramHasher(TableGeometry.from_file(checkpoint / "config.json"),
-                          build_token_map(default_tokenizer_path()))
-    history = lookback.flip(1)  # engramd's carry is oldest first; -1 is "before the start"
-    state = HashState(history.clamp(min=0).to(torch.int64), history < 0)
-    rows, _ = hasher.hash_batch(tokens.to(torch.int64), starts.to(torch.int64), state=state)
-    return rows
 
 
 def raw_ids(rows: tuple[int, ...], tokens: int) -> torch.Tensor:
@@ -248,8 +209,4 @@ def staging_is_refused(layer, error: type[Exception]) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except AssertionError as exc:
-        print(f"FAILED: {exc}", file=sys.stderr)
-        sys.exit(1)
+    run(main)

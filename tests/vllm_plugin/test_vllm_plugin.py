@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import types
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import vllm
+from helpers import free_port, run_client_processes
 
 from engramd.client import vllm as plugin
 
@@ -23,26 +23,8 @@ WORKER = Path(__file__).with_name("worker.py")
 WORKER_TIMEOUT_S = 300  # vLLM's kernels under Triton's interpreter: tens of seconds each
 
 
-def run_workers(commands: list[list[str]]) -> None:
-    """Run worker processes side by side (TP ranks meet in gloo); fail with the output of each
-    that failed. (tests/helpers.py run_client_processes does the same for the main tests.)"""
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for cmd in commands]
-    outputs = []
-    for proc in procs:
-        try:
-            outputs.append(proc.communicate(timeout=WORKER_TIMEOUT_S)[0])
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            outputs.append(proc.communicate()[0] + "\n(timed out)")
-    failed = [out for proc, out in zip(procs, outputs, strict=True) if proc.returncode != 0]
-    assert not failed, "\n\n".join(failed)
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def worker(daemon, checkpoint: Path, port: int, rank: int = 0, world: int = 1,
@@ -56,7 +38,7 @@ def worker(daemon, checkpoint: Path, port: int, rank: int = 0, world: int = 1,
 @pytest.mark.parametrize("mode", ["served", "mapped"])
 def test_rows_embed_and_forward_are_vllms_and_the_ids_its_hashes(daemon_factory, demo_checkpoint, mode):
     daemon = daemon_factory()
-    run_workers([worker(daemon, demo_checkpoint, free_port(), mode=mode)])
+    run_client_processes([worker(daemon, demo_checkpoint, free_port(), mode=mode)], timeout=WORKER_TIMEOUT_S)
 
 
 @pytest.mark.slow
@@ -64,7 +46,7 @@ def test_rows_embed_and_forward_are_vllms_and_the_ids_its_hashes(daemon_factory,
 def test_two_tensor_parallel_ranks_each_get_their_head_shard(daemon_factory, demo_checkpoint, sp):
     daemon = daemon_factory()
     port = free_port()
-    run_workers([worker(daemon, demo_checkpoint, port, rank, 2, sp=sp) for rank in (0, 1)])
+    run_client_processes([worker(daemon, demo_checkpoint, port, rank, 2, sp=sp) for rank in (0, 1)], timeout=WORKER_TIMEOUT_S)
 
 
 ENTRY_POINT_PROBE = """

@@ -27,8 +27,18 @@ os.environ.update(VLLM_TARGET_DEVICE="cpu", TRITON_INTERPRET="1", CUDA_VISIBLE_D
 import torch  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
-HIDDEN, HC_MULT = 64, 2
-PREFIX = "model.layers.{}.engram"
+sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: engine_worker
+from engine_worker import (  # noqa: E402
+    HC_MULT,
+    HIDDEN,
+    PREFIX,
+    copy_projections,
+    engramd_hashes,
+    model_config,
+    refuses_other_table,
+    run,
+    same_bits,
+)
 
 
 def parse() -> argparse.Namespace:
@@ -39,11 +49,6 @@ def parse() -> argparse.Namespace:
         parser.add_argument(flag, type=int, default=0)
     parser.add_argument("--sp", action="store_true", help="sequence parallelism")
     return parser.parse_args()
-
-
-def model_config(checkpoint: Path) -> types.SimpleNamespace:
-    config = json.loads((checkpoint / "config.json").read_text())
-    return types.SimpleNamespace(**config, hidden_size=HIDDEN, hc_mult=HC_MULT, rms_norm_eps=1e-6)
 
 
 def checkpoint_tensors(checkpoint: Path, layer_id: int) -> dict[str, torch.Tensor]:
@@ -101,36 +106,12 @@ def load_tables(layers, layout, checkpoint: Path) -> None:
             param.weight_loader(param, tensor)
 
 
-def refuses_other_table(param, head_dim: int, error: type[Exception]) -> None:
-    """A checkpoint whose table is not the daemon's shape fails to load (fail closed)."""
-    try:
-        param.weight_loader(param, torch.zeros(7, head_dim, dtype=torch.float8_e4m3fn))
-    except error:
-        return
-    raise AssertionError("a checkpoint table of 7 rows loaded against the daemon's")
-
-
-def copy_projections(reference, served) -> None:
-    """The plugin replaces only the table: the same wkv, q and k weights on both."""
-    generator = torch.Generator().manual_seed(11)
-    for ref, ours in zip(reference, served, strict=True):
-        for name in ("q_weight", "k_weight"):
-            getattr(ref, name).data.copy_(torch.randn(getattr(ref, name).shape, generator=generator))
-        ref.wkv.weight.data.copy_(torch.randn(ref.wkv.weight.shape, generator=generator) * 0.02)
-        for name in ("q_weight", "k_weight"):
-            getattr(ours, name).data.copy_(getattr(ref, name).data)
-        ours.wkv.weight.data.copy_(ref.wkv.weight.data)
-    for layer in (*reference, *served):  # as vLLM's loader finishes every layer (CPU GEMM setup)
+def copy_weights(reference, served) -> None:
+    """The same projections on both (engine_worker.copy_projections), finished as vLLM's loader
+    finishes every layer (CPU GEMM setup)."""
+    copy_projections(reference, served)
+    for layer in (*reference, *served):
         layer.wkv.quant_method.process_weights_after_loading(layer.wkv)
-
-
-def same_bits(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
-    """Exact equality, NaN included (a gather is a copy); names the first differing index."""
-    assert got.shape == want.shape, f"{name}: shape {list(got.shape)} != {list(want.shape)}"
-    assert got.dtype == want.dtype, f"{name}: dtype {got.dtype} != {want.dtype}"
-    bits = torch.int16 if got.element_size() == 2 else torch.int32
-    differ = (got.contiguous().view(bits) != want.contiguous().view(bits)).nonzero()
-    assert differ.numel() == 0, f"{name}: {differ.shape[0]} values differ, first at {differ[:3].tolist()}"
 
 
 def vllm_hashes(engram, layout, tokenizer_dir: Path, device: str = "cpu"):
@@ -152,21 +133,6 @@ def vllm_hashes(engram, layout, tokenizer_dir: Path, device: str = "cpu"):
     inputs = (tokens, positions, starts, dead, lookback, torch.zeros_like(lookback, dtype=torch.bool))
     hashes = hasher(*(t.to(device) for t in inputs), None, None)
     return hashes, (tokens, starts, lookback)
-
-
-def engramd_hashes(checkpoint: Path, tokens, starts, lookback) -> torch.Tensor:
-    """The same chunk through engramd's own hasher (an independent implementation)."""
-    from engramd.client.geometry import TableGeometry
-    from engramd.client.hashing import EngramHasher, HashState
-    from engramd.client.token_map import build_token_map, default_tokenizer_path
-
-    hasher = EngramHasher(TableGeometry.from_file(checkpoint / "config.json"),
-                          build_token_map(default_tokenizer_path()))
-    # engramd's carry is oldest first, vLLM's look-back newest first; -1 is "before the start".
-    history = lookback.flip(1)
-    state = HashState(history.clamp(min=0).to(torch.int64), history < 0)
-    rows, _ = hasher.hash_batch(tokens.to(torch.int64), starts.to(torch.int64), state=state)
-    return rows
 
 
 def raw_ids(rows: tuple[int, ...], tokens: int) -> torch.Tensor:
@@ -230,7 +196,7 @@ def run_checks(engram, layout, checkpoint, reference, served, args, vllm_engram,
     load_tables(served, layout, checkpoint)  # skipped, but the checkpoint loads
     assert all(layer.embed_tokens.weight.shape[0] == 0 for layer in served), "a table was kept"
     refuses_other_table(served[0].embed_tokens.weight, layout.head_dim, vllm_engram.VllmPluginError)
-    copy_projections(reference, served)
+    copy_weights(reference, served)
 
     staging = rows.client.slot_rows(vllm_engram.STAGED_SLOT)
     for layer in served:  # views of the client's staging slot, not buffers of their own
@@ -292,8 +258,4 @@ def step_is_refused(layer, ids: torch.Tensor, error: type[Exception], reason: st
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except AssertionError as exc:
-        print(f"FAILED: {exc}", file=sys.stderr)
-        sys.exit(1)
+    run(main)
