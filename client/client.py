@@ -1468,7 +1468,7 @@ class EngramClient:
 
     def _await_stopping_daemon(self) -> None:
         """A daemon that said it is stopping still writes the rows of every lookup it took, and
-        only then closes its leases (Daemon._settle_gathers): wait for those rows, while the
+        only then closes its leases (Daemon._drained): wait for those rows, while the
         lease is open and at most STOPPING_SETTLE_S, so that the release that follows fails
         only the lookups it refused or never got, not rows on their way."""
         if self._dead is not None or self._conn is None or self._conn.notice != "stopping":
@@ -1500,9 +1500,15 @@ class EngramClient:
                 return  # not mapped yet: nothing waits on it
             try:
                 for future in sorted(futures, key=lambda f: f.seq):
-                    if (future.slots_epoch == self._slots_epoch and future._error is None
-                            and not slab.written(future.slot, future.seq, last)
-                            and self._failed.add(future, self._dead or "the daemon's lease closed")):
+                    if (future.slots_epoch != self._slots_epoch
+                            or slab.written(future.slot, future.seq, last)):
+                        continue
+                    if future._error is not None:
+                        # Refused: it raises its own error, but the daemon's NaN over its rows
+                        # follows the reply, and the daemon may have died in between.
+                        if slab.failed_seq(future.slot) != future.seq & 0xFFFFFFFF:
+                            self._fill_then_fail(slab, future)
+                    elif self._failed.add(future, self._dead or "the daemon's lease closed"):
                         self._fill_then_fail(slab, future)
             finally:
                 for slot in range(slab.layout.slots):

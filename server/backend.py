@@ -35,7 +35,8 @@ class Slab(Protocol):
         """Whether the client has handed over the IDs of lookup `seq` in `slot` (a GPU slab's
         IDS_READY has reached it; a CPU slab's lookups come with their IDs: always)."""
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """After stop() and the slabs' release: let go of the devices and the tables."""
 
 
 @dataclass
@@ -83,10 +84,15 @@ class Backend(Protocol):
         """Whether gathers run on threads of this process now (the CPU backend's): they need
         the GIL between their torch calls, so the request loop makes room for them (Daemon._drain_socket)."""
 
-    def settle(self, timeout_s: float) -> bool:
-        """Wait until every lookup enqueued so far has written its rows, at most `timeout_s`;
-        whether they all have. A stopping daemon settles before it closes its leases: a client
-        whose lease closes fails the lookups whose rows it has not seen yet (client/failures.py)."""
+    def gathers_done(self) -> Callable[[], bool]:
+        """A probe: whether every lookup enqueued until now has written its rows. A stopping
+        daemon keeps its loop (signals, leases) until it passes, before it closes its leases: a
+        client whose lease closes fails the lookups whose rows it has not seen yet
+        (client/failures.py)."""
+
+    def stop(self) -> None:
+        """Enqueue what is queued, then take no more jobs: after it, no gather is added to a
+        slab, so the slabs can be freed (ClientRegistry.close) before close()."""
 
     def mps_states(self) -> dict[str, MpsState]:
         """Per GPU UUID, whether the daemon's work there goes through an MPS server (CPU: {})."""
@@ -105,4 +111,5 @@ class Backend(Protocol):
     def check_gather(self, ids: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         """(where, rows) of a full-shard lookup of `ids` on each device, for the self-check."""
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """After stop() and the slabs' release: let go of the devices and the tables."""

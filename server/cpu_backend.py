@@ -233,8 +233,8 @@ class CpuBackend:
     def gathering(self) -> bool:
         return self._in_flight > 0
 
-    def settle(self, timeout_s: float) -> bool:
-        return True  # a job's rows are written before it completes, and stopping waits for those
+    def gathers_done(self) -> Callable[[], bool]:
+        return lambda: True  # a job's rows are written before it completes, and stopping waits for those
 
     def mps_states(self) -> dict:
         return {}  # no GPU, so nothing to share
@@ -252,9 +252,12 @@ class CpuBackend:
         """(where, rows) of a full-shard lookup of `ids`, for the start-up self-check."""
         yield "cpu", gather(self.tables, ids, self.geometry.shard(0, 1))[0]
 
-    def close(self) -> None:
-        """Finish what is queued, then stop the workers."""
+    def stop(self) -> None:
+        """Finish what is queued, then stop the workers (again: nothing more)."""
         self._queue.close()
         for worker in self._workers:
             worker.join()
+
+    def close(self) -> None:
+        self.stop()  # where nothing had to happen between the two
         self._tables = _TableSet([])  # drop the table views so the host tables can be unmapped

@@ -85,7 +85,7 @@ GATHER_DELAY_MS = float(os.environ.get(GATHER_DELAY_ENV, "0") or 0)
 # second.
 RELEASE_FIRST_PAUSE_S, RELEASE_MAX_PAUSE_S, RELEASE_DEADLINE_S = 1e-4, 1e-2, 60.0
 RELEASE_STUCK_PAUSE_S = 1.0  # past the deadline
-SETTLE_POLL_S = 0.001  # a stopping daemon's look at its streams (settle)
+SETTLE_POLL_S = 0.001  # a stopping backend's look at its freed slabs' releases
 _CYCLES_PER_MS = 2_000_000  # torch.cuda._sleep counts GPU clock cycles (~2 GHz on H100/H200)
 
 
@@ -258,6 +258,7 @@ class CudaSlab:
                 cuda.STREAMS.give(self.stream)  # idle: drained in _release_waits
         except Exception:
             log.exception("freeing the slab on %s failed", self.uuid)
+            self.gpu.stuck.add(self)  # its stream's state unknown: close() leaves the GPU alone
 
     def _release_waits(self) -> None:
         """Satisfy every wait on the slab's counters that its client may never satisfy, until
@@ -425,6 +426,11 @@ class GpuState:
         with self._freed_lock:
             self._draining.add(slab)
 
+    def freeing(self) -> bool:
+        """Whether a freed slab's release still runs and has not given up (stuck)."""
+        with self._freed_lock:
+            return bool(self._draining - self.stuck)
+
     def count_freed(self, slab: CudaSlab) -> None:
         """Take a freed slab's final count (its free thread, once its gathers have run): a
         synchronous read, ordered after every copy out_of_range queued, none queued after it."""
@@ -578,6 +584,7 @@ class CudaBackend:
         for uuid, state in self.mps.items():
             log.info("GPU %s: MPS %s", uuid, f"on (server {state.server})" if state.enabled else "off")
         self.workers = {i: GpuWorker(i) for i in self.uuids.values()}
+        self._stopped = False
         # Every kernel variant is compiled and loaded on every GPU before any client can wait on us.
         self.gpus = {i: GpuState(i, self.pinned, self.layer_tables, geometry, self.options)
                      for i in self.uuids.values()}
@@ -681,9 +688,10 @@ class CudaBackend:
                                      out_of_range=counter)
                 yield f"GPU {uuid}", rows.cpu()
 
-    def settle(self, timeout_s: float) -> bool:
-        """Every live slab's daemon stream past what is enqueued on it now (a stopping daemon's
-        loop has handed every job to its stream: in_flight counts jobs until enqueued)."""
+    def gathers_done(self) -> Callable[[], bool]:
+        """Whether every live slab's daemon stream is past what is enqueued on it now (a
+        stopping daemon's loop has handed every job to its stream: in_flight counts jobs until
+        enqueued). A slab freed meanwhile still passes: its release satisfies its waits."""
         done = []
         for gpu in self.gpus.values():
             with torch.cuda.device(gpu.index):
@@ -691,12 +699,7 @@ class CudaBackend:
                     event = torch.cuda.Event()
                     event.record(slab.stream)
                     done.append(event)
-        deadline = time.monotonic() + timeout_s
-        while not all(event.query() for event in done):
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(SETTLE_POLL_S)
-        return True
+        return lambda: all(event.query() for event in done)
 
     def mps_states(self) -> dict[str, MpsState]:
         return self.mps
@@ -727,11 +730,28 @@ class CudaBackend:
         else:
             self.workers[job.slab.device_index].submit(job, done)
 
-    def close(self) -> None:
+    def stop(self) -> None:
+        """The workers enqueue what they hold and end; the cache keepers stop."""
+        if self._stopped:
+            return
+        self._stopped = True
         for gpu in self.gpus.values():
             gpu.close()
         for worker in self.workers.values():
             worker.close()
+
+    def _await_freed_slabs(self) -> None:
+        """Until every freed slab's release has drained its daemon stream, or given up on it
+        (GpuState.stuck, after RELEASE_DEADLINE_S)."""
+        while any(gpu.freeing() for gpu in self.gpus.values()):
+            time.sleep(SETTLE_POLL_S)
+
+    def close(self) -> None:
+        """After the slabs were freed (ClientRegistry.close): once their releases have drained
+        their daemon streams, synchronise the GPUs and unpin the tables. A synchronize before
+        that could wait forever on a gather waiting for IDs a live client never writes."""
+        self.stop()
+        self._await_freed_slabs()
         stuck = sum(len(gpu.stuck) for gpu in self.gpus.values())
         if stuck:  # a synchronize would wait for them forever, and they may still read the tables
             log.error("%d freed slab(s) never drained: the GPUs are not synchronised and the tables "

@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,7 @@ from engramd.server.units import size
 log = logging.getLogger("engramd.daemon")
 
 DRAIN_TIMEOUT_S = 30.0  # stopping waits this long for in-flight lookups, then exits regardless
+SETTLE_POLL_MS = 1  # a stopping loop's look at its last gathers (_drained)
 DEAF_FOR_S = 1.0  # how long a peer whose reply queue was full gets no answers but to lookups
 # The most frames a request may have: the peer's identity, the header, the payload frames.
 MAX_MESSAGE_FRAMES = 2 + protocol.MAX_PAYLOAD_FRAMES
@@ -138,6 +140,7 @@ class Daemon:
         self.metrics = Metrics()
         self._last_status = 0.0
         self._stop_deadline = float("inf")
+        self._gathers_done: Callable[[], bool] | None = None  # stopping: the backend's probe
         self._dropped = Throttled(log)  # a peer that reads no replies must not flood the log
         self._oversized = Throttled(log)
         self._overdue = Throttled(log)
@@ -260,7 +263,7 @@ class Daemon:
         interval_ms = int(self.config.heartbeat_interval * 1000)
         next_reap = time.monotonic()
         while self._halt is None:
-            ready = dict(self._poller.poll(interval_ms))
+            ready = dict(self._poller.poll(SETTLE_POLL_MS if self._gathers_done else interval_ms))
             # Closed leases first: a dead client's queued requests are then dropped, not enqueued
             # behind waits for IDs it will never write.
             for fd in [fd for fd in ready if fd in self._lease_clients]:
@@ -270,11 +273,12 @@ class Daemon:
             if self._wake_r in ready:
                 self._drain_events()
             stopping = self.service.state == "stopping"
-            if stopping and self.service.in_flight() == 0:
+            if stopping and self._drained():
                 break
             if stopping and time.monotonic() > self._stop_deadline:
-                log.warning("stopping with %d lookups still in flight after %.0f s",
-                            self.service.in_flight(), DRAIN_TIMEOUT_S)
+                log.warning("stopping with %d lookups still in flight and gathers %s after %.0f s: "
+                            "their clients fail them", self.service.in_flight(),
+                            "running" if self._gathers_done else "not yet enqueued", DRAIN_TIMEOUT_S)
                 break
             if time.monotonic() >= next_reap:
                 next_reap = time.monotonic() + self.config.heartbeat_interval
@@ -282,18 +286,19 @@ class Daemon:
         if self._halt is not None:
             log.error("%s", self._halt.reason)
             return self._halt.status
-        self._settle_gathers()
         return EXIT_OK
 
-    def _settle_gathers(self) -> None:
-        """Before the leases close (close()): the rows of every lookup handed to a device are
-        written, within what is left of the drain's time. A lease that closed first would fail
-        lookups whose rows were on their way (client/failures.py)."""
-        tables = self.service.tables
-        left = max(0.0, self._stop_deadline - time.monotonic())
-        if tables is not None and not tables.backend.settle(left):
-            log.warning("stopping with gathers still running after %.0f s: their clients fail them",
-                        DRAIN_TIMEOUT_S)
+    def _drained(self) -> bool:
+        """Stopping: every lookup handed to the backend, and then every one's rows written,
+        before the leases close (close()): a closed lease fails lookups whose rows were on their
+        way (client/failures.py). The loop goes on meanwhile: a second signal, a client's death
+        (whose release lets its gathers pass) are handled."""
+        if self.service.in_flight():
+            return False
+        if self._gathers_done is None:
+            tables = self.service.tables
+            self._gathers_done = tables.backend.gathers_done() if tables is not None else (lambda: True)
+        return self._gathers_done()
 
     def _drain_socket(self) -> None:
         """Requests waiting on the socket, at most DRAIN_BATCH. Every EVENTS_EVERY requests:
@@ -818,10 +823,11 @@ class Daemon:
         self.metrics.close()
         tables, registry = self.service.tables, self.service.registry
         if tables is not None:
-            tables.backend.close()  # waits for running gathers
+            tables.backend.stop()  # every job enqueued: no gather is added to a slab after it
         if registry is not None:
-            registry.close()
+            registry.close()  # frees the slabs, whose releases pass waits on IDs never written
         if tables is not None:
+            tables.backend.close()  # then the devices are synchronised and the tables unpinned
             tables.close()
         if self._sock is not None:
             self._sock.close(0)

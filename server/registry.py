@@ -665,7 +665,7 @@ class ClientRegistry:
                 "errors": dict(self.errors), "dispatch_us": _percentiles(self.dispatch_us)}
 
     def close(self) -> None:
-        """Free every slab. The backend must have finished its jobs (backend.close first)."""
+        """Free every slab. The backend must take no more jobs (backend.stop first)."""
         for record in list(self.clients.values()):
             self._free(record)
 

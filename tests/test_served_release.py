@@ -13,7 +13,7 @@ import pytest
 
 from engramd.client.client import EngramClient, _CudaSlabView
 from engramd.client.failures import FailedLookups
-from engramd.client.slab import DONE_AT_RELEASE, FAILED, ROWS_DONE, release_value, rows_written
+from engramd.client.slab import FAILED, ROWS_DONE, release_value
 
 
 class Event:
@@ -35,12 +35,10 @@ class Slab(_CudaSlabView):
         self.fill = fill
         self.fill_done: threading.Event | None = None  # set: fills finish when it is set
 
+        self.counters = self  # the parent's written() and failed_seq() read through load()
+
     def load(self, slot: int, word: int) -> int:
         return self.words.get((slot, word), 0)
-
-    def written(self, slot: int, seq: int, last_seq: int) -> bool:
-        return rows_written(self.load(slot, ROWS_DONE), self.load(slot, FAILED),
-                            self.load(slot, DONE_AT_RELEASE), seq, last_seq)
 
     def invalidate(self, slot: int, tokens: int, after) -> Event:
         self.calls.append(("fill", slot, after))
@@ -124,11 +122,27 @@ def test_a_second_release_neither_fails_nor_fills_again():
     fake._failed.raise_unreported()  # nothing new
 
 
-def test_a_refused_lookup_is_not_filled_by_the_client_but_its_slot_is_released():
-    """The daemon fills a refused lookup's rows itself, on its stream; if it dies first, the
-    slot's waits must still pass."""
+def test_a_refused_lookup_the_daemon_filled_is_not_filled_again_but_its_slot_is_released():
+    """The daemon fills a refused lookup's rows itself, on its stream, and marks it FAILED."""
     slab = Slab(slots=2)
-    invalidate(client(slab, last_seq=3), [lookup(3, 1, error=RuntimeError("tables changed"))])
+    slab.words[(1, FAILED)] = slab.words[(1, ROWS_DONE)] = 3
+    refused = lookup(3, 1, error=RuntimeError("tables changed"))
+    invalidate(client(slab, last_seq=3), [refused])
+    assert slab.calls == [("release", 0), ("release", 1)]
+
+
+def test_a_refused_lookup_whose_fill_the_daemons_death_cut_is_filled_but_not_reported_twice():
+    """The refusal's reply precedes the daemon's fill: a daemon that died in between left the
+    slot's old rows, which the release must not hand to readers. The lookup raises its own error,
+    so the next call does not report it again."""
+    slab = Slab(slots=2)
+    fake = client(slab, last_seq=3)
+    refused = lookup(3, 1, error=RuntimeError("tables changed"))
+    invalidate(fake, [refused])
+    assert slab.calls == [("fill", 1, "submitted 3"), ("fail", 1, 3), ("release", 0), ("release", 1)]
+    fake._failed.raise_unreported()  # nothing: its own error is what its caller sees
+    slab.calls.clear()
+    invalidate(fake, [refused])
     assert slab.calls == [("release", 0), ("release", 1)]
 
 
