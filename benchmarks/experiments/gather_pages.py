@@ -1,7 +1,7 @@
 """Gather rate by host memory and grid: 4 KiB pages, 2 MiB folios, an engine's own pinned copy.
 
-    python benchmarks/gather_pages.py [--table-gib 16] [--iterations 60] [--out DIR]
-    python benchmarks/gather_pages.py --memories folios --grids 132:8 66:32 --lookups 4096s 1024s
+    python benchmarks/experiments/gather_pages.py [--table-gib 16] [--iterations 60] [--out DIR]
+    python benchmarks/experiments/gather_pages.py --memories folios --grids 132:8 66:32 --lookups 4096s 1024s
 
 The daemon's pin makes its /dev/shm tables 2 MiB folios (client/huge_pages.py), which pinned
 5x faster than 4 KiB pages. Does the GPU read rows over UVA faster from them too (the sorted
@@ -42,7 +42,7 @@ from engramd.client.host_pin import HostRegistration
 from engramd.kernels import gather_ref
 from engramd.kernels.gather_triton import GatherPlan, LayerTable
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for common
 from common.daemon import bench_folders  # noqa: E402
 from common.ids import bucket_ids  # noqa: E402
 from common.report import machine, write_report  # noqa: E402
@@ -194,7 +194,7 @@ def measure(args: argparse.Namespace) -> dict:
     return {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
             "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"),
             "table_gib": round(geometry.total_bytes / 2**30, 3), "iterations": args.iterations,
-            "command": "python benchmarks/gather_pages.py " + " ".join(sys.argv[1:]),
+            "command": "python benchmarks/experiments/gather_pages.py " + " ".join(sys.argv[1:]),
             "memories": memories, "points": points,
             "seconds": round(time.monotonic() - started, 1)}
 
@@ -225,7 +225,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="grids to time (default: all SMs:8, half:8, half:16, half:32)")
     parser.add_argument("--lookups", nargs="+", default=list(LOOKUPS),
                         help="T of each lookup timed, with s for sorted (default: %(default)s)")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results"))
     return parser.parse_args(argv)
 
 

@@ -1,8 +1,8 @@
 """SM cap for the gather: what a concurrent lookup costs a bf16 matmul, with and without the cap.
 
-    python benchmarks/sm_cap.py [--table-gib 16] [--out DIR]
-    python benchmarks/sm_cap.py --sort --block-rows 32 --out DIR   # sorted lookups, wide blocks
-    TRITON_INTERPRET=1 python benchmarks/sm_cap.py --smoke --out DIR   # CPU, tiny, no timings
+    python benchmarks/experiments/sm_cap.py [--table-gib 16] [--out DIR]
+    python benchmarks/experiments/sm_cap.py --sort --block-rows 32 --out DIR   # sorted lookups, wide blocks
+    TRITON_INTERPRET=1 python benchmarks/experiments/sm_cap.py --smoke --out DIR   # CPU, tiny, no timings
 
 A lookup prefetched while the model computes runs beside its kernels; the gather's persistent grid
 (GatherPlan's num_programs) decides how many SMs it can take from them. On one GPU:
@@ -41,7 +41,7 @@ from engramd.client.geometry import TableGeometry
 from engramd.kernels import gather_ref
 from engramd.kernels.gather_triton import GatherPlan
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for common
 from common.ids import bucket_ids  # noqa: E402
 from common.rows import assert_exact, poisoned  # noqa: E402
 from common.timing import Clock, StreamLoop, run_loops  # noqa: E402
@@ -324,7 +324,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--table-gib", type=float, default=16.0)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results"))
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--matmul-n", type=int, default=8192)
     parser.add_argument("--seconds", type=float, default=1.0, help="per point, run alone")

@@ -11,7 +11,7 @@ reports:
     the write that releases the wait (the driver let other threads in).
 Every step has a deadline; a hang is reported, not waited out.
 
-    python benchmarks/unmap_probe.py [--device 0]
+    python benchmarks/experiments/unmap_probe.py [--device 0]
 """
 
 from __future__ import annotations

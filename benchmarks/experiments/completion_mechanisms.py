@@ -1,6 +1,6 @@
 """Cross-process completion on one GPU: stream-memory-op counters vs interprocess CUDA events.
 
-    python benchmarks/completion_mechanisms.py [--iters 2000] [--out DIR]
+    python benchmarks/experiments/completion_mechanisms.py [--iters 2000] [--out DIR]
 
 A producer process (the daemon's role) owns device memory and an interprocess event, both shared
 over CUDA IPC. Per request the consumer (the client's role) sends a ZeroMQ message; the producer
@@ -130,7 +130,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=2000)
     parser.add_argument("--producer", help=argparse.SUPPRESS)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results"))
     args = parser.parse_args()
     if args.producer:
         producer(args.producer)
@@ -140,7 +140,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"gpu": torch.cuda.get_device_name(), "iters": args.iters, "date": time.strftime("%Y-%m-%d"),
-            "command": "python benchmarks/completion_mechanisms.py " + " ".join(sys.argv[1:])}
+            "command": "python benchmarks/experiments/completion_mechanisms.py " + " ".join(sys.argv[1:])}
     (out / "completion_mechanisms.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
     return 0
 

@@ -1,7 +1,7 @@
 """Start probe: in which order a fresh daemon process should import torch, create its CUDA context
 and pin tables already in shared memory (H200).
 
-    python benchmarks/start_probe.py [--gib 64] [--out DIR]
+    python benchmarks/experiments/start_probe.py [--gib 64] [--out DIR]
 
 A file of --gib GiB is filled in /dev/shm once. Then each order runs in a fresh process with
 CUDA_MODULE_LOADING=EAGER (as the daemon runs), timing each step from the process's start:
@@ -125,7 +125,7 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
     finally:
         path.unlink(missing_ok=True)
-    report = {"gib": args.gib, "command": f"python benchmarks/start_probe.py --gib {args.gib:g} "
+    report = {"gib": args.gib, "command": f"python benchmarks/experiments/start_probe.py --gib {args.gib:g} "
                                           f"--orders {args.orders} --repeat {args.repeat}",
               "fill_gb_s": round(nbytes / 1e9 / fill_s, 2), "orders": rows}
     out = Path(args.out)

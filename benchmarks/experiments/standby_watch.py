@@ -1,6 +1,6 @@
 """What a waiting standby's look at its checkpoint costs, every WATCH_S, at V4.1's index size.
 
-    python benchmarks/standby_watch.py [--tensors 92000] [--looks 20] [--out DIR]
+    python benchmarks/experiments/standby_watch.py [--tensors 92000] [--looks 20] [--out DIR]
 
 A standby (server/standby_tables.py) checks every WATCH_S (0.5 s) that its configured checkpoint
 is still the one its tables were prepared from. Opening a checkpoint reads its config, its index
@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for common
 from common.report import machine, write_report  # noqa: E402
 from common.tables import geometry_for, write_sparse_checkpoint  # noqa: E402
 
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tensors", type=int, default=92_000)
     parser.add_argument("--looks", type=int, default=20)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results"))
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="engramd-bench-") as folder:
         checkpoint = v41_shaped_checkpoint(Path(folder), args.tensors)
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
         watch._checkpoint()
         watch._checkpoint()  # the second look learns the files to watch
         report = {"machine": machine(), "date": time.strftime("%Y-%m-%d"),
-                  "command": "python benchmarks/standby_watch.py " + " ".join(argv or sys.argv[1:]),
+                  "command": "python benchmarks/experiments/standby_watch.py " + " ".join(argv or sys.argv[1:]),
                   "index_bytes": (checkpoint / INDEX_FILE).stat().st_size, "looks": args.looks,
                   "open": per_look(lambda: EngramCheckpoint.open(checkpoint).fingerprint(), args.looks),
                   "watch": per_look(watch._checkpoint, args.looks * 10)}

@@ -1,7 +1,7 @@
 """Host table layouts and ID ordering for the GPU gather+dequant, timed on one GPU.
 
-    python benchmarks/gather_layouts.py [--table-gib 16] [--out DIR]
-    TRITON_INTERPRET=1 python benchmarks/gather_layouts.py --smoke --out DIR   # CPU, tiny
+    python benchmarks/experiments/gather_layouts.py [--table-gib 16] [--out DIR]
+    TRITON_INTERPRET=1 python benchmarks/experiments/gather_layouts.py --smoke --out DIR   # CPU, tiny
 
 One V4.1-shaped table (2 layers x 24 heads, rows of 256 E4M3 bytes + 8 UE8M0 scale bytes, --table-gib
 of rows in all), the same random content in each of three host layouts, registered with CUDA and
@@ -50,7 +50,7 @@ from engramd.client.geometry import DEAD_ID, ShardView, TableGeometry
 from engramd.kernels import gather_ref
 from engramd.kernels.gather_triton import GatherPlan, LayerTable, _bf16_bits
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for common
 from common.ids import bucket_ids  # noqa: E402
 from common.rows import assert_exact, poisoned  # noqa: E402
 from common.tables import v41_geometry  # noqa: E402
@@ -425,7 +425,7 @@ def command_line(script: str, argv: Sequence[str]) -> str:
             args.append("--out=DIR")
         else:
             args.append(arg)
-    return " ".join([f"python benchmarks/{script}", *args])
+    return " ".join([f"python benchmarks/experiments/{script}", *args])
 
 
 def run_meta(script: str, device: torch.device, geometry: TableGeometry, smoke: bool) -> dict:
@@ -743,7 +743,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--table-gib", type=float, default=16.0,
                         help="GiB of rows in all (both layers), in every layout")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results"))
     parser.add_argument("--block-rows", type=int, default=None,
                         help="rows per block, both kernels (default 8, GatherPlan's; smoke 32)")
     parser.add_argument("--num-warps", type=int, default=4)

@@ -1,6 +1,6 @@
 """Pin probe: how fast a fresh process can cudaHostRegister a table file already in shared memory.
 
-    python benchmarks/pin_probe.py [--gib 16] [--out DIR] [--no-hugetlb] [--threads 2,4,8,16]
+    python benchmarks/experiments/pin_probe.py [--gib 16] [--out DIR] [--no-hugetlb] [--threads 2,4,8,16]
                                    [--repeat 1] [--cases a,b,...] [--timeout 300] [--device 0]
 
 The daemon restart case: a restarted daemon re-attaches its table files in /dev/shm and must pin
@@ -62,7 +62,7 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for common
 from common.report import cell, cpu_model, machine, mount_type  # noqa: E402
 
 NAME = "engramd-pin-probe"
@@ -783,7 +783,7 @@ def _terminate(signum: int, frame: Any) -> None:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=16.0, help="file size, GiB (default 16)")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results"))
     parser.add_argument("--hugetlb", action=argparse.BooleanOptionalAction, default=True,
                         help="also a file on hugetlbfs, 2 MiB pages (root; skipped if it fails)")
     parser.add_argument("--threads", default="2,4,8,16",

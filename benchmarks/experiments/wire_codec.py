@@ -1,6 +1,6 @@
 """Wire codec: what decoding a lookup request and encoding / decoding its reply costs, in us.
 
-    python benchmarks/wire_codec.py [--iters 200000]
+    python benchmarks/experiments/wire_codec.py [--iters 200000]
 
 The daemon decodes every request once into its declared type (client/messages.py) and encodes
 every reply from one; this times those three steps alone (no socket), to keep the typed wire's

@@ -1,6 +1,6 @@
 """THP probe: pinning a /dev/shm table whose pages are 2 MiB folios, mapped by PMDs.
 
-    python benchmarks/thp_probe.py [--gib 16] [--workers 8] [--out DIR]
+    python benchmarks/experiments/thp_probe.py [--gib 16] [--workers 8] [--out DIR]
 
 On hugetlbfs a table pins at ~40-48 GB/s against 12-25 GB/s on /dev/shm (4 KiB pages), but
 hugetlbfs needs a page pool set aside by root. tmpfs can hold 2 MiB folios too, and
@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for common
 from common.report import machine, write_report  # noqa: E402
 
 CHUNK = 64 << 20
@@ -148,7 +148,7 @@ def measure(args: argparse.Namespace) -> dict:
                        "kernel": platform.release(), "machine": machine(),
                        "shmem_enabled": Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read_text().strip(),
                        "date": time.strftime("%Y-%m-%d %H:%M"),
-                       "command": "python benchmarks/thp_probe.py " + " ".join(sys.argv[1:])},
+                       "command": "python benchmarks/experiments/thp_probe.py " + " ".join(sys.argv[1:])},
               "cases": []}
     try:
         os.ftruncate(fd, size)
@@ -194,7 +194,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=16.0)
     parser.add_argument("--workers", type=int, default=8)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results"))
     parser.add_argument("--case")
     parser.add_argument("--hold", action="store_true")
     parser.add_argument("--pmd", action="store_true")

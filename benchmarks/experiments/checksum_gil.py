@@ -1,6 +1,6 @@
 """Re-attach checksum beside a thread that holds the GIL (what a restart's import of torch does).
 
-    python benchmarks/checksum_gil.py [--gib 2] [--repeat 3] [--out FILE]
+    python benchmarks/experiments/checksum_gil.py [--gib 2] [--repeat 3] [--out FILE]
 
 The re-attach check (server/host_tables.sampled_checksum) reads 256 blocks of 64 KiB per layer.
 Computed one zlib.crc32 call per block, each call gives the GIL back (CPython does for inputs over
@@ -93,7 +93,7 @@ def main() -> int:
             crcs.add(crc)
             results[f"{name}, {beside}"] = {"median_s": round(statistics.median(seconds), 4),
                                             "all_s": [round(s, 4) for s in seconds]}
-    report = {"command": "python benchmarks/checksum_gil.py " + " ".join(sys.argv[1:]),
+    report = {"command": "python benchmarks/experiments/checksum_gil.py " + " ".join(sys.argv[1:]),
               "gib": args.gib, "switch_interval_s": sys.getswitchinterval(),
               "ranges": len(sample_ranges(flat.size, ROW_BYTES, SAMPLE_BLOCKS, SAMPLE_BLOCK_BYTES)),
               "same_crc": len(crcs) == 1, "results": results}

@@ -1,6 +1,6 @@
 """What a completion counter's placement costs: device memory vs pinned host memory.
 
-    python benchmarks/counter_placement.py [--iters 5000] [--out DIR]
+    python benchmarks/experiments/counter_placement.py [--iters 5000] [--out DIR]
 
 Served lookups wait and write 32-bit counters with stream memory operations; the counters sit
 in pinned host memory (client/host_counters.py) so that the CPU can release a wait no GPU queue

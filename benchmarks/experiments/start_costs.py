@@ -1,7 +1,7 @@
 """What a daemon's start pays for torch on a GPU machine: its import, then its CUDA start.
 
-    CUDA_MODULE_LOADING=EAGER python benchmarks/start_costs.py --order plain
-    CUDA_MODULE_LOADING=LAZY  python benchmarks/start_costs.py --order context-first
+    CUDA_MODULE_LOADING=EAGER python benchmarks/experiments/start_costs.py --order plain
+    CUDA_MODULE_LOADING=LAZY  python benchmarks/experiments/start_costs.py --order context-first
 
 One fresh process per run (the costs are the first ones a process pays), one JSON line out:
 
