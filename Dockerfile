@@ -1,6 +1,6 @@
 # syntax=docker/dockerfile:1
 # engramd node daemon. Build: docker build -t engramd .
-# Run beside inference engines (see README, "Containers"): share the runtime folder (its two
+# Run beside inference engines (docs/operations.md, "Containers"): share the runtime folder (its two
 # sockets) with them and give this container's /dev/shm room for the tables. No host IPC or PID
 # namespace: slabs and tables reach the engines as file descriptors over the handle socket.
 #

@@ -25,10 +25,10 @@ metrics; DIR/model_step_profile.md the table; DIR/traces/ one Chrome trace per c
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
 import statistics
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -186,5 +186,13 @@ def markdown(run: dict, cells: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def main() -> None:
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser.add_argument("dir", nargs="?", type=Path,
+                        help="a model_step.py --profile output folder: its tables again")
+    args = parser.parse_args()
+    print(reread(args.dir) if args.dir is not None else __doc__)
+
+
 if __name__ == "__main__":
-    print(reread(Path(sys.argv[1])) if len(sys.argv) == 2 else __doc__)
+    main()

@@ -23,7 +23,7 @@ Why counters and not interprocess events: an IPC event wait binds to the last re
 the time of the wait call, so the client could only enqueue its wait after the daemon's reply
 (a host round trip on the critical path). A counter wait is order-independent: the client
 enqueues it at once and the daemon may enqueue its write before or after. Measured by
-benchmarks/completion_mechanisms.py (results under benchmarks/results/).
+benchmarks/experiments/completion_mechanisms.py (results under benchmarks/results/).
 
 Each GPU also has a hot-row cache in HBM (kernels/hot_cache.py) that the gathers probe, kept
 filled by a CacheKeeper thread (client/cache_keeper.py), and lookups of at least

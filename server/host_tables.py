@@ -292,7 +292,8 @@ def sampled_checksum(data: np.ndarray, row_bytes: int, blocks: int, block_bytes:
     The ranges are joined first and checksummed in one call. A call per range (the same value:
     a CRC chains) gives the GIL back ~500 times, and at a restart another thread imports torch
     meanwhile: each take back then waits out a switch interval, 1.0-1.4 s at 64 GiB on the
-    H200 host against 0.02 s alone (benchmarks/checksum_gil.py). The join copies 16 MiB."""
+    H200 host against 0.02 s alone (benchmarks/experiments/checksum_gil.py). The join copies
+    16 MiB."""
     view = memoryview(data.reshape(-1))
     joined = b"".join(view[lo:hi] for lo, hi in sample_ranges(view.nbytes, row_bytes, blocks,
                                                                 block_bytes))

@@ -1,4 +1,4 @@
-"""The layout benchmark's own gather kernel (benchmarks/gather_layouts.py) under Triton's interpreter.
+"""The layout benchmark's own gather kernel (benchmarks/experiments/gather_layouts.py) under Triton's interpreter.
 
 Its padded (272-byte rows) and split (weights and scales in two arrays) layouts, and the packed one
 with the put-back of a sorted gather fused into the store, must give exactly what the plain-torch
@@ -22,7 +22,7 @@ from engramd.kernels import gather_ref
 
 pytest.importorskip("triton")
 
-BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "gather_layouts.py"
+BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "experiments" / "gather_layouts.py"
 BLOCK_ROWS = 64  # the interpreter's cost is per block
 LAUNCH = {"num_programs": 3, "block_rows": BLOCK_ROWS, "num_warps": 4}
 GATHER_TRITON = "engramd.kernels.gather_triton"
@@ -30,7 +30,7 @@ GATHER_TRITON = "engramd.kernels.gather_triton"
 
 @pytest.fixture(scope="module")
 def gl():
-    """benchmarks/gather_layouts.py with its kernel and gather_triton's dequant interpreted."""
+    """benchmarks/experiments/gather_layouts.py with its kernel and gather_triton's dequant interpreted."""
     saved_module = sys.modules.get(GATHER_TRITON)
     names = ("engramd_gather_triton_interpreted_for_layouts", "gather_layouts_interpreted")
     try:
@@ -253,5 +253,5 @@ def test_keeps_a_layout_only_when_it_wins_by_more_than_the_threshold(gl, padded_
 
 def test_recorded_command_has_no_output_path(gl):
     line = gl.command_line("gather_layouts.py", ["--table-gib", "8", "--out", "/some/where"])
-    assert line == "python benchmarks/gather_layouts.py --table-gib 8 --out DIR"
-    assert gl.command_line("sm_cap.py", ["--out=/x/y"]) == "python benchmarks/sm_cap.py --out=DIR"
+    assert line == "python benchmarks/experiments/gather_layouts.py --table-gib 8 --out DIR"
+    assert gl.command_line("sm_cap.py", ["--out=/x/y"]) == "python benchmarks/experiments/sm_cap.py --out=DIR"

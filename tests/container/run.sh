@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The image built from the Dockerfile, run as README's "Containers" says: the daemon in one
-# container, engines in others, each with its own PID, IPC and network namespaces, sharing only
+# The image built from the Dockerfile, run as docs/operations.md's "Containers" says: the daemon
+# in one container, engines in others, each with its own PID, IPC and network namespaces, sharing only
 # the runtime folder (a host folder bind-mounted at /run/engramd). Checks, on the CPU backend:
 #   - rows bit-exact against the checkpoint: clients in containers (served, and mapped under
 #     another uid that holds only the daemon's group) and on the host;
@@ -141,8 +141,8 @@ write_tables() {
     say "   demo checkpoint (seed 0) at $CKPT: $(du -sh "$CKPT" | cut -f1)"
 }
 
-# The daemon as README says to run it, its tables read-only from the host and its /dev/shm a
-# host tmpfs folder (so that a new container re-attaches them).
+# The daemon as docs/operations.md says to run it, its tables read-only from the host and its
+# /dev/shm a host tmpfs folder (so that a new container re-attaches them).
 start_daemon() {  # start_daemon NAME
     podman run -d --name "$1" --network=none --ipc=private --pid=private --no-healthcheck \
         -v "$RUN:/run/engramd" -v "$CKPT:/tables:ro" -v "$SHM:/dev/shm" \
