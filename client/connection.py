@@ -14,7 +14,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
@@ -144,7 +144,7 @@ class Connection:
     def _collect(self, timeout_ms: int) -> None:
         # Without waiting, ask the socket's event flags: Socket.poll builds a Poller per call.
         if timeout_ms <= 0:
-            if not self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if not cast(int, self._sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 return
         elif not self._sock.poll(timeout_ms, zmq.POLLIN):
             return

@@ -12,6 +12,10 @@ class EngramError(Exception):
     """Base of every engramd error. `code` is the wire error code; `epoch` the daemon's, if known."""
 
     code = "internal"
+    # Set only on an error raised while decoding a request: what could be read of it, so that
+    # its error reply can be matched (client/protocol.py). Absent otherwise.
+    request_op: str
+    request_rid: int
 
     def __init__(self, message: str, *, epoch: str | None = None):
         super().__init__(message)

@@ -16,12 +16,18 @@ SCALE_BLOCK = 32  # values per UE8M0 scale byte of a stored row
 class Shard(Protocol):
     """One TP rank's part of a lookup: the heads it returns and the rows it owns per layer."""
 
-    rank: int
-    shards: int
-    head_start: int
-    head_end: int
-    local_heads: int
-    row_ranges: tuple[tuple[int, int], ...]
-
+    # Read-only members, so that a frozen dataclass (ShardView) is one.
+    @property
+    def rank(self) -> int: ...
+    @property
+    def shards(self) -> int: ...
+    @property
+    def head_start(self) -> int: ...
+    @property
+    def head_end(self) -> int: ...
+    @property
+    def local_heads(self) -> int: ...
+    @property
+    def row_ranges(self) -> tuple[tuple[int, int], ...]: ...
     @property
     def owned_heads(self) -> int: ...

@@ -169,7 +169,7 @@ def _next_pow2(n: int) -> int:
 def _checked(args, params: NgramHashParams, validate: bool) -> HashBatch:
     if not HAVE_TRITON:
         raise TritonUnavailable("hash_ngrams_triton needs the `triton` package, not installed")
-    batch = check_batch(*args[:2], params, *args[2:])
+    batch = check_batch(*args[:2], params, *args[2:])  # type: ignore[call-arg]  # mypy: a slice has any length
     device = batch.token_ids.device
     if device.type != "cuda" and not _interpreting():
         raise HashInputError(

@@ -338,7 +338,7 @@ def _open_fd(ref: TensorRef) -> Iterator[int]:
 
 def _pread_into(fd: int, buf: np.ndarray, ref: TensorRef, rel_offset: int) -> None:
     """Fill contiguous `buf` from byte `rel_offset` of tensor `ref`'s data, or raise."""
-    view = memoryview(buf).cast("B")
+    view = memoryview(buf).cast("B")  # type: ignore[arg-type]  # numpy: a buffer on 3.12+
     if rel_offset + len(view) > ref.nbytes:  # guarded by _check_read; kept as a last defence
         raise CheckpointError(f"{ref.path}: tensor {ref.name!r}: read of {len(view)} bytes at "
                               f"{rel_offset} passes its {ref.nbytes} bytes")

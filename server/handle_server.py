@@ -135,7 +135,7 @@ class HandleServer:
         # Per uid, its connections waiting for their request, oldest first (the selector
         # thread's alone). Those read whole are answered as fast as the loop answers.
         self._waiting: dict[int, OrderedDict[_Waiting, None]] = {}
-        self._answers: queue.SimpleQueue[tuple[_Waiting, dict[str, Any]] | None] = queue.SimpleQueue()
+        self._answers: queue.SimpleQueue[tuple[_Waiting, Message] | None] = queue.SimpleQueue()
         # What a peer can provoke at will is logged once per interval (server/throttle.py).
         self._accept_failed, self._refused, self._dropped = Throttled(log), Throttled(log), Throttled(log)
         self._evicted = Throttled(log)

@@ -294,7 +294,7 @@ def sampled_checksum(data: np.ndarray, row_bytes: int, blocks: int, block_bytes:
     meanwhile: each take back then waits out a switch interval, 1.0-1.4 s at 64 GiB on the
     H200 host against 0.02 s alone (benchmarks/experiments/checksum_gil.py). The join copies
     16 MiB."""
-    view = memoryview(data.reshape(-1))
+    view = memoryview(data.reshape(-1))  # type: ignore[arg-type]  # numpy: a buffer on 3.12+
     joined = b"".join(view[lo:hi] for lo, hi in sample_ranges(view.nbytes, row_bytes, blocks,
                                                                 block_bytes))
     return zlib.crc32(joined)

@@ -234,7 +234,7 @@ def _write_shard(path: Path, header: bytes, tensors: list[_Tensor], chunk_rows: 
             for t in tensors:
                 for lo in range(0, t.shape[0], chunk_rows):
                     chunk = t.rows_fn(lo, min(t.shape[0], lo + chunk_rows))
-                    f.write(memoryview(np.ascontiguousarray(chunk)).cast("B"))
+                    f.write(memoryview(np.ascontiguousarray(chunk)).cast("B"))  # type: ignore[arg-type]  # numpy: a buffer on 3.12+
                     counter.add(chunk.nbytes)
         os.replace(partial, path)
     except BaseException:

@@ -201,6 +201,25 @@ def wait_until(condition, timeout: float, step: float = 0.01) -> float:
     return time.monotonic() - start
 
 
+DAEMON_HOOKS = Path(__file__).parent / "daemon_hooks"  # sitecustomize.py: hooks for test daemons
+
+
+class GatherGate:
+    """Holds a test daemon's CPU lookup gathers until the test opens the gate
+    (daemon_hooks/sitecustomize.py): a lookup then stays in flight, as the daemon reports, for as
+    long as the test needs. Start the daemon with `env=gate.env()`."""
+
+    def __init__(self, folder: Path):
+        self.path = folder / "gather-gate"
+
+    def env(self) -> dict[str, str]:
+        path = os.pathsep.join(p for p in (str(DAEMON_HOOKS), os.environ.get("PYTHONPATH")) if p)
+        return {"PYTHONPATH": path, "ENGRAMD_TEST_GATHER_GATE": str(self.path)}
+
+    def open(self) -> None:
+        self.path.touch()
+
+
 def engramd_command() -> list[str]:
     exe = shutil.which("engramd")
     return [exe] if exe else [sys.executable, "-m", "engramd.server.cli"]

@@ -13,7 +13,7 @@ import urllib.request
 import numpy as np
 import pytest
 import torch
-from helpers import engramd_command, free_port, wait_until
+from helpers import GatherGate, engramd_command, free_port, wait_until
 
 from engramd.client import DaemonUnavailableError, EngramClient
 from engramd.client.connection import probe
@@ -89,21 +89,28 @@ def test_metrics_endpoint(daemon_factory):
     assert any(k.startswith("engramd_epoch_info{") for k in values)
 
 
-def test_drain_finishes_in_flight_lookups_and_exits(daemon_factory, reference):
-    daemon = daemon_factory()
+def _in_flight(daemon) -> int:
+    """Lookups the daemon reports received and not yet answered, over all its clients."""
+    return sum(c["in_flight"] for c in probe(daemon.socket, "stats", 5.0).body.encode()["clients"])
+
+
+def test_drain_finishes_in_flight_lookups_and_exits(daemon_factory, reference, tmp_path):
+    gate = GatherGate(tmp_path)  # the daemon's gathers wait until the test opens it
+    daemon = daemon_factory(env=gate.env())
     client = EngramClient(daemon.socket, reconnect_timeout=1.0)
     ids = np.random.default_rng(2).integers(0, min(reference.rows), size=(64, 2, 24))
     epoch = probe(daemon.socket, "health", 5.0).epoch
-    daemon.proc.send_signal(signal.SIGSTOP)  # hold the daemon so the lookup is in flight
     future = client.lookup(torch.from_numpy(ids))
+    wait_until(lambda: _in_flight(daemon) == 1, timeout=30.0)  # received, its gather held
     drain = subprocess.Popen([*engramd_command(), "drain", "--socket", str(daemon.socket),
                               "--timeout", "30"], stdout=subprocess.PIPE, text=True)
-    time.sleep(0.3)
-    daemon.proc.send_signal(signal.SIGCONT)
+    wait_until(lambda: (daemon.health() or {}).get("state") == "stopping", timeout=30.0)
+    assert _in_flight(daemon) == 1 and daemon.proc.poll() is None, "a drain waits for its lookup"
+    gate.open()
     rows = future.result(timeout=30)  # the in-flight lookup is answered
     assert np.array_equal(rows.double().numpy(), reference.expected(ids))
     assert drain.wait(40) == 0
-    assert f"drained: daemon epoch {epoch} finished" in drain.stdout.read()
+    assert f"drained: daemon epoch {epoch} finished 1 lookups and exited" in drain.stdout.read()
     assert daemon.proc.wait(30) == 0
     started = time.monotonic()
     with pytest.raises(DaemonUnavailableError, match="no daemon to re-register with within 1 s"):
