@@ -7,9 +7,10 @@ SGLang's Engram modules with their row shards loaded from the checkpoint (the re
 loads the plugins as SGLang does (`sglang.srt.plugins.load_plugins`, with ENGRAMD_SOCKET set),
 builds the same modules again (now served by the daemon), and checks that this rank's own rows
 (before SGLang's TP all-reduce), the rows and `forward` (after it) are the same bits; that the
-daemon registered this rank's TP rank; and that the IDs the daemon got are the hashes SGLang's
-`EngramHasher` computed (and that engramd's own hasher agrees). Exits non-zero with the first
-difference.
+daemon registered this rank's TP rank; that each step SGLang's `EngramHasher` hashed made exactly
+one lookup, of every layer's IDs, and that those are the hashes (engramd's own hasher agrees),
+while IDs that did not come from the hasher take one lookup per layer. Exits non-zero with the
+first difference.
 """
 
 from __future__ import annotations
@@ -121,9 +122,11 @@ def sglang_hasher(engram, layout, hf):
     return hasher
 
 
-def sglang_hashes(hasher):
-    """An extend batch of two requests hashed by SGLang's EngramHasher: request 0 starts its
-    sequence, request 1 continues at position 100 with three tokens of history (its slot's)."""
+def sglang_steps(hasher) -> Iterator[tuple[str, torch.Tensor, tuple]]:
+    """Steps of two requests hashed by SGLang's EngramHasher (each step's hash IDs, and its chunk
+    for engramd's hasher): an extend in which request 0 starts its sequence and request 1
+    continues at position 100 with three tokens of history (its slot's), then two decode steps,
+    whose look-back is the history the hasher committed."""
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
     generator = torch.Generator().manual_seed(5)
@@ -138,10 +141,19 @@ def sglang_hashes(hasher):
         positions=positions, extend_seq_lens=torch.tensor(lengths),
         extend_start_loc=torch.tensor([0, lengths[0]]), extend_seq_lens_cpu=list(lengths),
         engram_history=None, out_cache_loc=None, engram_staged_rows=None)
-    hashes = hasher(tokens, batch)
-    starts = torch.tensor([0, lengths[0], sum(lengths)])
     lookback = torch.stack([torch.full((3,), -1), history.flip(0).to(torch.int64)])
-    return hashes, (tokens, starts, lookback)
+    yield "extend", hasher(tokens, batch), (tokens, torch.tensor([0, lengths[0], sum(lengths)]), lookback)
+    seqs = list(tokens.split(lengths))
+    seqs[1] = torch.cat([history.to(torch.int64), seqs[1]])
+    for step in range(2):
+        last = torch.stack([seq[-3:].flip(0) for seq in seqs])  # newest first
+        tokens = torch.randint(0, 128_000, (2,), generator=generator, dtype=torch.int64)
+        batch = types.SimpleNamespace(
+            forward_mode=ForwardMode.DECODE, req_pool_indices=torch.tensor([0, 1]),
+            positions=torch.tensor([lengths[0] + step, 100 + lengths[1] + step]),
+            out_cache_loc=None, engram_staged_rows=None)
+        yield f"decode {step}", hasher(tokens, batch), (tokens, torch.tensor([0, 1, 2]), last)
+        seqs = [torch.cat([seq, token.view(1)]) for seq, token in zip(seqs, tokens, strict=True)]
 
 
 def raw_ids(layout, tokens: int) -> torch.Tensor:
@@ -212,13 +224,17 @@ def run_checks(engram, layout, hf, checkpoint, reference, served, args, sglang_e
     sent = []
     lookup = daemon.client.lookup
     daemon.client.lookup = lambda ids, *rest, **kw: (sent.append(ids.clone()), lookup(ids, *rest, **kw))[1]
-    hashes, chunk = sglang_hashes(sglang_hasher(engram, layout, hf))
-    same_bits("SGLang's hashes vs engramd's hasher", hashes,
-              engramd_hashes(checkpoint, *chunk).to(hashes.dtype))
-    compare_step("hashed chunk", reference, served, hashes, args.rank)
-    lookups_of_one_layer_each(sent, hashes)
-    for tokens in (5, 64, 1):
-        compare_step(f"raw IDs x {tokens}", reference, served, raw_ids(layout, tokens), args.rank)
+    for name, hashes, chunk in sglang_steps(sglang_hasher(engram, layout, hf)):
+        same_bits(f"{name}: SGLang's hashes vs engramd's hasher", hashes,
+                  engramd_hashes(checkpoint, *chunk).to(hashes.dtype))
+        compare_step(name, reference, served, hashes, args.rank)
+        assert len(sent) == 1, f"{name}: {len(sent)} lookups for one step hashed by SGLang"
+        same_bits(f"{name}: IDs of the step's one lookup, every layer's", sent.pop(), hashes)
+    for tokens in (5, 64, 1):  # IDs not from the hasher: a lookup per layer
+        ids = raw_ids(layout, tokens)
+        compare_step(f"raw IDs x {tokens}", reference, served, ids, args.rank)
+        lookups_of_one_layer_each(sent, ids)
+        sent.clear()
     staging_is_refused(served[0], sglang_engram.SglangPluginError)
 
 
