@@ -9,7 +9,8 @@ it, it checks that the installed SGLang is a version this plugin was written aga
 seam it replaces or relies on has the signature it expects, and that none of SGLang's other
 Engram table placements (host table, scheduler staging, peer shards) is switched on, and raises
 `SglangPluginError` naming what is wrong otherwise. Then it replaces, on SGLang's
-`EngramEmbedding` class, the methods that own the table (engramd.client.sglang_engram holds the
+`EngramEmbedding` class, the methods that own the table, and wraps `EngramHasher.forward` so that
+a step's hash IDs make one lookup of every layer (engramd.client.sglang_engram holds the
 replacements and says what each does). The other settings (ENGRAMD_MODE, ENGRAMD_HOT_CACHE_GIB,
 ENGRAMD_GATHER_AT) are the vLLM plugin's (engramd.client.engine_plugin).
 
@@ -48,6 +49,7 @@ SEAMS: tuple[engine_plugin.Seam, ...] = (
     ("Engram", "__init__", ("self", "config", "layer_id", "layout", "quant_config", "prefix",
                             "image_token_id")),
     ("Engram", "embed_rows", ("self", "hash_ids", "forward_batch", "cp_all_tokens")),
+    ("EngramHasher", "forward", ("self", "input_ids", "forward_batch")),
     (None, "eager_on_graph", ("fn", "capture_stub", "enable")),
 )
 

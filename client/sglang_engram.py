@@ -18,6 +18,20 @@ IDs are SGLang's hash IDs, passed as they are; the rows come back in the current
 `eager_on_graph` break, so a breakable CUDA graph runs it at every replay; a full-graph capture,
 which would replay none of it, is refused.
 
+One lookup per step: SGLang hashes a step's tokens once, for every Engram layer
+(`EngramHasher.forward` -> `[T, n_layers, heads]`), and hands each layer its column of that
+tensor. The wrapped `EngramHasher.forward` submits one lookup of all of it (the step slot) as
+soon as it returns, so the lookup runs while the layers before the first Engram layer do; a
+layer's `_owned_rows` that is handed its column of that very tensor (same storage, offset, shape
+and strides, not written since: its version counter) waits for that lookup and takes its layer's
+rows. Any other IDs take a lookup of their own (the direct slot), as before:
+- prefill context parallelism and DP attention, where SGLang gathers the IDs over ranks before
+  `_owned_rows` (the hook submits nothing there);
+- breakable CUDA graphs, capture and replay: the hasher runs inside a captured segment (decode)
+  or its output is copied into a graph buffer (extend), so neither the hook's host work nor the
+  tensor's identity would carry over to a replay (the hook submits nothing there either);
+- IDs that did not come from the hasher (tests, offline tools).
+
 What replaces what, on SGLang's `EngramEmbedding` (SGLang binds the class at import, so its
 attributes are replaced, not the class):
 - `__init__`: no table. Zero-row `weight` and `scale` parameters whose weight loader checks the
@@ -26,6 +40,7 @@ attributes are replaced, not the class):
 - `_owned_rows`: above.
 - `enable_scheduler_staging`: refused (the scheduler stages rows from a host table there is none
   of; engramd.client.sglang also refuses the settings that would ask for it).
+And on SGLang's `EngramHasher`, `forward` is wrapped (its result is SGLang's, unchanged): above.
 Modules built before the plugin was installed keep SGLang's own path.
 """
 
@@ -35,13 +50,14 @@ import atexit
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
-from sglang.srt.layers.engram import eager_on_graph
+from sglang.srt.layers.engram import eager_on_graph, is_in_breakable_cuda_graph
 from torch import nn
 
 from engramd.client import engine_plugin
-from engramd.client.client import EngramClient
+from engramd.client.client import EngramClient, LookupFuture
 from engramd.client.engine_plugin import Settings
 from engramd.client.geometry import DEAD_ID, SCALE_BLOCK, TableGeometry
 from engramd.client.sglang import SglangPluginError
@@ -49,6 +65,7 @@ from engramd.client.sglang import SglangPluginError
 log = logging.getLogger("engramd.sglang")
 
 REPLACED = ("__init__", "_owned_rows", "enable_scheduler_staging")
+STEP_SLOT, DIRECT_SLOT = 0, 1  # the client's slots: a step's one lookup, and any other lookup
 DEFAULT_MAX_TOKENS = 8192  # where SGLang's prefill ceiling is not published (offline tools)
 
 _originals: dict[str, Callable] = {}  # SGLang's own methods
@@ -67,35 +84,89 @@ def install(engram_module, settings: Settings) -> bool:
     cls.__init__ = _embedding_init
     cls._owned_rows = _owned_rows
     cls.enable_scheduler_staging = _enable_scheduler_staging
+    _originals["EngramHasher.forward"] = engram_module.EngramHasher.forward
+    engram_module.EngramHasher.forward = _hasher_forward
     return True
 
 
 # -- the process's client ----------------------------------------------------------------------
 
+@dataclass
+class StepLookup:
+    """The lookup of a step's hash IDs, every layer's: the hasher's output, held (so its storage
+    is not reused while the layers may still be handed views of it) with its version counter."""
+
+    ids: torch.Tensor  # [T, n_layers, heads]
+    version: int
+    future: LookupFuture
+    rows: torch.Tensor | None = None  # [n_layers, T, local_heads, dim], once waited for
+
+    def layer_ids(self, layer: int, indices: torch.Tensor) -> bool:
+        """Whether `indices` is this step's column of layer `layer`, unchanged since the lookup."""
+        column = self.ids[:, layer]
+        return (indices.device == column.device and indices.data_ptr() == column.data_ptr()
+                and indices.shape == column.shape and indices.stride() == column.stride()
+                and indices._version == self.version)
+
+
 class ProcessClient:
-    """The process's client, shared by its Engram layers, and what the model was checked against."""
+    """The process's client, shared by its Engram layers, the step's lookup, and what the model
+    was checked against."""
 
     def __init__(self, client: EngramClient):
         self.client = client
+        self.step: StepLookup | None = None
         self._tables = engine_plugin.ServedTables(client, SglangPluginError, "SGLang")
 
     @property
     def geometry(self) -> TableGeometry:
         return self.client.geometry
 
+    def submit_step(self, hash_ids: torch.Tensor) -> None:
+        """One lookup of a step's `[T, n_layers, heads]` hash IDs (SGLang's hasher's output) into
+        the step slot; IDs it cannot take in one lookup are left to the layers' own lookups."""
+        self.step = None
+        geometry = self.geometry
+        if (hash_ids.ndim != 3 or tuple(hash_ids.shape[1:]) != (geometry.n_layers, geometry.heads)
+                or not 0 < hash_ids.shape[0] <= self.client.max_tokens):
+            return
+        future = self.client.lookup(hash_ids, slot=STEP_SLOT)
+        self.step = StepLookup(hash_ids, hash_ids._version, future)
+
+    def step_rows(self, layer: int, indices: torch.Tensor) -> torch.Tensor | None:
+        """Layer `layer`'s rows `[T, local_heads, dim]` of the step's lookup if `indices` are its
+        IDs there (valid in the current stream's order), else None."""
+        step = self.step
+        if step is None or not step.layer_ids(layer, indices):
+            return None
+        if step.rows is None:
+            step.rows = step.future.wait()
+            self.check_still_served()
+        return step.rows[layer]
+
     def rows(self, layer: int, ids: torch.Tensor, out: torch.Tensor) -> None:
         """This rank's heads of layer `layer` for `ids` `[N, heads]` into `out` `[N, heads, dim]`,
-        zero elsewhere; in lookups of at most the client's max_tokens."""
-        geometry, shard = self.geometry, self.client.shard
-        heads = shard.head_end - shard.head_start
-        out.zero_()
-        for start in range(0, ids.shape[0], self.client.max_tokens):
-            chunk = ids[start:start + self.client.max_tokens]
+        zero elsewhere: the step's rows if these are its IDs, else in lookups of their own (of at
+        most the client's max_tokens)."""
+        step_rows = self.step_rows(layer, ids)
+        if step_rows is not None:
+            self._place(step_rows, out.view(-1, *out.shape[-2:]))
+            return
+        flat, out = ids.reshape(-1, ids.shape[-1]), out.view(-1, *out.shape[-2:])
+        geometry = self.geometry
+        for start in range(0, flat.shape[0], self.client.max_tokens):
+            chunk = flat[start:start + self.client.max_tokens]
             step = chunk.new_full((chunk.shape[0], geometry.n_layers, geometry.heads), DEAD_ID)
             step[:, layer] = chunk
-            rows = self.client.lookup(step).wait()
+            rows = self.client.lookup(step, slot=DIRECT_SLOT).wait()
             self.check_still_served()
-            out[start:start + chunk.shape[0], shard.head_start:shard.head_end] = rows[layer][:, :heads]
+            self._place(rows[layer], out[start:start + chunk.shape[0]])
+
+    def _place(self, rows: torch.Tensor, out: torch.Tensor) -> None:
+        """This rank's heads' rows into their columns of `out`, zero elsewhere."""
+        shard = self.client.shard
+        out.zero_()
+        out[:, shard.head_start:shard.head_end] = rows[:, :shard.head_end - shard.head_start]
 
     def check_still_served(self) -> None:
         """After a lookup's wait: refuse rows of other tables than the model was checked against."""
@@ -236,8 +307,33 @@ def _enable_scheduler_staging(self) -> None:
 @eager_on_graph
 def _daemon_rows(embedding, indices: torch.Tensor, out: torch.Tensor) -> None:
     _refuse_capture()
-    flat = indices.reshape(-1, indices.shape[-1])
-    embedding.engramd.rows(embedding.engramd_layer, flat, out.view(*flat.shape, embedding.dim))
+    embedding.engramd.rows(embedding.engramd_layer, indices, out)
+
+
+# -- the wrapped EngramHasher.forward ----------------------------------------------------------
+
+def _hasher_forward(self, input_ids, forward_batch):
+    hash_ids = _originals["EngramHasher.forward"](self, input_ids, forward_batch)
+    daemon = _process_client
+    if daemon is not None:  # no served Engram layer in this process: nothing to look up
+        if _layers_read_the_hashers_ids():
+            daemon.submit_step(hash_ids)
+        else:
+            daemon.step = None
+    return hash_ids
+
+
+def _layers_read_the_hashers_ids() -> bool:
+    """Whether this step's Engram layers are handed columns of the tensor the hasher returned,
+    in this eager call (see the module docstring for where they are not)."""
+    if is_in_breakable_cuda_graph() or torch.compiler.is_compiling():
+        return False
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return False
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    return parallel.attn_cp_size == 1 and not (parallel.tp_size > 1 and parallel.attn_dp_size > 1)
 
 
 def _refuse_capture() -> None:

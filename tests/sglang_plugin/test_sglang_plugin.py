@@ -19,10 +19,6 @@ WORKER = Path(__file__).with_name("worker.py")
 WORKER_TIMEOUT_S = 300
 
 
-
-
-
-
 def worker(daemon, checkpoint: Path, port: int, rank: int = 0, world: int = 1,
            mode: str = "auto") -> list[str]:
     return [sys.executable, str(WORKER), "--socket", str(daemon.socket), "--checkpoint",
@@ -42,6 +38,15 @@ def run_probe(code: str, *argv: str) -> str:
 def test_rows_and_forward_are_sglangs_and_the_ids_its_hashes(daemon_factory, demo_checkpoint, mode):
     daemon = daemon_factory()
     run_client_processes([worker(daemon, demo_checkpoint, free_port(), mode=mode)], timeout=WORKER_TIMEOUT_S)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["served", "mapped"])
+def test_two_tensor_parallel_ranks_each_get_their_head_shard(daemon_factory, demo_checkpoint, mode):
+    daemon = daemon_factory()
+    port = free_port()
+    run_client_processes([worker(daemon, demo_checkpoint, port, rank, 2, mode) for rank in (0, 1)],
+                         timeout=WORKER_TIMEOUT_S)
 
 
 # The probes below import SGLang in a subprocess of their own (the torchvision stand-in is on

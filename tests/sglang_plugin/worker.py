@@ -2,12 +2,15 @@
 
     python worker.py --socket S --checkpoint DIR --rank R --world W --port P [--mode M]
 
-Builds, on one TP rank (gloo, CPU: SGLang's torch paths), SGLang's Engram modules with their
-tables loaded from the checkpoint (the reference), then loads the plugins as SGLang does
-(`sglang.srt.plugins.load_plugins`, with ENGRAMD_SOCKET set), builds the same modules again (now
-served by the daemon), and checks that the rows, `embed` and `forward` are the same bits, and
-that the IDs the daemon got are the hashes SGLang's `EngramHasher` computed (and that engramd's
-own hasher agrees). Exits non-zero with the first difference.
+Builds, on one TP rank of W (SGLang's own process groups over gloo, CPU: SGLang's torch paths),
+SGLang's Engram modules with their row shards loaded from the checkpoint (the reference), then
+loads the plugins as SGLang does (`sglang.srt.plugins.load_plugins`, with ENGRAMD_SOCKET set),
+builds the same modules again (now served by the daemon), and checks that this rank's own rows
+(before SGLang's TP all-reduce), the rows and `forward` (after it) are the same bits; that the
+daemon registered this rank's TP rank; that each step SGLang's `EngramHasher` hashed made exactly
+one lookup, of every layer's IDs, and that those are the hashes (engramd's own hasher agrees),
+while IDs that did not come from the hasher take one lookup per layer. Exits non-zero with the
+first difference.
 """
 
 from __future__ import annotations
@@ -61,15 +64,28 @@ def checkpoint_tensors(checkpoint: Path, layer_id: int) -> dict[str, torch.Tenso
 
 @contextmanager
 def parallel_state(args: argparse.Namespace) -> Iterator[None]:
-    """SGLang's runtime context's parallel ranks: one TP rank (no process group: at TP 1 SGLang's
-    Engram lookup runs no collective)."""
+    """SGLang's process groups over gloo, one TP group of all the processes. SGLang's
+    initialize_model_parallel reads every width from its runtime context, which a server
+    publishes from its arguments: here they are stated (TP only: no PP, DP attention, context
+    or expert parallelism)."""
+    from sglang.srt.distributed import parallel_state as state
     from sglang.srt.runtime_context import get_parallel
 
-    if args.world != 1:
-        raise AssertionError("the worker runs one TP rank (TP over gloo: docs/sglang_plugin_status.md)")
-    with get_parallel().override(tp_rank=args.rank, tp_size=args.world, attn_dp_size=1,
-                                 attn_cp_size=1):
-        yield
+    state.init_distributed_environment(
+        world_size=args.world, rank=args.rank, local_rank=args.rank, backend="gloo",
+        distributed_init_method=f"tcp://127.0.0.1:{args.port}")
+    widths = dict(tp_size=args.world, attn_tp_size=args.world, moe_tp_size=args.world, pp_size=1,
+                  attn_dp_size=1, attn_cp_size=1, attn_dcp_size=1, moe_ep_size=1, moe_dp_size=1,
+                  shared_experts_tp_size=None)
+    try:
+        with get_parallel().override(tp_rank=args.rank, **widths):
+            state.initialize_model_parallel()
+            try:
+                yield
+            finally:
+                state.destroy_model_parallel()
+    finally:
+        state.destroy_distributed_environment()
 
 
 def build_layers(engram, hf, layout) -> list:
@@ -106,9 +122,11 @@ def sglang_hasher(engram, layout, hf):
     return hasher
 
 
-def sglang_hashes(hasher):
-    """An extend batch of two requests hashed by SGLang's EngramHasher: request 0 starts its
-    sequence, request 1 continues at position 100 with three tokens of history (its slot's)."""
+def sglang_steps(hasher) -> Iterator[tuple[str, torch.Tensor, tuple]]:
+    """Steps of two requests hashed by SGLang's EngramHasher (each step's hash IDs, and its chunk
+    for engramd's hasher): an extend in which request 0 starts its sequence and request 1
+    continues at position 100 with three tokens of history (its slot's), then two decode steps,
+    whose look-back is the history the hasher committed."""
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
     generator = torch.Generator().manual_seed(5)
@@ -123,19 +141,40 @@ def sglang_hashes(hasher):
         positions=positions, extend_seq_lens=torch.tensor(lengths),
         extend_start_loc=torch.tensor([0, lengths[0]]), extend_seq_lens_cpu=list(lengths),
         engram_history=None, out_cache_loc=None, engram_staged_rows=None)
-    hashes = hasher(tokens, batch)
-    starts = torch.tensor([0, lengths[0], sum(lengths)])
     lookback = torch.stack([torch.full((3,), -1), history.flip(0).to(torch.int64)])
-    return hashes, (tokens, starts, lookback)
+    yield "extend", hasher(tokens, batch), (tokens, torch.tensor([0, lengths[0], sum(lengths)]), lookback)
+    seqs = list(tokens.split(lengths))
+    seqs[1] = torch.cat([history.to(torch.int64), seqs[1]])
+    for step in range(2):
+        last = torch.stack([seq[-3:].flip(0) for seq in seqs])  # newest first
+        tokens = torch.randint(0, 128_000, (2,), generator=generator, dtype=torch.int64)
+        batch = types.SimpleNamespace(
+            forward_mode=ForwardMode.DECODE, req_pool_indices=torch.tensor([0, 1]),
+            positions=torch.tensor([lengths[0] + step, 100 + lengths[1] + step]),
+            out_cache_loc=None, engram_staged_rows=None)
+        yield f"decode {step}", hasher(tokens, batch), (tokens, torch.tensor([0, 1, 2]), last)
+        seqs = [torch.cat([seq, token.view(1)]) for seq, token in zip(seqs, tokens, strict=True)]
 
 
-def raw_ids(rows: tuple[int, ...], tokens: int) -> torch.Tensor:
-    """Row IDs straight into the table (every shard's rows among them), as SGLang's int64."""
+def raw_ids(layout, tokens: int) -> torch.Tensor:
+    """Row IDs straight into the table, as SGLang's int64: each column's in its own bucket, as a
+    hash ID is (at TP > 1 SGLang's row shards would answer an ID in another column's bucket,
+    which no hash makes, where engramd's head shards give zeros), every shard's rows among them,
+    and some DEAD (-1: zeros on both sides)."""
     generator = torch.Generator().manual_seed(tokens)
-    return torch.stack([torch.randint(0, n, (tokens, 24), generator=generator) for n in rows], dim=1)
+    layers = []
+    for index in range(len(layout.layer_ids)):
+        bounds = torch.tensor(layout.column_bounds(index))
+        offset = torch.rand((tokens, bounds.shape[0] - 1), generator=generator, dtype=torch.float64)
+        ids = bounds[:-1] + (offset * (bounds[1:] - bounds[:-1])).to(torch.int64)
+        dead = torch.rand(ids.shape, generator=generator) < 0.1
+        layers.append(ids.masked_fill(dead, -1))
+    return torch.stack(layers, dim=1)
 
 
 def compare_step(name: str, reference, served, ids: torch.Tensor, rank: int) -> None:
+    """This rank's own rows (SGLang's row shard, split on the same head boundaries as engramd's
+    at TP 1 and 2), then the rows and forward after SGLang's all-reduce over the TP group."""
     tokens = ids.shape[0]
     generator = torch.Generator().manual_seed(tokens)
     hidden = torch.randn((tokens, HC_MULT, HIDDEN), generator=generator).to(torch.bfloat16)
@@ -143,6 +182,8 @@ def compare_step(name: str, reference, served, ids: torch.Tensor, rank: int) -> 
     for ref, ours in zip(reference, served, strict=True):
         layer_ids = ids[:, ref.layer_hash_index]
         where = f"{name}, layer {ref.layer_hash_index}, rank {rank}"
+        same_bits(f"{where}: this rank's rows", ours.embed._owned_rows(layer_ids),
+                  ref.embed._owned_rows(layer_ids))
         same_bits(f"{where}: rows", ours.embed(layer_ids), ref.embed(layer_ids))
         same_bits(f"{where}: forward", ours(hidden, layer_ids, None, input_ids=input_ids),
                   ref(hidden, layer_ids, None, input_ids=input_ids))
@@ -179,24 +220,46 @@ def run_checks(engram, layout, hf, checkpoint, reference, served, args, sglang_e
     refuses_other_table(served[0].embed.weight, layout.head_dim, sglang_engram.SglangPluginError)
     copy_projections(reference, served)
 
+    the_daemon_sees_this_rank(daemon.client, args)
     sent = []
     lookup = daemon.client.lookup
     daemon.client.lookup = lambda ids, *rest, **kw: (sent.append(ids.clone()), lookup(ids, *rest, **kw))[1]
-    hashes, chunk = sglang_hashes(sglang_hasher(engram, layout, hf))
-    same_bits("SGLang's hashes vs engramd's hasher", hashes,
-              engramd_hashes(checkpoint, *chunk).to(hashes.dtype))
-    compare_step("hashed chunk", reference, served, hashes, args.rank)
-    looked_up = set()  # each lookup carried one layer's IDs, SGLang's, and DEAD for the others
-    for ids in sent:
-        layer = int((ids != -1).any(dim=(0, 2)).nonzero()[0])
-        same_bits(f"IDs of a lookup of layer {layer}", ids[:, layer], hashes[:, layer])
-        assert bool((ids[:, torch.arange(ids.shape[1]) != layer] == -1).all()), "other layers not DEAD"
-        looked_up.add(layer)
-    assert looked_up == set(range(len(layout.layer_ids))), f"lookups of layers {looked_up} only"
-    for tokens in (5, 64, 1):
-        compare_step(f"raw IDs x {tokens}", reference, served, raw_ids(layout.num_embeddings, tokens),
-                     args.rank)
+    for name, hashes, chunk in sglang_steps(sglang_hasher(engram, layout, hf)):
+        same_bits(f"{name}: SGLang's hashes vs engramd's hasher", hashes,
+                  engramd_hashes(checkpoint, *chunk).to(hashes.dtype))
+        compare_step(name, reference, served, hashes, args.rank)
+        assert len(sent) == 1, f"{name}: {len(sent)} lookups for one step hashed by SGLang"
+        same_bits(f"{name}: IDs of the step's one lookup, every layer's", sent.pop(), hashes)
+    for tokens in (5, 64, 1):  # IDs not from the hasher: a lookup per layer
+        ids = raw_ids(layout, tokens)
+        compare_step(f"raw IDs x {tokens}", reference, served, ids, args.rank)
+        lookups_of_one_layer_each(sent, ids)
+        sent.clear()
     staging_is_refused(served[0], sglang_engram.SglangPluginError)
+
+
+def the_daemon_sees_this_rank(client, args: argparse.Namespace) -> None:
+    """The daemon's own account of this rank's client: its TP rank and size, and so its heads."""
+    from engramd.client.connection import probe
+
+    clients = {c["client_id"]: c for c in probe(client.socket_path, "stats", 10.0).body.clients}
+    seen = clients[client.client_id]
+    assert (seen["tp_rank"], seen["tp_size"]) == (args.rank, args.world), \
+        f"the daemon registered TP rank {seen['tp_rank']} of {seen['tp_size']}"
+    part = -(-24 // args.world)
+    assert (client.shard.head_start, client.shard.head_end) == (args.rank * part, (args.rank + 1) * part)
+
+
+def lookups_of_one_layer_each(sent: list[torch.Tensor], ids: torch.Tensor) -> None:
+    """Each lookup carried one layer's IDs, and DEAD for the others; every layer was looked up."""
+    looked_up = set()
+    for lookup in sent:
+        layer = int((lookup != -1).any(dim=(0, 2)).nonzero()[0])
+        same_bits(f"IDs of a lookup of layer {layer}", lookup[:, layer], ids[:, layer])
+        others = torch.arange(lookup.shape[1]) != layer
+        assert bool((lookup[:, others] == -1).all()), "other layers not DEAD"
+        looked_up.add(layer)
+    assert looked_up == set(range(ids.shape[1])), f"lookups of layers {looked_up} only"
 
 
 def staging_is_refused(layer, error: type[Exception]) -> None:
