@@ -209,15 +209,24 @@ class GatherGate:
     (daemon_hooks/sitecustomize.py): a lookup then stays in flight, as the daemon reports, for as
     long as the test needs. Start the daemon with `env=gate.env()`."""
 
+    variable = "ENGRAMD_TEST_GATHER_GATE"
+
     def __init__(self, folder: Path):
-        self.path = folder / "gather-gate"
+        self.path = folder / self.variable.lower()
 
     def env(self) -> dict[str, str]:
         path = os.pathsep.join(p for p in (str(DAEMON_HOOKS), os.environ.get("PYTHONPATH")) if p)
-        return {"PYTHONPATH": path, "ENGRAMD_TEST_GATHER_GATE": str(self.path)}
+        return {"PYTHONPATH": path, self.variable: str(self.path)}
 
     def open(self) -> None:
         self.path.touch()
+
+
+class SettleGate(GatherGate):
+    """Holds a stopping test daemon in the wait for its last gathers' rows (Daemon._drained)
+    until the test opens the gate, as running GPU gathers do."""
+
+    variable = "ENGRAMD_TEST_SETTLE_GATE"
 
 
 def engramd_command() -> list[str]:

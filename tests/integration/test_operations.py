@@ -13,7 +13,7 @@ import urllib.request
 import numpy as np
 import pytest
 import torch
-from helpers import GatherGate, engramd_command, free_port, wait_until
+from helpers import GatherGate, SettleGate, engramd_command, free_port, wait_until
 
 from engramd.client import DaemonUnavailableError, EngramClient
 from engramd.client.connection import probe
@@ -92,6 +92,29 @@ def test_metrics_endpoint(daemon_factory):
 def _in_flight(daemon) -> int:
     """Lookups the daemon reports received and not yet answered, over all its clients."""
     return sum(c["in_flight"] for c in probe(daemon.socket, "stats", 5.0).body.encode()["clients"])
+
+
+@pytest.mark.parametrize("end", ["rows written", "second signal"])
+def test_a_drain_waits_for_its_last_gathers_in_its_loop(daemon_factory, tmp_path, end):
+    """A stopping daemon waits for the rows of the gathers its devices still run (held here by a
+    hook, as a GPU's running gathers hold it) inside its request loop: it goes on answering, and
+    exits once they are written, or at once on a second signal. Not blocked after the loop, where
+    no request, lease or signal would be handled until the wait ended."""
+    gate = SettleGate(tmp_path)
+    daemon = daemon_factory(env=gate.env())
+    daemon.proc.send_signal(signal.SIGTERM)
+    # The loop marks itself stopping and starts the wait in one turn: a reply saying
+    # "stopping" comes from a loop that is already waiting.
+    wait_until(lambda: (daemon.health() or {}).get("state") == "stopping", timeout=30.0)
+    for _ in range(3):
+        assert (daemon.health(timeout=10.0) or {}).get("state") == "stopping", daemon.log()
+    assert daemon.proc.poll() is None, "the drain did not wait for its gathers"
+    if end == "rows written":
+        gate.open()
+    else:
+        daemon.proc.send_signal(signal.SIGTERM)
+    assert daemon.proc.wait(30) == 0, daemon.log()
+    assert ("stopped by a second SIGTERM" in daemon.log()) == (end == "second signal")
 
 
 def test_drain_finishes_in_flight_lookups_and_exits(daemon_factory, reference, tmp_path):
