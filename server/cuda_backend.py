@@ -70,7 +70,7 @@ from engramd.client.slab import (
 from engramd.kernels.gather_triton import GatherPlan, LayerTable, SlotGather, grid_programs
 from engramd.kernels.hot_cache import HotCache
 from engramd.server.backend import Completion, LookupJob
-from engramd.server.config import default
+from engramd.server.config import DaemonConfig, from_setting, gib, ms, options_from
 from engramd.server.host_tables import HostTable
 from engramd.server.table_registration import register_for_gpus
 
@@ -91,15 +91,20 @@ _CYCLES_PER_MS = 2_000_000  # torch.cuda._sleep counts GPU clock cycles (~2 GHz 
 
 @dataclass(frozen=True)
 class GatherOptions:
-    """How lookups are served on every GPU (config: hot_cache_gib, dedupe_min_tokens, ...)."""
+    """How lookups are served on every GPU: each field but `warm_ids` one setting's value
+    (server/config.py says why each is what it is). Built by `GatherOptions.from_config`;
+    defaults are the settings'."""
 
-    # Defaults are the settings' (server/config.py says why each is what it is).
-    cache_bytes: int = int(default("hot_cache_gib") * 2**30)  # 0: no hot-row cache
-    cache_refresh_s: float = default("hot_cache_refresh_ms") / 1e3
-    dedupe_min_tokens: int = default("dedupe_min_tokens")  # 0: never
-    sort_min_tokens: int = default("sort_min_tokens")  # 0: never
-    sm_fraction: float = default("gather_sm_fraction")  # of each GPU's SMs the gather grid may use
+    cache_bytes: int = from_setting("hot_cache_gib", gib)  # 0: no hot-row cache
+    cache_refresh_s: float = from_setting("hot_cache_refresh_ms", ms)
+    dedupe_min_tokens: int = from_setting("dedupe_min_tokens")  # 0: never
+    sort_min_tokens: int = from_setting("sort_min_tokens")  # 0: never
+    sm_fraction: float = from_setting("gather_sm_fraction")  # of each GPU's SMs the gather grid may use
     warm_ids: torch.Tensor | None = field(default=None, compare=False)  # [N, L, H] to warm caches
+
+    @classmethod
+    def from_config(cls, config: DaemonConfig, warm_ids: torch.Tensor | None = None) -> GatherOptions:
+        return options_from(cls, config, warm_ids=warm_ids)
 
     def dedupe(self, tokens: int) -> bool:
         return 0 < self.dedupe_min_tokens <= tokens

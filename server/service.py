@@ -35,7 +35,7 @@ from engramd.client.messages import (
     StatsReply,
 )
 from engramd.server.backend import Completion, LookupJob
-from engramd.server.config import DaemonConfig
+from engramd.server.config import DaemonConfig, id_set
 from engramd.server.job_context import JobContext
 from engramd.server.registry import ClientRecord, ClientRegistry, Limits
 from engramd.server.table_loader import LoadedTables
@@ -45,7 +45,7 @@ class Service:
     @classmethod
     def from_config(cls, config: DaemonConfig, epoch: str) -> Service:
         # Who may run admin operations: the daemon's own user, and whom the config names.
-        return cls(epoch, limits_of(config), {os.geteuid(), *(_id_set(config.admin_uids) or ())})
+        return cls(epoch, Limits.from_config(config), {os.geteuid(), *(id_set(config.admin_uids) or ())})
 
     def __init__(self, epoch: str, limits: Limits, admins: set[int]):
         self.epoch = epoch
@@ -199,19 +199,3 @@ class Service:
         open to every member of the socket's group, leaves these out."""
         self.require_admin(peer, "clients")
         return ClientsReply(clients=self.registry.who() if self.registry is not None else [])
-
-
-def limits_of(config: DaemonConfig) -> Limits:
-    return Limits(config.max_clients, config.max_tokens, config.max_slots, config.heartbeat_interval,
-                  modes=tuple(config.client_modes.split(",")), sort_min_tokens=config.sort_min_tokens,
-                  sm_fraction=config.gather_sm_fraction,
-                  mapped_cache_bytes=int(config.mapped_hot_cache_gib * 2**30),
-                  cache_refresh_s=config.hot_cache_refresh_ms / 1e3,
-                  allowed_uids=_id_set(config.allowed_uids), allowed_gids=_id_set(config.allowed_gids),
-                  slab_budget=int(config.slab_budget_gib * 2**30),
-                  max_clients_per_uid=config.max_clients_per_uid, ids_wait_s=config.ids_wait_s,
-                  pending_per_uid=config.pending_registrations_per_uid)
-
-
-def _id_set(listed: str) -> frozenset[int] | None:
-    return frozenset(int(x) for x in listed.split(",")) if listed else None
