@@ -71,7 +71,7 @@ from engramd.kernels.gather_triton import GatherPlan, LayerTable, SlotGather, gr
 from engramd.kernels.hot_cache import HotCache
 from engramd.server.backend import Completion, LookupJob
 from engramd.server.config import DaemonConfig, from_setting, gib, ms, options_from
-from engramd.server.host_tables import HostTable
+from engramd.server.table_file import HostTable
 from engramd.server.table_registration import register_for_gpus
 
 log = logging.getLogger("engramd.cuda")

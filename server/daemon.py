@@ -61,7 +61,6 @@ from engramd.server.checkpoint import CONFIG_FILE
 from engramd.server.config import DaemonConfig
 from engramd.server.grants import MappedGrants
 from engramd.server.handle_server import MAX_CONNECTIONS, HandleServer
-from engramd.server.host_tables import HostTable
 from engramd.server.job_context import JobContext
 from engramd.server.metrics import MAX_SCRAPERS, Metrics
 from engramd.server.notify import Notifier
@@ -77,6 +76,7 @@ from engramd.server.startup import (
     SocketLock,
     prepare_runtime_dir,
 )
+from engramd.server.table_file import HostTable
 from engramd.server.table_loader import LoadedTables, TablePreload, load_tables, tables_folder_path
 from engramd.server.throttle import Throttled, ThrottledBy
 from engramd.server.units import size

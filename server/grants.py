@@ -17,7 +17,7 @@ import logging
 import os
 
 from engramd.client.handles import TableGrant
-from engramd.server.host_tables import HostTable
+from engramd.server.table_file import HostTable
 
 log = logging.getLogger("engramd.daemon")
 

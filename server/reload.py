@@ -36,8 +36,9 @@ from typing import Any
 from engramd.server.checkpoint import EngramCheckpoint
 from engramd.server.config import DaemonConfig
 from engramd.server.grants import MappedGrants, TableDescriptors
-from engramd.server.host_tables import HostTable, ReloadCancelled, TableStore
+from engramd.server.host_tables import ReloadCancelled, TableStore
 from engramd.server.selfcheck import check_host_tables
+from engramd.server.table_file import HostTable
 from engramd.server.table_loader import (
     LoadedTables,
     overall_progress,

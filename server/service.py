@@ -45,10 +45,10 @@ from engramd.client.messages import (
 from engramd.server.backend import Completion, LookupJob
 from engramd.server.config import DaemonConfig, id_set
 from engramd.server.grants import MappedGrants
-from engramd.server.host_tables import HostTable
 from engramd.server.job_context import JobContext
 from engramd.server.registry import ClientRecord, ClientRegistry, Limits
 from engramd.server.reload import TableReload, switch_tables
+from engramd.server.table_file import HostTable
 from engramd.server.table_loader import LoadedTables
 
 log = logging.getLogger("engramd.daemon")

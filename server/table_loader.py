@@ -26,9 +26,10 @@ from typing import TYPE_CHECKING, Any
 from engramd.client.geometry import TableGeometry
 from engramd.server.checkpoint import EngramCheckpoint
 from engramd.server.config import DaemonConfig
-from engramd.server.host_tables import HostTable, LoadProgress, TableStore
+from engramd.server.host_tables import TableStore
 from engramd.server.ownership import check_own_folder, make_own_folder
 from engramd.server.synthetic import write_synthetic_checkpoint
+from engramd.server.table_file import HostTable, LoadProgress
 from engramd.server.table_registration import register_for_gpus
 
 if TYPE_CHECKING:
