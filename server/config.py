@@ -10,9 +10,10 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from dataclasses import dataclass, fields, make_dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, make_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 try:
     import tomllib
@@ -176,6 +177,43 @@ DaemonConfig.__module__ = __name__  # so that it pickles and reprs as this modul
 def default(key: str) -> Any:
     """A setting's declared default: what options built without a config start from."""
     return _BY_KEY[key].default
+
+
+def gib(value: float) -> int:
+    """A size setting in GiB, in bytes."""
+    return int(value * 2**30)
+
+
+def ms(value: float) -> float:
+    """A time setting in milliseconds, in seconds."""
+    return value / 1e3
+
+
+def id_set(listed: str) -> frozenset[int] | None:
+    """A comma-separated id setting (allowed_uids, ...) as a set; None where it lists none."""
+    return frozenset(int(x) for x in listed.split(",")) if listed else None
+
+
+def listed(value: str) -> tuple[str, ...]:
+    """A comma-separated setting (client_modes) as a tuple."""
+    return tuple(value.split(","))
+
+
+def from_setting(key: str, convert: Callable[[Any], Any] = lambda value: value) -> Any:
+    """A field of options made from one setting (see options_from): its default is the setting's,
+    converted to the unit the field holds. The setting declares the type, the bounds and the doc."""
+    return field(default=convert(default(key)), metadata={"setting": key, "convert": convert})
+
+
+_Options = TypeVar("_Options")
+
+
+def options_from(cls: type[_Options], config: DaemonConfig, **others: Any) -> _Options:
+    """`cls` (a dataclass whose fields are from_setting's) built from the settings in `config`;
+    `others`: its fields that are no setting's."""
+    made = {f.name: f.metadata["convert"](getattr(config, f.metadata["setting"]))
+            for f in fields(cls) if "setting" in f.metadata}  # type: ignore[arg-type]
+    return cls(**made, **others)
 
 
 def _check(source: str, setting: Setting, value: Any) -> Any:

@@ -29,7 +29,7 @@ from engramd.server.backend import Completion, LookupJob
 from engramd.server.fair_queue import FairQueue
 
 if TYPE_CHECKING:
-    from engramd.server.host_tables import HostTable
+    from engramd.server.table_file import HostTable
 
 log = logging.getLogger("engramd.cpu")
 

@@ -44,7 +44,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -70,9 +70,12 @@ from engramd.client.slab import (
 from engramd.kernels.gather_triton import GatherPlan, LayerTable, SlotGather, grid_programs
 from engramd.kernels.hot_cache import HotCache
 from engramd.server.backend import Completion, LookupJob
-from engramd.server.config import default
-from engramd.server.host_tables import HostTable
+from engramd.server.config import DaemonConfig, from_setting, gib, ms, options_from
+from engramd.server.table_file import HostTable
 from engramd.server.table_registration import register_for_gpus
+
+if TYPE_CHECKING:
+    from engramd.server.cuda_switch import TableSwitch
 
 log = logging.getLogger("engramd.cuda")
 
@@ -91,15 +94,20 @@ _CYCLES_PER_MS = 2_000_000  # torch.cuda._sleep counts GPU clock cycles (~2 GHz 
 
 @dataclass(frozen=True)
 class GatherOptions:
-    """How lookups are served on every GPU (config: hot_cache_gib, dedupe_min_tokens, ...)."""
+    """How lookups are served on every GPU: each field but `warm_ids` one setting's value
+    (server/config.py says why each is what it is). Built by `GatherOptions.from_config`;
+    defaults are the settings'."""
 
-    # Defaults are the settings' (server/config.py says why each is what it is).
-    cache_bytes: int = int(default("hot_cache_gib") * 2**30)  # 0: no hot-row cache
-    cache_refresh_s: float = default("hot_cache_refresh_ms") / 1e3
-    dedupe_min_tokens: int = default("dedupe_min_tokens")  # 0: never
-    sort_min_tokens: int = default("sort_min_tokens")  # 0: never
-    sm_fraction: float = default("gather_sm_fraction")  # of each GPU's SMs the gather grid may use
+    cache_bytes: int = from_setting("hot_cache_gib", gib)  # 0: no hot-row cache
+    cache_refresh_s: float = from_setting("hot_cache_refresh_ms", ms)
+    dedupe_min_tokens: int = from_setting("dedupe_min_tokens")  # 0: never
+    sort_min_tokens: int = from_setting("sort_min_tokens")  # 0: never
+    sm_fraction: float = from_setting("gather_sm_fraction")  # of each GPU's SMs the gather grid may use
     warm_ids: torch.Tensor | None = field(default=None, compare=False)  # [N, L, H] to warm caches
+
+    @classmethod
+    def from_config(cls, config: DaemonConfig, warm_ids: torch.Tensor | None = None) -> GatherOptions:
+        return options_from(cls, config, warm_ids=warm_ids)
 
     def dedupe(self, tokens: int) -> bool:
         return 0 < self.dedupe_min_tokens <= tokens
@@ -344,7 +352,8 @@ class GpuState:
         self._freed_out_of_range = 0  # counted by slabs already freed
         self._draining: set[CudaSlab] = set()  # closed, their gathers maybe still running
         self.stuck: set[CudaSlab] = set()  # freed slabs whose daemon stream never drained
-        self._switches: list[TableSwitch] = []  # prepared by a reload, not yet taken by the worker
+        # Prepared by a reload (cuda_switch.prepare_switch), not yet taken by the worker.
+        self.pending_switches: list[TableSwitch] = []
         self.geometry = geometry
         with torch.cuda.device(index):
             self.cache, self.keeper = self.new_cache(pinned)
@@ -372,54 +381,15 @@ class GpuState:
     def gather_streams(self) -> list[torch.cuda.Stream]:
         return [slab.stream for slab in list(self.slabs)]
 
-    def prepare_switch(self, pinned: PinnedTables, layer_tables: list[LayerTable]) -> TableSwitch:
-        """A reload's new tables for this GPU, built on the loop's thread (allocations, no
-        waits): a new empty cache and keeper (the old cache holds rows of the old tables), and
-        each live slab's gathers over them. The worker takes them with switch()."""
-        cache, keeper = self.new_cache(pinned)
-        gathers = {slab: slab.gathers(layer_tables, cache) for slab in list(self.slabs)}
-        with torch.cuda.device(self.index):
-            warm_plan = GatherPlan(layer_tables, self.geometry.shard(0, 1), self.device)
-            torch.cuda.current_stream().synchronize()  # the new cache's and plans' device arrays
-        switch = TableSwitch(cache, keeper, gathers, warm_plan)
-        self._switches.append(switch)
-        return switch
-
-    def drop_switch(self, switch: TableSwitch) -> None:
-        """A prepared switch that will not happen (another GPU's could not be prepared)."""
-        self._switches.remove(switch)
-
     def serving_cache(self) -> HotCache | None:
         """The cache a slab allocated now gathers through: its lookups run after every switch
         prepared so far, so the newest one's."""
-        return self._switches[-1].cache if self._switches else self.cache
+        return self.pending_switches[-1].cache if self.pending_switches else self.cache
 
-    def switch(self, switch: TableSwitch) -> list[torch.cuda.Event]:
-        """On the thread that enqueues this GPU's gathers, between two lookups: every gather
-        enqueued from now on reads the new tables and cache. Returns an event per slab stream,
-        recorded after its last gather on the old ones."""
-        old_keeper = self.keeper
-        # What gathers enqueued until now use stays alive until they have run (_retire_tables
-        # holds the switch): freed now, the allocator could hand their memory out under them.
-        switch.replaced = [self.cache, old_keeper, self.warm_plan]
-        self.cache, self.keeper, self.warm_plan = switch.cache, switch.keeper, switch.warm_plan
-        self._switches.remove(switch)
-        for slab in list(self.slabs):
-            if slab in switch.gathers:  # slabs made since prepare_switch have the new ones
-                switch.replaced.append((slab.plan, slab.gather))
-                slab.plan, slab.gather = switch.gathers[slab]
-        with self._freed_lock:  # freed slabs whose last gathers may still run read them too
-            draining = list(self._draining)
-        done = []
-        for slab in {*self.slabs, *draining}:
-            event = torch.cuda.Event()
-            event.record(slab.stream)
-            done.append(event)
-        if old_keeper is not None:
-            old_keeper.stop()  # joined by _retire_tables: a refresh may wait on a stream
-        if self.keeper is not None:
-            self.keeper.start()
-        return done
+    def draining_slabs(self) -> list[CudaSlab]:
+        """Freed slabs whose last gathers may still run."""
+        with self._freed_lock:
+            return list(self._draining)
 
     def drain(self, slab: CudaSlab) -> None:
         """A closed slab whose gathers may still run: its count stays in until it is final."""
@@ -462,17 +432,6 @@ class GpuState:
     def close(self) -> None:
         if self.keeper is not None:
             self.keeper.close()
-
-
-@dataclass
-class TableSwitch:
-    """What a GPU serves after a reload (GpuState.prepare_switch, then switch)."""
-
-    cache: HotCache | None
-    keeper: CacheKeeper | None
-    gathers: dict[CudaSlab, tuple[GatherPlan, SlotGather]]
-    warm_plan: GatherPlan
-    replaced: list[Any] = field(default_factory=list)  # what it replaced, kept until retired
 
 
 class GpuWorker:
@@ -604,64 +563,12 @@ class CudaBackend:
 
         Each GPU's worker switches in its place among the lookups (inline dispatch: at once),
         so the slabs' daemon streams see the old tables up to one lookup and the new ones
-        after it; the old tables and caches are let go once every stream has passed that point.
+        after it; the old tables and caches are let go once every stream has passed that point
+        (server/cuda_switch.py).
         """
-        pinned = PinnedTables(tables, registration)
-        layer_tables = pinned.layer_tables()
-        switches: dict[int, TableSwitch] = {}
-        try:  # nothing changes until every GPU's switch is ready
-            for index, gpu in self.gpus.items():
-                switches[index] = gpu.prepare_switch(pinned, layer_tables)
-        except BaseException:
-            for index, switch in switches.items():
-                self.gpus[index].drop_switch(switch)
-            raise
-        old_pinned, self.pinned, self.layer_tables = self.pinned, pinned, layer_tables
-        passed: list[torch.cuda.Event] = []
-        left = threading.Semaphore(0)
+        from engramd.server.cuda_switch import switch_tables  # it imports this module
 
-        def switch_on(index: int) -> Callable[[], None]:
-            def run() -> None:
-                try:
-                    passed.extend(self.gpus[index].switch(switches[index]))
-                finally:
-                    left.release()
-            return run
-
-        for index in self.gpus:
-            if self.inline:
-                switch_on(index)()
-            else:
-                self.workers[index].call(switch_on(index))
-        threading.Thread(target=self._retire_tables, args=(old_pinned, switches, left, passed, retired),
-                         name="engramd-retire-tables", daemon=True).start()
-
-    def _retire_tables(self, old: PinnedTables, switches: dict[int, TableSwitch],
-                       switched: threading.Semaphore, passed: list[torch.cuda.Event],
-                       retired: Callable[[], None]) -> None:
-        """Once every GPU has switched and every slab stream has passed its switch: free what
-        the switches replaced, unregister the old tables, then `retired()`. A stream held up by
-        a client holds them up too."""
-        for _ in switches:
-            switched.acquire()
-        cuda.make_current(next(iter(switches)))
-        started, warned = time.monotonic(), False
-        for event in passed:
-            while not event.query():
-                if not warned and time.monotonic() - started > RELEASE_DEADLINE_S:
-                    log.warning("the tables a reload replaced stay registered: a daemon stream "
-                                "has not passed the switch in %.0f s (a client stream held up?)",
-                                RELEASE_DEADLINE_S)
-                    warned = True
-                time.sleep(0.001)
-        for switch in switches.values():
-            for replaced in switch.replaced:
-                if isinstance(replaced, CacheKeeper):
-                    replaced.close()  # its last writes into the old cache are done
-            switch.replaced.clear()
-        old.close()
-        log.info("the replaced tables are unregistered")
-        retired()
+        switch_tables(self, PinnedTables(tables, registration), retired)
 
     def check_device(self, device: str) -> int:
         """The local index of a client's GPU ("cuda:GPU-<uuid>"); BadRequestError if not ours."""

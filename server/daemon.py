@@ -1,9 +1,9 @@
 """The engramd process: socket, request loop, table loading, signals and shutdown.
 
 The daemon owns the transport and the lifecycle: sockets, threads, signals, leases. What each
-operation does is the service's (service.py, no transport in it); the client registry
-(registry.py) owns the clients, the table store (host_tables.py) the host tables, the backend
-the device work. One thread runs the ZeroMQ loop; tables load on a background thread so that `health` answers (not ready) while
+operation does, a reload's switch included, is the service's (service.py, no transport in it),
+which reaches the client registry (registry.py), the table store (host_tables.py) and the
+backend for it; the daemon only sends what it answers, with the descriptors it passes. One thread runs the ZeroMQ loop; tables load on a background thread so that `health` answers (not ready) while
 they do; gathers run on the backend's workers, whose completions come back to the loop through
 an event queue and a wake-up pipe (ZeroMQ sockets are not thread-safe).
 
@@ -38,39 +38,33 @@ from engramd.client.errors import (
     ConfigError,
     EngramError,
     InternalError,
-    NotReadyError,
     PermissionDeniedError,
     ProtocolError,
-    ResourceError,
 )
 from engramd.client.geometry import TableGeometry
 from engramd.client.handles import (
     PeerCredentials,
-    TableGrant,
     error_reply,
     handle_socket_path,
     ok_reply,
 )
 from engramd.client.messages import (
-    AttachReply,
     AttachRequest,
     DrainReply,
     DrainRequest,
     Message,
-    ReloadReply,
     ReloadRequest,
-    TablesReply,
     TablesRequest,
 )
 from engramd.server.backend import LookupJob
 from engramd.server.checkpoint import CONFIG_FILE
 from engramd.server.config import DaemonConfig
+from engramd.server.grants import MappedGrants
 from engramd.server.handle_server import MAX_CONNECTIONS, HandleServer
-from engramd.server.host_tables import HostTable
 from engramd.server.job_context import JobContext
 from engramd.server.metrics import MAX_SCRAPERS, Metrics
 from engramd.server.notify import Notifier
-from engramd.server.reload import NextTables, TableReload
+from engramd.server.reload import TableReload
 from engramd.server.selfcheck import run_self_check
 from engramd.server.service import Service
 from engramd.server.startup import (
@@ -82,6 +76,7 @@ from engramd.server.startup import (
     SocketLock,
     prepare_runtime_dir,
 )
+from engramd.server.table_file import HostTable
 from engramd.server.table_loader import LoadedTables, TablePreload, load_tables, tables_folder_path
 from engramd.server.throttle import Throttled, ThrottledBy
 from engramd.server.units import size
@@ -129,8 +124,7 @@ class Daemon:
         self._loader: threading.Thread | None = None
         self._halt: DaemonHalt | None = None
         self._handles: HandleServer | None = None
-        self._table_fds: list[int] = []  # read-only descriptors of the tables, for mapped clients
-        self._warm_fd: int | None = None  # and of the hot-row cache's warm-up trace, for their caches
+        self._grants: MappedGrants | None = None  # the tables' descriptors, for mapped clients
         self._poller = zmq.Poller()
         # Each attached client's lease: our end of its handle-socket connection, polled by the loop.
         self._leases: dict[int, int] = {}  # client_id -> descriptor
@@ -230,9 +224,10 @@ class Daemon:
         self.service.progress = fraction
 
     def _on_loaded(self, loaded: LoadedTables) -> None:
-        self._table_fds = self._open_table_fds(loaded.tables)
-        self._warm_fd = self._open_warm_file()
-        self.service.serve(loaded, on_retire=self._end_lease)
+        config = self.config  # the warm-up trace goes to mapped clients' own caches, if they keep any
+        caches = config.mapped_hot_cache_gib and "mapped" in config.client_modes.split(",")
+        self._grants = MappedGrants(loaded.tables, config.hot_cache_warm_file if caches else "")
+        self.service.serve(loaded, on_retire=self._end_lease, grants=self._grants)
         freeze_long_lived()
         summary = (f"ready: {loaded.backend.name} backend, {loaded.geometry.n_layers} layers, "
                    f"{size(loaded.geometry.total_bytes)} of tables "
@@ -296,8 +291,7 @@ class Daemon:
         if self.service.in_flight():
             return False
         if self._gathers_done is None:
-            tables = self.service.tables
-            self._gathers_done = tables.backend.gathers_done() if tables is not None else (lambda: True)
+            self._gathers_done = self.service.gathers_done()
         return self._gathers_done()
 
     def _drain_socket(self) -> None:
@@ -410,7 +404,7 @@ class Daemon:
         name = signal.Signals(signum).name
         if signum == signal.SIGHUP:
             try:
-                self._start_reload(name)
+                self.service.start_reload(name, self._reload_done)
             except EngramError as exc:
                 log.warning("%s: no reload: %s", name, exc.message)
             return
@@ -426,19 +420,16 @@ class Daemon:
         self.service.state = "stopping"
         self._stop_deadline = time.monotonic() + DRAIN_TIMEOUT_S
         self.notifier.stopping(f"stopping ({reason})")
-        registry = self.service.registry
-        for client in (list(registry.clients.values()) if registry is not None else ()):  # _send may reap
-            self._send(client.identity, protocol.encode_notice(self.epoch, "stopping",
-                                                               f"daemon is stopping ({reason})"))
+        for identity in self.service.identities():  # a list: _send may reap
+            self._send(identity, protocol.encode_notice(self.epoch, "stopping",
+                                                        f"daemon is stopping ({reason})"))
 
     def _housekeeping(self) -> None:
         self._arm_stall_dump()
         now = time.perf_counter()
         self._deaf = {peer: until for peer, until in self._deaf.items() if until > now}
-        if self.service.registry is not None:
-            self.service.registry.reap_dead()
-            for said in self.service.registry.overdue_lookups():
-                self._overdue.warning("%s", said)
+        for said in self.service.housekeeping():
+            self._overdue.warning("%s", said)
         if self.service.state == "loading":
             self.notifier.status(f"loading tables: {self.service.progress:.0%}")
         if self.notifier.watchdog_interval is not None:
@@ -496,8 +487,7 @@ class Daemon:
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
-            if self.service.registry is not None:  # the peer is gone: whatever it registered goes too
-                self.service.registry.retire_identity(identity, "reaped (its connection is gone)")
+            self.service.retire_identity(identity, "reaped (its connection is gone)")  # the peer is gone
 
     def _reply(self, request: protocol.Request, body: Message) -> list[bytes]:
         return protocol.encode_reply(request.rid, self.epoch, body)
@@ -543,133 +533,29 @@ class Daemon:
         raise PermissionDeniedError("drain is an admin operation and ZeroMQ cannot say who asks: "
                                     "run `engramd drain` (it asks over the handle socket)")
 
-    # -- reload (server/reload.py) ---------------------------------------------------------------
+    # -- reload (server/service.py, server/reload.py) ------------------------------------------
 
-    def _admin_reload(self, peer: PeerCredentials) -> ReloadReply:
-        """Admin: load the configured checkpoint's tables beside the served ones, then serve
-        them (as on SIGHUP). Answers at once; `health` follows the reload."""
-        self.service.require_admin(peer, "reload")
-        self._start_reload(f"pid {peer.pid} uid {peer.uid}")
-        return ReloadReply(state=self.service.reload.state, tables=self.service.tables_id)
-
-    def _start_reload(self, requested_by: str) -> None:
-        """A reload on its thread, unless one runs (then that one answers for both)."""
-        service = self.service
-        if service.state != "ready":
-            raise NotReadyError(f"reload: the daemon is {service.state}")
-        if service.reload is not None and service.reload.running:
-            log.info("reload asked by %s: one is running already", requested_by)
-            return
-        log.info("reload asked by %s: loading %s beside the served tables %s", requested_by,
-                 self.config.tables, service.tables_id)
-        service.reload = TableReload(self.config, service.tables, requested_by,
-                                     lambda reload: self.post("reload_done", reload))
+    def _reload_done(self, reload: TableReload) -> None:
+        self.post("reload_done", reload)  # from the reload's thread
 
     def _event_reload_done(self, reload: TableReload) -> None:
-        """The reload's tables are open and checked (or it failed): switch to them."""
-        if reload is not self.service.reload:  # cannot happen: one reload at a time
-            stray = reload.take()
-            if stray is not None:
-                stray.close()
+        """The reload's tables are open and checked (or it failed): the service switches to
+        them; every client hears."""
+        if not self.service.finish_reload(reload, lambda old: self.post("tables_retired", old)):
             return
-        if reload.error is not None:
-            reload.finish("failed")
-            return
-        next_tables = reload.take()
-        if next_tables is None:
-            reload.finish("unchanged", tables=self.service.tables_id)
-            return
-        if self.service.state != "ready":
-            next_tables.close()
-            reload.finish("failed", f"the daemon is {self.service.state}")
-            return
-        try:
-            self._switch_tables(next_tables)
-        except Exception as exc:
-            log.exception("reload: switching to the new tables failed")
-            next_tables.close()
-            reload.finish("failed", f"switching failed: {type(exc).__name__}: {exc}")
-            return
-        reload.finish("done", tables=self.service.tables_id)
-
-    def _switch_tables(self, next_tables: NextTables) -> None:
-        """From the next lookup on, serve `next_tables`; tell every client. What can fail comes
-        before the backend's switch, which is the point of no return; nothing after it raises."""
-        current = self.service.tables
-        old = current.tables
-        tables_id = next_tables.checkpoint.fingerprint()
-        new_fds = self._open_table_fds(next_tables.tables)
-        try:
-            current.backend.replace_tables(next_tables.tables, next_tables.registration,
-                                           retired=lambda: self.post("tables_retired", old))
-        except BaseException:
-            for fd in new_fds:
-                os.close(fd)
-            raise
-        next_tables.registration = None  # the backend's now
-        current.store.switch()  # the old files go; their memory once nobody maps them
-        self.service.replace_tables(next_tables.served(current), tables_id)
-        old_fds, self._table_fds = self._table_fds, new_fds
-        for fd in old_fds:
-            os.close(fd)
-        for client in list(self.service.registry.clients.values()):  # _send may reap
-            self._send(client.identity, protocol.encode_notice(
+        tables_id = self.service.tables_id
+        for identity in self.service.identities():  # a list: _send may reap
+            self._send(identity, protocol.encode_notice(
                 self.epoch, "tables", f"the daemon serves tables {tables_id} now", tables=tables_id,
                 tables_seq=self.service.tables_seq))
 
     def _event_tables_retired(self, tables: list[HostTable]) -> None:
         """No gather of the daemon's reads these replaced tables any more: unmap them."""
-        if self.service.tables is not None:
-            self.service.tables.store.release(tables)
+        self.service.tables_retired(tables)
         # What the old tables' caches and plans left in reference cycles was frozen at start:
         # thawed, it is collected (once, here), and what lives on is frozen again.
         gc.unfreeze()
         freeze_long_lived()
-
-    @staticmethod
-    def _open_table_fds(tables: list[HostTable]) -> list[int]:
-        """Read-only descriptors of the tables, for mapped clients."""
-        return [os.open(t.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW) for t in tables]
-
-    def _open_warm_file(self) -> int | None:
-        """A read-only descriptor of hot_cache_warm_file, when mapped GPU clients keep caches;
-        a file that cannot be opened leaves their caches to start cold (the daemon's own cache
-        checked it already where it has one)."""
-        config = self.config
-        if not (config.hot_cache_warm_file and config.mapped_hot_cache_gib
-                and "mapped" in config.client_modes.split(",")):
-            return None
-        try:
-            return os.open(config.hot_cache_warm_file, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as exc:
-            log.warning("hot_cache_warm_file %s: %s; mapped clients' caches start cold",
-                        config.hot_cache_warm_file, exc.strerror)
-            return None
-
-    def _table_grants(self) -> tuple[list[dict[str, int]], list[int]]:
-        """What a mapped client needs of the served tables: their descriptions, and a new
-        read-only descriptor of each (the caller closes them once sent)."""
-        fds: list[int] = []
-        try:
-            fds.extend(os.dup(fd) for fd in self._table_fds)
-            grants = [TableGrant(fd, layer_id=t.layer_id, rows=t.rows, row_bytes=t.row_bytes,
-                                 data_offset=t.data_offset, file_bytes=os.fstat(fd).st_size)
-                      for t, fd in zip(self.service.tables.tables, fds, strict=True)]
-        except BaseException:
-            for fd in fds:
-                os.close(fd)
-            raise
-        return [grant.wire() for grant in grants], fds
-
-    def _grant_tables(self, request: TablesRequest, peer: PeerCredentials) -> tuple[dict[str, Any], list[int]]:
-        """A mapped client after a reload: the served tables' descriptors."""
-        self.service.grant_tables(request.client_id, request.token, peer)
-        try:
-            grants, fds = self._table_grants()
-        except OSError as exc:
-            raise ResourceError(f"cannot pass descriptors now: {exc.strerror}") from None
-        return ok_reply(self.epoch, TablesReply(version=self.service.tables_id, tables=grants,
-                                                tables_seq=self.service.tables_seq)), fds
 
     def _admin_drain(self, peer: PeerCredentials) -> DrainReply:
         """Admin: stop accepting, finish in-flight lookups, then exit 0 (as on SIGTERM)."""
@@ -719,13 +605,14 @@ class Daemon:
                 future.set_result(self._attach(request, peer, connection))
                 return
             os.close(connection)  # no lease: the reply is all
+            fds: list[int] = []
             if isinstance(request, TablesRequest):
-                future.set_result(self._grant_tables(request, peer))
-                return
-            reply = (self._admin_drain(peer) if isinstance(request, DrainRequest)  # admin operations
-                     else self._admin_reload(peer) if isinstance(request, ReloadRequest)
-                     else self.service.clients(peer))
-            future.set_result((ok_reply(self.epoch, reply), []))
+                reply, fds = self.service.grant_tables(request.client_id, request.token, peer)
+            else:
+                reply = (self._admin_drain(peer) if isinstance(request, DrainRequest)  # admin operations
+                         else self.service.admin_reload(peer, self._reload_done)
+                         if isinstance(request, ReloadRequest) else self.service.clients(peer))
+            future.set_result((ok_reply(self.epoch, reply), fds))
         except Exception as exc:  # every asker gets its answer; the loop keeps serving
             if not isinstance(exc, EngramError):
                 log.exception("handle socket: attach failed")
@@ -742,32 +629,12 @@ class Daemon:
         (mapped); `lease` (a duplicate of the connection, ours) becomes its lease, or is closed."""
         try:
             record = self.service.attach(request.client_id, request.token, peer)
+            reply, fds = self.service.attach_reply(record)
         except BaseException:
             os.close(lease)
             raise
-        client_id, registry = record.client_id, self.service.registry
-        fds: list[int] = [lease]
-        try:
-            if record.slab is not None:
-                reply = AttachReply(slab=record.slab.wire())
-                fds.extend(record.slab.descriptors())
-            else:
-                grants, table_fds = self._table_grants()
-                fds.extend(table_fds)
-                warm = self._warm_fd is not None and record.warm_file  # for its own cache
-                if warm:
-                    fds.append(os.dup(self._warm_fd))
-                reply = AttachReply(tables=grants, version=self.service.tables_id,
-                                    tables_seq=self.service.tables_seq, warm=warm)
-        except Exception as exc:  # out of descriptors, or the device would not export
-            for fd in fds:
-                os.close(fd)
-            registry.retire_client(client_id, "retired (its descriptors could not be passed)")
-            if isinstance(exc, OSError):
-                raise ResourceError(f"cannot pass descriptors now: {exc.strerror}") from None
-            raise
-        self._begin_lease(client_id, lease)
-        return ok_reply(self.epoch, reply), fds[1:]
+        self._begin_lease(record.client_id, lease)
+        return ok_reply(self.epoch, reply), fds
 
     def _begin_lease(self, client_id: int, fd: int) -> None:
         os.set_blocking(fd, False)
@@ -796,14 +663,13 @@ class Daemon:
         client_id = self._lease_clients[fd]
         if data:
             log.warning("client %d sent %d bytes on its lease; dropping the client", client_id, len(data))
-        self.service.registry.retire_client(client_id, "reaped (its lease closed)" if not data
-                                            else "retired (it broke the lease protocol)")
+        self.service.retire_client(client_id, "reaped (its lease closed)" if not data
+                                   else "retired (it broke the lease protocol)")
 
     # -- stop -----------------------------------------------------------------------------------
 
     def close(self) -> None:
-        if self.service.reload is not None:  # stops a load between chunks; its files go
-            self.service.reload.cancel()
+        self.service.cancel_reload()  # stops a load between chunks; its files go
         if self._preload is not None:  # the tables, if the loader never took them
             try:
                 self._preload.abandon()
@@ -814,21 +680,11 @@ class Daemon:
         for fd in self._lease_clients:
             os.close(fd)
         self._leases, self._lease_clients = {}, {}
-        for fd in self._table_fds:
-            os.close(fd)
-        self._table_fds = []
-        if self._warm_fd is not None:
-            os.close(self._warm_fd)
-            self._warm_fd = None
+        if self._grants is not None:
+            self._grants.close()
+            self._grants = None
         self.metrics.close()
-        tables, registry = self.service.tables, self.service.registry
-        if tables is not None:
-            tables.backend.stop()  # every job enqueued: no gather is added to a slab after it
-        if registry is not None:
-            registry.close()  # frees the slabs, whose releases pass waits on IDs never written
-        if tables is not None:
-            tables.backend.close()  # then the devices are synchronised and the tables unpinned
-            tables.close()
+        self.service.close()  # backend.stop, the slabs freed, backend.close: in that order
         if self._sock is not None:
             self._sock.close(0)
             self.config.socket_path.unlink(missing_ok=True)

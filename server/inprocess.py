@@ -64,9 +64,7 @@ class InProcessService:
         return InProcessClient(self.service, identity, record)
 
     def close(self) -> None:
-        self.loaded.backend.close()  # finishes queued gathers
-        self.service.registry.close()
-        self.loaded.close()
+        self.service.close()  # finishes queued gathers, frees the slabs, closes the tables
 
     def __enter__(self) -> InProcessService:
         return self

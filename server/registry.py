@@ -41,7 +41,7 @@ from engramd.client.messages import LookupReply, LookupRequest, RegisterReply, R
 from engramd.client.mps import MpsState
 from engramd.client.slab import SlabLayout
 from engramd.server.backend import Backend, Completion, LookupJob, Slab
-from engramd.server.config import default
+from engramd.server.config import DaemonConfig, from_setting, gib, id_set, listed, ms, options_from
 from engramd.server.job_context import JobContext
 from engramd.server.procwatch import ProcessWatch
 
@@ -79,37 +79,42 @@ TABLES_ID = re.compile(r"[0-9a-f]{16}")  # a tables id (server/checkpoint.py fin
 
 @dataclass(frozen=True)
 class Limits:
-    max_clients: int
-    max_tokens: int
-    max_slots: int
-    # Defaults are the settings' (server/config.py).
-    heartbeat_interval: float = default("heartbeat_interval")
-    modes: tuple[str, ...] = MODES  # the modes this daemon allows (config: client_modes)
-    sort_min_tokens: int = default("sort_min_tokens")  # told to mapped clients: the daemon's policy
-    sm_fraction: float = default("gather_sm_fraction")  # a mapped client's gather grid, as the daemon's
-    mapped_cache_bytes: int = int(default("mapped_hot_cache_gib") * 2**30)  # a mapped GPU client's own cache
-    cache_refresh_s: float = default("hot_cache_refresh_ms") / 1e3  # and how often it refreshes
+    """What the registry enforces and tells its clients: each field one setting's value
+    (server/config.py declares its type, bounds and doc), in the unit the registry uses.
+    Built by `Limits.from_config`; defaults are the settings'."""
+
+    max_clients: int = from_setting("max_clients")
+    max_tokens: int = from_setting("max_tokens")
+    max_slots: int = from_setting("max_slots")
+    heartbeat_interval: float = from_setting("heartbeat_interval")
+    modes: tuple[str, ...] = from_setting("client_modes", listed)  # of MODES, those allowed
+    sort_min_tokens: int = from_setting("sort_min_tokens")  # told to mapped clients: the daemon's policy
+    sm_fraction: float = from_setting("gather_sm_fraction")  # a mapped client's gather grid, as the daemon's
+    mapped_cache_bytes: int = from_setting("mapped_hot_cache_gib", gib)  # a mapped GPU client's own cache
+    cache_refresh_s: float = from_setting("hot_cache_refresh_ms", ms)  # and how often it refreshes
     # Who may attach, by the kernel's credentials of the handle-socket peer (None: whoever can
     # open the socket). A peer passes when its uid or its gid is listed.
-    allowed_uids: frozenset[int] | None = None
-    allowed_gids: frozenset[int] | None = None
-    slab_budget: int = int(default("slab_budget_gib") * 2**30)  # all served clients' slabs together
-    max_clients_per_uid: int = default("max_clients_per_uid")  # attached clients one user may hold
-    ids_wait_s: float = default("ids_wait_s")  # a GPU lookup waiting longer for its IDs is reported
-    pending_per_uid: int = default("pending_registrations_per_uid")  # unattached ones of one user
+    allowed_uids: frozenset[int] | None = from_setting("allowed_uids", id_set)
+    allowed_gids: frozenset[int] | None = from_setting("allowed_gids", id_set)
+    slab_budget: int = from_setting("slab_budget_gib", gib)  # all served clients' slabs together
+    max_clients_per_uid: int = from_setting("max_clients_per_uid")  # attached clients one user may hold
+    ids_wait_s: float = from_setting("ids_wait_s")  # a GPU lookup waiting longer for its IDs is reported
+    pending_per_uid: int = from_setting("pending_registrations_per_uid")  # unattached ones of one user
+    attach_timeout: float = ATTACH_TIMEOUT_S  # no setting's
+
+    @classmethod
+    def from_config(cls, config: DaemonConfig) -> Limits:
+        return options_from(cls, config)
 
     def allows(self, peer: PeerCredentials) -> bool:
         if self.allowed_uids is None and self.allowed_gids is None:
             return True
         return peer.uid in (self.allowed_uids or ()) or peer.gid in (self.allowed_gids or ())
 
-    attach_timeout: float = ATTACH_TIMEOUT_S
-
     @property
     def silence_s(self) -> float:
         """How long a client whose process is not visible here may send nothing."""
         return max(HEARTBEAT_MISSES * self.heartbeat_interval, HUNG_AFTER_S)
-
 
 
 @dataclass

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from engramd.server.checkpoint import EngramCheckpoint
-from engramd.server.host_tables import HostTable
+from engramd.server.table_file import HostTable
 from engramd.server.table_loader import LoadedTables
 
 log = logging.getLogger("engramd.selfcheck")

@@ -1,12 +1,16 @@
 """The daemon's operations, with no transport in them.
 
-What a request asks and what the answer holds, for every operation: register, lookup, release,
-heartbeat, stats, health, and the admin operations (who the clients are, drain), plus the
-daemon's state (starting, loading, ready, stopping) that decides which may run. The daemon
-(daemon.py) owns the sockets, threads and signals: it decodes a request, calls the method here,
-and encodes what comes back (a declared reply of client/messages.py, or a typed EngramError).
-Nothing here knows ZeroMQ, the handle socket or file descriptors, so tests drive the service
-in-process (tests/test_service.py), as an engine core is driven without its client.
+What a request asks and what the answer holds, for every operation: register, attach, lookup,
+release, heartbeat, stats, health, the tables a mapped client maps, and the admin operations
+(who the clients are, drain, reload), plus the daemon's state (starting, loading, ready,
+stopping) that decides which may run. A reload is the service's too: it starts one, and once
+its tables are ready switches the backend, the store, the registry and the mapped clients'
+grants to them (server/reload.py loads them). The daemon (daemon.py) owns the sockets, threads,
+signals and leases: it decodes a request, calls the method here, and encodes what comes back (a
+declared reply of client/messages.py, or a typed EngramError) with the descriptors a reply
+passes (made by server/grants.py). Nothing here knows ZeroMQ or the handle socket, so tests
+drive the service in-process (tests/test_service.py), as an engine core is driven without its
+client.
 
 Every method runs on the daemon's loop thread, except `admits` (the handle socket's threads ask
 it before reading a request; it only reads settings).
@@ -14,14 +18,16 @@ it before reading a request; it only reads settings).
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
 from typing import Any
 
-from engramd.client.errors import NotReadyError, PermissionDeniedError
+from engramd.client.errors import NotReadyError, PermissionDeniedError, ResourceError
 from engramd.client.handles import PeerCredentials
 from engramd.client.messages import (
+    AttachReply,
     ClientsReply,
     HealthReply,
     HeartbeatReply,
@@ -32,46 +38,66 @@ from engramd.client.messages import (
     RegisterRequest,
     ReleaseReply,
     ReleaseRequest,
+    ReloadReply,
     StatsReply,
+    TablesReply,
 )
 from engramd.server.backend import Completion, LookupJob
-from engramd.server.config import DaemonConfig
+from engramd.server.config import DaemonConfig, id_set
+from engramd.server.grants import MappedGrants
 from engramd.server.job_context import JobContext
 from engramd.server.registry import ClientRecord, ClientRegistry, Limits
+from engramd.server.reload import TableReload, switch_tables
+from engramd.server.table_file import HostTable
 from engramd.server.table_loader import LoadedTables
+
+log = logging.getLogger("engramd.daemon")
 
 
 class Service:
     @classmethod
     def from_config(cls, config: DaemonConfig, epoch: str) -> Service:
-        # Who may run admin operations: the daemon's own user, and whom the config names.
-        return cls(epoch, limits_of(config), {os.geteuid(), *(_id_set(config.admin_uids) or ())})
+        return cls(config, epoch)
 
-    def __init__(self, epoch: str, limits: Limits, admins: set[int]):
+    def __init__(self, config: DaemonConfig, epoch: str):
+        self.config = config
         self.epoch = epoch
-        self.limits = limits
-        self.admins = frozenset(admins)  # uids that may run admin operations
+        self.limits = Limits.from_config(config)
+        # Who may run admin operations: the daemon's own user, and whom the config names.
+        self.admins = frozenset({os.geteuid(), *(id_set(config.admin_uids) or ())})
         self.state = "starting"
         self.progress = 0.0  # of the tables loaded, while loading
         self.started = time.monotonic()
         self.registry: ClientRegistry | None = None
         self.tables: LoadedTables | None = None
-        self.reload: Any = None  # the last reload (server/reload.py TableReload), if any
+        self.grants: MappedGrants | None = None  # the served tables' descriptors, for mapped clients
+        self.reload: TableReload | None = None  # the last reload, if any
 
     # -- lifecycle ------------------------------------------------------------------------------
 
-    def serve(self, loaded: LoadedTables, on_retire: Callable[[ClientRecord], None]) -> None:
-        """The tables are loaded and checked: from now on clients may register."""
+    def serve(self, loaded: LoadedTables, on_retire: Callable[[ClientRecord], None],
+              grants: MappedGrants | None = None) -> None:
+        """The tables are loaded and checked: from now on clients may register. `grants`: their
+        descriptors, where mapped clients attach (the caller closes them)."""
         self.tables = loaded
+        self.grants = grants
         self.registry = ClientRegistry(loaded.geometry, loaded.backend, self.limits, on_retire=on_retire,
                                        tables_id=loaded.checkpoint.fingerprint())
         self.state = "ready"
         self.progress = 1.0
 
-    def replace_tables(self, loaded: LoadedTables, tables_id: str) -> None:
-        """A reload switched to `loaded`, of id `tables_id` (the backend serves them already)."""
-        self.tables = loaded
-        self.registry.tables_changed(tables_id)
+    def close(self) -> None:
+        """Free the slabs and let go of the devices and the tables, in this order: the backend
+        takes no more jobs, so no gather is added to a slab; the slabs are freed, whose releases
+        pass waits on IDs never written; then the devices are synchronised and the tables unpinned."""
+        tables, registry = self.tables, self.registry
+        if tables is not None:
+            tables.backend.stop()  # every job enqueued: no gather is added to a slab after it
+        if registry is not None:
+            registry.close()  # frees the slabs, whose releases pass waits on IDs never written
+        if tables is not None:
+            tables.backend.close()  # then the devices are synchronised and the tables unpinned
+            tables.close()
 
     @property
     def tables_id(self) -> str | None:
@@ -88,6 +114,30 @@ class Service:
         if self.registry is None:
             return 0
         return sum(sum(c.in_flight.values()) for c in self.registry.clients.values())
+
+    def gathers_done(self) -> Callable[[], bool]:
+        """A probe: whether every lookup enqueued until now has written its rows (Backend.gathers_done)."""
+        return self.tables.backend.gathers_done() if self.tables is not None else (lambda: True)
+
+    def identities(self) -> list[bytes]:
+        """The connections of every registration, for a notice to all of them."""
+        return [c.identity for c in self.registry.clients.values()] if self.registry is not None else []
+
+    def retire_client(self, client_id: int, why: str) -> None:
+        """Its lease closed (registry.retire_client)."""
+        self._registered("retire").retire_client(client_id, why)
+
+    def retire_identity(self, identity: bytes, why: str) -> None:
+        """Its connection is gone: whatever it registered goes too."""
+        if self.registry is not None:
+            self.registry.retire_identity(identity, why)
+
+    def housekeeping(self) -> list[str]:
+        """Retire the dead (registry.reap_dead); what to say of lookups overdue for their IDs."""
+        if self.registry is None:
+            return []
+        self.registry.reap_dead()
+        return self.registry.overdue_lookups()
 
     def count_error(self, code: str) -> None:
         if self.registry is not None:
@@ -135,8 +185,38 @@ class Service:
     def attach(self, client_id: int, token: str, peer: PeerCredentials) -> ClientRecord:
         return self._serving("attach").attach(client_id, token, peer)
 
-    def grant_tables(self, client_id: int, token: str, peer: PeerCredentials) -> ClientRecord:
-        return self._serving("tables").grant_tables(client_id, token, peer)
+    def attach_reply(self, record: ClientRecord) -> tuple[AttachReply, list[int]]:
+        """What an attached client maps: its slab (served) or the tables (mapped), and the new
+        descriptors to pass with it (the caller closes them once sent). Where they cannot be
+        made, the registration is retired and the error raised."""
+        fds: list[int] = []
+        try:
+            if record.slab is not None:
+                fds.extend(record.slab.descriptors())
+                return AttachReply(slab=record.slab.wire()), fds
+            grants, table_fds = self.grants.tables()
+            fds.extend(table_fds)
+            warm_fd = self.grants.warm_file() if record.warm_file else None  # for its own cache
+            if warm_fd is not None:
+                fds.append(warm_fd)
+            return AttachReply(tables=grants, version=self.tables_id, tables_seq=self.tables_seq,
+                               warm=warm_fd is not None), fds
+        except Exception as exc:  # out of descriptors, or the device would not export
+            for fd in fds:
+                os.close(fd)
+            self.registry.retire_client(record.client_id, "retired (its descriptors could not be passed)")
+            if isinstance(exc, OSError):
+                raise ResourceError(f"cannot pass descriptors now: {exc.strerror}") from None
+            raise
+
+    def grant_tables(self, client_id: int, token: str, peer: PeerCredentials) -> tuple[TablesReply, list[int]]:
+        """A mapped client after a reload: the served tables, and a new descriptor of each."""
+        self._serving("tables").grant_tables(client_id, token, peer)
+        try:
+            grants, fds = self.grants.tables()
+        except OSError as exc:
+            raise ResourceError(f"cannot pass descriptors now: {exc.strerror}") from None
+        return TablesReply(version=self.tables_id, tables=grants, tables_seq=self.tables_seq), fds
 
     def stats(self) -> StatsReply:
         """Counts anyone who may connect may see: no client's pid, name or uid (see clients)."""
@@ -200,18 +280,64 @@ class Service:
         self.require_admin(peer, "clients")
         return ClientsReply(clients=self.registry.who() if self.registry is not None else [])
 
+    # -- reload (server/reload.py) ---------------------------------------------------------------
 
-def limits_of(config: DaemonConfig) -> Limits:
-    return Limits(config.max_clients, config.max_tokens, config.max_slots, config.heartbeat_interval,
-                  modes=tuple(config.client_modes.split(",")), sort_min_tokens=config.sort_min_tokens,
-                  sm_fraction=config.gather_sm_fraction,
-                  mapped_cache_bytes=int(config.mapped_hot_cache_gib * 2**30),
-                  cache_refresh_s=config.hot_cache_refresh_ms / 1e3,
-                  allowed_uids=_id_set(config.allowed_uids), allowed_gids=_id_set(config.allowed_gids),
-                  slab_budget=int(config.slab_budget_gib * 2**30),
-                  max_clients_per_uid=config.max_clients_per_uid, ids_wait_s=config.ids_wait_s,
-                  pending_per_uid=config.pending_registrations_per_uid)
+    def admin_reload(self, peer: PeerCredentials, done: Callable[[TableReload], None]) -> ReloadReply:
+        """Admin: load the configured checkpoint's tables beside the served ones, then serve
+        them (as on SIGHUP). Answers at once; `health` follows the reload."""
+        self.require_admin(peer, "reload")
+        self.start_reload(f"pid {peer.pid} uid {peer.uid}", done)
+        return ReloadReply(state=self.reload.state, tables=self.tables_id)
 
+    def start_reload(self, requested_by: str, done: Callable[[TableReload], None]) -> None:
+        """A reload on its thread, unless one runs (then that one answers for both); `done(reload)`
+        is called from that thread once its tables are open and checked, or it failed."""
+        if self.state != "ready":
+            raise NotReadyError(f"reload: the daemon is {self.state}")
+        if self.reload is not None and self.reload.running:
+            log.info("reload asked by %s: one is running already", requested_by)
+            return
+        log.info("reload asked by %s: loading %s beside the served tables %s", requested_by,
+                 self.config.tables, self.tables_id)
+        self.reload = TableReload(self.config, self.tables, requested_by, done)
 
-def _id_set(listed: str) -> frozenset[int] | None:
-    return frozenset(int(x) for x in listed.split(",")) if listed else None
+    def finish_reload(self, reload: TableReload, retired: Callable[[list[HostTable]], None]) -> bool:
+        """The reload's tables are open and checked (or it failed): switch to them. True when
+        the tables changed (the daemon tells the clients). `retired(old)` is called, from any
+        thread, once no gather reads the replaced tables (then release them: tables_retired)."""
+        if reload is not self.reload:  # cannot happen: one reload at a time
+            stray = reload.take()
+            if stray is not None:
+                stray.close()
+            return False
+        if reload.error is not None:
+            reload.finish("failed")
+            return False
+        next_tables = reload.take()
+        if next_tables is None:
+            reload.finish("unchanged", tables=self.tables_id)
+            return False
+        if self.state != "ready":
+            next_tables.close()
+            reload.finish("failed", f"the daemon is {self.state}")
+            return False
+        try:
+            self.tables = switch_tables(self.tables, next_tables, self.grants, retired)
+        except Exception as exc:
+            log.exception("reload: switching to the new tables failed")
+            next_tables.close()
+            reload.finish("failed", f"switching failed: {type(exc).__name__}: {exc}")
+            return False
+        self.registry.tables_changed(next_tables.checkpoint.fingerprint())
+        reload.finish("done", tables=self.tables_id)
+        return True
+
+    def tables_retired(self, tables: list[HostTable]) -> None:
+        """No gather of the daemon's reads these replaced tables any more: unmap them."""
+        if self.tables is not None:
+            self.tables.store.release(tables)
+
+    def cancel_reload(self) -> None:
+        """Stopping: a running load stops between chunks; its files go."""
+        if self.reload is not None:
+            self.reload.cancel()

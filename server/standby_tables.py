@@ -37,7 +37,8 @@ from typing import Any
 
 from engramd.client.connection import probe
 from engramd.server.config import DaemonConfig
-from engramd.server.host_tables import HostTable, attach_complete, still_in_place
+from engramd.server.host_tables import attach_complete, still_in_place
+from engramd.server.table_file import HostTable
 from engramd.server.table_loader import (
     DeviceBackendError,
     choose_backend_name,

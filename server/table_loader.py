@@ -26,9 +26,10 @@ from typing import TYPE_CHECKING, Any
 from engramd.client.geometry import TableGeometry
 from engramd.server.checkpoint import EngramCheckpoint
 from engramd.server.config import DaemonConfig
-from engramd.server.host_tables import HostTable, LoadProgress, TableStore
+from engramd.server.host_tables import TableStore
 from engramd.server.ownership import check_own_folder, make_own_folder
 from engramd.server.synthetic import write_synthetic_checkpoint
+from engramd.server.table_file import HostTable, LoadProgress
 from engramd.server.table_registration import register_for_gpus
 
 if TYPE_CHECKING:
@@ -208,11 +209,7 @@ def build_backend(config: DaemonConfig, opened: OpenTables) -> Backend:
         # Checked (not read) for the mapped clients' caches where the daemon keeps none: a bad
         # file stops the start instead of every client's warm-up.
         warm_ids_array(config.hot_cache_warm_file, geometry.n_layers, geometry.heads)
-    options = GatherOptions(cache_bytes=int(config.hot_cache_gib * 2**30), warm_ids=warm_ids,
-                            cache_refresh_s=config.hot_cache_refresh_ms / 1e3,
-                            dedupe_min_tokens=config.dedupe_min_tokens,
-                            sort_min_tokens=config.sort_min_tokens,
-                            sm_fraction=config.gather_sm_fraction)
+    options = GatherOptions.from_config(config, warm_ids)
     try:
         backend = CudaBackend(tables, geometry, inline=config.cuda_dispatch == "inline",
                               options=options, registration=opened.registration)

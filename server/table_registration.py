@@ -1,8 +1,8 @@
 """The host tables registered with the GPUs: what lets a device read the table files in place.
 
-The table store (host_tables.py) keeps the files and knows nothing of GPUs; this pins their rows
-with cudaHostRegister, read-only since no device writes them (client/host_pin.py does the driver
-calls). The serving daemon's backend, a reload and the benchmarks' in-process gathers register
+The table files (table_file.py, kept by the store in host_tables.py) know nothing of GPUs;
+this pins their rows with cudaHostRegister, read-only since no device writes them
+(client/host_pin.py does the driver calls). The serving daemon's backend, a reload and the benchmarks' in-process gathers register
 tables here. Needs no torch: the daemon registers its tables while it imports torch.
 
 Not the client option `EngramClient(pin_tables=True)`, which pins a client to one version of
@@ -19,7 +19,7 @@ from engramd.server.units import size
 
 if TYPE_CHECKING:
     from engramd.client.host_pin import HostRegistration
-    from engramd.server.host_tables import HostTable
+    from engramd.server.table_file import HostTable
 
 logger = logging.getLogger("engramd.tables")  # one log for the tables' load, attach and pinning
 

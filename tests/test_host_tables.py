@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from engramd.client.geometry import TableGeometry
-from engramd.server import host_tables
+from engramd.server import host_tables, table_file
 from engramd.server.host_tables import (
     InsufficientSpaceError,
     LoadProgress,
@@ -28,9 +28,9 @@ from engramd.server.host_tables import (
     TableStore,
     TableStoreError,
     attach_complete,
-    sample_ranges,
     still_in_place,
 )
+from engramd.server.table_file import sample_ranges
 
 SMALL = {
     "engram_layer_ids": [1, 14],
@@ -254,8 +254,8 @@ def test_corruption_is_detected_and_reloaded(shm: Path, monkeypatch, where: str)
     geometry = small_geometry()
     if where != "middle":
         # Sample 4 x 4 KiB of ~300 KiB, so only the always-sampled first and last rows catch it.
-        monkeypatch.setattr(host_tables, "SAMPLE_BLOCKS", 4)
-        monkeypatch.setattr(host_tables, "SAMPLE_BLOCK_BYTES", 4096)
+        monkeypatch.setattr(table_file, "SAMPLE_BLOCKS", 4)
+        monkeypatch.setattr(table_file, "SAMPLE_BLOCK_BYTES", 4096)
     with TableStore(shm, "test") as store:
         path, offset, nbytes = [(t.path, t.data_offset, t.nbytes)
                                 for t in store.open(FakeSource(geometry), chunk_bytes=CHUNK)][1]
@@ -453,7 +453,7 @@ def test_sampled_checksum_is_the_crc_of_the_ranges_in_order():
     chained = 0
     for lo, hi in ranges:
         chained = zlib.crc32(data[lo:hi].tobytes(), chained)
-    assert host_tables.sampled_checksum(data.reshape(-1, 1000), 264, 16, 4096) == chained
+    assert table_file.sampled_checksum(data.reshape(-1, 1000), 264, 16, 4096) == chained
     assert chained != zlib.crc32(data.tobytes())  # a sample, not the whole
 
 
@@ -461,14 +461,14 @@ def forge_byte(path: Path, offset: int) -> None:
     """Flip one byte of a table file and give its header the matching checksum, as someone who
     can write the file would: only a full comparison can tell."""
     with open(path, "r+b") as f:
-        header = host_tables._Header.unpack(f.read(4096))
+        header = table_file._Header.unpack(f.read(4096))
         f.seek(offset)
         byte = f.read(1)[0]
         f.seek(offset)
         f.write(bytes([byte ^ 0x5A]))
         f.seek(header.data_offset)
         data = np.frombuffer(f.read(header.rows * header.row_bytes), dtype=np.uint8)
-        checksum = host_tables.sampled_checksum(data, header.row_bytes, header.sample_blocks,
+        checksum = table_file.sampled_checksum(data, header.row_bytes, header.sample_blocks,
                                                 header.sample_block_bytes)
         f.seek(0)
         f.write(dataclasses.replace(header, checksum=checksum).pack())
@@ -590,7 +590,7 @@ def replace_file(path: Path, change_at: int | None = None) -> None:
     if change_at is not None:
         data[change_at] ^= 0xFF
     path.unlink()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, host_tables.FILE_MODE)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, table_file.FILE_MODE)
     try:
         os.write(fd, bytes(data))
     finally:

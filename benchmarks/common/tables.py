@@ -22,8 +22,9 @@ import torch
 
 from engramd.client.geometry import V41_FLASH_CONFIG, TableGeometry
 from engramd.server.checkpoint import EngramCheckpoint, scale_name, weight_name
-from engramd.server.host_tables import HostTable, TableStore
+from engramd.server.host_tables import TableStore
 from engramd.server.synthetic import write_synthetic_checkpoint
+from engramd.server.table_file import HostTable
 from engramd.server.table_loader import tables_folder
 
 INSTANCE = "bench"  # the daemon instance the tables belong to (it names their files)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engramd.server.host_tables import (
+from engramd.server.table_file import (
     SAMPLE_BLOCK_BYTES,
     SAMPLE_BLOCKS,
     sample_ranges,

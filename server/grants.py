@@ -1,0 +1,98 @@
+"""What a mapped client is granted: descriptors of the served table files, and of the warm-up trace.
+
+A mapped client gathers from its own mapping of the daemon's table files. At attach, and after a
+reload (the handle socket's `tables` request), it gets a read-only descriptor of each file with
+a `TableGrant` (client/handles.py, the wire's own type) saying where the rows are in it, and,
+when it keeps a hot-row cache of its own, a descriptor of hot_cache_warm_file. This module holds
+the daemon's descriptors of them, opened once per version of the tables, and makes the copies a
+reply passes (the caller closes those once sent).
+
+Not who may have them (the registry decides), nor how they travel (the handle socket,
+server/handle_server.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from engramd.client.handles import TableGrant
+from engramd.server.table_file import HostTable
+
+log = logging.getLogger("engramd.daemon")
+
+
+class TableDescriptors:
+    """Read-only descriptors of one version of the tables' files, the daemon's own."""
+
+    def __init__(self, tables: list[HostTable]):
+        self.tables = tables
+        self.fds: list[int] = []
+        try:
+            for table in tables:
+                self.fds.append(os.open(table.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW))
+        except BaseException:
+            self.close()
+            raise
+
+    def grants(self) -> list[TableGrant]:
+        """A grant per table, each with a new descriptor (the caller closes them)."""
+        fds: list[int] = []
+        try:
+            fds.extend(os.dup(fd) for fd in self.fds)
+            return [TableGrant(fd, layer_id=t.layer_id, rows=t.rows, row_bytes=t.row_bytes,
+                               data_offset=t.data_offset, file_bytes=os.fstat(fd).st_size)
+                    for t, fd in zip(self.tables, fds, strict=True)]
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+
+    def close(self) -> None:
+        fds, self.fds = self.fds, []
+        for fd in fds:
+            os.close(fd)
+
+
+class MappedGrants:
+    """The served tables' descriptors and the warm-up trace's, for mapped clients; a reload
+    replaces the tables' (`replace`)."""
+
+    def __init__(self, tables: list[HostTable], warm_file: str):
+        """`warm_file`: hot_cache_warm_file where mapped GPU clients keep caches, else ""."""
+        self._tables = TableDescriptors(tables)
+        self._warm_fd = _open_warm_file(warm_file)
+
+    def tables(self) -> tuple[list[dict[str, int]], list[int]]:
+        """The served tables' descriptions, and a new descriptor of each (the caller closes them)."""
+        grants = self._tables.grants()
+        return [grant.wire() for grant in grants], [grant.fd for grant in grants]
+
+    def warm_file(self) -> int | None:
+        """A new descriptor of the warm-up trace (the caller closes it); None without one."""
+        return os.dup(self._warm_fd) if self._warm_fd is not None else None
+
+    def replace(self, tables: TableDescriptors) -> None:
+        """A reload switched to `tables`: grant theirs from now on (ours now), close the old."""
+        old, self._tables = self._tables, tables
+        old.close()
+
+    def close(self) -> None:
+        self._tables.close()
+        if self._warm_fd is not None:
+            os.close(self._warm_fd)
+            self._warm_fd = None
+
+
+def _open_warm_file(path: str) -> int | None:
+    """A read-only descriptor of the warm-up trace at `path` ("": none); a file that cannot be
+    opened leaves the mapped clients' caches to start cold (the daemon's own cache checked it
+    already where it has one)."""
+    if not path:
+        return None
+    try:
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        log.warning("hot_cache_warm_file %s: %s; mapped clients' caches start cold", path,
+                    exc.strerror)
+        return None
