@@ -301,6 +301,11 @@ class DaemonProcess:
         return self.proc.returncode
 
 
+def fd_count(pid: int) -> int:
+    """The descriptors process `pid` holds open."""
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
 SLAB_MEMFD = "/memfd:engramd-slab-c"  # how the daemon's slabs show in /proc (server/cpu_backend.py)
 
 

@@ -2,7 +2,7 @@
 
     python benchmarks/experiments/checksum_gil.py [--gib 2] [--repeat 3] [--out FILE]
 
-The re-attach check (server/host_tables.sampled_checksum) reads 256 blocks of 64 KiB per layer.
+The re-attach check (server/table_file.sampled_checksum) reads 256 blocks of 64 KiB per layer.
 Computed one zlib.crc32 call per block, each call gives the GIL back (CPython does for inputs over
 5 KiB) and must take it back from the other thread, which keeps it for a switch interval (5 ms).
 Joined first, the check gives it back about twice. This times both ways over an anonymous array of

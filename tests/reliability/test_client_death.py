@@ -30,7 +30,7 @@ import msgpack
 import numpy as np
 import torch
 import zmq
-from helpers import SLAB_MEMFD, engramd_command, wait_until
+from helpers import SLAB_MEMFD, engramd_command, fd_count, wait_until
 from helpers import slab_files as slab_files_of
 from reference import random_ids
 
@@ -132,10 +132,6 @@ def slab_of(daemon, client_id: int) -> str:
     name = f"{SLAB_MEMFD}{client_id}"
     assert name in slab_files(daemon), (client_id, sorted(slab_files(daemon)))
     return name
-
-
-def fd_count(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
 
 
 def slab_mappings(pid: int) -> int:
@@ -351,6 +347,8 @@ EARLY_DEATH_CLIENT = textwrap.dedent("""
     sock.send_multipart([msgpack.packb({"v": PROTOCOL_VERSION, "op": "register", "rid": 2,
                                         "pid": os.getpid(), "device": "cpu", "tp_rank": 0,
                                         "tp_size": 1, "max_tokens": 4, "slots": 1})])
+    sock.close(linger=-1)
+    sock.context.term()  # returns once the request is written to the daemon's socket
     print("sent", flush=True)
     sys.stdin.readline()
 """)
@@ -367,8 +365,7 @@ def test_client_dead_before_its_registration_is_read_leaves_nothing(daemon_facto
         daemon.proc.send_signal(signal.SIGSTOP)
         child.stdin.write("go\n")
         child.stdin.flush()
-        assert child.stdout.readline().strip() == "sent"
-        time.sleep(0.2)  # the request reaches the daemon's socket buffer
+        assert child.stdout.readline().strip() == "sent"  # in the daemon's socket buffer
         child.kill()
         child.wait()  # reaped: the PID no longer exists when the daemon reads the request
     finally:

@@ -25,6 +25,7 @@ import zmq
 from helpers import (
     attach_raw,
     engramd_command,
+    fd_count,
     free_port,
     shm_tempdir,
     short_tempdir,
@@ -126,13 +127,16 @@ def test_idle_connections_past_the_soft_file_limit_do_not_stop_the_daemon(daemon
         ctx = zmq.Context()
         ctx.setsockopt(zmq.MAX_SOCKETS, IDLE_CONNECTIONS + 100)
         idle = []
+        opened = fd_count(daemon.proc.pid)
         try:
             for _ in range(IDLE_CONNECTIONS):
                 sock = ctx.socket(zmq.DEALER)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.connect(f"ipc://{daemon.socket}")
                 idle.append(sock)
-            time.sleep(1.0)  # libzmq accepts them in the background
+            # libzmq accepts them in the background: each is a descriptor of the daemon's.
+            wait_until(lambda: daemon.proc.poll() is not None
+                       or fd_count(daemon.proc.pid) >= opened + IDLE_CONNECTIONS, timeout=30.0)
             assert probe(daemon.socket, "health", 10.0).body.ready
             assert daemon.proc.poll() is None, daemon.log()[-2000:]
             assert client.lookup(torch.zeros((1, 2, 24), dtype=torch.int64)).result().shape[1] == 1
@@ -458,10 +462,10 @@ def test_who_the_clients_are_is_for_admins_only(daemon_factory):
         shown = subprocess.run([*engramd_command(), "stats", "--socket", str(daemon.socket)],
                                capture_output=True, text=True, timeout=60)
         assert f"#{client.client_id} pid {os.getpid()} private-name uid {os.geteuid()}" in shown.stdout, shown
-    opened = len(os.listdir(f"/proc/{daemon.proc.pid}/fd"))
+    opened = fd_count(daemon.proc.pid)
     for _ in range(50):  # each answer closes its connection: a monitoring loop leaks nothing
         admin_request(handle_socket_path(daemon.socket), "clients", 5.0)
-    assert len(os.listdir(f"/proc/{daemon.proc.pid}/fd")) <= opened + 2
+    assert fd_count(daemon.proc.pid) <= opened + 2
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a process as nobody")
