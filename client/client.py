@@ -47,7 +47,6 @@ import socket
 import threading
 import time
 import weakref
-from collections import OrderedDict
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -90,17 +89,9 @@ from engramd.client.mapped import (
 )
 from engramd.client.messages import RegisterReply
 from engramd.client.rejoin import Rejoin, retry_until
-from engramd.client.shared_mapping import SharedMapping
+from engramd.client.served import CudaSlabView, MemfdSlabView, ServedGpu
 from engramd.client.slab import (
-    BF16_NAN,
-    DONE_AT_RELEASE,
-    FAILED,
-    IDS_READY,
-    ROWS_DONE,
     SlabLayout,
-    SlotViews,
-    rows_written,
-    wait_passes,
 )
 
 log = logging.getLogger("engramd.client")
@@ -110,15 +101,6 @@ GATHER_AT = ("wait", "lookup")  # when a mapped GPU client queues a lookup's gat
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_RECONNECT_S = 60.0  # how long lookup() waits for a restarted daemon before giving up
 WATCHDOG_S = 0.1
-RELEASE_DEADLINE_S = 0.5  # for the NaN over rows the daemon did not write (_invalidate)
-# How long a served GPU client that heard "stopping" waits for the rows its daemon still writes
-# before it fails the rest (_await_stopping_daemon); the daemon's drain takes at most 30 s.
-STOPPING_SETTLE_S, SETTLE_POLL_S = 5.0, 0.001
-# How long the watchdog keeps storing the release after its daemon died: the dead process's last
-# gathers can still run for a moment and write older ROWS_DONEs over it (as the daemon's own
-# release repeats its stores: server/cuda_backend.py).
-RELEASE_REPEAT_S, RELEASE_REPEAT_PAUSE_S = 2.0, 0.01
-RECENT_LOOKUPS = 64  # served GPU lookups remembered by rid for their late error replies
 REJOIN_STOP_S = 3.0  # how long close() waits for a rejoin in flight (client/rejoin.py)
 
 # Leases of this process's clients. A child made by fork() must not hold them: a lease is closed
@@ -169,7 +151,7 @@ class LookupFuture:
         client = self._client
         if self.failure is None and self._error is None and client.device.type == "cuda":
             client._take_in()  # error replies the daemon sent since
-            if self._error is None and client._daemon_failed(self):  # its reply may be late
+            if self._error is None and client._served.daemon_failed(self):  # its reply may be late
                 client._failed.add(self, "the daemon did not serve it")
         return self.failure is not None or self._error is not None
 
@@ -203,8 +185,8 @@ class LookupFuture:
             if self.event is None:  # served: error replies and the daemon's death come in here
                 self._client._take_in()
                 self._client._check_alive()
-            if self._error is None and self._client._daemon_failed(self):
-                self._error = self._client._error_of(self)
+            if self._error is None and self._client._served.daemon_failed(self):
+                self._error = self._client._served.error_of(self)
             if self.event is None and self._error is None and not self._client._rows_written(self):
                 # Released by the daemon's free of the slab (it retired us) before our watchdog
                 # saw the lease close: the counters say these rows were never written.
@@ -252,145 +234,6 @@ class LookupFuture:
             self._replied = True
         if self._error is not None:
             raise self._error
-
-
-class _MemfdSlabView:
-    """The client's mapping of a CPU-backend slab (a memfd passed over the handle socket)."""
-
-    def __init__(self, fd: int, layout: SlabLayout):
-        self.layout = layout
-        try:
-            self._mapping = SharedMapping(fd, layout.size)
-        except (ValueError, OSError) as exc:  # a short descriptor, or no room to map it
-            raise InternalError(f"slab: {exc}") from None
-        self.buffer = self._mapping.buffer
-
-    def rows(self, slot: int, tokens: int) -> torch.Tensor:
-        return self.layout.rows_view(self.buffer, slot, tokens)
-
-    def slot_rows(self, slot: int) -> torch.Tensor:
-        return self.layout.slot_rows(self.buffer, slot)
-
-    def rebind(self, attachment: Attachment) -> None:
-        """A new daemon's slab of the same layout, at this one's address (see _keep_rows)."""
-        try:
-            self._mapping.remap(attachment.slab_fd)
-        except (ValueError, OSError) as exc:
-            raise InternalError(f"slab: {exc}") from None
-
-    def close(self) -> None:
-        # Row views the caller still holds keep the mapping: it is unmapped when the last of
-        # them goes, not under them.
-        self.buffer = None
-        self._mapping.close()
-
-
-class _CudaSlabView:
-    """The client's mapping of a GPU slab (device memory passed as a descriptor) and of its
-    counter block (pinned host memory, another descriptor), opened once."""
-
-    def __init__(self, attachment: Attachment, layout: SlabLayout, device: torch.device):
-        from engramd.client import cuda
-
-        self.layout = layout
-        self.device = device
-        self.memory = cuda.DeviceAllocation.from_descriptor(attachment.slab_fd, int(attachment.slab["bytes"]),
-                                                            device.index)
-        self.ptr = self.memory.ptr
-        self.counters = None
-        try:
-            with torch.cuda.device(device):
-                self.views = SlotViews(layout, cuda.tensor_view(self.ptr, layout.size, device))
-            self.ops = cuda.StreamOps()
-            self._map_counters(attachment)
-            # Where the watchdog invalidates rows the daemon will not write (invalidate()).
-            self.release_stream = cuda.new_stream(device.index)
-        except BaseException:
-            self.memory.close()
-            raise
-        self.ids_address = [self.ptr + layout.ids_offset(s) for s in range(layout.slots)]
-
-    def _map_counters(self, attachment: Attachment) -> None:
-        """Map the attachment's counter block (closing the one mapped before, which nothing uses
-        any more), and make the handles of its words that the hot path passes to CUDA."""
-        from engramd.client.host_counters import HostCounters
-
-        if attachment.counters_fd is None:
-            raise InternalError("the daemon passed a GPU slab without its counter block")
-        try:
-            counters = HostCounters(attachment.counters_fd, self.layout, self.device.index)
-        except (ValueError, OSError) as exc:
-            raise InternalError(f"slab counters: {exc}") from None
-        old, self.counters = self.counters, counters
-        if old is not None:
-            old.close()
-        slots = range(self.layout.slots)
-        self.ids_ready = [self.ops.pointer(counters.address(s, IDS_READY)) for s in slots]
-        self.rows_done = [self.ops.pointer(counters.address(s, ROWS_DONE)) for s in slots]
-
-    def rebind(self, attachment: Attachment) -> None:
-        """A new daemon's slab of the same layout, at this one's address (see _keep_rows): the
-        views and streams built on the address stay valid; the counters are the new slab's."""
-        if int(attachment.slab["bytes"]) != self.memory.size:
-            raise InternalError(f"the daemon's new slab has {attachment.slab['bytes']} bytes, the "
-                                f"client's {self.memory.size}")
-        torch.cuda.synchronize(self.device)  # nothing of ours still reads or writes the old one
-        self.memory.replace_from_descriptor(attachment.slab_fd)
-        self._map_counters(attachment)
-
-    def invalidate(self, slot: int, tokens: int, after: torch.cuda.Event) -> torch.cuda.Event:
-        """NaN over the first `tokens` tokens of the slot's rows, which the daemon will not
-        write, on the release stream once `after` (the lookup's submission: its stream has
-        passed the slot's previous readers) has passed; returns an event that passes once it is
-        done. Its waits are released after it (fail()), so they read NaN, not the slot's
-        previous rows (client/failures.py). A driver memset: no kernel module is loaded while
-        this process's streams wait on a dead one."""
-        self.release_stream.wait_event(after)
-        self.ops.fill_layers(self.release_stream.cuda_stream, self.views.rows(slot, tokens), BF16_NAN)
-        done = torch.cuda.Event()
-        done.record(self.release_stream)
-        return done
-
-    def fail(self, slot: int, seq: int) -> None:
-        """Mark the slot's lookup `seq` not served (FAILED, as the daemon's refusal does) and
-        pass the waits for it, and for no later lookup of the slot (CPU stores)."""
-        self.counters.store(slot, FAILED, seq)
-        if not wait_passes(self.counters.load(slot, ROWS_DONE), seq):
-            self.counters.store(slot, ROWS_DONE, seq)
-
-    def release(self, slot: int, last_seq: int) -> None:
-        """Pass every wait of ours on the slot's rows (a CPU store, which no GPU queue holds up:
-        client/host_counters.py)."""
-        self.counters.release(slot, last_seq)
-
-    def written(self, slot: int, seq: int, last_seq: int) -> bool:
-        """Whether the slot's counters show `seq`'s rows written (slab.rows_written)."""
-        load = self.counters.load
-        return rows_written(load(slot, ROWS_DONE), load(slot, FAILED), load(slot, DONE_AT_RELEASE),
-                            seq, last_seq)
-
-    def failed_seq(self, slot: int) -> int:
-        """The slot's FAILED word: the last of its lookups marked not served (written before
-        that lookup's ROWS_DONE, by the daemon's refusal or the client's release)."""
-        return self.counters.load(slot, FAILED)
-
-    def ids(self, slot: int, tokens: int, dtype: torch.dtype) -> torch.Tensor:
-        return self.views.ids(slot, tokens, dtype)
-
-    def rows(self, slot: int, tokens: int) -> torch.Tensor:
-        return self.views.rows(slot, tokens)
-
-    def slot_rows(self, slot: int) -> torch.Tensor:
-        return self.views.slot_rows(slot)
-
-    def close(self) -> None:
-        from engramd.client import cuda
-
-        torch.cuda.synchronize(self.device)
-        cuda.STREAMS.give(self.release_stream)  # idle: synchronised above
-        self.views.close()
-        self.memory.close()
-        self.counters.close()
 
 
 def check_cache_cap(gib: Any) -> int | None:
@@ -476,17 +319,12 @@ class EngramClient:
         self._remapping: PendingMapping | None = None  # mapped: a reload's tables, being mapped
         # Held by lookup() and close(); the watch thread follows a reload only while it is free.
         self._tables_lock = threading.RLock()
-        # One failure of lookups at a time (_invalidate): the watchdog's, and a lookup's that
-        # found the daemon gone. Two at once could release a slot's waits (fail() of a later
-        # lookup) before an earlier lookup of that slot has its NaN, or queue one's fill on the
-        # release stream behind a wait that needs the other's.
-        self._invalidating = threading.Lock()
         self.timeout = timeout
         self.reconnect_timeout = reconnect_timeout
         self._registration = (tp_rank, tp_size, max_tokens, slots, name)
         self._conn: Connection | None = None
-        self._slab: _MemfdSlabView | _CudaSlabView | LocalSlots | None = None
-        self._kept_rows: _MemfdSlabView | _CudaSlabView | LocalSlots | None = None  # see _keep_rows
+        self._slab: MemfdSlabView | CudaSlabView | LocalSlots | None = None
+        self._kept_rows: MemfdSlabView | CudaSlabView | LocalSlots | None = None  # see _keep_rows
         self._retired: list[Any] = []  # slot memory that moved, still mapped for old views
         self.registrations = 0  # how many times this client has registered
         self._slots_epoch = 0  # registrations that took the slots over (lookups made before are lost)
@@ -507,6 +345,7 @@ class EngramClient:
         self._dead: str | None = None
         self._pending: dict[int, LookupFuture] = {}
         self._failed = FailedLookups()  # served GPU: lookups the daemon did not serve, unreported
+        self._served = ServedGpu(self)  # served GPU: its lookups' bookkeeping (client/served.py)
         self.client_id: int | None = None
         self.mps: dict[str, Any] | None = None
         self._warned_mps = False
@@ -529,15 +368,9 @@ class EngramClient:
         self.registrations += 1
         self._slots_epoch += 1
         self._pending: dict[int, LookupFuture] = {}
-        # Served GPU: lookups sent whose rows are not known written, every slot's (a slot's
-        # previous lookup may still be gathering when its next one replaces it in _pending).
-        self._unsettled: list[LookupFuture] = []
-        # Served GPU: the last lookups sent, by rid, so that an error reply that comes after a
-        # later lookup took a lookup's place in _pending still fails it (_take_in).
-        self._recent: OrderedDict[int, LookupFuture] = OrderedDict()
+        self._served.reset()
         self._next_slot = 0
         self._seqs = itertools.count(1)
-        self._last_seq = 0  # served GPU: the seq of the last lookup sent (rows_written)
         self._dead: str | None = None
         self._register(timeout or self.timeout)
 
@@ -676,9 +509,9 @@ class EngramClient:
         """Drop the connection and the slab mapping without talking to the daemon; with
         `keep_rows`, keep the slot memory's address for the next registration (_keep_rows)."""
         self._stop_watchdog()
-        if isinstance(self._slab, _CudaSlabView):
-            self._await_stopping_daemon()
-            self._release_waits()  # the daemon is gone or going: its counters may never move
+        if isinstance(self._slab, CudaSlabView):
+            self._served.await_stopping_daemon()
+            self._served.release_waits()  # the daemon is gone or going: its counters may never move
         try:
             self._unmap()  # first: it synchronises the device, so no gather of ours still reads
         finally:           # the old mapping or writes our slots
@@ -791,12 +624,12 @@ class EngramClient:
         elif attachment.slab is None or attachment.slab_fd is None:
             raise InternalError("the daemon attached a served client without a slab")
         elif attachment.slab.get("kind") == "cuda_vmm":
-            self._slab = (self._keep_rows(_CudaSlabView, attachment)
-                          or _CudaSlabView(attachment, self.layout, self.device))
-            self._warm_up()
+            self._slab = (self._keep_rows(CudaSlabView, attachment)
+                          or CudaSlabView(attachment, self.layout, self.device))
+            self._served.warm_up()
         elif attachment.slab.get("kind") == "memfd" and self.device.type == "cpu":
-            self._slab = (self._keep_rows(_MemfdSlabView, attachment)
-                          or _MemfdSlabView(attachment.slab_fd, self.layout))
+            self._slab = (self._keep_rows(MemfdSlabView, attachment)
+                          or MemfdSlabView(attachment.slab_fd, self.layout))
         else:
             raise InternalError(f"slab of kind {attachment.slab.get('kind')!r} for a {self.device} client")
 
@@ -1019,19 +852,6 @@ class EngramClient:
         for thread in closing if wait else ():
             thread.join()
 
-    def _warm_up(self) -> None:
-        """Load the kernels a lookup launches now, not while a stream waits on the daemon.
-
-        With CUDA's lazy module loading, the first launch of a kernel blocks the host while any
-        stream of the process waits on another process. Model runners must warm their own
-        consumer kernels the same way (or run with CUDA_MODULE_LOADING=EAGER).
-        """
-        for dtype in (torch.int64, torch.int32):
-            probe = torch.full((1, self.layout.n_layers, self.layout.heads), -1, dtype=dtype,
-                               device=self.device)
-            self._slab.ids(0, 1, dtype).copy_(probe)
-        torch.cuda.synchronize(self.device)
-
     def hot_cache_stats(self) -> dict[str, Any] | None:
         """A mapped GPU client's own hot-row cache: rows read per layer and of them hits,
         admissions, refreshes, size (None without one: served lookups read the daemon's cache,
@@ -1102,7 +922,7 @@ class EngramClient:
         if self.mode == "mapped":
             return self._lookup_mapped(ids, stream, slot, sm_fraction)
         if self.device.type == "cuda":
-            return self._lookup_cuda(ids, stream or torch.cuda.current_stream(self.device.index), slot)
+            return self._served.lookup(ids, stream or torch.cuda.current_stream(self.device.index), slot)
         slot = self._claim_slot(slot)
         ids = ids.to("cpu").contiguous()
         seq = next(self._seqs)
@@ -1111,52 +931,6 @@ class EngramClient:
             seq=seq, ids_dtype=dtype_name(ids.dtype),
             ids_shape=list(ids.shape), inline=True)
         return self._track(LookupFuture(self, rid, slot, seq, ids.shape[0]))
-
-    def _lookup_cuda(self, ids: torch.Tensor, stream: torch.cuda.Stream, slot: int | None) -> LookupFuture:
-        """The served hot path: a handful of calls on handles built at registration."""
-        slab = self._slab
-        raw = stream.cuda_stream
-        # May time out: then the turn stays where it was.
-        self._after_previous_use(self._next_slot if slot is None else slot, stream, raw)
-        slot = self._take_turn(slot)
-        seq = next(self._seqs)
-        tokens = ids.shape[0]
-        # One copy, no conversion kernel: the slot keeps the caller's dtype.
-        if ids.is_cuda and ids.device == self.device and ids.is_contiguous():
-            slab.ops.copy(raw, slab.ids_address[slot], ids.data_ptr(), ids.numel() * ids.element_size())
-        else:
-            with torch.cuda.stream(stream):
-                slab.ids(slot, tokens, ids.dtype).copy_(ids, non_blocking=True)
-        slab.ops.write_u32(raw, slab.ids_ready[slot], seq)
-        submitted = torch.cuda.Event()
-        submitted.record(stream)
-        self._last_seq = seq
-        rid = self._conn.send("lookup", None, client_id=self.client_id, slot=slot, seq=seq,
-                              ids_dtype=dtype_name(ids.dtype),
-                              ids_shape=[tokens, ids.shape[1], ids.shape[2]], inline=False,
-                              ack=False)
-        future = self._track(LookupFuture(self, rid, slot, seq, tokens, acked=False))
-        future.submitted = submitted
-        self._remember(future)
-        self._unsettled = [*self._settle(), future]  # one reference swap: the watchdog may read it
-        if self._dead is not None:  # the watchdog released the waits, maybe before it saw this one:
-            self._invalidate(self._unsettled)  # every one, in seq order, after the watchdog's
-        return future
-
-    def _settle(self) -> list[LookupFuture]:
-        """The served lookups whose rows are still not known written (host reads of counters).
-        One the daemon marked not served (FAILED) is failed here, for the next call to report:
-        its error reply may come after a later lookup took its place in _pending."""
-        slab, last, unsettled = self._slab, self._last_seq, []
-        for future in self._unsettled:
-            if (future.slots_epoch != self._slots_epoch or future._error is not None
-                    or slab.written(future.slot, future.seq, last)):
-                continue  # another registration's, reported by its own wait, or done
-            if self._daemon_failed(future):
-                self._failed.add(future, "the daemon did not serve it")
-            else:
-                unsettled.append(future)
-        return unsettled
 
     def _lookup_mapped(self, ids: torch.Tensor, stream: torch.cuda.Stream | None,
                        slot: int | None, sm_fraction: float | None) -> LookupFuture:
@@ -1239,51 +1013,14 @@ class EngramClient:
         if future._error is not None:
             raise future._error
 
-    def _after_previous_use(self, slot: int, stream: torch.cuda.Stream, raw: int) -> None:
-        """`stream` must not touch the slot before its previous lookup and readers are done, and
-        this thread runs at most `slots` lookups ahead of its GPU (see _await_submitted)."""
-        previous = self._pending.get(slot)
-        if previous is None:
-            return
-        self._await_submitted(slot, previous)
-        self._slab.ops.wait_u32(raw, self._slab.rows_done[slot], previous.seq)
-        for consumer in previous.consumers:
-            if consumer != stream:
-                stream.wait_stream(consumer)
-
-    def _remember(self, future: LookupFuture) -> None:
-        self._recent[future.rid] = future
-        while len(self._recent) > RECENT_LOOKUPS:
-            self._recent.popitem(last=False)
-
-    def _await_submitted(self, slot: int, previous: LookupFuture) -> None:
-        """Block until this GPU has handed the slot's previous IDs to the daemon.
-
-        Without it a loop of lookup().wait() runs ahead of the GPU without bound: every request
-        becomes a gather the daemon has queued on a wait for IDs, thousands per client, and a
-        client killed then leaves all of them for the daemon to release. Engines run at most a
-        step or two ahead, so this rarely waits. Bounded by the client's timeout: a stream held
-        up for that long is a fault to report, not to wait out."""
-        event = previous.submitted
-        if event is None or event.query():
-            return
-        deadline, pause = time.monotonic() + self.timeout, 20e-6
-        while not event.query():
-            self._check_alive()
-            if time.monotonic() > deadline:
-                raise ReplyTimeoutError(f"slot {slot}: lookup {previous.seq} was not handed to the "
-                                        f"daemon within {self.timeout:.1f} s (is its stream held up?)")
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
-
     def _stream_wait(self, future: LookupFuture, stream: torch.cuda.Stream) -> None:
         if future.event is not None:  # mapped: the gather runs on this process's side stream
             self._queued(future)
             stream.wait_event(future.event)
+            if stream not in future.consumers:
+                future.consumers.append(stream)
         else:
-            self._slab.ops.wait_u32(stream.cuda_stream, self._slab.rows_done[future.slot], future.seq)
-        if stream not in future.consumers:
-            future.consumers.append(stream)
+            self._served.stream_wait(future, stream)
 
     def _track(self, future: LookupFuture) -> LookupFuture:
         self._pending[future.slot] = future
@@ -1295,26 +1032,9 @@ class EngramClient:
             return False
         if future.event is not None:  # mapped GPU: the gather's event, once it is queued
             return future.deferred is None and future.event.query()
-        if isinstance(self._slab, _CudaSlabView):
-            return self._slab.written(future.slot, future.seq, self._last_seq)
+        if isinstance(self._slab, CudaSlabView):
+            return self._served.rows_written(future)
         return future.done()  # CPU: the reply, rows included
-
-    def _daemon_failed(self, future: LookupFuture) -> bool:
-        """Served GPU lookups: did the daemon mark this lookup as not served (FAILED, written
-        before its ROWS_DONE, names it)?"""
-        if (future.event is not None or not isinstance(self._slab, _CudaSlabView)
-                or future.slots_epoch != self._slots_epoch):
-            return False
-        return self._slab.failed_seq(future.slot) == future.seq & 0xFFFFFFFF
-
-    def _error_of(self, future: LookupFuture) -> EngramError:
-        """The daemon's error reply for a lookup it marked failed (it sends one for each)."""
-        try:
-            self._conn.wait(future.rid, min(self.timeout, 5.0), f"the error of lookup {future.rid}")
-        except EngramError as exc:
-            return exc
-        return InternalError(f"the daemon marked lookup {future.rid} (slot {future.slot}) as not "
-                             "served but sent no error for it")
 
     def _take_in(self) -> None:
         """Read what the daemon sent, without waiting: notices, and error replies to GPU lookups
@@ -1325,21 +1045,7 @@ class EngramClient:
         conn.collect()
         if self.device.type != "cuda" or not conn.has_replies():
             return
-        for future in {*self._pending.values(), *self._unsettled}:
-            if future._error is None and conn.has_reply(future.rid):
-                try:
-                    conn.wait(future.rid, 0, "lookup")
-                except EngramError as exc:
-                    future._error = exc
-                    if future.consumers:  # its wait() returned: the engine hears of it next call
-                        self._failed.add(future, f"refused by the daemon: {exc.message}")
-        for rid, error in conn.take_stale_errors():  # their slots were reused meanwhile
-            future = self._recent.get(rid)
-            if future is None:
-                log.warning("lookup (rid %d) failed after its slot was reused: %s", rid, error)
-            elif future._error is None:
-                future._error = error
-                self._failed.add(future, f"refused by the daemon: {error.message}")
+        self._served.take_errors(conn)
 
     def _check_ids(self, ids: torch.Tensor) -> torch.Tensor:
         if not isinstance(ids, torch.Tensor):
@@ -1422,8 +1128,8 @@ class EngramClient:
                         return
                     self._dead = f"{gone}; results of in-flight lookups are invalid"
                     if self.device.type == "cuda":
-                        self._release_waits()
-                        self._keep_releasing(closing)
+                        self._served.release_waits()
+                        self._served.keep_releasing(closing)
                     return
                 if time.monotonic() >= next_beat:
                     next_beat = time.monotonic() + interval
@@ -1465,81 +1171,6 @@ class EngramClient:
             torch.cuda.synchronize(self.device)  # the side stream's gathers count into it
             counts["out_of_range"] = int(self._gather.out_of_range.item())
         return self._since_registered(counts)
-
-    def _await_stopping_daemon(self) -> None:
-        """A daemon that said it is stopping still writes the rows of every lookup it took, and
-        only then closes its leases (Daemon._drained): wait for those rows, while the
-        lease is open and at most STOPPING_SETTLE_S, so that the release that follows fails
-        only the lookups it refused or never got, not rows on their way."""
-        if self._dead is not None or self._conn is None or self._conn.notice != "stopping":
-            return
-        deadline = time.monotonic() + STOPPING_SETTLE_S
-        while (self._unsettled and self._lease_gone() is None
-               and time.monotonic() < deadline):
-            time.sleep(SETTLE_POLL_S)
-            self._unsettled = self._settle()
-
-    def _release_waits(self) -> None:
-        """From the watchdog, once the lease closed (`_dead` set first): satisfy every stream
-        wait on the daemon's counters, the lookups whose rows were not written failed first.
-        close() stops the watchdog before it unmaps the slab, so the slab seen here is mapped."""
-        self._invalidate(self._unsettled)
-
-    def _invalidate(self, futures: list[LookupFuture]) -> None:
-        """Fail each of `futures` whose rows the daemon did not write, then release every wait
-        on the slab's counters (the watchdog, once the lease closed; the lookup thread, for one
-        sent after the watchdog's scan; a disconnect). In seq order, each lookup's rows are
-        filled with NaN once its own stream has handed its IDs over (after the slot's previous
-        readers, which must not read NaN), and its waits, and no later lookup's of the slot,
-        are released when the fill is done or RELEASE_DEADLINE_S has passed: a later lookup's
-        submission can wait for that release. Any error on the way still releases every slot
-        in the end: nothing hangs (client/failures.py)."""
-        with self._invalidating:
-            slab, last = self._slab, self._last_seq
-            if not isinstance(slab, _CudaSlabView):
-                return  # not mapped yet: nothing waits on it
-            try:
-                for future in sorted(futures, key=lambda f: f.seq):
-                    if (future.slots_epoch != self._slots_epoch
-                            or slab.written(future.slot, future.seq, last)):
-                        continue
-                    if future._error is not None:
-                        # Refused: it raises its own error, but the daemon's NaN over its rows
-                        # follows the reply, and the daemon may have died in between.
-                        if slab.failed_seq(future.slot) != future.seq & 0xFFFFFFFF:
-                            self._fill_then_fail(slab, future)
-                    elif self._failed.add(future, self._dead or "the daemon's lease closed"):
-                        self._fill_then_fail(slab, future)
-            finally:
-                for slot in range(slab.layout.slots):
-                    slab.release(slot, last)
-
-    @staticmethod
-    def _fill_then_fail(slab: _CudaSlabView, future: LookupFuture) -> None:
-        filled = None
-        try:
-            filled = slab.invalidate(future.slot, future.tokens, future.submitted)
-            deadline = time.monotonic() + RELEASE_DEADLINE_S
-            while not filled.query() and time.monotonic() < deadline:
-                time.sleep(0.001)
-        except Exception as exc:  # a CUDA error here must not keep the waits from their release
-            log.error("lookup seq %d: its rows could not be filled with NaN: %s", future.seq, exc)
-        if filled is not None and not filled.query():
-            log.error("lookup seq %d: its rows were not filled with NaN within %.1f s; its waits "
-                      "are released with them as they are (it is failed all the same)",
-                      future.seq, RELEASE_DEADLINE_S)
-        slab.fail(future.slot, future.seq)
-
-    def _keep_releasing(self, closing: threading.Event) -> None:
-        """From the watchdog, after its release: store it again for RELEASE_REPEAT_S, over what
-        the dead daemon's last gathers write, until the client closes or re-registers."""
-        slab, last = self._slab, self._last_seq
-        deadline = time.monotonic() + RELEASE_REPEAT_S
-        while isinstance(slab, _CudaSlabView) and time.monotonic() < deadline:
-            if closing.wait(RELEASE_REPEAT_PAUSE_S) or self._slab is not slab:
-                return
-            for slot in range(slab.layout.slots):
-                slab.release(slot, last)
 
     def _daemon_gone(self) -> bool:
         """The daemon of our registration died, retired us, or said it is stopping (a reconnect
@@ -1589,7 +1220,7 @@ class EngramClient:
                 self._queue_gather()  # every lookup is gathered, its out-of-range IDs counted
                 counts = self._final_counts()
                 self._unmap()
-            if isinstance(self._slab, _CudaSlabView):
+            if isinstance(self._slab, CudaSlabView):
                 # Our streams may wait on the daemon's counters: if it dies during this sync, the
                 # watchdog (still running) releases them. Then it stops, before the unmap.
                 torch.cuda.synchronize(self.device)
