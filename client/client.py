@@ -47,13 +47,11 @@ import socket
 import threading
 import time
 import weakref
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from engramd.client.cache_keeper import CacheKeeper, WarmUpTrace
 from engramd.client.connection import Connection, default_socket_path
 from engramd.client.errors import (
     BadIdsError,
@@ -62,31 +60,22 @@ from engramd.client.errors import (
     DaemonUnavailableError,
     EngramError,
     InternalError,
-    LookupFailedError,
-    ReplyTimeoutError,
     TablesChangedError,
 )
 from engramd.client.failures import FailedLookups
+from engramd.client.future import LookupFuture
 from engramd.client.geometry import ShardView, TableGeometry
 from engramd.client.handles import (
     HANDLE_TIMEOUT_S,
     Attachment,
     attach,
     check_access,
-    fetch_tables,
     handle_socket_path,
     lease_closed,
 )
 from engramd.client.ids import dtype_name
-from engramd.client.mapped import (
-    DeferredGather,
-    DeviceCounterReader,
-    LocalSlots,
-    MappedTables,
-    PendingMapping,
-    close_in_background,
-    mapped_gather,
-)
+from engramd.client.mapped import LocalSlots, MappedTables
+from engramd.client.mapped_path import MappedPath
 from engramd.client.messages import RegisterReply
 from engramd.client.rejoin import Rejoin, retry_until
 from engramd.client.served import CudaSlabView, MemfdSlabView, ServedGpu
@@ -117,125 +106,6 @@ def _drop_leases_in_child() -> None:
 os.register_at_fork(after_in_child=_drop_leases_in_child)
 
 
-class LookupFuture:
-    """The pending rows of one lookup."""
-
-    def __init__(self, client: EngramClient, rid: int, slot: int, seq: int, tokens: int,
-                 acked: bool = True):
-        self._client = client
-        self.slots_epoch = client._slots_epoch  # a re-registration that takes the slots over makes it stale
-        self.rid = rid
-        self.slot = slot
-        self.seq = seq
-        self.tokens = tokens
-        self.out_of_range = 0
-        # GPU lookups are not acknowledged when they succeed (completion is the slot's counter),
-        # so there is no reply to wait for; an error reply still arrives and is kept here.
-        self._replied = not acked
-        self._error: EngramError | None = None
-        self.consumers: list[torch.cuda.Stream] = []  # GPU: streams that waited on these rows
-        self.event: torch.cuda.Event | None = None  # mapped GPU lookups: recorded after the gather
-        self.deferred: DeferredGather | None = None  # mapped GPU lookups: the gather, until queued
-        # Served GPU lookups whose wait the daemon did not satisfy: their rows are NaN, not
-        # theirs (client/failures.py). Set once, by the watchdog or the lookup thread.
-        self.failure: LookupFailedError | None = None
-        # Served GPU: recorded where its stream handed the IDs over (after the slot's previous
-        # readers): what the slot's next use and a release's NaN fill wait for.
-        self.submitted: torch.cuda.Event | None = None
-
-    def failed(self) -> bool:
-        """True once this lookup is known to have failed: its rows are not its own (the daemon
-        died, retired this client or refused the lookup) and wait()/result() raise. Never waits
-        and never syncs: an engine may poll it off its critical path, from the thread that uses
-        the client (it reads the daemon's replies)."""
-        client = self._client
-        if self.failure is None and self._error is None and client.device.type == "cuda":
-            client._take_in()  # error replies the daemon sent since
-            if self._error is None and client._served.daemon_failed(self):  # its reply may be late
-                client._failed.add(self, "the daemon did not serve it")
-        return self.failure is not None or self._error is not None
-
-    def ok(self) -> bool:
-        """True once the rows are known to be this lookup's (written, not failed); False while
-        they may still come, and after a failure. Never waits and never syncs."""
-        return not self.failed() and self._client._rows_written(self)
-
-    def done(self) -> bool:
-        """True once the host has nothing left to wait for: on the CPU, the daemon's reply with
-        the rows written; on the GPU, always (the rows are ready in stream order, see wait())."""
-        if self.slots_epoch != self._client._slots_epoch:
-            return True  # made before a re-registration: result() says so (its rid is reused)
-        if not self._replied and self._client._conn.poll_reply(self.rid):
-            self._collect(None)
-        return self._replied
-
-    def result(self, timeout: float | None = None, copy: bool = False) -> torch.Tensor:
-        """Block until the rows are ready; `[n_layers, T, local_heads, head_dim]` bfloat16.
-        Raises LookupFailedError if this lookup, or one whose failure was not yet reported,
-        failed (client/failures.py)."""
-        self._raise_failure()
-        self._client._check_current(self)
-        self._collect(timeout)
-        rows = self._client._slab.rows(self.slot, self.tokens)
-        if self._client.device.type == "cuda":
-            stream = torch.cuda.current_stream(self._client.device.index)
-            self._client._stream_wait(self, stream)
-            stream.synchronize()
-            self._raise_failure()  # released by the watchdog while we synced
-            if self.event is None:  # served: error replies and the daemon's death come in here
-                self._client._take_in()
-                self._client._check_alive()
-            if self._error is None and self._client._served.daemon_failed(self):
-                self._error = self._client._served.error_of(self)
-            if self.event is None and self._error is None and not self._client._rows_written(self):
-                # Released by the daemon's free of the slab (it retired us) before our watchdog
-                # saw the lease close: the counters say these rows were never written.
-                self._client._failed.add(self, "its wait was released without its rows")
-            self._raise_failure()
-        return rows.clone() if copy else rows
-
-    def wait(self, stream: torch.cuda.Stream | None = None) -> torch.Tensor:
-        """GPU: make `stream` (default: current) wait for the rows and return their view at once."""
-        client = self._client
-        if client.device.type != "cuda":
-            return self.result()
-        self._raise_failure()
-        client._check_current(self)
-        if self.event is None:  # served: error replies and the daemon's death come in here
-            client._take_in()
-            self._raise_failure()
-            client._check_alive()
-        if self._error is not None:
-            client._failed.reported(self)
-            raise self._error
-        stream = stream or torch.cuda.current_stream(client.device.index)
-        client._stream_wait(self, stream)
-        return client._slab.rows(self.slot, self.tokens)
-
-    def _raise_failure(self) -> None:
-        """This lookup's own failure (the daemon's typed error first), else any failure of the
-        client not yet reported."""
-        failed = self._client._failed
-        for own in (self._error, self.failure):
-            if own is not None:
-                failed.reported(self)
-                raise own
-        failed.raise_unreported()
-
-    def _collect(self, timeout: float | None) -> None:
-        if not self._replied:
-            try:
-                reply = self._client._conn.wait(self.rid, timeout, f"lookup of {self.tokens} tokens")
-                self.out_of_range = reply.body.out_of_range or 0
-            except ReplyTimeoutError:
-                raise  # the lookup may still complete: a later call can collect it
-            except EngramError as exc:
-                self._error = exc
-            self._replied = True
-        if self._error is not None:
-            raise self._error
-
-
 def check_cache_cap(gib: Any) -> int | None:
     """`hot_cache_gib` as a byte cap (None: none), or a BadRequestError naming the value."""
     if gib is None:
@@ -243,14 +113,6 @@ def check_cache_cap(gib: Any) -> int | None:
     if isinstance(gib, bool) or not isinstance(gib, numbers.Real) or not 0 <= gib < 1 << 20:
         raise BadRequestError(f"hot_cache_gib must be a number of GiB >= 0 (0: no cache), got {gib!r}")
     return int(gib * 2**30)
-
-
-def cache_budget(policy: dict[str, Any], cap: int | None) -> int:
-    """Bytes of a mapped GPU client's own hot-row cache: the daemon's size, capped by the
-    client's (an older daemon sends none: no cache)."""
-    offered = policy.get("cache_bytes", 0)
-    offered = offered if type(offered) is int and offered > 0 else 0
-    return offered if cap is None else min(offered, cap)
 
 
 def _resolve_device(device: str | torch.device) -> torch.device:
@@ -314,9 +176,6 @@ class EngramClient:
         self._tables_seq = 0  # their seq in this daemon (client/messages.py: tables_seq)
         self._tables_lost: str | None = None  # pinned: why lookups are refused
         self._heard_tables: tuple[str, int] | None = None  # (tables, seq) a heartbeat reply named
-        # Mapped: replaced mappings (with what their last gathers need) until those have run.
-        self._old_mappings: list[tuple[MappedTables, Any, Any]] = []
-        self._remapping: PendingMapping | None = None  # mapped: a reload's tables, being mapped
         # Held by lookup() and close(); the watch thread follows a reload only while it is free.
         self._tables_lock = threading.RLock()
         self.timeout = timeout
@@ -332,14 +191,7 @@ class EngramClient:
         self._replaced: list[Any] = []  # its connection and lease before the rejoin: closed by lookup()
         self.rows_generation = 0  # bumped when the slots' rows move (see slot_rows)
         self._lease: socket.socket | None = None  # the daemon frees us when it closes
-        self._mapped: MappedTables | None = None
-        self._gather: Any = None  # mapped: the gather this process runs
-        self._side: torch.cuda.Stream | None = None  # mapped GPU clients gather on it
-        self._unqueued: LookupFuture | None = None  # mapped GPU: the lookup whose gather waits
-        self._out_of_range: DeviceCounterReader | None = None  # mapped GPU: their device count
-        self.counts = {"lookups": 0, "rows": 0, "out_of_range": 0}  # mapped: since the mapping
-        # Mapped: the counts when the registration began; the daemon is told those since then.
-        self._counts_base = dict(self.counts)
+        self._mapped_path = MappedPath(self)  # mapped: the mapping and its gathers (client/mapped_path.py)
         self._watchdog: threading.Thread | None = None
         self._closing: threading.Event | None = None
         self._dead: str | None = None
@@ -349,7 +201,6 @@ class EngramClient:
         self.client_id: int | None = None
         self.mps: dict[str, Any] | None = None
         self._warned_mps = False
-        self._idle_follow_failed: int | None = None  # the tables seq the watch thread gave up on
         try:
             with self._tables_lock:  # the watch thread starts before the mapping is complete
                 self._connect()
@@ -403,7 +254,7 @@ class EngramClient:
         the rejoin otherwise (no daemon within reconnect_timeout, a refusal)."""
         rejoin = self._rejoin
         if rejoin is None:
-            if self.mode != "mapped" or self._mapped is None:
+            if self.mode != "mapped" or self._mapped_path.tables is None:
                 return False
             gone = self._gone_reason()
             self._rejoin = Rejoin(self._join_again, self._take_rejoined, self._drop_rejoined,
@@ -451,11 +302,11 @@ class EngramClient:
         with self._tables_lock:
             if self._rejoin is None or self._conn is None:
                 return False  # close() came first
-            if self._remapping is not None:  # a reload's tables of the old daemon, being mapped
+            if self._mapped_path.remapping is not None:  # a reload's tables of the old daemon, being mapped
                 log.warning("a reload was being mapped when the daemon went away: registering "
                             "again from scratch")
                 return False
-            if (f.mode != "mapped" or self._mapped is None or tables[0] is None
+            if (f.mode != "mapped" or self._mapped_path.tables is None or tables[0] is None
                     or tables[0] != self.tables_id
                     or TableGeometry.from_config(f.geometry, source="daemon register reply") != self.geometry
                     or f.shard.get("local_heads") != self.shard.local_heads
@@ -473,9 +324,9 @@ class EngramClient:
             # The new daemon counts this client from here on, as it would a new registration:
             # lookups made before its start are not its own (its counters began at zero).
             # (No copy queued from this thread: the last finished one's value serves.)
-            self._counts_base = self._mapped_counts(queue_copy=False)
+            self._mapped_path.counts_base = self._mapped_path.mapped_counts(queue_copy=False)
             self._read_tables(*tables)
-            self._heard_tables, self._idle_follow_failed, self._tables_lost = None, None, None
+            self._heard_tables, self._mapped_path.idle_follow_failed, self._tables_lost = None, None, None
             self._take_lease(attachment)
             self._start_watchdog(f.heartbeat_interval)
             self._rejoin = None
@@ -513,7 +364,7 @@ class EngramClient:
             self._served.await_stopping_daemon()
             self._served.release_waits()  # the daemon is gone or going: its counters may never move
         try:
-            self._unmap()  # first: it synchronises the device, so no gather of ours still reads
+            self._mapped_path.unmap()  # first: it synchronises the device, so no gather of ours still reads
         finally:           # the old mapping or writes our slots
             slab, self._slab = self._slab, None
             if slab is not None and keep_rows and self._kept_rows is None:
@@ -527,23 +378,6 @@ class EngramClient:
                 self._conn.close()
                 self._conn = None
             self.client_id = None
-
-    def _unmap(self) -> None:
-        """Mapped mode: let go of the tables and of everything built on them."""
-        mapped, side = self._mapped, self._side
-        self._mapped, self._gather, self._side, self._out_of_range = None, None, None, None
-        self._unqueued = None  # its wait() raises: the rows would come from a mapping now gone
-        pending, self._remapping = self._remapping, None
-        if pending is not None:
-            pending.discard()
-        self._free_old_mappings(wait=True)
-        if mapped is not None:
-            mapped.close()
-        if side is not None:
-            from engramd.client import cuda
-
-            torch.cuda.synchronize(self.device)  # our gathers ran on it
-            cuda.STREAMS.give(side)
 
     def _register_fields(self) -> dict[str, Any]:
         """The register request's fields: who we are, where, and what we ask for."""
@@ -584,8 +418,7 @@ class EngramClient:
         self._read_tables(f.tables, f.tables_seq)  # what the daemon serves (None: it does not say)
         self._tables_lost = None  # pinned: the daemon registered us, so it serves ours
         self._heard_tables, self._token, self._gather_policy = None, f.token, f.gather
-        self.counts = {"lookups": 0, "rows": 0, "out_of_range": 0}  # this registration's
-        self._counts_base = dict(self.counts)
+        self._mapped_path.reset_counts()  # this registration's
         self.geometry = TableGeometry.from_config(f.geometry, source="daemon register reply")
         tp_rank, tp_size = self._registration[:2]
         self.shard: ShardView = self.geometry.shard(tp_rank, tp_size)
@@ -619,7 +452,7 @@ class EngramClient:
         """Map what the attach passed: the slab (served) or the tables (mapped, which gather
         by the daemon's `gather` policy)."""
         if self.mode == "mapped":
-            self._map_tables(attachment)
+            self._mapped_path.map_tables(attachment)
             self._slab = self._keep_rows(LocalSlots, None) or LocalSlots(self.layout, self.device)
         elif attachment.slab is None or attachment.slab_fd is None:
             raise InternalError("the daemon attached a served client without a slab")
@@ -668,66 +501,6 @@ class EngramClient:
             return "the daemon closed this client's lease (it exited, or retired the client)"
         return None
 
-    def _map_tables(self, attachment: Attachment) -> None:
-        """Mapped mode: the tables' descriptors, mapped read-only, and on a GPU the side stream
-        the gathers run on and the hot-row cache they read through."""
-        self._mapped = MappedTables(attachment.tables, self.geometry, self.device)
-        if attachment.version is not None:  # a reload between register and attach: these
-            self._read_tables(attachment.version, attachment.tables_seq)
-        try:
-            if self.device.type == "cuda":
-                from engramd.client import cuda
-
-                self._side = cuda.new_stream(self.device.index)
-            self._gather = self._gather_over(self._mapped, attachment.warm_fd)
-        except BaseException:  # the mapping, its cache's keeper and the stream go with it
-            self._unmap()
-            raise
-        if self.device.type == "cuda":
-            # The plan's and cache's device arrays were made on this thread's stream; the
-            # gathers run on ours.
-            self._side.wait_stream(torch.cuda.current_stream(self.device))
-            self._out_of_range = DeviceCounterReader(self._gather.out_of_range)
-
-    def _gather_over(self, mapped: MappedTables, warm_fd: int | None = None,
-                     counter: torch.Tensor | None = None):
-        """The gather over `mapped`, by the daemon's policy (mapped_gather), through a hot-row
-        cache of its own on a GPU (_start_cache)."""
-        if self._side is not None:
-            self._start_cache(mapped, warm_fd)
-        policy = self._gather_policy
-        return mapped_gather(self.shard, mapped, self.device, int(policy.get("sort_min_tokens", 0)),
-                             float(policy.get("sm_fraction", 1.0)), counter=counter)
-
-    def _start_cache(self, mapped: MappedTables, warm_fd: int | None) -> None:
-        """A GPU client's own hot-row cache over `mapped` and its keeper (client/cache_keeper.py,
-        whose grace waits out the gathers on our side stream), of the size the daemon says
-        capped by `hot_cache_gib` (none for 0). The keeper's thread warms it from the daemon's
-        trace when it passed one (this shard's heads: the others' rows are never read here),
-        while lookups already run: reading and counting the trace is no part of the attach. A
-        cache that cannot be made only costs hits: the client gathers without one."""
-        budget = cache_budget(self._gather_policy, self._cache_cap)
-        if budget <= 0:
-            return
-        side = self._side
-        try:
-            with torch.cuda.device(self.device):
-                keeper = CacheKeeper.over(mapped.device_rows(), budget, lambda: [side],
-                                          float(self._gather_policy.get("cache_refresh_s", 0.05)))
-        except Exception as exc:  # e.g. too small a budget (CacheConfigError), or out of memory
-            log.warning("client %s gathers without a hot-row cache: %s", self.client_id, exc)
-            return
-        warm_up = None
-        try:  # a descriptor of the keeper's own: the attachment's is closed once it is done
-            if warm_fd is not None:
-                warm_up = WarmUpTrace(os.dup(warm_fd), self.geometry.n_layers, self.geometry.heads,
-                                      slice(self.shard.head_start, self.shard.head_end))
-        except OSError as exc:
-            log.warning("client %s: its hot-row cache starts cold: %s", self.client_id, exc)
-        mapped.keeper = keeper.start(warm_up)
-        log.info("client %s: hot-row cache of %d rows%s", self.client_id, keeper.cache.layout.slots,
-                 ", warming on its keeper's thread" if warm_up is not None else "")
-
     # -- reloads ----------------------------------------------------------------------------------
 
     def _read_tables(self, tables: str | None, seq: int) -> None:
@@ -748,117 +521,39 @@ class EngramClient:
 
     def _follow_tables(self) -> None:
         """Before a lookup: if a reload replaced the tables, read the new ones (mapped: once
-        they are mapped, on a thread of their own, PendingMapping; until then the old mapping
+        they are mapped, on a thread of their own, MappedPath.follow; until then the old mapping
         serves), or, pinned, refuse."""
-        self._free_old_mappings()
+        self._mapped_path.free_old_mappings()
         news = self._tables_news() if self._tables_lost is None else None
         if news is not None and self.pin_tables:
             self._tables_lost = (f"this client pinned tables {self.tables_id}; the daemon serves "
                                  f"{news[0]} now (a reload): look up from a new client")
         if self._tables_lost is not None:
             raise TablesChangedError(self._tables_lost)
-        if self.mode != "mapped":
-            if news is not None:  # the daemon serves them to every lookup it takes from now
-                self._read_tables(*news)
-            return
-        pending = self._remapping
-        if pending is None and news is not None:
-            path, client_id, token = handle_socket_path(self.socket_path), self.client_id, self._token
-            timeout = max(self.timeout, HANDLE_TIMEOUT_S)
-            self._remapping = PendingMapping(lambda: fetch_tables(path, client_id, token, timeout),
-                                             self.geometry, self.device)
-        elif pending is not None and pending.ready():
-            self._remapping = None
-            self._take_mapping(pending)
-
-    def _follow_while_idle(self) -> None:
-        """Watch thread: a mapped client that no lookup is using follows a reload here (maps
-        the new tables, takes them, unmaps the old ones), so an idle engine lets the old
-        tables' memory go within a heartbeat or two instead of at its next lookup."""
-        if self.mode != "mapped" or self.pin_tables:
-            return
-        if not self._tables_lock.acquire(blocking=False):
-            return  # a lookup or close() is running: lookups follow the tables themselves
-        news = None
-        try:
-            if self._conn is None or self._gather is None:  # closed, or still being built
-                return
-            news = self._tables_news()
-            if news is not None and news[1] == self._idle_follow_failed:
-                return  # it failed here once: the next lookup tries again, and raises
-            if news is None and self._remapping is None and not self._old_mappings:
-                return
-            # On our side stream: the new plan's construction is ordered before our gathers and
-            # waits for none of the engine's work.
-            on_gpu = self._side is not None
-            with torch.cuda.device(self.device) if on_gpu else nullcontext(), \
-                    torch.cuda.stream(self._side) if on_gpu else nullcontext():
-                self._follow_tables()
-        except Exception as exc:
-            self._idle_follow_failed = news[1] if news is not None else None
-            log.warning("client %s could not follow the reload while idle: %s", self.client_id, exc)
-        finally:
-            self._tables_lock.release()
-
-    def _take_mapping(self, pending: PendingMapping) -> None:
-        """Gather from the reload's tables from this lookup on; the old mapping goes once the
-        gathers on it are done."""
-        # A lookup made before the switch reads the tables of its time; queued first, so that
-        # its wait() need not take the lock this thread holds while the new gather is built.
-        self._queue_gather()
-        if pending.error is not None:  # the news goes: the next heartbeat's reply tries again
-            self._conn.tables_notice = self._heard_tables = None
-            log.warning("client %d could not map the reloaded tables: %s", self.client_id, pending.error)
-            return
-        try:  # a new cache too (the old one holds rows of the old tables); counts go on where they were
-            gather = self._gather_over(pending.tables, counter=getattr(self._gather, "out_of_range", None))
-        except BaseException:
-            pending.discard()
-            raise
-        if self._side is not None:  # the new plan's device arrays came from this thread's stream
-            self._side.wait_stream(torch.cuda.current_stream(self.device))
-        old, old_gather = self._mapped, self._gather
-        self._mapped, self._gather = pending.tables, gather
-        del gather
-        if old.keeper is not None:
-            old.keeper.stop()  # nothing will read its cache once the gathers queued on it are done
-        done = None  # CPU gathers ran inside their lookup() calls
-        if self.device.type == "cuda":  # gathers on the old mapping may still run: after them
-            done = torch.cuda.Event()
-            done.record(self._side)
-            # Its plan's device arrays too: freed now, the allocator could hand them out under
-            # the queued gathers. (A CPU gather's views of the old mapping, by contrast, must go
-            # now: while one lives, the unmap would run here when it goes, 0.3 s a GiB.)
-            self._old_mappings.append((old, done, old_gather))
-        else:
-            self._old_mappings.append((old, done, None))
-        del old_gather
-        log.info("client %d maps tables %s now (were %s)", self.client_id, pending.version, self.tables_id)
-        self._read_tables(pending.version, pending.seq)
-        self._free_old_mappings()
-
-    def _free_old_mappings(self, wait: bool = False) -> None:
-        """Unmap replaced mappings whose last gathers are done, in the background (`wait`: all,
-        synchronising first, and waiting for the unmaps)."""
-        kept, closing = [], []
-        for mapped, done, gather in self._old_mappings:
-            if wait and done is not None:
-                done.synchronize()
-            if done is None or done.query():
-                closing.append(close_in_background(mapped))  # `gather` goes with this entry
-            else:
-                kept.append((mapped, done, gather))
-        self._old_mappings = kept
-        for thread in closing if wait else ():
-            thread.join()
+        if self.mode == "mapped":
+            self._mapped_path.follow(news)
+        elif news is not None:  # the daemon serves them to every lookup it takes from now
+            self._read_tables(*news)
 
     def hot_cache_stats(self) -> dict[str, Any] | None:
         """A mapped GPU client's own hot-row cache: rows read per layer and of them hits,
         admissions, refreshes, size (None without one: served lookups read the daemon's cache,
         in stats()["hot_cache"])."""
         with self._tables_lock:
-            keeper = self._mapped.keeper if self._mapped is not None else None
+            tables = self._mapped_path.tables
+            keeper = tables.keeper if tables is not None else None
             return keeper.report() if keeper is not None else None
+
+    @property
+    def mapped_tables(self) -> MappedTables | None:
+        """Mapped clients: the mapping of the daemon's tables their lookups gather from now
+        (None: served, or nothing mapped); a reload's or a restart's tables replace it."""
+        return self._mapped_path.tables
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Mapped clients: lookups, rows and out-of-range IDs since the mapping was made."""
+        return self._mapped_path.counts
 
     @property
     def max_tokens(self) -> int:
@@ -911,7 +606,7 @@ class EngramClient:
         if self._conn is None:
             raise DaemonUnavailableError("client is closed")
         self._failed.raise_unreported()  # before anything else: the engine must hear of them
-        self._queue_gather()  # lookups reach the side stream in the order they were made
+        self._mapped_path.queue_gather()  # lookups reach the side stream in the order they were made
         self._close_replaced()
         self._take_in()
         if self._daemon_gone() and not self._riding_through():
@@ -920,7 +615,7 @@ class EngramClient:
         ids = self._check_ids(hash_ids)
         slot = self._check_slot(slot)  # after a re-registration: its slots
         if self.mode == "mapped":
-            return self._lookup_mapped(ids, stream, slot, sm_fraction)
+            return self._mapped_path.lookup(ids, stream, slot, sm_fraction)
         if self.device.type == "cuda":
             return self._served.lookup(ids, stream or torch.cuda.current_stream(self.device.index), slot)
         slot = self._claim_slot(slot)
@@ -932,93 +627,9 @@ class EngramClient:
             ids_shape=list(ids.shape), inline=True)
         return self._track(LookupFuture(self, rid, slot, seq, ids.shape[0]))
 
-    def _lookup_mapped(self, ids: torch.Tensor, stream: torch.cuda.Stream | None,
-                       slot: int | None, sm_fraction: float | None) -> LookupFuture:
-        """Mapped mode: this process gathers from its mapping of the daemon's tables. On a GPU
-        the gather runs on a side stream after `stream`'s earlier work (the IDs' producers) and
-        after the previous readers of the slot; wait() makes a stream wait for its event."""
-        slot = self._take_turn(slot)
-        tokens = ids.shape[0]
-        out = self._slab.rows(slot, tokens)
-        future = LookupFuture(self, 0, slot, next(self._seqs), tokens, acked=False)
-        if self.device.type == "cpu":
-            self._pending.pop(slot, None)
-            future.out_of_range = self._gather(ids.to("cpu"), out, None)
-            self.counts["out_of_range"] += future.out_of_range
-        else:
-            future.deferred = self._gather_inputs(ids, out, slot, stream, sm_fraction)
-            future.event = torch.cuda.Event()
-            self._unqueued = future
-            if self.gather_at == "lookup":
-                self._queue_gather()
-        self.counts["lookups"] += 1
-        self.counts["rows"] += tokens * self.geometry.n_layers * self.shard.owned_heads
-        return self._track(future)
-
-    def _gather_inputs(self, ids: torch.Tensor, out: torch.Tensor, slot: int,
-                       stream: torch.cuda.Stream | None, sm_fraction: float | None) -> DeferredGather:
-        """What a mapped GPU lookup's gather needs, its dependencies taken now: events on the
-        streams whose work so far must come first, `stream`'s (the IDs' producers) and the
-        slot's previous readers'. The gather itself is queued later (_queue_gather)."""
-        stream = stream or torch.cuda.current_stream(self.device.index)
-        if ids.device != self.device:
-            with torch.cuda.stream(stream):  # recorded in `stream`'s order below
-                ids = ids.to(self.device, non_blocking=True)
-        previous = self._pending.pop(slot, None)
-        streams = [stream, *(c for c in (previous.consumers if previous is not None else ())
-                             if c != stream)]  # `stream`'s reads are covered by its own event
-        after = []
-        for waited in streams:
-            event = torch.cuda.Event()
-            event.record(waited)
-            after.append(event)
-        # Held until the gather is queued, so the caller may drop the IDs once lookup() returns.
-        return DeferredGather(ids, out, after, sm_fraction)
-
-    def _queue_gather(self) -> None:
-        """Queue the gather of the lookup that waits for it (if any) on the side stream, on the
-        mapping of this moment. Callers hold _tables_lock."""
-        future, self._unqueued = self._unqueued, None
-        if future is None:
-            return
-        work, side = future.deferred, self._side
-        try:
-            for event in work.after:
-                side.wait_event(event)
-            work.ids.record_stream(side)  # the allocator keeps the IDs until the gather read them
-            self._gather(work.ids, work.out, side, work.sm_fraction)
-            future.event.record(side)
-        except BaseException as exc:  # e.g. out of memory for a sort: that lookup's wait() says so
-            future._error = exc if isinstance(exc, EngramError) else InternalError(
-                f"the gather of a lookup of {future.tokens} tokens failed: {exc}")
-            if not isinstance(exc, Exception):
-                raise
-        finally:
-            # Last: a wait() on another thread that finds it None without the lock finds the
-            # event recorded or the error set.
-            future.deferred = None
-
-    def _queued(self, future: LookupFuture) -> None:
-        """Before a stream waits for a mapped lookup's event: its gather is queued (now, if it
-        was waiting for this), or the lookup's error is raised (its gather failed, or was
-        dropped with its mapping)."""
-        if future.deferred is not None:
-            with self._tables_lock:
-                if self._unqueued is future:
-                    self._queue_gather()
-        if future.deferred is not None:
-            raise DaemonUnavailableError(
-                "this lookup's gather was dropped with the tables mapping it was to read (the "
-                "client closed while its daemon was gone): look it up again")
-        if future._error is not None:
-            raise future._error
-
     def _stream_wait(self, future: LookupFuture, stream: torch.cuda.Stream) -> None:
         if future.event is not None:  # mapped: the gather runs on this process's side stream
-            self._queued(future)
-            stream.wait_event(future.event)
-            if stream not in future.consumers:
-                future.consumers.append(stream)
+            self._mapped_path.stream_wait(future, stream)
         else:
             self._served.stream_wait(future, stream)
 
@@ -1031,7 +642,7 @@ class EngramClient:
         if future.slots_epoch != self._slots_epoch or self._slab is None:
             return False
         if future.event is not None:  # mapped GPU: the gather's event, once it is queued
-            return future.deferred is None and future.event.query()
+            return self._mapped_path.rows_written(future)
         if isinstance(self._slab, CudaSlabView):
             return self._served.rows_written(future)
         return future.done()  # CPU: the reply, rows included
@@ -1141,7 +752,7 @@ class EngramClient:
                     if (getattr(body, "tables", None) is not None and reply.epoch == self.epoch
                             and (heard is None or body.tables_seq >= heard[1])):
                         self._heard_tables = (body.tables, body.tables_seq)
-                self._follow_while_idle()
+                self._mapped_path.follow_while_idle()
         finally:
             beat.close()
 
@@ -1149,28 +760,7 @@ class EngramClient:
         """Mapped clients: this registration's cumulative counts for the daemon's stats."""
         if self.mode != "mapped":
             return None
-        return self._since_registered(self._mapped_counts())
-
-    def _mapped_counts(self, queue_copy: bool = True) -> dict[str, int]:
-        """Counts since the mapping was made (GPU out-of-range IDs as the device counter read by
-        the last finished copy, `queue_copy`: the next one queued; never a host sync of the
-        model's work)."""
-        counts = dict(self.counts)
-        reader = self._out_of_range  # None once unmapped (close or reconnect on another thread)
-        if self.device.type == "cuda" and reader is not None:
-            counts["out_of_range"] = reader.read(again=queue_copy)
-        return counts
-
-    def _since_registered(self, counts: dict[str, int]) -> dict[str, int]:
-        return {name: value - self._counts_base.get(name, 0) for name, value in counts.items()}
-
-    def _final_counts(self) -> dict[str, int]:
-        """Mapped clients at release, the device idle: exact counts, the last word on them."""
-        counts = dict(self.counts)
-        if self.device.type == "cuda" and self._gather is not None:  # None: mapping failed half-way
-            torch.cuda.synchronize(self.device)  # the side stream's gathers count into it
-            counts["out_of_range"] = int(self._gather.out_of_range.item())
-        return self._since_registered(counts)
+        return self._mapped_path.since_registered(self._mapped_path.mapped_counts())
 
     def _daemon_gone(self) -> bool:
         """The daemon of our registration died, retired us, or said it is stopping (a reconnect
@@ -1216,10 +806,11 @@ class EngramClient:
                 except EngramError:
                     pass
             counts = None
-            if self._mapped is not None:  # synchronises first: our gathers write our slots
-                self._queue_gather()  # every lookup is gathered, its out-of-range IDs counted
-                counts = self._final_counts()
-                self._unmap()
+            mapped = self._mapped_path
+            if mapped.tables is not None:  # synchronises first: our gathers write our slots
+                mapped.queue_gather()  # every lookup is gathered, its out-of-range IDs counted
+                counts = mapped.final_counts()
+                mapped.unmap()
             if isinstance(self._slab, CudaSlabView):
                 # Our streams may wait on the daemon's counters: if it dies during this sync, the
                 # watchdog (still running) releases them. Then it stops, before the unmap.

@@ -20,6 +20,7 @@ import torch
 
 from engramd.client.connection import Connection
 from engramd.client.errors import EngramError, InternalError, ReplyTimeoutError
+from engramd.client.future import LookupFuture
 from engramd.client.handles import Attachment
 from engramd.client.ids import dtype_name
 from engramd.client.shared_mapping import SharedMapping
@@ -36,7 +37,7 @@ from engramd.client.slab import (
 )
 
 if TYPE_CHECKING:
-    from engramd.client.client import EngramClient, LookupFuture
+    from engramd.client.client import EngramClient
 
 log = logging.getLogger("engramd.client")
 

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from engramd.client.served import CudaSlabView, ServedGpu
 from engramd.client.failures import FailedLookups
+from engramd.client.served import CudaSlabView, ServedGpu
 from engramd.client.slab import FAILED, ROWS_DONE, release_value
 
 
