@@ -78,10 +78,8 @@ from engramd.client.mapped import LocalSlots, MappedTables
 from engramd.client.mapped_path import MappedPath
 from engramd.client.messages import RegisterReply
 from engramd.client.rejoin import Rejoin, retry_until
-from engramd.client.served import CudaSlabView, MemfdSlabView, ServedGpu
-from engramd.client.slab import (
-    SlabLayout,
-)
+from engramd.client.served import CudaSlabView, MemfdSlabView, ServedCpu, ServedGpu
+from engramd.client.slab import SlabLayout
 
 log = logging.getLogger("engramd.client")
 
@@ -198,6 +196,7 @@ class EngramClient:
         self._pending: dict[int, LookupFuture] = {}
         self._failed = FailedLookups()  # served GPU: lookups the daemon did not serve, unreported
         self._served = ServedGpu(self)  # served GPU: its lookups' bookkeeping (client/served.py)
+        self._served_cpu = ServedCpu(self)  # served CPU: inline lookups (client/served.py)
         self.client_id: int | None = None
         self.mps: dict[str, Any] | None = None
         self._warned_mps = False
@@ -606,8 +605,9 @@ class EngramClient:
         if self._conn is None:
             raise DaemonUnavailableError("client is closed")
         self._failed.raise_unreported()  # before anything else: the engine must hear of them
-        self._mapped_path.queue_gather()  # lookups reach the side stream in the order they were made
-        self._close_replaced()
+        if self.mode == "mapped":
+            self._mapped_path.queue_gather()  # lookups reach the side stream in the order they were made
+            self._close_replaced()  # a rejoin's (only a mapped client rejoins)
         self._take_in()
         if self._daemon_gone() and not self._riding_through():
             self._reconnect()
@@ -618,34 +618,11 @@ class EngramClient:
             return self._mapped_path.lookup(ids, stream, slot, sm_fraction)
         if self.device.type == "cuda":
             return self._served.lookup(ids, stream or torch.cuda.current_stream(self.device.index), slot)
-        slot = self._claim_slot(slot)
-        ids = ids.to("cpu").contiguous()
-        seq = next(self._seqs)
-        rid = self._conn.send(
-            "lookup", [memoryview(ids.numpy()).cast("B")], client_id=self.client_id, slot=slot,
-            seq=seq, ids_dtype=dtype_name(ids.dtype),
-            ids_shape=list(ids.shape), inline=True)
-        return self._track(LookupFuture(self, rid, slot, seq, ids.shape[0]))
-
-    def _stream_wait(self, future: LookupFuture, stream: torch.cuda.Stream) -> None:
-        if future.event is not None:  # mapped: the gather runs on this process's side stream
-            self._mapped_path.stream_wait(future, stream)
-        else:
-            self._served.stream_wait(future, stream)
+        return self._served_cpu.lookup(ids, slot)
 
     def _track(self, future: LookupFuture) -> LookupFuture:
         self._pending[future.slot] = future
         return future
-
-    def _rows_written(self, future: LookupFuture) -> bool:
-        """Whether `future`'s rows are known written, without waiting (LookupFuture.ok)."""
-        if future.slots_epoch != self._slots_epoch or self._slab is None:
-            return False
-        if future.event is not None:  # mapped GPU: the gather's event, once it is queued
-            return self._mapped_path.rows_written(future)
-        if isinstance(self._slab, CudaSlabView):
-            return self._served.rows_written(future)
-        return future.done()  # CPU: the reply, rows included
 
     def _take_in(self) -> None:
         """Read what the daemon sent, without waiting: notices, and error replies to GPU lookups
@@ -698,24 +675,6 @@ class EngramClient:
         if slot is not None:
             return slot
         slot, self._next_slot = self._next_slot, (self._next_slot + 1) % self.slots
-        return slot
-
-    def _check_current(self, future: LookupFuture) -> None:
-        if self._slab is None:
-            raise DaemonUnavailableError("client is closed or not registered")
-        if future.slots_epoch != self._slots_epoch:
-            raise DaemonUnavailableError(
-                "this lookup was made before the client re-registered with a restarted daemon; "
-                "its rows are lost: look them up again")
-
-    def _claim_slot(self, slot: int | None) -> int:
-        slot = self._take_turn(slot)
-        previous = self._pending.pop(slot, None)
-        if previous is not None:
-            try:
-                previous._collect(self.timeout)  # the slot is reused only once it is done
-            except EngramError:
-                pass  # that lookup's owner sees its error; the slot is free either way
         return slot
 
     # -- daemon death ---------------------------------------------------------------------------

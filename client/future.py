@@ -1,30 +1,112 @@
-"""The pending rows of one lookup, as the client's lookup() returns them.
-
-A future is made by one of the client's paths (served GPU: client/served.py; mapped:
-client/mapped_path.py; CPU served: client/client.py) and asks the client what only it knows: the
-slot memory, the daemon's replies and death, the failures not reported yet (client/failures.py).
-"""
+"""The pending rows of one lookup, as the client's lookup() returns them, and what it asks of
+the path that made it (LookupPath: served GPU and CPU in client/served.py, mapped in
+client/mapped_path.py). Not here: how rows are gathered or released, which is each path's."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
-from engramd.client.errors import EngramError, LookupFailedError, ReplyTimeoutError
+from engramd.client.errors import (
+    DaemonUnavailableError,
+    EngramError,
+    InternalError,
+    LookupFailedError,
+    ReplyTimeoutError,
+)
+from engramd.client.failures import FailedLookups
 from engramd.client.mapped import DeferredGather
 
-if TYPE_CHECKING:
-    from engramd.client.client import EngramClient
+
+class LookupPath(Protocol):
+    """What a LookupFuture asks of the path that made it."""
+
+    device: torch.device
+    failures: FailedLookups  # the client's failed lookups not reported yet (client/failures.py)
+
+    @property
+    def slots_epoch(self) -> int:
+        """The client's registrations that took its slots over (a lookup of an older one is lost)."""
+
+    def check_current(self, lookup: LookupFuture) -> None:
+        """Raise DaemonUnavailableError if the lookup's rows are gone (closed, re-registered)."""
+
+    def rows(self, lookup: LookupFuture) -> torch.Tensor:
+        """The view of the lookup's rows in its slot."""
+
+    def rows_written(self, lookup: LookupFuture) -> bool:
+        """Whether the rows are known written, without waiting."""
+
+    def poll_failure(self, lookup: LookupFuture) -> None:
+        """Record a failure the path can see without waiting (LookupFuture.failed)."""
+
+    def before_wait(self, lookup: LookupFuture) -> None:
+        """GPU: what the path learns, or raises, before a stream waits for the rows."""
+
+    def stream_wait(self, lookup: LookupFuture, stream: torch.cuda.Stream) -> None:
+        """GPU: make `stream` wait for the rows."""
+
+    def after_sync(self, lookup: LookupFuture) -> None:
+        """GPU: once result() synchronised on the rows, what says they are not the lookup's."""
+
+    def reply_ready(self, lookup: LookupFuture) -> bool:
+        """Acknowledged lookups: whether the daemon's reply is in, without waiting."""
+
+    def wait_reply(self, lookup: LookupFuture, timeout: float | None) -> Any:
+        """Acknowledged lookups: the daemon's reply (its error raised)."""
+
+
+class ClientPath:
+    """What every path of one client answers alike, from the client's registration and slot
+    memory (which outlive a path's lookups); the rest of LookupPath is each path's own."""
+
+    def __init__(self, client: Any):
+        self._client = client
+        self.device: torch.device = client.device
+
+    @property
+    def failures(self) -> FailedLookups:
+        return self._client._failed
+
+    @property
+    def slots_epoch(self) -> int:
+        return self._client._slots_epoch
+
+    def check_current(self, lookup: LookupFuture) -> None:
+        if self._client._slab is None:
+            raise DaemonUnavailableError("client is closed or not registered")
+        if lookup.slots_epoch != self._client._slots_epoch:
+            raise DaemonUnavailableError(
+                "this lookup was made before the client re-registered with a restarted daemon; "
+                "its rows are lost: look them up again")
+
+    def rows(self, lookup: LookupFuture) -> torch.Tensor:
+        return self._client._slab.rows(lookup.slot, lookup.tokens)
+
+    def poll_failure(self, lookup: LookupFuture) -> None:
+        pass
+
+    def before_wait(self, lookup: LookupFuture) -> None:
+        pass
+
+    def after_sync(self, lookup: LookupFuture) -> None:
+        pass
+
+    def reply_ready(self, lookup: LookupFuture) -> bool:
+        return False
+
+    def wait_reply(self, lookup: LookupFuture, timeout: float | None) -> Any:
+        raise InternalError(f"lookup {lookup.rid}: the daemon does not acknowledge this kind of lookup")
 
 
 class LookupFuture:
     """The pending rows of one lookup."""
 
-    def __init__(self, client: EngramClient, rid: int, slot: int, seq: int, tokens: int,
+    def __init__(self, path: LookupPath, rid: int, slot: int, seq: int, tokens: int,
                  acked: bool = True):
-        self._client = client
-        self.slots_epoch = client._slots_epoch  # a re-registration that takes the slots over makes it stale
+        self._path = path
+        self.slots_epoch = path.slots_epoch  # a re-registration that takes the slots over makes it stale
         self.rid = rid
         self.slot = slot
         self.seq = seq
@@ -49,24 +131,21 @@ class LookupFuture:
         died, retired this client or refused the lookup) and wait()/result() raise. Never waits
         and never syncs: an engine may poll it off its critical path, from the thread that uses
         the client (it reads the daemon's replies)."""
-        client = self._client
-        if self.failure is None and self._error is None and client.device.type == "cuda":
-            client._take_in()  # error replies the daemon sent since
-            if self._error is None and client._served.daemon_failed(self):  # its reply may be late
-                client._failed.add(self, "the daemon did not serve it")
+        if self.failure is None and self._error is None:
+            self._path.poll_failure(self)
         return self.failure is not None or self._error is not None
 
     def ok(self) -> bool:
         """True once the rows are known to be this lookup's (written, not failed); False while
         they may still come, and after a failure. Never waits and never syncs."""
-        return not self.failed() and self._client._rows_written(self)
+        return not self.failed() and self._path.rows_written(self)
 
     def done(self) -> bool:
         """True once the host has nothing left to wait for: on the CPU, the daemon's reply with
         the rows written; on the GPU, always (the rows are ready in stream order, see wait())."""
-        if self.slots_epoch != self._client._slots_epoch:
+        if self.slots_epoch != self._path.slots_epoch:
             return True  # made before a re-registration: result() says so (its rid is reused)
-        if not self._replied and self._client._conn.poll_reply(self.rid):
+        if not self._replied and self._path.reply_ready(self):
             self._collect(None)
         return self._replied
 
@@ -74,49 +153,39 @@ class LookupFuture:
         """Block until the rows are ready; `[n_layers, T, local_heads, head_dim]` bfloat16.
         Raises LookupFailedError if this lookup, or one whose failure was not yet reported,
         failed (client/failures.py)."""
+        path = self._path
         self._raise_failure()
-        self._client._check_current(self)
+        path.check_current(self)
         self._collect(timeout)
-        rows = self._client._slab.rows(self.slot, self.tokens)
-        if self._client.device.type == "cuda":
-            stream = torch.cuda.current_stream(self._client.device.index)
-            self._client._stream_wait(self, stream)
+        rows = path.rows(self)
+        if path.device.type == "cuda":
+            stream = torch.cuda.current_stream(path.device.index)
+            path.stream_wait(self, stream)
             stream.synchronize()
             self._raise_failure()  # released by the watchdog while we synced
-            if self.event is None:  # served: error replies and the daemon's death come in here
-                self._client._take_in()
-                self._client._check_alive()
-            if self._error is None and self._client._served.daemon_failed(self):
-                self._error = self._client._served.error_of(self)
-            if self.event is None and self._error is None and not self._client._rows_written(self):
-                # Released by the daemon's free of the slab (it retired us) before our watchdog
-                # saw the lease close: the counters say these rows were never written.
-                self._client._failed.add(self, "its wait was released without its rows")
+            path.after_sync(self)
             self._raise_failure()
         return rows.clone() if copy else rows
 
     def wait(self, stream: torch.cuda.Stream | None = None) -> torch.Tensor:
         """GPU: make `stream` (default: current) wait for the rows and return their view at once."""
-        client = self._client
-        if client.device.type != "cuda":
+        path = self._path
+        if path.device.type != "cuda":
             return self.result()
         self._raise_failure()
-        client._check_current(self)
-        if self.event is None:  # served: error replies and the daemon's death come in here
-            client._take_in()
-            self._raise_failure()
-            client._check_alive()
+        path.check_current(self)
+        path.before_wait(self)
         if self._error is not None:
-            client._failed.reported(self)
+            path.failures.reported(self)
             raise self._error
-        stream = stream or torch.cuda.current_stream(client.device.index)
-        client._stream_wait(self, stream)
-        return client._slab.rows(self.slot, self.tokens)
+        stream = stream or torch.cuda.current_stream(path.device.index)
+        path.stream_wait(self, stream)
+        return path.rows(self)
 
     def _raise_failure(self) -> None:
         """This lookup's own failure (the daemon's typed error first), else any failure of the
         client not yet reported."""
-        failed = self._client._failed
+        failed = self._path.failures
         for own in (self._error, self.failure):
             if own is not None:
                 failed.reported(self)
@@ -126,7 +195,7 @@ class LookupFuture:
     def _collect(self, timeout: float | None) -> None:
         if not self._replied:
             try:
-                reply = self._client._conn.wait(self.rid, timeout, f"lookup of {self.tokens} tokens")
+                reply = self._path.wait_reply(self, timeout)
                 self.out_of_range = reply.body.out_of_range or 0
             except ReplyTimeoutError:
                 raise  # the lookup may still complete: a later call can collect it

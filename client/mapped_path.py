@@ -21,7 +21,7 @@ import torch
 
 from engramd.client.cache_keeper import CacheKeeper, WarmUpTrace
 from engramd.client.errors import DaemonUnavailableError, EngramError, InternalError
-from engramd.client.future import LookupFuture
+from engramd.client.future import ClientPath, LookupFuture
 from engramd.client.handles import HANDLE_TIMEOUT_S, Attachment, fetch_tables, handle_socket_path
 from engramd.client.mapped import (
     DeferredGather,
@@ -46,13 +46,12 @@ def cache_budget(policy: dict[str, Any], cap: int | None) -> int:
     return offered if cap is None else min(offered, cap)
 
 
-class MappedPath:
+class MappedPath(ClientPath):
     """A mapped client's lookups and what they gather from. Built once per client; what it
     maps changes with the registrations and reloads (map_tables, follow, unmap)."""
 
     def __init__(self, client: EngramClient):
-        self._client = client
-        self.device = client.device
+        super().__init__(client)
         self.tables: MappedTables | None = None
         self.gather: Any = None  # the gather this process runs
         self.side: torch.cuda.Stream | None = None  # GPU: the gathers run on it
@@ -251,7 +250,7 @@ class MappedPath:
         slot = self._client._take_turn(slot)
         tokens = ids.shape[0]
         out = self._client._slab.rows(slot, tokens)
-        future = LookupFuture(self._client, 0, slot, next(self._client._seqs), tokens, acked=False)
+        future = LookupFuture(self, 0, slot, next(self._client._seqs), tokens, acked=False)
         if self.device.type == "cpu":
             self._client._pending.pop(slot, None)
             future.out_of_range = self.gather(ids.to("cpu"), out, None)
@@ -270,7 +269,7 @@ class MappedPath:
                        stream: torch.cuda.Stream | None, sm_fraction: float | None) -> DeferredGather:
         """What a mapped GPU lookup's gather needs, its dependencies taken now: events on the
         streams whose work so far must come first, `stream`'s (the IDs' producers) and the
-        slot's previous readers'. The gather itself is queued later (_queue_gather)."""
+        slot's previous readers'. The gather itself is queued later (queue_gather)."""
         stream = stream or torch.cuda.current_stream(self.device.index)
         if ids.device != self.device:
             with torch.cuda.stream(stream):  # recorded in `stream`'s order below
@@ -332,8 +331,16 @@ class MappedPath:
             future.consumers.append(stream)
 
     def rows_written(self, future: LookupFuture) -> bool:
-        """Whether the gather of `future` is queued and done, without waiting."""
-        return future.deferred is None and future.event.query()
+        """Whether `future`'s rows are known written, without waiting (LookupFuture.ok)."""
+        if future.slots_epoch != self.slots_epoch or self._client._slab is None:
+            return False
+        if future.event is not None:  # GPU: the gather's event, once it is queued
+            return future.deferred is None and future.event.query()
+        return future.done()  # CPU: gathered in lookup()
+
+    def poll_failure(self, future: LookupFuture) -> None:
+        if self.device.type == "cuda":
+            self._client._take_in()  # the daemon's notices (a mapped lookup has no reply)
 
     def mapped_counts(self, queue_copy: bool = True) -> dict[str, int]:
         """Counts since the mapping was made (GPU out-of-range IDs as the device counter read by

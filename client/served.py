@@ -1,9 +1,10 @@
 """The served paths of a client: the daemon gathers into a slab the client maps.
 
-The slab views (a GPU slab with its counter block, a CPU memfd) and the served GPU lookup's own
-bookkeeping: the hot path that hands IDs over on the caller's stream, the lookups whose rows are
+The slab views (a GPU slab with its counter block, a CPU memfd); the served GPU lookups
+(ServedGpu): the hot path that hands IDs over on the caller's stream, the lookups whose rows are
 not known written yet, the daemon's late error replies, and the release of every stream wait once
-the daemon is gone (its NaN over rows that will never come: client/failures.py). Not here: the
+the daemon is gone (its NaN over rows that will never come: client/failures.py); the served CPU
+lookups (ServedCpu), whose IDs go inline and whose rows come with the reply. Not here: the
 registration, the lease's watch and the reconnects (client/client.py), which call in here, and
 the mapped path (client/mapped_path.py).
 """
@@ -14,13 +15,13 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engramd.client.connection import Connection
 from engramd.client.errors import EngramError, InternalError, ReplyTimeoutError
-from engramd.client.future import LookupFuture
+from engramd.client.future import ClientPath, LookupFuture
 from engramd.client.handles import Attachment
 from engramd.client.ids import dtype_name
 from engramd.client.shared_mapping import SharedMapping
@@ -70,7 +71,7 @@ class MemfdSlabView:
         return self.layout.slot_rows(self.buffer, slot)
 
     def rebind(self, attachment: Attachment) -> None:
-        """A new daemon's slab of the same layout, at this one's address (see _keep_rows)."""
+        """A new daemon's slab of the same layout, at this one's address (see EngramClient._keep_rows)."""
         try:
             self._mapping.remap(attachment.slab_fd)
         except (ValueError, OSError) as exc:
@@ -127,7 +128,7 @@ class CudaSlabView:
         self.rows_done = [self.ops.pointer(counters.address(s, ROWS_DONE)) for s in slots]
 
     def rebind(self, attachment: Attachment) -> None:
-        """A new daemon's slab of the same layout, at this one's address (see _keep_rows): the
+        """A new daemon's slab of the same layout, at this one's address (see EngramClient._keep_rows): the
         views and streams built on the address stay valid; the counters are the new slab's."""
         if int(attachment.slab["bytes"]) != self.memory.size:
             raise InternalError(f"the daemon's new slab has {attachment.slab['bytes']} bytes, the "
@@ -191,7 +192,7 @@ class CudaSlabView:
         self.counters.close()
 
 
-class ServedGpu:
+class ServedGpu(ClientPath):
     """A served GPU client's lookups: handed to the daemon through the slab's counters, their
     rows awaited in stream order, released by the client when the daemon cannot.
 
@@ -200,7 +201,7 @@ class ServedGpu:
     written and the last ones sent are this path's, begun again at each registration (reset)."""
 
     def __init__(self, client: EngramClient):
-        self._client = client
+        super().__init__(client)
         # One failure of lookups at a time (invalidate): the watchdog's, and a lookup's that
         # found the daemon gone. Two at once could release a slot's waits (fail() of a later
         # lookup) before an earlier lookup of that slot has its NaN, or queue one's fill on the
@@ -241,7 +242,7 @@ class ServedGpu:
                               ids_dtype=dtype_name(ids.dtype),
                               ids_shape=[tokens, ids.shape[1], ids.shape[2]], inline=False,
                               ack=False)
-        future = self._client._track(LookupFuture(self._client, rid, slot, seq, tokens, acked=False))
+        future = self._client._track(LookupFuture(self, rid, slot, seq, tokens, acked=False))
         future.submitted = submitted
         self._remember(future)
         self.unsettled = [*self.settle(), future]  # one reference swap: the watchdog may read it
@@ -313,6 +314,29 @@ class ServedGpu:
         if future.slots_epoch != self._client._slots_epoch or not isinstance(slab, CudaSlabView):
             return False
         return slab.written(future.slot, future.seq, self.last_seq)
+
+    def poll_failure(self, future: LookupFuture) -> None:
+        self._client._take_in()  # error replies the daemon sent since
+        if future._error is None and self.daemon_failed(future):  # its reply may be late
+            self._client._failed.add(future, "the daemon did not serve it")
+
+    def before_wait(self, future: LookupFuture) -> None:
+        """Error replies and the daemon's death come in here."""
+        self._client._take_in()
+        future._raise_failure()
+        self._client._check_alive()
+
+    def after_sync(self, future: LookupFuture) -> None:
+        """result(), its stream synchronised: error replies and the daemon's death come in here."""
+        client = self._client
+        client._take_in()
+        client._check_alive()
+        if future._error is None and self.daemon_failed(future):
+            future._error = self.error_of(future)
+        if future._error is None and not self.rows_written(future):
+            # Released by the daemon's free of the slab (it retired us) before our watchdog
+            # saw the lease close: the counters say these rows were never written.
+            client._failed.add(future, "its wait was released without its rows")
 
     def daemon_failed(self, future: LookupFuture) -> bool:
         """Served GPU lookups: did the daemon mark this lookup as not served (FAILED, written
@@ -438,3 +462,42 @@ class ServedGpu:
                                device=self._client.device)
             self._client._slab.ids(0, 1, dtype).copy_(probe)
         torch.cuda.synchronize(self._client.device)
+
+
+class ServedCpu(ClientPath):
+    """A served CPU client's lookups: the IDs go inline with the request, the daemon writes the
+    rows into the memfd slab and replies; a slot is reused once its previous reply is in."""
+
+    def lookup(self, ids: torch.Tensor, slot: int | None) -> LookupFuture:
+        client = self._client
+        slot = self._claim_slot(slot)
+        ids = ids.to("cpu").contiguous()
+        seq = next(client._seqs)
+        rid = client._conn.send(
+            "lookup", [memoryview(ids.numpy()).cast("B")], client_id=client.client_id, slot=slot,
+            seq=seq, ids_dtype=dtype_name(ids.dtype),
+            ids_shape=list(ids.shape), inline=True)
+        return client._track(LookupFuture(self, rid, slot, seq, ids.shape[0]))
+
+    def _claim_slot(self, slot: int | None) -> int:
+        client = self._client
+        slot = client._take_turn(slot)
+        previous = client._pending.pop(slot, None)
+        if previous is not None:
+            try:
+                previous._collect(client.timeout)  # the slot is reused only once it is done
+            except EngramError:
+                pass  # that lookup's owner sees its error; the slot is free either way
+        return slot
+
+    def rows_written(self, future: LookupFuture) -> bool:
+        """Whether `future`'s rows are known written, without waiting (LookupFuture.ok)."""
+        if future.slots_epoch != self.slots_epoch or self._client._slab is None:
+            return False
+        return future.done()  # the reply, rows included
+
+    def reply_ready(self, future: LookupFuture) -> bool:
+        return self._client._conn.poll_reply(future.rid)
+
+    def wait_reply(self, future: LookupFuture, timeout: float | None) -> Any:
+        return self._client._conn.wait(future.rid, timeout, f"lookup of {future.tokens} tokens")
