@@ -47,7 +47,7 @@ class InProcess:
     """model_step.py's inproc step minus the matmuls, over the mapped client's registration."""
 
     def __init__(self, client: EngramClient, sort_min_tokens: int):
-        self.plan = GatherPlan(client._mapped.layer_tables(), client.shard, client.device)
+        self.plan = GatherPlan(client.mapped_tables.layer_tables(), client.shard, client.device)
         self.plan.warm_up(dedupe=(False,))
         self.side = torch.cuda.Stream()
         self.ready = torch.cuda.Event()

@@ -228,7 +228,7 @@ class RideThrough:
         """Run `restart()` (returns the perf_counter of SIGTERM and of ready); the lookups made
         from SIGTERM until the client has registered with the restarted daemon (rows: those
         made since the last restart)."""
-        epoch, mapping = self.client.epoch, self.client._mapped
+        epoch, mapping = self.client.epoch, self.client.mapped_tables
         wrong, done = self.wrong, len(self.done)
         sigterm, ready = restart()
         deadline = time.perf_counter() + 60
@@ -245,7 +245,7 @@ class RideThrough:
                 "error": repr(self.error) if self.error else None,
                 "rejoined_after_ready_s": round(rejoined - ready, 3)
                 if self.client.epoch != epoch else None,
-                "kept_mapping": self.client._mapped is mapping}
+                "kept_mapping": self.client.mapped_tables is mapping}
 
     def close(self) -> None:
         self._stop.set()

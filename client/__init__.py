@@ -12,7 +12,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _HOMES = {
-    "EngramClient": "client", "LookupFuture": "client",
+    "EngramClient": "client", "LookupFuture": "future",
     "BadIdsError": "errors", "BadRequestError": "errors", "CudaUnavailableError": "errors",
     "DaemonUnavailableError": "errors", "LookupFailedError": "errors",
     "EngramError": "errors", "NotReadyError": "errors", "NotRegisteredError": "errors",
@@ -42,7 +42,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from engramd.client.client import EngramClient, LookupFuture
+    from engramd.client.client import EngramClient
     from engramd.client.errors import (
         BadIdsError,
         BadRequestError,
@@ -56,6 +56,7 @@ if TYPE_CHECKING:
         ProtocolError,
         ReplyTimeoutError,
     )
+    from engramd.client.future import LookupFuture
     from engramd.client.geometry import DEAD_ID, ShardView, TableGeometry
     from engramd.client.hashing import EngramHasher, HashState
 

@@ -47,14 +47,11 @@ import socket
 import threading
 import time
 import weakref
-from collections import OrderedDict
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from engramd.client.cache_keeper import CacheKeeper, WarmUpTrace
 from engramd.client.connection import Connection, default_socket_path
 from engramd.client.errors import (
     BadIdsError,
@@ -63,45 +60,26 @@ from engramd.client.errors import (
     DaemonUnavailableError,
     EngramError,
     InternalError,
-    LookupFailedError,
-    ReplyTimeoutError,
     TablesChangedError,
 )
 from engramd.client.failures import FailedLookups
+from engramd.client.future import LookupFuture
 from engramd.client.geometry import ShardView, TableGeometry
 from engramd.client.handles import (
     HANDLE_TIMEOUT_S,
     Attachment,
     attach,
     check_access,
-    fetch_tables,
     handle_socket_path,
     lease_closed,
 )
 from engramd.client.ids import dtype_name
-from engramd.client.mapped import (
-    DeferredGather,
-    DeviceCounterReader,
-    LocalSlots,
-    MappedTables,
-    PendingMapping,
-    close_in_background,
-    mapped_gather,
-)
+from engramd.client.mapped import LocalSlots, MappedTables
+from engramd.client.mapped_path import MappedPath
 from engramd.client.messages import RegisterReply
 from engramd.client.rejoin import Rejoin, retry_until
-from engramd.client.shared_mapping import SharedMapping
-from engramd.client.slab import (
-    BF16_NAN,
-    DONE_AT_RELEASE,
-    FAILED,
-    IDS_READY,
-    ROWS_DONE,
-    SlabLayout,
-    SlotViews,
-    rows_written,
-    wait_passes,
-)
+from engramd.client.served import CudaSlabView, MemfdSlabView, ServedCpu, ServedGpu
+from engramd.client.slab import SlabLayout
 
 log = logging.getLogger("engramd.client")
 
@@ -110,15 +88,6 @@ GATHER_AT = ("wait", "lookup")  # when a mapped GPU client queues a lookup's gat
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_RECONNECT_S = 60.0  # how long lookup() waits for a restarted daemon before giving up
 WATCHDOG_S = 0.1
-RELEASE_DEADLINE_S = 0.5  # for the NaN over rows the daemon did not write (_invalidate)
-# How long a served GPU client that heard "stopping" waits for the rows its daemon still writes
-# before it fails the rest (_await_stopping_daemon); the daemon's drain takes at most 30 s.
-STOPPING_SETTLE_S, SETTLE_POLL_S = 5.0, 0.001
-# How long the watchdog keeps storing the release after its daemon died: the dead process's last
-# gathers can still run for a moment and write older ROWS_DONEs over it (as the daemon's own
-# release repeats its stores: server/cuda_backend.py).
-RELEASE_REPEAT_S, RELEASE_REPEAT_PAUSE_S = 2.0, 0.01
-RECENT_LOOKUPS = 64  # served GPU lookups remembered by rid for their late error replies
 REJOIN_STOP_S = 3.0  # how long close() waits for a rejoin in flight (client/rejoin.py)
 
 # Leases of this process's clients. A child made by fork() must not hold them: a lease is closed
@@ -135,264 +104,6 @@ def _drop_leases_in_child() -> None:
 os.register_at_fork(after_in_child=_drop_leases_in_child)
 
 
-class LookupFuture:
-    """The pending rows of one lookup."""
-
-    def __init__(self, client: EngramClient, rid: int, slot: int, seq: int, tokens: int,
-                 acked: bool = True):
-        self._client = client
-        self.slots_epoch = client._slots_epoch  # a re-registration that takes the slots over makes it stale
-        self.rid = rid
-        self.slot = slot
-        self.seq = seq
-        self.tokens = tokens
-        self.out_of_range = 0
-        # GPU lookups are not acknowledged when they succeed (completion is the slot's counter),
-        # so there is no reply to wait for; an error reply still arrives and is kept here.
-        self._replied = not acked
-        self._error: EngramError | None = None
-        self.consumers: list[torch.cuda.Stream] = []  # GPU: streams that waited on these rows
-        self.event: torch.cuda.Event | None = None  # mapped GPU lookups: recorded after the gather
-        self.deferred: DeferredGather | None = None  # mapped GPU lookups: the gather, until queued
-        # Served GPU lookups whose wait the daemon did not satisfy: their rows are NaN, not
-        # theirs (client/failures.py). Set once, by the watchdog or the lookup thread.
-        self.failure: LookupFailedError | None = None
-        # Served GPU: recorded where its stream handed the IDs over (after the slot's previous
-        # readers): what the slot's next use and a release's NaN fill wait for.
-        self.submitted: torch.cuda.Event | None = None
-
-    def failed(self) -> bool:
-        """True once this lookup is known to have failed: its rows are not its own (the daemon
-        died, retired this client or refused the lookup) and wait()/result() raise. Never waits
-        and never syncs: an engine may poll it off its critical path, from the thread that uses
-        the client (it reads the daemon's replies)."""
-        client = self._client
-        if self.failure is None and self._error is None and client.device.type == "cuda":
-            client._take_in()  # error replies the daemon sent since
-            if self._error is None and client._daemon_failed(self):  # its reply may be late
-                client._failed.add(self, "the daemon did not serve it")
-        return self.failure is not None or self._error is not None
-
-    def ok(self) -> bool:
-        """True once the rows are known to be this lookup's (written, not failed); False while
-        they may still come, and after a failure. Never waits and never syncs."""
-        return not self.failed() and self._client._rows_written(self)
-
-    def done(self) -> bool:
-        """True once the host has nothing left to wait for: on the CPU, the daemon's reply with
-        the rows written; on the GPU, always (the rows are ready in stream order, see wait())."""
-        if self.slots_epoch != self._client._slots_epoch:
-            return True  # made before a re-registration: result() says so (its rid is reused)
-        if not self._replied and self._client._conn.poll_reply(self.rid):
-            self._collect(None)
-        return self._replied
-
-    def result(self, timeout: float | None = None, copy: bool = False) -> torch.Tensor:
-        """Block until the rows are ready; `[n_layers, T, local_heads, head_dim]` bfloat16.
-        Raises LookupFailedError if this lookup, or one whose failure was not yet reported,
-        failed (client/failures.py)."""
-        self._raise_failure()
-        self._client._check_current(self)
-        self._collect(timeout)
-        rows = self._client._slab.rows(self.slot, self.tokens)
-        if self._client.device.type == "cuda":
-            stream = torch.cuda.current_stream(self._client.device.index)
-            self._client._stream_wait(self, stream)
-            stream.synchronize()
-            self._raise_failure()  # released by the watchdog while we synced
-            if self.event is None:  # served: error replies and the daemon's death come in here
-                self._client._take_in()
-                self._client._check_alive()
-            if self._error is None and self._client._daemon_failed(self):
-                self._error = self._client._error_of(self)
-            if self.event is None and self._error is None and not self._client._rows_written(self):
-                # Released by the daemon's free of the slab (it retired us) before our watchdog
-                # saw the lease close: the counters say these rows were never written.
-                self._client._failed.add(self, "its wait was released without its rows")
-            self._raise_failure()
-        return rows.clone() if copy else rows
-
-    def wait(self, stream: torch.cuda.Stream | None = None) -> torch.Tensor:
-        """GPU: make `stream` (default: current) wait for the rows and return their view at once."""
-        client = self._client
-        if client.device.type != "cuda":
-            return self.result()
-        self._raise_failure()
-        client._check_current(self)
-        if self.event is None:  # served: error replies and the daemon's death come in here
-            client._take_in()
-            self._raise_failure()
-            client._check_alive()
-        if self._error is not None:
-            client._failed.reported(self)
-            raise self._error
-        stream = stream or torch.cuda.current_stream(client.device.index)
-        client._stream_wait(self, stream)
-        return client._slab.rows(self.slot, self.tokens)
-
-    def _raise_failure(self) -> None:
-        """This lookup's own failure (the daemon's typed error first), else any failure of the
-        client not yet reported."""
-        failed = self._client._failed
-        for own in (self._error, self.failure):
-            if own is not None:
-                failed.reported(self)
-                raise own
-        failed.raise_unreported()
-
-    def _collect(self, timeout: float | None) -> None:
-        if not self._replied:
-            try:
-                reply = self._client._conn.wait(self.rid, timeout, f"lookup of {self.tokens} tokens")
-                self.out_of_range = reply.body.out_of_range or 0
-            except ReplyTimeoutError:
-                raise  # the lookup may still complete: a later call can collect it
-            except EngramError as exc:
-                self._error = exc
-            self._replied = True
-        if self._error is not None:
-            raise self._error
-
-
-class _MemfdSlabView:
-    """The client's mapping of a CPU-backend slab (a memfd passed over the handle socket)."""
-
-    def __init__(self, fd: int, layout: SlabLayout):
-        self.layout = layout
-        try:
-            self._mapping = SharedMapping(fd, layout.size)
-        except (ValueError, OSError) as exc:  # a short descriptor, or no room to map it
-            raise InternalError(f"slab: {exc}") from None
-        self.buffer = self._mapping.buffer
-
-    def rows(self, slot: int, tokens: int) -> torch.Tensor:
-        return self.layout.rows_view(self.buffer, slot, tokens)
-
-    def slot_rows(self, slot: int) -> torch.Tensor:
-        return self.layout.slot_rows(self.buffer, slot)
-
-    def rebind(self, attachment: Attachment) -> None:
-        """A new daemon's slab of the same layout, at this one's address (see _keep_rows)."""
-        try:
-            self._mapping.remap(attachment.slab_fd)
-        except (ValueError, OSError) as exc:
-            raise InternalError(f"slab: {exc}") from None
-
-    def close(self) -> None:
-        # Row views the caller still holds keep the mapping: it is unmapped when the last of
-        # them goes, not under them.
-        self.buffer = None
-        self._mapping.close()
-
-
-class _CudaSlabView:
-    """The client's mapping of a GPU slab (device memory passed as a descriptor) and of its
-    counter block (pinned host memory, another descriptor), opened once."""
-
-    def __init__(self, attachment: Attachment, layout: SlabLayout, device: torch.device):
-        from engramd.client import cuda
-
-        self.layout = layout
-        self.device = device
-        self.memory = cuda.DeviceAllocation.from_descriptor(attachment.slab_fd, int(attachment.slab["bytes"]),
-                                                            device.index)
-        self.ptr = self.memory.ptr
-        self.counters = None
-        try:
-            with torch.cuda.device(device):
-                self.views = SlotViews(layout, cuda.tensor_view(self.ptr, layout.size, device))
-            self.ops = cuda.StreamOps()
-            self._map_counters(attachment)
-            # Where the watchdog invalidates rows the daemon will not write (invalidate()).
-            self.release_stream = cuda.new_stream(device.index)
-        except BaseException:
-            self.memory.close()
-            raise
-        self.ids_address = [self.ptr + layout.ids_offset(s) for s in range(layout.slots)]
-
-    def _map_counters(self, attachment: Attachment) -> None:
-        """Map the attachment's counter block (closing the one mapped before, which nothing uses
-        any more), and make the handles of its words that the hot path passes to CUDA."""
-        from engramd.client.host_counters import HostCounters
-
-        if attachment.counters_fd is None:
-            raise InternalError("the daemon passed a GPU slab without its counter block")
-        try:
-            counters = HostCounters(attachment.counters_fd, self.layout, self.device.index)
-        except (ValueError, OSError) as exc:
-            raise InternalError(f"slab counters: {exc}") from None
-        old, self.counters = self.counters, counters
-        if old is not None:
-            old.close()
-        slots = range(self.layout.slots)
-        self.ids_ready = [self.ops.pointer(counters.address(s, IDS_READY)) for s in slots]
-        self.rows_done = [self.ops.pointer(counters.address(s, ROWS_DONE)) for s in slots]
-
-    def rebind(self, attachment: Attachment) -> None:
-        """A new daemon's slab of the same layout, at this one's address (see _keep_rows): the
-        views and streams built on the address stay valid; the counters are the new slab's."""
-        if int(attachment.slab["bytes"]) != self.memory.size:
-            raise InternalError(f"the daemon's new slab has {attachment.slab['bytes']} bytes, the "
-                                f"client's {self.memory.size}")
-        torch.cuda.synchronize(self.device)  # nothing of ours still reads or writes the old one
-        self.memory.replace_from_descriptor(attachment.slab_fd)
-        self._map_counters(attachment)
-
-    def invalidate(self, slot: int, tokens: int, after: torch.cuda.Event) -> torch.cuda.Event:
-        """NaN over the first `tokens` tokens of the slot's rows, which the daemon will not
-        write, on the release stream once `after` (the lookup's submission: its stream has
-        passed the slot's previous readers) has passed; returns an event that passes once it is
-        done. Its waits are released after it (fail()), so they read NaN, not the slot's
-        previous rows (client/failures.py). A driver memset: no kernel module is loaded while
-        this process's streams wait on a dead one."""
-        self.release_stream.wait_event(after)
-        self.ops.fill_layers(self.release_stream.cuda_stream, self.views.rows(slot, tokens), BF16_NAN)
-        done = torch.cuda.Event()
-        done.record(self.release_stream)
-        return done
-
-    def fail(self, slot: int, seq: int) -> None:
-        """Mark the slot's lookup `seq` not served (FAILED, as the daemon's refusal does) and
-        pass the waits for it, and for no later lookup of the slot (CPU stores)."""
-        self.counters.store(slot, FAILED, seq)
-        if not wait_passes(self.counters.load(slot, ROWS_DONE), seq):
-            self.counters.store(slot, ROWS_DONE, seq)
-
-    def release(self, slot: int, last_seq: int) -> None:
-        """Pass every wait of ours on the slot's rows (a CPU store, which no GPU queue holds up:
-        client/host_counters.py)."""
-        self.counters.release(slot, last_seq)
-
-    def written(self, slot: int, seq: int, last_seq: int) -> bool:
-        """Whether the slot's counters show `seq`'s rows written (slab.rows_written)."""
-        load = self.counters.load
-        return rows_written(load(slot, ROWS_DONE), load(slot, FAILED), load(slot, DONE_AT_RELEASE),
-                            seq, last_seq)
-
-    def failed_seq(self, slot: int) -> int:
-        """The slot's FAILED word: the last of its lookups marked not served (written before
-        that lookup's ROWS_DONE, by the daemon's refusal or the client's release)."""
-        return self.counters.load(slot, FAILED)
-
-    def ids(self, slot: int, tokens: int, dtype: torch.dtype) -> torch.Tensor:
-        return self.views.ids(slot, tokens, dtype)
-
-    def rows(self, slot: int, tokens: int) -> torch.Tensor:
-        return self.views.rows(slot, tokens)
-
-    def slot_rows(self, slot: int) -> torch.Tensor:
-        return self.views.slot_rows(slot)
-
-    def close(self) -> None:
-        from engramd.client import cuda
-
-        torch.cuda.synchronize(self.device)
-        cuda.STREAMS.give(self.release_stream)  # idle: synchronised above
-        self.views.close()
-        self.memory.close()
-        self.counters.close()
-
-
 def check_cache_cap(gib: Any) -> int | None:
     """`hot_cache_gib` as a byte cap (None: none), or a BadRequestError naming the value."""
     if gib is None:
@@ -400,14 +111,6 @@ def check_cache_cap(gib: Any) -> int | None:
     if isinstance(gib, bool) or not isinstance(gib, numbers.Real) or not 0 <= gib < 1 << 20:
         raise BadRequestError(f"hot_cache_gib must be a number of GiB >= 0 (0: no cache), got {gib!r}")
     return int(gib * 2**30)
-
-
-def cache_budget(policy: dict[str, Any], cap: int | None) -> int:
-    """Bytes of a mapped GPU client's own hot-row cache: the daemon's size, capped by the
-    client's (an older daemon sends none: no cache)."""
-    offered = policy.get("cache_bytes", 0)
-    offered = offered if type(offered) is int and offered > 0 else 0
-    return offered if cap is None else min(offered, cap)
 
 
 def _resolve_device(device: str | torch.device) -> torch.device:
@@ -471,22 +174,14 @@ class EngramClient:
         self._tables_seq = 0  # their seq in this daemon (client/messages.py: tables_seq)
         self._tables_lost: str | None = None  # pinned: why lookups are refused
         self._heard_tables: tuple[str, int] | None = None  # (tables, seq) a heartbeat reply named
-        # Mapped: replaced mappings (with what their last gathers need) until those have run.
-        self._old_mappings: list[tuple[MappedTables, Any, Any]] = []
-        self._remapping: PendingMapping | None = None  # mapped: a reload's tables, being mapped
         # Held by lookup() and close(); the watch thread follows a reload only while it is free.
         self._tables_lock = threading.RLock()
-        # One failure of lookups at a time (_invalidate): the watchdog's, and a lookup's that
-        # found the daemon gone. Two at once could release a slot's waits (fail() of a later
-        # lookup) before an earlier lookup of that slot has its NaN, or queue one's fill on the
-        # release stream behind a wait that needs the other's.
-        self._invalidating = threading.Lock()
         self.timeout = timeout
         self.reconnect_timeout = reconnect_timeout
         self._registration = (tp_rank, tp_size, max_tokens, slots, name)
         self._conn: Connection | None = None
-        self._slab: _MemfdSlabView | _CudaSlabView | LocalSlots | None = None
-        self._kept_rows: _MemfdSlabView | _CudaSlabView | LocalSlots | None = None  # see _keep_rows
+        self._slab: MemfdSlabView | CudaSlabView | LocalSlots | None = None
+        self._kept_rows: MemfdSlabView | CudaSlabView | LocalSlots | None = None  # see _keep_rows
         self._retired: list[Any] = []  # slot memory that moved, still mapped for old views
         self.registrations = 0  # how many times this client has registered
         self._slots_epoch = 0  # registrations that took the slots over (lookups made before are lost)
@@ -494,23 +189,17 @@ class EngramClient:
         self._replaced: list[Any] = []  # its connection and lease before the rejoin: closed by lookup()
         self.rows_generation = 0  # bumped when the slots' rows move (see slot_rows)
         self._lease: socket.socket | None = None  # the daemon frees us when it closes
-        self._mapped: MappedTables | None = None
-        self._gather: Any = None  # mapped: the gather this process runs
-        self._side: torch.cuda.Stream | None = None  # mapped GPU clients gather on it
-        self._unqueued: LookupFuture | None = None  # mapped GPU: the lookup whose gather waits
-        self._out_of_range: DeviceCounterReader | None = None  # mapped GPU: their device count
-        self.counts = {"lookups": 0, "rows": 0, "out_of_range": 0}  # mapped: since the mapping
-        # Mapped: the counts when the registration began; the daemon is told those since then.
-        self._counts_base = dict(self.counts)
+        self._mapped_path = MappedPath(self)  # mapped: the mapping and its gathers (client/mapped_path.py)
         self._watchdog: threading.Thread | None = None
         self._closing: threading.Event | None = None
         self._dead: str | None = None
         self._pending: dict[int, LookupFuture] = {}
         self._failed = FailedLookups()  # served GPU: lookups the daemon did not serve, unreported
+        self._served = ServedGpu(self)  # served GPU: its lookups' bookkeeping (client/served.py)
+        self._served_cpu = ServedCpu(self)  # served CPU: inline lookups (client/served.py)
         self.client_id: int | None = None
         self.mps: dict[str, Any] | None = None
         self._warned_mps = False
-        self._idle_follow_failed: int | None = None  # the tables seq the watch thread gave up on
         try:
             with self._tables_lock:  # the watch thread starts before the mapping is complete
                 self._connect()
@@ -529,15 +218,9 @@ class EngramClient:
         self.registrations += 1
         self._slots_epoch += 1
         self._pending: dict[int, LookupFuture] = {}
-        # Served GPU: lookups sent whose rows are not known written, every slot's (a slot's
-        # previous lookup may still be gathering when its next one replaces it in _pending).
-        self._unsettled: list[LookupFuture] = []
-        # Served GPU: the last lookups sent, by rid, so that an error reply that comes after a
-        # later lookup took a lookup's place in _pending still fails it (_take_in).
-        self._recent: OrderedDict[int, LookupFuture] = OrderedDict()
+        self._served.reset()
         self._next_slot = 0
         self._seqs = itertools.count(1)
-        self._last_seq = 0  # served GPU: the seq of the last lookup sent (rows_written)
         self._dead: str | None = None
         self._register(timeout or self.timeout)
 
@@ -570,7 +253,7 @@ class EngramClient:
         the rejoin otherwise (no daemon within reconnect_timeout, a refusal)."""
         rejoin = self._rejoin
         if rejoin is None:
-            if self.mode != "mapped" or self._mapped is None:
+            if self.mode != "mapped" or self._mapped_path.tables is None:
                 return False
             gone = self._gone_reason()
             self._rejoin = Rejoin(self._join_again, self._take_rejoined, self._drop_rejoined,
@@ -618,11 +301,11 @@ class EngramClient:
         with self._tables_lock:
             if self._rejoin is None or self._conn is None:
                 return False  # close() came first
-            if self._remapping is not None:  # a reload's tables of the old daemon, being mapped
+            if self._mapped_path.remapping is not None:  # a reload's tables of the old daemon, being mapped
                 log.warning("a reload was being mapped when the daemon went away: registering "
                             "again from scratch")
                 return False
-            if (f.mode != "mapped" or self._mapped is None or tables[0] is None
+            if (f.mode != "mapped" or self._mapped_path.tables is None or tables[0] is None
                     or tables[0] != self.tables_id
                     or TableGeometry.from_config(f.geometry, source="daemon register reply") != self.geometry
                     or f.shard.get("local_heads") != self.shard.local_heads
@@ -640,9 +323,9 @@ class EngramClient:
             # The new daemon counts this client from here on, as it would a new registration:
             # lookups made before its start are not its own (its counters began at zero).
             # (No copy queued from this thread: the last finished one's value serves.)
-            self._counts_base = self._mapped_counts(queue_copy=False)
+            self._mapped_path.counts_base = self._mapped_path.mapped_counts(queue_copy=False)
             self._read_tables(*tables)
-            self._heard_tables, self._idle_follow_failed, self._tables_lost = None, None, None
+            self._heard_tables, self._mapped_path.idle_follow_failed, self._tables_lost = None, None, None
             self._take_lease(attachment)
             self._start_watchdog(f.heartbeat_interval)
             self._rejoin = None
@@ -676,11 +359,11 @@ class EngramClient:
         """Drop the connection and the slab mapping without talking to the daemon; with
         `keep_rows`, keep the slot memory's address for the next registration (_keep_rows)."""
         self._stop_watchdog()
-        if isinstance(self._slab, _CudaSlabView):
-            self._await_stopping_daemon()
-            self._release_waits()  # the daemon is gone or going: its counters may never move
+        if isinstance(self._slab, CudaSlabView):
+            self._served.await_stopping_daemon()
+            self._served.release_waits()  # the daemon is gone or going: its counters may never move
         try:
-            self._unmap()  # first: it synchronises the device, so no gather of ours still reads
+            self._mapped_path.unmap()  # first: it synchronises the device, so no gather of ours still reads
         finally:           # the old mapping or writes our slots
             slab, self._slab = self._slab, None
             if slab is not None and keep_rows and self._kept_rows is None:
@@ -694,23 +377,6 @@ class EngramClient:
                 self._conn.close()
                 self._conn = None
             self.client_id = None
-
-    def _unmap(self) -> None:
-        """Mapped mode: let go of the tables and of everything built on them."""
-        mapped, side = self._mapped, self._side
-        self._mapped, self._gather, self._side, self._out_of_range = None, None, None, None
-        self._unqueued = None  # its wait() raises: the rows would come from a mapping now gone
-        pending, self._remapping = self._remapping, None
-        if pending is not None:
-            pending.discard()
-        self._free_old_mappings(wait=True)
-        if mapped is not None:
-            mapped.close()
-        if side is not None:
-            from engramd.client import cuda
-
-            torch.cuda.synchronize(self.device)  # our gathers ran on it
-            cuda.STREAMS.give(side)
 
     def _register_fields(self) -> dict[str, Any]:
         """The register request's fields: who we are, where, and what we ask for."""
@@ -751,8 +417,7 @@ class EngramClient:
         self._read_tables(f.tables, f.tables_seq)  # what the daemon serves (None: it does not say)
         self._tables_lost = None  # pinned: the daemon registered us, so it serves ours
         self._heard_tables, self._token, self._gather_policy = None, f.token, f.gather
-        self.counts = {"lookups": 0, "rows": 0, "out_of_range": 0}  # this registration's
-        self._counts_base = dict(self.counts)
+        self._mapped_path.reset_counts()  # this registration's
         self.geometry = TableGeometry.from_config(f.geometry, source="daemon register reply")
         tp_rank, tp_size = self._registration[:2]
         self.shard: ShardView = self.geometry.shard(tp_rank, tp_size)
@@ -786,17 +451,17 @@ class EngramClient:
         """Map what the attach passed: the slab (served) or the tables (mapped, which gather
         by the daemon's `gather` policy)."""
         if self.mode == "mapped":
-            self._map_tables(attachment)
+            self._mapped_path.map_tables(attachment)
             self._slab = self._keep_rows(LocalSlots, None) or LocalSlots(self.layout, self.device)
         elif attachment.slab is None or attachment.slab_fd is None:
             raise InternalError("the daemon attached a served client without a slab")
         elif attachment.slab.get("kind") == "cuda_vmm":
-            self._slab = (self._keep_rows(_CudaSlabView, attachment)
-                          or _CudaSlabView(attachment, self.layout, self.device))
-            self._warm_up()
+            self._slab = (self._keep_rows(CudaSlabView, attachment)
+                          or CudaSlabView(attachment, self.layout, self.device))
+            self._served.warm_up()
         elif attachment.slab.get("kind") == "memfd" and self.device.type == "cpu":
-            self._slab = (self._keep_rows(_MemfdSlabView, attachment)
-                          or _MemfdSlabView(attachment.slab_fd, self.layout))
+            self._slab = (self._keep_rows(MemfdSlabView, attachment)
+                          or MemfdSlabView(attachment.slab_fd, self.layout))
         else:
             raise InternalError(f"slab of kind {attachment.slab.get('kind')!r} for a {self.device} client")
 
@@ -835,66 +500,6 @@ class EngramClient:
             return "the daemon closed this client's lease (it exited, or retired the client)"
         return None
 
-    def _map_tables(self, attachment: Attachment) -> None:
-        """Mapped mode: the tables' descriptors, mapped read-only, and on a GPU the side stream
-        the gathers run on and the hot-row cache they read through."""
-        self._mapped = MappedTables(attachment.tables, self.geometry, self.device)
-        if attachment.version is not None:  # a reload between register and attach: these
-            self._read_tables(attachment.version, attachment.tables_seq)
-        try:
-            if self.device.type == "cuda":
-                from engramd.client import cuda
-
-                self._side = cuda.new_stream(self.device.index)
-            self._gather = self._gather_over(self._mapped, attachment.warm_fd)
-        except BaseException:  # the mapping, its cache's keeper and the stream go with it
-            self._unmap()
-            raise
-        if self.device.type == "cuda":
-            # The plan's and cache's device arrays were made on this thread's stream; the
-            # gathers run on ours.
-            self._side.wait_stream(torch.cuda.current_stream(self.device))
-            self._out_of_range = DeviceCounterReader(self._gather.out_of_range)
-
-    def _gather_over(self, mapped: MappedTables, warm_fd: int | None = None,
-                     counter: torch.Tensor | None = None):
-        """The gather over `mapped`, by the daemon's policy (mapped_gather), through a hot-row
-        cache of its own on a GPU (_start_cache)."""
-        if self._side is not None:
-            self._start_cache(mapped, warm_fd)
-        policy = self._gather_policy
-        return mapped_gather(self.shard, mapped, self.device, int(policy.get("sort_min_tokens", 0)),
-                             float(policy.get("sm_fraction", 1.0)), counter=counter)
-
-    def _start_cache(self, mapped: MappedTables, warm_fd: int | None) -> None:
-        """A GPU client's own hot-row cache over `mapped` and its keeper (client/cache_keeper.py,
-        whose grace waits out the gathers on our side stream), of the size the daemon says
-        capped by `hot_cache_gib` (none for 0). The keeper's thread warms it from the daemon's
-        trace when it passed one (this shard's heads: the others' rows are never read here),
-        while lookups already run: reading and counting the trace is no part of the attach. A
-        cache that cannot be made only costs hits: the client gathers without one."""
-        budget = cache_budget(self._gather_policy, self._cache_cap)
-        if budget <= 0:
-            return
-        side = self._side
-        try:
-            with torch.cuda.device(self.device):
-                keeper = CacheKeeper.over(mapped.device_rows(), budget, lambda: [side],
-                                          float(self._gather_policy.get("cache_refresh_s", 0.05)))
-        except Exception as exc:  # e.g. too small a budget (CacheConfigError), or out of memory
-            log.warning("client %s gathers without a hot-row cache: %s", self.client_id, exc)
-            return
-        warm_up = None
-        try:  # a descriptor of the keeper's own: the attachment's is closed once it is done
-            if warm_fd is not None:
-                warm_up = WarmUpTrace(os.dup(warm_fd), self.geometry.n_layers, self.geometry.heads,
-                                      slice(self.shard.head_start, self.shard.head_end))
-        except OSError as exc:
-            log.warning("client %s: its hot-row cache starts cold: %s", self.client_id, exc)
-        mapped.keeper = keeper.start(warm_up)
-        log.info("client %s: hot-row cache of %d rows%s", self.client_id, keeper.cache.layout.slots,
-                 ", warming on its keeper's thread" if warm_up is not None else "")
-
     # -- reloads ----------------------------------------------------------------------------------
 
     def _read_tables(self, tables: str | None, seq: int) -> None:
@@ -915,130 +520,39 @@ class EngramClient:
 
     def _follow_tables(self) -> None:
         """Before a lookup: if a reload replaced the tables, read the new ones (mapped: once
-        they are mapped, on a thread of their own, PendingMapping; until then the old mapping
+        they are mapped, on a thread of their own, MappedPath.follow; until then the old mapping
         serves), or, pinned, refuse."""
-        self._free_old_mappings()
+        self._mapped_path.free_old_mappings()
         news = self._tables_news() if self._tables_lost is None else None
         if news is not None and self.pin_tables:
             self._tables_lost = (f"this client pinned tables {self.tables_id}; the daemon serves "
                                  f"{news[0]} now (a reload): look up from a new client")
         if self._tables_lost is not None:
             raise TablesChangedError(self._tables_lost)
-        if self.mode != "mapped":
-            if news is not None:  # the daemon serves them to every lookup it takes from now
-                self._read_tables(*news)
-            return
-        pending = self._remapping
-        if pending is None and news is not None:
-            path, client_id, token = handle_socket_path(self.socket_path), self.client_id, self._token
-            timeout = max(self.timeout, HANDLE_TIMEOUT_S)
-            self._remapping = PendingMapping(lambda: fetch_tables(path, client_id, token, timeout),
-                                             self.geometry, self.device)
-        elif pending is not None and pending.ready():
-            self._remapping = None
-            self._take_mapping(pending)
-
-    def _follow_while_idle(self) -> None:
-        """Watch thread: a mapped client that no lookup is using follows a reload here (maps
-        the new tables, takes them, unmaps the old ones), so an idle engine lets the old
-        tables' memory go within a heartbeat or two instead of at its next lookup."""
-        if self.mode != "mapped" or self.pin_tables:
-            return
-        if not self._tables_lock.acquire(blocking=False):
-            return  # a lookup or close() is running: lookups follow the tables themselves
-        news = None
-        try:
-            if self._conn is None or self._gather is None:  # closed, or still being built
-                return
-            news = self._tables_news()
-            if news is not None and news[1] == self._idle_follow_failed:
-                return  # it failed here once: the next lookup tries again, and raises
-            if news is None and self._remapping is None and not self._old_mappings:
-                return
-            # On our side stream: the new plan's construction is ordered before our gathers and
-            # waits for none of the engine's work.
-            on_gpu = self._side is not None
-            with torch.cuda.device(self.device) if on_gpu else nullcontext(), \
-                    torch.cuda.stream(self._side) if on_gpu else nullcontext():
-                self._follow_tables()
-        except Exception as exc:
-            self._idle_follow_failed = news[1] if news is not None else None
-            log.warning("client %s could not follow the reload while idle: %s", self.client_id, exc)
-        finally:
-            self._tables_lock.release()
-
-    def _take_mapping(self, pending: PendingMapping) -> None:
-        """Gather from the reload's tables from this lookup on; the old mapping goes once the
-        gathers on it are done."""
-        # A lookup made before the switch reads the tables of its time; queued first, so that
-        # its wait() need not take the lock this thread holds while the new gather is built.
-        self._queue_gather()
-        if pending.error is not None:  # the news goes: the next heartbeat's reply tries again
-            self._conn.tables_notice = self._heard_tables = None
-            log.warning("client %d could not map the reloaded tables: %s", self.client_id, pending.error)
-            return
-        try:  # a new cache too (the old one holds rows of the old tables); counts go on where they were
-            gather = self._gather_over(pending.tables, counter=getattr(self._gather, "out_of_range", None))
-        except BaseException:
-            pending.discard()
-            raise
-        if self._side is not None:  # the new plan's device arrays came from this thread's stream
-            self._side.wait_stream(torch.cuda.current_stream(self.device))
-        old, old_gather = self._mapped, self._gather
-        self._mapped, self._gather = pending.tables, gather
-        del gather
-        if old.keeper is not None:
-            old.keeper.stop()  # nothing will read its cache once the gathers queued on it are done
-        done = None  # CPU gathers ran inside their lookup() calls
-        if self.device.type == "cuda":  # gathers on the old mapping may still run: after them
-            done = torch.cuda.Event()
-            done.record(self._side)
-            # Its plan's device arrays too: freed now, the allocator could hand them out under
-            # the queued gathers. (A CPU gather's views of the old mapping, by contrast, must go
-            # now: while one lives, the unmap would run here when it goes, 0.3 s a GiB.)
-            self._old_mappings.append((old, done, old_gather))
-        else:
-            self._old_mappings.append((old, done, None))
-        del old_gather
-        log.info("client %d maps tables %s now (were %s)", self.client_id, pending.version, self.tables_id)
-        self._read_tables(pending.version, pending.seq)
-        self._free_old_mappings()
-
-    def _free_old_mappings(self, wait: bool = False) -> None:
-        """Unmap replaced mappings whose last gathers are done, in the background (`wait`: all,
-        synchronising first, and waiting for the unmaps)."""
-        kept, closing = [], []
-        for mapped, done, gather in self._old_mappings:
-            if wait and done is not None:
-                done.synchronize()
-            if done is None or done.query():
-                closing.append(close_in_background(mapped))  # `gather` goes with this entry
-            else:
-                kept.append((mapped, done, gather))
-        self._old_mappings = kept
-        for thread in closing if wait else ():
-            thread.join()
-
-    def _warm_up(self) -> None:
-        """Load the kernels a lookup launches now, not while a stream waits on the daemon.
-
-        With CUDA's lazy module loading, the first launch of a kernel blocks the host while any
-        stream of the process waits on another process. Model runners must warm their own
-        consumer kernels the same way (or run with CUDA_MODULE_LOADING=EAGER).
-        """
-        for dtype in (torch.int64, torch.int32):
-            probe = torch.full((1, self.layout.n_layers, self.layout.heads), -1, dtype=dtype,
-                               device=self.device)
-            self._slab.ids(0, 1, dtype).copy_(probe)
-        torch.cuda.synchronize(self.device)
+        if self.mode == "mapped":
+            self._mapped_path.follow(news)
+        elif news is not None:  # the daemon serves them to every lookup it takes from now
+            self._read_tables(*news)
 
     def hot_cache_stats(self) -> dict[str, Any] | None:
         """A mapped GPU client's own hot-row cache: rows read per layer and of them hits,
         admissions, refreshes, size (None without one: served lookups read the daemon's cache,
         in stats()["hot_cache"])."""
         with self._tables_lock:
-            keeper = self._mapped.keeper if self._mapped is not None else None
+            tables = self._mapped_path.tables
+            keeper = tables.keeper if tables is not None else None
             return keeper.report() if keeper is not None else None
+
+    @property
+    def mapped_tables(self) -> MappedTables | None:
+        """Mapped clients: the mapping of the daemon's tables their lookups gather from now
+        (None: served, or nothing mapped); a reload's or a restart's tables replace it."""
+        return self._mapped_path.tables
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Mapped clients: lookups, rows and out-of-range IDs since the mapping was made."""
+        return self._mapped_path.counts
 
     @property
     def max_tokens(self) -> int:
@@ -1091,8 +605,9 @@ class EngramClient:
         if self._conn is None:
             raise DaemonUnavailableError("client is closed")
         self._failed.raise_unreported()  # before anything else: the engine must hear of them
-        self._queue_gather()  # lookups reach the side stream in the order they were made
-        self._close_replaced()
+        if self.mode == "mapped":
+            self._mapped_path.queue_gather()  # lookups reach the side stream in the order they were made
+            self._close_replaced()  # a rejoin's (only a mapped client rejoins)
         self._take_in()
         if self._daemon_gone() and not self._riding_through():
             self._reconnect()
@@ -1100,221 +615,14 @@ class EngramClient:
         ids = self._check_ids(hash_ids)
         slot = self._check_slot(slot)  # after a re-registration: its slots
         if self.mode == "mapped":
-            return self._lookup_mapped(ids, stream, slot, sm_fraction)
+            return self._mapped_path.lookup(ids, stream, slot, sm_fraction)
         if self.device.type == "cuda":
-            return self._lookup_cuda(ids, stream or torch.cuda.current_stream(self.device.index), slot)
-        slot = self._claim_slot(slot)
-        ids = ids.to("cpu").contiguous()
-        seq = next(self._seqs)
-        rid = self._conn.send(
-            "lookup", [memoryview(ids.numpy()).cast("B")], client_id=self.client_id, slot=slot,
-            seq=seq, ids_dtype=dtype_name(ids.dtype),
-            ids_shape=list(ids.shape), inline=True)
-        return self._track(LookupFuture(self, rid, slot, seq, ids.shape[0]))
-
-    def _lookup_cuda(self, ids: torch.Tensor, stream: torch.cuda.Stream, slot: int | None) -> LookupFuture:
-        """The served hot path: a handful of calls on handles built at registration."""
-        slab = self._slab
-        raw = stream.cuda_stream
-        # May time out: then the turn stays where it was.
-        self._after_previous_use(self._next_slot if slot is None else slot, stream, raw)
-        slot = self._take_turn(slot)
-        seq = next(self._seqs)
-        tokens = ids.shape[0]
-        # One copy, no conversion kernel: the slot keeps the caller's dtype.
-        if ids.is_cuda and ids.device == self.device and ids.is_contiguous():
-            slab.ops.copy(raw, slab.ids_address[slot], ids.data_ptr(), ids.numel() * ids.element_size())
-        else:
-            with torch.cuda.stream(stream):
-                slab.ids(slot, tokens, ids.dtype).copy_(ids, non_blocking=True)
-        slab.ops.write_u32(raw, slab.ids_ready[slot], seq)
-        submitted = torch.cuda.Event()
-        submitted.record(stream)
-        self._last_seq = seq
-        rid = self._conn.send("lookup", None, client_id=self.client_id, slot=slot, seq=seq,
-                              ids_dtype=dtype_name(ids.dtype),
-                              ids_shape=[tokens, ids.shape[1], ids.shape[2]], inline=False,
-                              ack=False)
-        future = self._track(LookupFuture(self, rid, slot, seq, tokens, acked=False))
-        future.submitted = submitted
-        self._remember(future)
-        self._unsettled = [*self._settle(), future]  # one reference swap: the watchdog may read it
-        if self._dead is not None:  # the watchdog released the waits, maybe before it saw this one:
-            self._invalidate(self._unsettled)  # every one, in seq order, after the watchdog's
-        return future
-
-    def _settle(self) -> list[LookupFuture]:
-        """The served lookups whose rows are still not known written (host reads of counters).
-        One the daemon marked not served (FAILED) is failed here, for the next call to report:
-        its error reply may come after a later lookup took its place in _pending."""
-        slab, last, unsettled = self._slab, self._last_seq, []
-        for future in self._unsettled:
-            if (future.slots_epoch != self._slots_epoch or future._error is not None
-                    or slab.written(future.slot, future.seq, last)):
-                continue  # another registration's, reported by its own wait, or done
-            if self._daemon_failed(future):
-                self._failed.add(future, "the daemon did not serve it")
-            else:
-                unsettled.append(future)
-        return unsettled
-
-    def _lookup_mapped(self, ids: torch.Tensor, stream: torch.cuda.Stream | None,
-                       slot: int | None, sm_fraction: float | None) -> LookupFuture:
-        """Mapped mode: this process gathers from its mapping of the daemon's tables. On a GPU
-        the gather runs on a side stream after `stream`'s earlier work (the IDs' producers) and
-        after the previous readers of the slot; wait() makes a stream wait for its event."""
-        slot = self._take_turn(slot)
-        tokens = ids.shape[0]
-        out = self._slab.rows(slot, tokens)
-        future = LookupFuture(self, 0, slot, next(self._seqs), tokens, acked=False)
-        if self.device.type == "cpu":
-            self._pending.pop(slot, None)
-            future.out_of_range = self._gather(ids.to("cpu"), out, None)
-            self.counts["out_of_range"] += future.out_of_range
-        else:
-            future.deferred = self._gather_inputs(ids, out, slot, stream, sm_fraction)
-            future.event = torch.cuda.Event()
-            self._unqueued = future
-            if self.gather_at == "lookup":
-                self._queue_gather()
-        self.counts["lookups"] += 1
-        self.counts["rows"] += tokens * self.geometry.n_layers * self.shard.owned_heads
-        return self._track(future)
-
-    def _gather_inputs(self, ids: torch.Tensor, out: torch.Tensor, slot: int,
-                       stream: torch.cuda.Stream | None, sm_fraction: float | None) -> DeferredGather:
-        """What a mapped GPU lookup's gather needs, its dependencies taken now: events on the
-        streams whose work so far must come first, `stream`'s (the IDs' producers) and the
-        slot's previous readers'. The gather itself is queued later (_queue_gather)."""
-        stream = stream or torch.cuda.current_stream(self.device.index)
-        if ids.device != self.device:
-            with torch.cuda.stream(stream):  # recorded in `stream`'s order below
-                ids = ids.to(self.device, non_blocking=True)
-        previous = self._pending.pop(slot, None)
-        streams = [stream, *(c for c in (previous.consumers if previous is not None else ())
-                             if c != stream)]  # `stream`'s reads are covered by its own event
-        after = []
-        for waited in streams:
-            event = torch.cuda.Event()
-            event.record(waited)
-            after.append(event)
-        # Held until the gather is queued, so the caller may drop the IDs once lookup() returns.
-        return DeferredGather(ids, out, after, sm_fraction)
-
-    def _queue_gather(self) -> None:
-        """Queue the gather of the lookup that waits for it (if any) on the side stream, on the
-        mapping of this moment. Callers hold _tables_lock."""
-        future, self._unqueued = self._unqueued, None
-        if future is None:
-            return
-        work, side = future.deferred, self._side
-        try:
-            for event in work.after:
-                side.wait_event(event)
-            work.ids.record_stream(side)  # the allocator keeps the IDs until the gather read them
-            self._gather(work.ids, work.out, side, work.sm_fraction)
-            future.event.record(side)
-        except BaseException as exc:  # e.g. out of memory for a sort: that lookup's wait() says so
-            future._error = exc if isinstance(exc, EngramError) else InternalError(
-                f"the gather of a lookup of {future.tokens} tokens failed: {exc}")
-            if not isinstance(exc, Exception):
-                raise
-        finally:
-            # Last: a wait() on another thread that finds it None without the lock finds the
-            # event recorded or the error set.
-            future.deferred = None
-
-    def _queued(self, future: LookupFuture) -> None:
-        """Before a stream waits for a mapped lookup's event: its gather is queued (now, if it
-        was waiting for this), or the lookup's error is raised (its gather failed, or was
-        dropped with its mapping)."""
-        if future.deferred is not None:
-            with self._tables_lock:
-                if self._unqueued is future:
-                    self._queue_gather()
-        if future.deferred is not None:
-            raise DaemonUnavailableError(
-                "this lookup's gather was dropped with the tables mapping it was to read (the "
-                "client closed while its daemon was gone): look it up again")
-        if future._error is not None:
-            raise future._error
-
-    def _after_previous_use(self, slot: int, stream: torch.cuda.Stream, raw: int) -> None:
-        """`stream` must not touch the slot before its previous lookup and readers are done, and
-        this thread runs at most `slots` lookups ahead of its GPU (see _await_submitted)."""
-        previous = self._pending.get(slot)
-        if previous is None:
-            return
-        self._await_submitted(slot, previous)
-        self._slab.ops.wait_u32(raw, self._slab.rows_done[slot], previous.seq)
-        for consumer in previous.consumers:
-            if consumer != stream:
-                stream.wait_stream(consumer)
-
-    def _remember(self, future: LookupFuture) -> None:
-        self._recent[future.rid] = future
-        while len(self._recent) > RECENT_LOOKUPS:
-            self._recent.popitem(last=False)
-
-    def _await_submitted(self, slot: int, previous: LookupFuture) -> None:
-        """Block until this GPU has handed the slot's previous IDs to the daemon.
-
-        Without it a loop of lookup().wait() runs ahead of the GPU without bound: every request
-        becomes a gather the daemon has queued on a wait for IDs, thousands per client, and a
-        client killed then leaves all of them for the daemon to release. Engines run at most a
-        step or two ahead, so this rarely waits. Bounded by the client's timeout: a stream held
-        up for that long is a fault to report, not to wait out."""
-        event = previous.submitted
-        if event is None or event.query():
-            return
-        deadline, pause = time.monotonic() + self.timeout, 20e-6
-        while not event.query():
-            self._check_alive()
-            if time.monotonic() > deadline:
-                raise ReplyTimeoutError(f"slot {slot}: lookup {previous.seq} was not handed to the "
-                                        f"daemon within {self.timeout:.1f} s (is its stream held up?)")
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
-
-    def _stream_wait(self, future: LookupFuture, stream: torch.cuda.Stream) -> None:
-        if future.event is not None:  # mapped: the gather runs on this process's side stream
-            self._queued(future)
-            stream.wait_event(future.event)
-        else:
-            self._slab.ops.wait_u32(stream.cuda_stream, self._slab.rows_done[future.slot], future.seq)
-        if stream not in future.consumers:
-            future.consumers.append(stream)
+            return self._served.lookup(ids, stream or torch.cuda.current_stream(self.device.index), slot)
+        return self._served_cpu.lookup(ids, slot)
 
     def _track(self, future: LookupFuture) -> LookupFuture:
         self._pending[future.slot] = future
         return future
-
-    def _rows_written(self, future: LookupFuture) -> bool:
-        """Whether `future`'s rows are known written, without waiting (LookupFuture.ok)."""
-        if future.slots_epoch != self._slots_epoch or self._slab is None:
-            return False
-        if future.event is not None:  # mapped GPU: the gather's event, once it is queued
-            return future.deferred is None and future.event.query()
-        if isinstance(self._slab, _CudaSlabView):
-            return self._slab.written(future.slot, future.seq, self._last_seq)
-        return future.done()  # CPU: the reply, rows included
-
-    def _daemon_failed(self, future: LookupFuture) -> bool:
-        """Served GPU lookups: did the daemon mark this lookup as not served (FAILED, written
-        before its ROWS_DONE, names it)?"""
-        if (future.event is not None or not isinstance(self._slab, _CudaSlabView)
-                or future.slots_epoch != self._slots_epoch):
-            return False
-        return self._slab.failed_seq(future.slot) == future.seq & 0xFFFFFFFF
-
-    def _error_of(self, future: LookupFuture) -> EngramError:
-        """The daemon's error reply for a lookup it marked failed (it sends one for each)."""
-        try:
-            self._conn.wait(future.rid, min(self.timeout, 5.0), f"the error of lookup {future.rid}")
-        except EngramError as exc:
-            return exc
-        return InternalError(f"the daemon marked lookup {future.rid} (slot {future.slot}) as not "
-                             "served but sent no error for it")
 
     def _take_in(self) -> None:
         """Read what the daemon sent, without waiting: notices, and error replies to GPU lookups
@@ -1325,21 +633,7 @@ class EngramClient:
         conn.collect()
         if self.device.type != "cuda" or not conn.has_replies():
             return
-        for future in {*self._pending.values(), *self._unsettled}:
-            if future._error is None and conn.has_reply(future.rid):
-                try:
-                    conn.wait(future.rid, 0, "lookup")
-                except EngramError as exc:
-                    future._error = exc
-                    if future.consumers:  # its wait() returned: the engine hears of it next call
-                        self._failed.add(future, f"refused by the daemon: {exc.message}")
-        for rid, error in conn.take_stale_errors():  # their slots were reused meanwhile
-            future = self._recent.get(rid)
-            if future is None:
-                log.warning("lookup (rid %d) failed after its slot was reused: %s", rid, error)
-            elif future._error is None:
-                future._error = error
-                self._failed.add(future, f"refused by the daemon: {error.message}")
+        self._served.take_errors(conn)
 
     def _check_ids(self, ids: torch.Tensor) -> torch.Tensor:
         if not isinstance(ids, torch.Tensor):
@@ -1383,24 +677,6 @@ class EngramClient:
         slot, self._next_slot = self._next_slot, (self._next_slot + 1) % self.slots
         return slot
 
-    def _check_current(self, future: LookupFuture) -> None:
-        if self._slab is None:
-            raise DaemonUnavailableError("client is closed or not registered")
-        if future.slots_epoch != self._slots_epoch:
-            raise DaemonUnavailableError(
-                "this lookup was made before the client re-registered with a restarted daemon; "
-                "its rows are lost: look them up again")
-
-    def _claim_slot(self, slot: int | None) -> int:
-        slot = self._take_turn(slot)
-        previous = self._pending.pop(slot, None)
-        if previous is not None:
-            try:
-                previous._collect(self.timeout)  # the slot is reused only once it is done
-            except EngramError:
-                pass  # that lookup's owner sees its error; the slot is free either way
-        return slot
-
     # -- daemon death ---------------------------------------------------------------------------
 
     def _watch(self, closing: threading.Event, client_id: int, token: str, interval: float) -> None:
@@ -1422,8 +698,8 @@ class EngramClient:
                         return
                     self._dead = f"{gone}; results of in-flight lookups are invalid"
                     if self.device.type == "cuda":
-                        self._release_waits()
-                        self._keep_releasing(closing)
+                        self._served.release_waits()
+                        self._served.keep_releasing(closing)
                     return
                 if time.monotonic() >= next_beat:
                     next_beat = time.monotonic() + interval
@@ -1435,7 +711,7 @@ class EngramClient:
                     if (getattr(body, "tables", None) is not None and reply.epoch == self.epoch
                             and (heard is None or body.tables_seq >= heard[1])):
                         self._heard_tables = (body.tables, body.tables_seq)
-                self._follow_while_idle()
+                self._mapped_path.follow_while_idle()
         finally:
             beat.close()
 
@@ -1443,103 +719,7 @@ class EngramClient:
         """Mapped clients: this registration's cumulative counts for the daemon's stats."""
         if self.mode != "mapped":
             return None
-        return self._since_registered(self._mapped_counts())
-
-    def _mapped_counts(self, queue_copy: bool = True) -> dict[str, int]:
-        """Counts since the mapping was made (GPU out-of-range IDs as the device counter read by
-        the last finished copy, `queue_copy`: the next one queued; never a host sync of the
-        model's work)."""
-        counts = dict(self.counts)
-        reader = self._out_of_range  # None once unmapped (close or reconnect on another thread)
-        if self.device.type == "cuda" and reader is not None:
-            counts["out_of_range"] = reader.read(again=queue_copy)
-        return counts
-
-    def _since_registered(self, counts: dict[str, int]) -> dict[str, int]:
-        return {name: value - self._counts_base.get(name, 0) for name, value in counts.items()}
-
-    def _final_counts(self) -> dict[str, int]:
-        """Mapped clients at release, the device idle: exact counts, the last word on them."""
-        counts = dict(self.counts)
-        if self.device.type == "cuda" and self._gather is not None:  # None: mapping failed half-way
-            torch.cuda.synchronize(self.device)  # the side stream's gathers count into it
-            counts["out_of_range"] = int(self._gather.out_of_range.item())
-        return self._since_registered(counts)
-
-    def _await_stopping_daemon(self) -> None:
-        """A daemon that said it is stopping still writes the rows of every lookup it took, and
-        only then closes its leases (Daemon._drained): wait for those rows, while the
-        lease is open and at most STOPPING_SETTLE_S, so that the release that follows fails
-        only the lookups it refused or never got, not rows on their way."""
-        if self._dead is not None or self._conn is None or self._conn.notice != "stopping":
-            return
-        deadline = time.monotonic() + STOPPING_SETTLE_S
-        while (self._unsettled and self._lease_gone() is None
-               and time.monotonic() < deadline):
-            time.sleep(SETTLE_POLL_S)
-            self._unsettled = self._settle()
-
-    def _release_waits(self) -> None:
-        """From the watchdog, once the lease closed (`_dead` set first): satisfy every stream
-        wait on the daemon's counters, the lookups whose rows were not written failed first.
-        close() stops the watchdog before it unmaps the slab, so the slab seen here is mapped."""
-        self._invalidate(self._unsettled)
-
-    def _invalidate(self, futures: list[LookupFuture]) -> None:
-        """Fail each of `futures` whose rows the daemon did not write, then release every wait
-        on the slab's counters (the watchdog, once the lease closed; the lookup thread, for one
-        sent after the watchdog's scan; a disconnect). In seq order, each lookup's rows are
-        filled with NaN once its own stream has handed its IDs over (after the slot's previous
-        readers, which must not read NaN), and its waits, and no later lookup's of the slot,
-        are released when the fill is done or RELEASE_DEADLINE_S has passed: a later lookup's
-        submission can wait for that release. Any error on the way still releases every slot
-        in the end: nothing hangs (client/failures.py)."""
-        with self._invalidating:
-            slab, last = self._slab, self._last_seq
-            if not isinstance(slab, _CudaSlabView):
-                return  # not mapped yet: nothing waits on it
-            try:
-                for future in sorted(futures, key=lambda f: f.seq):
-                    if (future.slots_epoch != self._slots_epoch
-                            or slab.written(future.slot, future.seq, last)):
-                        continue
-                    if future._error is not None:
-                        # Refused: it raises its own error, but the daemon's NaN over its rows
-                        # follows the reply, and the daemon may have died in between.
-                        if slab.failed_seq(future.slot) != future.seq & 0xFFFFFFFF:
-                            self._fill_then_fail(slab, future)
-                    elif self._failed.add(future, self._dead or "the daemon's lease closed"):
-                        self._fill_then_fail(slab, future)
-            finally:
-                for slot in range(slab.layout.slots):
-                    slab.release(slot, last)
-
-    @staticmethod
-    def _fill_then_fail(slab: _CudaSlabView, future: LookupFuture) -> None:
-        filled = None
-        try:
-            filled = slab.invalidate(future.slot, future.tokens, future.submitted)
-            deadline = time.monotonic() + RELEASE_DEADLINE_S
-            while not filled.query() and time.monotonic() < deadline:
-                time.sleep(0.001)
-        except Exception as exc:  # a CUDA error here must not keep the waits from their release
-            log.error("lookup seq %d: its rows could not be filled with NaN: %s", future.seq, exc)
-        if filled is not None and not filled.query():
-            log.error("lookup seq %d: its rows were not filled with NaN within %.1f s; its waits "
-                      "are released with them as they are (it is failed all the same)",
-                      future.seq, RELEASE_DEADLINE_S)
-        slab.fail(future.slot, future.seq)
-
-    def _keep_releasing(self, closing: threading.Event) -> None:
-        """From the watchdog, after its release: store it again for RELEASE_REPEAT_S, over what
-        the dead daemon's last gathers write, until the client closes or re-registers."""
-        slab, last = self._slab, self._last_seq
-        deadline = time.monotonic() + RELEASE_REPEAT_S
-        while isinstance(slab, _CudaSlabView) and time.monotonic() < deadline:
-            if closing.wait(RELEASE_REPEAT_PAUSE_S) or self._slab is not slab:
-                return
-            for slot in range(slab.layout.slots):
-                slab.release(slot, last)
+        return self._mapped_path.since_registered(self._mapped_path.mapped_counts())
 
     def _daemon_gone(self) -> bool:
         """The daemon of our registration died, retired us, or said it is stopping (a reconnect
@@ -1585,11 +765,12 @@ class EngramClient:
                 except EngramError:
                     pass
             counts = None
-            if self._mapped is not None:  # synchronises first: our gathers write our slots
-                self._queue_gather()  # every lookup is gathered, its out-of-range IDs counted
-                counts = self._final_counts()
-                self._unmap()
-            if isinstance(self._slab, _CudaSlabView):
+            mapped = self._mapped_path
+            if mapped.tables is not None:  # synchronises first: our gathers write our slots
+                mapped.queue_gather()  # every lookup is gathered, its out-of-range IDs counted
+                counts = mapped.final_counts()
+                mapped.unmap()
+            if isinstance(self._slab, CudaSlabView):
                 # Our streams may wait on the daemon's counters: if it dies during this sync, the
                 # watchdog (still running) releases them. Then it stops, before the unmap.
                 torch.cuda.synchronize(self.device)

@@ -7,8 +7,8 @@ client's watchdog, or the daemon's refusal), and what the slot holds is not this
 the slot's previous use, another batch's. So a release never passes for a success:
 
 - before the wait is released, the rows are overwritten with NaN in stream order (the client:
-  `_CudaSlabView.invalidate`; the daemon: `enqueue_lookup`'s refusal), so a model that reads them
-  computes NaN, never a plausible answer to another batch;
+  `CudaSlabView.invalidate` in client/served.py; the daemon: `enqueue_lookup`'s refusal), so a
+  model that reads them computes NaN, never a plausible answer to another batch;
 - the lookup is recorded here, and the client's next lookup(), wait() or result() raises
   LookupFailedError naming it (by `LookupFuture.seq`); `LookupFuture.failed()` says so at any
   time without waiting, for an engine that polls off its critical path.

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from engramd.client import DaemonUnavailableError
-from engramd.client.client import EngramClient, LookupFuture
 from engramd.client.errors import InternalError
+from engramd.client.future import LookupFuture
 from engramd.client.mapped import DeferredGather
+from engramd.client.mapped_path import MappedPath
 
 
 class Event:
@@ -37,18 +40,17 @@ class Ids:
         pass
 
 
-def client_with_one_lookup(gather) -> tuple[EngramClient, LookupFuture]:
-    """A client object with only what queueing and waiting touch, and one lookup whose gather
-    waits to be queued."""
-    client = object.__new__(EngramClient)
-    client._tables_lock = threading.RLock()
-    client._side = Stream()
-    client._gather = gather
+def path_with_one_lookup(gather) -> tuple[MappedPath, LookupFuture]:
+    """A mapped path over a stand-in for the client with only what queueing and waiting touch
+    (its device and lock), and one lookup whose gather waits to be queued."""
+    path = MappedPath(SimpleNamespace(device=torch.device("cpu"), _tables_lock=threading.RLock()))
+    path.side = Stream()
+    path.gather = gather
     future = object.__new__(LookupFuture)
     future.consumers, future.event, future._error, future.tokens = [], Event(), None, 16
     future.deferred = DeferredGather(Ids(), None, [Event()], None)
-    client._unqueued = future
-    return client, future
+    path.unqueued = future
+    return path, future
 
 
 def test_a_wait_on_another_thread_while_the_gather_is_queued_waits_for_its_event():
@@ -61,17 +63,17 @@ def test_a_wait_on_another_thread_while_the_gather_is_queued_waits_for_its_event
         started.set()
         time.sleep(0.05)
 
-    client, future = client_with_one_lookup(slow_gather)
+    path, future = path_with_one_lookup(slow_gather)
 
     def queue_on_the_watch_thread():
-        with client._tables_lock:
-            client._queue_gather()
+        with path._client._tables_lock:
+            path.queue_gather()
 
     watch = threading.Thread(target=queue_on_the_watch_thread)
     watch.start()
     assert started.wait(5.0)
     engine = Stream()
-    client._stream_wait(future, engine)
+    path.stream_wait(future, engine)
     watch.join()
     assert engine.waits == [True] and future.deferred is None and future.consumers == [engine]
 
@@ -80,14 +82,14 @@ def test_a_gather_that_fails_is_raised_by_its_own_wait_and_a_dropped_one_says_so
     def failing_gather(ids, out, side, sm_fraction):
         raise RuntimeError("CUDA out of memory")
 
-    client, future = client_with_one_lookup(failing_gather)
-    client._queue_gather()  # as the next lookup would: it must not raise there
+    path, future = path_with_one_lookup(failing_gather)
+    path.queue_gather()  # as the next lookup would: it must not raise there
     with pytest.raises(InternalError, match="gather of a lookup of 16 tokens failed: CUDA out of memory"):
-        client._stream_wait(future, Stream())
+        path.stream_wait(future, Stream())
 
-    client, future = client_with_one_lookup(lambda *args: None)
-    client._unqueued = None  # what close() does while the daemon is gone (_unmap)
+    path, future = path_with_one_lookup(lambda *args: None)
+    path.unqueued = None  # what close() does while the daemon is gone (unmap)
     engine = Stream()
     with pytest.raises(DaemonUnavailableError, match="gather was dropped"):
-        client._stream_wait(future, engine)
+        path.stream_wait(future, engine)
     assert engine.waits == []

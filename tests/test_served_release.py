@@ -1,4 +1,4 @@
-"""The served client's release when its daemon's lease closes (EngramClient._invalidate), on the
+"""The served client's release when its daemon's lease closes (ServedGpu.invalidate), on the
 CPU: which lookups fail, in which order their rows are filled and their waits released, and that
 every slot is released whatever happens on the way. A slab whose counters are a dict stands in
 for the GPU's (the GPU tests run the real one: tests/gpu/test_served_faults_gpu.py)."""
@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from engramd.client.client import EngramClient, _CudaSlabView
 from engramd.client.failures import FailedLookups
+from engramd.client.served import CudaSlabView, ServedGpu
 from engramd.client.slab import FAILED, ROWS_DONE, release_value
 
 
@@ -25,7 +25,7 @@ class Event:
         return self.done and (self.after is None or self.after.is_set())
 
 
-class Slab(_CudaSlabView):
+class Slab(CudaSlabView):
     """Counters in a dict; what the release did, in order, in `calls`."""
 
     def __init__(self, slots: int, fill: str = "ok"):  # no GPU: none of the parent's set-up
@@ -61,15 +61,18 @@ def lookup(seq: int, slot: int, error=None):
                            submitted=f"submitted {seq}")
 
 
-def client(slab: Slab, last_seq: int):
-    """The attributes _invalidate reads, on a stand-in for the client."""
-    return SimpleNamespace(_slab=slab, _last_seq=last_seq, _slots_epoch=1, _failed=FailedLookups(),
-                           _dead="the daemon exited", _fill_then_fail=EngramClient._fill_then_fail,
-                           _invalidating=threading.Lock())
+def client(slab: Slab, last_seq: int) -> ServedGpu:
+    """The served path, over a stand-in for the client with the attributes invalidate reads."""
+    served = object.__new__(ServedGpu)
+    served._client = SimpleNamespace(_slab=slab, _slots_epoch=1, _failed=FailedLookups(),
+                                     _dead="the daemon exited")
+    served._invalidating = threading.Lock()
+    served.last_seq = last_seq
+    return served
 
 
-def invalidate(fake, lookups) -> None:
-    EngramClient._invalidate(fake, lookups)
+def invalidate(fake: ServedGpu, lookups) -> None:
+    fake.invalidate(lookups)
 
 
 def test_unwritten_lookups_fail_in_seq_order_each_filled_after_its_own_submission():
@@ -87,7 +90,7 @@ def test_unwritten_lookups_fail_in_seq_order_each_filled_after_its_own_submissio
                           ("release", 0), ("release", 1)]
     assert [x.failure is not None for x in lookups] == [True, False, True, True]
     with pytest.raises(Exception, match=r"seq 3, 4, 5 "):
-        fake._failed.raise_unreported()
+        fake._client._failed.raise_unreported()
 
 
 def test_a_fill_that_fails_still_fails_its_lookup_and_releases_every_slot():
@@ -101,7 +104,7 @@ def test_a_fill_that_fails_still_fails_its_lookup_and_releases_every_slot():
 
 
 def test_a_fill_that_does_not_finish_in_time_releases_all_the_same(monkeypatch):
-    monkeypatch.setattr("engramd.client.client.RELEASE_DEADLINE_S", 0.05)
+    monkeypatch.setattr("engramd.client.served.RELEASE_DEADLINE_S", 0.05)
     slab = Slab(slots=1, fill="never")
     invalidate(client(slab, last_seq=1), [lookup(1, 0)])
     assert slab.calls == [("fill", 0, "submitted 1"), ("fail", 0, 1), ("release", 0)]
@@ -115,11 +118,11 @@ def test_a_second_release_neither_fails_nor_fills_again():
     lost = lookup(1, 0)
     invalidate(fake, [lost])
     with pytest.raises(Exception, match="seq 1 "):
-        fake._failed.raise_unreported()
+        fake._client._failed.raise_unreported()
     slab.calls.clear()
     invalidate(fake, [lost])
     assert slab.calls == [("release", 0)]
-    fake._failed.raise_unreported()  # nothing new
+    fake._client._failed.raise_unreported()  # nothing new
 
 
 def test_a_refused_lookup_the_daemon_filled_is_not_filled_again_but_its_slot_is_released():
@@ -140,7 +143,7 @@ def test_a_refused_lookup_whose_fill_the_daemons_death_cut_is_filled_but_not_rep
     refused = lookup(3, 1, error=RuntimeError("tables changed"))
     invalidate(fake, [refused])
     assert slab.calls == [("fill", 1, "submitted 3"), ("fail", 1, 3), ("release", 0), ("release", 1)]
-    fake._failed.raise_unreported()  # nothing: its own error is what its caller sees
+    fake._client._failed.raise_unreported()  # nothing: its own error is what its caller sees
     slab.calls.clear()
     invalidate(fake, [refused])
     assert slab.calls == [("release", 0), ("release", 1)]
@@ -171,14 +174,13 @@ def test_a_lookup_that_finds_the_daemon_gone_waits_for_the_watchdogs_release():
 
 
 def stopping_client(slab: Slab, unsettled, lease_open: bool = True):
-    """The attributes _await_stopping_daemon and _settle read: a daemon that said "stopping"."""
+    """The attributes await_stopping_daemon and settle read: a daemon that said "stopping"."""
     fake = client(slab, last_seq=max(x.seq for x in unsettled))
-    fake._dead = None
-    fake._conn = SimpleNamespace(notice="stopping")
-    fake._unsettled = list(unsettled)
-    fake._lease_gone = lambda: None if lease_open else "the daemon closed this client's lease"
-    fake._settle = lambda: EngramClient._settle(fake)
-    fake._daemon_failed = lambda future: slab.load(future.slot, FAILED) == future.seq
+    fake._client._dead = None
+    fake._client._conn = SimpleNamespace(notice="stopping")
+    fake.unsettled = list(unsettled)
+    fake._client._lease_gone = lambda: None if lease_open else "the daemon closed this client's lease"
+    fake.daemon_failed = lambda future: slab.load(future.slot, FAILED) == future.seq
     return fake
 
 
@@ -196,9 +198,9 @@ def test_a_stopping_daemons_rows_on_their_way_are_awaited_not_failed():
 
     writer = threading.Thread(target=gathers_finish)
     writer.start()
-    EngramClient._await_stopping_daemon(fake)
+    fake.await_stopping_daemon()
     writer.join()
-    assert fake._unsettled == []
+    assert fake.unsettled == []
     invalidate(fake, lookups)
     assert [x.failure for x in lookups] == [None, None]
     assert slab.calls == [("release", 0), ("release", 1)]
@@ -210,8 +212,8 @@ def test_a_stopping_daemon_that_closed_the_lease_is_not_awaited():
     lost = lookup(1, 0)
     fake = stopping_client(slab, [lost], lease_open=False)
     looks = []
-    fake._settle = lambda: looks.append(1) or [lost]  # a wait would look at the counters again
-    EngramClient._await_stopping_daemon(fake)
+    fake.settle = lambda: looks.append(1) or [lost]  # a wait would look at the counters again
+    fake.await_stopping_daemon()
     assert looks == []
     invalidate(fake, [lost])
     assert lost.failure is not None

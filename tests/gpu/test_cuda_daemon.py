@@ -364,7 +364,7 @@ def test_a_mapped_gather_that_fails_is_raised_by_its_own_wait(daemon_factory, re
     rng = np.random.default_rng(32)
     with EngramClient(daemon.socket, device="cuda", max_tokens=64, slots=2, mode="mapped",
                       gather_at=gather_at) as client:
-        gather = client._gather
+        gather = client._mapped_path.gather
 
         class FailsOnce:
             out_of_range = gather.out_of_range
@@ -376,11 +376,11 @@ def test_a_mapped_gather_that_fails_is_raised_by_its_own_wait(daemon_factory, re
                     raise RuntimeError("CUDA out of memory (a test's)")
                 return gather(*args)
 
-        client._gather = FailsOnce()
+        client._mapped_path.gather = FailsOnce()
         batches = [random_ids(rng, 16, reference.rows, reference.heads) for _ in range(2)]
         failed = client.lookup(torch.from_numpy(batches[0]).cuda())
         served = client.lookup(torch.from_numpy(batches[1]).cuda())
-        assert client._gather.failed
+        assert client._mapped_path.gather.failed
         with pytest.raises(InternalError, match="gather of a lookup of 16 tokens failed: CUDA out of memory"):
             failed.wait()
         assert_exact(served.wait(), reference.expected(batches[1]), "the lookup after the failed one")

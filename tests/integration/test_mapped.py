@@ -100,7 +100,7 @@ def test_a_client_caps_its_own_cache_and_a_bad_cap_is_refused(daemon_factory):
     client keeps: the size is the daemon's capped by the client's, and an older daemon, which
     offers none, gets none. A cap that is no size of GiB is a typed error before anything is
     registered."""
-    from engramd.client.client import cache_budget
+    from engramd.client.mapped_path import cache_budget
 
     daemon = daemon_factory()
     for bad in (-1, float("nan"), True, "2", [1], 10**9):
@@ -266,7 +266,7 @@ def test_mapped_client_rides_through_a_daemon_restart(daemon_factory, reference,
         ids = random_ids(rng, 16, reference.rows, reference.heads)
         assert_rows_equal(client.lookup(torch.from_numpy(ids)).result().double().numpy(),
                           reference.expected(ids), "before the restart")
-        epoch, mapping, tables = client.epoch, client._mapped, client.tables_id
+        epoch, mapping, tables = client.epoch, client.mapped_tables, client.tables_id
         before = random_ids(rng, 5, reference.rows, reference.heads)
         in_flight = client.lookup(torch.from_numpy(before), slot=1)
         first.proc.kill()
@@ -280,7 +280,7 @@ def test_mapped_client_rides_through_a_daemon_restart(daemon_factory, reference,
         second = daemon_factory(instance="again", shm_dir=first.shm_dir, workdir=first.workdir)
         wait_until(lambda: client.epoch != epoch, timeout=30)
         assert client.mode == "mapped" and client.registrations == 2 and client.tables_id == tables
-        assert client._mapped is mapping, "the tables were mapped again"
+        assert client.mapped_tables is mapping, "the tables were mapped again"
         for tokens in (16, 3, 9):
             ids = random_ids(rng, tokens, reference.rows, reference.heads)
             assert_rows_equal(client.lookup(torch.from_numpy(ids)).result().double().numpy(),
@@ -314,7 +314,7 @@ def test_a_mapped_client_registers_from_scratch_with_a_daemon_on_other_tables(
     first = daemon_factory(instance="other")
     client = EngramClient(first.socket, mode="mapped", timeout=10, reconnect_timeout=60)
     try:
-        before, mapping = client.tables_id, client._mapped
+        before, mapping = client.tables_id, client.mapped_tables
         ids = random_ids(np.random.default_rng(8), 9, reference.rows, reference.heads)
         first.proc.kill()
         first.proc.wait()
@@ -328,7 +328,7 @@ def test_a_mapped_client_registers_from_scratch_with_a_daemon_on_other_tables(
 
         wait_until(lambda: rows_exact() is not None and client.tables_id != before, timeout=30)
         assert client.registrations == 2 and client.mode == "mapped"
-        assert client._mapped is not mapping, "other tables, the old mapping"
+        assert client.mapped_tables is not mapping, "other tables, the old mapping"
     finally:
         client.close()
     assert second.stop() == 0
@@ -353,7 +353,7 @@ def test_a_mapped_client_with_no_daemon_back_gives_up_and_lets_the_mapping_go(da
             return False
 
         wait_until(refused, timeout=30, step=0.2)
-        assert client._mapped is None, "the mapping outlived the give-up"
+        assert client.mapped_tables is None, "the mapping outlived the give-up"
         with pytest.raises(DaemonUnavailableError):
             client.lookup(torch.from_numpy(ids))
     finally:

@@ -284,7 +284,7 @@ def test_a_restart_while_a_reload_is_being_mapped_means_registering_from_scratch
         assert reload(first)["state"] == "done"
         all_files |= table_files(first)
         wait_until(lambda: rows_match(rows_of(client, ids), reference, ids)
-                   and client._remapping is not None, timeout=10, step=0.02)
+                   and client._mapped_path.remapping is not None, timeout=10, step=0.02)
         first.proc.kill()
         first.proc.wait()
         point(current, demo_checkpoint)
@@ -296,7 +296,7 @@ def test_a_restart_while_a_reload_is_being_mapped_means_registering_from_scratch
             rows = rows_of(client, ids)
             assert rows_match(rows, reference, ids) or rows_match(rows, second_reference, ids), \
                 "rows of neither checkpoint"
-            return client.epoch == health.epoch and client._remapping is None
+            return client.epoch == health.epoch and client._mapped_path.remapping is None
         wait_until(registered_again, timeout=30, step=0.05)
         assert takeovers == [False], "a registration was taken over while a reload was being mapped"
         assert (client.mode, client.tables_id, client.registrations) == ("mapped", health.body.tables, 2)
