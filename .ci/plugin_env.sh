@@ -63,7 +63,7 @@ import triton
 engine = sys.argv[1]
 module = importlib.import_module(engine)
 assert torch.__version__.startswith("2.13.0"), f"torch {torch.__version__}: the venv must reuse 2.13.0"
-importlib.import_module(f"engramd.client.{engine}")  # the plugin imports in this environment
+importlib.import_module(f"engramd.client.engines.{engine}")  # the plugin imports in this environment
 print(f"{engine} test environment: {engine} {module.__version__}, triton {triton.__version__}, "
       f"torch {torch.__version__}")
 PY

@@ -2,6 +2,12 @@
 
     from engramd.client import EngramClient
 
+The public API is what this module exports (`__all__`): the client and its lookup future, the
+errors, the table geometry and the hasher; beside it, `engramd.client.adapter` (a model
+runner's adapter) and the engine plugins in `engramd.client.engines`, which engines load by
+their entry points. Every other module here is machinery the client and the daemon share (the
+wire, the slab and its counters, the handle socket, CUDA and pinning helpers): not an API.
+
 Names are imported on first use (PEP 562), so that a light user of the package (the CLI's
 `health`, which must answer a probe in well under a second) never loads torch.
 """

@@ -151,6 +151,6 @@ def test_the_distribution_is_engramd_daemon_and_provides_the_engramd_package_and
     dist = distribution("engramd-daemon")
     points = {(p.group, p.name): p.value for p in dist.entry_points}
     assert points[("console_scripts", "engramd")] == "engramd.server.cli:main"
-    assert points[("vllm.general_plugins", "engramd")] == "engramd.client.vllm:register"
-    assert points[("sglang.srt.plugins", "engramd")] == "engramd.client.sglang:register"
+    assert points[("vllm.general_plugins", "engramd")] == "engramd.client.engines.vllm:register"
+    assert points[("sglang.srt.plugins", "engramd")] == "engramd.client.engines.sglang:register"
     assert (dist.read_text("top_level.txt") or "").split() == ["engramd"]

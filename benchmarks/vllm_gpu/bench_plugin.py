@@ -9,12 +9,12 @@ from pathlib import Path
 
 def load_plugin(engram, sock: Path, mode: str):
     """vLLM's `load_general_plugins` with the settings the plugin reads (ENGRAMD_SOCKET,
-    ENGRAMD_MODE), as worker_gpu.py loads it; returns engramd.client.vllm_engram."""
+    ENGRAMD_MODE), as worker_gpu.py loads it; returns engramd.client.engines.vllm_engram."""
     os.environ.update(ENGRAMD_SOCKET=str(sock), ENGRAMD_MODE=mode)
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()
-    from engramd.client import vllm_engram
+    from engramd.client.engines import vllm_engram
 
     if engram.Engram._ready_rows is not vllm_engram._ready_rows:
         raise SystemExit("the engramd plugin did not install: engramd must be installed (pip "

@@ -49,7 +49,7 @@ print(f"import vllm {vllm.__version__}: {time.monotonic() - started:.1f} s "
 assert torch.cuda.is_available() and current_platform.is_cuda(), "vLLM does not see CUDA here"
 import vllm.models.deepseek_v41.common.engram as engram
 
-from engramd.client import vllm as plugin
+from engramd.client.engines import vllm as plugin
 
 plugin.check_version(vllm.__version__)
 plugin.check_seams(engram)

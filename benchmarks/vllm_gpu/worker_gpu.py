@@ -247,7 +247,7 @@ def main() -> None:
             from vllm.plugins import load_general_plugins
 
             load_general_plugins()
-            from engramd.client import vllm_engram
+            from engramd.client.engines import vllm_engram
 
             assert engram.Engram._ready_rows is vllm_engram._ready_rows, "the entry point did not install"
             served = build_layers(engram, hf, layout)

@@ -61,7 +61,7 @@ from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins, load_plugins
 assert "engramd" in load_plugins_by_group(GENERAL_PLUGINS_GROUP), "no engramd entry point"
 load_plugins()
 assert dict(vars(EngramEmbedding)) == before, "the plugin changed SGLang without ENGRAMD_SOCKET"
-assert "engramd.client.sglang_engram" not in sys.modules
+assert "engramd.client.engines.sglang_engram" not in sys.modules
 print("untouched")
 """
 
@@ -73,7 +73,7 @@ def test_entry_point_loads_through_sglangs_loader_and_does_nothing_without_the_s
 FAIL_CLOSED_PROBE = """
 import importlib, json, os, sys, types
 os.environ["ENGRAMD_SOCKET"] = "/nonexistent/engramd.sock"
-from engramd.client import sglang as plugin
+from engramd.client.engines import sglang as plugin
 import sglang.version
 errors = {}
 
@@ -122,7 +122,7 @@ def test_another_version_a_changed_seam_or_sglangs_own_table_placement_fail_clos
 GEOMETRY_PROBE = """
 import json, sys
 from engramd.client.geometry import TableGeometry
-from engramd.client import sglang_engram
+from engramd.client.engines import sglang_engram
 from sglang.srt.layers.engram import EngramLayout
 import types
 config = json.load(open(sys.argv[1]))

@@ -204,7 +204,7 @@ def main() -> None:
         from sglang.srt.plugins import load_plugins
 
         load_plugins()
-        from engramd.client import sglang_engram
+        from engramd.client.engines import sglang_engram
 
         assert engram.EngramEmbedding._owned_rows is sglang_engram._owned_rows, \
             "the entry point did not install"

@@ -17,7 +17,7 @@ import pytest
 import vllm
 from helpers import free_port, run_client_processes
 
-from engramd.client import vllm as plugin
+from engramd.client.engines import vllm as plugin
 
 WORKER = Path(__file__).with_name("worker.py")
 WORKER_TIMEOUT_S = 300  # vLLM's kernels under Triton's interpreter: tens of seconds each
@@ -59,7 +59,7 @@ assert "engramd" in load_plugins_by_group("vllm.general_plugins"), "no engramd e
 load_general_plugins()
 import sys
 assert dict(vars(Engram)) == before, "the plugin changed vLLM without ENGRAMD_SOCKET"
-assert "engramd.client.vllm_engram" not in sys.modules
+assert "engramd.client.engines.vllm_engram" not in sys.modules
 print("untouched")
 """
 
@@ -129,7 +129,7 @@ def test_changed_seams_fail_closed_naming_each():
 
 
 def test_a_daemon_serving_other_tables_is_refused(demo_checkpoint):
-    from engramd.client import vllm_engram
+    from engramd.client.engines import vllm_engram
     from engramd.client.geometry import TableGeometry
 
     config = json.loads((demo_checkpoint / "config.json").read_text())

@@ -9,7 +9,7 @@ it, it first checks that the installed vLLM is a version this plugin was written
 every seam it replaces has the signature it expects, and raises `VllmPluginError` naming what
 changed otherwise: a seam that moved would otherwise leave the model reading a table nobody
 loaded. Then it replaces, on vLLM's `Engram` class, the methods that own the table
-(engramd.client.vllm_engram holds the replacements and says what each does).
+(engramd.client.engines.vllm_engram holds the replacements and says what each does).
 `ENGRAMD_MODE` (auto | served | mapped, default auto) picks the client mode;
 `ENGRAMD_HOT_CACHE_GIB` caps a mapped client's own hot-row cache (0: none; unset: the daemon's
 `mapped_hot_cache_gib`), for a vLLM that leaves its GPU little memory beside the KV cache.
@@ -25,8 +25,8 @@ from __future__ import annotations
 import logging
 import os
 
-from engramd.client import engine_plugin
-from engramd.client.engine_plugin import (  # noqa: F401  (names this module has always had)
+from engramd.client.engines import shared
+from engramd.client.engines.shared import (  # noqa: F401  (names this module has always had)
     GATHER_AT_ENV,
     HOT_CACHE_ENV,
     MODE_ENV,
@@ -42,7 +42,7 @@ ENGRAM_MODULE = "vllm.models.deepseek_v41.common.engram"
 
 # The seams of vLLM's Engram code the plugin replaces or relies on, with the parameters each must
 # take: (class name or None for a module function, attribute, parameter names).
-SEAMS: tuple[engine_plugin.Seam, ...] = (
+SEAMS: tuple[shared.Seam, ...] = (
     ("Engram", "__init__", ("self", "config", "quant_config", "layout", "layer_hash_index",
                             "use_sequence_parallel", "prefix", "prefetch_stream")),
     ("Engram", "_create_embedding", ("self", "layout", "layer_hash_index")),
@@ -86,9 +86,9 @@ def register() -> None:
     check_version(vllm.__version__)
     engram = importlib.import_module(ENGRAM_MODULE)
     check_seams(engram)
-    from engramd.client import vllm_engram
+    from engramd.client.engines import vllm_engram
 
-    settings = engine_plugin.Settings.from_environment(VllmPluginError)
+    settings = shared.Settings.from_environment(VllmPluginError)
     if vllm_engram.install(engram, settings.socket, settings.mode, settings.hot_cache_gib,
                            settings.gather_at):
         log.info("engramd plugin installed: Engram rows come from the daemon at %s",
@@ -98,23 +98,23 @@ def register() -> None:
 def hot_cache_cap(value: str | None) -> float | None:
     """ENGRAMD_HOT_CACHE_GIB as GiB (None: unset or empty); VllmPluginError naming a bad one,
     before any worker registers."""
-    return engine_plugin.hot_cache_cap(value, VllmPluginError)
+    return shared.hot_cache_cap(value, VllmPluginError)
 
 
 def gather_at(value: str | None) -> str:
     """ENGRAMD_GATHER_AT as EngramClient's gather_at ("wait" when unset or empty);
     VllmPluginError naming a bad one, before any worker registers."""
-    return engine_plugin.gather_at(value, VllmPluginError)
+    return shared.gather_at(value, VllmPluginError)
 
 
 def check_version(version: str) -> None:
-    engine_plugin.check_version("vLLM", version, SUPPORTED_VLLM, VllmPluginError)
+    shared.check_version("vLLM", version, SUPPORTED_VLLM, VllmPluginError)
 
 
 def check_seams(engram_module) -> None:
     """Raise VllmPluginError listing every seam that is missing or changed."""
-    changes = [*engine_plugin.signature_changes(engram_module, SEAMS),
-               *engine_plugin.call_changes(engram_module, CALLS), *_wrapper_changes(engram_module)]
+    changes = [*shared.signature_changes(engram_module, SEAMS),
+               *shared.call_changes(engram_module, CALLS), *_wrapper_changes(engram_module)]
     if changes:
         raise VllmPluginError(
             f"{SOCKET_ENV} is set but vLLM's Engram code ({ENGRAM_MODULE}) is not what the engramd "
@@ -124,7 +124,7 @@ def check_seams(engram_module) -> None:
 def _wrapper_changes(engram_module) -> list[str]:
     changes = []
     for owner, name in WRAPPED:
-        seam = engine_plugin.seam(engram_module, owner, name)
+        seam = shared.seam(engram_module, owner, name)
         if seam is not None and not hasattr(seam, "__wrapped__"):
             changes.append(f"{owner}.{name} is no longer wrapped by eager_break_during_capture")
     return changes

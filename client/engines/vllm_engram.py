@@ -1,4 +1,4 @@
-"""What the vLLM plugin puts in place of vLLM's Engram tables (see engramd.client.vllm).
+"""What the vLLM plugin puts in place of vLLM's Engram tables (see engramd.client.engines.vllm).
 
 One `EngramClient` per vLLM worker process, registered with vLLM's TP rank and size, so each rank
 gets its head shard; every Engram layer of the process shares it. Per forward:
@@ -46,10 +46,10 @@ from vllm.models.deepseek_v41.common.engram import (
     eager_break_during_capture,
 )
 
-from engramd.client import engine_plugin
 from engramd.client.client import EngramClient, LookupFuture
+from engramd.client.engines import shared
+from engramd.client.engines.vllm import VllmPluginError
 from engramd.client.geometry import DEAD_ID, SCALE_BLOCK, TableGeometry
-from engramd.client.vllm import VllmPluginError
 
 log = logging.getLogger("engramd.vllm")
 
@@ -93,7 +93,7 @@ class ProcessRows:
         self._rows_generation = client.rows_generation  # where the staged views point
         # What the model's layout was checked against (process_rows): a re-registration with a
         # restarted daemon must find the same tables.
-        self._tables = engine_plugin.ServedTables(client, VllmPluginError, "vLLM")
+        self._tables = shared.ServedTables(client, VllmPluginError, "vLLM")
 
     @property
     def geometry(self) -> TableGeometry:

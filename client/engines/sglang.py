@@ -10,9 +10,9 @@ seam it replaces or relies on has the signature it expects, and that none of SGL
 Engram table placements (host table, scheduler staging, peer shards) is switched on, and raises
 `SglangPluginError` naming what is wrong otherwise. Then it replaces, on SGLang's
 `EngramEmbedding` class, the methods that own the table, and wraps `EngramHasher.forward` so that
-a step's hash IDs make one lookup of every layer (engramd.client.sglang_engram holds the
+a step's hash IDs make one lookup of every layer (engramd.client.engines.sglang_engram holds the
 replacements and says what each does). The other settings (ENGRAMD_MODE, ENGRAMD_HOT_CACHE_GIB,
-ENGRAMD_GATHER_AT) are the vLLM plugin's (engramd.client.engine_plugin).
+ENGRAMD_GATHER_AT) are the vLLM plugin's (engramd.client.engines.shared).
 
 SGLang's plugin loader logs a plugin that raises and goes on, so a failed check also makes
 SGLang's `EngramEmbedding` refuse to build (with the same message): the server stops at model
@@ -27,8 +27,8 @@ from __future__ import annotations
 import importlib
 import logging
 
-from engramd.client import engine_plugin
-from engramd.client.engine_plugin import SOCKET_ENV, PluginError, enabled
+from engramd.client.engines import shared
+from engramd.client.engines.shared import SOCKET_ENV, PluginError, enabled
 
 log = logging.getLogger("engramd.sglang")
 
@@ -36,7 +36,7 @@ SUPPORTED_SGLANG = ("0.5.23",)
 ENGRAM_MODULE = "sglang.srt.layers.engram"
 
 # The seams of SGLang's Engram code the plugin replaces or relies on, with their parameters.
-SEAMS: tuple[engine_plugin.Seam, ...] = (
+SEAMS: tuple[shared.Seam, ...] = (
     ("EngramEmbedding", "__init__", ("self", "num_embeddings", "dim", "layer_id",
                                      "column_bounds")),
     ("EngramEmbedding", "_owned_rows", ("self", "indices")),
@@ -85,20 +85,20 @@ def register() -> None:
         _refuse_engram_tables(error)
         raise
     engram = importlib.import_module(ENGRAM_MODULE)
-    from engramd.client import sglang_engram
+    from engramd.client.engines import sglang_engram
 
     if sglang_engram.install(engram, settings):
         log.info("engramd plugin installed: Engram rows come from the daemon at %s",
                  settings.socket)
 
 
-def _checked_settings() -> engine_plugin.Settings:
+def _checked_settings() -> shared.Settings:
     from sglang.version import __version__
 
     check_version(__version__)
     check_environment()
     check_seams(importlib.import_module(ENGRAM_MODULE))
-    return engine_plugin.Settings.from_environment(SglangPluginError)
+    return shared.Settings.from_environment(SglangPluginError)
 
 
 def _refuse_engram_tables(error: SglangPluginError) -> None:
@@ -117,7 +117,7 @@ def _refuse_engram_tables(error: SglangPluginError) -> None:
 
 
 def check_version(version: str) -> None:
-    engine_plugin.check_version("SGLang", version, SUPPORTED_SGLANG, SglangPluginError)
+    shared.check_version("SGLang", version, SUPPORTED_SGLANG, SglangPluginError)
 
 
 def check_environment() -> None:
@@ -134,8 +134,8 @@ def check_environment() -> None:
 
 def check_seams(engram_module) -> None:
     """Raise SglangPluginError listing every seam that is missing or changed."""
-    changes = [*engine_plugin.signature_changes(engram_module, SEAMS),
-               *engine_plugin.call_changes(engram_module, CALLS)]
+    changes = [*shared.signature_changes(engram_module, SEAMS),
+               *shared.call_changes(engram_module, CALLS)]
     if changes:
         raise SglangPluginError(
             f"{SOCKET_ENV} is set but SGLang's Engram code ({ENGRAM_MODULE}) is not what the "

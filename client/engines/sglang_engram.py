@@ -1,4 +1,4 @@
-"""What the SGLang plugin puts in place of SGLang's Engram tables (see engramd.client.sglang).
+"""What the SGLang plugin puts in place of SGLang's Engram tables (see engramd.client.engines.sglang).
 
 One `EngramClient` per SGLang TP worker process, registered with SGLang's TP rank and size
 (`get_parallel()`), so each rank gets its head shard; every Engram layer of the process shares
@@ -39,7 +39,7 @@ attributes are replaced, not the class):
   loads; no host table, no peer shards (`finish_load` then has nothing to do).
 - `_owned_rows`: above.
 - `enable_scheduler_staging`: refused (the scheduler stages rows from a host table there is none
-  of; engramd.client.sglang also refuses the settings that would ask for it).
+  of; engramd.client.engines.sglang also refuses the settings that would ask for it).
 And on SGLang's `EngramHasher`, `forward` is wrapped (its result is SGLang's, unchanged): above.
 Modules built before the plugin was installed keep SGLang's own path.
 """
@@ -56,11 +56,11 @@ import torch
 from sglang.srt.layers.engram import eager_on_graph, is_in_breakable_cuda_graph
 from torch import nn
 
-from engramd.client import engine_plugin
 from engramd.client.client import EngramClient, LookupFuture
-from engramd.client.engine_plugin import Settings
+from engramd.client.engines import shared
+from engramd.client.engines.sglang import SglangPluginError
+from engramd.client.engines.shared import Settings
 from engramd.client.geometry import DEAD_ID, SCALE_BLOCK, TableGeometry
-from engramd.client.sglang import SglangPluginError
 
 log = logging.getLogger("engramd.sglang")
 
@@ -116,7 +116,7 @@ class ProcessClient:
     def __init__(self, client: EngramClient):
         self.client = client
         self.step: StepLookup | None = None
-        self._tables = engine_plugin.ServedTables(client, SglangPluginError, "SGLang")
+        self._tables = shared.ServedTables(client, SglangPluginError, "SGLang")
 
     @property
     def geometry(self) -> TableGeometry:

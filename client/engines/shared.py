@@ -1,4 +1,4 @@
-"""What engramd's engine plugins share (engramd.client.vllm, engramd.client.sglang): the settings
+"""What engramd's engine plugins share (engramd.client.engines.vllm, engramd.client.engines.sglang): the settings
 read from the environment, and the fail-closed checks of the engine's version and of the seams a
 plugin replaces.
 
