@@ -138,7 +138,7 @@ class Service:
 
     def count_error(self, code: str) -> None:
         if self.registry is not None:
-            self.registry.count_error(code)
+            self.registry.accounts.count_error(code)
 
     # -- operations -----------------------------------------------------------------------------
 
