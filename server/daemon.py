@@ -3,9 +3,12 @@
 The daemon owns the transport and the lifecycle: sockets, threads, signals, leases. What each
 operation does, a reload's switch included, is the service's (service.py, no transport in it),
 which reaches the client registry (registry.py), the table store (host_tables.py) and the
-backend for it; the daemon only sends what it answers, with the descriptors it passes. One thread runs the ZeroMQ loop; tables load on a background thread so that `health` answers (not ready) while
-they do; gathers run on the backend's workers, whose completions come back to the loop through
-an event queue and a wake-up pipe (ZeroMQ sockets are not thread-safe).
+backend for it; the daemon only sends what it answers, with the descriptors it passes. Beside
+it: the leases (leases.py), the handle socket's requests (handle_requests.py) and the event
+queue (events.py). One thread runs the ZeroMQ loop; tables load on a background thread so that
+`health` answers (not ready) while they do; gathers run on the backend's workers, whose
+completions come back to the loop through an event queue and a wake-up pipe (ZeroMQ sockets
+are not thread-safe).
 
 Start order (`engramd serve`): lock the socket -> map (load or re-attach) and pin the tables on a
 thread (table_loader.TablePreload) while the rest is imported -> bind -> build the backend over
@@ -20,14 +23,12 @@ import gc
 import logging
 import os
 import queue
-import resource
 import signal
 import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,25 +45,22 @@ from engramd.client.errors import (
 from engramd.client.geometry import TableGeometry
 from engramd.client.handles import (
     PeerCredentials,
-    error_reply,
     handle_socket_path,
-    ok_reply,
 )
 from engramd.client.messages import (
-    AttachRequest,
-    DrainReply,
-    DrainRequest,
     Message,
-    ReloadRequest,
-    TablesRequest,
 )
 from engramd.server.backend import LookupJob
 from engramd.server.checkpoint import CONFIG_FILE
 from engramd.server.config import DaemonConfig
+from engramd.server.events import EventQueue
+from engramd.server.file_limits import raise_open_file_limit
 from engramd.server.grants import MappedGrants
-from engramd.server.handle_server import MAX_CONNECTIONS, HandleServer
+from engramd.server.handle_requests import HandleRequests, admit_only_allowed_peers
+from engramd.server.handle_server import HandleServer
 from engramd.server.job_context import JobContext
-from engramd.server.metrics import MAX_SCRAPERS, Metrics
+from engramd.server.leases import Leases
+from engramd.server.metrics import Metrics
 from engramd.server.notify import Notifier
 from engramd.server.reload import TableReload
 from engramd.server.selfcheck import run_self_check
@@ -78,7 +76,7 @@ from engramd.server.startup import (
 )
 from engramd.server.table_file import HostTable
 from engramd.server.table_loader import LoadedTables, TablePreload, load_tables, tables_folder_path
-from engramd.server.throttle import Throttled, ThrottledBy
+from engramd.server.throttle import Throttled
 from engramd.server.units import size
 
 log = logging.getLogger("engramd.daemon")
@@ -97,12 +95,6 @@ YIELD_S = 0.0005  # the loop's pause after EVENTS_EVERY requests while CPU gathe
 STALL_ENV = "ENGRAMD_DEBUG_LOOP_STALL_S"  # tests: the ready loop sleeps this long, once
 
 
-@dataclass
-class _Event:
-    kind: str  # "done" | "loaded" | "load_failed" | "signal"
-    value: Any
-
-
 class Daemon:
     def __init__(self, config: DaemonConfig, lock: SocketLock | None = None,
                  preload: TablePreload | None = None):
@@ -111,11 +103,7 @@ class Daemon:
         self.config = config
         self.epoch = uuid.uuid4().hex[:16]
         self.service = Service.from_config(config, self.epoch)
-        self._events: queue.SimpleQueue[_Event] = queue.SimpleQueue()
-        self._wake_r, self._wake_w = os.pipe()
-        self._wake_lock = threading.RLock()  # post() may race close(); signal handlers post too
-        os.set_blocking(self._wake_w, False)
-        os.set_blocking(self._wake_r, False)  # an empty pipe must never stop the loop
+        self._events = EventQueue()
         self._lock = lock or SocketLock(config.socket_path)
         self._lock_held = lock is not None
         self._preload = preload
@@ -127,8 +115,9 @@ class Daemon:
         self._grants: MappedGrants | None = None  # the tables' descriptors, for mapped clients
         self._poller = zmq.Poller()
         # Each attached client's lease: our end of its handle-socket connection, polled by the loop.
-        self._leases: dict[int, int] = {}  # client_id -> descriptor
-        self._lease_clients: dict[int, int] = {}  # descriptor -> client_id
+        self._leases = Leases(self._poller, self.service.retire_client)
+        self._requests = HandleRequests(self.service, self._leases, self._events.post,
+                                        self._begin_stop, self._reload_done)
         self._loop_thread: int | None = None  # the thread of serve_forever
         self.notifier = Notifier()
         self.metrics = Metrics()
@@ -138,26 +127,20 @@ class Daemon:
         self._dropped = Throttled(log)  # a peer that reads no replies must not flood the log
         self._oversized = Throttled(log)
         self._overdue = Throttled(log)
-        self._refusals = ThrottledBy(log)  # handle-socket requests refused, per peer uid
         # Peers whose reply queue was full, until when: their requests other than lookups are
         # not worth the loop's time (nobody reads the answer). Lookups are always served.
         self._deaf: dict[bytes, float] = {}
         self._first_frame: zmq.Frame | None = None  # of the message being handled
-
-    # -- thread-safe event posting --------------------------------------------------------------
-
-    def post(self, kind: str, value: Any = None) -> None:
-        self._events.put(_Event(kind, value))
-        with self._wake_lock:
-            if self._wake_w < 0:
-                return  # closed: the loop is gone, nobody will read it
-            try:
-                os.write(self._wake_w, b"!")
-            except BlockingIOError:
-                pass  # the pipe is full, so the loop is already due to wake
+        self._ops = self._replied_ops()
+        # What runs each kind of event (events.py) on the loop's thread.
+        self._on_event: dict[str, Callable[[Any], None]] = {
+            "done": self._event_done, "loaded": self._event_loaded,
+            "load_failed": self._event_load_failed, "signal": self._event_signal,
+            "reload_done": self._event_reload_done, "tables_retired": self._event_tables_retired,
+            "attach": self._requests.answer, "refused": self.service.count_error}
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
-        self.post("signal", signum)  # handlers only enqueue
+        self._events.post("signal", signum)  # handlers only enqueue
 
     # -- start ----------------------------------------------------------------------------------
 
@@ -185,56 +168,26 @@ class Daemon:
         # Sending to a peer that has disconnected fails instead of vanishing: that is how a client
         # that died before its registration was answered is noticed (see _send).
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._admit_only_allowed_peers()
+        admit_only_allowed_peers(self._sock, self.service)
         self._sock.bind(f"ipc://{path}")
         os.chmod(path, 0o660)
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # SIGHUP: reload
             signal.signal(signum, self._on_signal)
         log.info("engramd epoch %s listening on %s (pid %d)", self.epoch, path, os.getpid())
-        self._handles = HandleServer(handle_socket_path(path), self._ask_handles, self.epoch,
-                                     admit=self._admits, count=lambda code: self.post("refused", code),
+        self._handles = HandleServer(handle_socket_path(path), self._requests.ask, self.epoch,
+                                     admit=self._requests.admits,
+                                     count=lambda code: self._events.post("refused", code),
                                      per_uid=self.config.handle_connections_per_uid)
         self.metrics.serve(self.config.metrics_address)
         self.service.state = "loading"
         self.notifier.status("loading tables")
-        self._loader = threading.Thread(target=self._load, name="engramd-load", daemon=True)
+        self._loader = threading.Thread(target=load_and_check, name="engramd-load", daemon=True,
+                                        args=(self.config, self._preload, self._on_progress,
+                                              self._events.post))
         self._loader.start()
-
-    def _load(self) -> None:
-        try:
-            opened = None
-            if self._preload is not None:
-                self._preload.listen(self._on_progress)
-                opened = self._preload.take()
-            loaded = load_tables(self.config, self._on_progress, opened)
-        except BaseException as exc:  # reported to the main thread, which decides the exit
-            self.post("load_failed", exc)
-            return
-        try:
-            if self.config.self_check:
-                run_self_check(loaded.checkpoint, loaded)
-        except BaseException as exc:
-            loaded.backend.close()
-            loaded.close()
-            self.post("load_failed", exc)
-            return
-        self.post("loaded", loaded)
 
     def _on_progress(self, fraction: float) -> None:
         self.service.progress = fraction
-
-    def _on_loaded(self, loaded: LoadedTables) -> None:
-        config = self.config  # the warm-up trace goes to mapped clients' own caches, if they keep any
-        caches = config.mapped_hot_cache_gib and "mapped" in config.client_modes.split(",")
-        self._grants = MappedGrants(loaded.tables, config.hot_cache_warm_file if caches else "")
-        self.service.serve(loaded, on_retire=self._end_lease, grants=self._grants)
-        freeze_long_lived()
-        summary = (f"ready: {loaded.backend.name} backend, {loaded.geometry.n_layers} layers, "
-                   f"{size(loaded.geometry.total_bytes)} of tables "
-                   f"{'re-attached' if loaded.reattached else 'loaded'}")
-        log.info("%s", summary)
-        self._publish()
-        self.notifier.ready(summary)
 
     # -- loop -----------------------------------------------------------------------------------
 
@@ -254,19 +207,20 @@ class Daemon:
 
     def _loop(self) -> int:
         self._poller.register(self._sock, zmq.POLLIN)
-        self._poller.register(self._wake_r, zmq.POLLIN)
+        self._poller.register(self._events.fd, zmq.POLLIN)
         interval_ms = int(self.config.heartbeat_interval * 1000)
         next_reap = time.monotonic()
         while self._halt is None:
             ready = dict(self._poller.poll(SETTLE_POLL_MS if self._gathers_done else interval_ms))
             # Closed leases first: a dead client's queued requests are then dropped, not enqueued
             # behind waits for IDs it will never write.
-            for fd in [fd for fd in ready if fd in self._lease_clients]:
-                self._lease_event(fd)
+            for fd in [fd for fd in ready if fd in self._leases]:
+                self._leases.event(fd)
             if self._sock in ready:
                 self._drain_socket()
-            if self._wake_r in ready:
-                self._drain_events()
+            if self._events.fd in ready:
+                self._events.clear_wake()
+                self._run_events()
             stopping = self.service.state == "stopping"
             if stopping and self._drained():
                 break
@@ -346,18 +300,9 @@ class Daemon:
         op, rid = protocol.peek_rid([header])
         err = ProtocolError(f"a message of {count} frames ({size} bytes) dropped unread: requests "
                             f"are a header and at most {protocol.MAX_PAYLOAD_FRAMES} payload frame")
-        self._count_error(err)
+        self.service.count_error(err.code)
         self._oversized.warning("dropped a message of %d bytes with too many frames", size)
         self._send(identity, protocol.encode_error(op, rid, self.epoch, err))
-
-    def _drain_events(self) -> None:
-        """Once the poller saw the wake pipe readable: empty it, then run the posted events."""
-        try:
-            while os.read(self._wake_r, 4096):  # non-blocking: BlockingIOError once empty
-                pass
-        except BlockingIOError:
-            pass
-        self._run_events()
 
     def _run_events(self) -> None:
         """Run the posted events (callable at any time; bytes left in the wake pipe wake the
@@ -367,7 +312,7 @@ class Daemon:
                 event = self._events.get_nowait()
             except queue.Empty:
                 return
-            getattr(self, f"_event_{event.kind}")(event.value)
+            self._on_event[event.kind](event.value)
 
     def _event_done(self, job: LookupJob) -> None:
         context = job.context
@@ -393,7 +338,17 @@ class Daemon:
             loaded.backend.close()
             loaded.close()
             return
-        self._on_loaded(loaded)
+        config = self.config  # the warm-up trace goes to mapped clients' own caches, if they keep any
+        caches = config.mapped_hot_cache_gib and "mapped" in config.client_modes.split(",")
+        self._grants = MappedGrants(loaded.tables, config.hot_cache_warm_file if caches else "")
+        self.service.serve(loaded, on_retire=self._leases.end, grants=self._grants)
+        freeze_long_lived()
+        summary = (f"ready: {loaded.backend.name} backend, {loaded.geometry.n_layers} layers, "
+                   f"{size(loaded.geometry.total_bytes)} of tables "
+                   f"{'re-attached' if loaded.reattached else 'loaded'}")
+        log.info("%s", summary)
+        self.metrics.publish(self.service.report.metrics())
+        self.notifier.ready(summary)
 
     def _event_load_failed(self, exc: BaseException) -> None:
         status = (EXIT_DEVICE if getattr(exc, "device_error", False)
@@ -425,7 +380,7 @@ class Daemon:
                                                         f"daemon is stopping ({reason})"))
 
     def _housekeeping(self) -> None:
-        self._arm_stall_dump()
+        arm_stall_dump(self.config)
         now = time.perf_counter()
         self._deaf = {peer: until for peer, until in self._deaf.items() if until > now}
         for said in self.service.housekeeping():
@@ -434,20 +389,9 @@ class Daemon:
             self.notifier.status(f"loading tables: {self.service.progress:.0%}")
         if self.notifier.watchdog_interval is not None:
             self.notifier.watchdog()  # the loop is alive: it got here within one interval
-        self._publish()
+        self.metrics.publish(self.service.report.metrics())
         if STALL_ENV in os.environ and self.service.state == "ready":  # fault injection, once
             time.sleep(float(os.environ.pop(STALL_ENV)))
-
-    def _arm_stall_dump(self) -> None:
-        """Re-arm the stall dump: a C thread of faulthandler's writes every thread's stack to
-        stderr if the loop does not come back here in time. It needs no GIL, so it reports a
-        loop stuck in a driver call too (a launch on a stream that waits for a dead client)."""
-        if self.config.stall_dump_s:
-            faulthandler.dump_traceback_later(max(self.config.stall_dump_s,
-                                                  3 * self.config.heartbeat_interval), exit=False)
-
-    def _publish(self) -> None:
-        self.metrics.publish(self.service.metrics())
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -462,21 +406,19 @@ class Daemon:
             if op != "lookup" and identity in self._deaf and self._deaf[identity] > received:
                 return  # it reads no replies: answering costs the others, and tells it nothing
             request.received = received
-            reply = getattr(self, f"_op_{request.op}")(identity, request)
+            reply = (self._op_lookup(identity, request) if op == "lookup" else
+                     protocol.encode_reply(rid, self.epoch, self._ops[op](identity, request)))
         except EngramError as exc:
-            self._count_error(exc)
+            self.service.count_error(exc.code)
             op, rid = getattr(exc, "request_op", op), getattr(exc, "request_rid", rid)
             reply = protocol.encode_error(op, rid, self.epoch, exc)
         except Exception as exc:  # a bug must not take the daemon down for everyone
             log.exception("internal error handling %r", op)
             err = InternalError(f"{type(exc).__name__}: {exc}")
-            self._count_error(err)
+            self.service.count_error(err.code)
             reply = protocol.encode_error(op, rid, self.epoch, err)
         if reply is not None:
             self._send(identity, reply)
-
-    def _count_error(self, exc: EngramError) -> None:
-        self.service.count_error(exc.code)
 
     def _send(self, identity: bytes, frames: list[bytes]) -> None:
         try:
@@ -489,11 +431,18 @@ class Daemon:
                 raise
             self.service.retire_identity(identity, "reaped (its connection is gone)")  # the peer is gone
 
-    def _reply(self, request: protocol.Request, body: Message) -> list[bytes]:
-        return protocol.encode_reply(request.rid, self.epoch, body)
-
-    def _op_register(self, identity: bytes, request: protocol.Request) -> list[bytes]:
-        return self._reply(request, self.service.register(identity, request.body, self._sender()))
+    def _replied_ops(self) -> dict[str, Callable[[bytes, protocol.Request], Message]]:
+        """What each operation answered at once asks of the service (a lookup answers on its
+        completion: _op_lookup)."""
+        service = self.service
+        return {
+            "register": lambda identity, request: service.register(identity, request.body, self._sender()),
+            "release": lambda identity, request: service.release(identity, request.body),
+            "heartbeat": lambda identity, request: service.heartbeat(identity, request.body),
+            "stats": lambda identity, request: service.report.stats(),
+            "health": lambda identity, request: service.report.health(),
+            "drain": refuse_drain,
+        }
 
     def _sender(self) -> PeerCredentials | None:
         """Who holds the connection of the message being handled: libzmq reads the kernel's
@@ -515,33 +464,17 @@ class Daemon:
         if threading.get_ident() == self._loop_thread:
             self._event_done(job)  # enqueued inline: no need to go round the event queue
         else:
-            self.post("done", job)
-
-    def _op_release(self, identity: bytes, request: protocol.Request) -> list[bytes]:
-        return self._reply(request, self.service.release(identity, request.body))
-
-    def _op_heartbeat(self, identity: bytes, request: protocol.Request) -> list[bytes]:
-        return self._reply(request, self.service.heartbeat(identity, request.body))
-
-    def _op_stats(self, identity: bytes, request: protocol.Request) -> list[bytes]:
-        return self._reply(request, self.service.stats())
-
-    def _op_health(self, identity: bytes, request: protocol.Request) -> list[bytes]:
-        return self._reply(request, self.service.health())
-
-    def _op_drain(self, identity: bytes, request: protocol.Request) -> list[bytes]:
-        raise PermissionDeniedError("drain is an admin operation and ZeroMQ cannot say who asks: "
-                                    "run `engramd drain` (it asks over the handle socket)")
+            self._events.post("done", job)
 
     # -- reload (server/service.py, server/reload.py) ------------------------------------------
 
     def _reload_done(self, reload: TableReload) -> None:
-        self.post("reload_done", reload)  # from the reload's thread
+        self._events.post("reload_done", reload)  # from the reload's thread
 
     def _event_reload_done(self, reload: TableReload) -> None:
         """The reload's tables are open and checked (or it failed): the service switches to
         them; every client hears."""
-        if not self.service.finish_reload(reload, lambda old: self.post("tables_retired", old)):
+        if not self.service.finish_reload(reload, lambda old: self._events.post("tables_retired", old)):
             return
         tables_id = self.service.tables_id
         for identity in self.service.identities():  # a list: _send may reap
@@ -557,115 +490,6 @@ class Daemon:
         gc.unfreeze()
         freeze_long_lived()
 
-    def _admin_drain(self, peer: PeerCredentials) -> DrainReply:
-        """Admin: stop accepting, finish in-flight lookups, then exit 0 (as on SIGTERM)."""
-        self.service.require_admin(peer, "drain")
-        if self.service.state != "stopping":
-            self._begin_stop(f"drain requested by pid {peer.pid} uid {peer.uid}")
-        return DrainReply(in_flight=self.service.in_flight())
-
-    # -- the handle socket (server/handle_server.py; wire in client/handles.py) -------------------
-
-    def _admit_only_allowed_peers(self) -> None:
-        """With allowed ids configured, libzmq refuses every other peer when it accepts the
-        connection, by the kernel's credentials (SO_PEERCRED) as the handle socket does: a
-        refused peer cannot send the daemon one byte (a flood, a huge message, a `stats` that
-        names the clients). libzmq also admits members of an allowed group by its group file;
-        the handle socket then checks the effective gid. Admins pass, so `engramd health` and
-        `drain` work for them."""
-        limits = self.service.limits
-        if limits.allowed_uids is None and limits.allowed_gids is None:
-            return
-        for uid in sorted({*(limits.allowed_uids or ()), *self.service.admins}):
-            self._sock.setsockopt(zmq.IPC_FILTER_UID, uid)
-        for gid in sorted(limits.allowed_gids or ()):
-            self._sock.setsockopt(zmq.IPC_FILTER_GID, gid)
-
-    def _ask_handles(self, request: Message, peer: PeerCredentials, connection: int,
-                     future: Any) -> None:
-        self.post("attach", (request, peer, connection, future))  # the registry is this loop's
-
-    def _admits(self, peer: PeerCredentials) -> bool:
-        """From the handle threads, before a peer's request is read: allowed ids, or an admin."""
-        if self.service.admits(peer):
-            return True
-        self.post("refused", PermissionDeniedError.code)  # the loop owns the statistics
-        return False
-
-    def _event_refused(self, code: str) -> None:
-        """A handle-socket request refused on its own thread (a peer not admitted, a bad message)."""
-        self.service.count_error(code)
-
-    def _event_attach(self, item: tuple[Message, PeerCredentials, int, Any]) -> None:
-        request, peer, connection, future = item
-        if not future.set_running_or_notify_cancel():
-            return  # the asker gave up waiting and closed `connection` itself
-        try:  # from here `connection` is ours: kept as a lease, or closed
-            if isinstance(request, AttachRequest):
-                future.set_result(self._attach(request, peer, connection))
-                return
-            os.close(connection)  # no lease: the reply is all
-            fds: list[int] = []
-            if isinstance(request, TablesRequest):
-                reply, fds = self.service.grant_tables(request.client_id, request.token, peer)
-            else:
-                reply = (self._admin_drain(peer) if isinstance(request, DrainRequest)  # admin operations
-                         else self.service.admin_reload(peer, self._reload_done)
-                         if isinstance(request, ReloadRequest) else self.service.clients(peer))
-            future.set_result((ok_reply(self.epoch, reply), fds))
-        except Exception as exc:  # every asker gets its answer; the loop keeps serving
-            if not isinstance(exc, EngramError):
-                log.exception("handle socket: attach failed")
-                exc = InternalError(f"attach failed: {type(exc).__name__}: {exc}")
-            # Once per interval per user: 3,200 refused admin requests once wrote 564 KB in 1.4 s.
-            self._refusals[peer.uid].info("handle socket: refused %s from pid %d uid %d gid %d: %s",
-                                          request.OP, peer.pid, peer.uid, peer.gid, exc.message)
-            self._count_error(exc)
-            future.set_result((error_reply(exc, self.epoch), []))
-
-    def _attach(self, request: AttachRequest, peer: PeerCredentials,
-                lease: int) -> tuple[dict[str, Any], list[int]]:
-        """Attach a registration: its slab (served) or the tables' read-only descriptors
-        (mapped); `lease` (a duplicate of the connection, ours) becomes its lease, or is closed."""
-        try:
-            record = self.service.attach(request.client_id, request.token, peer)
-            reply, fds = self.service.attach_reply(record)
-        except BaseException:
-            os.close(lease)
-            raise
-        self._begin_lease(record.client_id, lease)
-        return ok_reply(self.epoch, reply), fds
-
-    def _begin_lease(self, client_id: int, fd: int) -> None:
-        os.set_blocking(fd, False)
-        self._leases[client_id] = fd
-        self._lease_clients[fd] = client_id
-        self._poller.register(fd, zmq.POLLIN)
-
-    def _end_lease(self, record: Any) -> None:
-        """The registry retired a registration: close our end of its lease (the client sees EOF)."""
-        fd = self._leases.pop(record.client_id, None)
-        if fd is None:
-            return
-        del self._lease_clients[fd]
-        self._poller.unregister(fd)
-        os.close(fd)
-
-    def _lease_event(self, fd: int) -> None:
-        """The lease is readable: end-of-file means the client's process let go of it (exit,
-        kill -9, close) in whatever namespace it runs. Clients send nothing else on it."""
-        try:
-            data = os.read(fd, 4096)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        client_id = self._lease_clients[fd]
-        if data:
-            log.warning("client %d sent %d bytes on its lease; dropping the client", client_id, len(data))
-        self.service.retire_client(client_id, "reaped (its lease closed)" if not data
-                                   else "retired (it broke the lease protocol)")
-
     # -- stop -----------------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -677,9 +501,7 @@ class Daemon:
                 log.exception("closing the preloaded tables")
         if self._handles is not None:
             self._handles.close()
-        for fd in self._lease_clients:
-            os.close(fd)
-        self._leases, self._lease_clients = {}, {}
+        self._leases.close()
         if self._grants is not None:
             self._grants.close()
             self._grants = None
@@ -690,10 +512,12 @@ class Daemon:
             self.config.socket_path.unlink(missing_ok=True)
         self._ctx.term()
         self._lock.release()
-        with self._wake_lock:
-            os.close(self._wake_r)
-            os.close(self._wake_w)
-            self._wake_w = -1
+        self._events.close()
+
+
+def refuse_drain(identity: bytes, request: protocol.Request) -> Message:
+    raise PermissionDeniedError("drain is an admin operation and ZeroMQ cannot say who asks: "
+                                "run `engramd drain` (it asks over the handle socket)")
 
 
 # Frames up to this size are read whatever the tables, so that one a little too large gets a
@@ -714,6 +538,39 @@ def largest_frame(config: DaemonConfig) -> int:
     return min(protocol.MAX_PAYLOAD_BYTES, max(ids + protocol.MAX_HEADER_BYTES, MIN_FRAME_BOUND))
 
 
+def load_and_check(config: DaemonConfig, preload: TablePreload | None,
+                   on_progress: Callable[[float], None], post: Callable[[str, Any], None]) -> None:
+    """The loader thread: load (or re-attach) the tables, self-check them if configured, and post
+    the outcome to the loop: "loaded" or "load_failed"."""
+    try:
+        opened = None
+        if preload is not None:
+            preload.listen(on_progress)
+            opened = preload.take()
+        loaded = load_tables(config, on_progress, opened)
+    except BaseException as exc:  # reported to the main thread, which decides the exit
+        post("load_failed", exc)
+        return
+    try:
+        if config.self_check:
+            run_self_check(loaded.checkpoint, loaded)
+    except BaseException as exc:
+        loaded.backend.close()
+        loaded.close()
+        post("load_failed", exc)
+        return
+    post("loaded", loaded)
+
+
+def arm_stall_dump(config: DaemonConfig) -> None:
+    """Re-arm the stall dump: a C thread of faulthandler's writes every thread's stack to
+    stderr if the loop does not come back here in time. It needs no GIL, so it reports a
+    loop stuck in a driver call too (a launch on a stream that waits for a dead client)."""
+    if config.stall_dump_s:
+        faulthandler.dump_traceback_later(max(config.stall_dump_s,
+                                              3 * config.heartbeat_interval), exit=False)
+
+
 def freeze_long_lived() -> None:
     """Move every object alive now out of the collector's sight (gc.freeze): what exists once
     the daemon serves (torch, the tables' bookkeeping, the kernels) lives as long as it does, and
@@ -721,51 +578,6 @@ def freeze_long_lived() -> None:
     the request loop for 45-110 ms at a time during floods (benchmarks/results/floods.md)."""
     gc.collect()
     gc.freeze()
-
-
-# Descriptors the daemon holds whatever its clients: libraries, the sockets, the tables, CUDA's
-# device files (21 measured for an idle CPU daemon; CUDA adds a few per GPU).
-BASE_FILES = 128
-# Per registered client: its ZeroMQ connection, its lease and its slab's descriptors (5 measured
-# for a served CPU client, 3 for a mapped one), with room for a GPU slab's counters.
-FILES_PER_CLIENT = 8
-# Per handle-socket connection in progress: it, its duplicate, and the descriptors it passes (a
-# slab's, or a mapped client's tables and warm-up trace).
-FILES_PER_HANDLE_CONNECTION = 8
-
-
-def files_needed(config: DaemonConfig) -> int:
-    """Descriptors the daemon may need with max_clients clients attached, while one user has
-    handle_connections_per_uid connections waiting (one each) and the handle socket and the
-    metrics endpoint answer as many as they take at once."""
-    return (BASE_FILES + FILES_PER_CLIENT * config.max_clients + config.handle_connections_per_uid
-            + FILES_PER_HANDLE_CONNECTION * MAX_CONNECTIONS + MAX_SCRAPERS)
-
-
-def raise_open_file_limit(config: DaemonConfig) -> int:
-    """Raise the soft limit on open files to the hard one; returns the limit now in force.
-
-    Every peer connection costs the daemon a descriptor, and libzmq aborts the whole process
-    (an assertion in its ipc listener) when an accept fails for want of one. So the limit must
-    cover what the configured clients need (files_needed); a warning names max_clients when it
-    does not. A higher limit only raises the number of idle connections a hostile local peer
-    must open to reach it, so a limit that covers the clients is not warned about: a warning at
-    every start is one nobody reads.
-    """
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-            soft = hard
-        except (OSError, ValueError):  # needs no privilege; if it fails, the check below tells
-            pass
-    need = files_needed(config)
-    if soft != resource.RLIM_INFINITY and soft < need:
-        log.warning("open-file limit %d is below the %d descriptors that max_clients = %d and "
-                    "handle_connections_per_uid = %d may need; raise it (systemd: LimitNOFILE, "
-                    "docker: --ulimit nofile) or lower max_clients", soft, need, config.max_clients,
-                    config.handle_connections_per_uid)
-    return soft
 
 
 def run_daemon(config: DaemonConfig, lock: SocketLock | None = None,

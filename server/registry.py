@@ -1,4 +1,4 @@
-"""The client registry: registered clients, their slabs and slots, lookup validation and statistics.
+"""The client registry: registered clients, their slabs and slots; lookups started and finished.
 
 It knows nothing of ZeroMQ: the daemon hands it decoded requests (client/messages.py) and a peer
 identity, and gets back declared replies or a typed EngramError. A registration is made in two steps: `register`
@@ -7,7 +7,8 @@ checks who the peer is and only then allocates its slab; the daemon keeps the at
 connection as the registration's lease and is told through `on_retire` when a registration
 ends. All methods run on the daemon's main thread; the backend's workers only call the
 completion callback, which the daemon brings back to that thread before `finish_lookup`. Tests
-drive the registry in-process.
+drive the registry in-process. A lookup request is checked in server/lookup_checks.py; the
+totals, errors and statistics are kept in server/accounting.py (`ClientRegistry.accounts`).
 """
 
 from __future__ import annotations
@@ -16,33 +17,30 @@ import logging
 import re
 import secrets
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from engramd.client.errors import (
-    BadIdsError,
     BadRequestError,
     EngramError,
     InternalError,
     NotRegisteredError,
     PermissionDeniedError,
     ResourceError,
-    SlotBusyError,
     TablesChangedError,
 )
 from engramd.client.geometry import GeometryError, ShardView, TableGeometry
 from engramd.client.handles import PeerCredentials
-from engramd.client.ids import ID_DTYPES, ids_from_bytes
 from engramd.client.messages import LookupReply, LookupRequest, RegisterReply, RegisterRequest
 from engramd.client.mps import MpsState
 from engramd.client.slab import SlabLayout
+from engramd.server.accounting import Accounting, checked_counts, printable
 from engramd.server.backend import Backend, Completion, LookupJob, Slab
 from engramd.server.config import DaemonConfig, from_setting, gib, id_set, listed, ms, options_from
 from engramd.server.job_context import JobContext
+from engramd.server.lookup_checks import check_ids_handed_over, check_lookup, refused_tokens
 from engramd.server.procwatch import ProcessWatch
 
 log = logging.getLogger("engramd.registry")
@@ -66,14 +64,6 @@ ATTACH_TIMEOUT_S = 10.0
 MAX_PENDING_PER_CONNECTION = 4
 # When every place is taken, a registration unattached for this long gives its place up.
 PENDING_GRACE_S = 1.0
-# The counts a mapped client reports (heartbeat, release): cumulative, so each only grows. 2**53
-# rows is 285 years at a billion rows a second, and stays exact as a float (Prometheus); a
-# larger one is a lie that once overflowed the daemon's totals and broke `stats` until a restart.
-COUNT_NAMES = ("lookups", "rows", "out_of_range")
-MAX_COUNT = 2**53
-# What `stats` reports of a total at most: the totals of every client since the start, released
-# ones too, could pass what msgpack encodes (2**64 - 1) over a long life.
-MAX_TOTAL = 2**63 - 1
 TABLES_ID = re.compile(r"[0-9a-f]{16}")  # a tables id (server/checkpoint.py fingerprint)
 
 
@@ -180,11 +170,7 @@ class ClientRegistry:
         self._on_retire = on_retire  # the daemon lets go of the registration's lease
         self.clients: dict[int, ClientRecord] = {}
         self._next_id = 1
-        self.totals: Counter[str] = Counter()
-        self.errors: Counter[str] = Counter()
-        self._device_count = (-float("inf"), 0)  # (when read, out-of-range IDs counted on GPUs)
-        # Request received -> GPU work enqueued, for the last lookups (the daemon's own latency).
-        self.dispatch_us: deque[float] = deque(maxlen=4096)
+        self.accounts = Accounting(backend, limits.heartbeat_interval)  # totals, errors, stats
 
     # -- registration ---------------------------------------------------------------------------
 
@@ -230,7 +216,7 @@ class ClientRegistry:
                               pinned_tables=self.tables_id if req.pin_tables or req.tables else None,
                               warm_file=req.warm_file is True, registrant=peer)
         self.clients[client_id] = record
-        self.totals["registrations"] += 1
+        self.accounts.totals["registrations"] += 1
         log.info("registered client %d (pid %d as it says, %s, tp %d/%d, %s, %d slots x %d tokens)",
                  client_id, req.pid, req.device, req.tp_rank, req.tp_size, mode,
                  layout.slots, layout.max_tokens)
@@ -255,7 +241,7 @@ class ClientRegistry:
                  and c.registered_at < time.monotonic() - PENDING_GRACE_S]
         if not stale:
             return False
-        self.totals["reaped"] += 1
+        self.accounts.totals["reaped"] += 1
         self._retire(min(stale, key=lambda c: c.registered_at), "evicted (never attached)")
         return True
 
@@ -272,7 +258,7 @@ class ClientRegistry:
         pids = Counter(c.registrant.pid for c in mine)
         most = max(pids.values())
         victim = min((c for c in mine if pids[c.registrant.pid] == most), key=lambda c: c.registered_at)
-        self.totals["reaped"] += 1
+        self.accounts.totals["reaped"] += 1
         self._retire(victim, f"evicted (uid {peer.uid} has {len(mine)} registrations not "
                              "attached; config: pending_registrations_per_uid)")
         return [c for c in live if c is not victim]
@@ -385,12 +371,12 @@ class ClientRegistry:
         record.last_seen = time.monotonic()  # alive, whatever it reports
         if record.mode != "mapped":
             return
-        checked = self._checked_counts(record, counts) if counts is not None else None
+        checked = checked_counts(record, counts) if counts is not None else None
         if tables is not None and not TABLES_ID.fullmatch(tables):
             raise BadRequestError(f"tables {printable(tables[:40])!r}: expected a tables id "
                                   "(16 hex digits, as the daemon names them)")
         if checked is not None:
-            self._take_counts(record, checked)
+            self.accounts.take_counts(record, checked)
         if tables is not None:
             record.tables = tables
 
@@ -420,42 +406,18 @@ class ClientRegistry:
             if record.mode == "served" and record.pinned_tables is None:
                 record.tables = tables_id
 
-    @staticmethod
-    def _checked_counts(record: ClientRecord, counts: Any) -> dict[str, int]:
-        """A mapped client's cumulative counts, each an int in [0, MAX_COUNT] no lower than the
-        last; BadRequestError, with nothing counted, for any other."""
-        if not isinstance(counts, dict):
-            raise BadRequestError(f"counts: expected a map of {', '.join(COUNT_NAMES)}")
-        checked = {}
-        for name in COUNT_NAMES:
-            value, before = counts.get(name, getattr(record, name)), getattr(record, name)
-            if type(value) is not int or not 0 <= value <= MAX_COUNT:
-                raise BadRequestError(f"counts[{name!r}] = {printable(repr(value)[:40])}: expected "
-                                      f"an int in [0, 2**53]")
-            if value < before:
-                raise BadRequestError(f"counts[{name!r}] = {value}, below the {before} reported "
-                                      "before: the counts are cumulative")
-            checked[name] = value
-        return checked
-
-    def _take_counts(self, record: ClientRecord, counts: dict[str, int]) -> None:
-        """Checked cumulative counts (_checked_counts), so a lost heartbeat loses nothing."""
-        for name, value in counts.items():
-            self.totals[name] += value - getattr(record, name)
-            setattr(record, name, value)
-
     def retire_client(self, client_id: int, why: str) -> None:
         """The registration's lease closed (the client's process is gone, or it let go)."""
         record = self.clients.get(client_id)
         if record is not None and not record.releasing:
-            self.totals["reaped"] += 1
+            self.accounts.totals["reaped"] += 1
             self._retire(record, why)
 
     def retire_identity(self, identity: bytes, why: str) -> list[int]:
         """The connection is gone (the socket said so): retire its clients."""
         gone = [c for c in self.clients.values() if c.identity == identity and not c.releasing]
         for record in gone:
-            self.totals["reaped"] += 1
+            self.accounts.totals["reaped"] += 1
             self._retire(record, why)
         return [c.client_id for c in gone]
 
@@ -464,7 +426,7 @@ class ClientRegistry:
         record = self.client(identity, client_id)
         if record.mode == "mapped" and counts is not None:
             try:  # the release goes ahead whatever it reports: its counts are only not taken
-                self._take_counts(record, self._checked_counts(record, counts))
+                self.accounts.take_counts(record, checked_counts(record, counts))
             except BadRequestError as exc:
                 log.info("client %d released with counts not taken: %s", client_id, exc.message)
         self._retire(record, "released")
@@ -481,17 +443,6 @@ class ClientRegistry:
         self.clients.pop(record.client_id, None)
         if record.slab is not None:
             record.slab.close()
-
-    def _device_out_of_range(self, slabs: list[Slab]) -> int:
-        """Out-of-range IDs a GPU backend counted on the device (never synchronised per lookup):
-        by these live slabs and by those it freed. Reading them queues one counter copy per
-        slab from the device and takes the last completed ones (the count lags by a read or
-        so), at most once per heartbeat interval: a flood of `stats` requests must not become
-        a flood of device copies on the request loop."""
-        now = time.monotonic()
-        if now - self._device_count[0] >= self.limits.heartbeat_interval:
-            self._device_count = (now, self.backend.out_of_range(slabs))
-        return self._device_count[1]
 
     def reap_dead(self) -> list[int]:
         """Retire what the leases cannot: registrations never attached within `attach_timeout`,
@@ -512,7 +463,7 @@ class ClientRegistry:
                 dead.append((c, f"reaped (no heartbeat for {HEARTBEAT_MISSES} intervals, "
                                 "process not visible here)"))
         for record, why in dead:
-            self.totals["reaped"] += 1
+            self.accounts.totals["reaped"] += 1
             self._retire(record, why)
         return [c.client_id for c, _ in dead]
 
@@ -527,9 +478,10 @@ class ClientRegistry:
                 raise NotRegisteredError(f"client {record.client_id} has not attached (handle socket)")
             raise BadRequestError(f"client {record.client_id} is registered in mapped mode: it "
                                   "gathers from its own mapping of the tables, not through the daemon")
-        self._check_ids_handed_over(record, req)
+        check_ids_handed_over(record, req)
         try:
-            job = self._validate_lookup(record, req, payload)
+            job = check_lookup(record, req, payload, self.geometry, self.tables_id,
+                               self.backend.orders_slots)
         except EngramError:
             record.errors += 1
             self._release_refused(record, req, done)
@@ -539,21 +491,6 @@ class ClientRegistry:
         job.context = context
         self._submit(record, job, done)
         return job
-
-    def _check_ids_handed_over(self, record: ClientRecord, req: LookupRequest) -> None:
-        """A slot takes a lookup only once the IDs of its last one are handed over: then the
-        daemon stream holds at most one wait per slot that its client has not satisfied, so a
-        client cannot queue device work without bound behind waits it never satisfies (a full
-        queue blocks the thread that launches into it). The library client sends a slot's next
-        lookup only once its GPU has handed the last one over (EngramClient._await_submitted).
-        Refused without a release: that would queue behind the same wait."""
-        previous = record.last_seq.get(req.slot)
-        if previous is None or record.slab.ids_handed_over(req.slot, previous):
-            return
-        record.errors += 1
-        raise SlotBusyError(f"slot {req.slot}: the IDs of lookup {previous} are not handed over yet "
-                            "(a slot takes its next lookup once its client's stream has copied "
-                            "the last one's)")
 
     def _submit(self, record: ClientRecord, job: LookupJob, done: Completion) -> None:
         record.in_flight[job.slot] += 1
@@ -582,40 +519,9 @@ class ClientRegistry:
         # Its rows become NaN, for a consumer whose wait() returned before the refusal reached its
         # client: the request's tokens, or the whole slot where its size is what was wrong.
         job = LookupJob(record.client_id, record.slab, record.shard, slot, req.seq,
-                        _refused_tokens(req, record.slab.layout.max_tokens), skip=True,
+                        refused_tokens(req, record.slab.layout.max_tokens), skip=True,
                         context=JobContext(silent=True))
         self._submit(record, job, done)
-
-    def _validate_lookup(self, record: ClientRecord, req: LookupRequest, payload: list[bytes]) -> LookupJob:
-        if record.pinned_tables is not None and record.pinned_tables != self.tables_id:
-            raise TablesChangedError(f"client {record.client_id} pinned tables "
-                                     f"{record.pinned_tables}; a reload replaced them with "
-                                     f"{self.tables_id}")
-        layout: SlabLayout = record.slab.layout
-        slot, tokens = req.slot, _tokens_of(req)
-        if not 0 <= slot < layout.slots:
-            raise BadRequestError(f"slot {slot} outside [0, {layout.slots})")
-        if record.in_flight[slot] and not self.backend.orders_slots:
-            raise SlotBusyError(f"slot {slot} still has a lookup in flight")
-        if not 1 <= tokens <= layout.max_tokens:
-            raise BadIdsError(f"{tokens} tokens; this client registered 1..{layout.max_tokens}")
-        expected = [tokens, self.geometry.n_layers, self.geometry.heads]
-        if req.ids_shape != expected:
-            raise BadIdsError(f"ids shape {req.ids_shape!r}, expected {expected} ([T, n_layers, heads])")
-        dtype = req.ids_dtype
-        if dtype not in ID_DTYPES:
-            raise BadIdsError(f"ids dtype {dtype!r}; expected int32 or int64")
-        inline = None
-        if req.inline:
-            nbytes = tokens * self.geometry.n_layers * self.geometry.heads * np.dtype(dtype).itemsize
-            if len(payload) != 1 or len(payload[0]) != nbytes:
-                got = [len(p) for p in payload]
-                raise BadIdsError(f"inline ids: expected one frame of {nbytes} bytes, got frames {got}")
-            inline = ids_from_bytes(payload[0], dtype, tuple(expected))
-        elif payload:
-            raise BadIdsError("payload frames sent with inline=false")
-        return LookupJob(record.client_id, record.slab, record.shard, slot, req.seq, tokens,
-                         ids_dtype=dtype, inline_ids=inline)
 
     def finish_lookup(self, job: LookupJob) -> LookupReply | None:
         """Book-keep a completed job; returns its reply (None for a skipped one, which is
@@ -635,79 +541,23 @@ class ClientRegistry:
             if isinstance(job.error, EngramError):
                 raise job.error
             raise InternalError(f"gather failed: {type(job.error).__name__}: {job.error}")
-        if job.context.enqueued is not None:
-            self.dispatch_us.append((job.context.enqueued - job.context.received) * 1e6)
-        rows = job.tokens * self.geometry.n_layers * job.shard.owned_heads
-        self.totals["lookups"] += 1
-        self.totals["rows"] += rows
-        self.totals["out_of_range"] += job.out_of_range
-        if record is not None:
-            record.lookups += 1
-            record.rows += rows
-            record.out_of_range += job.out_of_range
+        self.accounts.count_lookup(record, job, job.tokens * self.geometry.n_layers * job.shard.owned_heads)
         # A GPU's count stays on the device (stats reads it).
         return LookupReply(job.slot, job.seq, job.out_of_range if self.backend.counts_per_job else None)
 
     # -- introspection --------------------------------------------------------------------------
 
-    def count_error(self, code: str) -> None:
-        self.errors[code] += 1
+    def stats(self) -> dict[str, Any]:
+        return self.accounts.stats(self.clients.values())
 
     def who(self) -> list[dict[str, Any]]:
         """Who each live client is (pid, name, uid): the `clients` admin operation."""
         return [c.who() for c in self.clients.values() if not c.releasing]
 
-    def stats(self) -> dict[str, Any]:
-        live = [c for c in self.clients.values() if not c.releasing]
-        slabs = [c.slab for c in self.clients.values() if c.slab is not None]  # releasing ones too
-        out_of_range = self.totals["out_of_range"] + self._device_out_of_range(slabs)
-        return {"clients": [c.summary() for c in live],
-                "slabs": len(slabs), "slab_bytes": sum(s.layout.size for s in slabs),
-                "lookups": min(self.totals["lookups"], MAX_TOTAL),
-                "rows": min(self.totals["rows"], MAX_TOTAL),
-                "out_of_range": min(out_of_range, MAX_TOTAL),
-                "registrations": self.totals["registrations"], "reaped": self.totals["reaped"],
-                "errors": dict(self.errors), "dispatch_us": _percentiles(self.dispatch_us)}
-
     def close(self) -> None:
         """Free every slab. The backend must take no more jobs (backend.stop first)."""
         for record in list(self.clients.values()):
             self._free(record)
-
-
-def printable(text: str) -> str:
-    """`text` with what a terminal would act on (escape sequences, control characters)
-    written as escapes: client-supplied text reaches `engramd stats` and the log."""
-    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
-
-
-def _refused_tokens(req: LookupRequest, max_tokens: int) -> int:
-    try:
-        tokens = _tokens_of(req)
-    except BadIdsError:
-        return max_tokens
-    return tokens if 0 < tokens <= max_tokens else max_tokens
-
-
-def _tokens_of(req: LookupRequest) -> int:
-    """A lookup's token count: its IDs' first dimension (a `tokens` field, if sent, must agree)."""
-    shape = req.ids_shape
-    if not shape or type(shape[0]) is not int:
-        raise BadIdsError(f"ids shape {shape!r}: expected [T, n_layers, heads] of ints")
-    if req.tokens not in (None, shape[0]):
-        raise BadIdsError(f"tokens {req.tokens!r} but ids shape {shape!r}")
-    return shape[0]
-
-
-def _percentiles(samples: deque[float]) -> dict[str, float]:
-    if not samples:
-        return {}
-    ordered = sorted(samples)
-
-    def pick(q: float) -> float:
-        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 1)
-
-    return {"p50": pick(0.50), "p99": pick(0.99), "n": len(ordered)}
 
 
 def _bounded(name: str, value: int, low: int, high: int) -> int:

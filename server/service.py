@@ -8,7 +8,8 @@ its tables are ready switches the backend, the store, the registry and the mappe
 grants to them (server/reload.py loads them). The daemon (daemon.py) owns the sockets, threads,
 signals and leases: it decodes a request, calls the method here, and encodes what comes back (a
 declared reply of client/messages.py, or a typed EngramError) with the descriptors a reply
-passes (made by server/grants.py). Nothing here knows ZeroMQ or the handle socket, so tests
+passes (made by server/grants.py); what `stats`, `health` and the metrics report is read by
+server/report.py (`Service.report`). Nothing here knows ZeroMQ or the handle socket, so tests
 drive the service in-process (tests/test_service.py), as an engine core is driven without its
 client.
 
@@ -22,14 +23,12 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Any
 
 from engramd.client.errors import NotReadyError, PermissionDeniedError, ResourceError
 from engramd.client.handles import PeerCredentials
 from engramd.client.messages import (
     AttachReply,
     ClientsReply,
-    HealthReply,
     HeartbeatReply,
     HeartbeatRequest,
     LookupReply,
@@ -39,7 +38,6 @@ from engramd.client.messages import (
     ReleaseReply,
     ReleaseRequest,
     ReloadReply,
-    StatsReply,
     TablesReply,
 )
 from engramd.server.backend import Completion, LookupJob
@@ -48,6 +46,7 @@ from engramd.server.grants import MappedGrants
 from engramd.server.job_context import JobContext
 from engramd.server.registry import ClientRecord, ClientRegistry, Limits
 from engramd.server.reload import TableReload, switch_tables
+from engramd.server.report import ServiceReport
 from engramd.server.table_file import HostTable
 from engramd.server.table_loader import LoadedTables
 
@@ -72,6 +71,7 @@ class Service:
         self.tables: LoadedTables | None = None
         self.grants: MappedGrants | None = None  # the served tables' descriptors, for mapped clients
         self.reload: TableReload | None = None  # the last reload, if any
+        self.report = ServiceReport(self)  # stats, health, metrics
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -107,9 +107,6 @@ class Service:
     def tables_seq(self) -> int:
         return self.registry.tables_seq if self.registry is not None else 0
 
-    def reload_status(self) -> dict[str, Any]:
-        return self.reload.status() if self.reload is not None else {}
-
     def in_flight(self) -> int:
         if self.registry is None:
             return 0
@@ -141,7 +138,7 @@ class Service:
 
     def count_error(self, code: str) -> None:
         if self.registry is not None:
-            self.registry.count_error(code)
+            self.registry.accounts.count_error(code)
 
     # -- operations -----------------------------------------------------------------------------
 
@@ -218,50 +215,9 @@ class Service:
             raise ResourceError(f"cannot pass descriptors now: {exc.strerror}") from None
         return TablesReply(version=self.tables_id, tables=grants, tables_seq=self.tables_seq), fds
 
-    def stats(self) -> StatsReply:
-        """Counts anyone who may connect may see: no client's pid, name or uid (see clients)."""
-        stats = self.registry.stats() if self.registry is not None else {}
-        return StatsReply(state=self.state, uptime=time.monotonic() - self.started,
-                          hot_cache=self.cache_stats(), mps=self.mps(), tables=self.tables_id,
-                          reload=self.reload_status(), **stats)
-
-    def health(self) -> HealthReply:
-        return HealthReply(live=True, ready=self.state == "ready", state=self.state,
-                           progress=round(self.progress, 4), pid=os.getpid(),
-                           uptime=round(time.monotonic() - self.started, 3),
-                           backend=self.tables.backend.name if self.tables else None, mps=self.mps(),
-                           tables=self.tables_id, reload=self.reload_status())
-
-    def mps(self) -> dict[str, Any]:
-        """Per GPU UUID, the daemon's MPS state there (empty on the CPU backend or while loading)."""
-        backend = self.tables.backend if self.tables is not None else None
-        return {uuid: s.to_wire() for uuid, s in backend.mps_states().items()} if backend else {}
-
-    def cache_stats(self) -> dict[str, Any]:
-        """Per GPU UUID, the hot-row cache's counters (empty without a cache or a GPU backend)."""
-        return self.tables.backend.cache_stats() if self.tables is not None else {}
-
     def gathering(self) -> bool:
         """Whether the backend's gather threads have work now (see Backend.gathering)."""
         return self.tables is not None and self.tables.backend.gathering
-
-    def metrics(self) -> dict[str, Any]:
-        """What the Prometheus endpoint shows (server/metrics.py)."""
-        stats = self.registry.stats() if self.registry is not None else {}
-        slab_bytes: dict[str, int] = {}
-        for client in (self.registry.clients.values() if self.registry is not None else ()):
-            if client.slab is not None:
-                slab_bytes[client.device] = slab_bytes.get(client.device, 0) + client.slab.layout.size
-        backend = self.tables.backend if self.tables is not None else None
-        return {"ready": self.state == "ready", "progress": self.progress,
-                "uptime": time.monotonic() - self.started, "epoch": self.epoch,
-                "backend": backend.name if backend else None,
-                "clients": stats.get("clients", []), "lookups": stats.get("lookups", 0),
-                "rows": stats.get("rows", 0), "out_of_range": stats.get("out_of_range", 0),
-                "errors": stats.get("errors", {}), "slab_bytes": slab_bytes,
-                "pinned_bytes": backend.pinned_bytes if backend else 0,
-                "hot_cache": self.cache_stats(), "mps": self.mps(), "tables": self.tables_id,
-                "reload": self.reload_status()}
 
     # -- who may ----------------------------------------------------------------------------------
 

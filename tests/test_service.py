@@ -59,7 +59,7 @@ def test_the_in_process_service_is_for_the_cpu_backend(config):
 
 def test_before_its_tables_the_service_serves_nobody(config):
     service = Service.from_config(config, "e" * 16)
-    assert service.stats().state == "starting" and service.health().ready is False
+    assert service.report.stats().state == "starting" and service.report.health().ready is False
     with pytest.raises(NotReadyError, match="daemon is starting"):
         service.register(b"a", RegisterRequest(1, "cpu", 0, 1, 8, 1))
     with pytest.raises(NotReadyError, match="lookup: daemon is starting"):
@@ -78,14 +78,14 @@ def test_rows_through_the_service_equal_the_reference(served, reference):
         assert client.out_of_range == past > 0
     with pytest.raises(BadIdsError, match="registered 1..64"):
         client.lookup(np.zeros((65, 2, reference.heads), dtype=np.int64))
-    assert served.service.stats().lookups == 3
+    assert served.service.report.stats().lookups == 3
 
 
 def test_counts_are_for_all_and_who_the_clients_are_for_admins(served, reference):
     service = served.service
     client = served.client(max_tokens=8, name="in-process")
     client.lookup(random_ids(np.random.default_rng(4), 8, reference.rows, reference.heads))
-    stats = service.stats()
+    stats = service.report.stats()
     assert stats.lookups == 1 and stats.state == "ready"
     assert not {"pid", "name", "uid"} & stats.clients[0].keys()
     assert service.clients(ME).clients == [{"client_id": client.client_id, "pid": os.getpid(),
@@ -93,10 +93,10 @@ def test_counts_are_for_all_and_who_the_clients_are_for_admins(served, reference
     with pytest.raises(PermissionDeniedError, match="uid 4242"):
         service.clients(STRANGER)
     assert service.admits(ME) and service.admits(STRANGER)  # no allowed ids: whom the modes let in
-    assert service.metrics()["lookups"] == 1
+    assert service.report.metrics()["lookups"] == 1
     registered = service.register(b"z", RegisterRequest(pid=1, device="cpu", tp_rank=0, tp_size=1,
                                                         max_tokens=8, slots=1))
-    for sent in (registered, stats, service.health(), HeartbeatReply(), ReleaseReply()):
+    for sent in (registered, stats, service.report.health(), HeartbeatReply(), ReleaseReply()):
         decoded = protocol.decode_reply(protocol.encode_reply(1, service.epoch, sent))
         assert decoded.body == sent, sent.OP  # every declared field travels, typed
 
@@ -108,4 +108,4 @@ def test_release_retires_and_a_released_client_is_not_served(served):
         served.service.heartbeat(client.identity, HeartbeatRequest(client.client_id, "x"))
     tables = served.service.tables_id  # a bare heartbeat: the daemon is here, serving these
     assert tables and served.service.heartbeat(b"a", HeartbeatRequest()) == HeartbeatReply(tables)
-    assert served.service.in_flight() == 0 and served.service.stats().clients == []
+    assert served.service.in_flight() == 0 and served.service.report.stats().clients == []

@@ -1,5 +1,5 @@
 """A request loop that stops turning writes every thread's stack to the daemon's log by itself
-(server/daemon.py _arm_stall_dump), and a loop that turns never does."""
+(server/daemon.py arm_stall_dump), and a loop that turns never does."""
 
 from __future__ import annotations
 
