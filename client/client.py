@@ -41,7 +41,6 @@ from __future__ import annotations
 import itertools
 import logging
 import numbers
-import operator
 import os
 import socket
 import threading
@@ -52,9 +51,9 @@ from typing import Any
 
 import torch
 
+from engramd.client.checks import check_ids, check_slot, check_sm_fraction
 from engramd.client.connection import Connection, default_socket_path
 from engramd.client.errors import (
-    BadIdsError,
     BadRequestError,
     CudaUnavailableError,
     DaemonUnavailableError,
@@ -73,7 +72,7 @@ from engramd.client.handles import (
     handle_socket_path,
     lease_closed,
 )
-from engramd.client.ids import dtype_name
+from engramd.client.kept_rows import KeptRows
 from engramd.client.mapped import LocalSlots, MappedTables
 from engramd.client.mapped_path import MappedPath
 from engramd.client.messages import RegisterReply
@@ -181,13 +180,11 @@ class EngramClient:
         self._registration = (tp_rank, tp_size, max_tokens, slots, name)
         self._conn: Connection | None = None
         self._slab: MemfdSlabView | CudaSlabView | LocalSlots | None = None
-        self._kept_rows: MemfdSlabView | CudaSlabView | LocalSlots | None = None  # see _keep_rows
-        self._retired: list[Any] = []  # slot memory that moved, still mapped for old views
+        self._rows = KeptRows()  # the slot memory that outlives a registration (client/kept_rows.py)
         self.registrations = 0  # how many times this client has registered
         self._slots_epoch = 0  # registrations that took the slots over (lookups made before are lost)
         self._rejoin: Rejoin | None = None  # mapped: registering with a restarted daemon (rejoin.py)
         self._replaced: list[Any] = []  # its connection and lease before the rejoin: closed by lookup()
-        self.rows_generation = 0  # bumped when the slots' rows move (see slot_rows)
         self._lease: socket.socket | None = None  # the daemon frees us when it closes
         self._mapped_path = MappedPath(self)  # mapped: the mapping and its gathers (client/mapped_path.py)
         self._watchdog: threading.Thread | None = None
@@ -357,7 +354,7 @@ class EngramClient:
 
     def _disconnect(self, keep_rows: bool = False) -> None:
         """Drop the connection and the slab mapping without talking to the daemon; with
-        `keep_rows`, keep the slot memory's address for the next registration (_keep_rows)."""
+        `keep_rows`, keep the slot memory's address for the next registration (KeptRows.keep)."""
         self._stop_watchdog()
         if isinstance(self._slab, CudaSlabView):
             self._served.await_stopping_daemon()
@@ -366,9 +363,7 @@ class EngramClient:
             self._mapped_path.unmap()  # first: it synchronises the device, so no gather of ours still reads
         finally:           # the old mapping or writes our slots
             slab, self._slab = self._slab, None
-            if slab is not None and keep_rows and self._kept_rows is None:
-                self._kept_rows = slab
-            elif slab is not None:
+            if slab is not None and not (keep_rows and self._rows.hold(slab)):
                 slab.close()
             if self._lease is not None:
                 self._lease.close()
@@ -452,47 +447,18 @@ class EngramClient:
         by the daemon's `gather` policy)."""
         if self.mode == "mapped":
             self._mapped_path.map_tables(attachment)
-            self._slab = self._keep_rows(LocalSlots, None) or LocalSlots(self.layout, self.device)
+            self._slab = self._rows.keep(LocalSlots, None, self.layout) or LocalSlots(self.layout, self.device)
         elif attachment.slab is None or attachment.slab_fd is None:
             raise InternalError("the daemon attached a served client without a slab")
         elif attachment.slab.get("kind") == "cuda_vmm":
-            self._slab = (self._keep_rows(CudaSlabView, attachment)
+            self._slab = (self._rows.keep(CudaSlabView, attachment, self.layout)
                           or CudaSlabView(attachment, self.layout, self.device))
             self._served.warm_up()
         elif attachment.slab.get("kind") == "memfd" and self.device.type == "cpu":
-            self._slab = (self._keep_rows(MemfdSlabView, attachment)
+            self._slab = (self._rows.keep(MemfdSlabView, attachment, self.layout)
                           or MemfdSlabView(attachment.slab_fd, self.layout))
         else:
             raise InternalError(f"slab of kind {attachment.slab.get('kind')!r} for a {self.device} client")
-
-    def _keep_rows(self, kind: type, attachment: Attachment | None):
-        """After a re-registration: the slot memory of the last one, now holding the new slab
-        (if any), when it is of the same kind and layout; else None (and it is let go).
-
-        So the rows of a slot stay at one address for the client's life, across daemon restarts,
-        as long as the daemon keeps the client's mode and layout: callers may keep persistent
-        views of them (slot_rows), as captured CUDA graphs need."""
-        kept, self._kept_rows = self._kept_rows, None
-        if kept is None:
-            return None
-        if type(kept) is not kind or kept.layout != self.layout:
-            log.warning("the daemon re-registered this client with another mode or layout: its "
-                        "rows move to a new address")
-            self._retire(kept)
-            return None
-        try:
-            if attachment is not None:
-                kept.rebind(attachment)
-        except BaseException:
-            self._retire(kept)
-            raise
-        return kept
-
-    def _retire(self, rows: Any) -> None:
-        """Slot memory whose rows moved: kept mapped until close(), so that views of it taken
-        before (a captured graph's) read stale rows instead of freed or reused memory."""
-        self.rows_generation += 1
-        self._retired.append(rows)
 
     def _lease_gone(self) -> str | None:
         lease = self._lease
@@ -555,6 +521,15 @@ class EngramClient:
         return self._mapped_path.counts
 
     @property
+    def rows_generation(self) -> int:
+        """Bumped when the slots' rows move (see slot_rows)."""
+        return self._rows.generation
+
+    @rows_generation.setter
+    def rows_generation(self, value: int) -> None:
+        self._rows.generation = value
+
+    @property
     def max_tokens(self) -> int:
         return self.layout.max_tokens
 
@@ -572,7 +547,7 @@ class EngramClient:
         the old one stay readable (stale) until close(). Read it only in the order wait() gives."""
         if self._slab is None:
             raise DaemonUnavailableError("client is closed or not registered")
-        index = self._check_slot(slot)
+        index = check_slot(slot, self.slots)
         if index is None:
             raise BadRequestError("slot_rows needs a slot number")
         return self._slab.slot_rows(index)
@@ -596,7 +571,7 @@ class EngramClient:
         default. Any share runs one program at least. Served lookups keep the daemon's grid,
         and a CPU client has none: both check the value and ignore it.
         """
-        fraction = self._check_sm_fraction(sm_fraction)
+        fraction = check_sm_fraction(sm_fraction)
         with self._tables_lock:
             return self._lookup(hash_ids, stream, slot, fraction)
 
@@ -612,8 +587,8 @@ class EngramClient:
         if self._daemon_gone() and not self._riding_through():
             self._reconnect()
         self._follow_tables()
-        ids = self._check_ids(hash_ids)
-        slot = self._check_slot(slot)  # after a re-registration: its slots
+        ids = check_ids(hash_ids, self.geometry, self.max_tokens)
+        slot = check_slot(slot, self.slots)  # after a re-registration: its slots
         if self.mode == "mapped":
             return self._mapped_path.lookup(ids, stream, slot, sm_fraction)
         if self.device.type == "cuda":
@@ -634,40 +609,6 @@ class EngramClient:
         if self.device.type != "cuda" or not conn.has_replies():
             return
         self._served.take_errors(conn)
-
-    def _check_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        if not isinstance(ids, torch.Tensor):
-            raise BadIdsError(f"hash IDs must be a torch.Tensor, got {type(ids).__name__}")
-        if dtype_name(ids.dtype) is None:
-            raise BadIdsError(f"hash IDs must be int32 or int64, got {ids.dtype}")
-        expected = (self.geometry.n_layers, self.geometry.heads)
-        if ids.dim() != 3 or tuple(ids.shape[1:]) != expected:
-            raise BadIdsError(f"hash IDs must have shape [T, {expected[0]}, {expected[1]}], "
-                              f"got {list(ids.shape)}")
-        if not 1 <= ids.shape[0] <= self.max_tokens:
-            raise BadIdsError(f"{ids.shape[0]} tokens; this client registered 1..{self.max_tokens}")
-        return ids.detach()
-
-    @staticmethod
-    def _check_sm_fraction(fraction: Any) -> float | None:
-        if fraction is None:
-            return None
-        # Compared as given (a huge int would overflow float()); NaN fails the range too.
-        if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real) \
-                or not 0 < fraction <= 1:
-            raise BadRequestError(f"sm_fraction {fraction!r}: a share of the SMs, 0 < f <= 1")
-        return float(fraction)
-
-    def _check_slot(self, slot: Any) -> int | None:
-        if slot is None:
-            return None
-        try:
-            index = operator.index(slot) if not isinstance(slot, bool) else -1
-        except TypeError:
-            index = -1
-        if not 0 <= index < self.slots:
-            raise BadRequestError(f"slot {slot!r}: this client has slots 0..{self.slots - 1}")
-        return index
 
     def _take_turn(self, slot: int | None) -> int:
         """The slot a lookup fills: `slot` if named (the turn stays where it is), else the next
@@ -786,11 +727,7 @@ class EngramClient:
         try:
             self._disconnect()
         finally:
-            leftovers = [self._kept_rows, *self._retired]  # a re-registration that never came
-            self._kept_rows, self._retired = None, []
-            for rows in leftovers:
-                if rows is not None:
-                    rows.close()
+            self._rows.close()  # a re-registration that never came
 
     def __enter__(self) -> EngramClient:
         return self

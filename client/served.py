@@ -71,7 +71,7 @@ class MemfdSlabView:
         return self.layout.slot_rows(self.buffer, slot)
 
     def rebind(self, attachment: Attachment) -> None:
-        """A new daemon's slab of the same layout, at this one's address (see EngramClient._keep_rows)."""
+        """A new daemon's slab of the same layout, at this one's address (see KeptRows.keep)."""
         try:
             self._mapping.remap(attachment.slab_fd)
         except (ValueError, OSError) as exc:
@@ -128,7 +128,7 @@ class CudaSlabView:
         self.rows_done = [self.ops.pointer(counters.address(s, ROWS_DONE)) for s in slots]
 
     def rebind(self, attachment: Attachment) -> None:
-        """A new daemon's slab of the same layout, at this one's address (see EngramClient._keep_rows): the
+        """A new daemon's slab of the same layout, at this one's address (see KeptRows.keep): the
         views and streams built on the address stay valid; the counters are the new slab's."""
         if int(attachment.slab["bytes"]) != self.memory.size:
             raise InternalError(f"the daemon's new slab has {attachment.slab['bytes']} bytes, the "
