@@ -27,9 +27,9 @@ first of the next lookup, a reload's switch of mappings and close(): behind the 
 engine queued since the lookup. Queued in front of them, it would hold SMs that the next one
 needs, and its launch's host time would come before theirs.
 If the daemon dies (or retires the registration: either way its end of the lease closes), a
-watchdog thread satisfies every pending wait (CPU stores into the slab's counters, which live in
-pinned host memory: client/host_counters.py) within WATCHDOG_S (plus RELEASE_DEADLINE_S for each
-lookup it fails), so no stream of this process hangs. A lookup whose rows the daemon had not
+watchdog thread (client/watchdog.py) satisfies every pending wait (CPU stores into the slab's
+counters, which live in pinned host memory: client/host_counters.py) within WATCHDOG_S (plus
+RELEASE_DEADLINE_S for each lookup it fails), so no stream of this process hangs. A lookup whose rows the daemon had not
 written is failed first: its rows are filled with NaN before its waits are released, and the next lookup(), wait() or result()
 raises LookupFailedError naming it (client/failures.py); then calls raise DaemonUnavailableError
 until the next lookup() re-registers. A mapped client's lookups go on from its mapping instead, while a thread registers
@@ -41,20 +41,17 @@ from __future__ import annotations
 import itertools
 import logging
 import numbers
-import operator
 import os
-import socket
 import threading
 import time
-import weakref
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from engramd.client.checks import check_ids, check_slot, check_sm_fraction
 from engramd.client.connection import Connection, default_socket_path
 from engramd.client.errors import (
-    BadIdsError,
     BadRequestError,
     CudaUnavailableError,
     DaemonUnavailableError,
@@ -71,15 +68,15 @@ from engramd.client.handles import (
     attach,
     check_access,
     handle_socket_path,
-    lease_closed,
 )
-from engramd.client.ids import dtype_name
+from engramd.client.kept_rows import KeptRows
 from engramd.client.mapped import LocalSlots, MappedTables
 from engramd.client.mapped_path import MappedPath
 from engramd.client.messages import RegisterReply
-from engramd.client.rejoin import Rejoin, retry_until
+from engramd.client.rejoin import RideThrough, release_quietly, retry_until
 from engramd.client.served import CudaSlabView, MemfdSlabView, ServedCpu, ServedGpu
 from engramd.client.slab import SlabLayout
+from engramd.client.watchdog import Watchdog
 
 log = logging.getLogger("engramd.client")
 
@@ -87,22 +84,6 @@ MODES = ("auto", "served", "mapped")
 GATHER_AT = ("wait", "lookup")  # when a mapped GPU client queues a lookup's gather
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_RECONNECT_S = 60.0  # how long lookup() waits for a restarted daemon before giving up
-WATCHDOG_S = 0.1
-REJOIN_STOP_S = 3.0  # how long close() waits for a rejoin in flight (client/rejoin.py)
-
-# Leases of this process's clients. A child made by fork() must not hold them: a lease is closed
-# by the kernel when its last holder exits, so a child outliving its parent would keep a dead
-# parent's registration alive.
-_LEASES: weakref.WeakSet[socket.socket] = weakref.WeakSet()
-
-
-def _drop_leases_in_child() -> None:
-    for lease in list(_LEASES):
-        lease.close()
-
-
-os.register_at_fork(after_in_child=_drop_leases_in_child)
-
 
 def check_cache_cap(gib: Any) -> int | None:
     """`hot_cache_gib` as a byte cap (None: none), or a BadRequestError naming the value."""
@@ -181,17 +162,12 @@ class EngramClient:
         self._registration = (tp_rank, tp_size, max_tokens, slots, name)
         self._conn: Connection | None = None
         self._slab: MemfdSlabView | CudaSlabView | LocalSlots | None = None
-        self._kept_rows: MemfdSlabView | CudaSlabView | LocalSlots | None = None  # see _keep_rows
-        self._retired: list[Any] = []  # slot memory that moved, still mapped for old views
+        self._rows = KeptRows()  # the slot memory that outlives a registration (client/kept_rows.py)
         self.registrations = 0  # how many times this client has registered
         self._slots_epoch = 0  # registrations that took the slots over (lookups made before are lost)
-        self._rejoin: Rejoin | None = None  # mapped: registering with a restarted daemon (rejoin.py)
-        self._replaced: list[Any] = []  # its connection and lease before the rejoin: closed by lookup()
-        self.rows_generation = 0  # bumped when the slots' rows move (see slot_rows)
-        self._lease: socket.socket | None = None  # the daemon frees us when it closes
+        self._ride = RideThrough(self)  # mapped: registering with a restarted daemon (client/rejoin.py)
         self._mapped_path = MappedPath(self)  # mapped: the mapping and its gathers (client/mapped_path.py)
-        self._watchdog: threading.Thread | None = None
-        self._closing: threading.Event | None = None
+        self._watchdog = Watchdog(self)  # the lease and the heartbeat thread (client/watchdog.py)
         self._dead: str | None = None
         self._pending: dict[int, LookupFuture] = {}
         self._failed = FailedLookups()  # served GPU: lookups the daemon did not serve, unreported
@@ -243,122 +219,10 @@ class EngramClient:
     def _gone_reason(self) -> str:
         return self._dead or "the daemon is gone"
 
-    # -- riding through a daemon restart (mapped) ---------------------------------------------------
-
-    def _riding_through(self) -> bool:
-        """The daemon is gone. A mapped client goes on gathering from its mapping (its rows do
-        not change with the daemon) while a thread registers with the restarted daemon: True
-        while that runs. False: reconnect in this call, as a served client does (nothing mapped
-        yet, or the restarted daemon serves other tables, mode or layout). Raises what ended
-        the rejoin otherwise (no daemon within reconnect_timeout, a refusal)."""
-        rejoin = self._rejoin
-        if rejoin is None:
-            if self.mode != "mapped" or self._mapped_path.tables is None:
-                return False
-            gone = self._gone_reason()
-            self._rejoin = Rejoin(self._join_again, self._take_rejoined, self._drop_rejoined,
-                                  time.monotonic() + self.reconnect_timeout, gone,
-                                  self.reconnect_timeout, self.timeout)
-            log.warning("%s: client %s goes on gathering from its mapping of tables %s while it "
-                        "registers again", gone, self.client_id, self.tables_id)
-            return True
-        if rejoin.running():
-            return True
-        self._rejoin = None
-        if rejoin.error is not None:
-            self._disconnect()
-            raise rejoin.error
-        return False  # a registration was made and let go: it did not fit
-
-    def _join_again(self, timeout: float) -> tuple[Connection, Any, Attachment]:
-        """Rejoin thread: a registration with the restarted daemon, attached, not taken yet."""
-        if not self.socket_path.exists():
-            raise DaemonUnavailableError(f"no daemon socket at {self.socket_path}")
-        handles = handle_socket_path(self.socket_path)
-        check_access(handles, timeout)
-        conn = Connection(self.socket_path)
-        try:
-            reply = conn.call("register", timeout, **self._register_fields())
-            try:
-                attachment = attach(handles, reply.body.client_id, reply.body.token,
-                                    timeout=max(self.timeout, HANDLE_TIMEOUT_S))
-            except BaseException:
-                _release_quietly(conn, reply.body.client_id, timeout)
-                raise
-        except BaseException:
-            conn.close()
-            raise
-        return conn, reply, attachment
-
-    def _take_rejoined(self, joined: tuple[Connection, Any, Attachment]) -> bool:
-        """Rejoin thread: make the new registration this client's, keeping the mapping, the
-        slots and the lookups in flight, if it serves what the mapping holds (same tables, mode,
-        geometry and layout); False (nothing changed) otherwise."""
-        conn, reply, attachment = joined
-        f: RegisterReply = reply.body
-        tables = (attachment.version, attachment.tables_seq) if attachment.version is not None \
-            else (f.tables, f.tables_seq)
-        with self._tables_lock:
-            if self._rejoin is None or self._conn is None:
-                return False  # close() came first
-            if self._mapped_path.remapping is not None:  # a reload's tables of the old daemon, being mapped
-                log.warning("a reload was being mapped when the daemon went away: registering "
-                            "again from scratch")
-                return False
-            if (f.mode != "mapped" or self._mapped_path.tables is None or tables[0] is None
-                    or tables[0] != self.tables_id
-                    or TableGeometry.from_config(f.geometry, source="daemon register reply") != self.geometry
-                    or f.shard.get("local_heads") != self.shard.local_heads
-                    or SlabLayout.from_wire(f.layout) != self.layout):
-                log.warning("the restarted daemon serves tables %s in mode %s (this client mapped "
-                            "%s): registering again from scratch", tables[0], f.mode, self.tables_id)
-                return False
-            self._stop_watchdog()  # the old registration's (already ended if its lease closed)
-            # The lookup thread may be reading the old connection: it closes them (ZeroMQ
-            # sockets are not thread-safe).
-            self._replaced += [self._conn, self._lease]
-            self._conn, self._dead, self.registrations = conn, None, self.registrations + 1
-            self.client_id, self.epoch, self.mps = f.client_id, reply.epoch, f.mps
-            self._token, self._gather_policy = f.token, f.gather  # the policy applies from the next mapping
-            # The new daemon counts this client from here on, as it would a new registration:
-            # lookups made before its start are not its own (its counters began at zero).
-            # (No copy queued from this thread: the last finished one's value serves.)
-            self._mapped_path.counts_base = self._mapped_path.mapped_counts(queue_copy=False)
-            self._read_tables(*tables)
-            self._heard_tables, self._mapped_path.idle_follow_failed, self._tables_lost = None, None, None
-            self._take_lease(attachment)
-            self._start_watchdog(f.heartbeat_interval)
-            self._rejoin = None
-        attachment.close_descriptors()  # the same tables: the mapping we hold serves
-        log.info("re-registered with daemon epoch %s as client %d; gathering from the same mapping",
-                 self.epoch, self.client_id)
-        return True
-
-    def _close_replaced(self) -> None:
-        replaced, self._replaced = self._replaced, []
-        for closing in replaced:
-            if closing is not None:
-                closing.close()
-
-    @staticmethod
-    def _drop_rejoined(joined: tuple[Connection, Any, Attachment]) -> None:
-        conn, reply, attachment = joined
-        _release_quietly(conn, reply.body.client_id, 2.0)
-        attachment.close_descriptors()
-        attachment.lease.close()
-        conn.close()
-
-    def _stop_watchdog(self) -> None:
-        if self._closing is not None:
-            self._closing.set()
-        if self._watchdog is not None:
-            self._watchdog.join()
-            self._watchdog = None
-
     def _disconnect(self, keep_rows: bool = False) -> None:
         """Drop the connection and the slab mapping without talking to the daemon; with
-        `keep_rows`, keep the slot memory's address for the next registration (_keep_rows)."""
-        self._stop_watchdog()
+        `keep_rows`, keep the slot memory's address for the next registration (KeptRows.keep)."""
+        self._watchdog.stop()
         if isinstance(self._slab, CudaSlabView):
             self._served.await_stopping_daemon()
             self._served.release_waits()  # the daemon is gone or going: its counters may never move
@@ -366,13 +230,9 @@ class EngramClient:
             self._mapped_path.unmap()  # first: it synchronises the device, so no gather of ours still reads
         finally:           # the old mapping or writes our slots
             slab, self._slab = self._slab, None
-            if slab is not None and keep_rows and self._kept_rows is None:
-                self._kept_rows = slab
-            elif slab is not None:
+            if slab is not None and not (keep_rows and self._rows.hold(slab)):
                 slab.close()
-            if self._lease is not None:
-                self._lease.close()
-                self._lease = None
+            self._watchdog.close_lease()
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
@@ -398,7 +258,7 @@ class EngramClient:
         try:
             self._adopt(reply)
         except BaseException:  # the daemon registered us: it must not keep that for nothing
-            _release_quietly(self._conn, reply.body.client_id, min(timeout, 2.0))
+            release_quietly(self._conn, reply.body.client_id, min(timeout, 2.0))
             raise
 
     def _adopt(self, reply: Any) -> None:
@@ -427,78 +287,30 @@ class EngramClient:
         # Attaching may wait behind other clients' slab allocations: the caller's whole timeout.
         attachment = attach(handle_socket_path(self.socket_path), self.client_id, f.token,
                             timeout=max(self.timeout, HANDLE_TIMEOUT_S))
-        self._take_lease(attachment)
-        self._start_watchdog(f.heartbeat_interval)  # from now on: mapping tables may take seconds
+        self._watchdog.take_lease(attachment)
+        self._watchdog.start(f.heartbeat_interval)  # from now on: mapping tables may take seconds
         try:
             self._take_attachment(attachment)
         finally:
             attachment.close_descriptors()  # what was mapped keeps its memory
-
-    def _take_lease(self, attachment: Attachment) -> None:
-        self._lease = attachment.lease
-        _LEASES.add(self._lease)
-        self._conn.watch_daemon(self._lease_gone)
-
-    def _start_watchdog(self, heartbeat_interval: float) -> None:
-        """Heartbeats and the watch of the lease (_watch) of the current registration."""
-        self._closing = threading.Event()
-        self._watchdog = threading.Thread(
-            target=self._watch, args=(self._closing, self.client_id, self._token, heartbeat_interval),
-            name="engramd-watchdog", daemon=True)
-        self._watchdog.start()
 
     def _take_attachment(self, attachment: Attachment) -> None:
         """Map what the attach passed: the slab (served) or the tables (mapped, which gather
         by the daemon's `gather` policy)."""
         if self.mode == "mapped":
             self._mapped_path.map_tables(attachment)
-            self._slab = self._keep_rows(LocalSlots, None) or LocalSlots(self.layout, self.device)
+            self._slab = self._rows.keep(LocalSlots, None, self.layout) or LocalSlots(self.layout, self.device)
         elif attachment.slab is None or attachment.slab_fd is None:
             raise InternalError("the daemon attached a served client without a slab")
         elif attachment.slab.get("kind") == "cuda_vmm":
-            self._slab = (self._keep_rows(CudaSlabView, attachment)
+            self._slab = (self._rows.keep(CudaSlabView, attachment, self.layout)
                           or CudaSlabView(attachment, self.layout, self.device))
             self._served.warm_up()
         elif attachment.slab.get("kind") == "memfd" and self.device.type == "cpu":
-            self._slab = (self._keep_rows(MemfdSlabView, attachment)
+            self._slab = (self._rows.keep(MemfdSlabView, attachment, self.layout)
                           or MemfdSlabView(attachment.slab_fd, self.layout))
         else:
             raise InternalError(f"slab of kind {attachment.slab.get('kind')!r} for a {self.device} client")
-
-    def _keep_rows(self, kind: type, attachment: Attachment | None):
-        """After a re-registration: the slot memory of the last one, now holding the new slab
-        (if any), when it is of the same kind and layout; else None (and it is let go).
-
-        So the rows of a slot stay at one address for the client's life, across daemon restarts,
-        as long as the daemon keeps the client's mode and layout: callers may keep persistent
-        views of them (slot_rows), as captured CUDA graphs need."""
-        kept, self._kept_rows = self._kept_rows, None
-        if kept is None:
-            return None
-        if type(kept) is not kind or kept.layout != self.layout:
-            log.warning("the daemon re-registered this client with another mode or layout: its "
-                        "rows move to a new address")
-            self._retire(kept)
-            return None
-        try:
-            if attachment is not None:
-                kept.rebind(attachment)
-        except BaseException:
-            self._retire(kept)
-            raise
-        return kept
-
-    def _retire(self, rows: Any) -> None:
-        """Slot memory whose rows moved: kept mapped until close(), so that views of it taken
-        before (a captured graph's) read stale rows instead of freed or reused memory."""
-        self.rows_generation += 1
-        self._retired.append(rows)
-
-    def _lease_gone(self) -> str | None:
-        lease = self._lease
-        if lease is None or lease_closed(lease):
-            return "the daemon closed this client's lease (it exited, or retired the client)"
-        return None
 
     # -- reloads ----------------------------------------------------------------------------------
 
@@ -555,6 +367,15 @@ class EngramClient:
         return self._mapped_path.counts
 
     @property
+    def rows_generation(self) -> int:
+        """Bumped when the slots' rows move (see slot_rows)."""
+        return self._rows.generation
+
+    @rows_generation.setter
+    def rows_generation(self, value: int) -> None:
+        self._rows.generation = value
+
+    @property
     def max_tokens(self) -> int:
         return self.layout.max_tokens
 
@@ -572,7 +393,7 @@ class EngramClient:
         the old one stay readable (stale) until close(). Read it only in the order wait() gives."""
         if self._slab is None:
             raise DaemonUnavailableError("client is closed or not registered")
-        index = self._check_slot(slot)
+        index = check_slot(slot, self.slots)
         if index is None:
             raise BadRequestError("slot_rows needs a slot number")
         return self._slab.slot_rows(index)
@@ -596,7 +417,7 @@ class EngramClient:
         default. Any share runs one program at least. Served lookups keep the daemon's grid,
         and a CPU client has none: both check the value and ignore it.
         """
-        fraction = self._check_sm_fraction(sm_fraction)
+        fraction = check_sm_fraction(sm_fraction)
         with self._tables_lock:
             return self._lookup(hash_ids, stream, slot, fraction)
 
@@ -607,13 +428,13 @@ class EngramClient:
         self._failed.raise_unreported()  # before anything else: the engine must hear of them
         if self.mode == "mapped":
             self._mapped_path.queue_gather()  # lookups reach the side stream in the order they were made
-            self._close_replaced()  # a rejoin's (only a mapped client rejoins)
+            self._ride.close_replaced()  # a rejoin's (only a mapped client rejoins)
         self._take_in()
-        if self._daemon_gone() and not self._riding_through():
+        if self._daemon_gone() and not self._ride.riding_through():
             self._reconnect()
         self._follow_tables()
-        ids = self._check_ids(hash_ids)
-        slot = self._check_slot(slot)  # after a re-registration: its slots
+        ids = check_ids(hash_ids, self.geometry, self.max_tokens)
+        slot = check_slot(slot, self.slots)  # after a re-registration: its slots
         if self.mode == "mapped":
             return self._mapped_path.lookup(ids, stream, slot, sm_fraction)
         if self.device.type == "cuda":
@@ -635,40 +456,6 @@ class EngramClient:
             return
         self._served.take_errors(conn)
 
-    def _check_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        if not isinstance(ids, torch.Tensor):
-            raise BadIdsError(f"hash IDs must be a torch.Tensor, got {type(ids).__name__}")
-        if dtype_name(ids.dtype) is None:
-            raise BadIdsError(f"hash IDs must be int32 or int64, got {ids.dtype}")
-        expected = (self.geometry.n_layers, self.geometry.heads)
-        if ids.dim() != 3 or tuple(ids.shape[1:]) != expected:
-            raise BadIdsError(f"hash IDs must have shape [T, {expected[0]}, {expected[1]}], "
-                              f"got {list(ids.shape)}")
-        if not 1 <= ids.shape[0] <= self.max_tokens:
-            raise BadIdsError(f"{ids.shape[0]} tokens; this client registered 1..{self.max_tokens}")
-        return ids.detach()
-
-    @staticmethod
-    def _check_sm_fraction(fraction: Any) -> float | None:
-        if fraction is None:
-            return None
-        # Compared as given (a huge int would overflow float()); NaN fails the range too.
-        if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real) \
-                or not 0 < fraction <= 1:
-            raise BadRequestError(f"sm_fraction {fraction!r}: a share of the SMs, 0 < f <= 1")
-        return float(fraction)
-
-    def _check_slot(self, slot: Any) -> int | None:
-        if slot is None:
-            return None
-        try:
-            index = operator.index(slot) if not isinstance(slot, bool) else -1
-        except TypeError:
-            index = -1
-        if not 0 <= index < self.slots:
-            raise BadRequestError(f"slot {slot!r}: this client has slots 0..{self.slots - 1}")
-        return index
-
     def _take_turn(self, slot: int | None) -> int:
         """The slot a lookup fills: `slot` if named (the turn stays where it is), else the next
         in turn."""
@@ -679,57 +466,15 @@ class EngramClient:
 
     # -- daemon death ---------------------------------------------------------------------------
 
-    def _watch(self, closing: threading.Event, client_id: int, token: str, interval: float) -> None:
-        """Background thread: heartbeats on a connection of its own (so a daemon that cannot see
-        our process knows we live), and for GPU clients, release of every stream wait on the
-        daemon's counters once the lease closes (the daemon died or retired us)."""
-        if self.device.type == "cuda":
-            from engramd.client import cuda
-
-            cuda.make_current(self.device.index)  # the release's driver calls need the context
-        beat = Connection(self.socket_path)
-        next_beat = 0.0
-        try:
-            while not closing.wait(WATCHDOG_S):
-                gone = self._lease_gone()
-                if gone is not None:
-                    if self.mode == "mapped":  # its lookups are its own: they go on (_riding_through)
-                        self._dead = gone
-                        return
-                    self._dead = f"{gone}; results of in-flight lookups are invalid"
-                    if self.device.type == "cuda":
-                        self._served.release_waits()
-                        self._served.keep_releasing(closing)
-                    return
-                if time.monotonic() >= next_beat:
-                    next_beat = time.monotonic() + interval
-                    beat.send("heartbeat", client_id=client_id, token=token,
-                              counts=self._heartbeat_counts(),
-                              tables=self.tables_id if self.mode == "mapped" else None)
-                for reply in beat.take_replies():  # heartbeat replies, in no order: the latest tables
-                    body, heard = reply.body, self._heard_tables
-                    if (getattr(body, "tables", None) is not None and reply.epoch == self.epoch
-                            and (heard is None or body.tables_seq >= heard[1])):
-                        self._heard_tables = (body.tables, body.tables_seq)
-                self._mapped_path.follow_while_idle()
-        finally:
-            beat.close()
-
-    def _heartbeat_counts(self) -> dict[str, int] | None:
-        """Mapped clients: this registration's cumulative counts for the daemon's stats."""
-        if self.mode != "mapped":
-            return None
-        return self._mapped_path.since_registered(self._mapped_path.mapped_counts())
-
     def _daemon_gone(self) -> bool:
         """The daemon of our registration died, retired us, or said it is stopping (a reconnect
         may help). Reads only what _take_in() has collected, and the lease without waiting."""
         if self._conn is None:
             return False
         # GPU clients: the watchdog thread watches the lease and sets _dead, off the lookup path.
-        cpu_watch = self.device.type == "cpu" and self._lease is not None
+        cpu_watch = self.device.type == "cpu" and self._watchdog.lease is not None
         return (self._dead is not None or self._conn.notice == "stopping"
-                or (cpu_watch and self._lease_gone() is not None))
+                or (cpu_watch and self._watchdog.lease_gone() is not None))
 
     def _check_alive(self) -> None:
         if self._conn is None:
@@ -749,11 +494,9 @@ class EngramClient:
 
     def close(self) -> None:
         """Release the registration and the slab mapping. Safe to call twice."""
-        rejoin, self._rejoin = self._rejoin, None
-        if rejoin is not None:  # before the lock, which it may be waiting for; past the wait it
-            rejoin.stop(REJOIN_STOP_S)  # finds the client closed and lets its registration go
+        self._ride.stop()  # before the lock, which its thread may be waiting for
         with self._tables_lock:
-            self._close_replaced()
+            self._ride.close_replaced()
             self._close()
 
     def _close(self) -> None:
@@ -774,7 +517,7 @@ class EngramClient:
                 # Our streams may wait on the daemon's counters: if it dies during this sync, the
                 # watchdog (still running) releases them. Then it stops, before the unmap.
                 torch.cuda.synchronize(self.device)
-            self._stop_watchdog()  # releasing closes the lease: that is no death to report
+            self._watchdog.stop()  # releasing closes the lease: that is no death to report
             slab, self._slab = self._slab, None
             if slab is not None:
                 slab.close()
@@ -786,11 +529,7 @@ class EngramClient:
         try:
             self._disconnect()
         finally:
-            leftovers = [self._kept_rows, *self._retired]  # a re-registration that never came
-            self._kept_rows, self._retired = None, []
-            for rows in leftovers:
-                if rows is not None:
-                    rows.close()
+            self._rows.close()  # a re-registration that never came
 
     def __enter__(self) -> EngramClient:
         return self
@@ -798,10 +537,3 @@ class EngramClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def _release_quietly(conn: Connection, client_id: int, timeout: float) -> None:
-    """Release a registration this client will not use; a daemon gone meanwhile has let it go."""
-    try:
-        conn.call("release", timeout, client_id=client_id)
-    except EngramError:
-        pass

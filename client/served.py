@@ -5,8 +5,8 @@ The slab views (a GPU slab with its counter block, a CPU memfd); the served GPU 
 not known written yet, the daemon's late error replies, and the release of every stream wait once
 the daemon is gone (its NaN over rows that will never come: client/failures.py); the served CPU
 lookups (ServedCpu), whose IDs go inline and whose rows come with the reply. Not here: the
-registration, the lease's watch and the reconnects (client/client.py), which call in here, and
-the mapped path (client/mapped_path.py).
+registration and the reconnects (client/client.py) and the lease's watch (client/watchdog.py),
+which call in here, and the mapped path (client/mapped_path.py).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class MemfdSlabView:
         return self.layout.slot_rows(self.buffer, slot)
 
     def rebind(self, attachment: Attachment) -> None:
-        """A new daemon's slab of the same layout, at this one's address (see EngramClient._keep_rows)."""
+        """A new daemon's slab of the same layout, at this one's address (see KeptRows.keep)."""
         try:
             self._mapping.remap(attachment.slab_fd)
         except (ValueError, OSError) as exc:
@@ -128,7 +128,7 @@ class CudaSlabView:
         self.rows_done = [self.ops.pointer(counters.address(s, ROWS_DONE)) for s in slots]
 
     def rebind(self, attachment: Attachment) -> None:
-        """A new daemon's slab of the same layout, at this one's address (see EngramClient._keep_rows): the
+        """A new daemon's slab of the same layout, at this one's address (see KeptRows.keep): the
         views and streams built on the address stay valid; the counters are the new slab's."""
         if int(attachment.slab["bytes"]) != self.memory.size:
             raise InternalError(f"the daemon's new slab has {attachment.slab['bytes']} bytes, the "
@@ -383,7 +383,7 @@ class ServedGpu(ClientPath):
         if self._client._dead is not None or self._client._conn is None or self._client._conn.notice != "stopping":
             return
         deadline = time.monotonic() + STOPPING_SETTLE_S
-        while (self.unsettled and self._client._lease_gone() is None
+        while (self.unsettled and self._client._watchdog.lease_gone() is None
                and time.monotonic() < deadline):
             time.sleep(SETTLE_POLL_S)
             self.unsettled = self.settle()

@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 import socket
 
-from engramd.client import client as client_module
+from engramd.client import watchdog as watchdog_module
 
 
 def test_a_forked_child_lets_go_of_its_parents_leases():
     ours, daemons_end = socket.socketpair()
-    client_module._LEASES.add(ours)
+    watchdog_module._LEASES.add(ours)
     try:
         pid = os.fork()
         if pid == 0:  # the child: its copy of the lease must already be closed
@@ -22,6 +22,6 @@ def test_a_forked_child_lets_go_of_its_parents_leases():
         daemons_end.settimeout(5)
         assert daemons_end.recv(1) == b""
     finally:
-        client_module._LEASES.discard(ours)
+        watchdog_module._LEASES.discard(ours)
         ours.close()
         daemons_end.close()

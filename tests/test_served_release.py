@@ -179,7 +179,8 @@ def stopping_client(slab: Slab, unsettled, lease_open: bool = True):
     fake._client._dead = None
     fake._client._conn = SimpleNamespace(notice="stopping")
     fake.unsettled = list(unsettled)
-    fake._client._lease_gone = lambda: None if lease_open else "the daemon closed this client's lease"
+    fake._client._watchdog = SimpleNamespace(
+        lease_gone=lambda: None if lease_open else "the daemon closed this client's lease")
     fake.daemon_failed = lambda future: slab.load(future.slot, FAILED) == future.seq
     return fake
 

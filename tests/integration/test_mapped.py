@@ -32,11 +32,11 @@ from reference import random_ids
 from test_daemon_lookups import assert_rows_equal, check_worker_output
 
 from engramd.client import BadRequestError, DaemonUnavailableError, EngramClient, NotRegisteredError
-from engramd.client.client import REJOIN_STOP_S
 from engramd.client.connection import probe
 from engramd.client.errors import ProtocolError
 from engramd.client.handles import attach, handle_socket_path, recv_message, send_message
 from engramd.client.protocol import PROTOCOL_VERSION
+from engramd.client.rejoin import REJOIN_STOP_S
 
 WORKER = Path(__file__).parent / "client_worker.py"
 HEARTBEAT_S = 0.2  # helpers' DaemonProcess passes this interval

@@ -274,8 +274,8 @@ def test_a_restart_while_a_reload_is_being_mapped_means_registering_from_scratch
         gate.set()  # the re-mapping may finish now (close() and a reconnect wait for it)
         return kept
 
-    take = client._take_rejoined
-    monkeypatch.setattr(client, "_take_rejoined", take_rejoined)
+    take = client._ride.take_rejoined
+    monkeypatch.setattr(client._ride, "take_rejoined", take_rejoined)
     monkeypatch.setattr(mapped_module, "MappedTables", GatedTables)
     try:
         assert rows_match(rows_of(client, ids), reference, ids)

@@ -1,0 +1,54 @@
+"""A lookup's arguments, checked before anything is sent: the hash IDs, the SM share, the slot.
+
+Each raises the client error that names the bad value (BadIdsError, BadRequestError). Not here:
+the daemon's checks of a lookup request (server/lookup_checks.py).
+"""
+
+from __future__ import annotations
+
+import numbers
+import operator
+from typing import Any
+
+import torch
+
+from engramd.client.errors import BadIdsError, BadRequestError
+from engramd.client.geometry import TableGeometry
+from engramd.client.ids import dtype_name
+
+
+def check_ids(ids: torch.Tensor, geometry: TableGeometry, max_tokens: int) -> torch.Tensor:
+    if not isinstance(ids, torch.Tensor):
+        raise BadIdsError(f"hash IDs must be a torch.Tensor, got {type(ids).__name__}")
+    if dtype_name(ids.dtype) is None:
+        raise BadIdsError(f"hash IDs must be int32 or int64, got {ids.dtype}")
+    expected = (geometry.n_layers, geometry.heads)
+    if ids.dim() != 3 or tuple(ids.shape[1:]) != expected:
+        raise BadIdsError(f"hash IDs must have shape [T, {expected[0]}, {expected[1]}], "
+                          f"got {list(ids.shape)}")
+    if not 1 <= ids.shape[0] <= max_tokens:
+        raise BadIdsError(f"{ids.shape[0]} tokens; this client registered 1..{max_tokens}")
+    return ids.detach()
+
+
+def check_sm_fraction(fraction: Any) -> float | None:
+    if fraction is None:
+        return None
+    # Compared as given (a huge int would overflow float()); NaN fails the range too. (numbers.Real
+    # declares no comparison with an int on its right, which every real number has.)
+    if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real) \
+            or not 0 < fraction <= 1:  # type: ignore[operator]
+        raise BadRequestError(f"sm_fraction {fraction!r}: a share of the SMs, 0 < f <= 1")
+    return float(fraction)
+
+
+def check_slot(slot: Any, slots: int) -> int | None:
+    if slot is None:
+        return None
+    try:
+        index = operator.index(slot) if not isinstance(slot, bool) else -1
+    except TypeError:
+        index = -1
+    if not 0 <= index < slots:
+        raise BadRequestError(f"slot {slot!r}: this client has slots 0..{slots - 1}")
+    return index
