@@ -310,7 +310,7 @@ class CudaSlab:
     def overdue_ids(self, limit_s: float, now: float) -> list[LookupJob]:
         """The slots' last lookups whose IDs the client's stream has not handed over (IDS_READY)
         `limit_s` after they were enqueued, each returned once (a slot holds one such lookup:
-        ClientRegistry._check_ids_handed_over).
+        lookup_checks.check_ids_handed_over).
 
         Only reported, never released: a release would let the gather overwrite the slot's
         rows under readers of its previous lookup, queued behind the same stall."""
