@@ -38,9 +38,16 @@ def reserved() -> set[str]:
 
 
 def file_mappings(fd: int) -> list[str]:
-    inode = os.fstat(fd).st_ino
+    """This process's mappings of `fd`'s file: its device and inode (an inode number alone can
+    be another file system's, say a shared library's)."""
+    st = os.fstat(fd)
     return [line for line in Path("/proc/self/maps").read_text().splitlines()
-            if int(line.split()[4]) == inode]
+            if _device_and_inode(line) == (st.st_dev, st.st_ino)]
+
+
+def _device_and_inode(maps_line: str) -> tuple[int, int]:
+    major, minor = maps_line.split()[3].split(":")
+    return os.makedev(int(major, 16), int(minor, 16)), int(maps_line.split()[4])
 
 
 def leftovers(fd: int, before: set[str]) -> list[str]:
