@@ -108,7 +108,7 @@ from mps import (  # noqa: E402
     require_mps_state,
     run_children,
 )
-from traces import TextTrace  # noqa: E402
+from traces import TextIds  # noqa: E402
 
 TOKENS = (1, 16, 256, 4096)
 LEADS = (1, 4, 12)
@@ -379,28 +379,6 @@ class UniformIds:
 
     def pool(self, tokens: int, count: int) -> list[Tensor]:
         return layer_rows(self.geometry, tokens, count)
-
-
-class TextIds:
-    """Row IDs of a real-text trace: its first half is written to `warm_file` (the daemon's hot-row
-    cache counts it before serving), pools walk its second half, each one a stretch of its own
-    (wrapping around: a stretch comes back only after the whole half has been read again)."""
-
-    name = "text"
-
-    def __init__(self, folder: Path, geometry: TableGeometry, warm_file: Path):
-        trace = TextTrace.load(folder, geometry, device="cuda")
-        half = len(trace) // 2
-        np.save(warm_file, trace.rows[:half].cpu().numpy())
-        self.rows = trace.rows[half:].to(torch.int64)
-        self.tokens = len(trace)
-        self.cursor = 0
-
-    def pool(self, tokens: int, count: int) -> list[Tensor]:
-        need = tokens * count
-        at = (self.cursor + torch.arange(need, device=self.rows.device)) % self.rows.shape[0]
-        self.cursor = (self.cursor + need) % self.rows.shape[0]
-        return list(self.rows[at].view(count, tokens, *self.rows.shape[1:]).unbind(0))
 
 
 def run_grid(bench: Bench, ids: UniformIds | TextIds, tokens: Sequence[int], leads: Sequence[int],

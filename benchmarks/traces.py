@@ -289,6 +289,32 @@ class TraceStats:
         return asdict(self)
 
 
+class TextIds:
+    """Row IDs of a real-text trace for a benchmark's lookups: its first half is written to
+    `warm_file` (the daemon's hot-row cache counts it before serving), pools walk its second half,
+    each one a stretch of its own (wrapping around: a stretch comes back only after the whole half
+    has been read again). `dtype`: the IDs' (int64 as model_step's, int32 as vLLM's hashes);
+    `max_tokens`: only the trace's first documents (TextTrace.load)."""
+
+    name = "text"
+
+    def __init__(self, folder: Path, geometry: TableGeometry, warm_file: Path,
+                 device: torch.device | str = "cuda", dtype: torch.dtype = torch.int64,
+                 max_tokens: int | None = None):
+        trace = TextTrace.load(folder, geometry, device=device, max_tokens=max_tokens)
+        half = len(trace) // 2
+        np.save(warm_file, trace.rows[:half].cpu().numpy())
+        self.rows = trace.rows[half:].to(dtype)
+        self.tokens = len(trace)
+        self.cursor = 0
+
+    def pool(self, tokens: int, count: int) -> list[torch.Tensor]:
+        need = tokens * count
+        at = (self.cursor + torch.arange(need, device=self.rows.device)) % self.rows.shape[0]
+        self.cursor = (self.cursor + need) % self.rows.shape[0]
+        return list(self.rows[at].view(count, tokens, *self.rows.shape[1:]).unbind(0))
+
+
 class TextTrace:
     """Row IDs of a shuffled real-text corpus on one device; see the module docstring.
 

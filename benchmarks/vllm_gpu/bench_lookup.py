@@ -78,7 +78,7 @@ import bench_device  # noqa: E402
 import bench_plugin  # noqa: E402
 import bench_report  # noqa: E402
 import torch  # noqa: E402
-from bench_ids import TextIds, UniformIds, check_ids  # noqa: E402
+from bench_ids import UniformIds, check_ids  # noqa: E402
 from bench_tables import fill_daemon_tables, fill_vllm_tables  # noqa: E402
 from bench_timing import MODES, time_cell  # noqa: E402
 from bench_variants import (  # noqa: E402
@@ -103,6 +103,7 @@ from mps import (  # noqa: E402
     run_children,
 )
 from torch import Tensor  # noqa: E402
+from traces import TextIds  # noqa: E402
 
 from engramd.client.geometry import TableGeometry  # noqa: E402
 
@@ -319,7 +320,7 @@ def free_port() -> int:
 
 def make_ids(args: argparse.Namespace, geometry: TableGeometry, device, work: Path):
     if args.ids == "text":
-        return TextIds(Path(args.traces), geometry, device.device, work / "warm.npy",
+        return TextIds(Path(args.traces), geometry, work / "warm.npy", device.device, torch.int32,
                        args.trace_tokens)
     return UniformIds(geometry, device.device, args.seed)
 
@@ -366,7 +367,7 @@ def describe(run: Run, mps: dict, started: float) -> dict:
             "triton": triton.__version__, "vllm": vllm.__version__, "dry_run": args.dry_run,
             "geometry": shape,
             "table_gib": round(geometry.total_bytes / 2**30, 3), "rows": list(geometry.rows),
-            "seed": args.seed, "ids": run.ids.name, "trace_tokens": run.ids.trace_tokens,
+            "seed": args.seed, "ids": run.ids.name, "trace_tokens": run.ids.tokens,
             "steps": args.steps, "warm": args.warm, "parts": args.parts,
             "model": {"hidden": args.hidden, "hc_mult": args.hc_mult,
                       "matmul": f"bf16 [{args.matmul_n} x {args.matmul_n}] squared, torch.mm"},
