@@ -227,10 +227,8 @@ def check_layer(geometry: TableGeometry, layer_id: int, num_embeddings: int, dim
     served = None
     if layer_id in geometry.layer_ids:
         index = geometry.layer_ids.index(layer_id)
-        bounds = [0]
-        for prime in geometry.primes[index]:
-            bounds.append(bounds[-1] + prime)
-        served = (geometry.rows[index], geometry.head_dim, tuple(bounds))
+        bounds = (*geometry.offsets[index], geometry.rows[index])  # each bucket's first row, and the end
+        served = (geometry.rows[index], geometry.head_dim, bounds)
         if served == (num_embeddings, dim, tuple(column_bounds)):
             return index
     raise SglangPluginError(
