@@ -49,7 +49,7 @@ from pathlib import Path
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from engramd.client.connection import probe
+from engramd.client.shared.connection import probe
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common.daemon import bench_folders, start_daemon  # noqa: E402
@@ -89,14 +89,14 @@ while True:
 """,
     "stats": """
 import sys
-from engramd.client.connection import Connection
+from engramd.client.shared.connection import Connection
 conn = Connection(sys.argv[1])
 while True:
     conn.call("stats", 30.0)
 """,
     "unread": """
 import sys, msgpack, zmq
-from engramd.client.protocol import PROTOCOL_VERSION
+from engramd.client.shared.protocol import PROTOCOL_VERSION
 sock = zmq.Context().socket(zmq.DEALER)
 sock.setsockopt(zmq.SNDHWM, 0)
 sock.connect("ipc://" + sys.argv[1])

@@ -40,7 +40,7 @@ from common.tables import INSTANCE, geometry_for, random_tables, reattach_flags 
 from traces import TextTrace, uniform_batches  # noqa: E402
 
 from engramd.client import EngramClient  # noqa: E402
-from engramd.client.cache_keeper import CacheKeeper  # noqa: E402
+from engramd.client.shared.cache_keeper import CacheKeeper  # noqa: E402
 from engramd.kernels import hot_cache  # noqa: E402
 from engramd.kernels.gather_triton import GatherPlan  # noqa: E402
 from engramd.server.cuda_backend import PinnedTables  # noqa: E402

@@ -12,8 +12,8 @@ is filled by common/tables.py, as for gpu_lookup.py, and one `engramd serve --ba
            its close() (synchronize, cudaHostUnregister, release)
   split    the pieces of the same, timed one by one on a registration of their own, the way
            client.py makes them: register (mode "mapped", this GPU's UUID) on a Connection,
-           attach (client/handles.py), a separate mmap of the granted descriptors (mmap
-           alone), MappedTables (client/mapped.py: mmap + cudaHostRegister ReadOnly),
+           attach (client/shared/handles.py), a separate mmap of the granted descriptors (mmap
+           alone), MappedTables (client/shared/mapped.py: mmap + cudaHostRegister ReadOnly),
            mapped_gather (GatherPlan + warm-up), MappedTables.close (unregister), release
 The first repeat also loads the gather kernels into this process (later ones find them loaded).
 Registration GB/s = table bytes / MappedTables time; the projection to the V4.1-Flash tables (2
@@ -21,7 +21,7 @@ layers x 94.4 GiB, 189 GiB) scales that part and keeps the rest.
 
 Then --restarts times: the daemon is stopped (SIGTERM, waited for) and started again on the same
 shm folder and instance; timed from the start to the first `health` answer (live) and to
-`health` ready, polled every POLL_S with engramd.client.connection.probe (as `engramd health`
+`health` ready, polled every POLL_S with engramd.client.shared.connection.probe (as `engramd health`
 does). The daemon's log gives its own split (re-attach verification, pinning and its GB/s, kernel
 warm-up), and whether it re-attached. GB/s = table bytes / start-to-ready. The daemon here is
 started by this script (the command of common.daemon.start_daemon, polled more finely) so it can
@@ -57,11 +57,11 @@ import numpy as np
 import torch
 
 from engramd.client import EngramClient
-from engramd.client.connection import Connection, probe
 from engramd.client.errors import EngramError
 from engramd.client.geometry import V41_FLASH_CONFIG, TableGeometry
-from engramd.client.handles import attach, handle_socket_path
-from engramd.client.mapped import MappedTables, mapped_gather
+from engramd.client.shared.connection import Connection, probe
+from engramd.client.shared.handles import attach, handle_socket_path
+from engramd.client.shared.mapped import MappedTables, mapped_gather
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common.daemon import LOG_NAME, SOCKET_NAME, bench_folders, serve_command, stop_process  # noqa: E402
@@ -281,8 +281,8 @@ def attach_end_to_end(socket: Path, geometry: TableGeometry) -> dict[str, Any]:
 
 def attach_split(socket: Path) -> dict[str, Any]:
     """The pieces of a mapped attach, as client.py makes them, on a registration of their own."""
-    from engramd.client.cuda import device_uuid
-    from engramd.client.mps import mps_state as client_mps_state
+    from engramd.client.shared.cuda import device_uuid
+    from engramd.client.shared.mps import mps_state as client_mps_state
 
     device = torch.device(DEVICE)
     out: dict[str, Any] = {}

@@ -23,7 +23,7 @@ Variants:
            --daemon-args): the daemon gathers; lookup() -> matmuls -> future.wait(stream)
   mapped   the same with mode="mapped", against the same daemon: this process maps the daemon's
            table files read-only (descriptors over the handle socket), registers them with CUDA
-           and runs the gather on the client's own side stream (client/mapped.py); the same
+           and runs the gather on the client's own side stream (client/shared/mapped.py); the same
            lookup() -> matmuls -> future.wait(stream) (an event wait), the gather queued in the
            wait (the client's default, gather_at="wait")
   inproc_late     inproc with the gather queued behind the step's first matmul (its stream still
@@ -212,7 +212,7 @@ class Bench:
         """Sum each Engram layer's rows over tokens and heads into a row of the next matmul's
         first operand. Per layer, as a model reads them (the output contract's [T, local_heads,
         head_dim] per layer, each contiguous): a slot's layers lie max_tokens apart
-        (client/slab.py), and one sum over all of them at once took 86 us instead of 26 at
+        (client/shared/slab.py), and one sum over all of them at once took 86 us instead of 26 at
         16 tokens (step_profile.py, medians), a cost of this benchmark's reader, not of the rows."""
         head_dim = rows.shape[-1]
         for layer in range(rows.shape[0]):

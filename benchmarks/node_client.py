@@ -81,7 +81,7 @@ class Replica:
         reply: dict[str, Any] = {"pid": os.getpid(), "device": str(self.device),
                                  "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
         if self.cuda:
-            from engramd.client.cuda import device_uuid
+            from engramd.client.shared.cuda import device_uuid
 
             torch.cuda.set_device(self.device)
             reply.update(device_count=torch.cuda.device_count(), uuid=device_uuid(0),
@@ -216,7 +216,7 @@ class Replica:
             base = slab.views.buffer.data_ptr()
         else:
             base = slab.ptr if self.cuda else slab.buffer.data_ptr()
-        last = rows[(-1,) * rows.dim()]  # the rows are strided by layer (client/slab.py)
+        last = rows[(-1,) * rows.dim()]  # the rows are strided by layer (client/shared/slab.py)
         end = last.data_ptr() + last.element_size()
         return base <= rows.data_ptr() and end <= base + self.client.layout.size
 

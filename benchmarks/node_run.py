@@ -113,7 +113,7 @@ class Gpu:
 
 
 def visible_gpus(limit: int | None) -> list[Gpu]:
-    from engramd.client.cuda import device_uuid
+    from engramd.client.shared.cuda import device_uuid
 
     if not torch.cuda.is_available():
         raise NodeRunError("no CUDA device is visible (use --backend cpu for a smoke run)")

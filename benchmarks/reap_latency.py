@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engramd.client.connection import probe
+from engramd.client.shared.connection import probe
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common.daemon import bench_folders, running_daemon  # noqa: E402

@@ -221,7 +221,7 @@ def _collect(procs: list[subprocess.Popen], work: Path) -> list[dict[str, Any]]:
 
 def _monitor(pid: int, procs: list[subprocess.Popen], socket: Path, cfg: SoakConfig,
              started: float) -> list[dict[str, Any]]:
-    from engramd.client.connection import probe
+    from engramd.client.shared.connection import probe
 
     samples = []
     while any(p.poll() is None for p in procs):
@@ -253,7 +253,7 @@ def run(cfg: SoakConfig) -> dict[str, Any]:
 def _run_in(cfg: SoakConfig, work: Path) -> dict[str, Any]:
     from common.daemon import start_daemon
 
-    from engramd.client.connection import probe
+    from engramd.client.shared.connection import probe
 
     shm = Path(tempfile.mkdtemp(prefix="engramd-soak-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None))
     proc = None

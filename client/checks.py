@@ -14,7 +14,7 @@ import torch
 
 from engramd.client.errors import BadIdsError, BadRequestError
 from engramd.client.geometry import TableGeometry
-from engramd.client.ids import dtype_name
+from engramd.client.shared.ids import dtype_name
 
 
 def check_ids(ids: torch.Tensor, geometry: TableGeometry, max_tokens: int) -> torch.Tensor:

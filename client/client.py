@@ -28,7 +28,7 @@ engine queued since the lookup. Queued in front of them, it would hold SMs that 
 needs, and its launch's host time would come before theirs.
 If the daemon dies (or retires the registration: either way its end of the lease closes), a
 watchdog thread (client/watchdog.py) satisfies every pending wait (CPU stores into the slab's
-counters, which live in pinned host memory: client/host_counters.py) within WATCHDOG_S (plus
+counters, which live in pinned host memory: client/shared/host_counters.py) within WATCHDOG_S (plus
 RELEASE_DEADLINE_S for each lookup it fails), so no stream of this process hangs. A lookup whose rows the daemon had not
 written is failed first: its rows are filled with NaN before its waits are released, and the next lookup(), wait() or result()
 raises LookupFailedError naming it (client/failures.py); then calls raise DaemonUnavailableError
@@ -50,7 +50,6 @@ from typing import Any
 import torch
 
 from engramd.client.checks import check_ids, check_slot, check_sm_fraction
-from engramd.client.connection import Connection, default_socket_path
 from engramd.client.errors import (
     BadRequestError,
     CudaUnavailableError,
@@ -62,20 +61,21 @@ from engramd.client.errors import (
 from engramd.client.failures import FailedLookups
 from engramd.client.future import LookupFuture
 from engramd.client.geometry import ShardView, TableGeometry
-from engramd.client.handles import (
+from engramd.client.kept_rows import KeptRows
+from engramd.client.mapped_path import MappedPath
+from engramd.client.rejoin import RideThrough, release_quietly, retry_until
+from engramd.client.served import CudaSlabView, MemfdSlabView, ServedCpu, ServedGpu
+from engramd.client.shared.connection import Connection, default_socket_path
+from engramd.client.shared.handles import (
     HANDLE_TIMEOUT_S,
     Attachment,
     attach,
     check_access,
     handle_socket_path,
 )
-from engramd.client.kept_rows import KeptRows
-from engramd.client.mapped import LocalSlots, MappedTables
-from engramd.client.mapped_path import MappedPath
-from engramd.client.messages import RegisterReply
-from engramd.client.rejoin import RideThrough, release_quietly, retry_until
-from engramd.client.served import CudaSlabView, MemfdSlabView, ServedCpu, ServedGpu
-from engramd.client.slab import SlabLayout
+from engramd.client.shared.mapped import LocalSlots, MappedTables
+from engramd.client.shared.messages import RegisterReply
+from engramd.client.shared.slab import SlabLayout
 from engramd.client.watchdog import Watchdog
 
 log = logging.getLogger("engramd.client")
@@ -109,7 +109,7 @@ def _require_cuda(device: torch.device) -> None:
     """CudaUnavailableError, before the daemon is contacted, where this process cannot use
     `device`: the driver first (no driver, no GPU), then torch (a CPU build, or one built for a
     newer CUDA than the driver's: the slab and lookups are its tensors)."""
-    from engramd.client import cuda
+    from engramd.client.shared import cuda
 
     cuda.require_device(device.index)
     if not torch.cuda.is_available():
@@ -152,7 +152,7 @@ class EngramClient:
         self.pin_tables = pin_tables
         self.tables_id: str | None = None  # the tables this client's lookups read (see lookup)
         self.tables_generation = 0  # bumped each time they change
-        self._tables_seq = 0  # their seq in this daemon (client/messages.py: tables_seq)
+        self._tables_seq = 0  # their seq in this daemon (client/shared/messages.py: tables_seq)
         self._tables_lost: str | None = None  # pinned: why lookups are refused
         self._heard_tables: tuple[str, int] | None = None  # (tables, seq) a heartbeat reply named
         # Held by lookup() and close(); the watch thread follows a reload only while it is free.
@@ -243,8 +243,8 @@ class EngramClient:
         tp_rank, tp_size, max_tokens, slots, name = self._registration
         wire_device, mps = "cpu", None
         if self.device.type == "cuda":
-            from engramd.client.cuda import device_uuid
-            from engramd.client.mps import mps_state
+            from engramd.client.shared.cuda import device_uuid
+            from engramd.client.shared.mps import mps_state
             wire_device = f"cuda:{device_uuid(self.device.index)}"
             mps = mps_state(self.device.index).to_wire()
         pinned = self.tables_id if self.pin_tables else None  # a re-registration names them

@@ -13,7 +13,7 @@ class EngramError(Exception):
 
     code = "internal"
     # Set only on an error raised while decoding a request: what could be read of it, so that
-    # its error reply can be matched (client/protocol.py). Absent otherwise.
+    # its error reply can be matched (client/shared/protocol.py). Absent otherwise.
     request_op: str
     request_rid: int
 

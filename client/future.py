@@ -16,7 +16,7 @@ from engramd.client.errors import (
     ReplyTimeoutError,
 )
 from engramd.client.failures import FailedLookups
-from engramd.client.mapped import DeferredGather
+from engramd.client.shared.mapped import DeferredGather
 
 
 class LookupPath(Protocol):

@@ -2,7 +2,7 @@
 
 A client's slots keep their address across daemon restarts while the daemon keeps the client's
 mode and layout, so callers may hold persistent views of them (slot_rows, captured CUDA graphs).
-Not here: the slot memory itself (client/served.py's slab views, client/mapped.py's LocalSlots).
+Not here: the slot memory itself (client/served.py's slab views, client/shared/mapped.py's LocalSlots).
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from engramd.client.handles import Attachment
-from engramd.client.slab import SlabLayout
+from engramd.client.shared.handles import Attachment
+from engramd.client.shared.slab import SlabLayout
 
 log = logging.getLogger("engramd.client")
 

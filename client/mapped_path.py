@@ -2,10 +2,10 @@
 daemon's tables, into slots of its own.
 
 What the path holds: the mapping and the gather over it (on a GPU, a side stream and a hot-row
-cache of its own, client/cache_keeper.py), the lookup whose gather waits to be queued (gather_at),
+cache of its own, client/shared/cache_keeper.py), the lookup whose gather waits to be queued (gather_at),
 a reload's tables while they are mapped and the replaced mappings until their last gathers ran,
 and the counts the daemon is told. The mapping, the plan and the gather themselves are
-client/mapped.py's; the registration, the lease and the rejoin after a daemon restart are the
+client/shared/mapped.py's; the registration, the lease and the rejoin after a daemon restart are the
 client's (client/client.py), which calls in here and whose `_tables_lock` orders this path's
 work between the lookup thread and the watch thread.
 """
@@ -19,11 +19,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engramd.client.cache_keeper import CacheKeeper, WarmUpTrace
 from engramd.client.errors import DaemonUnavailableError, EngramError, InternalError
 from engramd.client.future import ClientPath, LookupFuture
-from engramd.client.handles import HANDLE_TIMEOUT_S, Attachment, fetch_tables, handle_socket_path
-from engramd.client.mapped import (
+from engramd.client.shared.cache_keeper import CacheKeeper, WarmUpTrace
+from engramd.client.shared.handles import (
+    HANDLE_TIMEOUT_S,
+    Attachment,
+    fetch_tables,
+    handle_socket_path,
+)
+from engramd.client.shared.mapped import (
     DeferredGather,
     DeviceCounterReader,
     MappedTables,
@@ -77,7 +82,7 @@ class MappedPath(ClientPath):
             self._client._read_tables(attachment.version, attachment.tables_seq)
         try:
             if self.device.type == "cuda":
-                from engramd.client import cuda
+                from engramd.client.shared import cuda
 
                 self.side = cuda.new_stream(self.device.index)
             self.gather = self._gather_over(self.tables, attachment.warm_fd)
@@ -101,7 +106,7 @@ class MappedPath(ClientPath):
                              float(policy.get("sm_fraction", 1.0)), counter=counter)
 
     def _start_cache(self, mapped: MappedTables, warm_fd: int | None) -> None:
-        """A GPU client's own hot-row cache over `mapped` and its keeper (client/cache_keeper.py,
+        """A GPU client's own hot-row cache over `mapped` and its keeper (client/shared/cache_keeper.py,
         whose grace waits out the gathers on our side stream), of the size the daemon says
         capped by `hot_cache_gib` (none for 0). The keeper's thread warms it from the daemon's
         trace when it passed one (this shard's heads: the others' rows are never read here),
@@ -237,7 +242,7 @@ class MappedPath(ClientPath):
         if mapped is not None:
             mapped.close()
         if side is not None:
-            from engramd.client import cuda
+            from engramd.client.shared import cuda
 
             torch.cuda.synchronize(self.device)  # our gathers ran on it
             cuda.STREAMS.give(side)

@@ -17,7 +17,6 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from engramd.client.connection import Connection
 from engramd.client.errors import (
     DaemonUnavailableError,
     EngramError,
@@ -25,15 +24,16 @@ from engramd.client.errors import (
     NotRegisteredError,
 )
 from engramd.client.geometry import TableGeometry
-from engramd.client.handles import (
+from engramd.client.shared.connection import Connection
+from engramd.client.shared.handles import (
     HANDLE_TIMEOUT_S,
     Attachment,
     attach,
     check_access,
     handle_socket_path,
 )
-from engramd.client.messages import RegisterReply
-from engramd.client.slab import SlabLayout
+from engramd.client.shared.messages import RegisterReply
+from engramd.client.shared.slab import SlabLayout
 
 if TYPE_CHECKING:
     from engramd.client.client import EngramClient

@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engramd.client.connection import Connection
 from engramd.client.errors import EngramError, InternalError, ReplyTimeoutError
 from engramd.client.future import ClientPath, LookupFuture
-from engramd.client.handles import Attachment
-from engramd.client.ids import dtype_name
-from engramd.client.shared_mapping import SharedMapping
-from engramd.client.slab import (
+from engramd.client.shared.connection import Connection
+from engramd.client.shared.handles import Attachment
+from engramd.client.shared.ids import dtype_name
+from engramd.client.shared.shared_mapping import SharedMapping
+from engramd.client.shared.slab import (
     BF16_NAN,
     DONE_AT_RELEASE,
     FAILED,
@@ -89,7 +89,7 @@ class CudaSlabView:
     counter block (pinned host memory, another descriptor), opened once."""
 
     def __init__(self, attachment: Attachment, layout: SlabLayout, device: torch.device):
-        from engramd.client import cuda
+        from engramd.client.shared import cuda
 
         self.layout = layout
         self.device = device
@@ -112,7 +112,7 @@ class CudaSlabView:
     def _map_counters(self, attachment: Attachment) -> None:
         """Map the attachment's counter block (closing the one mapped before, which nothing uses
         any more), and make the handles of its words that the hot path passes to CUDA."""
-        from engramd.client.host_counters import HostCounters
+        from engramd.client.shared.host_counters import HostCounters
 
         if attachment.counters_fd is None:
             raise InternalError("the daemon passed a GPU slab without its counter block")
@@ -159,7 +159,7 @@ class CudaSlabView:
 
     def release(self, slot: int, last_seq: int) -> None:
         """Pass every wait of ours on the slot's rows (a CPU store, which no GPU queue holds up:
-        client/host_counters.py)."""
+        client/shared/host_counters.py)."""
         self.counters.release(slot, last_seq)
 
     def written(self, slot: int, seq: int, last_seq: int) -> bool:
@@ -183,7 +183,7 @@ class CudaSlabView:
         return self.views.slot_rows(slot)
 
     def close(self) -> None:
-        from engramd.client import cuda
+        from engramd.client.shared import cuda
 
         torch.cuda.synchronize(self.device)
         cuda.STREAMS.give(self.release_stream)  # idle: synchronised above

@@ -17,8 +17,8 @@ import time
 import weakref
 from typing import TYPE_CHECKING
 
-from engramd.client.connection import Connection
-from engramd.client.handles import Attachment, lease_closed
+from engramd.client.shared.connection import Connection
+from engramd.client.shared.handles import Attachment, lease_closed
 
 if TYPE_CHECKING:
     from engramd.client.client import EngramClient
@@ -54,7 +54,7 @@ class Watchdog:
         daemon's counters once the lease closes (the daemon died or retired us)."""
         client = self._client
         if client.device.type == "cuda":
-            from engramd.client import cuda
+            from engramd.client.shared import cuda
 
             cuda.make_current(client.device.index)  # the release's driver calls need the context
         beat = Connection(client.socket_path)

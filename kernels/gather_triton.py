@@ -114,7 +114,7 @@ if triton is not None:
 
     @triton.jit
     def _load(ptr, mask, L2_ONLY: tl.constexpr):
-        # Cache rows change under running gathers (client/cache_keeper.py), so with a cache
+        # Cache rows change under running gathers (client/shared/cache_keeper.py), so with a cache
         # every row and key is read at L2, which is coherent, never from an SM's L1.
         if L2_ONLY:
             return tl.load(ptr, mask=mask, other=0, cache_modifier=".cg")

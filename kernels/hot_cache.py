@@ -21,7 +21,7 @@ where every estimate is noise around the same value, nothing is replaced back an
 
 This module holds state and pure tensor functions; it does not decide when to refresh, and it
 never writes keys or rows itself. The protocol that changes a way under running gathers
-(invalidate, wait out readers, fill, publish) is client/cache_keeper.py's.
+(invalidate, wait out readers, fill, publish) is client/shared/cache_keeper.py's.
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from engramd.client.geometry import ShardView
-from engramd.client.mps import MpsState
-from engramd.client.slab import SlabLayout
+from engramd.client.shared.mps import MpsState
+from engramd.client.shared.slab import SlabLayout
 from engramd.server.job_context import JobContext
 
 

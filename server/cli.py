@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engramd.client.connection import SOCKET_ENV, default_socket_path, probe
 from engramd.client.errors import ConfigError, EngramError
 from engramd.client.geometry import GeometryError, TableGeometry
+from engramd.client.shared.connection import SOCKET_ENV, default_socket_path, probe
 
 if TYPE_CHECKING:
     from engramd.server.config import DaemonConfig
@@ -180,7 +180,7 @@ def _escaped(value: Any) -> Any:
 def _add_identities(args: argparse.Namespace, clients: list[dict[str, Any]]) -> None:
     """An admin also sees who each client is (pid, name, uid): the daemon tells only them, over
     the handle socket where it knows who asks. Anyone else gets the counts alone."""
-    from engramd.client.handles import admin_request, handle_socket_path
+    from engramd.client.shared.handles import admin_request, handle_socket_path
 
     try:
         reply = admin_request(handle_socket_path(args.socket or default_socket_path()), "clients",
@@ -195,7 +195,7 @@ def _add_identities(args: argparse.Namespace, clients: list[dict[str, Any]]) -> 
 def cmd_drain(args: argparse.Namespace) -> int:
     """Ask the daemon to stop accepting, finish in-flight lookups and exit; wait until it has.
     An admin operation: it goes over the handle socket, where the daemon sees who asks."""
-    from engramd.client.handles import admin_request, handle_socket_path
+    from engramd.client.shared.handles import admin_request, handle_socket_path
 
     socket = args.socket or default_socket_path()
     try:
@@ -223,7 +223,7 @@ RELOAD_PRINT_S = 5.0
 def cmd_reload(args: argparse.Namespace) -> int:
     """Ask the daemon to reload its tables (an admin operation, over the handle socket), then
     follow it through `health` for up to --wait seconds, saying how far it is."""
-    from engramd.client.handles import admin_request, handle_socket_path
+    from engramd.client.shared.handles import admin_request, handle_socket_path
 
     socket = args.socket or default_socket_path()
     try:

@@ -20,8 +20,8 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-from engramd.client.connection import default_socket_path
 from engramd.client.errors import ConfigError
+from engramd.client.shared.connection import default_socket_path
 
 
 @dataclass(frozen=True)

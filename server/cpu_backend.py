@@ -22,8 +22,8 @@ import torch
 
 from engramd.client.errors import BadRequestError, ResourceError
 from engramd.client.geometry import ShardView, TableGeometry
-from engramd.client.ids import ID_DTYPES
-from engramd.client.slab import SlabLayout
+from engramd.client.shared.ids import ID_DTYPES
+from engramd.client.shared.slab import SlabLayout
 from engramd.kernels.gather_ref import gather
 from engramd.server.backend import Completion, LookupJob
 from engramd.server.fair_queue import FairQueue

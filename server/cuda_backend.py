@@ -1,19 +1,19 @@
 """CUDA backend: pinned host tables, per-client device slabs, one gather worker per GPU.
 
 The host tables (shared-memory files) are registered once with cudaHostRegister (Portable|Mapped|
-ReadOnly, in parts of at most 64 GiB, client/host_pin.py), usually before torch is even imported
+ReadOnly, in parts of at most 64 GiB, client/shared/host_pin.py), usually before torch is even imported
 (table_loader.TablePreload); with unified addressing the device address of a registered byte is
 its host address, so one host copy serves every GPU of the node. Each client gets one slab on its
 GPU (found by UUID), allocated with CUDA's virtual memory API and passed to the client as a file
 descriptor over the handle socket, and its own daemon stream, so a
 client that stalls its stream stalls no other client's stream, except one that shares its
 hardware queue (streams beyond CUDA_DEVICE_MAX_CONNECTIONS, and every stream under MPS, share
-queues: client/host_counters.py). A slot then holds at most one such wait (the registry refuses
+queues: client/shared/host_counters.py). A slot then holds at most one such wait (the registry refuses
 a slot's next lookup until the last one's IDs are handed over), and one that lasts past
 ids_wait_s is reported.
 
 Completion is stream-ordered through 32-bit counters per slot, in pinned host memory shared with
-the client (client/host_counters.py says why not in the slab):
+the client (client/shared/host_counters.py says why not in the slab):
 
     client stream:  copy IDs -> slot ; write IDS_READY = seq
     daemon stream:  wait IDS_READY >= seq ; gather kernel -> slot rows ; write ROWS_DONE = seq
@@ -26,7 +26,7 @@ enqueues it at once and the daemon may enqueue its write before or after. Measur
 benchmarks/experiments/completion_mechanisms.py (results under benchmarks/results/).
 
 Each GPU also has a hot-row cache in HBM (kernels/hot_cache.py) that the gathers probe, kept
-filled by a CacheKeeper thread (client/cache_keeper.py), and lookups of at least
+filled by a CacheKeeper thread (client/shared/cache_keeper.py), and lookups of at least
 `dedupe_min_tokens` tokens read each distinct row once. The persistent gather grid may be capped
 to a fraction of the SMs, so that prefetched lookups leave the model's kernels room.
 
@@ -48,17 +48,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engramd.client import cuda
-from engramd.client.cache_keeper import CacheKeeper
-from engramd.client.cuda import CudaError, check
 from engramd.client.errors import BadRequestError, ResourceError
 from engramd.client.geometry import ShardView, TableGeometry
-from engramd.client.host_counters import HostCounters
-from engramd.client.host_pin import HostRegistration
-from engramd.client.ids import ID_DTYPES
-from engramd.client.mapped import DeviceCounterReader
-from engramd.client.mps import MpsState, mps_state
-from engramd.client.slab import (
+from engramd.client.shared import cuda
+from engramd.client.shared.cache_keeper import CacheKeeper
+from engramd.client.shared.cuda import CudaError, check
+from engramd.client.shared.host_counters import HostCounters
+from engramd.client.shared.host_pin import HostRegistration
+from engramd.client.shared.ids import ID_DTYPES
+from engramd.client.shared.mapped import DeviceCounterReader
+from engramd.client.shared.mps import MpsState, mps_state
+from engramd.client.shared.slab import (
     BF16_NAN,
     FAILED,
     IDS_READY,
@@ -278,7 +278,7 @@ class CudaSlab:
         slab nobody reads). The client's streams may wait for ROWS_DONE of a lookup whose
         request died with it in its socket's queue (in a shared MPS server a dead client's
         waiting work can hold up every other client's): each ROWS_DONE is set past every seq
-        the client can have used (client/slab.py release_value: waits compare cyclically), and
+        the client can have used (client/shared/slab.py release_value: waits compare cyclically), and
         the lookups it did not write fail on the client's side (client/failures.py). A
         dead client's stream may still run after its process is gone (an MPS server tears the
         client's context down later) and write an older IDS_READY over the release, and the

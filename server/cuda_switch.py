@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engramd.client import cuda
-from engramd.client.cache_keeper import CacheKeeper
+from engramd.client.shared import cuda
+from engramd.client.shared.cache_keeper import CacheKeeper
 from engramd.kernels.gather_triton import GatherPlan, LayerTable, SlotGather
 from engramd.kernels.hot_cache import HotCache
 from engramd.server.cuda_backend import RELEASE_DEADLINE_S

@@ -34,7 +34,6 @@ from typing import Any
 
 import zmq
 
-from engramd.client import protocol
 from engramd.client.errors import (
     ConfigError,
     EngramError,
@@ -43,11 +42,12 @@ from engramd.client.errors import (
     ProtocolError,
 )
 from engramd.client.geometry import TableGeometry
-from engramd.client.handles import (
+from engramd.client.shared import protocol
+from engramd.client.shared.handles import (
     PeerCredentials,
     handle_socket_path,
 )
-from engramd.client.messages import (
+from engramd.client.shared.messages import (
     Message,
 )
 from engramd.server.backend import LookupJob

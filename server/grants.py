@@ -2,7 +2,7 @@
 
 A mapped client gathers from its own mapping of the daemon's table files. At attach, and after a
 reload (the handle socket's `tables` request), it gets a read-only descriptor of each file with
-a `TableGrant` (client/handles.py, the wire's own type) saying where the rows are in it, and,
+a `TableGrant` (client/shared/handles.py, the wire's own type) saying where the rows are in it, and,
 when it keeps a hot-row cache of its own, a descriptor of hot_cache_warm_file. This module holds
 the daemon's descriptors of them, opened once per version of the tables, and makes the copies a
 reply passes (the caller closes those once sent).
@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 
-from engramd.client.handles import TableGrant
+from engramd.client.shared.handles import TableGrant
 from engramd.server.table_file import HostTable
 
 log = logging.getLogger("engramd.daemon")

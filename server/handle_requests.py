@@ -2,7 +2,7 @@
 lease), the tables a mapped client re-maps after a reload, and the admin operations (clients,
 drain, reload).
 
-The handle socket's threads (server/handle_server.py; wire in client/handles.py) read a request
+The handle socket's threads (server/handle_server.py; wire in client/shared/handles.py) read a request
 and the peer's kernel credentials, and post them to the daemon's loop, which owns the registry:
 `answer` runs there. `admits` runs on the handle threads, before a request is read. Not the
 transport (the handle server), nor what each operation does (server/service.py).
@@ -18,8 +18,8 @@ from typing import Any
 import zmq
 
 from engramd.client.errors import EngramError, InternalError, PermissionDeniedError
-from engramd.client.handles import PeerCredentials, error_reply, ok_reply
-from engramd.client.messages import (
+from engramd.client.shared.handles import PeerCredentials, error_reply, ok_reply
+from engramd.client.shared.messages import (
     AttachRequest,
     DrainReply,
     DrainRequest,

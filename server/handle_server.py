@@ -1,4 +1,4 @@
-"""The daemon's end of the handle socket (client/handles.py has the wire format).
+"""The daemon's end of the handle socket (client/shared/handles.py has the wire format).
 
 One thread accepts every connection at once and reads every request, without blocking on any
 peer (a selector): a silent or trickling peer costs a descriptor and a few bytes, never another
@@ -46,7 +46,7 @@ from engramd.client.errors import (
     ProtocolError,
     UnknownOperationError,
 )
-from engramd.client.handles import (
+from engramd.client.shared.handles import (
     HANDLE_TIMEOUT_S,
     MAX_MESSAGE_BYTES,
     PeerCredentials,
@@ -55,8 +55,8 @@ from engramd.client.handles import (
     ok_reply,
     send_message,
 )
-from engramd.client.messages import HelloReply, HelloRequest, Message
-from engramd.client.protocol import PROTOCOL_VERSION
+from engramd.client.shared.messages import HelloReply, HelloRequest, Message
+from engramd.client.shared.protocol import PROTOCOL_VERSION
 from engramd.server.config import default
 from engramd.server.throttle import Throttled
 

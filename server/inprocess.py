@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from engramd.client.errors import BadRequestError, ReplyTimeoutError
-from engramd.client.handles import PeerCredentials
-from engramd.client.messages import LookupRequest, RegisterRequest, ReleaseRequest
+from engramd.client.shared.handles import PeerCredentials
+from engramd.client.shared.messages import LookupRequest, RegisterRequest, ReleaseRequest
 from engramd.server.backend import LookupJob
 from engramd.server.config import DaemonConfig
 from engramd.server.job_context import JobContext

@@ -15,9 +15,9 @@ import numpy as np
 
 from engramd.client.errors import BadIdsError, BadRequestError, SlotBusyError, TablesChangedError
 from engramd.client.geometry import TableGeometry
-from engramd.client.ids import ID_DTYPES, ids_from_bytes
-from engramd.client.messages import LookupRequest
-from engramd.client.slab import SlabLayout
+from engramd.client.shared.ids import ID_DTYPES, ids_from_bytes
+from engramd.client.shared.messages import LookupRequest
+from engramd.client.shared.slab import SlabLayout
 from engramd.server.backend import LookupJob
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """The client registry: registered clients, their slabs and slots; lookups started and finished.
 
-It knows nothing of ZeroMQ: the daemon hands it decoded requests (client/messages.py) and a peer
+It knows nothing of ZeroMQ: the daemon hands it decoded requests (client/shared/messages.py) and a peer
 identity, and gets back declared replies or a typed EngramError. A registration is made in two steps: `register`
 (ZeroMQ) reserves a place, `attach` (the handle socket, with the peer's kernel credentials)
 checks who the peer is and only then allocates its slab; the daemon keeps the attaching
@@ -32,10 +32,15 @@ from engramd.client.errors import (
     TablesChangedError,
 )
 from engramd.client.geometry import GeometryError, ShardView, TableGeometry
-from engramd.client.handles import PeerCredentials
-from engramd.client.messages import LookupReply, LookupRequest, RegisterReply, RegisterRequest
-from engramd.client.mps import MpsState
-from engramd.client.slab import SlabLayout
+from engramd.client.shared.handles import PeerCredentials
+from engramd.client.shared.messages import (
+    LookupReply,
+    LookupRequest,
+    RegisterReply,
+    RegisterRequest,
+)
+from engramd.client.shared.mps import MpsState
+from engramd.client.shared.slab import SlabLayout
 from engramd.server.accounting import Accounting, checked_counts, printable
 from engramd.server.backend import Backend, Completion, LookupJob, Slab
 from engramd.server.config import DaemonConfig, from_setting, gib, id_set, listed, ms, options_from
@@ -164,7 +169,7 @@ class ClientRegistry:
                  tables_id: str | None = None):
         self.geometry = geometry
         self.tables_id = tables_id  # told to clients, so they see a restart on other tables
-        self.tables_seq = 0  # reloads that switched the tables (client/messages.py: tables_seq)
+        self.tables_seq = 0  # reloads that switched the tables (client/shared/messages.py: tables_seq)
         self.backend = backend
         self.limits = limits
         self._on_retire = on_retire  # the daemon lets go of the registration's lease

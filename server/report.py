@@ -12,7 +12,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from engramd.client.messages import HealthReply, StatsReply
+from engramd.client.shared.messages import HealthReply, StatsReply
 
 if TYPE_CHECKING:
     from engramd.server.service import Service

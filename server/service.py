@@ -7,7 +7,7 @@ stopping) that decides which may run. A reload is the service's too: it starts o
 its tables are ready switches the backend, the store, the registry and the mapped clients'
 grants to them (server/reload.py loads them). The daemon (daemon.py) owns the sockets, threads,
 signals and leases: it decodes a request, calls the method here, and encodes what comes back (a
-declared reply of client/messages.py, or a typed EngramError) with the descriptors a reply
+declared reply of client/shared/messages.py, or a typed EngramError) with the descriptors a reply
 passes (made by server/grants.py); what `stats`, `health` and the metrics report is read by
 server/report.py (`Service.report`). Nothing here knows ZeroMQ or the handle socket, so tests
 drive the service in-process (tests/test_service.py), as an engine core is driven without its
@@ -25,8 +25,8 @@ import time
 from collections.abc import Callable
 
 from engramd.client.errors import NotReadyError, PermissionDeniedError, ResourceError
-from engramd.client.handles import PeerCredentials
-from engramd.client.messages import (
+from engramd.client.shared.handles import PeerCredentials
+from engramd.client.shared.messages import (
     AttachReply,
     ClientsReply,
     HeartbeatReply,

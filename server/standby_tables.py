@@ -18,7 +18,7 @@ mapping goes). It prepares tables only once the serving daemon reports them serv
 which a standby's pin taken earlier would have kept in 4 KiB pages (pinned pages cannot move).
 
 What it never does: create, write or remove a table file, take the instance's lock, or
-collapse the tables' pages (client/huge_pages.py: the serving daemon did). (With `tables =
+collapse the tables' pages (client/shared/huge_pages.py: the serving daemon did). (With `tables =
 demo`, resolving the checkpoint may write the demo checkpoint into its cache, atomically, as any
 start does.) Whatever it prepared is checked again by the takeover, so a stale preparation
 costs only time.
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engramd.client.connection import probe
+from engramd.client.shared.connection import probe
 from engramd.server.config import DaemonConfig
 from engramd.server.host_tables import attach_complete, still_in_place
 from engramd.server.table_file import HostTable

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from engramd.client.errors import ConfigError
-from engramd.client.libc import filesystem_type
+from engramd.client.shared.libc import filesystem_type
 from engramd.server.config import DaemonConfig
 from engramd.server.ownership import make_own_folder
 

@@ -198,7 +198,7 @@ def build_backend(config: DaemonConfig, opened: OpenTables) -> Backend:
                         "mapped GPU clients' caches")
         return CpuBackend([t.tensor for t in tables], geometry, config.workers)
     try:
-        from engramd.client.cache_keeper import load_warm_ids, warm_ids_array
+        from engramd.client.shared.cache_keeper import load_warm_ids, warm_ids_array
         from engramd.server.cuda_backend import CudaBackend, GatherOptions
     except ImportError as exc:
         raise DeviceBackendError(f"cuda backend unavailable: {exc}") from exc

@@ -2,7 +2,7 @@
 
 The table files (table_file.py, kept by the store in host_tables.py) know nothing of GPUs;
 this pins their rows with cudaHostRegister, read-only since no device writes them
-(client/host_pin.py does the driver calls). The serving daemon's backend, a reload and the benchmarks' in-process gathers register
+(client/shared/host_pin.py does the driver calls). The serving daemon's backend, a reload and the benchmarks' in-process gathers register
 tables here. Needs no torch: the daemon registers its tables while it imports torch.
 
 Not the client option `EngramClient(pin_tables=True)`, which pins a client to one version of
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from engramd.server.units import size
 
 if TYPE_CHECKING:
-    from engramd.client.host_pin import HostRegistration
+    from engramd.client.shared.host_pin import HostRegistration
     from engramd.server.table_file import HostTable
 
 logger = logging.getLogger("engramd.tables")  # one log for the tables' load, attach and pinning
@@ -27,8 +27,8 @@ logger = logging.getLogger("engramd.tables")  # one log for the tables' load, at
 def register_for_gpus(tables: list[HostTable], collapse: bool = True) -> HostRegistration:
     """The tables registered for the GPUs, read-only; CudaError if that fails. `collapse`: their
     pages made 2 MiB folios first (the serving daemon; a standby leaves that to it:
-    client/huge_pages.py)."""
-    from engramd.client.host_pin import HostRegistration
+    client/shared/huge_pages.py)."""
+    from engramd.client.shared.host_pin import HostRegistration
 
     started = time.monotonic()
     registration = HostRegistration.of_files([(t.fd, t.data_offset, t.nbytes) for t in tables],

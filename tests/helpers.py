@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engramd.client.connection import probe
 from engramd.client.errors import EngramError
-from engramd.client.handles import admin_request, handle_socket_path
+from engramd.client.shared.connection import probe
+from engramd.client.shared.handles import admin_request, handle_socket_path
 
 if __name__ != "helpers":
     raise ImportError(f"import the test helpers as `helpers`, not as `{__name__}`: a second copy "
@@ -346,8 +346,8 @@ NAMESPACES_UNAVAILABLE = _namespaces_unavailable()  # None where namespaced clie
 
 def attach_raw(socket_path: Path, reply: dict, keep_descriptors: bool = False):
     """The second step of a registration made with raw messages: attach over the handle socket
-    (client/handles.py). Keep the returned attachment: its lease is the registration's life."""
-    from engramd.client.handles import attach, handle_socket_path
+    (client/shared/handles.py). Keep the returned attachment: its lease is the registration's life."""
+    from engramd.client.shared.handles import attach, handle_socket_path
 
     attached = attach(handle_socket_path(socket_path), reply["client_id"], reply["token"])
     if not keep_descriptors:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engramd.client import BadRequestError, CudaUnavailableError, EngramClient
-from engramd.client import cuda as client_cuda
+from engramd.client.shared import cuda as client_cuda
 
 
 class FakeDriver:

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from engramd.client.geometry import TableGeometry
-from engramd.client.slab import SlabLayout
+from engramd.client.shared.slab import SlabLayout
 from engramd.server.backend import LookupJob
 from engramd.server.cpu_backend import CpuBackend, MemfdSlab
 

@@ -15,8 +15,8 @@ import torch
 from engramd.client import DaemonUnavailableError
 from engramd.client.errors import InternalError
 from engramd.client.future import LookupFuture
-from engramd.client.mapped import DeferredGather
 from engramd.client.mapped_path import MappedPath
+from engramd.client.shared.mapped import DeferredGather
 
 
 class Event:

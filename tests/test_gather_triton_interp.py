@@ -389,7 +389,7 @@ def test_dedupe_leaders_point_at_the_first_equal_read(kt, world):
 
 
 def test_keeper_admits_repeated_rows_and_keeps_every_slot_equal_to_its_row(kt, world):
-    from engramd.client.cache_keeper import CacheKeeper
+    from engramd.client.shared.cache_keeper import CacheKeeper
     from engramd.kernels import hot_cache
 
     geo, tables = world
@@ -462,7 +462,7 @@ def test_a_sorted_lookup_in_wide_blocks_equals_the_reference(kt, world, monkeypa
 
 
 def test_warming_from_a_trace_admits_its_repeated_rows_only(kt, world):
-    from engramd.client.cache_keeper import CacheKeeper
+    from engramd.client.shared.cache_keeper import CacheKeeper
     from engramd.kernels import hot_cache
 
     geo, tables = world
@@ -488,7 +488,7 @@ def test_warming_from_a_trace_admits_its_repeated_rows_only(kt, world):
 def test_slot_gather_fills_slab_slots_like_the_reference(kt, world, shards, cached):
     """The served hot path's launcher (kernels.gather_triton.SlotGather) over a slab's slots:
     every size and dtype in a row, rows and out-of-range counts equal to the reference."""
-    from engramd.client.slab import SlabLayout, SlotViews
+    from engramd.client.shared.slab import SlabLayout, SlotViews
 
     geo, tables = world
     shard = geo.shard(shards - 1, shards)
@@ -538,7 +538,7 @@ def test_slot_gather_takes_a_grid_per_call(kt, world, monkeypatch):
 
 
 def test_slot_views_are_the_layouts_views_made_once():
-    from engramd.client.slab import SlabLayout, SlotViews
+    from engramd.client.shared.slab import SlabLayout, SlotViews
 
     layout = SlabLayout(slots=3, max_tokens=5, n_layers=2, heads=24, local_heads=6, head_dim=256)
     buffer = torch.arange(layout.size, dtype=torch.int64).to(torch.uint8)

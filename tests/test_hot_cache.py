@@ -128,8 +128,8 @@ def test_empty_ways_take_only_rows_seen_more_than_admit_min_times_and_at_most_li
 def test_warm_file_loads_integer_row_ids_and_names_the_file_when_wrong(tmp_path):
     import numpy as np
 
-    from engramd.client.cache_keeper import load_warm_ids
     from engramd.client.errors import ConfigError
+    from engramd.client.shared.cache_keeper import load_warm_ids
 
     good = tmp_path / "warm.npy"
     np.save(good, np.arange(2 * 2 * 3, dtype=np.int32).reshape(2, 2, 3))
@@ -154,7 +154,7 @@ def test_warm_file_loads_integer_row_ids_and_names_the_file_when_wrong(tmp_path)
 
 
 def test_a_keeper_over_new_tables_sizes_its_cache_from_the_budget_and_reports_it():
-    from engramd.client.cache_keeper import CacheKeeper
+    from engramd.client.shared.cache_keeper import CacheKeeper
 
     tables = [torch.zeros((100, 264), dtype=torch.uint8), torch.zeros((50, 264), dtype=torch.uint8)]
     budget = 3 << 20
@@ -179,7 +179,7 @@ def test_a_keeper_warms_on_its_own_thread_and_a_trace_it_cannot_read_leaves_it_c
 
     import numpy as np
 
-    from engramd.client.cache_keeper import CacheKeeper, WarmUpTrace
+    from engramd.client.shared.cache_keeper import CacheKeeper, WarmUpTrace
 
     tables = [torch.randint(0, 256, (100, 264), dtype=torch.uint8),
               torch.randint(0, 256, (50, 264), dtype=torch.uint8)]

@@ -1,4 +1,4 @@
-"""2 MiB pages for tables in tmpfs (client/huge_pages.py), checked against the kernel's own
+"""2 MiB pages for tables in tmpfs (client/shared/huge_pages.py), checked against the kernel's own
 account (/proc/self/smaps): a HugeView maps the whole file aligned and reads exactly its bytes;
 a collapsing view (the daemon's pin) turns the file's whole 2 MiB blocks into folios and says
 how many bytes it could not; a reader's view (a client's, a standby's) never collapses, and maps
@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from helpers import remove_tempdir, shm_tempdir
 
-from engramd.client.huge_pages import HUGE_PAGE, HugeView
-from engramd.client.libc import MAP_FIXED, libc, mmap_at, munmap
+from engramd.client.shared.huge_pages import HUGE_PAGE, HugeView
+from engramd.client.shared.libc import MAP_FIXED, libc, mmap_at, munmap
 
 WHOLE_BLOCKS = 9  # the file: 9 huge pages and one 4 KiB page
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from engramd.client import protocol
 from engramd.client.errors import (
     BadIdsError,
     InternalError,
@@ -14,7 +13,8 @@ from engramd.client.errors import (
     UnknownOperationError,
     VersionError,
 )
-from engramd.client.messages import REPLIES, REQUESTS, LookupReply, LookupRequest, StatsReply
+from engramd.client.shared import protocol
+from engramd.client.shared.messages import REPLIES, REQUESTS, LookupReply, LookupRequest, StatsReply
 
 LOOKUP_FIELDS = dict(client_id=3, slot=1, seq=9, tokens=2, ids_dtype="int32",
                      ids_shape=[2, 2, 24], inline=True)
@@ -152,8 +152,8 @@ def test_a_lookup_need_not_repeat_its_token_count():
 
 def test_handle_socket_messages_are_declared_and_checked_on_both_sides():
     from engramd.client.errors import PermissionDeniedError
-    from engramd.client.handles import decode_request, error_reply, ok_reply, read_reply
-    from engramd.client.messages import AttachReply, AttachRequest, ClientsReply
+    from engramd.client.shared.handles import decode_request, error_reply, ok_reply, read_reply
+    from engramd.client.shared.messages import AttachReply, AttachRequest, ClientsReply
 
     assert decode_request({"v": protocol.PROTOCOL_VERSION, "op": "attach", "client_id": 4, "token": "t"}) == AttachRequest(4, "t")
     with pytest.raises(ProtocolError, match="handle socket: attach: missing field 'token'"):
@@ -177,8 +177,8 @@ def test_a_mapped_attach_reply_passes_the_warm_up_trace_after_the_tables():
     import os
     import socket
 
-    from engramd.client.handles import _attachment, ok_reply
-    from engramd.client.messages import AttachReply
+    from engramd.client.shared.handles import _attachment, ok_reply
+    from engramd.client.shared.messages import AttachReply
 
     table = {"layer_id": 0, "rows": 4, "row_bytes": 8, "data_offset": 0, "file_bytes": 4096}
     lease, other = socket.socketpair()
@@ -201,8 +201,8 @@ def test_an_attach_reply_passes_a_gpu_slabs_counter_block_as_its_second_descript
     import os
     import socket
 
-    from engramd.client.handles import _attachment, ok_reply
-    from engramd.client.messages import AttachReply
+    from engramd.client.shared.handles import _attachment, ok_reply
+    from engramd.client.shared.messages import AttachReply
 
     lease, other = socket.socketpair()
     fds = [os.open(os.devnull, os.O_RDONLY) for _ in range(3)]
@@ -224,7 +224,7 @@ def test_an_attach_reply_passes_a_gpu_slabs_counter_block_as_its_second_descript
 
 
 def test_declared_types_take_what_msgpack_may_send_and_nothing_else():
-    from engramd.client.messages import HealthReply, HeartbeatRequest
+    from engramd.client.shared.messages import HealthReply, HeartbeatRequest
 
     health = {"live": True, "ready": False, "state": "loading", "progress": 1, "pid": 7,
               "uptime": 0, "backend": None, "mps": {}}

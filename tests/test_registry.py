@@ -21,8 +21,8 @@ from engramd.client.errors import (
     TablesChangedError,
 )
 from engramd.client.geometry import TableGeometry
-from engramd.client.handles import PeerCredentials
-from engramd.client.messages import LookupReply, LookupRequest, RegisterRequest
+from engramd.client.shared.handles import PeerCredentials
+from engramd.client.shared.messages import LookupReply, LookupRequest, RegisterRequest
 from engramd.server.job_context import JobContext
 from engramd.server.registry import ATTACH_TIMEOUT_S, HUNG_AFTER_S, ClientRegistry, Limits
 
@@ -227,7 +227,7 @@ def test_dead_clients_are_reaped_and_idle_live_ones_are_not():
 
 
 def test_registration_reports_whether_daemon_and_gpu_client_share_mps(caplog):
-    from engramd.client.mps import MpsState
+    from engramd.client.shared.mps import MpsState
 
     store, backend = make_store(orders_slots=True)
     backend.mps = {"GPU-a": MpsState(True, "7:42"), "GPU-b": MpsState(False, "")}
@@ -249,7 +249,7 @@ def test_registration_reports_whether_daemon_and_gpu_client_share_mps(caplog):
 
 
 def test_mps_state_identity_follows_the_folder_not_its_name(tmp_path, monkeypatch):
-    from engramd.client.mps import MpsState, pipe_directory, server_identity
+    from engramd.client.shared.mps import MpsState, pipe_directory, server_identity
 
     (tmp_path / "pipe").mkdir()
     (tmp_path / "other").mkdir()
@@ -271,7 +271,7 @@ def test_mps_state_identity_follows_the_folder_not_its_name(tmp_path, monkeypatc
 
 
 def test_auto_mode_maps_gpu_clients_with_or_without_mps_and_serves_cpu_ones():
-    from engramd.client.mps import MpsState
+    from engramd.client.shared.mps import MpsState
 
     store, backend = make_store(orders_slots=True)
     backend.mps = {"GPU-a": MpsState(True, "1:1")}

@@ -13,7 +13,7 @@ import pytest
 
 from engramd.client.failures import FailedLookups
 from engramd.client.served import CudaSlabView, ServedGpu
-from engramd.client.slab import FAILED, ROWS_DONE, release_value
+from engramd.client.shared.slab import FAILED, ROWS_DONE, release_value
 
 
 class Event:

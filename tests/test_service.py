@@ -13,7 +13,6 @@ import pytest
 from helpers import shm_tempdir
 from reference import random_ids
 
-from engramd.client import protocol
 from engramd.client.errors import (
     BadIdsError,
     BadRequestError,
@@ -21,8 +20,9 @@ from engramd.client.errors import (
     NotRegisteredError,
     PermissionDeniedError,
 )
-from engramd.client.handles import PeerCredentials
-from engramd.client.messages import (
+from engramd.client.shared import protocol
+from engramd.client.shared.handles import PeerCredentials
+from engramd.client.shared.messages import (
     HeartbeatReply,
     HeartbeatRequest,
     LookupRequest,

@@ -1,7 +1,7 @@
 """The slab's completion counters as the device compares them: cyclic waits, and the value a
 freed slab's ROWS_DONE words get so that no wait of its client stays blocked."""
 
-from engramd.client.slab import (
+from engramd.client.shared.slab import (
     DONE_AT_RELEASE,
     ROWS_DONE,
     is_release,
@@ -65,7 +65,7 @@ class _Words:
 
 
 def test_a_release_keeps_what_the_gathers_reached_once():
-    from engramd.client.host_counters import HostCounters
+    from engramd.client.shared.host_counters import HostCounters
 
     words = _Words()
     words.store(0, ROWS_DONE, 41)

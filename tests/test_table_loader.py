@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from helpers import wait_until
 
-from engramd.client import host_pin
-from engramd.client.host_pin import PART_ALIGN, split_ranges
+from engramd.client.shared import host_pin
+from engramd.client.shared.host_pin import PART_ALIGN, split_ranges
 from engramd.server.checkpoint import CheckpointError
 from engramd.server.config import load_config
 from engramd.server.table_loader import TablePreload
@@ -33,7 +33,7 @@ def demo_config(demo_checkpoint, shm, tables=None):
 def test_the_first_stage_and_the_serve_command_up_to_it_import_no_torch(demo_checkpoint, shm_dir):
     script = textwrap.dedent(f"""
         import sys
-        import engramd.server.cli, engramd.server.startup, engramd.client.host_pin
+        import engramd.server.cli, engramd.server.startup, engramd.client.shared.host_pin
         from engramd.server.config import load_config
         from engramd.server.table_loader import open_tables
         config = load_config(None, {{"tables": {str(demo_checkpoint)!r}, "shm_dir": {str(shm_dir)!r},
@@ -215,7 +215,7 @@ def test_a_standbys_tables_are_adopted_and_its_registration_goes_only_with_all_o
 
 @pytest.mark.parametrize("collapse", [True, False])
 def test_the_start_pins_with_the_configured_collapse(demo_checkpoint, shm_dir, monkeypatch, collapse):
-    """collapse_pages reaches the pin (client/huge_pages.py; its effect is a GPU matter)."""
+    """collapse_pages reaches the pin (client/shared/huge_pages.py; its effect is a GPU matter)."""
     from engramd.server import table_loader
 
     seen = []

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from engramd.client import EngramClient
-from engramd.client.connection import probe
 from engramd.client.errors import EngramError
+from engramd.client.shared.connection import probe
 
 SOCKET_NAME = "engramd.sock"
 LOG_NAME = "daemon.log"

@@ -130,7 +130,7 @@ class MappedTable:
     The store's HostTable cannot be used here: opening the store takes the instance lock, and the
     point is that a process maps the same file on its own, as engines with their own tables do.
     It keeps its descriptor (`fd`, `data_offset`) as HostTable does: register_for_gpus maps the file
-    through a view of its own (client/huge_pages.py).
+    through a view of its own (client/shared/huge_pages.py).
     """
 
     def __init__(self, path: str, data_offset: int, rows: int, row_bytes: int):

@@ -28,8 +28,8 @@ import numpy as np
 import torch
 import zmq
 
-from engramd.client import cuda
-from engramd.client.cuda import check
+from engramd.client.shared import cuda
+from engramd.client.shared.cuda import check
 
 
 def event_handle_bytes(event) -> bytes:

@@ -3,7 +3,7 @@
     python benchmarks/experiments/counter_placement.py [--iters 5000] [--out DIR]
 
 Served lookups wait and write 32-bit counters with stream memory operations; the counters sit
-in pinned host memory (client/host_counters.py) so that the CPU can release a wait no GPU queue
+in pinned host memory (client/shared/host_counters.py) so that the CPU can release a wait no GPU queue
 will. This probe measures, in one process on GPU 0, for a counter in each placement:
 
 - device memory (torch's allocator);
@@ -33,9 +33,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engramd.client import cuda
-from engramd.client.host_counters import HostCounters
-from engramd.client.slab import SlabLayout
+from engramd.client.shared import cuda
+from engramd.client.shared.host_counters import HostCounters
+from engramd.client.shared.slab import SlabLayout
 
 cu = cuda.cu
 

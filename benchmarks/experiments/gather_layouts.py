@@ -45,8 +45,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from engramd.client import cuda as cuda_calls
 from engramd.client.geometry import DEAD_ID, ShardView, TableGeometry
+from engramd.client.shared import cuda as cuda_calls
 from engramd.kernels import gather_ref
 from engramd.kernels.gather_triton import GatherPlan, LayerTable, _bf16_bits
 

@@ -3,7 +3,7 @@
     python benchmarks/experiments/gather_pages.py [--table-gib 16] [--iterations 60] [--out DIR]
     python benchmarks/experiments/gather_pages.py --memories folios --grids 132:8 66:32 --lookups 4096s 1024s
 
-The daemon's pin makes its /dev/shm tables 2 MiB folios (client/huge_pages.py), which pinned
+The daemon's pin makes its /dev/shm tables 2 MiB folios (client/shared/huge_pages.py), which pinned
 5x faster than 4 KiB pages. Does the GPU read rows over UVA faster from them too (the sorted
 gather's gain, gather_layouts.md, says address translation limits it)? And which persistent grid
 does a lookup need to read at the full rate when it runs alone (sm_cap.md: half the SMs read 3%
@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engramd.client.host_pin import HostRegistration
+from engramd.client.shared.host_pin import HostRegistration
 from engramd.kernels import gather_ref
 from engramd.kernels.gather_triton import GatherPlan, LayerTable
 
@@ -94,7 +94,7 @@ def registered_files(tables: list[MappedTable], collapse: bool) -> Iterator[list
 @contextmanager
 def pinned_copy(tables: list[MappedTable]) -> Iterator[list[LayerTable]]:
     """The rows copied into cudaHostAlloc memory (mapped, portable), one block per layer."""
-    from engramd.client.cuda import check, cudart
+    from engramd.client.shared.cuda import check, cudart
 
     flags = cudart.cudaHostAllocPortable | cudart.cudaHostAllocMapped
     blocks: list[int] = []

@@ -5,7 +5,7 @@
 
 The daemon restart case: a restarted daemon re-attaches its table files in /dev/shm and must pin
 them before it is ready. Today it registers Portable|Mapped in one thread, in chunks of at most
-64 GiB (client/cuda.py, HostRegistration), at ~5.6 GB/s; the goal is 64 GiB ready in well under
+64 GiB (client/shared/cuda.py, HostRegistration), at ~5.6 GB/s; the goal is 64 GiB ready in well under
 5 s. What this measures, every case in a fresh process (spawned with subprocess, so that no CUDA
 context or pin is inherited):
 
@@ -76,7 +76,7 @@ HUGE_MEM_MARGIN = 4 << 30  # memory left over after the huge pages, or hugetlb i
 PAGE = 4096
 FILL_CHUNK = 64 << 20
 FILL_WORD = 0x5EED_0000_0000_0001  # word i of a file holds FILL_WORD + i: non-zero, positional
-REGISTER_CHUNK = 64 << 30  # as engramd.client.host_pin.REGISTER_CHUNK (not imported: see check)
+REGISTER_CHUNK = 64 << 30  # as engramd.client.shared.host_pin.REGISTER_CHUNK (not imported: see check)
 MADV_POPULATE_READ = 22  # Linux 5.14
 PREFAULT_THREADS = 8
 TICK_S = 0.001
@@ -131,7 +131,7 @@ def load_cudart() -> Any:
 
 
 def check(call: str, result: Any) -> Any:
-    """`(err, *values)` -> values, as engramd.client.cuda.check (not imported: importing it
+    """`(err, *values)` -> values, as engramd.client.shared.cuda.check (not imported: importing it
     loads cuda-python, and the workers time that import themselves)."""
     err, *values = result if isinstance(result, tuple) else (result,)
     if int(err) != 0:

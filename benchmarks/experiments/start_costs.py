@@ -39,7 +39,7 @@ def main() -> int:
     args = parser.parse_args()
     marks: dict[str, float] = {}
     if args.order == "context-first":
-        from engramd.client.cuda import make_current
+        from engramd.client.shared.cuda import make_current
 
         make_current(0)
         marks["context"] = since_start()

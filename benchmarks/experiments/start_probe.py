@@ -5,7 +5,7 @@ and pin tables already in shared memory (H200).
 
 A file of --gib GiB is filled in /dev/shm once. Then each order runs in a fresh process with
 CUDA_MODULE_LOADING=EAGER (as the daemon runs), timing each step from the process's start:
-  serial       import torch, torch's CUDA context, then the pin (client/host_pin.py, read-only,
+  serial       import torch, torch's CUDA context, then the pin (client/shared/host_pin.py, read-only,
                eight parts after a parallel prefault)
   with-import  the pin on a thread from the start, beside import torch + context
   with-context import torch, then the pin on a thread beside torch's context creation
@@ -40,7 +40,7 @@ WORKER = textwrap.dedent("""
     mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
     import ctypes
     address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
-    from engramd.client.host_pin import HostRegistration
+    from engramd.client.shared.host_pin import HostRegistration
     pins = []
     def pin(workers=8):
         mark("pin_start")

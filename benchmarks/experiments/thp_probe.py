@@ -8,11 +8,11 @@ MADV_COLLAPSE (Linux >= 6.1) makes them from a range's pages whatever the THP sy
 (`shmem_enabled` may say never); the collapsed folios stay in the file for every later mapping,
 and another process's MADV_COLLAPSE of a range already made of them only maps them by PMDs. The
 mapping must lie 2 MiB aligned (as file offset 0), which Python's mmap does not do, so the probe
-maps with mmap(2) at an aligned address (client/huge_pages.py). Every case runs in a fresh process:
+maps with mmap(2) at an aligned address (client/shared/huge_pages.py). Every case runs in a fresh process:
 
   setup      a --gib file in /dev/shm, filled by pwrite (64 MiB chunks)
   pin_4k     Python's mmap, then HostRegistration read-only (8 parts after a prefault, as the
-             tables were pinned before client/huge_pages.py)
+             tables were pinned before client/shared/huge_pages.py)
   collapse   a HugeView with collapse_workers (as the daemon's pin collapses a table): an
              aligned mapping, MADV_COLLAPSE in --workers threads over 2 MiB aligned parts:
              seconds, GB/s, the ShmemHugePages gained, bytes not collapsed
@@ -87,7 +87,7 @@ def check_pin(address: int, path: str, size: int) -> bool:
 
 def register(case: str, fd: int, size: int, workers: int):
     """The pin of `case`: through Python's mapping (4 KiB) or HostRegistration.of_files."""
-    from engramd.client.host_pin import HostRegistration
+    from engramd.client.shared.host_pin import HostRegistration
 
     if case.endswith("pmd"):
         return HostRegistration.of_files([(fd, 0, size)], read_only=True, workers=workers)
@@ -98,7 +98,7 @@ def run_case(case: str, path: str, size: int, workers: int) -> dict:
     """One case in this (fresh) process."""
     from cuda.bindings import runtime as rt
 
-    from engramd.client.huge_pages import HugeView
+    from engramd.client.shared.huge_pages import HugeView
 
     rt.cudaFree(0)
     result: dict = {"case": case}

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from engramd.client import cuda
+from engramd.client.shared import cuda
 
 DEADLINE_S = 5.0
 

@@ -2,7 +2,7 @@
 
     python benchmarks/experiments/wire_codec.py [--iters 200000]
 
-The daemon decodes every request once into its declared type (client/messages.py) and encodes
+The daemon decodes every request once into its declared type (client/shared/messages.py) and encodes
 every reply from one; this times those three steps alone (no socket), to keep the typed wire's
 cost in view beside the ~300 us the transport takes (benchmarks/service_overhead.py).
 """
@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import timeit
 
-from engramd.client import protocol
-from engramd.client.messages import LookupReply
+from engramd.client.shared import protocol
+from engramd.client.shared.messages import LookupReply
 
 LOOKUP = dict(client_id=3, slot=1, seq=9, ids_dtype="int32", ids_shape=[2, 2, 24], inline=True,
               ack=False)

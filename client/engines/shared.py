@@ -18,7 +18,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engramd.client.connection import SOCKET_ENV
+from engramd.client.shared.connection import SOCKET_ENV
 
 MODE_ENV = "ENGRAMD_MODE"
 HOT_CACHE_ENV = "ENGRAMD_HOT_CACHE_GIB"

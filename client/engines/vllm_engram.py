@@ -12,7 +12,7 @@ gets its head shard; every Engram layer of the process shares it. Per forward:
 Each layer's `staged_rows` is a view of that layer's rows in the client's staging slot (the slab
 in served mode, the client's own memory in mapped mode): the rows are read where the lookup put
 them, with no copy. The view is persistent, as vLLM's own buffer is: a slot's rows stay at one
-address whatever the lookup's token count and across daemon restarts (client/slab.py,
+address whatever the lookup's token count and across daemon restarts (client/shared/slab.py,
 EngramClient.slot_rows), so graph segments replayed after `_ready_rows` read them at the address
 they were captured with; should the daemon re-register the client elsewhere (another mode or
 layout), the next `_ready_rows` fails closed. vLLM's direct `lookup` calls (not the staged path)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engramd.client.connection import probe
+from engramd.client.shared.connection import probe
 
 
 def same_bits(actual: np.ndarray, expected: np.ndarray, what: str) -> None:

@@ -27,7 +27,7 @@ from helpers import (
     wait_until,
 )
 
-from engramd.client.connection import probe
+from engramd.client.shared.connection import probe
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
               pytest.mark.skipif(NAMESPACES_UNAVAILABLE is not None, reason=str(NAMESPACES_UNAVAILABLE))]
@@ -207,7 +207,7 @@ def test_twenty_killed_namespaced_gpu_clients_leave_no_slab_and_no_memory(daemon
 
 IMPORTER = textwrap.dedent("""
     import sys, torch
-    from engramd.client import cuda
+    from engramd.client.shared import cuda
     fd, size = int(sys.argv[1]), int(sys.argv[2])
     memory = cuda.DeviceAllocation.from_descriptor(fd, size, 0)
     view = cuda.tensor_view(memory.ptr, size, torch.device("cuda", 0))
@@ -219,7 +219,7 @@ IMPORTER = textwrap.dedent("""
 
 
 def test_device_allocation_is_shared_through_a_descriptor():
-    from engramd.client import cuda
+    from engramd.client.shared import cuda
 
     memory = cuda.DeviceAllocation.create(0, 3 << 20)  # rounded up to the granularity
     assert memory.size % (2 << 20) == 0 and memory.size >= 3 << 20
@@ -243,7 +243,7 @@ def test_device_allocation_is_shared_through_a_descriptor():
 def test_new_streams_are_never_shared():
     """Slab streams must be the slab's own: torch's pool hands out 32 streams per device again
     and again, and a slab on a stream that waits for a dead client's counter would wait too."""
-    from engramd.client import cuda
+    from engramd.client.shared import cuda
 
     streams = [cuda.new_stream(0) for _ in range(100)]
     try:

@@ -15,7 +15,7 @@ from helpers import check_rows_stay_across_a_restart, run_client_processes, wait
 from reference import bucket_ids, random_ids
 
 from engramd.client import DaemonUnavailableError, EngramClient, LookupFailedError
-from engramd.client.connection import probe
+from engramd.client.shared.connection import probe
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 WORKER = Path(__file__).resolve().parents[1] / "integration" / "client_worker.py"
@@ -140,10 +140,10 @@ def test_a_lookup_whose_ids_are_late_is_reported_and_holds_its_slot(daemon_facto
     (and every stream sharing its hardware queue): past `ids_wait_s` the daemon names it in the
     log; until the IDs come, the slot takes no further lookup (the daemon queues nothing more
     behind the wait). Once they come, the lookup's rows are exact."""
-    from engramd.client import cuda
     from engramd.client.errors import SlotBusyError
-    from engramd.client.host_counters import HostCounters
-    from engramd.client.slab import SlabLayout
+    from engramd.client.shared import cuda
+    from engramd.client.shared.host_counters import HostCounters
+    from engramd.client.shared.slab import SlabLayout
 
     daemon = daemon_factory(extra=[*CUDA, "--ids-wait-s", "1.5", "--heartbeat-interval", "0.25"])
     rng = np.random.default_rng(5)
@@ -432,7 +432,7 @@ def test_a_slot_is_not_overwritten_under_a_slow_reader_on_another_stream(daemon_
 def mps_control_running() -> bool:
     """Independent of CUDA's answer: an MPS control daemon process is alive and its pipe folder
     (the one this process would use) exists."""
-    from engramd.client.mps import pipe_directory
+    from engramd.client.shared.mps import pipe_directory
 
     names = []
     for entry in Path("/proc").iterdir():

@@ -299,7 +299,7 @@ def test_slot_gather_direct_launches_equal_the_reference(world, shards, cached):
     """The served hot path launches the compiled kernel directly (SlotGather): after the first
     launch of each dtype it must really take that path, and give the reference's rows and
     out-of-range counts for every size."""
-    from engramd.client.slab import SlabLayout, SlotViews
+    from engramd.client.shared.slab import SlabLayout, SlotViews
     from engramd.kernels import hot_cache
 
     geo, tables_cpu, tables_gpu = world
@@ -342,7 +342,7 @@ def test_the_daemons_warm_up_compiles_every_variant_its_lookups_launch(world):
     after that warm-up, lookups of every size and ID dtype, with dedupe and sort where the
     options turn them on, compile nothing in the hot path, while a variant it does not launch
     (packed rows) still would."""
-    from engramd.client.slab import SlabLayout, SlotViews
+    from engramd.client.shared.slab import SlabLayout, SlotViews
     from engramd.kernels import hot_cache
     from engramd.server.cuda_backend import GatherOptions
 

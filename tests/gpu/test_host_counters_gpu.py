@@ -1,4 +1,4 @@
-"""Completion counters in pinned host memory (client/host_counters.py): GPU writes land where
+"""Completion counters in pinned host memory (client/shared/host_counters.py): GPU writes land where
 the other process's mapping reads them, and a CPU store releases a stream wait whatever the GPU's
 hardware queues hold."""
 
@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from engramd.client import cuda
-from engramd.client.host_counters import HostCounters
-from engramd.client.slab import FAILED, IDS_READY, ROWS_DONE, SlabLayout
+from engramd.client.shared import cuda
+from engramd.client.shared.host_counters import HostCounters
+from engramd.client.shared.slab import FAILED, IDS_READY, ROWS_DONE, SlabLayout
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -1,4 +1,4 @@
-"""Pinning in parts (client/host_pin.py) on a GPU: every byte of every range reaches the device at
+"""Pinning in parts (client/shared/host_pin.py) on a GPU: every byte of every range reaches the device at
 its own address, read-only pins included, and a failed registration leaves nothing pinned."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from engramd.client import cuda
-from engramd.client.cuda import CudaError
-from engramd.client.host_pin import PART_ALIGN, HostRegistration
+from engramd.client.shared import cuda
+from engramd.client.shared.cuda import CudaError
+from engramd.client.shared.host_pin import PART_ALIGN, HostRegistration
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

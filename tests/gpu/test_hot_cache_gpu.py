@@ -11,14 +11,14 @@ import pytest
 import torch
 from reference import assert_same
 
-from engramd.client import cuda
 from engramd.client.geometry import DEAD_ID, TableGeometry
+from engramd.client.shared import cuda
 from engramd.kernels import gather_ref
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 pytest.importorskip("triton")
 
-from engramd.client.cache_keeper import CacheKeeper  # noqa: E402
+from engramd.client.shared.cache_keeper import CacheKeeper  # noqa: E402
 from engramd.kernels import hot_cache  # noqa: E402
 from engramd.kernels.gather_triton import GatherPlan  # noqa: E402
 

@@ -16,7 +16,7 @@ from helpers import attach_raw
 from reference import random_ids
 
 from engramd.client import EngramClient
-from engramd.client.protocol import PROTOCOL_VERSION
+from engramd.client.shared.protocol import PROTOCOL_VERSION
 
 LOOKUP = dict(slot=0, seq=1, tokens=2, ids_dtype="int32", ids_shape=[2, 2, 24], inline=True)
 IDS_FRAME = np.zeros((2, 2, 24), dtype=np.int32).tobytes()
@@ -164,7 +164,7 @@ def test_lookup_without_ack_is_answered_only_when_it_fails(served, reference):
             break
         time.sleep(0.01)
     assert stats["lookups"] == 1 and stats["errors"] == {"bad_request": 1}, stats
-    from engramd.client.slab import SlabLayout
+    from engramd.client.shared.slab import SlabLayout
     layout = SlabLayout.from_wire(attached.slab["layout"])
     with mmap.mmap(attached.slab_fd, layout.size, mmap.MAP_SHARED, mmap.PROT_READ) as view:
         slab = torch.frombuffer(bytearray(view), dtype=torch.uint8)

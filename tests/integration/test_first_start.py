@@ -12,8 +12,8 @@ import pytest
 from helpers import engramd_command
 
 from engramd.client import BadRequestError, CudaUnavailableError, EngramClient
-from engramd.client.connection import default_socket_path, probe
-from engramd.client.libc import filesystem_type
+from engramd.client.shared.connection import default_socket_path, probe
+from engramd.client.shared.libc import filesystem_type
 from engramd.server.config import build_config
 from engramd.server.startup import EXIT_CONFIG, HUGETLBFS_MAGIC, TMPFS_MAGIC
 from engramd.server.table_loader import visible_gpus

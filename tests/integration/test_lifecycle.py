@@ -17,7 +17,7 @@ from helpers import check_rows_stay_across_a_restart, engramd_command
 from reference import random_ids
 
 from engramd.client import BadRequestError, DaemonUnavailableError, EngramClient
-from engramd.client.handles import handle_socket_path
+from engramd.client.shared.handles import handle_socket_path
 from engramd.server.startup import EXIT_CONFIG, EXIT_SOCKET_IN_USE, EXIT_TABLES
 
 

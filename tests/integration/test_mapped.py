@@ -32,11 +32,11 @@ from reference import random_ids
 from test_daemon_lookups import assert_rows_equal, check_worker_output
 
 from engramd.client import BadRequestError, DaemonUnavailableError, EngramClient, NotRegisteredError
-from engramd.client.connection import probe
 from engramd.client.errors import ProtocolError
-from engramd.client.handles import attach, handle_socket_path, recv_message, send_message
-from engramd.client.protocol import PROTOCOL_VERSION
 from engramd.client.rejoin import REJOIN_STOP_S
+from engramd.client.shared.connection import probe
+from engramd.client.shared.handles import attach, handle_socket_path, recv_message, send_message
+from engramd.client.shared.protocol import PROTOCOL_VERSION
 
 WORKER = Path(__file__).parent / "client_worker.py"
 HEARTBEAT_S = 0.2  # helpers' DaemonProcess passes this interval
@@ -483,8 +483,8 @@ def test_mapped_gpu_clients_get_the_warm_up_trace_read_only_for_their_own_cache(
     hot_cache_warm_file: its attach passes the file as a read-only descriptor after the tables,
     which reads as the file's row IDs. Only to a client that asks (warm_file): a CPU client
     keeps no cache, and one predating the field counts no such descriptor."""
-    from engramd.client.cache_keeper import load_warm_ids
     from engramd.client.geometry import TableGeometry
+    from engramd.client.shared.cache_keeper import load_warm_ids
 
     probe = daemon_factory()
     geometry = TableGeometry.from_config(raw_register(probe, "mapped")["reply"]["geometry"])
@@ -514,7 +514,7 @@ def test_mapped_gpu_clients_get_the_warm_up_trace_read_only_for_their_own_cache(
 def test_mapped_clients_are_told_the_daemons_gather_policy(daemon_factory):
     """Mapped clients gather themselves, by the daemon's policy: sorted reads from the same
     token count, a grid on the same share of the SMs, and a hot-row cache of their own of the
-    configured size, refreshed as often as the daemon's (client/mapped.py applies them)."""
+    configured size, refreshed as often as the daemon's (client/shared/mapped.py applies them)."""
     daemon = daemon_factory(extra=["--gather-sm-fraction", "0.25", "--sort-min-tokens", "77",
                                    "--mapped-hot-cache-gib", "0.5", "--hot-cache-refresh-ms", "20"])
     mapped = raw_register(daemon, "mapped")

@@ -31,7 +31,7 @@ from helpers import (
 )
 from test_daemon_lookups import check_worker_output
 
-from engramd.client.connection import probe
+from engramd.client.shared.connection import probe
 
 WORKER = Path(__file__).parent / "client_worker.py"
 HEARTBEAT_S = 0.2  # what helpers' DaemonProcess passes

@@ -16,7 +16,7 @@ import torch
 from helpers import GatherGate, SettleGate, engramd_command, free_port, wait_until
 
 from engramd.client import DaemonUnavailableError, EngramClient
-from engramd.client.connection import probe
+from engramd.client.shared.connection import probe
 from engramd.server.startup import EXIT_TABLES
 
 

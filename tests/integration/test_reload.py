@@ -25,10 +25,10 @@ from reference import random_ids
 from test_daemon_lookups import assert_rows_equal
 
 from engramd.client import EngramClient
-from engramd.client import mapped as mapped_module
-from engramd.client.connection import probe
 from engramd.client.errors import TablesChangedError
 from engramd.client.geometry import DEMO_CONFIG, TableGeometry
+from engramd.client.shared import mapped as mapped_module
+from engramd.client.shared.connection import probe
 from engramd.server.synthetic import write_synthetic_checkpoint
 
 RELOAD_S = 60.0  # the demo tables reload in about a second

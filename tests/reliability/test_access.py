@@ -39,8 +39,8 @@ from helpers import slab_files
 from reference import random_ids
 
 from engramd.client import EngramClient
-from engramd.client.connection import probe
-from engramd.client.handles import handle_socket_path
+from engramd.client.shared.connection import probe
+from engramd.client.shared.handles import handle_socket_path
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
                                 reason="needs root and setpriv to run a process as nobody")
@@ -219,9 +219,9 @@ def test_member_whose_uid_is_not_allowed_is_refused_at_attach(daemon_factory, re
 ZMQ_AS = textwrap.dedent("""
     import json, os, sys
     import msgpack, zmq
-    from engramd.client.connection import probe
+    from engramd.client.shared.connection import probe
     from engramd.client.errors import EngramError
-    from engramd.client.protocol import PROTOCOL_VERSION
+    from engramd.client.shared.protocol import PROTOCOL_VERSION
     socket, uid, gid, groups = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
     os.setgroups(groups)
     os.setgid(gid)

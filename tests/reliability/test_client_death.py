@@ -35,8 +35,8 @@ from helpers import slab_files as slab_files_of
 from reference import random_ids
 
 from engramd.client import EngramClient
-from engramd.client.connection import probe
-from engramd.client.protocol import PROTOCOL_VERSION
+from engramd.client.shared.connection import probe
+from engramd.client.shared.protocol import PROTOCOL_VERSION
 from engramd.server.registry import ATTACH_TIMEOUT_S
 
 HEARTBEAT_S = 0.2  # what helpers' DaemonProcess passes as --heartbeat-interval
@@ -337,7 +337,7 @@ def test_registration_never_attached_is_retired(daemon_factory):
 
 EARLY_DEATH_CLIENT = textwrap.dedent("""
     import os, sys, msgpack, zmq
-    from engramd.client.protocol import PROTOCOL_VERSION
+    from engramd.client.shared.protocol import PROTOCOL_VERSION
     sock = zmq.Context().socket(zmq.DEALER)
     sock.connect("ipc://" + sys.argv[1])
     sock.send_multipart([msgpack.packb({"v": PROTOCOL_VERSION, "op": "health", "rid": 1})])

@@ -1,7 +1,7 @@
 """Hostile input: a hypothesis-driven fuzzer against the real daemon on a raw ZeroMQ DEALER.
 
 At least MIN_MESSAGES malformed, truncated, oversized and wrong-typed messages, built by mutating
-valid requests of client/protocol.py (`encode_request`), go to one `engramd serve` process in
+valid requests of client/shared/protocol.py (`encode_request`), go to one `engramd serve` process in
 batches. After every batch:
 
 - every message got exactly one reply (the raw socket's replies are drained and counted), each a
@@ -35,9 +35,10 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from reference import random_ids
 
-from engramd.client import EngramClient, protocol
-from engramd.client.connection import probe
+from engramd.client import EngramClient
 from engramd.client.errors import ERROR_CLASSES
+from engramd.client.shared import protocol
+from engramd.client.shared.connection import probe
 
 MIN_MESSAGES = 10_000
 EXAMPLES = 200

@@ -35,10 +35,10 @@ from helpers import (
 from reference import random_ids
 
 from engramd.client import EngramClient
-from engramd.client.connection import probe
 from engramd.client.errors import ResourceError
-from engramd.client.handles import admin_request, handle_socket_path
-from engramd.client.protocol import PROTOCOL_VERSION
+from engramd.client.shared.connection import probe
+from engramd.client.shared.handles import admin_request, handle_socket_path
+from engramd.client.shared.protocol import PROTOCOL_VERSION
 
 
 def test_ids_scribbled_into_the_slab_during_lookups_change_nothing(daemon_factory, reference):
@@ -267,7 +267,7 @@ def test_the_self_check_samples_different_rows_at_every_start(daemon_factory):
 ADMIN_AS = """
 import os, sys
 from engramd.client.errors import EngramError
-from engramd.client.handles import admin_request
+from engramd.client.shared.handles import admin_request
 uid, gid, group = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 os.setgroups([group])
 os.setgid(gid)
@@ -435,7 +435,7 @@ def test_a_message_of_many_frames_is_dropped_with_a_typed_error(daemon_factory, 
 CLIENTS_AS = """
 import os, sys
 from engramd.client.errors import EngramError
-from engramd.client.handles import admin_request
+from engramd.client.shared.handles import admin_request
 os.setgroups([int(sys.argv[3])])
 os.setgid(int(sys.argv[2]))
 os.setuid(int(sys.argv[2]))

@@ -36,7 +36,7 @@ from reference import random_ids
 
 from engramd.client import EngramClient
 from engramd.client.geometry import V41_FLASH_CONFIG, TableGeometry
-from engramd.client.protocol import PROTOCOL_VERSION
+from engramd.client.shared.protocol import PROTOCOL_VERSION
 from engramd.server.startup import EXIT_TABLES
 from engramd.server.table_file import HEADER_BYTES
 

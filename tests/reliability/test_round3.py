@@ -24,9 +24,9 @@ from helpers import attach_raw, engramd_command
 from reference import random_ids
 
 from engramd.client import EngramClient
-from engramd.client.connection import probe
-from engramd.client.handles import admin_request, handle_socket_path
-from engramd.client.protocol import PROTOCOL_VERSION
+from engramd.client.shared.connection import probe
+from engramd.client.shared.handles import admin_request, handle_socket_path
+from engramd.client.shared.protocol import PROTOCOL_VERSION
 
 
 def dealer(daemon, timeout_ms: int = 10_000) -> zmq.Socket:
@@ -198,7 +198,7 @@ def test_frames_larger_than_any_request_are_cut_before_they_are_buffered(daemon_
 SILENT_PEER = """
 import os, socket, sys, time
 
-from engramd.client.handles import lease_closed as closed
+from engramd.client.shared.handles import lease_closed as closed
 
 path, count = sys.argv[1], int(sys.argv[2])
 conns, opened, said = [], 0, False
@@ -349,7 +349,7 @@ def test_refused_handle_requests_do_not_flood_the_log(daemon_factory):
     """Each refused handle-socket request wrote a log line (3,200 refusals in 1.4 s wrote 564 KB).
     They are said once per interval per peer uid, with a count of those held back."""
     from engramd.client.errors import NotRegisteredError
-    from engramd.client.handles import attach
+    from engramd.client.shared.handles import attach
 
     daemon = daemon_factory()
     path = handle_socket_path(daemon.socket)

@@ -7,7 +7,7 @@ import time
 
 from helpers import DEMO_HEARTBEAT_S, wait_until
 
-from engramd.client.connection import probe
+from engramd.client.shared.connection import probe
 
 STALL = ["--stall-dump-s", "1"]  # the demo daemons beat every 0.2 s: the floor is 0.6 s
 

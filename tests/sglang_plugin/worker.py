@@ -240,7 +240,7 @@ def run_checks(engram, layout, hf, checkpoint, reference, served, args, sglang_e
 
 def the_daemon_sees_this_rank(client, args: argparse.Namespace) -> None:
     """The daemon's own account of this rank's client: its TP rank and size, and so its heads."""
-    from engramd.client.connection import probe
+    from engramd.client.shared.connection import probe
 
     clients = {c["client_id"]: c for c in probe(client.socket_path, "stats", 10.0).body.clients}
     seen = clients[client.client_id]

@@ -1,6 +1,6 @@
 """A GPU slab's completion counters, in pinned host memory that the daemon and its client share.
 
-The counters (client/slab.py: IDS_READY, ROWS_DONE, FAILED, DONE_AT_RELEASE per slot) are written and waited on
+The counters (client/shared/slab.py: IDS_READY, ROWS_DONE, FAILED, DONE_AT_RELEASE per slot) are written and waited on
 by both processes' streams (cuStreamWriteValue32 / cuStreamWaitValue32 on the mapped host
 address). Why host memory and not the slab's device memory: a stream wait holds up the hardware
 queue it sits in, and streams share queues (more streams than CUDA_DEVICE_MAX_CONNECTIONS, and
@@ -25,9 +25,15 @@ import fcntl
 import mmap
 import os
 
-from engramd.client.host_pin import HostRegistration
-from engramd.client.libc import mmap_at, munmap
-from engramd.client.slab import DONE_AT_RELEASE, ROWS_DONE, SlabLayout, is_release, release_value
+from engramd.client.shared.host_pin import HostRegistration
+from engramd.client.shared.libc import mmap_at, munmap
+from engramd.client.shared.slab import (
+    DONE_AT_RELEASE,
+    ROWS_DONE,
+    SlabLayout,
+    is_release,
+    release_value,
+)
 
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 

@@ -15,7 +15,7 @@ Every message is a multipart message; msgpack is the only encoding (never pickle
              dtype and shape declared in the header).
 
 Operations and their request fields (each request and reply is one declared type of
-client/messages.py, decoded and type-checked once by `decode_request` / `decode_reply`):
+client/shared/messages.py, decoded and type-checked once by `decode_request` / `decode_reply`):
 
     register   pid, device ("cpu" or "cuda:GPU-<uuid>"), tp_rank, tp_size, max_tokens, slots,
                optional: name, mode ("auto"|"served"|"mapped", default served), mps (GPU: the
@@ -24,7 +24,7 @@ client/messages.py, decoded and type-checked once by `decode_request` / `decode_
                -> client_id, token, mode (the one granted), heartbeat_interval, attach_within
                   (seconds), geometry (config.json fields), shard, layout (of the slots), gather
                   (mapped: the daemon's sort policy), mps, tables (the served tables' id). The client then attaches over the
-                  handle socket (client/handles.py) with its token: that passes the slab or the
+                  handle socket (client/shared/handles.py) with its token: that passes the slab or the
                   tables as descriptors, and the connection becomes the registration's lease.
     lookup     client_id, slot, seq, ids_dtype ("int32"|"int64"), ids_shape [T, L, H],
                inline (IDs in payload frame 0, else already in the slot), ack (optional, default
@@ -38,7 +38,7 @@ client/messages.py, decoded and type-checked once by `decode_request` / `decode_
     stats      -                                          -> clients, lookups, rows, errors, ...
     health     -                                -> live, ready, state, progress, tables, reload
     drain      -   refused (permission_denied): admin operations (drain, reload) go over the
-                   handle socket (client/handles.py), where the daemon can tell who asks
+                   handle socket (client/shared/handles.py), where the daemon can tell who asks
 
 Besides replies, the daemon may send every registered client an unsolicited notice (rid 0, op
 "notice", status "ok"): `event` "stopping" before it goes away, "tables" (with `tables`, the
@@ -62,9 +62,9 @@ from engramd.client.errors import (
     VersionError,
     error_for_code,
 )
-from engramd.client.messages import REPLIES, REQUESTS, Message
+from engramd.client.shared.messages import REPLIES, REQUESTS, Message
 
-PROTOCOL_VERSION = 3  # 2: slab rows at a fixed place per layer; 3: GPU counters in host memory (client/slab.py)
+PROTOCOL_VERSION = 3  # 2: slab rows at a fixed place per layer; 3: GPU counters in host memory (client/shared/slab.py)
 MAX_HEADER_BYTES = 64 * 1024
 MAX_PAYLOAD_FRAMES = 1
 MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
@@ -84,7 +84,7 @@ def _with_origin(error: EngramError, op: str, rid: int) -> EngramError:
 class Request:
     op: str
     rid: int
-    body: Any  # the operation's declared request (client/messages.py)
+    body: Any  # the operation's declared request (client/shared/messages.py)
     payload: list[bytes] = field(default_factory=list)
     received: float = 0.0  # perf_counter() when the daemon read it
 
@@ -94,7 +94,7 @@ class Reply:
     op: str
     rid: int
     epoch: str
-    body: Any  # the operation's declared reply (client/messages.py)
+    body: Any  # the operation's declared reply (client/shared/messages.py)
     payload: list[bytes] = field(default_factory=list)
 
 
@@ -178,7 +178,7 @@ def encode_error(request_op: str, rid: int, epoch: str, error: EngramError) -> l
 
 
 def encode_notice(epoch: str, event: str, message: str, **fields: Any) -> list[bytes]:
-    """A notice (client/messages.py Notice): `event`, and its fields (`tables` for "tables")."""
+    """A notice (client/shared/messages.py Notice): `event`, and its fields (`tables` for "tables")."""
     return [_pack({"v": PROTOCOL_VERSION, "op": "notice", "rid": NOTICE_RID, "status": "ok",
                    "code": "ok", "message": message, "epoch": epoch, "event": event, **fields})]
 

@@ -1,7 +1,7 @@
 """Keeps one device's hot-row cache holding the rows its lookups use most.
 
 The daemon keeps one per GPU for its served lookups (server/cuda_backend.py); a mapped GPU
-client keeps one of its own for its gathers (client/mapped.py). A thread per cache refreshes it
+client keeps one of its own for its gathers (client/shared/mapped.py). A thread per cache refreshes it
 (kernels/hot_cache.py) every `interval` seconds when the gathers have logged new candidates.
 Gathers read keys and rows while the keeper changes them, so a way changes in four steps, each
 on the keeper's own stream:

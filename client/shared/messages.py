@@ -93,7 +93,7 @@ class RegisterRequest(Message):
     slots: int
     name: str = ""
     mode: str | None = None  # "auto" | "served" | "mapped"; absent: served (older clients)
-    mps: dict | None = None  # a GPU client's MPS state (client/mps.py)
+    mps: dict | None = None  # a GPU client's MPS state (client/shared/mps.py)
     # Rows only from the tables served now (the reply names them), never from others after a
     # reload; a re-registration names the ones it pinned in `tables`, and is refused elsewhere.
     pin_tables: bool = False
@@ -155,7 +155,7 @@ class RegisterReply(Message):
     client_id: int
     token: str
     mode: str  # the one granted
-    layout: dict  # of the slots (client/slab.py SlabLayout.to_wire)
+    layout: dict  # of the slots (client/shared/slab.py SlabLayout.to_wire)
     gather: dict  # mapped clients: the daemon's sort policy
     heartbeat_interval: float
     attach_within: float  # seconds to attach over the handle socket
@@ -239,7 +239,7 @@ REPLIES: dict[str, type[Message]] = {m.OP: m for m in (
     RegisterReply, LookupReply, ReleaseReply, HeartbeatReply, StatsReply, HealthReply, Notice)}
 
 
-# -- the handle socket (client/handles.py): attach, and the admin operations -----------------------
+# -- the handle socket (client/shared/handles.py): attach, and the admin operations -----------------------
 
 
 @dataclass(slots=True)

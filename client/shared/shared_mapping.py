@@ -15,7 +15,7 @@ import weakref
 
 import torch
 
-from engramd.client.libc import MAP_FIXED, mmap_at, munmap
+from engramd.client.shared.libc import MAP_FIXED, mmap_at, munmap
 
 _PROT = mmap.PROT_READ | mmap.PROT_WRITE
 

@@ -2,7 +2,7 @@
 
 Where the daemon's gathers cannot overlap the model's kernels (no MPS server shared on the GPU),
 a client does what an in-process engine does, on the daemon's one copy of the tables: it gets
-read-only descriptors of the table files over the handle socket (client/handles.py), maps them,
+read-only descriptors of the table files over the handle socket (client/shared/handles.py), maps them,
 and runs the same gather (the Triton kernel on its GPU, the reference on the CPU) into slots of
 its own memory. The daemon keeps the tables, their lifetime, health and metrics.
 
@@ -26,11 +26,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from engramd.client.cache_keeper import CacheKeeper
 from engramd.client.errors import InternalError
 from engramd.client.geometry import ShardView, TableGeometry
-from engramd.client.handles import TableGrant
-from engramd.client.slab import SlabLayout, SlotViews
+from engramd.client.shared.cache_keeper import CacheKeeper
+from engramd.client.shared.handles import TableGrant
+from engramd.client.shared.slab import SlabLayout, SlotViews
 
 
 class MappedTables:
@@ -73,15 +73,15 @@ class MappedTables:
                                     f"fit a {g.file_bytes}-byte file")
 
     def _register(self, grants: list[TableGrant]) -> None:
-        from engramd.client.cuda import CudaError
-        from engramd.client.host_pin import HostRegistration, read_only_supported
+        from engramd.client.shared.cuda import CudaError
+        from engramd.client.shared.host_pin import HostRegistration, read_only_supported
 
         if not read_only_supported():  # the granted descriptors are read-only: so is our mapping
             raise CudaError("mapped mode needs read-only host registration, which this GPU or "
                             "driver does not offer (cudaDevAttrHostRegisterReadOnlySupported); "
                             "register in served mode")
         # Through mappings of its own, in 2 MiB pages where the daemon's pin collapsed them
-        # (client/huge_pages.py: a client never collapses); CPU reads go through self.rows.
+        # (client/shared/huge_pages.py: a client never collapses); CPU reads go through self.rows.
         self._registration = HostRegistration.of_files(
             [(g.fd, g.data_offset, a.nbytes) for g, a in zip(grants, self.rows, strict=True)],
             read_only=True, device=self.device.index)
@@ -101,7 +101,7 @@ class MappedTables:
 
     def device_rows(self) -> list[torch.Tensor]:
         """uint8 [rows, row_bytes] tensors on the GPU over the registered rows (reads go over UVA)."""
-        from engramd.client import cuda
+        from engramd.client.shared import cuda
 
         return cuda.row_views(self._registration.addresses, [a.shape for a in self.rows], self.device)
 
@@ -134,7 +134,7 @@ def close_in_background(tables: MappedTables) -> threading.Thread:
     2-CPU VM), and a GPU unregisters them; neither may stall a lookup."""
     def close() -> None:
         if tables.device.type == "cuda":
-            from engramd.client import cuda
+            from engramd.client.shared import cuda
 
             cuda.make_current(tables.device.index)  # else the unregister lands on device 0
         tables.close(synchronize=False)
@@ -162,7 +162,7 @@ class PendingMapping:
              device: torch.device) -> None:
         try:
             if device.type == "cuda":
-                from engramd.client import cuda
+                from engramd.client.shared import cuda
 
                 cuda.make_current(device.index)  # else the registration lands on device 0
             version, seq, grants = fetch()
@@ -188,7 +188,7 @@ class PendingMapping:
 
 
 class LocalSlots:
-    """A mapped client's own slot memory, laid out like a slab (client/slab.py) so that results
+    """A mapped client's own slot memory, laid out like a slab (client/shared/slab.py) so that results
     are the same [n_layers, T, local_heads, head_dim] views in both modes."""
 
     def __init__(self, layout: SlabLayout, device: torch.device):

@@ -25,7 +25,7 @@ import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
 
-from engramd.client.libc import MAP_FIXED, libc, mmap_at, munmap
+from engramd.client.shared.libc import MAP_FIXED, libc, mmap_at, munmap
 
 HUGE_PAGE = 2 << 20
 _MADV_COLLAPSE = 25

@@ -20,7 +20,7 @@ neither the host's IPC nor its PID namespace::
                                                                                fd i = table i
                        error: {"v", "status": "error", "code", "message", "epoch"}
 
-Each request and reply is a declared type of client/messages.py (AttachRequest, AttachReply, ...).
+Each request and reply is a declared type of client/shared/messages.py (AttachRequest, AttachReply, ...).
 
 After an ok reply the connection stays open and nothing more is sent on it: it is the
 registration's lease. When the client's process dies, in whatever namespace, the kernel closes
@@ -53,7 +53,7 @@ from engramd.client.errors import (
     UnknownOperationError,
     error_for_code,
 )
-from engramd.client.messages import (
+from engramd.client.shared.messages import (
     HANDLE_REPLIES,
     HANDLE_REQUESTS,
     AttachReply,
@@ -63,7 +63,7 @@ from engramd.client.messages import (
     TablesReply,
     TablesRequest,
 )
-from engramd.client.protocol import PROTOCOL_VERSION
+from engramd.client.shared.protocol import PROTOCOL_VERSION
 
 HANDLE_SOCKET_NAME = "engramd.handles"
 HANDLE_TIMEOUT_S = 5.0
@@ -180,8 +180,8 @@ class Attachment:
     slab_fd: int | None
     tables: list[TableGrant]
     version: str | None = None  # mapped: the granted tables' id
-    tables_seq: int = 0  # and their seq (client/messages.py)
-    counters_fd: int | None = None  # a GPU slab's counter block (client/host_counters.py)
+    tables_seq: int = 0  # and their seq (client/shared/messages.py)
+    counters_fd: int | None = None  # a GPU slab's counter block (client/shared/host_counters.py)
     warm_fd: int | None = None  # mapped: the hot-row cache's warm-up trace (.npy)
 
     def close_descriptors(self) -> None:

@@ -2,7 +2,7 @@
 
 Shared by the client library and the CLI. Every wait is bounded: a caller either gets its reply,
 or a DaemonUnavailableError that says what it waited for and for how long. While waiting, a
-registered client's lease is watched (client/handles.py), so a daemon killed mid-request is
+registered client's lease is watched (client/shared/handles.py), so a daemon killed mid-request is
 noticed within about POLL_S, not at the timeout.
 """
 
@@ -18,14 +18,14 @@ from typing import Any, cast
 
 import zmq
 
-from engramd.client import protocol
 from engramd.client.errors import (
     DaemonUnavailableError,
     EngramError,
     PermissionDeniedError,
     ReplyTimeoutError,
 )
-from engramd.client.handles import check_access, handle_socket_path
+from engramd.client.shared import protocol
+from engramd.client.shared.handles import check_access, handle_socket_path
 
 POLL_S = 0.1
 

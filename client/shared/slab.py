@@ -8,7 +8,7 @@ this module; the daemon also sends it in the register reply and the client check
     rows_offset(s)      rows      bf16  [n_layers, max_tokens, local_heads, head_dim]  per slot
 
 A GPU slab's completion counters (u32 ids_ready, rows_done, failed, done_at_release per slot, 64 B
-apart) live in a block of pinned host memory of their own (client/host_counters.py), passed as a
+apart) live in a block of pinned host memory of their own (client/shared/host_counters.py), passed as a
 second descriptor: the CPU can then release a wait that no GPU queue will.
 
 Every block starts on a 4 KiB boundary; the slab size is a multiple of 2 MiB (the granularity

@@ -61,7 +61,7 @@ def server_identity(folder: str) -> str:
 
 def mps_state(device_index: int) -> MpsState:
     """What CUDA says about MPS for this process's device `device_index`."""
-    from engramd.client.cuda import check, cu
+    from engramd.client.shared.cuda import check, cu
 
     check("cuInit", cu.cuInit(0))
     device = check("cuDeviceGet", cu.cuDeviceGet(device_index))

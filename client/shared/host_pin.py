@@ -7,7 +7,7 @@ H200 a fresh process registers a 16 GiB /dev/shm file (benchmarks/results/h200/p
 for device writes), 25 GB/s when eight threads first populate the page tables
 (MADV_POPULATE_READ) and then register eight parts at once, and ~40 GB/s on hugetlbfs or in
 /dev/shm pages collapsed into 2 MiB folios (37-39 GB/s, benchmarks/results/h200/thp_probe.md;
-HostRegistration.of_files, client/huge_pages.py). Threads without the prefault gain nothing.
+HostRegistration.of_files, client/shared/huge_pages.py). Threads without the prefault gain nothing.
 cuda-python releases the GIL in these calls.
 
 No torch here: the daemon pins its tables while it is still importing torch.
@@ -20,9 +20,9 @@ import mmap
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 
-from engramd.client.cuda import CudaError, check, cudart, make_current, require_cuda_python
-from engramd.client.huge_pages import HugeView
-from engramd.client.libc import libc
+from engramd.client.shared.cuda import CudaError, check, cudart, make_current, require_cuda_python
+from engramd.client.shared.huge_pages import HugeView
+from engramd.client.shared.libc import libc
 
 # The largest range registered in one call (docs/architecture.md, "Host tier").
 REGISTER_CHUNK = 64 << 30
@@ -81,7 +81,7 @@ class HostRegistration:
         """Register (fd, offset, nbytes) ranges of files, each file mapped for it by a HugeView
         (the caller may close the descriptors after): the pin walks 2 MiB pages where the
         file's pages are 2 MiB folios, which `collapse` makes them first (the daemon's pin
-        only: client/huge_pages.py). The views go with close()."""
+        only: client/shared/huge_pages.py). The views go with close()."""
         writable = not (read_only and read_only_supported())  # a read-only view needs the flag
         views: list[HugeView] = []
         try:
