@@ -11,6 +11,8 @@ it passes `LayerTable(address, rows, row_bytes)`). Per layer, a small int64 devi
 (address, rows, first owned row, end of owned rows); offsets are int64, since 384 M rows x 264 B
 passes 2^31. The grid is persistent: `num_programs` programs (default: one per SM) walk the work
 items (layer, token, local head) in blocks of `block_rows`, so a lookup can leave SMs to the model.
+A lookup a CUDA graph records reads the tables through a descriptor block instead of the plan's
+metadata (kernels/descriptor.py), so that its client can switch tables under the live graph.
 
 Dequantization is done on integer bit patterns rather than with float8/float arithmetic: the result
 is the correctly rounded BF16 value of float32(e4m3) * 2^(s - 127), exactly what the reference
@@ -32,6 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from engramd.kernels import descriptor as desc
 from engramd.kernels import hot_cache
 from engramd.kernels.contract import DEAD_ID, Shard
 from engramd.kernels.gather_ref import head_dim_for
@@ -48,10 +51,10 @@ DEFAULT_BLOCK_ROWS = 8
 WIDE_BLOCK_ROWS = 32  # sorted lookups with many rows per program: sorted_block_rows
 WIDE_FROM_ROWS = 2048  # rows per program from which a sorted lookup takes WIDE_BLOCK_ROWS
 DEFAULT_NUM_WARPS = 4
-# A layer's row of the plan's metadata (_stage_meta): its table's address and rows, and the rows
-# [row_lo, row_hi) this shard owns.
-_META_COLUMNS = 4
+# A layer's row of the plan's metadata (_stage_meta), as in a descriptor's buffer.
+_META_COLUMNS = len(desc.LAYER_FIELDS)
 _TABLE_ADDRESS, _TABLE_ROWS, _ROW_LO, _ROW_HI = range(_META_COLUMNS)
+_NAN_BITS = 0x7FC0  # BF16 quiet NaN: the rows of a poisoned descriptor
 _ID_DTYPES = (torch.int32, torch.int64)
 _MAX_ITEMS = 2**31 - 1  # work-item indices are int32 inside the kernel
 
@@ -70,6 +73,15 @@ if triton is not None:
     _META_WIDTH = tl.constexpr(_META_COLUMNS)
     _ADDRESS, _ROWS = tl.constexpr(_TABLE_ADDRESS), tl.constexpr(_TABLE_ROWS)
     _LO, _HI = tl.constexpr(_ROW_LO), tl.constexpr(_ROW_HI)
+    # A descriptor block's words (kernels/descriptor.py).
+    (_D_SELECT, _D_ACTIVE, _D_BEGUN, _D_ARRIVED, _D_LAUNCHES, _D_POISONED_LAUNCHES,
+     _D_SAW_POISON) = (tl.constexpr(w) for w in (
+        desc.SELECT, desc.ACTIVE, desc.BEGUN, desc.ARRIVED, desc.LAUNCHES, desc.POISONED_LAUNCHES,
+        desc.SAW_POISON))
+    _D_CONTROL, _D_HEADER = tl.constexpr(desc.CONTROL_WORDS), tl.constexpr(desc.HEADER_WORDS)
+    _D_POISONED, _D_HAS_CACHE = tl.constexpr(desc.POISONED), tl.constexpr(desc.HAS_CACHE)
+    _D_CACHE_WORDS = tl.constexpr(desc.CACHE_WORDS)
+    _NAN = tl.constexpr(_NAN_BITS)
     # The hot-row cache's metadata, one int64 each, in kernels/hot_cache.META_FIELDS order.
     (_C_KEYS, _C_POOL, _C_SETS, _C_SKETCH, _C_LOG, _C_CURSOR, _C_COUNTERS, _C_LOG_MASK, _C_ADMIT_MIN,
      _C_SKETCH_BITS) = (tl.constexpr(hot_cache.META_FIELDS.index(name)) for name in (
@@ -184,7 +196,7 @@ if triton is not None:
         PACKED: tl.constexpr, ALIGNED: tl.constexpr, COUNT_BAD: tl.constexpr,
         CACHED: tl.constexpr, LEADERS_ONLY: tl.constexpr, ORDERED: tl.constexpr, WAYS: tl.constexpr,
         KEY_SHIFT: tl.constexpr, SET_MUL: tl.constexpr,
-        SKETCH_MUL0: tl.constexpr, SKETCH_MUL1: tl.constexpr,
+        SKETCH_MUL0: tl.constexpr, SKETCH_MUL1: tl.constexpr, DESCRIBED: tl.constexpr,
     ):
         """Each program takes blocks pid, pid + grid, ... of BLOCK_ROWS work items.
 
@@ -195,11 +207,27 @@ if triton is not None:
         done; _fanout_kernel then copies each leader's output to its followers. With ORDERED,
         the k-th item done is order_ptr[k] (items sorted by row: neighbouring reads then share
         address translations, see benchmarks/results/h200/gather_layouts.md).
+
+        With DESCRIBED, meta_ptr is a descriptor block (kernels/descriptor.py): the tables and the
+        cache are those of the buffer it names active (cache_ptr is unused), a poisoned buffer
+        gives NaN rows and reads nothing, and the last program to end adopts the buffer the
+        owner selected for the next launch.
         """
         cols = tl.arange(0, BLOCK_W)
         col_ok = cols < WIDTH
         per_layer = tokens * local_heads
         n_blocks = (n_items + BLOCK_ROWS - 1) // BLOCK_ROWS
+        if DESCRIBED:
+            tl.atomic_add(meta_ptr + _D_BEGUN, 1)
+            width = (_D_HEADER + n_layers * _META_WIDTH + _D_CACHE_WORDS + 7) // 8 * 8
+            buffer = meta_ptr + _D_CONTROL + tl.load(meta_ptr + _D_ACTIVE) * width
+            # At L2: the owner writes these words from the host while launches run.
+            poison_word = tl.load(buffer + _D_POISONED, cache_modifier=".cg")
+            cache_word = tl.load(buffer + _D_HAS_CACHE, cache_modifier=".cg")
+            layer_meta = buffer + _D_HEADER
+            cache_ptr = layer_meta + n_layers * _META_WIDTH
+        else:
+            layer_meta = meta_ptr
         for block in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
             item = block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
             live = item < n_items
@@ -209,10 +237,15 @@ if triton is not None:
                 live = live & (tl.load(lead_ptr + item, mask=live, other=-1) == item)
             layer, token, j = _decode(item, per_layer, local_heads)
             owned = live & (j < owned_heads)
+            if DESCRIBED:
+                # The flags as blocks (Triton's interpreter cannot AND a scalar into a mask).
+                zeros = item.to(tl.int64) * 0
+                poisoned = (zeros + poison_word) != 0
+                owned = owned & ((zeros + poison_word) == 0)
             id_offset = (token.to(tl.int64) * ids_stride_t + layer.to(tl.int64) * ids_stride_l
                          + (head_start + j).to(tl.int64) * ids_stride_h)
             row = tl.load(ids_ptr + id_offset, mask=owned, other=_DEAD).to(tl.int64)
-            meta = meta_ptr + layer * _META_WIDTH
+            meta = layer_meta + layer * _META_WIDTH
             base = tl.load(meta + _ADDRESS, mask=live, other=0)
             hit = (owned & (row >= tl.load(meta + _LO, mask=live, other=0))
                    & (row < tl.load(meta + _HI, mask=live, other=0)))
@@ -224,7 +257,10 @@ if triton is not None:
             address = base + row * ROW_BYTES
             if CACHED:
                 key = (layer.to(tl.int64) << KEY_SHIFT) | row
-                slot = _cache_slot(cache_ptr, key, hit, WAYS, SET_MUL)
+                counted = hit
+                if DESCRIBED:
+                    counted = hit & ((zeros + cache_word) != 0)
+                slot = _cache_slot(cache_ptr, key, counted, WAYS, SET_MUL)
                 address = tl.where(slot >= 0, tl.load(cache_ptr + _C_POOL) + slot * ROW_BYTES, address)
             src = address.to(tl.pointer_type(tl.uint8))
             if ALIGNED:
@@ -247,14 +283,33 @@ if triton is not None:
                     scale = _load(src[:, None] + HEAD_DIM + cols[None, :] // 32, load_mask, CACHED)
             if CACHED:
                 # After the row loads are issued: the bookkeeping overlaps their latency.
-                _count_and_log(cache_ptr, key, layer, hit, slot >= 0, n_layers,
+                _count_and_log(cache_ptr, key, layer, counted, slot >= 0, n_layers,
                                SKETCH_MUL0, SKETCH_MUL1)
             if PACKED:
                 tl.store(dst, raw, mask=store_mask)
             else:
                 bits = _bf16_bits(raw.to(tl.int32), scale.to(tl.int32))
                 bits = tl.where(load_mask, bits, 0)
+                if DESCRIBED:
+                    bits = tl.where(poisoned[:, None], _NAN, bits)
                 tl.store(dst, bits.to(tl.int16), mask=store_mask)
+        if DESCRIBED:
+            _end_described_launch(meta_ptr, poison_word != 0)
+
+    @triton.jit
+    def _end_described_launch(block, poisoned):
+        """A program of a described launch ends; the last one closes the launch: its counts,
+        and the buffer the next launch reads (SELECT -> ACTIVE). BEGUN is reset first, so a
+        reader that sees it 0 knows that no program of this launch still reads."""
+        if poisoned:
+            tl.atomic_xchg(block + _D_SAW_POISON, 1)
+        if tl.atomic_add(block + _D_ARRIVED, 1) == tl.num_programs(0) - 1:
+            tl.store(block + _D_ARRIVED, 0)
+            tl.store(block + _D_BEGUN, 0)
+            saw_poison = tl.atomic_xchg(block + _D_SAW_POISON, 0)
+            tl.store(block + _D_POISONED_LAUNCHES, tl.load(block + _D_POISONED_LAUNCHES) + saw_poison)
+            tl.store(block + _D_LAUNCHES, tl.load(block + _D_LAUNCHES) + 1)
+            tl.store(block + _D_ACTIVE, tl.load(block + _D_SELECT, volatile=True))
 
 
     @triton.jit(do_not_specialize=["n_items", "tokens", "local_heads", "out_rows_l", "out_rows_t"])
@@ -438,6 +493,7 @@ class GatherPlan:
         cache: HotCache | None = None,
         dedupe: bool = False,
         sort: bool = False,
+        descriptor: desc.TableDescriptor | None = None,
     ) -> Tensor:
         """Queue the lookup of `ids` [T, n_layers, heads] into `out` (allocated when None).
 
@@ -456,7 +512,15 @@ class GatherPlan:
         Grid size, measured on an H200 (8 M-row table, 393 K random rows): reads over UVA from
         pinned host memory run at 53-61 M rows/s whatever num_programs and block_rows are; from
         HBM, 4 programs per SM gather about twice as fast as 1 (1.3 G vs 0.6 G rows/s as bf16).
+
+        `descriptor`: read the tables, and the cache, through this block instead of the plan's
+        metadata (kernels/descriptor.py: what a CUDA graph records), counting out-of-range IDs
+        in it; BF16 rows, no dedupe, no `cache` or `out_of_range` of the call's own. The plan's
+        tables then only set the kernel's variant (row size, alignment) and the sort's keys.
         """
+        if descriptor is not None:
+            self._check_descriptor(descriptor, packed, dedupe, cache, out_of_range)
+            out_of_range = descriptor.out_of_range
         self._check_ids(ids)
         out = self._check_out(out, ids.shape[0], packed)
         n_items = self.n_layers * ids.shape[0] * self.shard.local_heads
@@ -473,13 +537,14 @@ class GatherPlan:
                          block_rows, num_warps)
         self._launched = None
         if stream is None or _kernel_is_interpreted():
-            self._launch(launch, ids, out, out_of_range, cache, dedupe, sort)
+            self._launch(launch, ids, out, out_of_range, cache, dedupe, sort, descriptor)
         else:
             with torch.cuda.stream(stream):
-                self._launch(launch, ids, out, out_of_range, cache, dedupe, sort)
+                self._launch(launch, ids, out, out_of_range, cache, dedupe, sort, descriptor)
         return out
 
-    def _launch(self, launch: _Launch, ids, out, out_of_range, cache, dedupe, sort) -> None:
+    def _launch(self, launch: _Launch, ids, out, out_of_range, cache, dedupe, sort,
+                descriptor: desc.TableDescriptor | None = None) -> None:
         width = self.row_bytes if launch.packed else self.head_dim
         target = out if launch.packed else out.view(torch.int16)  # the kernel writes BF16 bits
         keys = self.item_keys(ids) if dedupe or sort else None
@@ -488,7 +553,7 @@ class GatherPlan:
         order = order.to(torch.int32) if sort else self.meta  # unused without sort
         args = self.kernel_args(
             ids, target, out_of_range, cache, leaders, order, launch, ids.shape[0],
-            ids.stride(), (out.stride(0) // width, out.stride(1) // width), dedupe, sort)
+            ids.stride(), (out.stride(0) // width, out.stride(1) // width), dedupe, sort, descriptor)
         # The compiled kernel (None under the interpreter), for SlotGather's direct launches.
         self._launched = _gather_kernel[(launch.grid,)](**args, num_warps=launch.num_warps)
         if dedupe:
@@ -500,11 +565,12 @@ class GatherPlan:
             )
 
     def kernel_args(self, ids, target, out_of_range, cache, leaders, order, launch: _Launch,
-                    tokens: int, ids_strides, out_strides, dedupe: bool, sort: bool) -> dict:
+                    tokens: int, ids_strides, out_strides, dedupe: bool, sort: bool,
+                    descriptor: desc.TableDescriptor | None = None) -> dict:
         """_gather_kernel's arguments by name; pointers may be tensors or raw addresses."""
         width = self.row_bytes if launch.packed else self.head_dim
         return dict(
-            ids_ptr=ids, meta_ptr=self.meta, out_ptr=target,
+            ids_ptr=ids, meta_ptr=self.meta if descriptor is None else descriptor.block, out_ptr=target,
             bad_ptr=out_of_range if out_of_range is not None else self.meta,  # unused unless counting
             cache_ptr=cache.meta if cache is not None else self.meta, lead_ptr=leaders,
             order_ptr=order, n_items=launch.n_items, tokens=tokens,
@@ -515,7 +581,8 @@ class GatherPlan:
             HEAD_DIM=self.head_dim, ROW_BYTES=self.row_bytes,
             WIDTH=width, BLOCK_W=triton.next_power_of_2(width), BLOCK_ROWS=launch.block_rows,
             PACKED=launch.packed, ALIGNED=self.aligned, COUNT_BAD=out_of_range is not None,
-            CACHED=cache is not None, LEADERS_ONLY=dedupe, ORDERED=sort, WAYS=hot_cache.WAYS,
+            CACHED=cache is not None or descriptor is not None, LEADERS_ONLY=dedupe, ORDERED=sort,
+            WAYS=hot_cache.WAYS, DESCRIBED=descriptor is not None,
             KEY_SHIFT=hot_cache.KEY_LAYER_SHIFT, SET_MUL=hot_cache.SET_MULTIPLIER,
             SKETCH_MUL0=hot_cache.SKETCH_MULTIPLIERS[0], SKETCH_MUL1=hot_cache.SKETCH_MULTIPLIERS[1],
         )
@@ -554,6 +621,18 @@ class GatherPlan:
                              f"cannot serve a plan on {self.device} with {self.row_bytes}-byte rows")
         if cache.n_layers != self.n_layers:
             raise ValueError(f"cache counts {cache.n_layers} layers, the plan has {self.n_layers}")
+
+    def _check_descriptor(self, descriptor: desc.TableDescriptor, packed: bool, dedupe: bool,
+                          cache: HotCache | None, out_of_range: Tensor | None) -> None:
+        if not isinstance(descriptor, desc.TableDescriptor):
+            raise TypeError(f"descriptor must be a TableDescriptor, got {type(descriptor).__name__}")
+        if packed or dedupe or cache is not None or out_of_range is not None:
+            raise ValueError("a described gather writes BF16 rows without dedupe, through the "
+                             "descriptor's cache and into its counter: no packed, dedupe, cache "
+                             "or out_of_range of its own")
+        if descriptor.device != self.device or descriptor.n_layers != self.n_layers:
+            raise ValueError(f"a descriptor of {descriptor.n_layers} layers on {descriptor.device} "
+                             f"for a plan of {self.n_layers} on {self.device}")
 
     def _check_ids(self, ids: Tensor) -> None:
         if not isinstance(ids, Tensor):

@@ -133,8 +133,8 @@ class HotCache:
                   "cursor": self.cursor.data_ptr(), "counters": self.counters.data_ptr(),
                   "log_mask": layout.log_entries - 1, "admit_min": admit_min,
                   "sketch_bits": layout.sketch_bits}
-        self.meta = torch.tensor([fields[name] for name in META_FIELDS], dtype=torch.int64,
-                                 device=self.device)
+        self.meta_words = tuple(fields[name] for name in META_FIELDS)
+        self.meta = torch.tensor(self.meta_words, dtype=torch.int64, device=self.device)
 
     def estimate(self, keys: Tensor) -> Tensor:
         """Count-min estimate (never below the true count since the last aging) of each key."""

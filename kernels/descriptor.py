@@ -1,0 +1,221 @@
+"""The descriptor a captured gather reads its tables through, and how it switches tables between
+two replays of a CUDA graph.
+
+A CUDA graph bakes a kernel's arguments in when it is captured. A mapped client's tables change
+under a live graph (a reload, a restarted daemon with other files), so a captured gather takes
+no table address as an argument: it takes this block, one int64 tensor on the device, and reads
+the tables' addresses (and the hot-row cache's) from it at every replay. The client rewrites the
+block; the graph is never captured again.
+
+The block holds two buffers, each a whole account of what a gather reads. Every program of a
+launch reads the buffer that ACTIVE names. The owner writes the other buffer, then names it in
+SELECT; the last program of a launch to end copies SELECT to ACTIVE. So tables switch between two
+launches, never inside one, and the buffer that was active is free once the owner has seen
+ACTIVE == SELECT. That holds while the launches of one descriptor run one after another, as the
+replays of graphs on one stream do (two at once would also race on the one slot they write).
+
+What the graph cannot follow (the tables unmapped, another geometry) poisons it: POISONED set in
+both buffers at once. A program that reads the flag reads no ID, table or cache, and writes NaN
+rows; its launch counts in POISONED_LAUNCHES, which the owner reports. A program that began
+before the flag landed may still read the old tables, so the owner synchronises the device
+before it frees them.
+
+    word  0  SELECT             the buffer the owner wants read (0 or 1); the owner writes it
+    word  1  ACTIVE             the buffer launches read; the last program of a launch writes it
+    word  2  BEGUN              programs of the launch under way that have begun (0 between launches)
+    word  3  ARRIVED            programs of the launch under way that have ended
+    word  4  LAUNCHES           launches ended
+    word  5  POISONED_LAUNCHES  launches that wrote NaN rows
+    word  6  OUT_OF_RANGE       owned IDs outside the tables, counted
+    word  7  SAW_POISON         a program of the launch under way read POISONED
+    buffer b at CONTROL_WORDS + b * buffer_words(n_layers):
+             POISONED, HAS_CACHE, n_layers x LAYER_FIELDS, the hot-row cache's META_FIELDS
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from engramd.kernels.hot_cache import META_FIELDS, HotCache
+
+CONTROL_WORDS = 8
+SELECT, ACTIVE, BEGUN, ARRIVED, LAUNCHES, POISONED_LAUNCHES, OUT_OF_RANGE, SAW_POISON = range(8)
+HEADER_WORDS = 2
+POISONED, HAS_CACHE = range(HEADER_WORDS)
+# A layer's row, in the plan's metadata as in a buffer: its table's address and rows, and the
+# rows [row_lo, row_hi) the shard owns.
+LAYER_FIELDS = ("address", "rows", "row_lo", "row_hi")
+CACHE_WORDS = len(META_FIELDS)
+# A buffer's cache fields when it has no cache: never dereferenced (HAS_CACHE masks every access),
+# but sizes that keep the kernel's index arithmetic defined.
+NO_CACHE = tuple(1 if name in ("sets", "sketch_bits") else 0 for name in META_FIELDS)
+
+
+def buffer_words(n_layers: int) -> int:
+    """int64 words of one buffer, rounded up to 64 bytes (the kernel computes the same)."""
+    return (HEADER_WORDS + n_layers * len(LAYER_FIELDS) + CACHE_WORDS + 7) // 8 * 8
+
+
+@dataclass(frozen=True)
+class Contents:
+    """What one buffer says: per layer (address, rows, row_lo, row_hi), the cache's fields."""
+
+    layers: tuple[tuple[int, int, int, int], ...]
+    cache: tuple[int, ...] | None = None
+
+    @classmethod
+    def of(cls, addresses: Sequence[int], rows: Sequence[int], row_ranges: Sequence[tuple[int, int]],
+           cache: HotCache | None = None) -> Contents:
+        layers = tuple((int(a), int(r), int(lo), int(hi))
+                       for a, r, (lo, hi) in zip(addresses, rows, row_ranges, strict=True))
+        return cls(layers, tuple(cache.meta_words) if cache is not None else None)
+
+    def words(self) -> list[int]:
+        """The buffer's words, padded to buffer_words."""
+        body = [0, int(self.cache is not None)]
+        for layer in self.layers:
+            body.extend(layer)
+        body.extend(self.cache if self.cache is not None else NO_CACHE)
+        return body + [0] * (buffer_words(len(self.layers)) - len(body))
+
+
+class TableDescriptor:
+    """One descriptor block on a device, and its owner's side of the protocol above.
+
+    `publish` asks for new contents (they take effect at the launch after next, once the one
+    before has been adopted); `poison` stops every launch from reading tables at once; `reads`
+    says whether a launch may still read what some contents described (their `owner`, kept by
+    the caller until it may not); `snapshot` reads the control words. Not thread-safe on its
+    own: the caller serialises publish, advance and poison; snapshots lock."""
+
+    def __init__(self, contents: Contents, device: torch.device, owner: Any = None):
+        self.n_layers = len(contents.layers)
+        self.device = device
+        self._width = buffer_words(self.n_layers)
+        self.block = torch.zeros(CONTROL_WORDS + 2 * self._width, dtype=torch.int64, device=device)
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._lock = threading.Lock()  # snapshots come from the owner's threads and a cache keeper's
+        self._host = torch.zeros(CONTROL_WORDS, dtype=torch.int64,
+                                 pin_memory=device.type == "cuda")
+        self._copied: torch.cuda.Event | None = None
+        self._last = [0] * CONTROL_WORDS  # the control words as of the last finished copy
+        self.select = 0
+        self._owners: list[Any] = [owner, owner]  # what each buffer's launches read
+        self._pending: tuple[Contents, Any] | None = None
+        self.poisoned = False
+        for buffer in (0, 1):
+            self._write(self._buffer(buffer), contents.words())
+
+    @property
+    def out_of_range(self) -> Tensor:
+        """The kernel's out-of-range counter: one int64 word of the block."""
+        return self.block[OUT_OF_RANGE:OUT_OF_RANGE + 1]
+
+    def publish(self, contents: Contents, owner: Any) -> None:
+        """Launches are to read `contents` (owned by `owner`) from the launch after next; a
+        poisoned descriptor comes back to life with them."""
+        if contents.layers and len(contents.layers) != self.n_layers:
+            raise ValueError(f"{len(contents.layers)} layers for a descriptor of {self.n_layers}")
+        self._pending = (contents, owner)
+        self.poisoned = False
+        self.advance()
+
+    def advance(self, wait: bool = False) -> bool:
+        """Write the pending contents if the last ones were adopted (else try again later: no
+        launch has ended since); true when nothing is pending any more. `wait`: read the
+        control words now, not as of the last finished copy."""
+        if self._pending is None:
+            return True
+        if not self.adopted(wait):
+            return False
+        contents, owner = self._pending
+        other = 1 - self.select
+        self._write(self._buffer(other), contents.words())
+        self._write(SELECT, [other])
+        self.select, self._owners[other], self._pending = other, owner, None
+        return True
+
+    def adopted(self, wait: bool = False) -> bool:
+        """Whether a launch has ended on the buffer SELECT names (every later one reads it)."""
+        words = self.snapshot(wait)
+        return words[SELECT] == self.select and words[ACTIVE] == self.select
+
+    def poison(self) -> None:
+        """From now on launches read nothing and write NaN rows, until contents are published.
+        The caller synchronises the device before it frees what the tables were: a program that
+        began before the flag landed may still read them."""
+        self._pending = None
+        self.poisoned = True
+        for buffer in (0, 1):
+            self._write(self._buffer(buffer) + POISONED, [1])
+        self._owners = [None, None]
+
+    def reads(self, owner: Any) -> bool:
+        """Whether a launch may still read what `owner`'s contents described."""
+        if owner is None:
+            return False
+        readers = [self._owners[self.select]] if self.adopted() else self._owners
+        return any(r is owner for r in readers)
+
+    def snapshot(self, wait: bool = False) -> list[int]:
+        """The control words: on a GPU as of the last finished copy (the next one queued, on a
+        stream of the descriptor's own, never behind the engine's work), or copied now (`wait`)."""
+        if self._stream is None:
+            return self.block[:CONTROL_WORDS].tolist()
+        with self._lock:
+            if self._copied is not None and (wait or self._copied.query()):
+                self._copied.synchronize()
+                self._last, self._copied = self._host.tolist(), None
+            if self._copied is None:
+                with torch.cuda.stream(self._stream):
+                    self._host.copy_(self.block[:CONTROL_WORDS], non_blocking=True)
+                    self._copied = torch.cuda.Event()
+                    self._copied.record(self._stream)
+            if wait:
+                self._copied.synchronize()
+                self._last, self._copied = self._host.tolist(), None
+            return list(self._last)
+
+    def quiet(self) -> Quiet:
+        """A probe whose query() is true once every program that had begun by now has ended."""
+        return Quiet(self)
+
+    def _buffer(self, index: int) -> int:
+        return CONTROL_WORDS + index * self._width
+
+    def _write(self, at: int, words: list[int]) -> None:
+        """Write `words` at word `at`, landed when this returns (a GPU: from a stream of our
+        own, so behind none of the engine's work)."""
+        values = torch.tensor(words, dtype=torch.int64)
+        if self._stream is None:
+            self.block[at:at + len(words)] = values
+            return
+        with self._lock, torch.cuda.stream(self._stream):
+            self.block[at:at + len(words)].copy_(values.pin_memory(), non_blocking=True)
+            self._stream.synchronize()
+
+
+class Quiet:
+    """The hot-row cache keeper's grace over a descriptor's launches (client/shared/cache_keeper.py).
+
+    Made after the keeper's change to the cache landed: a program that begins after that reads
+    the change; one that had begun shows in BEGUN, and has ended once LAUNCHES moves past its
+    launch or BEGUN is seen at 0 (no launch under way)."""
+
+    def __init__(self, descriptor: TableDescriptor):
+        self._descriptor = descriptor
+        words = descriptor.snapshot(wait=True)
+        self._launches = words[LAUNCHES]
+        self._done = words[BEGUN] == 0
+
+    def query(self) -> bool:
+        if not self._done:
+            words = self._descriptor.snapshot(wait=True)
+            self._done = words[BEGUN] == 0 or words[LAUNCHES] > self._launches
+        return self._done

@@ -1,0 +1,226 @@
+"""A gather that reads its tables through a descriptor block (kernels/descriptor.py), under
+Triton's CPU interpreter, against the plain-torch reference.
+
+What a CUDA graph records is one launch with fixed arguments; each call here stands for one
+replay of it. The descriptor must switch tables between two launches and never inside one,
+poison to NaN rows that read nothing, and count what the owner reports.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from reference import assert_same, exec_fresh, small_geometry, triton_interpreter
+
+from engramd.client.geometry import DEAD_ID
+from engramd.kernels import descriptor as desc
+from engramd.kernels import gather_ref
+
+pytest.importorskip("triton")
+
+BLOCK_ROWS = 64
+PROGRAMS = 3  # more than one program: the last to end closes the launch
+
+
+@pytest.fixture(scope="module")
+def kt():
+    name = "engramd_gather_triton_described"
+    with triton_interpreter():
+        module = exec_fresh(name, importlib.util.find_spec("engramd.kernels.gather_triton").origin)
+    assert module._kernel_is_interpreted()
+    yield module
+    sys.modules.pop(name, None)
+
+
+def random_tables(geo, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (rows, geo.row_bytes), dtype=torch.uint8, generator=gen)
+            for rows in geo.rows]
+
+
+def lookup_ids(geo, tokens: int, seed: int) -> torch.Tensor:
+    """Rows in and out of the tables, DEAD, repeats."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(-3, max(geo.rows) + 5, (tokens, geo.n_layers, geo.heads), generator=gen)
+    ids[torch.rand(ids.shape, generator=gen) < 0.1] = DEAD_ID
+    ids[1::4] = ids[0]
+    return ids
+
+
+def contents_of(tables, shard, cache=None) -> desc.Contents:
+    return desc.Contents.of([t.data_ptr() for t in tables], [t.shape[0] for t in tables],
+                            shard.row_ranges, cache)
+
+
+class World:
+    """A plan over tables A, a descriptor first describing A, and a second set of tables B."""
+
+    def __init__(self, kt, shards: int = 1, rank: int = 0):
+        self.geo = small_geometry()
+        self.shard = self.geo.shard(rank, shards)
+        self.a, self.b = random_tables(self.geo, 1), random_tables(self.geo, 2)
+        self.plan = kt.GatherPlan(self.a, self.shard)
+        self.descriptor = desc.TableDescriptor(contents_of(self.a, self.shard), torch.device("cpu"), "A")
+
+    def launch(self, ids: torch.Tensor, sort: bool = False) -> torch.Tensor:
+        out = torch.empty(self.plan.output_shape(ids.shape[0]), dtype=torch.bfloat16)
+        self.plan(ids, out, descriptor=self.descriptor, num_programs=PROGRAMS, block_rows=BLOCK_ROWS,
+                  sort=sort)
+        return out
+
+    def want(self, tables, ids) -> tuple[torch.Tensor, int]:
+        return gather_ref.gather(tables, ids, self.shard)
+
+    def words(self) -> list[int]:
+        return self.descriptor.snapshot()
+
+
+@pytest.mark.parametrize("shards", [1, 2, 5])
+@pytest.mark.parametrize("sort", [False, True])
+def test_a_described_gather_equals_the_reference_and_counts_into_the_block(kt, shards, sort):
+    world = World(kt, shards, rank=shards - 1)
+    ids = lookup_ids(world.geo, 21, seed=shards)
+    want, want_bad = world.want(world.a, ids)
+    assert want_bad > 0, "the IDs must include out-of-range ones"
+    for launch in (1, 2):
+        assert_same(world.launch(ids, sort), want, f"launch {launch}, shard {shards - 1}/{shards}")
+        words = world.words()
+        assert words[desc.OUT_OF_RANGE] == launch * want_bad
+        assert words[desc.LAUNCHES] == launch
+        assert words[desc.BEGUN] == words[desc.ARRIVED] == 0, "a launch leaves its counts at zero"
+        assert words[desc.POISONED_LAUNCHES] == 0
+
+
+def test_tables_switch_at_the_launch_after_next_and_never_inside_one(kt):
+    world = World(kt)
+    ids = lookup_ids(world.geo, 40, seed=3)
+    from_a, from_b = world.want(world.a, ids)[0], world.want(world.b, ids)[0]
+    assert not torch.equal(from_a.view(torch.int16), from_b.view(torch.int16))
+    world.descriptor.publish(contents_of(world.b, world.shard), "B")
+    assert world.descriptor.reads("A") and world.descriptor.reads("B")
+    assert not world.descriptor.adopted()
+    # The launch that adopts B still reads A, all of its programs.
+    assert_same(world.launch(ids), from_a, "the adopting launch")
+    assert world.descriptor.adopted()
+    assert not world.descriptor.reads("A"), "A is free once B was adopted"
+    assert_same(world.launch(ids), from_b, "the launch after it")
+    assert_same(world.launch(ids), from_b, "and every later one")
+
+
+def test_contents_published_before_the_last_were_adopted_wait_their_turn(kt):
+    world = World(kt)
+    ids = lookup_ids(world.geo, 9, seed=4)
+    c = random_tables(world.geo, 3)
+    world.descriptor.publish(contents_of(world.b, world.shard), "B")
+    world.descriptor.publish(contents_of(c, world.shard), "C")  # B not adopted yet: C waits
+    assert world.descriptor.reads("A") and world.descriptor.reads("B")
+    assert not world.descriptor.reads("C")
+    assert_same(world.launch(ids), world.want(world.a, ids)[0], "adopts B")
+    assert world.descriptor.advance(), "B adopted: C is written"
+    assert_same(world.launch(ids), world.want(world.b, ids)[0], "reads B, adopts C")
+    assert_same(world.launch(ids), world.want(c, ids)[0], "reads C")
+    assert not world.descriptor.reads("A") and not world.descriptor.reads("B")
+
+
+def test_a_poisoned_descriptor_writes_nan_rows_counts_the_launches_and_reads_nothing(kt):
+    from engramd.kernels import hot_cache
+
+    world = World(kt)
+    layout = hot_cache.CacheLayout(sets=4, row_bytes=world.geo.row_bytes, sketch_bits=10,
+                                   log_entries=256)
+    cache = hot_cache.HotCache(layout, world.geo.n_layers, "cpu", admit_min=0)
+    world.descriptor.publish(contents_of(world.a, world.shard, cache), "A+cache")
+    ids = lookup_ids(world.geo, 12, seed=5)
+    world.launch(ids)  # adopts the cached contents
+    world.launch(ids)
+    reads = cache.counters.sum().item()
+    assert reads > 0, "the cache the descriptor names counts the reads"
+    bad = world.words()[desc.OUT_OF_RANGE]
+    world.descriptor.poison()
+    assert not world.descriptor.reads("A+cache")
+    for launch in (1, 2):
+        out = world.launch(ids)
+        assert (out.view(torch.int16) == 0x7FC0).all(), "every element of every row is NaN"
+        words = world.words()
+        assert words[desc.POISONED_LAUNCHES] == launch
+        assert words[desc.OUT_OF_RANGE] == bad, "no ID is read, none counted"
+        assert cache.counters.sum().item() == reads, "nor the cache touched"
+    # New contents bring it back: the adopting launch is still poisoned, the next reads them.
+    world.descriptor.publish(contents_of(world.b, world.shard), "B")
+    assert not world.descriptor.poisoned
+    assert (world.launch(ids).view(torch.int16) == 0x7FC0).all()
+    assert_same(world.launch(ids), world.want(world.b, ids)[0], "after the poison")
+    assert world.words()[desc.POISONED_LAUNCHES] == 3
+
+
+def test_without_a_cache_the_buffer_reads_the_tables_and_counts_in_no_cache(kt):
+    from engramd.kernels import hot_cache
+
+    world = World(kt)
+    layout = hot_cache.CacheLayout(sets=4, row_bytes=world.geo.row_bytes, sketch_bits=10,
+                                   log_entries=256)
+    cache = hot_cache.HotCache(layout, world.geo.n_layers, "cpu", admit_min=0)
+    ids = lookup_ids(world.geo, 12, seed=6)
+    world.descriptor.publish(contents_of(world.a, world.shard, cache), "cached")
+    world.launch(ids)
+    world.descriptor.publish(contents_of(world.a, world.shard), "uncached")
+    world.launch(ids)  # reads the cached buffer, adopts the uncached one
+    counted = cache.counters.sum().item()
+    assert_same(world.launch(ids), world.want(world.a, ids)[0], "without a cache")
+    assert cache.counters.sum().item() == counted
+
+
+def test_quiet_waits_for_the_launch_under_way_and_no_other(kt):
+    world = World(kt)
+    ids = lookup_ids(world.geo, 8, seed=7)
+    assert world.descriptor.quiet().query(), "no launch under way"
+    # A launch under way: programs have begun and not all ended.
+    world.descriptor.block[desc.BEGUN] = 2
+    probe = world.descriptor.quiet()
+    assert not probe.query()
+    world.launch(ids)  # stands for its end (ARRIVED counts from 0: this launch's last closes it)
+    assert probe.query()
+
+
+def test_a_described_gather_refuses_what_it_cannot_do(kt):
+    world = World(kt)
+    ids = lookup_ids(world.geo, 4, seed=8)
+    for bad, what in ((dict(packed=True), "packed"), (dict(dedupe=True), "dedupe"),
+                      (dict(out_of_range=torch.zeros(1, dtype=torch.int64)), "out_of_range")):
+        with pytest.raises(ValueError, match="described gather"):
+            world.plan(ids, descriptor=world.descriptor, **bad)
+    other = desc.TableDescriptor(desc.Contents(((0, 0, 0, 0),)), torch.device("cpu"))
+    with pytest.raises(ValueError, match="descriptor of 1 layers"):
+        world.plan(ids, descriptor=other)
+    with pytest.raises(ValueError, match="3 layers"):
+        world.descriptor.publish(desc.Contents(((0, 0, 0, 0),) * 3), None)
+
+
+def test_a_poisoned_launch_reads_no_table_even_at_an_unmapped_address():
+    """Poisoned buffers whose tables are gone (an address nothing maps): the launch must not
+    touch them. Run in a process of its own, since a read there would kill it."""
+    script = textwrap.dedent("""
+        import importlib.util, sys, torch, triton
+        sys.path.insert(0, "tests")
+        from reference import exec_fresh, small_geometry, triton_interpreter
+        from engramd.kernels import descriptor as desc
+        with triton_interpreter():
+            kt = exec_fresh("kt", importlib.util.find_spec("engramd.kernels.gather_triton").origin)
+        geo = small_geometry()
+        shard = geo.shard(0, 1)
+        tables = [torch.zeros(rows, geo.row_bytes, dtype=torch.uint8) for rows in geo.rows]
+        gone = desc.Contents.of([4096] * geo.n_layers, geo.rows, shard.row_ranges)
+        d = desc.TableDescriptor(gone, torch.device("cpu"))
+        d.poison()
+        ids = torch.zeros(5, geo.n_layers, geo.heads, dtype=torch.int64)
+        out = kt.GatherPlan(tables, shard)(ids, descriptor=d, num_programs=2)
+        assert (out.view(torch.int16) == 0x7FC0).all()
+        print("poisoned: read nothing")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0 and "read nothing" in done.stdout, done.stderr[-2000:]
