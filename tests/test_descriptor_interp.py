@@ -190,8 +190,8 @@ def test_quiet_waits_for_the_launch_under_way_and_no_other(kt):
 def test_a_described_gather_refuses_what_it_cannot_do(kt):
     world = World(kt)
     ids = lookup_ids(world.geo, 4, seed=8)
-    for bad, what in ((dict(packed=True), "packed"), (dict(dedupe=True), "dedupe"),
-                      (dict(out_of_range=torch.zeros(1, dtype=torch.int64)), "out_of_range")):
+    for bad in (dict(packed=True), dict(dedupe=True),
+                dict(out_of_range=torch.zeros(1, dtype=torch.int64))):
         with pytest.raises(ValueError, match="described gather"):
             world.plan(ids, descriptor=world.descriptor, **bad)
     other = desc.TableDescriptor(desc.Contents(((0, 0, 0, 0),)), torch.device("cpu"))
