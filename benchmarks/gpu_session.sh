@@ -23,6 +23,10 @@
 #                      and the killed-mid-lookup test, no MPS; FAULTS_K: a pytest -k
 #                      expression for a part of them                              gpu_tests_faults.log
 #   faults-mps         the same under MPS                                         gpu_tests_faults_mps.log
+#   captured-repeat    captured lookups across a reload and a daemon restart
+#                      (tests/gpu/test_captured_gpu.py), CAPTURED_REPEAT runs (20)
+#                      in a row, the first under compute-sanitizer's memcheck
+#                      where it is installed                                      gpu_tests_captured.log
 # Benchmarks (in results.tgz: each its .json and .md in <name>/, its output in <name>.log):
 #   lookup             benchmarks/gpu_lookup.py, 16 GiB, without and under MPS    lookup/
 #   lookup-host        benchmarks/lookup_host.py: host time of one lookup         lookup_host/
@@ -31,6 +35,9 @@
 #                      modes, 3 rounds of 80 steps a cell                         step_text/
 #   step-gather-at     step-text's cells with the variants of docs/performance.md's
 #                      model-step figure (mapped at the wait, and in lookup())    step_gather_at/
+#   captured-step      benchmarks/captured_step.py, both MPS modes: the whole step in a
+#                      CUDA graph, engramd's captured lookup against an in-process
+#                      gather captured alike                                      captured_step/
 #   attach             benchmarks/mapped_attach.py, 16 GiB: a mapped client's attach,
 #                      a daemon's restart to ready                                attach/
 #   attach-64          the same at 64 GiB in /dev/shm, two restarts               attach64/
@@ -121,6 +128,21 @@ phase_faults_mps() {  # the same under MPS
   mps_stop
   return "$rc"
 }
+phase_captured_repeat() {  # captured lookups across a reload and a restart, CAPTURED_REPEAT runs
+  local i rc=0 log="$out/gpu_tests_captured.log" tests=tests/gpu/test_captured_gpu.py
+  if command -v compute-sanitizer >/dev/null; then  # reads of freed or unmapped memory, once
+    echo "# compute-sanitizer memcheck $(date -u +%H:%M:%S)" | tee -a "$log"
+    timeout -s INT 500 compute-sanitizer --tool memcheck --target-processes all \
+      python3 -m pytest "$tests" -q -s 2>&1 | tee -a "$log" | tail -8 || rc=1
+  else
+    echo "# no compute-sanitizer on this machine" | tee -a "$log"
+  fi
+  for i in $(seq "${CAPTURED_REPEAT:-20}"); do
+    echo "# run $i $(date -u +%H:%M:%S)" | tee -a "$log"
+    timeout -s INT 200 python3 -m pytest "$tests" -q -k "reload or restart" 2>&1 | tee -a "$log" | tail -3 || rc=1
+  done
+  return "$rc"
+}
 
 # --- benchmarks
 phase_lookup() {  # benchmarks/gpu_lookup.py, 16 GiB, without and under MPS
@@ -148,6 +170,10 @@ phase_step_gather_at() {  # step-text's cells: mapped (gather at the wait) again
   python3 benchmarks/model_step.py --mps both --steps 80 --rounds 3 --ids text --traces .traces \
     --variants compute inproc engramd mapped mapped_at_lookup \
     --mapped-sm-fraction 1=1.0 4=1.0 --out "$out/step_gather_at" 2>&1 | tee "$out/step_gather_at.log" | tail -30
+}
+phase_captured_step() {  # the whole step in a CUDA graph: engramd's captured lookup against in-process
+  python3 benchmarks/captured_step.py --mps both --out "$out/captured_step" 2>&1 \
+    | tee "$out/captured_step.log" | tail -40
 }
 phase_attach() {  # benchmarks/mapped_attach.py, 16 GiB: a mapped client's attach, restart to ready
   python3 benchmarks/mapped_attach.py --table-gib 16 --out "$out/attach" 2>&1 \

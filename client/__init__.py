@@ -2,11 +2,12 @@
 
     from engramd.client import EngramClient
 
-The public API is what this module exports (`__all__`): the client and its lookup future, the
-errors, the table geometry and the hasher; beside it, `engramd.client.adapter` (a model
-runner's adapter) and the engine plugins in `engramd.client.engines`, which engines load by
-their entry points. Every other module here is machinery the client and the daemon share (the
-wire, the slab and its counters, the handle socket, CUDA and pinning helpers): not an API.
+The public API is what this module exports (`__all__`): the client, its lookup future and the
+lookup a CUDA graph records (CapturedLookup), the errors, the table geometry and the hasher;
+beside it, `engramd.client.adapter` (a model runner's adapter) and the engine plugins in
+`engramd.client.engines`, which engines load by their entry points. The other modules here are
+the client's own machinery, and `engramd.client.shared` what the client and the daemon share
+(the wire, the slab and its counters, the handle socket, CUDA and pinning helpers): not an API.
 
 Names are imported on first use (PEP 562), so that a light user of the package (the CLI's
 `health`, which must answer a probe in well under a second) never loads torch.
@@ -18,8 +19,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _HOMES = {
-    "EngramClient": "client", "LookupFuture": "future",
+    "EngramClient": "client", "LookupFuture": "future", "CapturedLookup": "captured",
     "BadIdsError": "errors", "BadRequestError": "errors", "CudaUnavailableError": "errors",
+    "CaptureUnsupportedError": "errors", "ReplayFailedError": "errors",
     "DaemonUnavailableError": "errors", "LookupFailedError": "errors",
     "EngramError": "errors", "NotReadyError": "errors", "NotRegisteredError": "errors",
     "PermissionDeniedError": "errors", "ProtocolError": "errors", "ReplyTimeoutError": "errors",
@@ -29,6 +31,8 @@ _HOMES = {
 __all__ = [
     "BadIdsError",
     "BadRequestError",
+    "CaptureUnsupportedError",
+    "CapturedLookup",
     "CudaUnavailableError",
     "DEAD_ID",
     "DaemonUnavailableError",
@@ -42,16 +46,19 @@ __all__ = [
     "NotRegisteredError",
     "PermissionDeniedError",
     "ProtocolError",
+    "ReplayFailedError",
     "ReplyTimeoutError",
     "ShardView",
     "TableGeometry",
 ]
 
 if TYPE_CHECKING:
+    from engramd.client.captured import CapturedLookup
     from engramd.client.client import EngramClient
     from engramd.client.errors import (
         BadIdsError,
         BadRequestError,
+        CaptureUnsupportedError,
         CudaUnavailableError,
         DaemonUnavailableError,
         EngramError,
@@ -60,6 +67,7 @@ if TYPE_CHECKING:
         NotRegisteredError,
         PermissionDeniedError,
         ProtocolError,
+        ReplayFailedError,
         ReplyTimeoutError,
     )
     from engramd.client.future import LookupFuture

@@ -44,14 +44,17 @@ import numbers
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from engramd.client.captured import CapturedLookup, Captures
 from engramd.client.checks import check_ids, check_slot, check_sm_fraction
 from engramd.client.errors import (
     BadRequestError,
+    CaptureUnsupportedError,
     CudaUnavailableError,
     DaemonUnavailableError,
     EngramError,
@@ -170,6 +173,7 @@ class EngramClient:
         self._watchdog = Watchdog(self)  # the lease and the heartbeat thread (client/watchdog.py)
         self._dead: str | None = None
         self._pending: dict[int, LookupFuture] = {}
+        self._captures = Captures(self)  # captured lookups' slots and upkeep (client/captured.py)
         self._failed = FailedLookups()  # served GPU: lookups the daemon did not serve, unreported
         self._served = ServedGpu(self)  # served GPU: its lookups' bookkeeping (client/served.py)
         self._served_cpu = ServedCpu(self)  # served CPU: inline lookups (client/served.py)
@@ -200,8 +204,9 @@ class EngramClient:
         self._dead: str | None = None
         self._register(timeout or self.timeout)
 
-    def _reconnect(self) -> None:
-        """The daemon went away: register again, with backoff, until `reconnect_timeout`."""
+    def _reconnect(self, pause: Callable[[float], bool | None] = time.sleep) -> None:
+        """The daemon went away: register again, with backoff, until `reconnect_timeout`;
+        `pause(s)` between attempts, true to stop (rejoin.Stopped)."""
         gone = self._gone_reason()
         self._disconnect(keep_rows=True)
 
@@ -213,7 +218,7 @@ class EngramClient:
                 raise
 
         retry_until(attempt, time.monotonic() + self.reconnect_timeout, gone,
-                    self.reconnect_timeout, self.timeout)
+                    self.reconnect_timeout, self.timeout, pause)
         log.info("re-registered with daemon epoch %s as client %d", self.epoch, self.client_id)
 
     def _gone_reason(self) -> str:
@@ -297,6 +302,9 @@ class EngramClient:
     def _take_attachment(self, attachment: Attachment) -> None:
         """Map what the attach passed: the slab (served) or the tables (mapped, which gather
         by the daemon's `gather` policy)."""
+        if self.mode != "mapped":
+            self._mapped_path.lose_captured(f"the daemon serves this client in {self.mode} mode "
+                                            f"now: a captured lookup needs mapped tables")
         if self.mode == "mapped":
             self._mapped_path.map_tables(attachment)
             self._slab = self._rows.keep(LocalSlots, None, self.layout) or LocalSlots(self.layout, self.device)
@@ -428,11 +436,7 @@ class EngramClient:
         self._failed.raise_unreported()  # before anything else: the engine must hear of them
         if self.mode == "mapped":
             self._mapped_path.queue_gather()  # lookups reach the side stream in the order they were made
-            self._ride.close_replaced()  # a rejoin's (only a mapped client rejoins)
-        self._take_in()
-        if self._daemon_gone() and not self._ride.riding_through():
-            self._reconnect()
-        self._follow_tables()
+        self._keep_up()
         ids = check_ids(hash_ids, self.geometry, self.max_tokens)
         slot = check_slot(slot, self.slots)  # after a re-registration: its slots
         if self.mode == "mapped":
@@ -440,6 +444,17 @@ class EngramClient:
         if self.device.type == "cuda":
             return self._served.lookup(ids, stream or torch.cuda.current_stream(self.device.index), slot)
         return self._served_cpu.lookup(ids, slot)
+
+    def _keep_up(self, pause: Callable[[float], bool | None] = time.sleep) -> None:
+        """Before a lookup, and on the captured lookups' upkeep thread between replays
+        (client/captured.py): read the daemon's news, ride through or reconnect after its death
+        (`pause`: _reconnect's), follow a reload. Callers hold _tables_lock; the client is open."""
+        if self.mode == "mapped":
+            self._ride.close_replaced()  # a rejoin's (only a mapped client rejoins)
+        self._take_in()
+        if self._daemon_gone() and not self._ride.riding_through():
+            self._reconnect(pause)
+        self._follow_tables()
 
     def _track(self, future: LookupFuture) -> LookupFuture:
         self._pending[future.slot] = future
@@ -458,11 +473,33 @@ class EngramClient:
 
     def _take_turn(self, slot: int | None) -> int:
         """The slot a lookup fills: `slot` if named (the turn stays where it is), else the next
-        in turn."""
+        in turn; never one a captured lookup writes."""
         if slot is not None:
+            if slot in self._captures.slots:
+                raise BadRequestError(f"slot {slot} belongs to a captured lookup (capturable_lookup)")
             return slot
-        slot, self._next_slot = self._next_slot, (self._next_slot + 1) % self.slots
-        return slot
+        for _ in range(self.slots):
+            slot, self._next_slot = self._next_slot, (self._next_slot + 1) % self.slots
+            if slot not in self._captures.slots:
+                return slot
+        raise BadRequestError(f"all {self.slots} slots belong to captured lookups: register with more")
+
+    def capturable_lookup(self, ids: torch.Tensor, slot: int | None = None,
+                          sm_fraction: float | None = None) -> CapturedLookup:
+        """A lookup a CUDA graph can record (client/captured.py): `ids`, [T_max, n_layers, heads]
+        int32/int64 on this client's GPU, is the buffer the engine writes each step's IDs into;
+        the rows go to `slot` (default: the last one no captured lookup has), which lookup()
+        no longer takes. Record it with `record(T)` inside the capture, `check()` it off the
+        critical path; it follows reloads and daemon restarts without a new capture. Only a
+        mapped GPU client can make one (CaptureUnsupportedError otherwise)."""
+        if self.device.type != "cuda" or self.mode != "mapped":
+            raise CaptureUnsupportedError(
+                f"a {self.device.type} client in {self.mode} mode cannot record its lookups in a "
+                f"CUDA graph: only a mapped GPU client gathers on the engine's stream with no "
+                f"host work per step (served lookups are the daemon's work, a CPU client has no "
+                f"graphs)")
+        return self._captures.make(ids, slot, sm_fraction)
+
 
     # -- daemon death ---------------------------------------------------------------------------
 
@@ -495,8 +532,10 @@ class EngramClient:
     def close(self) -> None:
         """Release the registration and the slab mapping. Safe to call twice."""
         self._ride.stop()  # before the lock, which its thread may be waiting for
+        self._captures.stop()  # likewise
         with self._tables_lock:
             self._ride.close_replaced()
+            self._mapped_path.lose_captured("the client closed")  # before the slots go
             self._close()
 
     def _close(self) -> None:

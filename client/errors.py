@@ -121,6 +121,24 @@ class LookupFailedError(EngramError):
         self.seqs = tuple(seqs)
 
 
+class CaptureUnsupportedError(BadRequestError):
+    """A lookup a CUDA graph could record was asked of a client that cannot make one: only a
+    mapped GPU client gathers on the caller's stream with nothing on the host per step."""
+
+    code = "capture_unsupported"
+
+
+class ReplayFailedError(LookupFailedError):
+    """Replays of a captured lookup wrote NaN rows instead of table rows: its tables were
+    unmapped (the daemon went away, the client closed), or changed in a way a captured graph
+    cannot follow (another geometry, another mode). `replays` counts them. Raised by the
+    captured lookup's check(). Made by the client, never sent over the wire."""
+
+    def __init__(self, message: str, replays: int, *, epoch: str | None = None):
+        super().__init__(message, epoch=epoch)
+        self.replays = replays
+
+
 class ReplyTimeoutError(DaemonUnavailableError):
     """The daemon did not answer within the caller's timeout; it may still be alive and busy."""
 

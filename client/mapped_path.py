@@ -3,8 +3,8 @@ daemon's tables, into slots of its own.
 
 What the path holds: the mapping and the gather over it (on a GPU, a side stream and a hot-row
 cache of its own, client/shared/cache_keeper.py), the lookup whose gather waits to be queued (gather_at),
-a reload's tables while they are mapped and the replaced mappings until their last gathers ran,
-and the counts the daemon is told. The mapping, the plan and the gather themselves are
+a reload's tables while they are mapped and the replaced mappings until their last gathers ran
+(and until no captured lookup can read them: client/captured.py), and the counts the daemon is told. The mapping, the plan and the gather themselves are
 client/shared/mapped.py's; the registration, the lease and the rejoin after a daemon restart are the
 client's (client/client.py), which calls in here and whose `_tables_lock` orders this path's
 work between the lookup thread and the watch thread.
@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engramd.client.captured import CapturedLookup
 from engramd.client.errors import DaemonUnavailableError, EngramError, InternalError
 from engramd.client.future import ClientPath, LookupFuture
 from engramd.client.shared.cache_keeper import CacheKeeper, WarmUpTrace
@@ -66,6 +67,9 @@ class MappedPath(ClientPath):
         self.old_mappings: list[tuple[MappedTables, Any, Any]] = []
         self.remapping: PendingMapping | None = None  # a reload's tables, being mapped
         self.idle_follow_failed: int | None = None  # the tables seq the watch thread gave up on
+        # Lookups graphs recorded (client/captured.py), which follow what this path maps. A
+        # tuple, replaced whole: a cache keeper's thread reads it.
+        self.captured: tuple[CapturedLookup, ...] = ()
         self.reset_counts()
 
     def reset_counts(self) -> None:
@@ -94,6 +98,7 @@ class MappedPath(ClientPath):
             # gathers run on ours.
             self.side.wait_stream(torch.cuda.current_stream(self.device))
             self.out_of_range = DeviceCounterReader(self.gather.out_of_range)
+        self._follow_captured()
 
     def _gather_over(self, mapped: MappedTables, warm_fd: int | None = None,
                      counter: torch.Tensor | None = None):
@@ -119,7 +124,8 @@ class MappedPath(ClientPath):
         try:
             with torch.cuda.device(self.device):
                 keeper = CacheKeeper.over(mapped.device_rows(), budget, lambda: [side],
-                                          float(self._client._gather_policy.get("cache_refresh_s", 0.05)))
+                                          float(self._client._gather_policy.get("cache_refresh_s", 0.05)),
+                                          lambda: [c.descriptor.quiet() for c in self.captured])
         except Exception as exc:  # e.g. too small a budget (CacheConfigError), or out of memory
             log.warning("client %s gathers without a hot-row cache: %s", self._client.client_id, exc)
             return
@@ -164,7 +170,8 @@ class MappedPath(ClientPath):
             news = self._client._tables_news()
             if news is not None and news[1] == self.idle_follow_failed:
                 return  # it failed here once: the next lookup tries again, and raises
-            if news is None and self.remapping is None and not self.old_mappings:
+            if news is None and self.remapping is None and not self.old_mappings \
+                    and not any(c.waiting for c in self.captured):
                 return
             # On our side stream: the new plan's construction is ordered before our gathers and
             # waits for none of the engine's work.
@@ -198,6 +205,7 @@ class MappedPath(ClientPath):
         old, old_gather = self.tables, self.gather
         self.tables, self.gather = pending.tables, gather
         del gather
+        self._follow_captured()
         if old.keeper is not None:
             old.keeper.stop()  # nothing will read its cache once the gathers queued on it are done
         done = None  # CPU gathers ran inside their lookup() calls
@@ -216,13 +224,16 @@ class MappedPath(ClientPath):
         self.free_old_mappings()
 
     def free_old_mappings(self, wait: bool = False) -> None:
-        """Unmap replaced mappings whose last gathers are done, in the background (`wait`: all,
-        synchronising first, and waiting for the unmaps)."""
+        """Unmap replaced mappings whose last gathers are done and that no captured lookup can
+        read any more, in the background (`wait`: all, synchronising first, and waiting for the
+        unmaps; captured lookups were poisoned first, unmap)."""
+        for captured in self.captured:
+            captured.advance()  # what a replay has adopted since: the old contents may go
         kept, closing = [], []
         for mapped, done, gather in self.old_mappings:
             if wait and done is not None:
                 done.synchronize()
-            if done is None or done.query():
+            if (done is None or done.query()) and not any(c.reads(mapped) for c in self.captured):
                 closing.append(close_in_background(mapped))  # `gather` goes with this entry
             else:
                 kept.append((mapped, done, gather))
@@ -231,7 +242,14 @@ class MappedPath(ClientPath):
             thread.join()
 
     def unmap(self) -> None:
-        """Mapped mode: let go of the tables and of everything built on them."""
+        """Mapped mode: let go of the tables and of everything built on them; captured lookups
+        are poisoned first, and the device synchronised, so no replay reads what goes."""
+        if self.captured:
+            for captured in self.captured:
+                captured.unmapping("the client's tables were unmapped: its daemon went away or "
+                                   "it registered again")
+            for captured in self.captured:
+                captured.settle()
         mapped, side = self.tables, self.side
         self.tables, self.gather, self.side, self.out_of_range = None, None, None, None
         self.unqueued = None  # its wait() raises: the rows would come from a mapping now gone
@@ -246,6 +264,31 @@ class MappedPath(ClientPath):
 
             torch.cuda.synchronize(self.device)  # our gathers ran on it
             cuda.STREAMS.give(side)
+
+    # -- lookups graphs record (client/captured.py) ----------------------------------------------
+
+    def capture(self, ids: torch.Tensor, slot: int, sm_fraction: float | None) -> CapturedLookup:
+        client = self._client
+        captured = CapturedLookup(self, self.tables, ids, slot, client._slab.rows, client.geometry,
+                                  client.shard, client._gather_policy, sm_fraction)
+        self.captured = (*self.captured, captured)
+        return captured
+
+    def forget_captured(self, captured: CapturedLookup) -> None:
+        """A captured lookup closes: it reads nothing from now on, and its slot is free."""
+        with self._client._tables_lock:
+            captured.lose("this captured lookup was closed")
+            self.captured = tuple(c for c in self.captured if c is not captured)
+            self._client._captures.slots.discard(captured.slot)
+
+    def lose_captured(self, why: str) -> None:
+        """The client is no longer mapped (the daemon serves it now): no graph can follow."""
+        for captured in self.captured:
+            captured.lose(why)
+
+    def _follow_captured(self) -> None:
+        for captured in self.captured:
+            captured.follow(self.tables, self._client.geometry, self._client.shard)
 
     def lookup(self, ids: torch.Tensor, stream: torch.cuda.Stream | None,
                        slot: int | None, sm_fraction: float | None) -> LookupFuture:

@@ -113,6 +113,11 @@ class TableDescriptor:
             self._write(self._buffer(buffer), contents.words())
 
     @property
+    def pending(self) -> bool:
+        """Contents wait to be written: the last ones were not adopted yet."""
+        return self._pending is not None
+
+    @property
     def out_of_range(self) -> Tensor:
         """The kernel's out-of-range counter: one int64 word of the block."""
         return self.block[OUT_OF_RANGE:OUT_OF_RANGE + 1]

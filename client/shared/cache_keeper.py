@@ -7,8 +7,10 @@ Gathers read keys and rows while the keeper changes them, so a way changes in fo
 on the keeper's own stream:
 
     1. invalidate: the chosen ways' keys become EMPTY        (gathers now miss there: correct)
-    2. grace:      an event on every stream that runs gathers on this device; wait for all
-                   (every gather that could have seen an old key has finished)
+    2. grace:      an event on every stream that runs gathers on this device, and a probe of
+                   every captured lookup's descriptor (kernels/descriptor.py: graphs replay on
+                   streams the keeper does not know); wait for all (every gather that could
+                   have seen an old key has finished)
     3. fill:       copy the new rows from the host tables into those ways' pool slots
     4. publish:    write the new keys                         (the rows are there before the keys)
 
@@ -32,6 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -110,12 +113,16 @@ class CacheKeeper:
 
     def __init__(self, cache: HotCache, tables: Sequence[Tensor],
                  gather_streams: Callable[[], list[torch.cuda.Stream]],
-                 interval: float = 0.05, margin: int = 1, age_rows: int | None = None):
+                 interval: float = 0.05, margin: int = 1, age_rows: int | None = None,
+                 gather_probes: Callable[[], list[Any]] = list):
+        """`gather_probes`: objects whose query() is true once the gathers that had begun when
+        they were made have ended (descriptor.Quiet), beside the streams' events."""
         self.cache = cache
         self.tables = list(tables)
         self.table_rows = torch.tensor([t.shape[0] for t in tables], dtype=torch.int64,
                                        device=cache.device)
         self.gather_streams = gather_streams
+        self.gather_probes = gather_probes
         self.interval = interval
         self.margin = margin
         # Halving once per sketch width of reads keeps a counter's noise (other keys' reads) near
@@ -137,12 +144,13 @@ class CacheKeeper:
 
     @classmethod
     def over(cls, tables: Sequence[Tensor], budget_bytes: int,
-             gather_streams: Callable[[], list[torch.cuda.Stream]], interval: float) -> CacheKeeper:
+             gather_streams: Callable[[], list[torch.cuda.Stream]], interval: float,
+             gather_probes: Callable[[], list[Any]] = list) -> CacheKeeper:
         """The keeper of a new, empty cache of `budget_bytes` over `tables` (one per layer), on
         their device; not started. CacheConfigError for a budget too small for one set."""
         layout = hot_cache.CacheLayout.from_budget(budget_bytes, tables[0].shape[1])
         return cls(HotCache(layout, len(tables), tables[0].device), tables, gather_streams,
-                   interval=interval)
+                   interval=interval, gather_probes=gather_probes)
 
     def report(self) -> dict:
         """The stats snapshot, with the cache's size (`engramd stats`, hot_cache_stats())."""
@@ -284,7 +292,7 @@ class CacheKeeper:
         """Wait until every gather enqueued so far on this device has finished."""
         if self._stream is None:
             return True
-        events = [self._record(stream) for stream in self.gather_streams()]
+        events = [self._record(stream) for stream in self.gather_streams()] + self.gather_probes()
         started = time.monotonic()
         warned = False
         pause = GRACE_FIRST_PAUSE_S

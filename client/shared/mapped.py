@@ -93,11 +93,14 @@ class MappedTables:
             return [torch.from_numpy(a) for a in self.rows]
 
     def layer_tables(self) -> list[Any]:
-        """The kernel's view: device-visible addresses of the registered rows (UVA)."""
+        """The kernel's view: device-visible addresses of the registered rows (UVA); on the CPU
+        (the Triton interpreter), the mapping's own."""
         from engramd.kernels.gather_triton import LayerTable
 
+        addresses = (self._registration.addresses if self._registration is not None
+                     else [a.ctypes.data for a in self.rows])
         return [LayerTable(address, a.shape[0], a.shape[1], owner=self)
-                for address, a in zip(self._registration.addresses, self.rows, strict=True)]
+                for address, a in zip(addresses, self.rows, strict=True)]
 
     def device_rows(self) -> list[torch.Tensor]:
         """uint8 [rows, row_bytes] tensors on the GPU over the registered rows (reads go over UVA)."""

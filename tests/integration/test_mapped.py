@@ -523,3 +523,15 @@ def test_mapped_clients_are_told_the_daemons_gather_policy(daemon_factory):
                                              "cache_bytes": 2**29, "cache_refresh_s": 0.02}
     finally:
         mapped["sock"].close(0)
+
+
+@pytest.mark.parametrize("mode", ["mapped", "served"])
+def test_a_cpu_client_cannot_make_a_capturable_lookup_and_says_why(daemon_factory, mode):
+    from engramd.client import CaptureUnsupportedError
+
+    daemon = daemon_factory()
+    with EngramClient(daemon.socket, mode=mode, max_tokens=8) as client:
+        ids = torch.zeros(8, client.geometry.n_layers, client.geometry.heads, dtype=torch.int64)
+        with pytest.raises(CaptureUnsupportedError, match=f"cpu client in {mode} mode"):
+            client.capturable_lookup(ids)
+        assert client.lookup(ids).result().shape[1] == 8, "the client serves on"

@@ -1,0 +1,303 @@
+"""A mapped GPU lookup that a CUDA graph can record and replay: no host work per step.
+
+Engines replay their decode steps as CUDA graphs. A lookup that the graph records must make no
+host decision at replay: its IDs are read from a buffer the engine owns (written before each
+replay, or by kernels inside the graph), its rows go to a slot of the client's at a fixed
+address, and its tables are reached through a descriptor block (kernels/descriptor.py) that
+this module keeps pointing at what the client maps. A reload, a daemon restart or a standby
+takeover therefore needs no new capture: the client publishes the new tables into the
+descriptor, the replay after next reads them, and the old mapping is kept until no replay can
+read it (MappedPath.free_old_mappings asks `reads`). While the client has nothing mapped (its
+daemon went away and it registers again with other tables) and for good after a change the
+graph cannot follow (another geometry, a served registration), replays write NaN rows and
+`check()` raises ReplayFailedError: never another batch's rows, never a read of unmapped memory.
+
+What this is not: the mapping and its gathers outside graphs (client/mapped_path.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engramd.client.errors import BadIdsError, BadRequestError, EngramError, ReplayFailedError
+from engramd.kernels import descriptor as desc
+
+if TYPE_CHECKING:
+    from engramd.client.client import EngramClient
+    from engramd.client.geometry import ShardView, TableGeometry
+    from engramd.client.mapped_path import MappedPath
+    from engramd.client.shared.mapped import MappedTables
+
+log = logging.getLogger("engramd.client")
+UPKEEP_S = 0.1  # how often the upkeep thread looks at the daemon's news
+
+
+class CapturedLookup:
+    """A lookup of `ids[:T]` into slot `slot`'s rows, recorded with record(T) inside a graph
+    capture (any T up to the buffer's), replayed with the graph. Keep it as long as the graphs
+    that recorded it: they read its descriptor block."""
+
+    def __init__(self, path: MappedPath, mapped: MappedTables, ids: torch.Tensor, slot: int,
+                 rows: Callable[[int, int], torch.Tensor], geometry: TableGeometry, shard: ShardView,
+                 policy: dict[str, Any], sm_fraction: float | None):
+        """Over the client's `mapped` tables of `geometry` (`shard` of them), by the daemon's
+        gather `policy`; `rows(slot, tokens)` is the client's slot rows view."""
+        from engramd.kernels.gather_triton import GatherPlan, grid_programs
+
+        self._path = path
+        self.ids = ids
+        self.slot = slot
+        self.device = ids.device
+        self.geometry, self.shard = geometry, shard
+        self._rows = rows
+        # The kernel's variant (row size, alignment) and the sort's keys; the tables it reads are
+        # the descriptor's.
+        self._plan = GatherPlan(mapped.layer_tables(), shard, self.device)
+        self.descriptor = desc.TableDescriptor(self._contents(mapped), self.device, owner=mapped)
+        self._sort_from = int(policy.get("sort_min_tokens", 0))
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count \
+            if self.device.type == "cuda" else 2  # the interpreter's
+        self._programs = grid_programs(sms, sm_fraction if sm_fraction is not None
+                                       else float(policy.get("sm_fraction", 1.0)))
+        self._unmapped: str | None = None  # why its tables are unmapped now (until mapped again)
+        self._lost: str | None = None  # why the graph can never follow again
+        self._reported = 0  # poisoned launches already raised by check()
+        # On the CPU (the Triton interpreter) a launch runs on its caller's thread: settle()
+        # waits for it, as a device synchronise waits for a replay on the GPU.
+        self._launching = threading.Lock()
+        self._warm_up()
+
+    def _contents(self, mapped: MappedTables) -> desc.Contents:
+        tables = mapped.layer_tables()
+        cache = mapped.keeper.cache if mapped.keeper is not None else None
+        return desc.Contents.of([t.address for t in tables], [t.rows for t in tables],
+                                self.shard.row_ranges, cache)
+
+    def _warm_up(self) -> None:
+        """Compile and load the variants record() launches, now: a capture cannot load a module.
+        On a descriptor of their own, so that this one's counts are the engine's replays'."""
+        nothing = desc.Contents(((0, 0, 0, 0),) * self.geometry.n_layers)  # owns no rows, reads none
+        scratch = desc.TableDescriptor(nothing, self.device)
+        ids = torch.full((1, *self.ids.shape[1:]), -1, dtype=self.ids.dtype, device=self.device)
+        for sort in (False, True) if self._sort_from else (False,):
+            self._plan(ids, self.rows(1), num_programs=self._programs, sort=sort, descriptor=scratch)
+        self.settle()
+
+    # -- what the engine calls ------------------------------------------------------------------
+
+    def rows(self, tokens: int) -> torch.Tensor:
+        """The slot's rows a record(tokens) writes: bf16 [n_layers, tokens, local_heads, head_dim]."""
+        return self._rows(self.slot, tokens)
+
+    def record(self, tokens: int, stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+        """Queue the lookup of `ids[:tokens]` on `stream` (default: the current one), inside a
+        graph capture or not, and return its rows (rows(tokens)). Nothing in it waits for the
+        host or decides from the IDs: sorted reads, where the daemon's policy asks for them from
+        this many tokens on, are sorted on the device."""
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens <= self.ids.shape[0]:
+            raise BadRequestError(f"tokens {tokens!r}: this captured lookup's IDs buffer holds "
+                                  f"1..{self.ids.shape[0]}")
+        if self._lost is not None:
+            raise ReplayFailedError(self._lost, 0)
+        if stream is None and self.device.type == "cuda":
+            stream = torch.cuda.current_stream(self.device)
+        return self._launch(tokens, stream)
+
+    def _launch(self, tokens: int, stream: torch.cuda.Stream | None) -> torch.Tensor:
+        """The launch a graph records, and replays."""
+        out = self.rows(tokens)
+        with self._launching if self.device.type == "cpu" else nullcontext():
+            self._plan(self.ids[:tokens], out, stream=stream, num_programs=self._programs,
+                       sort=0 < self._sort_from <= tokens, descriptor=self.descriptor)
+        return out
+
+    def settle(self) -> None:
+        """Wait until every launch that has begun has ended (a GPU: the whole device's work)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        else:
+            with self._launching:
+                pass
+
+    def check(self) -> None:
+        """Raise ReplayFailedError if replays wrote NaN rows since the last check, or if the graph
+        can no longer follow the client's tables. Off the critical path: it reads the counts of
+        the last finished copy (one replay or so behind), never waits for the device."""
+        poisoned = self.descriptor.snapshot()[desc.POISONED_LAUNCHES]
+        failed, self._reported = poisoned - self._reported, max(poisoned, self._reported)
+        if failed > 0:
+            raise ReplayFailedError(f"{failed} replays of a captured lookup wrote NaN rows: "
+                                    f"{self._lost or self._unmapped or 'its tables were unmapped'}",
+                                    failed)
+        if self._lost is not None:
+            raise ReplayFailedError(self._lost, 0)
+
+    def counts(self) -> dict[str, int]:
+        """Replays ended, of them poisoned, out-of-range IDs: as of the last finished copy."""
+        words = self.descriptor.snapshot()
+        return {"replays": words[desc.LAUNCHES], "poisoned": words[desc.POISONED_LAUNCHES],
+                "out_of_range": words[desc.OUT_OF_RANGE]}
+
+    def close(self) -> None:
+        """Give the slot back; later replays write NaN rows (the block itself lives on with this
+        object, so a graph that still replays reads no freed memory)."""
+        self._path.forget_captured(self)
+
+    # -- what the client's mapped path calls ---------------------------------------------------
+
+    def follow(self, mapped: MappedTables, geometry: TableGeometry, shard: ShardView) -> None:
+        """The client maps `mapped` now, of `geometry` (`shard` of it): replays read it from the
+        launch after next, if the graph can follow (same geometry and shard, aligned rows), else
+        they stay poisoned for good."""
+        if geometry != self.geometry or shard != self.shard:
+            self.lose("the daemon's tables have another geometry or shard than when this lookup was "
+                      "captured: capture it again from a client of the new tables")
+            return
+        if self._plan.aligned and any(t.address % 8 for t in mapped.layer_tables()):  # pages: never
+            self.lose("the remapped tables are not 8-byte aligned, which the captured kernel assumes")
+            return
+        if self._lost is None:
+            self._unmapped = None
+            self.descriptor.publish(self._contents(mapped), mapped)
+
+    def unmapping(self, why: str) -> None:
+        """The client's tables go: poison now (the caller settles before it unmaps)."""
+        if not self.descriptor.poisoned:
+            self.descriptor.poison()
+        self._unmapped = self._unmapped or why
+
+    def lose(self, why: str) -> None:
+        """The graph can never follow the client's tables again. Synchronises the device: what
+        the tables were may go as soon as this returns."""
+        self.descriptor.poison()
+        self._lost = self._lost or why
+        self.settle()
+
+    def advance(self) -> None:
+        self.descriptor.advance()
+
+    @property
+    def waiting(self) -> bool:
+        """Contents wait to be published (the last ones not yet adopted by a replay)."""
+        return self.descriptor.pending
+
+    def reads(self, mapped: Any) -> bool:
+        return self.descriptor.reads(mapped)
+
+
+class Captures:
+    """A client's side of its captured lookups: the slots they write, which lookup() does not
+    take, and the upkeep thread, started with the first."""
+
+    def __init__(self, client: EngramClient):
+        self._client = client
+        self.slots: set[int] = set()
+        self._upkeep: Upkeep | None = None
+
+    def make(self, ids: torch.Tensor, slot: int | None, sm_fraction: float | None) -> CapturedLookup:
+        """EngramClient.capturable_lookup past its check of the mode (tests make one for a
+        mapped CPU client, the kernel under the Triton interpreter)."""
+        from engramd.client.checks import check_slot, check_sm_fraction
+
+        client = self._client
+        with client._tables_lock:
+            if client._conn is None:
+                raise BadRequestError("client is closed")
+            ids = check_ids_buffer(ids, client.geometry, client.max_tokens, client.device)
+            named = check_slot(slot, client.slots)
+            index = self._free_slot() if named is None else named
+            if index in self.slots:
+                raise BadRequestError(f"slot {index} already belongs to a captured lookup")
+            path = client._mapped_path
+            path.queue_gather()  # a lookup of that slot's: before the capture's warm-up settles
+            client._pending.pop(index, None)
+            captured = path.capture(ids, index, check_sm_fraction(sm_fraction))
+            self.slots.add(index)
+            if self._upkeep is None:
+                self._upkeep = Upkeep(self._keep_up, client.device)
+            return captured
+
+    def _free_slot(self) -> int:
+        """The last slot no captured lookup has."""
+        for slot in reversed(range(self._client.slots)):
+            if slot not in self.slots:
+                return slot
+        raise BadRequestError(f"all {self._client.slots} slots belong to captured lookups: "
+                              f"register with more")
+
+    def _keep_up(self, pause: Callable[[float], bool]) -> None:
+        """Upkeep thread: the client's _keep_up while no lookup() or close() holds it."""
+        client = self._client
+        if not client._tables_lock.acquire(blocking=False):
+            return
+        try:
+            if client._conn is not None:
+                client._keep_up(pause)
+        except EngramError as exc:  # e.g. no daemon to reconnect to: the replays stay poisoned
+            client._mapped_path.lose_captured(f"the client lost its daemon for good: {exc}")
+            raise
+        finally:
+            client._tables_lock.release()
+
+    def stop(self) -> None:
+        """close(): before the client's lock, which the thread may hold in a reconnect."""
+        if self._upkeep is not None:
+            self._upkeep.stop()
+
+
+class Upkeep:
+    """For an engine whose lookups are all captured, and so never calls lookup(): a thread that
+    does, every UPKEEP_S, what a lookup does first (`keep_up`: the client's _keep_up, when no
+    lookup holds the client), so that a daemon's death, a restart on other tables or a reload
+    reach the captured lookups without one. Ends at the first error (the client lost its daemon
+    for good: `keep_up` has poisoned the captured lookups) or at stop(), which also ends a
+    reconnect in flight between two attempts (`keep_up(pause)`)."""
+
+    def __init__(self, keep_up: Callable[[Callable[[float], bool]], None], device: torch.device):
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(keep_up, device),
+                                        name="engramd-captured-upkeep", daemon=True)
+        self._thread.start()
+
+    def _run(self, keep_up: Callable[[Callable[[float], bool]], None], device: torch.device) -> None:
+        from engramd.client.rejoin import Stopped
+        from engramd.client.shared import cuda
+
+        if device.type == "cuda":
+            cuda.make_current(device.index)  # a reconnect maps tables and builds gathers here
+        while not self._stop.wait(UPKEEP_S):
+            try:
+                keep_up(self._stop.wait)
+            except Stopped:
+                return
+            except EngramError as exc:
+                log.error("captured lookups: %s", exc)
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def check_ids_buffer(ids: Any, geometry: Any, max_tokens: int, device: torch.device) -> torch.Tensor:
+    """A captured lookup's IDs buffer: [T_max, n_layers, heads] int32/int64, contiguous, on the
+    client's GPU, T_max within the client's max_tokens."""
+    if not isinstance(ids, torch.Tensor):
+        raise BadIdsError(f"the IDs buffer must be a torch.Tensor, got {type(ids).__name__}")
+    if ids.dtype not in (torch.int32, torch.int64):
+        raise BadIdsError(f"the IDs buffer must be int32 or int64, got {ids.dtype}")
+    expected = (geometry.n_layers, geometry.heads)
+    if ids.dim() != 3 or tuple(ids.shape[1:]) != expected or not 1 <= ids.shape[0] <= max_tokens:
+        raise BadIdsError(f"the IDs buffer must have shape [T, {expected[0]}, {expected[1]}] with "
+                          f"1 <= T <= {max_tokens}, got {list(ids.shape)}")
+    if ids.device != device:
+        raise BadIdsError(f"the IDs buffer is on {ids.device}; the captured gather reads it on {device}")
+    if not ids.is_contiguous():
+        raise BadIdsError("the IDs buffer must be contiguous (a graph reads it at fixed addresses)")
+    return ids.detach()

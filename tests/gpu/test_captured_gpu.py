@@ -1,0 +1,177 @@
+"""Lookups recorded in CUDA graphs (client/captured.py) on a mapped GPU client: replays equal the
+reference bit for bit, follow a reload and a daemon restart without a new capture, and write NaN
+rows, which check() reports, while the client has no tables: never another table's rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers import point, reload, rows_match, wait_until
+from reference import random_ids
+from test_reload_gpu import CUDA
+
+from engramd.client import (
+    BadRequestError,
+    CaptureUnsupportedError,
+    EngramClient,
+    ReplayFailedError,
+)
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+MAX_TOKENS = 256
+
+
+def captured_graph(client: EngramClient, tokens: int, captured=None):
+    """(graph, captured lookup, its rows view): one record of `tokens` in a graph of its own."""
+    if captured is None:
+        buffer = torch.full((MAX_TOKENS, client.geometry.n_layers, client.geometry.heads), -1,
+                            dtype=torch.int64, device="cuda")
+        captured = client.capturable_lookup(buffer)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        rows = captured.record(tokens)
+    return graph, captured, rows
+
+
+def replay(graph, captured, rows, ids: np.ndarray) -> np.ndarray:
+    """Write `ids` into the buffer, replay, and return the rows as float64."""
+    captured.ids[:ids.shape[0]].copy_(torch.from_numpy(ids), non_blocking=False)
+    graph.replay()
+    torch.cuda.synchronize()
+    return rows.double().cpu().numpy()
+
+
+def settled(captured) -> dict[str, int]:
+    """Counts once the device is idle (counts() reads the last finished copy)."""
+    torch.cuda.synchronize()
+    captured.counts()
+    torch.cuda.synchronize()
+    return captured.counts()
+
+
+def outside(ids: np.ndarray, rows: list[int]) -> int:
+    return int(sum(((col != -1) & ((col < 0) | (col >= r))).sum()
+                   for col, r in zip(np.moveaxis(ids, 1, 0), rows, strict=True)))
+
+
+def test_replays_equal_the_reference_and_count_out_of_range_ids(daemon_factory, reference):
+    daemon = daemon_factory(extra=CUDA)
+    rng = np.random.default_rng(31)
+    with EngramClient(daemon.socket, device="cuda", mode="mapped", max_tokens=MAX_TOKENS) as client:
+        graphs = {}
+        captured = None
+        for tokens in (1, 16, MAX_TOKENS):
+            graphs[tokens] = captured_graph(client, tokens, captured)
+            captured = graphs[tokens][1]
+        bad = 0
+        hot = random_ids(rng, 32, reference.rows, reference.heads)
+        for step in range(30):
+            for tokens, (graph, _, rows) in graphs.items():
+                ids = (np.concatenate([hot] * 8)[:tokens] if step % 2
+                       else random_ids(rng, tokens, reference.rows, reference.heads))
+                got = replay(graph, captured, rows, ids)
+                assert rows_match(got, reference, ids), f"step {step}, {tokens} tokens"
+                bad += outside(ids, reference.rows)
+        counts = settled(captured)
+        assert counts == {"replays": 90, "poisoned": 0, "out_of_range": bad}
+        captured.check()
+        # lookup() keeps off the captured slot.
+        for _ in range(client.slots * 2):
+            future = client.lookup(torch.from_numpy(hot).cuda())
+            assert future.slot != captured.slot
+        with pytest.raises(BadRequestError, match="captured lookup"):
+            client.lookup(torch.from_numpy(hot).cuda(), slot=captured.slot)
+
+
+def test_replays_follow_a_reload_without_a_new_capture(daemon_factory, demo_checkpoint, reference,
+                                                       second_checkpoint, second_reference, tmp_path):
+    """With the hot-row cache refreshing every 5 ms under the replays (its grace waits for
+    them): each replay's rows are all of one checkpoint, the old until the switch, then the new
+    for good, and the old mapping goes once no replay can read it."""
+    current = tmp_path / "current"
+    point(current, demo_checkpoint)
+    daemon = daemon_factory(tables=current, extra=CUDA)
+    rng = np.random.default_rng(32)
+    hot = random_ids(rng, 16, reference.rows, reference.heads, out_of_range=0.0)
+    ids = np.concatenate([hot] * 4)
+    with EngramClient(daemon.socket, device="cuda", mode="mapped", max_tokens=MAX_TOKENS) as client:
+        graph, captured, rows = captured_graph(client, ids.shape[0])
+        for _ in range(100):  # long enough for the keeper to admit rows
+            assert rows_match(replay(graph, captured, rows, ids), reference, ids)
+        point(current, second_checkpoint)
+        status = reload(daemon)
+        assert (status["exit"], status["state"]) == (0, "done"), status
+        switched = 0
+        for step in range(5000):
+            got = replay(graph, captured, rows, ids)
+            if rows_match(got, second_reference, ids):
+                switched += 1
+                if switched == 50:
+                    break
+            else:
+                assert switched == 0, f"replay {step}: old rows after new ones"
+                assert rows_match(got, reference, ids), f"replay {step}: rows of neither checkpoint"
+        assert switched == 50, "the replays never read the reloaded tables"
+        wait_until(lambda: not client._mapped_path.old_mappings, timeout=30)
+        captured.check()
+        assert settled(captured)["poisoned"] == 0
+
+
+def test_a_daemon_restart_on_other_tables_gives_nan_replays_then_the_new_rows(
+        daemon_factory, reference, second_checkpoint, second_reference):
+    first = daemon_factory(instance="cap", extra=CUDA)
+    rng = np.random.default_rng(33)
+    ids = random_ids(rng, 48, reference.rows, reference.heads)
+    client = EngramClient(first.socket, device="cuda", mode="mapped", max_tokens=MAX_TOKENS,
+                          reconnect_timeout=120)
+    try:
+        graph, captured, rows = captured_graph(client, ids.shape[0])
+        assert rows_match(replay(graph, captured, rows, ids), reference, ids)
+        first.proc.kill()
+        first.proc.wait()
+        # No daemon: the client keeps its mapping, so replays go on reading it.
+        for _ in range(20):
+            assert rows_match(replay(graph, captured, rows, ids), reference, ids)
+        second = daemon_factory(instance="cap", tables=second_checkpoint, shm_dir=first.shm_dir,
+                                workdir=first.workdir, extra=CUDA)
+        seen = {"old": 0, "nan": 0, "new": 0}
+        for step in range(20000):
+            got = replay(graph, captured, rows, ids)
+            kind = ("new" if rows_match(got, second_reference, ids)
+                    else "old" if rows_match(got, reference, ids)
+                    else "nan" if np.isnan(got).all() else None)
+            assert kind is not None, f"replay {step}: rows of neither checkpoint, nor all NaN"
+            assert kind == "new" or seen["new"] == 0, f"replay {step}: {kind} after new rows"
+            seen[kind] += 1
+            if seen["new"] == 20:
+                break
+        assert seen["new"] == 20, f"never the new rows: {seen}"
+        assert seen["nan"] >= 1, "the adopting replay after the remap is a poisoned one"
+        assert settled(captured)["poisoned"] == seen["nan"]
+        with pytest.raises(ReplayFailedError) as failed:
+            captured.check()
+        assert failed.value.replays == seen["nan"]
+        captured.check()  # reported once
+        assert second.health()["ready"]
+    finally:
+        client.close()
+
+
+def test_a_closed_capture_writes_nan_and_what_cannot_capture_says_so(daemon_factory, reference):
+    daemon = daemon_factory(extra=CUDA)
+    ids = random_ids(np.random.default_rng(34), 8, reference.rows, reference.heads)
+    with EngramClient(daemon.socket, device="cuda", mode="mapped", max_tokens=MAX_TOKENS) as client:
+        graph, captured, rows = captured_graph(client, ids.shape[0])
+        assert rows_match(replay(graph, captured, rows, ids), reference, ids)
+        slot = captured.slot
+        captured.close()
+        assert np.isnan(replay(graph, captured, rows, ids)).all()
+        with pytest.raises(ReplayFailedError, match="closed"):
+            captured.check()
+        client.lookup(torch.from_numpy(ids).cuda(), slot=slot).wait()  # the slot is free again
+    with EngramClient(daemon.socket, device="cuda", mode="served", max_tokens=MAX_TOKENS) as served:
+        buffer = torch.zeros(4, served.geometry.n_layers, served.geometry.heads, dtype=torch.int64,
+                             device="cuda")
+        with pytest.raises(CaptureUnsupportedError, match="served mode"):
+            served.capturable_lookup(buffer)

@@ -1,0 +1,180 @@
+"""Captured lookups (client/captured.py) following what a mapped client maps, on a real daemon
+process: a reload, a restart on other tables with no lookup() calls (the upkeep thread), another
+geometry, and close.
+
+A CUDA graph needs a GPU; here the client is a mapped CPU client and the kernel runs under
+Triton's interpreter, so each launch (`_launch`, what record() queues and a graph replays)
+stands for one replay of a graph that recorded it. What is checked is what the GPU test (tests/gpu/test_captured_gpu.py) checks: every
+replay's rows are all of one checkpoint or all NaN, the old tables until the switch and never
+after, NaN replays reported by check(), the old mapping freed once no replay can read it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import numpy as np
+import pytest
+import torch
+from helpers import point, reload, rows_match, wait_until
+from reference import exec_fresh, random_ids, triton_interpreter
+
+from engramd.client import BadRequestError, EngramClient, ReplayFailedError
+from engramd.client.geometry import DEMO_CONFIG, TableGeometry
+from engramd.server.synthetic import write_synthetic_checkpoint
+
+pytest.importorskip("triton")
+
+TOKENS = 12
+UPKEEP_WAIT_S = 60.0
+
+
+@pytest.fixture
+def interpreted(monkeypatch):
+    """The gather kernel under the interpreter, where the captured lookup imports it from."""
+    with triton_interpreter():
+        module = exec_fresh("engramd.kernels.gather_triton",
+                            importlib.util.find_spec("engramd.kernels.gather_triton").origin)
+    monkeypatch.setitem(sys.modules, "engramd.kernels.gather_triton", module)
+    return module
+
+
+def capture(client: EngramClient):
+    buffer = torch.full((TOKENS, client.geometry.n_layers, client.geometry.heads), -1,
+                        dtype=torch.int64)
+    return client._captures.make(buffer, None, None)  # capturable_lookup, past its refusal of the CPU
+
+
+def replay(captured, ids: np.ndarray) -> np.ndarray:
+    captured.ids[:ids.shape[0]].copy_(torch.from_numpy(ids))
+    return captured._launch(ids.shape[0], None).double().numpy()
+
+
+def kind_of(rows: np.ndarray, ids: np.ndarray, old, new) -> str:
+    if rows_match(rows, new, ids):
+        return "new"
+    if rows_match(rows, old, ids):
+        return "old"
+    assert np.isnan(rows).all(), "rows of neither checkpoint, and not all NaN"
+    return "nan"
+
+
+def replays_until_new(captured, ids, old, new, enough: int, timeout: float) -> dict[str, int]:
+    """Replay until `enough` replays read the new tables; every one is old, NaN or new, in that
+    order (NaN may also come before old: a remap's adopting replay)."""
+    seen = {"old": 0, "nan": 0, "new": 0}
+
+    def step() -> bool:
+        kind = kind_of(replay(captured, ids), ids, old, new)
+        assert kind == "new" or seen["new"] == 0, f"{kind} rows after new ones: {seen}"
+        seen[kind] += 1
+        return seen["new"] >= enough
+
+    wait_until(step, timeout=timeout, step=0.0)
+    return seen
+
+
+def test_captured_replays_equal_the_reference_and_keep_their_slot(daemon_factory, reference,
+                                                                  interpreted):
+    daemon = daemon_factory()
+    rng = np.random.default_rng(41)
+    with EngramClient(daemon.socket, mode="mapped", max_tokens=TOKENS, slots=3) as client:
+        captured = capture(client)
+        assert captured.slot == 2, "the last free slot"
+        bad = 0
+        for tokens in (1, 5, TOKENS, 5):
+            ids = random_ids(rng, tokens, reference.rows, reference.heads)
+            assert rows_match(replay(captured, ids), reference, ids), f"{tokens} tokens"
+            bad += int(sum(((ids[:, layer] != -1) & ((ids[:, layer] < 0) | (ids[:, layer] >= rows))).sum()
+                           for layer, rows in enumerate(reference.rows)))
+        assert bad > 0
+        captured.ids.fill_(-1)  # DEAD: counts nothing
+        assert captured.record(TOKENS).shape == (len(reference.rows), TOKENS, reference.heads, 256)
+        assert captured.counts() == {"replays": 5, "poisoned": 0, "out_of_range": bad}
+        captured.check()
+        ids = random_ids(rng, 3, reference.rows, reference.heads)
+        assert {client.lookup(torch.from_numpy(ids)).slot for _ in range(6)} == {0, 1}
+        with pytest.raises(BadRequestError, match="belongs to a captured lookup"):
+            client.lookup(torch.from_numpy(ids), slot=2)
+        with pytest.raises(BadRequestError, match="already belongs"):
+            client._captures.make(captured.ids, 2, None)
+        with pytest.raises(BadRequestError, match="tokens 13"):
+            captured.record(TOKENS + 1)
+        captured.close()
+        assert np.isnan(replay(captured, ids)).all(), "a closed capture reads nothing"
+        with pytest.raises(ReplayFailedError, match="closed") as failed:
+            captured.check()
+        assert failed.value.replays == 1
+        assert {client.lookup(torch.from_numpy(ids)).slot for _ in range(6)} == {0, 1, 2}
+
+
+def test_captured_replays_follow_a_reload(daemon_factory, demo_checkpoint, reference,
+                                          second_checkpoint, second_reference, tmp_path, interpreted):
+    current = tmp_path / "current"
+    point(current, demo_checkpoint)
+    daemon = daemon_factory(tables=current)
+    ids = random_ids(np.random.default_rng(42), TOKENS, reference.rows, reference.heads)
+    with EngramClient(daemon.socket, mode="mapped", max_tokens=TOKENS) as client:
+        captured = capture(client)
+        assert rows_match(replay(captured, ids), reference, ids)
+        point(current, second_checkpoint)
+        status = reload(daemon)
+        assert (status["exit"], status["state"]) == (0, "done"), status
+        # No lookup() calls: the watch and upkeep threads map the new tables.
+        seen = replays_until_new(captured, ids, reference, second_reference, 3, UPKEEP_WAIT_S)
+        assert seen["nan"] == 0, f"a reload poisons nothing: {seen}"
+        wait_until(lambda: not client._mapped_path.old_mappings, timeout=UPKEEP_WAIT_S)
+        captured.check()
+        assert captured.counts()["poisoned"] == 0
+
+
+def test_a_restart_on_other_tables_reaches_the_captured_lookup_without_a_lookup_call(
+        daemon_factory, reference, second_checkpoint, second_reference, interpreted):
+    first = daemon_factory(instance="cap")
+    ids = random_ids(np.random.default_rng(43), TOKENS, reference.rows, reference.heads)
+    client = EngramClient(first.socket, mode="mapped", max_tokens=TOKENS, reconnect_timeout=60)
+    try:
+        captured = capture(client)
+        assert rows_match(replay(captured, ids), reference, ids)
+        first.proc.kill()
+        first.proc.wait()
+        for _ in range(3):  # the mapping stays: replays read it with no daemon
+            assert rows_match(replay(captured, ids), reference, ids)
+        daemon_factory(instance="cap", tables=second_checkpoint, shm_dir=first.shm_dir,
+                       workdir=first.workdir)
+        seen = replays_until_new(captured, ids, reference, second_reference, 3, UPKEEP_WAIT_S)
+        assert seen["nan"] >= 1, f"the replay that adopts the remap is poisoned: {seen}"
+        with pytest.raises(ReplayFailedError, match="unmapped") as failed:
+            captured.check()
+        assert failed.value.replays == seen["nan"]
+        captured.check()  # told once
+        assert rows_match(replay(captured, ids), second_reference, ids)
+    finally:
+        client.close()
+
+
+def test_a_restart_on_another_geometry_poisons_the_capture_for_good(daemon_factory, reference,
+                                                                    tmp_path, interpreted):
+    first = daemon_factory(instance="geo")
+    ids = random_ids(np.random.default_rng(44), TOKENS, reference.rows, reference.heads)
+    wider = write_synthetic_checkpoint(
+        TableGeometry.from_config({**DEMO_CONFIG, "engram_vocab_size": 700}), tmp_path / "wider", seed=1)
+    client = EngramClient(first.socket, mode="mapped", max_tokens=TOKENS, reconnect_timeout=60)
+    try:
+        captured = capture(client)
+        first.proc.kill()
+        first.proc.wait()
+        daemon_factory(instance="geo", tables=wider, shm_dir=first.shm_dir, workdir=first.workdir)
+        epoch = client.epoch
+        wait_until(lambda: client.epoch != epoch and client.client_id is not None, timeout=UPKEEP_WAIT_S)
+        for _ in range(3):
+            assert np.isnan(replay(captured, ids)).all()
+        with pytest.raises(ReplayFailedError, match="another geometry"):
+            captured.check()
+        with pytest.raises(ReplayFailedError, match="another geometry"):
+            captured.check()  # for good
+        with pytest.raises(ReplayFailedError, match="another geometry"):
+            captured.record(TOKENS)
+    finally:
+        client.close()
