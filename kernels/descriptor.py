@@ -100,6 +100,8 @@ class TableDescriptor:
         self._width = buffer_words(self.n_layers)
         self.block = torch.zeros(CONTROL_WORDS + 2 * self._width, dtype=torch.int64, device=device)
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        if self._stream is not None:  # the block's zeros were queued on the caller's stream
+            self._stream.wait_stream(torch.cuda.current_stream(device))
         self._lock = threading.Lock()  # snapshots come from the owner's threads and a cache keeper's
         self._host = torch.zeros(CONTROL_WORDS, dtype=torch.int64,
                                  pin_memory=device.type == "cuda")
