@@ -8,6 +8,13 @@
     ...
     x = engram.rows(layer_id=1)   # [T, local_heads, 256] bf16, valid in the runner's stream order
 
+    # a decode step replayed as a CUDA graph (a mapped GPU client): the lookup inside the graph
+    captured = engram.capturable_lookup()
+    state = engram.hash_into(captured, token_ids, state=state)   # each step, before the replay
+    with torch.cuda.graph(graph):
+        rows = captured.record(T)
+        x = engram.layer_rows(rows, layer_id=1)
+
 One object per rank. On the GPU it never synchronises the host: hashing runs on the caller's
 stream, the IDs are copied into the slot on that stream, and `rows()` makes the stream wait for
 the daemon's completion counter. On the CPU backend `rows()` blocks until the daemon answered.
@@ -24,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engramd.client.captured import CapturedLookup
 from engramd.client.client import EngramClient, LookupFuture
 from engramd.client.hashing import EngramHasher, HashState
 from engramd.client.token_map import build_token_map, default_tokenizer_path, load_token_map
@@ -66,11 +74,7 @@ class EngramRunnerAdapter:
         same requests (None: every chunk starts its sequence). `sm_fraction`: as
         EngramClient.lookup's (a mapped client's gather grid for this lookup).
         """
-        on_gpu = self.device.type == "cuda"
-        token_ids = token_ids.to(self.device, non_blocking=True)
-        with torch.cuda.stream(stream) if on_gpu and stream is not None else nullcontext():
-            ids, next_state = self.hasher.hash_batch(token_ids, cu_seqlens, dead, state,
-                                                     validate=not on_gpu)
+        ids, next_state = self._hash(token_ids, cu_seqlens, dead, state, stream)
         self._future = self.client.lookup(ids, stream, sm_fraction=sm_fraction)
         self._rows = None
         return next_state
@@ -79,16 +83,60 @@ class EngramRunnerAdapter:
         """`[T, local_heads, head_dim]` bf16 rows of Engram layer `layer_id` (backbone layer id)."""
         if self._future is None:
             raise RuntimeError("rows() before prefetch(): nothing was looked up for this step")
-        try:
-            index = self.geometry.layer_ids.index(layer_id)
-        except ValueError:
-            raise ValueError(f"layer {layer_id} has no Engram table; Engram layers: "
-                             f"{list(self.geometry.layer_ids)}") from None
+        index = self._layer_index(layer_id)
         if self.device.type == "cuda":
             return self._future.wait(stream)[index]  # one stream wait per call: any stream may ask
         if self._rows is None:
             self._rows = self._future.result()
         return self._rows[index]
+
+    def capturable_lookup(self, max_tokens: int | None = None) -> CapturedLookup:
+        """A lookup a CUDA graph can record (EngramClient.capturable_lookup), over an IDs buffer
+        of its own of `max_tokens` tokens (default: the client's). Each step `hash_into` writes
+        the step's hash IDs into it; inside the capture `record(T)` queues the gather of the
+        first T, and `layer_rows` picks a layer of its rows."""
+        geometry = self.geometry
+        buffer = torch.full((max_tokens or self.client.max_tokens, geometry.n_layers, geometry.heads),
+                            -1, dtype=torch.int64, device=self.device)
+        return self.client.capturable_lookup(buffer)
+
+    def hash_into(self, captured: CapturedLookup, token_ids: torch.Tensor,
+                  cu_seqlens: torch.Tensor | None = None, dead: torch.Tensor | None = None,
+                  state: HashState | None = None, stream: torch.cuda.Stream | None = None) -> HashState:
+        """prefetch()'s hashing, into `captured`'s IDs buffer (the first T of it) on `stream`
+        (default: the current one), before the replay that reads them; returns the carry."""
+        if token_ids.shape[0] > captured.ids.shape[0]:
+            raise ValueError(f"{token_ids.shape[0]} tokens; the captured lookup's buffer holds "
+                             f"{captured.ids.shape[0]}")
+        ids, next_state = self._hash(token_ids, cu_seqlens, dead, state, stream)
+        with self._on(stream):
+            captured.ids[:ids.shape[0]].copy_(ids, non_blocking=True)
+        return next_state
+
+    def _hash(self, token_ids: torch.Tensor, cu_seqlens: torch.Tensor | None,
+              dead: torch.Tensor | None, state: HashState | None,
+              stream: torch.cuda.Stream | None) -> tuple[torch.Tensor, HashState]:
+        """The hash IDs of a step's tokens, on `stream`; validated on the CPU only (on a GPU
+        that would synchronise)."""
+        token_ids = token_ids.to(self.device, non_blocking=True)
+        with self._on(stream):
+            return self.hasher.hash_batch(token_ids, cu_seqlens, dead, state,
+                                          validate=self.device.type != "cuda")
+
+    def _on(self, stream: torch.cuda.Stream | None):
+        return torch.cuda.stream(stream) if self.device.type == "cuda" and stream is not None \
+            else nullcontext()
+
+    def layer_rows(self, rows: torch.Tensor, layer_id: int) -> torch.Tensor:
+        """Layer `layer_id`'s `[T, local_heads, head_dim]` of a captured lookup's rows."""
+        return rows[self._layer_index(layer_id)]
+
+    def _layer_index(self, layer_id: int) -> int:
+        try:
+            return self.geometry.layer_ids.index(layer_id)
+        except ValueError:
+            raise ValueError(f"layer {layer_id} has no Engram table; Engram layers: "
+                             f"{list(self.geometry.layer_ids)}") from None
 
     def close(self) -> None:
         self.client.close()

@@ -178,3 +178,37 @@ def test_a_restart_on_another_geometry_poisons_the_capture_for_good(daemon_facto
             captured.record(TOKENS)
     finally:
         client.close()
+
+
+def test_the_adapter_hashes_into_a_captured_lookup_and_picks_its_layers(daemon_factory, reference,
+                                                                        interpreted):
+    """The runner adapter's capture path: hash_into writes a step's hash IDs into the buffer,
+    the launch reads them, layer_rows picks a layer; a CPU client refuses the public call."""
+    from engramd.client import CaptureUnsupportedError
+    from engramd.client.adapter import EngramRunnerAdapter
+
+    daemon = daemon_factory()
+    vocab = DEMO_CONFIG["engram_compressed_vocab_size"]
+    token_map = (np.arange(vocab + 1000) % vocab).astype(np.int32)  # raw token -> compressed ID
+    with EngramRunnerAdapter(daemon.socket, mode="mapped", max_tokens=TOKENS,
+                             token_map=token_map) as runner:
+        with pytest.raises(CaptureUnsupportedError, match="cpu client"):
+            runner.capturable_lookup()
+        buffer = torch.full((TOKENS, 2, reference.heads), -1, dtype=torch.int64)
+        captured = runner.client._captures.make(buffer, None, None)
+        tokens = torch.tensor([5, 17, 3, 3, 40, 9, 11], dtype=torch.int64)
+        state = runner.hash_into(captured, tokens)
+        ids = runner.hasher.hash(tokens).numpy()
+        assert np.array_equal(captured.ids[:7].numpy(), ids)
+        rows = captured._launch(7, None)
+        expected = reference.expected(ids)
+        for index, layer_id in enumerate(runner.geometry.layer_ids):
+            assert np.array_equal(runner.layer_rows(rows, layer_id).double().numpy(), expected[index])
+        with pytest.raises(ValueError, match="no Engram table"):
+            runner.layer_rows(rows, 7)
+        more = torch.tensor([2, 8], dtype=torch.int64)  # the next step carries the look-back
+        runner.hash_into(captured, more, state=state)
+        whole = runner.hasher.hash(torch.cat([tokens, more])).numpy()
+        assert np.array_equal(captured.ids[:2].numpy(), whole[7:])
+        with pytest.raises(ValueError, match="buffer holds 12"):
+            runner.hash_into(captured, torch.zeros(TOKENS + 1, dtype=torch.int64))
