@@ -38,13 +38,12 @@ with the restarted daemon (client/rejoin.py). One client object serves one threa
 
 from __future__ import annotations
 
-import itertools
 import logging
 import numbers
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +57,6 @@ from engramd.client.errors import (
     CudaUnavailableError,
     DaemonUnavailableError,
     EngramError,
-    InternalError,
     TablesChangedError,
 )
 from engramd.client.failures import FailedLookups
@@ -66,18 +64,11 @@ from engramd.client.future import LookupFuture
 from engramd.client.geometry import ShardView, TableGeometry
 from engramd.client.kept_rows import KeptRows
 from engramd.client.mapped_path import MappedPath
-from engramd.client.rejoin import RideThrough, release_quietly, retry_until
+from engramd.client.rejoin import RideThrough
 from engramd.client.served import CudaSlabView, MemfdSlabView, ServedCpu, ServedGpu
+from engramd.client.session import Session
 from engramd.client.shared.connection import Connection, default_socket_path
-from engramd.client.shared.handles import (
-    HANDLE_TIMEOUT_S,
-    Attachment,
-    attach,
-    check_access,
-    handle_socket_path,
-)
 from engramd.client.shared.mapped import LocalSlots, MappedTables
-from engramd.client.shared.messages import RegisterReply
 from engramd.client.shared.slab import SlabLayout
 from engramd.client.watchdog import Watchdog
 
@@ -123,6 +114,15 @@ def _require_cuda(device: torch.device) -> None:
 
 
 class EngramClient:
+    # What each registration sets (client/session.py, Session.adopt), read by every path.
+    geometry: TableGeometry
+    shard: ShardView
+    layout: SlabLayout
+    epoch: str
+    _token: str
+    _gather_policy: dict[str, Any]
+    _seqs: Iterator[int]
+
     def __init__(self, socket_path: str | os.PathLike | None = None, device: str | torch.device = "cpu",
                  tp_rank: int = 0, tp_size: int = 1, max_tokens: int = 1024, slots: int = 2,
                  timeout: float = DEFAULT_TIMEOUT_S, name: str = "",
@@ -162,12 +162,13 @@ class EngramClient:
         self._tables_lock = threading.RLock()
         self.timeout = timeout
         self.reconnect_timeout = reconnect_timeout
-        self._registration = (tp_rank, tp_size, max_tokens, slots, name)
+        self._asked = (tp_rank, tp_size, max_tokens, slots, name)  # what registering asks for
         self._conn: Connection | None = None
         self._slab: MemfdSlabView | CudaSlabView | LocalSlots | None = None
         self._rows = KeptRows()  # the slot memory that outlives a registration (client/kept_rows.py)
         self.registrations = 0  # how many times this client has registered
         self._slots_epoch = 0  # registrations that took the slots over (lookups made before are lost)
+        self._session = Session(self)  # registering, and again after a restart (client/session.py)
         self._ride = RideThrough(self)  # mapped: registering with a restarted daemon (client/rejoin.py)
         self._mapped_path = MappedPath(self)  # mapped: the mapping and its gathers (client/mapped_path.py)
         self._watchdog = Watchdog(self)  # the lease and the heartbeat thread (client/watchdog.py)
@@ -182,143 +183,10 @@ class EngramClient:
         self._warned_mps = False
         try:
             with self._tables_lock:  # the watch thread starts before the mapping is complete
-                self._connect()
+                self._session.connect()
         except BaseException:
             self.close()
             raise
-
-    def _connect(self, timeout: float | None = None) -> None:
-        """A fresh connection and registration (first start, or a new daemon epoch)."""
-        if not self.socket_path.exists():
-            raise DaemonUnavailableError(f"no daemon socket at {self.socket_path}")
-        # One round trip on the handle socket: a daemon that admits only some users drops the
-        # others' ZeroMQ connections unanswered, and this says why instead of a timeout.
-        check_access(handle_socket_path(self.socket_path), timeout or self.timeout)
-        self._conn = Connection(self.socket_path)
-        self.registrations += 1
-        self._slots_epoch += 1
-        self._pending: dict[int, LookupFuture] = {}
-        self._served.reset()
-        self._next_slot = 0
-        self._seqs = itertools.count(1)
-        self._dead: str | None = None
-        self._register(timeout or self.timeout)
-
-    def _reconnect(self, pause: Callable[[float], bool | None] = time.sleep) -> None:
-        """The daemon went away: register again, with backoff, until `reconnect_timeout`;
-        `pause(s)` between attempts, true to stop (rejoin.Stopped)."""
-        gone = self._gone_reason()
-        self._disconnect(keep_rows=True)
-
-        def attempt(timeout: float) -> None:
-            try:
-                self._connect(timeout=timeout)
-            except BaseException:
-                self._disconnect()  # never left half-registered: the next attempt starts afresh
-                raise
-
-        retry_until(attempt, time.monotonic() + self.reconnect_timeout, gone,
-                    self.reconnect_timeout, self.timeout, pause)
-        log.info("re-registered with daemon epoch %s as client %d", self.epoch, self.client_id)
-
-    def _gone_reason(self) -> str:
-        return self._dead or "the daemon is gone"
-
-    def _disconnect(self, keep_rows: bool = False) -> None:
-        """Drop the connection and the slab mapping without talking to the daemon; with
-        `keep_rows`, keep the slot memory's address for the next registration (KeptRows.keep)."""
-        self._watchdog.stop()
-        if isinstance(self._slab, CudaSlabView):
-            self._served.await_stopping_daemon()
-            self._served.release_waits()  # the daemon is gone or going: its counters may never move
-        try:
-            self._mapped_path.unmap()  # first: it synchronises the device, so no gather of ours still reads
-        finally:           # the old mapping or writes our slots
-            slab, self._slab = self._slab, None
-            if slab is not None and not (keep_rows and self._rows.hold(slab)):
-                slab.close()
-            self._watchdog.close_lease()
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
-            self.client_id = None
-
-    def _register_fields(self) -> dict[str, Any]:
-        """The register request's fields: who we are, where, and what we ask for."""
-        tp_rank, tp_size, max_tokens, slots, name = self._registration
-        wire_device, mps = "cpu", None
-        if self.device.type == "cuda":
-            from engramd.client.shared.cuda import device_uuid
-            from engramd.client.shared.mps import mps_state
-            wire_device = f"cuda:{device_uuid(self.device.index)}"
-            mps = mps_state(self.device.index).to_wire()
-        pinned = self.tables_id if self.pin_tables else None  # a re-registration names them
-        return dict(pid=os.getpid(), device=wire_device, tp_rank=tp_rank, tp_size=tp_size,
-                    max_tokens=max_tokens, slots=slots, name=name, mps=mps,
-                    mode=self.requested_mode, pin_tables=self.pin_tables, tables=pinned,
-                    warm_file=self.device.type == "cuda" and self._cache_cap != 0)
-
-    def _register(self, timeout: float) -> None:
-        reply = self._conn.call("register", timeout, **self._register_fields())
-        try:
-            self._adopt(reply)
-        except BaseException:  # the daemon registered us: it must not keep that for nothing
-            release_quietly(self._conn, reply.body.client_id, min(timeout, 2.0))
-            raise
-
-    def _adopt(self, reply: Any) -> None:
-        """Build what the register reply describes: the slab view or the mapped tables."""
-        f: RegisterReply = reply.body
-        self.mode = f.mode
-        self.mps = f.mps  # GPU clients: {"daemon", "client", "shared"}; CPU: None
-        if self.mode == "served" and self.mps is not None and not self.mps["shared"] and not self._warned_mps:
-            self._warned_mps = True
-            log.warning("engramd serves this GPU without a shared MPS server: each lookup's gather "
-                        "waits for this process's kernels instead of overlapping them (measured on "
-                        "an H200: +0.4-0.7 ms per decode step). Run nvidia-cuda-mps-control -d for "
-                        "the daemon and the engines (README, 'MPS').")
-        self.client_id = f.client_id
-        self.epoch = reply.epoch
-        self._read_tables(f.tables, f.tables_seq)  # what the daemon serves (None: it does not say)
-        self._tables_lost = None  # pinned: the daemon registered us, so it serves ours
-        self._heard_tables, self._token, self._gather_policy = None, f.token, f.gather
-        self._mapped_path.reset_counts()  # this registration's
-        self.geometry = TableGeometry.from_config(f.geometry, source="daemon register reply")
-        tp_rank, tp_size = self._registration[:2]
-        self.shard: ShardView = self.geometry.shard(tp_rank, tp_size)
-        if self.shard.local_heads != f.shard.get("local_heads"):
-            raise InternalError(f"daemon and client disagree on the shard: {f.shard!r}")
-        self.layout = SlabLayout.from_wire(f.layout)
-        # Attaching may wait behind other clients' slab allocations: the caller's whole timeout.
-        attachment = attach(handle_socket_path(self.socket_path), self.client_id, f.token,
-                            timeout=max(self.timeout, HANDLE_TIMEOUT_S))
-        self._watchdog.take_lease(attachment)
-        self._watchdog.start(f.heartbeat_interval)  # from now on: mapping tables may take seconds
-        try:
-            self._take_attachment(attachment)
-        finally:
-            attachment.close_descriptors()  # what was mapped keeps its memory
-
-    def _take_attachment(self, attachment: Attachment) -> None:
-        """Map what the attach passed: the slab (served) or the tables (mapped, which gather
-        by the daemon's `gather` policy)."""
-        if self.mode != "mapped":
-            self._mapped_path.lose_captured(f"the daemon serves this client in {self.mode} mode "
-                                            f"now: a captured lookup needs mapped tables")
-        if self.mode == "mapped":
-            self._mapped_path.map_tables(attachment)
-            self._slab = self._rows.keep(LocalSlots, None, self.layout) or LocalSlots(self.layout, self.device)
-        elif attachment.slab is None or attachment.slab_fd is None:
-            raise InternalError("the daemon attached a served client without a slab")
-        elif attachment.slab.get("kind") == "cuda_vmm":
-            self._slab = (self._rows.keep(CudaSlabView, attachment, self.layout)
-                          or CudaSlabView(attachment, self.layout, self.device))
-            self._served.warm_up()
-        elif attachment.slab.get("kind") == "memfd" and self.device.type == "cpu":
-            self._slab = (self._rows.keep(MemfdSlabView, attachment, self.layout)
-                          or MemfdSlabView(attachment.slab_fd, self.layout))
-        else:
-            raise InternalError(f"slab of kind {attachment.slab.get('kind')!r} for a {self.device} client")
 
     # -- reloads ----------------------------------------------------------------------------------
 
@@ -453,7 +321,7 @@ class EngramClient:
             self._ride.close_replaced()  # a rejoin's (only a mapped client rejoins)
         self._take_in()
         if self._daemon_gone() and not self._ride.riding_through():
-            self._reconnect(pause)
+            self._session.reconnect(pause)
         self._follow_tables()
 
     def _track(self, future: LookupFuture) -> LookupFuture:
@@ -566,7 +434,7 @@ class EngramClient:
             except EngramError:
                 pass  # the daemon is gone or already forgot us: nothing left to release
         try:
-            self._disconnect()
+            self._session.disconnect()
         finally:
             self._rows.close()  # a re-registration that never came
 

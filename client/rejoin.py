@@ -144,7 +144,7 @@ class RideThrough:
         if rejoin is None:
             if client.mode != "mapped" or client._mapped_path.tables is None:
                 return False
-            gone = client._gone_reason()
+            gone = client._session.gone_reason()
             self.rejoin = Rejoin(self.join_again, self.take_rejoined, self.drop_rejoined,
                                  time.monotonic() + client.reconnect_timeout, gone,
                                  client.reconnect_timeout, client.timeout)
@@ -155,7 +155,7 @@ class RideThrough:
             return True
         self.rejoin = None
         if rejoin.error is not None:
-            client._disconnect()
+            client._session.disconnect()
             raise rejoin.error
         return False  # a registration was made and let go: it did not fit
 
@@ -175,7 +175,7 @@ class RideThrough:
         check_access(handles, timeout)
         conn = Connection(client.socket_path)
         try:
-            reply = conn.call("register", timeout, **client._register_fields())
+            reply = conn.call("register", timeout, **client._session.register_fields())
             try:
                 attachment = attach(handles, reply.body.client_id, reply.body.token,
                                     timeout=max(client.timeout, HANDLE_TIMEOUT_S))
