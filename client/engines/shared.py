@@ -6,6 +6,8 @@ plugin replaces.
     ENGRAMD_MODE           auto | served | mapped (default auto): the client's mode
     ENGRAMD_HOT_CACHE_GIB  a mapped client's own hot-row cache cap (0: none; unset: the daemon's)
     ENGRAMD_GATHER_AT      wait | lookup (default wait): the client's gather_at
+    ENGRAMD_CAPTURE        off | on (default off): a mapped GPU worker's lookups are recorded in
+                           the engine's CUDA graphs (EngramClient.capturable_lookup; vLLM only)
 
 Every check raises the engine's own PluginError subclass, with a message that names the setting
 or the seam. What it is not: anything that imports an engine, or replaces anything in one.
@@ -23,6 +25,7 @@ from engramd.client.shared.connection import SOCKET_ENV
 MODE_ENV = "ENGRAMD_MODE"
 HOT_CACHE_ENV = "ENGRAMD_HOT_CACHE_GIB"
 GATHER_AT_ENV = "ENGRAMD_GATHER_AT"
+CAPTURE_ENV = "ENGRAMD_CAPTURE"
 
 # A seam: (class name or None for a module function, attribute, parameter names).
 Seam = tuple[str | None, str, tuple[str, ...]]
@@ -40,13 +43,15 @@ class Settings:
     mode: str = "auto"
     hot_cache_gib: float | None = None
     gather_at: str = "wait"
+    capture: bool = False
 
     @classmethod
     def from_environment(cls, error: type[PluginError]) -> Settings:
         """The settings of this process; `error` names a bad one before any worker registers."""
         return cls(os.environ[SOCKET_ENV], os.environ.get(MODE_ENV, "auto"),
                    hot_cache_cap(os.environ.get(HOT_CACHE_ENV), error),
-                   gather_at(os.environ.get(GATHER_AT_ENV), error))
+                   gather_at(os.environ.get(GATHER_AT_ENV), error),
+                   capture(os.environ.get(CAPTURE_ENV), error))
 
 
 def enabled() -> bool:
@@ -79,6 +84,15 @@ def gather_at(value: str | None, error: type[PluginError]) -> str:
     if value not in GATHER_AT:
         raise error(f"{GATHER_AT_ENV}={value!r}: expected one of {', '.join(GATHER_AT)}")
     return value
+
+
+def capture(value: str | None, error: type[PluginError]) -> bool:
+    """ENGRAMD_CAPTURE as a flag (off when unset or empty)."""
+    if not value or value == "off":
+        return False
+    if value != "on":
+        raise error(f"{CAPTURE_ENV}={value!r}: expected on or off")
+    return True
 
 
 def check_version(engine: str, version: str, supported: tuple[str, ...],

@@ -15,6 +15,8 @@ loaded. Then it replaces, on vLLM's `Engram` class, the methods that own the tab
 `mapped_hot_cache_gib`), for a vLLM that leaves its GPU little memory beside the KV cache.
 `ENGRAMD_GATHER_AT` (wait | lookup, default wait) is the client's `gather_at`: where a mapped
 client queues its gather, at the first Engram layer's wait for the rows or at the lookup.
+`ENGRAMD_CAPTURE` (off | on, default off): a mapped GPU worker records its lookups in vLLM's
+CUDA graphs, full ones included (engramd.client.engines.vllm_engram says how).
 
 What it is not: the replacements themselves, and nothing that vLLM's own hashing does (the hash
 IDs are vLLM's, computed once per forward by its `NgramHashState`).
@@ -90,7 +92,7 @@ def register() -> None:
 
     settings = shared.Settings.from_environment(VllmPluginError)
     if vllm_engram.install(engram, settings.socket, settings.mode, settings.hot_cache_gib,
-                           settings.gather_at):
+                           settings.gather_at, settings.capture):
         log.info("engramd plugin installed: Engram rows come from the daemon at %s",
                  os.environ[SOCKET_ENV])
 

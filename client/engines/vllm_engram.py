@@ -21,6 +21,14 @@ message, the stream wait) runs inside vLLM's `eager_break_during_capture`, as vL
 offloaded prefetch does, so it runs at every replay of a breakable CUDA graph; a full-graph
 capture, which would replay none of it, is refused.
 
+With ENGRAMD_CAPTURE=on a mapped GPU worker records its lookup in vLLM's graphs instead
+(client/captured.py): the staging slot is a captured lookup's, each layer's `prepare_embeddings`
+copies its hashes into the lookup's IDs buffer and the last local layer queues the gather on the
+current stream, `_ready_rows` returns the staged rows; no eager break, so full and piecewise
+graphs and eager steps run the same launch. A served worker keeps the eager breaks (logged).
+`check()` runs in the steps vLLM runs eagerly; a replayed graph's NaN rows (the client lost its
+tables) reach the model unreported until then.
+
 What replaces what, on vLLM's classes (vLLM binds the classes at import, so attributes of the
 classes are replaced, not the classes):
 - `Engram._create_embedding` -> `EngramdEmbedding`: zero-row table parameters whose weight loader
@@ -46,9 +54,12 @@ from vllm.models.deepseek_v41.common.engram import (
     eager_break_during_capture,
 )
 
+from engramd.client.captured import CapturedLookup
 from engramd.client.client import EngramClient, LookupFuture
 from engramd.client.engines import shared
+from engramd.client.engines.shared import CAPTURE_ENV
 from engramd.client.engines.vllm import VllmPluginError
+from engramd.client.errors import CaptureUnsupportedError
 from engramd.client.geometry import DEAD_ID, SCALE_BLOCK, TableGeometry
 
 log = logging.getLogger("engramd.vllm")
@@ -59,18 +70,21 @@ SLOTS = 2
 
 _originals: dict[str, object] = {}  # vLLM's own methods, for modules built before install
 # Where and how the process's client registers.
-_settings: dict = {"socket": "", "mode": "auto", "hot_cache_gib": None, "gather_at": "wait"}
+_settings: dict = {"socket": "", "mode": "auto", "hot_cache_gib": None, "gather_at": "wait",
+                   "capture": False}
 _process_rows: ProcessRows | None = None
 
 
 def install(engram_module, socket_path: str, mode: str, hot_cache_gib: float | None = None,
-            gather_at: str = "wait") -> bool:
+            gather_at: str = "wait", capture: bool = False) -> bool:
     """Replace the seams on vLLM's Engram class; False if this process did already.
-    `hot_cache_gib`, `gather_at`: the client's options of those names (EngramClient)."""
+    `hot_cache_gib`, `gather_at`: the client's options of those names (EngramClient);
+    `capture`: record a mapped GPU worker's lookups in vLLM's graphs (ENGRAMD_CAPTURE)."""
     cls = engram_module.Engram
     if _originals:
         return False
-    _settings.update(socket=socket_path, mode=mode, hot_cache_gib=hot_cache_gib, gather_at=gather_at)
+    _settings.update(socket=socket_path, mode=mode, hot_cache_gib=hot_cache_gib, gather_at=gather_at,
+                     capture=capture)
     _originals.update({name: getattr(cls, name) for name in REPLACED})
     cls._create_embedding = _create_embedding
     cls._init_staging = _init_staging
@@ -84,8 +98,10 @@ def install(engram_module, socket_path: str, mode: str, hot_cache_gib: float | N
 class ProcessRows:
     """The process's client and the lookup of the current forward, shared by its Engram layers."""
 
-    def __init__(self, client: EngramClient):
+    def __init__(self, client: EngramClient, capture: bool = False):
         self.client = client
+        # ENGRAMD_CAPTURE: the staging slot's lookup, recorded in vLLM's graphs (None: eager breaks)
+        self.captured = self._capture(client) if capture else None
         self.staged: dict[int, torch.Tensor] = {}  # layer index -> [max_tokens, local_heads, dim]
         self._ids: dict[int, torch.Tensor] = {}  # this step's IDs, per layer, until all are in
         self._future: LookupFuture | None = None
@@ -94,6 +110,19 @@ class ProcessRows:
         # What the model's layout was checked against (process_rows): a re-registration with a
         # restarted daemon must find the same tables.
         self._tables = shared.ServedTables(client, VllmPluginError, "vLLM")
+
+    @staticmethod
+    def _capture(client: EngramClient) -> CapturedLookup | None:
+        """The staging slot's captured lookup over an IDs buffer that starts all DEAD (layers of
+        other pipeline stages stay so), or None where the client cannot make one."""
+        geometry = client.geometry
+        ids = torch.full((client.max_tokens, geometry.n_layers, geometry.heads), DEAD_ID,
+                         dtype=torch.int32, device=client.device)
+        try:
+            return client.capturable_lookup(ids, slot=STAGED_SLOT)
+        except CaptureUnsupportedError as exc:
+            log.warning("%s=on, but this worker's lookups stay in eager breaks: %s", CAPTURE_ENV, exc)
+            return None
 
     @property
     def geometry(self) -> TableGeometry:
@@ -108,6 +137,8 @@ class ProcessRows:
         """One layer's `[T, heads]` IDs of this step; the last local layer's submit the lookup."""
         if layer in self._ids:  # a new step began before every layer of the last one handed in
             self._submit()
+        if self.captured is not None:  # into the lookup's buffer, in stream order (capturable)
+            self.captured.ids[:hash_ids.shape[0], layer].copy_(hash_ids, non_blocking=True)
         self._ids[layer] = hash_ids
         if len(self._ids) == len(self.staged):
             self._submit()
@@ -117,6 +148,11 @@ class ProcessRows:
         first = next(iter(parts.values()))
         self._tokens = first.shape[0]
         if self._tokens == 0:
+            return
+        if self.captured is not None:
+            self.captured.record(self._tokens)  # on the current stream: the rows follow in its order
+            if not _capturing():  # a check reads the host; in a replay no Python runs
+                self.captured.check()
             return
         # Layers of other pipeline stages (and any that did not hand in) look up nothing.
         ids = first.new_full((self._tokens, self.geometry.n_layers, self.geometry.heads), DEAD_ID)
@@ -131,7 +167,10 @@ class ProcessRows:
         if num_tokens > self._tokens:
             raise VllmPluginError(f"Engram layer {layer} asked for {num_tokens} tokens of rows; "
                                   f"this step looked up {self._tokens}")
-        self._await_rows()
+        if self.captured is None:
+            self._await_rows()
+        else:
+            self.check_still_served()
         return self.staged[layer][:num_tokens]
 
     def _await_rows(self) -> None:
@@ -170,7 +209,7 @@ def process_rows(layout) -> ProcessRows:
         except BaseException:
             client.close()
             raise
-        _process_rows = ProcessRows(client)
+        _process_rows = ProcessRows(client, _settings["capture"])
         atexit.register(_process_rows.close)
     return _process_rows
 
@@ -292,12 +331,17 @@ def _init_staging(self, max_tokens, head_dim):
 def _prepare_embeddings(self, hash_ids):
     if not _served(self):
         return _originals["prepare_embeddings"](self, hash_ids)
-    _hand_ids(self, hash_ids)
+    if self.embed_tokens.rows.captured is not None:  # device work only: in the graph
+        self.embed_tokens.rows.hand(self.layer_hash_index, hash_ids)
+    else:
+        _hand_ids(self, hash_ids)
 
 
 def _ready_rows(self, num_tokens):
     if not _served(self):
         return _originals["_ready_rows"](self, num_tokens)
+    if self.embed_tokens.rows.captured is not None:
+        return self.embed_tokens.rows.ready(self.layer_hash_index, num_tokens)
     _ready(self, num_tokens)
     return self.staged_rows[:num_tokens]
 
@@ -316,11 +360,16 @@ def _ready(engram, num_tokens: int) -> None:
     engram.embed_tokens.rows.ready(engram.layer_hash_index, num_tokens)
 
 
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _refuse_capture() -> None:
     """Inside an eager break no capture is running; a capture here would record this step's
     lookup once and replay its rows forever."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    if _capturing():
         raise VllmPluginError(
             "engramd lookups are host work at every step and cannot be captured into a full CUDA "
             "graph: run vLLM with breakable CUDA graphs (VLLM_USE_BREAKABLE_CUDAGRAPH=1, "
-            "cudagraph_mode PIECEWISE) or --enforce-eager")
+            "cudagraph_mode PIECEWISE) or --enforce-eager, or let a mapped GPU worker record its "
+            f"lookups in the graphs ({CAPTURE_ENV}=on)")

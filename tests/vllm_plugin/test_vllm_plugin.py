@@ -28,17 +28,20 @@ WORKER_TIMEOUT_S = 300  # vLLM's kernels under Triton's interpreter: tens of sec
 
 
 def worker(daemon, checkpoint: Path, port: int, rank: int = 0, world: int = 1,
-           mode: str = "auto", sp: bool = False) -> list[str]:
+           mode: str = "auto", sp: bool = False, capture: bool = False) -> list[str]:
     return [sys.executable, str(WORKER), "--socket", str(daemon.socket), "--checkpoint",
             str(checkpoint), "--rank", str(rank), "--world", str(world), "--port", str(port),
-            "--mode", mode, *(["--sp"] if sp else [])]
+            "--mode", mode, *(["--sp"] if sp else []), *(["--capture"] if capture else [])]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["served", "mapped"])
-def test_rows_embed_and_forward_are_vllms_and_the_ids_its_hashes(daemon_factory, demo_checkpoint, mode):
+@pytest.mark.parametrize("mode, capture", [("served", False), ("mapped", False), ("mapped", True)],
+                         ids=["served", "mapped", "mapped-captured"])
+def test_rows_embed_and_forward_are_vllms_and_the_ids_its_hashes(daemon_factory, demo_checkpoint,
+                                                                  mode, capture):
     daemon = daemon_factory()
-    run_client_processes([worker(daemon, demo_checkpoint, free_port(), mode=mode)], timeout=WORKER_TIMEOUT_S)
+    run_client_processes([worker(daemon, demo_checkpoint, free_port(), mode=mode, capture=capture)],
+                         timeout=WORKER_TIMEOUT_S)
 
 
 @pytest.mark.slow
@@ -76,6 +79,16 @@ def test_the_hot_cache_cap_is_read_from_the_environment_and_a_bad_one_named():
     for bad in ("-1", "nan", "two", "1e9"):
         with pytest.raises(plugin.VllmPluginError, match=f"ENGRAMD_HOT_CACHE_GIB='{bad}'"):
             plugin.hot_cache_cap(bad)
+
+
+def test_capture_is_read_from_the_environment_and_a_bad_value_named():
+    from engramd.client.engines import shared
+
+    assert not shared.capture(None, plugin.VllmPluginError)
+    assert not shared.capture("off", plugin.VllmPluginError)
+    assert shared.capture("on", plugin.VllmPluginError)
+    with pytest.raises(plugin.VllmPluginError, match="ENGRAMD_CAPTURE='yes'"):
+        shared.capture("yes", plugin.VllmPluginError)
 
 
 def test_the_gather_point_is_read_from_the_environment_and_a_bad_one_named():

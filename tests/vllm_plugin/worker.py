@@ -1,6 +1,7 @@
 """One vLLM worker process of the plugin tests: vLLM's own Engram modules beside the plugin's.
 
     python worker.py --socket S --checkpoint DIR --rank R --world W --port P [--sp] [--mode M]
+                     [--capture]
 
 Builds, on one TP rank (gloo, CPU, vLLM's kernels under Triton's interpreter), vLLM's Engram
 modules with their tables loaded from the checkpoint (the reference), then loads the plugins as
@@ -8,6 +9,10 @@ vLLM does (`load_general_plugins`, with ENGRAMD_SOCKET set), builds the same mod
 served by the daemon), and checks step by step that the rows, `embed` and `forward` are the same
 bits, and that the IDs the daemon got are the hashes vLLM's `NgramHashState` computed (and that
 engramd's own hasher agrees). Exits non-zero with the first difference.
+
+--capture sets ENGRAMD_CAPTURE=on: the staging slot's lookup is a captured one (no graph here:
+each step launches it eagerly, the kernel under Triton's interpreter like vLLM's); the CPU
+client's refusal of capturable_lookup is the one thing stood in for.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ def parse() -> argparse.Namespace:
     for flag in ("--rank", "--world", "--port"):
         parser.add_argument(flag, type=int, default=0)
     parser.add_argument("--sp", action="store_true", help="sequence parallelism")
+    parser.add_argument("--capture", action="store_true", help="ENGRAMD_CAPTURE=on")
     return parser.parse_args()
 
 
@@ -168,8 +174,14 @@ def main() -> None:
     from engramd.client.token_map import default_tokenizer_path
 
     device = types.SimpleNamespace(multi_processor_count=4)
+    from engramd.client import EngramClient
+
+    def capturable(client, ids, slot=None, sm_fraction=None):  # past the refusal of a CPU client
+        return client._captures.make(ids, slot, sm_fraction)
+
     with mock.patch("torch.cuda.get_device_properties", lambda *_: device), \
-         mock.patch("torch.accelerator.current_device_index", lambda: 0):
+         mock.patch("torch.accelerator.current_device_index", lambda: 0), \
+         mock.patch.object(EngramClient, "capturable_lookup", capturable):
         from vllm.config import set_current_vllm_config
         from vllm.models.deepseek_v41.common import engram
 
@@ -178,7 +190,8 @@ def main() -> None:
             reference = build_layers(engram, hf, layout, args.sp)
             load_tables(reference, layout, checkpoint)
 
-            os.environ.update(ENGRAMD_SOCKET=args.socket, ENGRAMD_MODE=args.mode)
+            os.environ.update(ENGRAMD_SOCKET=args.socket, ENGRAMD_MODE=args.mode,
+                              ENGRAMD_CAPTURE="on" if args.capture else "off")
             from vllm.plugins import load_general_plugins
 
             load_general_plugins()
@@ -188,7 +201,8 @@ def main() -> None:
             served = build_layers(engram, hf, layout, args.sp)
             run_checks(engram, layout, checkpoint, reference, served, args, vllm_engram,
                        default_tokenizer_path().parent)
-    print(f"rank {args.rank}: all equal ({vllm_engram._process_rows.client.mode} mode)")
+    captured = " captured" if vllm_engram._process_rows.captured is not None else ""
+    print(f"rank {args.rank}: all equal ({vllm_engram._process_rows.client.mode} mode{captured})")
 
 
 def run_checks(engram, layout, checkpoint, reference, served, args, vllm_engram, tokenizer_dir) -> None:
@@ -202,13 +216,23 @@ def run_checks(engram, layout, checkpoint, reference, served, args, vllm_engram,
     for layer in served:  # views of the client's staging slot, not buffers of their own
         assert layer.staged_rows.data_ptr() == staging[layer.layer_hash_index].data_ptr(), \
             f"layer {layer.layer_hash_index}: staged_rows is not the client's slot"
+    assert (rows.captured is not None) == args.capture, "ENGRAMD_CAPTURE did not reach the worker"
+    if args.capture:
+        assert rows.captured.slot == vllm_engram.STAGED_SLOT
     sent = []
     lookup = rows.client.lookup
-    rows.client.lookup = lambda ids, *rest, **kw: (sent.append(ids.clone()), lookup(ids, *rest, **kw))[1]
+    rows.client.lookup = lambda ids, *rest, **kw: (sent.append((ids.clone(), kw.get("slot"))),
+                                                    lookup(ids, *rest, **kw))[1]
     hashes, chunk = vllm_hashes(engram, layout, tokenizer_dir)
     same_bits("vLLM's hashes vs engramd's hasher", hashes, engramd_hashes(checkpoint, *chunk).to(hashes.dtype))
     compare_step("hashed chunk", reference, served, hashes, args, args.world)
-    same_bits("IDs of the step's one lookup, every layer's", sent[0], hashes)
+    if args.capture:  # no lookup() for the staged rows: the IDs are in the captured lookup's buffer
+        same_bits("IDs in the captured lookup's buffer, every layer's",
+                  rows.captured.ids[:hashes.shape[0]], hashes)
+        assert all(slot == vllm_engram.DIRECT_SLOT for _, slot in sent), \
+            "a captured worker looked its staged rows up with lookup()"
+    else:
+        same_bits("IDs of the step's one lookup, every layer's", sent[0][0], hashes)
     for tokens in (5, 64, 1):  # decode-sized and prefill-sized steps reuse the staging slot
         compare_step(f"raw IDs x {tokens}", reference, served, raw_ids(layout.num_embeddings, tokens),
                      args, args.world)
