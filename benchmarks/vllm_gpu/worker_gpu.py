@@ -1,7 +1,7 @@
 """One vLLM worker process on the GPU: vLLM's own offloaded Engram modules beside the plugin's.
 
     python benchmarks/vllm_gpu/worker_gpu.py --socket S --checkpoint DIR --port P
-        [--mode mapped|served|auto] [--check flow|scales] [--report FILE]
+        [--mode mapped|served|auto] [--capture] [--check flow|scales] [--report FILE]
 
 The GPU counterpart of tests/vllm_plugin/worker.py (whose helpers it imports): TP=1, vLLM's
 parallel state over gloo, vLLM's Engram modules built with EngramConfig(cpu_offload=True), so
@@ -66,6 +66,8 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--mode", default="mapped")
+    parser.add_argument("--capture", action="store_true",
+                        help="ENGRAMD_CAPTURE=on: the staged rows come from a captured lookup")
     parser.add_argument("--check", choices=("flow", "scales"), default="flow")
     parser.add_argument("--report", default="")
     args = parser.parse_args()
@@ -243,7 +245,8 @@ def main() -> None:
             cpu.load_tables(reference, layout, checkpoint)
             check_offloaded(reference)
 
-            os.environ.update(ENGRAMD_SOCKET=args.socket, ENGRAMD_MODE=args.mode)
+            os.environ.update(ENGRAMD_SOCKET=args.socket, ENGRAMD_MODE=args.mode,
+                              ENGRAMD_CAPTURE="on" if args.capture else "off")
             from vllm.plugins import load_general_plugins
 
             load_general_plugins()

@@ -54,9 +54,11 @@ pytestmark = [
 
 
 
-def run_worker(daemon, checkpoint: Path, mode: str, check: str, report: Path) -> dict:
+def run_worker(daemon, checkpoint: Path, mode: str, check: str, report: Path,
+               capture: bool = False) -> dict:
     cmd = [sys.executable, str(WORKER), "--socket", str(daemon.socket), "--checkpoint", str(checkpoint),
-           "--port", str(free_port()), "--mode", mode, "--check", check, "--report", str(report)]
+           "--port", str(free_port()), "--mode", mode, "--check", check, "--report", str(report),
+           *(["--capture"] if capture else [])]
     try:
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
     except subprocess.TimeoutExpired as exc:
@@ -95,10 +97,13 @@ def all_scales_checkpoint(tmp_path_factory) -> Path:
     return every_scale_byte(folder)
 
 
-@pytest.mark.parametrize("mode", ["mapped", "served"])
-def test_rows_embed_and_forward_are_vllms_offloaded_ones(daemon_factory, demo_checkpoint, tmp_path, mode):
+@pytest.mark.parametrize("mode, capture", [("mapped", False), ("served", False), ("mapped", True)],
+                         ids=["mapped", "served", "mapped-captured"])
+def test_rows_embed_and_forward_are_vllms_offloaded_ones(daemon_factory, demo_checkpoint, tmp_path,
+                                                         mode, capture):
+    """mapped-captured: ENGRAMD_CAPTURE=on, the staged rows a captured lookup's, launched eagerly."""
     daemon = daemon_factory(extra=["--backend", "cuda"])
-    report = run_worker(daemon, demo_checkpoint, mode, "flow", tmp_path / "report.json")
+    report = run_worker(daemon, demo_checkpoint, mode, "flow", tmp_path / "report.json", capture)
     assert report["client_mode"] == mode
 
 
