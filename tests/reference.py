@@ -170,3 +170,12 @@ def exec_fresh(name: str, origin: str):
     sys.modules[name] = module  # dataclasses resolve annotations through sys.modules
     spec.loader.exec_module(module)
     return module
+
+
+def interpreted_gather(name: str):
+    """A private copy of engramd.kernels.gather_triton whose kernels run under Triton's
+    interpreter, registered as `name` (drop it when done)."""
+    with triton_interpreter():
+        module = exec_fresh(name, importlib.util.find_spec("engramd.kernels.gather_triton").origin)
+    assert module._kernel_is_interpreted()
+    return module

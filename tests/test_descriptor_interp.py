@@ -8,14 +8,13 @@ poison to NaN rows that read nothing, and count what the owner reports.
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 import textwrap
 
 import pytest
 import torch
-from reference import assert_same, exec_fresh, small_geometry, triton_interpreter
+from reference import assert_same, interpreted_gather, small_geometry
 
 from engramd.client.geometry import DEAD_ID
 from engramd.kernels import descriptor as desc
@@ -30,10 +29,7 @@ PROGRAMS = 3  # more than one program: the last to end closes the launch
 @pytest.fixture(scope="module")
 def kt():
     name = "engramd_gather_triton_described"
-    with triton_interpreter():
-        module = exec_fresh(name, importlib.util.find_spec("engramd.kernels.gather_triton").origin)
-    assert module._kernel_is_interpreted()
-    yield module
+    yield interpreted_gather(name)
     sys.modules.pop(name, None)
 
 
@@ -205,12 +201,11 @@ def test_a_poisoned_launch_reads_no_table_even_at_an_unmapped_address():
     """Poisoned buffers whose tables are gone (an address nothing maps): the launch must not
     touch them. Run in a process of its own, since a read there would kill it."""
     script = textwrap.dedent("""
-        import importlib.util, sys, torch, triton
+        import sys, torch, triton
         sys.path.insert(0, "tests")
-        from reference import exec_fresh, small_geometry, triton_interpreter
+        from reference import interpreted_gather, small_geometry
         from engramd.kernels import descriptor as desc
-        with triton_interpreter():
-            kt = exec_fresh("kt", importlib.util.find_spec("engramd.kernels.gather_triton").origin)
+        kt = interpreted_gather("kt")
         geo = small_geometry()
         shard = geo.shard(0, 1)
         tables = [torch.zeros(rows, geo.row_bytes, dtype=torch.uint8) for rows in geo.rows]

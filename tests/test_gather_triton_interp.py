@@ -8,13 +8,12 @@ in test_gather_ref.py; here the kernel must reproduce it bit for bit (NaN compar
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 
 import numpy as np
 import pytest
 import torch
-from reference import assert_same, exec_fresh, small_geometry, triton_interpreter
+from reference import assert_same, interpreted_gather, small_geometry
 
 from engramd.client.geometry import DEAD_ID, ShardView, TableGeometry
 from engramd.kernels import gather_ref
@@ -29,9 +28,7 @@ SHARD_COUNTS = (1, 2, 4, 5, 7)
 def kt():
     """A private copy of engramd.kernels.gather_triton whose kernel runs in the interpreter."""
     name = "engramd_gather_triton_interpreted"
-    with triton_interpreter():
-        module = exec_fresh(name, importlib.util.find_spec("engramd.kernels.gather_triton").origin)
-    assert module._kernel_is_interpreted()
+    module = interpreted_gather(name)
     _skip_if_interpreter_too_old(module)
     yield module
     sys.modules.pop(name, None)

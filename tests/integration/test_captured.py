@@ -11,14 +11,13 @@ after, NaN replays reported by check(), the old mapping freed once no replay can
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 
 import numpy as np
 import pytest
 import torch
 from helpers import point, reload, rows_match, wait_until
-from reference import exec_fresh, random_ids, triton_interpreter
+from reference import interpreted_gather, random_ids
 
 from engramd.client import BadRequestError, EngramClient, ReplayFailedError
 from engramd.client.geometry import DEMO_CONFIG, TableGeometry
@@ -33,11 +32,10 @@ UPKEEP_WAIT_S = 60.0
 @pytest.fixture
 def interpreted(monkeypatch):
     """The gather kernel under the interpreter, where the captured lookup imports it from."""
-    with triton_interpreter():
-        module = exec_fresh("engramd.kernels.gather_triton",
-                            importlib.util.find_spec("engramd.kernels.gather_triton").origin)
+    module = interpreted_gather("engramd_gather_triton_captured")
     monkeypatch.setitem(sys.modules, "engramd.kernels.gather_triton", module)
-    return module
+    yield module
+    sys.modules.pop("engramd_gather_triton_captured", None)
 
 
 def capture(client: EngramClient):
