@@ -15,8 +15,9 @@ STALL = ["--stall-dump-s", "1"]  # the demo daemons beat every 0.2 s: the floor 
 def test_a_stalled_loop_dumps_every_threads_stack_and_serves_on(daemon_factory):
     daemon = daemon_factory(extra=STALL, env={"ENGRAMD_DEBUG_LOOP_STALL_S": "4"})
     wait_until(lambda: "Timeout (0:00:01)!" in daemon.log(), timeout=30)
-    log = daemon.log()
-    assert "in _housekeeping" in log[log.index("Timeout (0:00:01)!"):]  # where the loop stood
+    # The dump is written a thread at a time: read on until it names where the loop stood.
+    wait_until(lambda: "in _housekeeping" in daemon.log().partition("Timeout (0:00:01)!")[2],
+               timeout=30)
     assert probe(daemon.socket, "health", 30.0).body.ready  # it comes back, and serves
     assert daemon.stop() == 0
 
