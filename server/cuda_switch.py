@@ -27,10 +27,11 @@ from engramd.client.shared import cuda
 from engramd.client.shared.cache_keeper import CacheKeeper
 from engramd.kernels.gather_triton import GatherPlan, LayerTable, SlotGather
 from engramd.kernels.hot_cache import HotCache
-from engramd.server.cuda_backend import RELEASE_DEADLINE_S
+from engramd.server.cuda_slab import RELEASE_DEADLINE_S
 
 if TYPE_CHECKING:
-    from engramd.server.cuda_backend import CudaBackend, CudaSlab, GpuState, PinnedTables
+    from engramd.server.cuda_backend import CudaBackend, GpuState, PinnedTables
+    from engramd.server.cuda_slab import CudaSlab
 
 log = logging.getLogger("engramd.cuda")
 
