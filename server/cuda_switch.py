@@ -9,7 +9,7 @@ ones after it. What the switches replaced, and the old tables' pin, are let go o
 their own once every stream has passed that point (`_retire_tables`).
 
 Not the serving itself (cuda_backend.py), nor the reload's load or the daemon's side of the
-switch (reload.py, service.py).
+switch (reload.py, reload_control.py).
 """
 
 from __future__ import annotations

@@ -359,7 +359,7 @@ class Daemon:
         name = signal.Signals(signum).name
         if signum == signal.SIGHUP:
             try:
-                self.service.start_reload(name, self._reload_done)
+                self.service.reloads.start(name, self._reload_done)
             except EngramError as exc:
                 log.warning("%s: no reload: %s", name, exc.message)
             return
@@ -466,7 +466,7 @@ class Daemon:
         else:
             self._events.post("done", job)
 
-    # -- reload (server/service.py, server/reload.py) ------------------------------------------
+    # -- reload (server/reload_control.py, server/reload.py) -----------------------------------
 
     def _reload_done(self, reload: TableReload) -> None:
         self._events.post("reload_done", reload)  # from the reload's thread
@@ -474,7 +474,7 @@ class Daemon:
     def _event_reload_done(self, reload: TableReload) -> None:
         """The reload's tables are open and checked (or it failed): the service switches to
         them; every client hears."""
-        if not self.service.finish_reload(reload, lambda old: self._events.post("tables_retired", old)):
+        if not self.service.reloads.finish(reload, lambda old: self._events.post("tables_retired", old)):
             return
         tables_id = self.service.tables_id
         for identity in self.service.identities():  # a list: _send may reap
@@ -484,7 +484,7 @@ class Daemon:
 
     def _event_tables_retired(self, tables: list[HostTable]) -> None:
         """No gather of the daemon's reads these replaced tables any more: unmap them."""
-        self.service.tables_retired(tables)
+        self.service.reloads.tables_retired(tables)
         # What the old tables' caches and plans left in reference cycles was frozen at start:
         # thawed, it is collected (once, here), and what lives on is frozen again.
         gc.unfreeze()
@@ -493,7 +493,7 @@ class Daemon:
     # -- stop -----------------------------------------------------------------------------------
 
     def close(self) -> None:
-        self.service.cancel_reload()  # stops a load between chunks; its files go
+        self.service.reloads.cancel()  # stops a load between chunks; its files go
         if self._preload is not None:  # the tables, if the loader never took them
             try:
                 self._preload.abandon()

@@ -20,6 +20,7 @@ import zmq
 from engramd.client.errors import EngramError, InternalError, PermissionDeniedError
 from engramd.client.shared.handles import PeerCredentials, error_reply, ok_reply
 from engramd.client.shared.messages import (
+    AttachReply,
     AttachRequest,
     DrainReply,
     DrainRequest,
@@ -27,7 +28,9 @@ from engramd.client.shared.messages import (
     ReloadRequest,
     TablesRequest,
 )
+from engramd.server.grants import attach_reply
 from engramd.server.leases import Leases
+from engramd.server.registry import ClientRecord
 from engramd.server.reload import TableReload
 from engramd.server.service import Service
 from engramd.server.throttle import ThrottledBy
@@ -70,10 +73,10 @@ class HandleRequests:
             fds: list[int] = []
             reply: Message
             if isinstance(request, TablesRequest):
-                reply, fds = self.service.grant_tables(request.client_id, request.token, peer)
+                reply, fds = self.service.reloads.grant_tables(request.client_id, request.token, peer)
             else:
                 reply = (self._admin_drain(peer) if isinstance(request, DrainRequest)  # admin operations
-                         else self.service.admin_reload(peer, self._reload_done)
+                         else self.service.reloads.ask(peer, self._reload_done)
                          if isinstance(request, ReloadRequest) else self.service.clients(peer))
             future.set_result((ok_reply(self.epoch, reply), fds))
         except Exception as exc:  # every asker gets its answer; the loop keeps serving
@@ -92,12 +95,24 @@ class HandleRequests:
         (mapped); `lease` (a duplicate of the connection, ours) becomes its lease, or is closed."""
         try:
             record = self.service.attach(request.client_id, request.token, peer)
-            reply, fds = self.service.attach_reply(record)
+            reply, fds = self._passed(record)
         except BaseException:
             os.close(lease)
             raise
         self._leases.begin(record.client_id, lease)
         return ok_reply(self.epoch, reply), fds
+
+    def _passed(self, record: ClientRecord) -> tuple[AttachReply, list[int]]:
+        """What an attached client maps, and the new descriptors to pass with it (the caller
+        closes them once sent). Where they cannot be made, the registration is retired and the
+        error raised."""
+        service = self.service
+        assert service.grants is not None  # the daemon serves with them (Daemon._event_loaded)
+        try:
+            return attach_reply(record, service.grants, service.tables_id, service.tables_seq)
+        except Exception:
+            service.retire_client(record.client_id, "retired (its descriptors could not be passed)")
+            raise
 
     def _admin_drain(self, peer: PeerCredentials) -> DrainReply:
         """Admin: stop accepting, finish in-flight lookups, then exit 0 (as on SIGTERM)."""
