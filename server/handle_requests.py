@@ -15,8 +15,6 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-import zmq
-
 from engramd.client.errors import EngramError, InternalError, PermissionDeniedError
 from engramd.client.shared.handles import PeerCredentials, error_reply, ok_reply
 from engramd.client.shared.messages import (
@@ -121,18 +119,3 @@ class HandleRequests:
             self._begin_stop(f"drain requested by pid {peer.pid} uid {peer.uid}")
         return DrainReply(in_flight=self.service.in_flight())
 
-
-def admit_only_allowed_peers(sock: zmq.Socket, service: Service) -> None:
-    """With allowed ids configured, libzmq refuses every other peer when it accepts the
-    connection, by the kernel's credentials (SO_PEERCRED) as the handle socket does: a
-    refused peer cannot send the daemon one byte (a flood, a huge message, a `stats` that
-    names the clients). libzmq also admits members of an allowed group by its group file;
-    the handle socket then checks the effective gid. Admins pass, so `engramd health` and
-    `drain` work for them."""
-    limits = service.limits
-    if limits.allowed_uids is None and limits.allowed_gids is None:
-        return
-    for uid in sorted({*(limits.allowed_uids or ()), *service.admins}):
-        sock.setsockopt(zmq.IPC_FILTER_UID, uid)
-    for gid in sorted(limits.allowed_gids or ()):
-        sock.setsockopt(zmq.IPC_FILTER_GID, gid)
