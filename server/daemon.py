@@ -113,7 +113,6 @@ class Daemon:
         self._loop_thread: int | None = None  # the thread of serve_forever
         self.notifier = Notifier()
         self.metrics = Metrics()
-        self._last_status = 0.0
         self._stop_deadline = float("inf")
         self._gathers_done: Callable[[], bool] | None = None  # stopping: the backend's probe
         self._overdue = Throttled(log)
