@@ -105,8 +105,8 @@ class HandleRequests:
         closes them once sent). Where they cannot be made, the registration is retired and the
         error raised."""
         service = self.service
-        assert service.grants is not None  # the daemon serves with them (Daemon._event_loaded)
         try:
+            assert service.grants is not None  # the daemon serves with them (Daemon._event_loaded)
             return attach_reply(record, service.grants, service.tables_id, service.tables_seq)
         except Exception:
             service.retire_client(record.client_id, "retired (its descriptors could not be passed)")

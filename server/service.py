@@ -18,7 +18,6 @@ it before reading a request; it only reads settings).
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from collections.abc import Callable
@@ -44,8 +43,6 @@ from engramd.server.registry import ClientRecord, ClientRegistry, Limits
 from engramd.server.reload_control import ReloadControl
 from engramd.server.report import ServiceReport
 from engramd.server.table_loader import LoadedTables
-
-log = logging.getLogger("engramd.daemon")
 
 
 class Service:
