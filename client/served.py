@@ -48,7 +48,7 @@ RELEASE_DEADLINE_S = 0.5  # for the NaN over rows the daemon did not write (inva
 STOPPING_SETTLE_S, SETTLE_POLL_S = 5.0, 0.001
 # How long the watchdog keeps storing the release after its daemon died: the dead process's last
 # gathers can still run for a moment and write older ROWS_DONEs over it (as the daemon's own
-# release repeats its stores: server/cuda_backend.py).
+# release repeats its stores: server/cuda_slab.py).
 RELEASE_REPEAT_S, RELEASE_REPEAT_PAUSE_S = 2.0, 0.01
 RECENT_LOOKUPS = 64  # served GPU lookups remembered by rid for their late error replies
 

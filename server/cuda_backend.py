@@ -5,9 +5,9 @@ ReadOnly, in parts of at most 64 GiB, client/shared/host_pin.py), usually before
 (table_loader.TablePreload); with unified addressing the device address of a registered byte is
 its host address, so one host copy serves every GPU of the node. Each client gets one slab on its
 GPU (found by UUID), allocated with CUDA's virtual memory API and passed to the client as a file
-descriptor over the handle socket, and its own daemon stream, so a
-client that stalls its stream stalls no other client's stream, except one that shares its
-hardware queue (streams beyond CUDA_DEVICE_MAX_CONNECTIONS, and every stream under MPS, share
+descriptor over the handle socket, and its own daemon stream (server/cuda_slab.py, with the
+slab's release when it is freed), so a client that stalls its stream stalls no other client's
+stream, except one that shares its hardware queue (streams beyond CUDA_DEVICE_MAX_CONNECTIONS, and every stream under MPS, share
 queues: client/shared/host_counters.py). A slot then holds at most one such wait (the registry refuses
 a slot's next lookup until the last one's IDs are handed over), and one that lasts past
 ids_wait_s is reported.
@@ -44,38 +44,27 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from engramd.client.errors import BadRequestError, ResourceError
+from engramd.client.errors import BadRequestError
 from engramd.client.geometry import ShardView, TableGeometry
 from engramd.client.shared import cuda
 from engramd.client.shared.cache_keeper import CacheKeeper
-from engramd.client.shared.cuda import CudaError, check
-from engramd.client.shared.host_counters import HostCounters
+from engramd.client.shared.cuda import CudaError
 from engramd.client.shared.host_pin import HostRegistration
 from engramd.client.shared.ids import ID_DTYPES
-from engramd.client.shared.mapped import DeviceCounterReader
 from engramd.client.shared.mps import MpsState, mps_state
-from engramd.client.shared.slab import (
-    BF16_NAN,
-    FAILED,
-    IDS_READY,
-    ROWS_DONE,
-    SlabLayout,
-    SlotViews,
-    wait_passes,
-)
-from engramd.kernels.gather_triton import GatherPlan, LayerTable, SlotGather, grid_programs
+from engramd.client.shared.slab import BF16_NAN, SlabLayout
+from engramd.kernels.gather_triton import GatherPlan, LayerTable, grid_programs
 from engramd.kernels.hot_cache import HotCache
 from engramd.server.backend import Completion, LookupJob
 from engramd.server.config import DaemonConfig, from_setting, gib, ms, options_from
+from engramd.server.cuda_slab import CudaSlab
+from engramd.server.cuda_switch import TableSwitch, switch_tables
 from engramd.server.table_file import HostTable
 from engramd.server.table_registration import register_for_gpus
-
-if TYPE_CHECKING:
-    from engramd.server.cuda_switch import TableSwitch
 
 log = logging.getLogger("engramd.cuda")
 
@@ -83,11 +72,6 @@ log = logging.getLogger("engramd.cuda")
 # client enqueues its consumer work and returns before the rows exist. Never set in production.
 GATHER_DELAY_ENV = "ENGRAMD_DEBUG_GATHER_DELAY_MS"
 GATHER_DELAY_MS = float(os.environ.get(GATHER_DELAY_ENV, "0") or 0)
-# A freed slab's release (CudaSlab._release_waits): CPU stores, repeated, pausing 0.1 ms doubling
-# to 10 ms, until its daemon stream drains; past the deadline that is logged and it goes on once a
-# second.
-RELEASE_FIRST_PAUSE_S, RELEASE_MAX_PAUSE_S, RELEASE_DEADLINE_S = 1e-4, 1e-2, 60.0
-RELEASE_STUCK_PAUSE_S = 1.0  # past the deadline
 SETTLE_POLL_S = 0.001  # a stopping backend's look at its freed slabs' releases
 _CYCLES_PER_MS = 2_000_000  # torch.cuda._sleep counts GPU clock cycles (~2 GHz on H100/H200)
 
@@ -146,191 +130,6 @@ class PinnedTables:
             self._registration.close()
         except CudaError as exc:  # stopping goes on: the process is about to let go of them anyway
             log.error("%s", exc)
-
-
-class CudaSlab:
-    """A client's slab on its GPU: device memory shareable as a descriptor, its daemon stream
-    and plan."""
-
-    def __init__(self, device_index: int, uuid: str, layout: SlabLayout, plan_tables: list[LayerTable],
-                 shard: ShardView, gpu: GpuState, ops: cuda.StreamOps):
-        self.gpu = gpu
-        self.ops = ops
-        self.device_index = device_index
-        self.uuid = uuid
-        self.layout = layout
-        try:
-            self.memory = cuda.DeviceAllocation.create(device_index, layout.size)
-        except CudaError as exc:
-            raise ResourceError(f"cannot allocate a {layout.size}-byte slab on {uuid}: {exc}") from None
-        self.ptr = self.memory.ptr
-        try:
-            self.counters = HostCounters.create(layout, "engramd-counters", device_index)
-            self._build(plan_tables, shard)
-        except BaseException as exc:
-            stream = getattr(self, "stream", None)
-            if stream is not None:  # the memset on it is all that touched the slab
-                stream.synchronize()
-                cuda.STREAMS.give(stream)
-            self.memory.close()
-            counters = getattr(self, "counters", None)
-            if counters is not None:
-                counters.close()
-            if isinstance(exc, (CudaError, torch.cuda.OutOfMemoryError, OSError)):
-                raise ResourceError(f"cannot set up a slab on {uuid}: {exc}") from None
-            raise
-        # What every lookup passes to CUDA, built once: the stream's handle, the counters'.
-        self.raw_stream = self.stream.cuda_stream
-        self.ids_ready = [ops.pointer(self.counters.address(s, IDS_READY)) for s in range(layout.slots)]
-        self.rows_done = [ops.pointer(self.counters.address(s, ROWS_DONE)) for s in range(layout.slots)]
-        self.failed = [ops.pointer(self.counters.address(s, FAILED)) for s in range(layout.slots)]
-        self.last_job: dict[int, LookupJob] = {}  # slot -> the last lookup enqueued on it
-        gpu.slabs.add(self)
-
-    def _build(self, plan_tables: list[LayerTable], shard: ShardView) -> None:
-        """The daemon stream, the zeroed slab, the slot views and the gather plan."""
-        gpu, layout, index = self.gpu, self.layout, self.device_index
-        with torch.cuda.device(index):
-            self.stream = cuda.new_stream(index)
-            # On the slab's own stream: a plain cudaMemset runs on the legacy default stream and
-            # would wait for every blocking stream of the process.
-            check("cudaMemsetAsync", cuda.cudart.cudaMemsetAsync(self.ptr, 0, layout.size,
-                                                                 self.stream.cuda_stream))
-            self.stream.synchronize()
-            device = torch.device("cuda", index)
-            self.views = SlotViews(layout, cuda.tensor_view(self.ptr, layout.size, device))
-            self.shard = shard
-            self.out_of_range = torch.zeros(1, dtype=torch.int64, device=device)
-            # Read as last copied to the host (GpuState.out_of_range): stats never wait on the GPU.
-            self.count_reader = DeviceCounterReader(self.out_of_range, gpu.count_stream)
-            self.count_final = False  # its free thread reads the final value: no more copies
-            self.plan, self.gather = self.gathers(plan_tables, gpu.serving_cache())
-
-    def gathers(self, plan_tables: list[LayerTable], cache: HotCache | None) -> tuple[GatherPlan, SlotGather]:
-        """The slab's plan and plain gather over these tables and cache (a reload builds new
-        ones, which the worker takes between two lookups: GpuState.switch)."""
-        with torch.cuda.device(self.device_index):
-            plan = GatherPlan(plan_tables, self.shard, torch.device("cuda", self.device_index))
-            gather = SlotGather(plan, self.out_of_range, cache, self.gpu.programs)
-            # The plan's device tables were written on this thread's stream; the gathers read
-            # them on the slab's, which does not wait for it.
-            torch.cuda.current_stream().synchronize()
-        return plan, gather
-
-    def ids(self, slot: int, tokens: int, dtype: torch.dtype) -> torch.Tensor:
-        return self.views.ids(slot, tokens, dtype)
-
-    def rows(self, slot: int, tokens: int) -> torch.Tensor:
-        return self.views.rows(slot, tokens)
-
-    def ids_handed_over(self, slot: int, seq: int) -> bool:
-        return wait_passes(self.counters.load(slot, IDS_READY), seq)
-
-    def wire(self) -> dict[str, Any]:
-        return {"kind": "cuda_vmm", "device_uuid": self.uuid, "bytes": self.memory.size,
-                "layout": self.layout.to_wire(), "fds": 2}
-
-    def descriptors(self) -> list[int]:
-        """New descriptors of the slab's device memory and of its counter block, for its client
-        (closed once sent)."""
-        memory = self.memory.descriptor()
-        try:
-            return [memory, self.counters.descriptor()]
-        except BaseException:
-            os.close(memory)
-            raise
-
-    def close(self) -> None:
-        """Free the slab in the background once its daemon stream has drained.
-
-        The store calls this only after every lookup of the client has been enqueued, so the
-        worker no longer touches the slab. Freeing runs on its own thread: a slow client must
-        not stall the loop.
-        """
-        if not self.ptr:
-            return
-        ptr, self.ptr = self.ptr, 0
-        self.gpu.slabs.discard(self)
-        self.gpu.drain(self)
-        threading.Thread(target=self._free, args=(ptr,), name="engramd-free", daemon=True).start()
-
-    def _free(self, ptr: int) -> None:  # the client's own mapping keeps the memory until it lets go
-        try:
-            with torch.cuda.device(self.device_index):
-                cuda.make_current(self.device_index)  # a thread of its own: driver calls follow
-                self._release_waits()
-                self.gpu.count_freed(self)  # its count is final now: every gather has run
-                self.views.close()
-                self.memory.close()
-                self.counters.close()
-                cuda.STREAMS.give(self.stream)  # idle: drained in _release_waits
-        except Exception:
-            log.exception("freeing the slab on %s failed", self.uuid)
-            self.gpu.stuck.add(self)  # its stream's state unknown: close() leaves the GPU alone
-
-    def _release_waits(self) -> None:
-        """Satisfy every wait on the slab's counters that its client may never satisfy, until
-        the daemon stream has drained: CPU stores into the counter block, which no GPU queue
-        can hold up.
-
-        The daemon stream may wait for IDS_READY of a client that died before its stream wrote
-        it: each slot's is set to its last enqueued seq (the gathers then read stale IDs into a
-        slab nobody reads). The client's streams may wait for ROWS_DONE of a lookup whose
-        request died with it in its socket's queue (in a shared MPS server a dead client's
-        waiting work can hold up every other client's): each ROWS_DONE is set past every seq
-        the client can have used (client/shared/slab.py release_value: waits compare cyclically), and
-        the lookups it did not write fail on the client's side (client/failures.py). A
-        dead client's stream may still run after its process is gone (an MPS server tears the
-        client's context down later) and write an older IDS_READY over the release, and the
-        daemon stream's last gathers write older ROWS_DONEs: so the stores are repeated until
-        the daemon stream is done, and ROWS_DONE once more after it. Past RELEASE_DEADLINE_S
-        that is logged, the slab is counted as stuck (close() then leaves the GPU alone) and
-        the release goes on once a second."""
-        last = max((job.seq for job in self.last_job.values()), default=0)
-        drained = torch.cuda.Event()
-        drained.record(self.stream)
-        deadline, pause = time.monotonic() + RELEASE_DEADLINE_S, RELEASE_FIRST_PAUSE_S
-        longest = RELEASE_MAX_PAUSE_S
-        while True:
-            self._store_release(last)
-            if drained.query():
-                break
-            if deadline is not None and time.monotonic() > deadline:
-                log.error("slab of a client on %s: its daemon stream has not drained %.0f s after "
-                          "the release; the slab stays allocated and the release goes on",
-                          self.uuid, RELEASE_DEADLINE_S)
-                self.gpu.stuck.add(self)
-                deadline, pause = None, RELEASE_STUCK_PAUSE_S
-                longest = RELEASE_STUCK_PAUSE_S
-            time.sleep(pause)
-            pause = min(pause * 2, longest)
-        self._store_release(last)  # after the last gather's ROWS_DONE: nothing lowers it again
-        self.gpu.stuck.discard(self)
-
-    def overdue_ids(self, limit_s: float, now: float) -> list[LookupJob]:
-        """The slots' last lookups whose IDs the client's stream has not handed over (IDS_READY)
-        `limit_s` after they were enqueued, each returned once (a slot holds one such lookup:
-        lookup_checks.check_ids_handed_over).
-
-        Only reported, never released: a release would let the gather overwrite the slot's
-        rows under readers of its previous lookup, queued behind the same stall."""
-        overdue = []
-        for slot, job in list(self.last_job.items()):
-            enqueued = job.context.enqueued
-            if (job.context.overdue or enqueued is None or now - enqueued < limit_s
-                    or self.ids_handed_over(slot, job.seq)):
-                continue
-            job.context.overdue = True
-            overdue.append(job)
-        return overdue
-
-    def _store_release(self, last: int) -> None:
-        """One round of the release; HostCounters.release keeps what the gathers had reached,
-        so the client can still tell which of its lookups were served (slab.rows_written)."""
-        for slot, job in self.last_job.items():
-            self.counters.store(slot, IDS_READY, job.seq)
-        for slot in range(self.layout.slots):
-            self.counters.release(slot, last)
 
 
 class GpuState:
@@ -566,8 +365,6 @@ class CudaBackend:
         after it; the old tables and caches are let go once every stream has passed that point
         (server/cuda_switch.py).
         """
-        from engramd.server.cuda_switch import switch_tables  # it imports this module
-
         switch_tables(self, PinnedTables(tables, registration), retired)
 
     def check_device(self, device: str) -> int:

@@ -9,7 +9,7 @@ ones after it. What the switches replaced, and the old tables' pin, are let go o
 their own once every stream has passed that point (`_retire_tables`).
 
 Not the serving itself (cuda_backend.py), nor the reload's load or the daemon's side of the
-switch (reload.py, service.py).
+switch (reload.py, reload_control.py).
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ from engramd.client.shared import cuda
 from engramd.client.shared.cache_keeper import CacheKeeper
 from engramd.kernels.gather_triton import GatherPlan, LayerTable, SlotGather
 from engramd.kernels.hot_cache import HotCache
-from engramd.server.cuda_backend import RELEASE_DEADLINE_S
+from engramd.server.cuda_slab import RELEASE_DEADLINE_S
 
 if TYPE_CHECKING:
-    from engramd.server.cuda_backend import CudaBackend, CudaSlab, GpuState, PinnedTables
+    from engramd.server.cuda_backend import CudaBackend, GpuState, PinnedTables
+    from engramd.server.cuda_slab import CudaSlab
 
 log = logging.getLogger("engramd.cuda")
 

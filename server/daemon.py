@@ -4,11 +4,11 @@ The daemon owns the transport and the lifecycle: sockets, threads, signals, leas
 operation does, a reload's switch included, is the service's (service.py, no transport in it),
 which reaches the client registry (registry.py), the table store (host_tables.py) and the
 backend for it; the daemon only sends what it answers, with the descriptors it passes. Beside
-it: the leases (leases.py), the handle socket's requests (handle_requests.py) and the event
-queue (events.py). One thread runs the ZeroMQ loop; tables load on a background thread so that
-`health` answers (not ready) while they do; gathers run on the backend's workers, whose
-completions come back to the loop through an event queue and a wake-up pipe (ZeroMQ sockets
-are not thread-safe).
+it: the ZeroMQ socket's options, reads and sends (request_socket.py), the leases (leases.py),
+the handle socket's requests (handle_requests.py) and the event queue (events.py). One thread
+runs the ZeroMQ loop; tables load on a background thread so that `health` answers (not ready)
+while they do; gathers run on the backend's workers, whose completions come back to the loop
+through an event queue and a wake-up pipe (ZeroMQ sockets are not thread-safe).
 
 Start order (`engramd serve`): lock the socket -> map (load or re-attach) and pin the tables on a
 thread (table_loader.TablePreload) while the rest is imported -> bind -> build the backend over
@@ -39,30 +39,25 @@ from engramd.client.errors import (
     EngramError,
     InternalError,
     PermissionDeniedError,
-    ProtocolError,
 )
 from engramd.client.geometry import TableGeometry
 from engramd.client.shared import protocol
-from engramd.client.shared.handles import (
-    PeerCredentials,
-    handle_socket_path,
-)
-from engramd.client.shared.messages import (
-    Message,
-)
+from engramd.client.shared.handles import handle_socket_path
+from engramd.client.shared.messages import Message
 from engramd.server.backend import LookupJob
 from engramd.server.checkpoint import CONFIG_FILE
 from engramd.server.config import DaemonConfig
 from engramd.server.events import EventQueue
 from engramd.server.file_limits import raise_open_file_limit
 from engramd.server.grants import MappedGrants
-from engramd.server.handle_requests import HandleRequests, admit_only_allowed_peers
+from engramd.server.handle_requests import HandleRequests
 from engramd.server.handle_server import HandleServer
 from engramd.server.job_context import JobContext
 from engramd.server.leases import Leases
 from engramd.server.metrics import Metrics
 from engramd.server.notify import Notifier
 from engramd.server.reload import TableReload
+from engramd.server.request_socket import RequestSocket
 from engramd.server.selfcheck import run_self_check
 from engramd.server.service import Service
 from engramd.server.startup import (
@@ -83,9 +78,6 @@ log = logging.getLogger("engramd.daemon")
 
 DRAIN_TIMEOUT_S = 30.0  # stopping waits this long for in-flight lookups, then exits regardless
 SETTLE_POLL_MS = 1  # a stopping loop's look at its last gathers (_drained)
-DEAF_FOR_S = 1.0  # how long a peer whose reply queue was full gets no answers but to lookups
-# The most frames a request may have: the peer's identity, the header, the payload frames.
-MAX_MESSAGE_FRAMES = 2 + protocol.MAX_PAYLOAD_FRAMES
 SWITCH_INTERVAL_S = 0.0002
 # Requests read per wake-up, so that timers and leases are not starved (a batch sleeps at most
 # DRAIN_BATCH / EVENTS_EVERY * YIELD_S = 16 ms while CPU gathers run).
@@ -108,7 +100,7 @@ class Daemon:
         self._lock_held = lock is not None
         self._preload = preload
         self._ctx = zmq.Context()
-        self._sock: zmq.Socket | None = None
+        self._socket = RequestSocket(self._ctx, self.service)  # bound by start()
         self._loader: threading.Thread | None = None
         self._halt: DaemonHalt | None = None
         self._handles: HandleServer | None = None
@@ -121,16 +113,9 @@ class Daemon:
         self._loop_thread: int | None = None  # the thread of serve_forever
         self.notifier = Notifier()
         self.metrics = Metrics()
-        self._last_status = 0.0
         self._stop_deadline = float("inf")
         self._gathers_done: Callable[[], bool] | None = None  # stopping: the backend's probe
-        self._dropped = Throttled(log)  # a peer that reads no replies must not flood the log
-        self._oversized = Throttled(log)
         self._overdue = Throttled(log)
-        # Peers whose reply queue was full, until when: their requests other than lookups are
-        # not worth the loop's time (nobody reads the answer). Lookups are always served.
-        self._deaf: dict[bytes, float] = {}
-        self._first_frame: zmq.Frame | None = None  # of the message being handled
         self._ops = self._replied_ops()
         # What runs each kind of event (events.py) on the loop's thread.
         self._on_event: dict[str, Callable[[Any], None]] = {
@@ -149,28 +134,7 @@ class Daemon:
             prepare_runtime_dir(self.config.runtime_dir)
             self._lock.acquire()
         path = self.config.socket_path
-        path.unlink(missing_ok=True)  # stale: we hold the lock, so no live daemon is on it
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.SNDHWM, 100_000)
-        # Messages one peer may have queued here before libzmq stops reading its connection (it
-        # then waits in the peer's socket; nothing is dropped). Clients keep a few in flight; a
-        # flooding peer's deep queue is memory the daemon holds for it, and (the suspicion of
-        # benchmarks/results/floods.md) bursts in which libzmq's one I/O thread refills it while
-        # other peers' replies wait.
-        self._sock.setsockopt(zmq.RCVHWM, 1000)
-        # Enforced by libzmq while decoding, before the frame is allocated: a peer that sends a
-        # larger frame is disconnected; the daemon never buffers it. Each connection holds up to
-        # one frame in progress: sized to what this daemon's clients send, not the protocol's
-        # 64 MiB, 16 peers leaving frames unfinished held 1.2 GB of it. (Set before bind: the
-        # listener copies the options then.)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, largest_frame(self.config))
-        # Sending to a peer that has disconnected fails instead of vanishing: that is how a client
-        # that died before its registration was answered is noticed (see _send).
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        admit_only_allowed_peers(self._sock, self.service)
-        self._sock.bind(f"ipc://{path}")
-        os.chmod(path, 0o660)
+        self._socket.bind(path, largest_frame(self.config))
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # SIGHUP: reload
             signal.signal(signum, self._on_signal)
         log.info("engramd epoch %s listening on %s (pid %d)", self.epoch, path, os.getpid())
@@ -206,7 +170,7 @@ class Daemon:
             sys.setswitchinterval(previous_interval)
 
     def _loop(self) -> int:
-        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._socket.sock, zmq.POLLIN)
         self._poller.register(self._events.fd, zmq.POLLIN)
         interval_ms = int(self.config.heartbeat_interval * 1000)
         next_reap = time.monotonic()
@@ -216,7 +180,7 @@ class Daemon:
             # behind waits for IDs it will never write.
             for fd in [fd for fd in ready if fd in self._leases]:
                 self._leases.event(fd)
-            if self._sock in ready:
+            if self._socket.sock in ready:
                 self._drain_socket()
             if self._events.fd in ready:
                 self._events.clear_wake()
@@ -275,34 +239,10 @@ class Daemon:
                     return  # the loop stops: the rest of the batch is not worth reading
 
     def _recv_request(self) -> list[bytes] | None:
-        """The next message's frames, copied; None for one of more frames than any request has
-        (answered here). libzmq limits each frame's size but hands over a message of any number
-        of them; past MAX_MESSAGE_FRAMES the rest are received uncopied and dropped at once (a
-        copy of gigabytes stalled the loop for seconds)."""
-        sock = self._sock
-        first = sock.recv(zmq.NOBLOCK, copy=False)
-        self._first_frame = first  # its metadata says who sent the message (_sender)
-        frames = [first.bytes]
-        while sock.getsockopt(zmq.RCVMORE):
-            if len(frames) == MAX_MESSAGE_FRAMES:
-                self._refuse_oversized(frames)
-                return None
-            frames.append(sock.recv())
-        return frames
-
-    def _refuse_oversized(self, frames: list[bytes]) -> None:
-        """Drop the rest of a message of too many frames, uncopied, and answer its sender."""
-        count, size = len(frames) - 1, sum(len(frame) for frame in frames[1:])  # not the identity
-        while self._sock.getsockopt(zmq.RCVMORE):
-            count, size = count + 1, size + len(self._sock.recv(copy=False))
-        identity = frames[0]
-        header = frames[1] if len(frames[1]) <= protocol.MAX_HEADER_BYTES else b""
-        op, rid = protocol.peek_rid([header])
-        err = ProtocolError(f"a message of {count} frames ({size} bytes) dropped unread: requests "
-                            f"are a header and at most {protocol.MAX_PAYLOAD_FRAMES} payload frame")
-        self.service.count_error(err.code)
-        self._oversized.warning("dropped a message of %d bytes with too many frames", size)
-        self._send(identity, protocol.encode_error(op, rid, self.epoch, err))
+        """The next request's frames (RequestSocket.recv, which answers a message of too many
+        frames itself: None); zmq.Again when none waits. _drain_socket reads through this, so
+        that tests hand it requests of their own (tests/test_daemon_yield.py)."""
+        return self._socket.recv()
 
     def _run_events(self) -> None:
         """Run the posted events (callable at any time; bytes left in the wake pipe wake the
@@ -328,10 +268,11 @@ class Daemon:
             reply = self.service.finish_lookup(job)
         except EngramError as exc:
             self.service.count_error(exc.code)
-            self._send(context.identity, protocol.encode_error("lookup", context.rid, self.epoch, exc))
+            self._socket.send(context.identity,
+                              protocol.encode_error("lookup", context.rid, self.epoch, exc))
             return
         if reply is not None and context.ack:  # None: a refused lookup's slot release
-            self._send(context.identity, protocol.encode_reply(context.rid, self.epoch, reply))
+            self._socket.send(context.identity, protocol.encode_reply(context.rid, self.epoch, reply))
 
     def _event_loaded(self, loaded: LoadedTables) -> None:
         if self.service.state == "stopping":
@@ -359,7 +300,7 @@ class Daemon:
         name = signal.Signals(signum).name
         if signum == signal.SIGHUP:
             try:
-                self.service.start_reload(name, self._reload_done)
+                self.service.reloads.start(name, self._reload_done)
             except EngramError as exc:
                 log.warning("%s: no reload: %s", name, exc.message)
             return
@@ -375,14 +316,13 @@ class Daemon:
         self.service.state = "stopping"
         self._stop_deadline = time.monotonic() + DRAIN_TIMEOUT_S
         self.notifier.stopping(f"stopping ({reason})")
-        for identity in self.service.identities():  # a list: _send may reap
-            self._send(identity, protocol.encode_notice(self.epoch, "stopping",
-                                                        f"daemon is stopping ({reason})"))
+        for identity in self.service.identities():  # a list: send may reap
+            self._socket.send(identity, protocol.encode_notice(self.epoch, "stopping",
+                                                               f"daemon is stopping ({reason})"))
 
     def _housekeeping(self) -> None:
         arm_stall_dump(self.config)
-        now = time.perf_counter()
-        self._deaf = {peer: until for peer, until in self._deaf.items() if until > now}
+        self._socket.hear_again(time.perf_counter())
         for said in self.service.housekeeping():
             self._overdue.warning("%s", said)
         if self.service.state == "loading":
@@ -403,7 +343,7 @@ class Daemon:
         try:
             request = protocol.decode_request(body)
             op, rid = request.op, request.rid
-            if op != "lookup" and identity in self._deaf and self._deaf[identity] > received:
+            if op != "lookup" and self._socket.deaf(identity, received):
                 return  # it reads no replies: answering costs the others, and tells it nothing
             request.received = received
             reply = (self._op_lookup(identity, request) if op == "lookup" else
@@ -418,41 +358,21 @@ class Daemon:
             self.service.count_error(err.code)
             reply = protocol.encode_error(op, rid, self.epoch, err)
         if reply is not None:
-            self._send(identity, reply)
-
-    def _send(self, identity: bytes, frames: list[bytes]) -> None:
-        try:
-            self._sock.send_multipart([identity, *frames], zmq.NOBLOCK)
-        except zmq.Again:
-            self._dropped.warning("dropping a reply: the client's queue is full (it reads none)")
-            self._deaf[identity] = time.perf_counter() + DEAF_FOR_S
-        except zmq.ZMQError as exc:
-            if exc.errno != zmq.EHOSTUNREACH:
-                raise
-            self.service.retire_identity(identity, "reaped (its connection is gone)")  # the peer is gone
+            self._socket.send(identity, reply)
 
     def _replied_ops(self) -> dict[str, Callable[[bytes, protocol.Request], Message]]:
         """What each operation answered at once asks of the service (a lookup answers on its
         completion: _op_lookup)."""
         service = self.service
         return {
-            "register": lambda identity, request: service.register(identity, request.body, self._sender()),
+            "register": lambda identity, request: service.register(identity, request.body,
+                                                                   self._socket.sender()),
             "release": lambda identity, request: service.release(identity, request.body),
             "heartbeat": lambda identity, request: service.heartbeat(identity, request.body),
             "stats": lambda identity, request: service.report.stats(),
             "health": lambda identity, request: service.report.health(),
             "drain": refuse_drain,
         }
-
-    def _sender(self) -> PeerCredentials | None:
-        """Who holds the connection of the message being handled: libzmq reads the kernel's
-        credentials of an ipc peer (SO_PEERCRED) when it accepts, and names them in each
-        message's Peer-Address, "<host>:<uid>:<gid>:<pid>". None where it does not."""
-        try:
-            _, uid, gid, pid = self._first_frame.get("Peer-Address").rsplit(":", 3)
-            return PeerCredentials(int(pid), int(uid), int(gid))
-        except (zmq.ZMQError, ValueError, AttributeError):
-            return None
 
     def _op_lookup(self, identity: bytes, request: protocol.Request) -> None:
         self.service.lookup(identity, request.body, request.payload, self._on_done,
@@ -466,7 +386,7 @@ class Daemon:
         else:
             self._events.post("done", job)
 
-    # -- reload (server/service.py, server/reload.py) ------------------------------------------
+    # -- reload (server/reload_control.py, server/reload.py) -----------------------------------
 
     def _reload_done(self, reload: TableReload) -> None:
         self._events.post("reload_done", reload)  # from the reload's thread
@@ -474,17 +394,17 @@ class Daemon:
     def _event_reload_done(self, reload: TableReload) -> None:
         """The reload's tables are open and checked (or it failed): the service switches to
         them; every client hears."""
-        if not self.service.finish_reload(reload, lambda old: self._events.post("tables_retired", old)):
+        if not self.service.reloads.finish(reload, lambda old: self._events.post("tables_retired", old)):
             return
         tables_id = self.service.tables_id
-        for identity in self.service.identities():  # a list: _send may reap
-            self._send(identity, protocol.encode_notice(
+        for identity in self.service.identities():  # a list: send may reap
+            self._socket.send(identity, protocol.encode_notice(
                 self.epoch, "tables", f"the daemon serves tables {tables_id} now", tables=tables_id,
                 tables_seq=self.service.tables_seq))
 
     def _event_tables_retired(self, tables: list[HostTable]) -> None:
         """No gather of the daemon's reads these replaced tables any more: unmap them."""
-        self.service.tables_retired(tables)
+        self.service.reloads.tables_retired(tables)
         # What the old tables' caches and plans left in reference cycles was frozen at start:
         # thawed, it is collected (once, here), and what lives on is frozen again.
         gc.unfreeze()
@@ -493,7 +413,7 @@ class Daemon:
     # -- stop -----------------------------------------------------------------------------------
 
     def close(self) -> None:
-        self.service.cancel_reload()  # stops a load between chunks; its files go
+        self.service.reloads.cancel()  # stops a load between chunks; its files go
         if self._preload is not None:  # the tables, if the loader never took them
             try:
                 self._preload.abandon()
@@ -507,9 +427,7 @@ class Daemon:
             self._grants = None
         self.metrics.close()
         self.service.close()  # backend.stop, the slabs freed, backend.close: in that order
-        if self._sock is not None:
-            self._sock.close(0)
-            self.config.socket_path.unlink(missing_ok=True)
+        self._socket.close()  # and its path, if start() got to bind it
         self._ctx.term()
         self._lock.release()
         self._events.close()

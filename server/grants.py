@@ -1,11 +1,13 @@
-"""What a mapped client is granted: descriptors of the served table files, and of the warm-up trace.
+"""What an attached client is passed: its slab's descriptors (served), or descriptors of the
+served table files and of the warm-up trace (mapped).
 
 A mapped client gathers from its own mapping of the daemon's table files. At attach, and after a
 reload (the handle socket's `tables` request), it gets a read-only descriptor of each file with
 a `TableGrant` (client/shared/handles.py, the wire's own type) saying where the rows are in it, and,
 when it keeps a hot-row cache of its own, a descriptor of hot_cache_warm_file. This module holds
 the daemon's descriptors of them, opened once per version of the tables, and makes the copies a
-reply passes (the caller closes those once sent).
+reply passes (the caller closes those once sent); `attach_reply` is what an attach answers,
+either mode.
 
 Not who may have them (the registry decides), nor how they travel (the handle socket,
 server/handle_server.py).
@@ -15,9 +17,17 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
+from engramd.client.errors import ResourceError
 from engramd.client.shared.handles import TableGrant
+from engramd.client.shared.messages import AttachReply
 from engramd.server.table_file import HostTable
+
+if TYPE_CHECKING:
+    from engramd.server.registry import ClientRecord
 
 log = logging.getLogger("engramd.daemon")
 
@@ -96,3 +106,37 @@ def _open_warm_file(path: str) -> int | None:
         log.warning("hot_cache_warm_file %s: %s; mapped clients' caches start cold", path,
                     exc.strerror)
         return None
+
+
+def attach_reply(record: ClientRecord, grants: MappedGrants, version: str | None,
+                 tables_seq: int) -> tuple[AttachReply, list[int]]:
+    """What an attached client maps: its slab (served) or the tables `version` (mapped), and the
+    new descriptors to pass with it (the caller closes them once sent). Where they cannot be
+    made, none is left open and the error raised (ResourceError for want of descriptors)."""
+    fds: list[int] = []
+    try:
+        with passable():
+            if record.slab is not None:
+                fds.extend(record.slab.descriptors())
+                return AttachReply(slab=record.slab.wire()), fds
+            tables, table_fds = grants.tables()
+            fds.extend(table_fds)
+            warm_fd = grants.warm_file() if record.warm_file else None  # for its own cache
+            if warm_fd is not None:
+                fds.append(warm_fd)
+            return AttachReply(tables=tables, version=version, tables_seq=tables_seq,
+                               warm=warm_fd is not None), fds
+    except Exception:  # out of descriptors, or the device would not export
+        for fd in fds:
+            os.close(fd)
+        raise
+
+
+@contextmanager
+def passable() -> Iterator[None]:
+    """Descriptors that cannot be made now (the daemon is out of them) are the client's
+    ResourceError, which it may retry, not an internal error."""
+    try:
+        yield
+    except OSError as exc:
+        raise ResourceError(f"cannot pass descriptors now: {exc.strerror}") from None

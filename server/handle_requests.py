@@ -15,11 +15,10 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-import zmq
-
 from engramd.client.errors import EngramError, InternalError, PermissionDeniedError
 from engramd.client.shared.handles import PeerCredentials, error_reply, ok_reply
 from engramd.client.shared.messages import (
+    AttachReply,
     AttachRequest,
     DrainReply,
     DrainRequest,
@@ -27,7 +26,9 @@ from engramd.client.shared.messages import (
     ReloadRequest,
     TablesRequest,
 )
+from engramd.server.grants import attach_reply
 from engramd.server.leases import Leases
+from engramd.server.registry import ClientRecord
 from engramd.server.reload import TableReload
 from engramd.server.service import Service
 from engramd.server.throttle import ThrottledBy
@@ -70,10 +71,10 @@ class HandleRequests:
             fds: list[int] = []
             reply: Message
             if isinstance(request, TablesRequest):
-                reply, fds = self.service.grant_tables(request.client_id, request.token, peer)
+                reply, fds = self.service.reloads.grant_tables(request.client_id, request.token, peer)
             else:
                 reply = (self._admin_drain(peer) if isinstance(request, DrainRequest)  # admin operations
-                         else self.service.admin_reload(peer, self._reload_done)
+                         else self.service.reloads.ask(peer, self._reload_done)
                          if isinstance(request, ReloadRequest) else self.service.clients(peer))
             future.set_result((ok_reply(self.epoch, reply), fds))
         except Exception as exc:  # every asker gets its answer; the loop keeps serving
@@ -92,12 +93,24 @@ class HandleRequests:
         (mapped); `lease` (a duplicate of the connection, ours) becomes its lease, or is closed."""
         try:
             record = self.service.attach(request.client_id, request.token, peer)
-            reply, fds = self.service.attach_reply(record)
+            reply, fds = self._passed(record)
         except BaseException:
             os.close(lease)
             raise
         self._leases.begin(record.client_id, lease)
         return ok_reply(self.epoch, reply), fds
+
+    def _passed(self, record: ClientRecord) -> tuple[AttachReply, list[int]]:
+        """What an attached client maps, and the new descriptors to pass with it (the caller
+        closes them once sent). Where they cannot be made, the registration is retired and the
+        error raised."""
+        service = self.service
+        try:
+            assert service.grants is not None  # the daemon serves with them (Daemon._event_loaded)
+            return attach_reply(record, service.grants, service.tables_id, service.tables_seq)
+        except Exception:
+            service.retire_client(record.client_id, "retired (its descriptors could not be passed)")
+            raise
 
     def _admin_drain(self, peer: PeerCredentials) -> DrainReply:
         """Admin: stop accepting, finish in-flight lookups, then exit 0 (as on SIGTERM)."""
@@ -106,18 +119,3 @@ class HandleRequests:
             self._begin_stop(f"drain requested by pid {peer.pid} uid {peer.uid}")
         return DrainReply(in_flight=self.service.in_flight())
 
-
-def admit_only_allowed_peers(sock: zmq.Socket, service: Service) -> None:
-    """With allowed ids configured, libzmq refuses every other peer when it accepts the
-    connection, by the kernel's credentials (SO_PEERCRED) as the handle socket does: a
-    refused peer cannot send the daemon one byte (a flood, a huge message, a `stats` that
-    names the clients). libzmq also admits members of an allowed group by its group file;
-    the handle socket then checks the effective gid. Admins pass, so `engramd health` and
-    `drain` work for them."""
-    limits = service.limits
-    if limits.allowed_uids is None and limits.allowed_gids is None:
-        return
-    for uid in sorted({*(limits.allowed_uids or ()), *service.admins}):
-        sock.setsockopt(zmq.IPC_FILTER_UID, uid)
-    for gid in sorted(limits.allowed_gids or ()):
-        sock.setsockopt(zmq.IPC_FILTER_GID, gid)

@@ -7,8 +7,9 @@ checks who the peer is and only then allocates its slab; the daemon keeps the at
 connection as the registration's lease and is told through `on_retire` when a registration
 ends. All methods run on the daemon's main thread; the backend's workers only call the
 completion callback, which the daemon brings back to that thread before `finish_lookup`. Tests
-drive the registry in-process. A lookup request is checked in server/lookup_checks.py; the
-totals, errors and statistics are kept in server/accounting.py (`ClientRegistry.accounts`).
+drive the registry in-process. A registration request is checked in
+server/registration_checks.py and a lookup request in server/lookup_checks.py; the totals,
+errors and statistics are kept in server/accounting.py (`ClientRegistry.accounts`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from engramd.client.errors import (
     ResourceError,
     TablesChangedError,
 )
-from engramd.client.geometry import GeometryError, ShardView, TableGeometry
+from engramd.client.geometry import ShardView, TableGeometry
 from engramd.client.shared.handles import PeerCredentials
 from engramd.client.shared.messages import (
     LookupReply,
@@ -39,7 +40,6 @@ from engramd.client.shared.messages import (
     RegisterReply,
     RegisterRequest,
 )
-from engramd.client.shared.mps import MpsState
 from engramd.client.shared.slab import SlabLayout
 from engramd.server.accounting import Accounting, checked_counts, printable
 from engramd.server.backend import Backend, Completion, LookupJob, Slab
@@ -47,11 +47,16 @@ from engramd.server.config import DaemonConfig, from_setting, gib, id_set, liste
 from engramd.server.job_context import JobContext
 from engramd.server.lookup_checks import check_ids_handed_over, check_lookup, refused_tokens
 from engramd.server.procwatch import ProcessWatch
+from engramd.server.registration_checks import (
+    check_budget,
+    check_pinned_tables,
+    layout_for,
+    mode_for,
+    mps_report,
+    shard_for,
+)
 
 log = logging.getLogger("engramd.registry")
-
-
-MODES = ("served", "mapped")  # how a client is served; "auto" asks the daemon to choose
 
 
 # A client is alive as long as its lease (handle-socket connection) is open. Besides, one that
@@ -82,7 +87,7 @@ class Limits:
     max_tokens: int = from_setting("max_tokens")
     max_slots: int = from_setting("max_slots")
     heartbeat_interval: float = from_setting("heartbeat_interval")
-    modes: tuple[str, ...] = from_setting("client_modes", listed)  # of MODES, those allowed
+    modes: tuple[str, ...] = from_setting("client_modes", listed)  # of registration_checks.MODES, those allowed
     sort_min_tokens: int = from_setting("sort_min_tokens")  # told to mapped clients: the daemon's policy
     sm_fraction: float = from_setting("gather_sm_fraction")  # a mapped client's gather grid, as the daemon's
     mapped_cache_bytes: int = from_setting("mapped_hot_cache_gib", gib)  # a mapped GPU client's own cache
@@ -183,10 +188,7 @@ class ClientRegistry:
                  peer: PeerCredentials | None = None) -> RegisterReply:
         """Reserve a place; `peer`: who holds the connection (the kernel's credentials, as
         libzmq read them at connect), which bounds its user's unattached registrations."""
-        if req.tables is not None and req.tables != self.tables_id:
-            raise TablesChangedError(f"this client pinned tables {req.tables}; the daemon serves "
-                                     f"{self.tables_id} now (a reload, or a restart on another "
-                                     "checkpoint)")
+        check_pinned_tables(req, self.tables_id)
         live = [c for c in self.clients.values() if not c.releasing]
         if peer is not None:
             live = self._bound_pending(live, peer)
@@ -196,17 +198,13 @@ class ClientRegistry:
         if pending >= MAX_PENDING_PER_CONNECTION:
             raise ResourceError(f"{pending} registrations of this connection are not attached yet; "
                                 "attach them (handle socket) before registering more")
-        shard = self._shard_for(req)
-        layout = SlabLayout(
-            slots=_bounded("slots", req.slots, 1, self.limits.max_slots),
-            max_tokens=_bounded("max_tokens", req.max_tokens, 1, self.limits.max_tokens),
-            n_layers=self.geometry.n_layers, heads=self.geometry.heads,
-            local_heads=shard.local_heads, head_dim=self.geometry.head_dim)
-        mps = self._mps_report(req.device, req.mps)
-        mode = self._mode_for(req.mode, req.device)
+        shard = shard_for(req, self.geometry)
+        layout = layout_for(req, shard, self.geometry, self.limits)
+        mps = mps_report(self.backend, req.device, req.mps)
+        mode = mode_for(req.mode, req.device, self.limits.modes)
         if mode == "served":
             self.backend.check_device(req.device)
-            self._check_budget(layout)
+            check_budget(self.clients.values(), layout, self.limits.slab_budget)
         if mode == "served" and mps is not None and not mps["shared"]:
             log.warning("a client on %s is served without a shared MPS server (daemon: %s, client: %s): "
                         "the daemon's gathers time-slice with the client's kernels instead of "
@@ -268,34 +266,6 @@ class ClientRegistry:
                              "attached; config: pending_registrations_per_uid)")
         return [c for c in live if c is not victim]
 
-    def _check_budget(self, layout: SlabLayout) -> None:
-        """Slabs are reserved at registration (allocated at attach) against one budget."""
-        held = sum(c.layout.size for c in self.clients.values() if c.mode == "served")
-        if held + layout.size > self.limits.slab_budget:
-            raise ResourceError(f"a slab of {layout.size} bytes would exceed the slab budget "
-                                f"({held} of {self.limits.slab_budget} bytes held; config: "
-                                "slab_budget_gib); register fewer slots or max_tokens")
-
-    def _mode_for(self, asked: Any, device: str) -> str:
-        """The mode a registration gets: the one asked for if allowed; for "auto", mapped on a
-        GPU and served on the CPU. A mapped GPU client reads through a hot-row cache of its own
-        and launches its gathers with no hop through the daemon: without MPS it is the only mode
-        that overlaps the model, and under MPS, its gathers queued at the wait, it was within 2%
-        of served or faster in all 24 model-step cells (benchmarks/results/h200/README.md, "The
-        gather queued where the engine waits")."""
-        allowed = self.limits.modes
-        if asked is None:  # a client that predates modes: what it expects is a slab
-            asked = "served"
-        if asked == "auto":
-            preferred = "served" if device == "cpu" else "mapped"
-            return preferred if preferred in allowed else allowed[0]
-        if asked not in MODES:
-            raise BadRequestError(f"mode {asked!r}: expected auto, served or mapped")
-        if asked not in allowed:
-            raise BadRequestError(f"mode {asked!r} is not allowed by this daemon "
-                                  f"(client_modes = {','.join(allowed)})")
-        return asked
-
     def attach(self, client_id: int, token: str, peer: PeerCredentials) -> ClientRecord:
         """The second step of a registration, over the handle socket: the peer proves it made the
         registration (its token, good once) and passes the credentials check; then its slab is
@@ -336,24 +306,6 @@ class ClientRegistry:
         log.info("client %d attached: pid %d uid %d gid %d%s", client_id, peer.pid, peer.uid,
                  peer.gid, f", slab {record.layout.size} B" if record.slab else "")
         return record
-
-    def _mps_report(self, device: str, reported: Any) -> dict[str, Any] | None:
-        """GPU clients: the daemon's and the client's MPS state there, and whether they share."""
-        daemon = self.backend.mps_states().get(device.removeprefix("cuda:")) if device.startswith("cuda:") else None
-        if daemon is None:
-            return None
-        client = MpsState.from_wire(reported)
-        shared = client is not None and daemon.shares_with(client)
-        return {"daemon": daemon.to_wire(), "client": client.to_wire() if client else None,
-                "shared": shared}
-
-    def _shard_for(self, req: RegisterRequest) -> ShardView:
-        if req.tp_size < 1 or req.tp_size > self.geometry.heads * 64:
-            raise BadRequestError(f"tp_size {req.tp_size} out of range [1, {self.geometry.heads * 64}]")
-        try:
-            return self.geometry.shard(req.tp_rank, req.tp_size)
-        except GeometryError as exc:
-            raise BadRequestError(f"tp_rank/tp_size: {exc}") from None
 
     def client(self, identity: bytes, client_id: int) -> ClientRecord:
         record = self.clients.get(client_id)
@@ -564,8 +516,3 @@ class ClientRegistry:
         for record in list(self.clients.values()):
             self._free(record)
 
-
-def _bounded(name: str, value: int, low: int, high: int) -> int:
-    if not low <= value <= high:
-        raise BadRequestError(f"{name} {value} out of range [{low}, {high}]")
-    return value

@@ -5,8 +5,8 @@ What a reload is for: the checkpoint at the configured `tables` path was replace
 revision copied in, a symlink flipped), and the replicas must not restart for it. The new
 tables are loaded (or re-attached) into files of their own next to the served ones, so shared
 memory must hold both for a while; their rows are compared with the checkpoint, pinned for the
-GPUs, and only then does the daemon's loop switch to them (service.py `finish_reload`, then
-`switch_tables` here):
+GPUs, and only then does the daemon's loop switch to them (server/reload_control.py, which also
+starts reloads one at a time and lets the old tables go):
 
     lookups the daemon takes before the switch   read the old tables
     lookups it takes after it                    read the new ones (served clients)
@@ -35,7 +35,6 @@ from typing import Any
 
 from engramd.server.checkpoint import EngramCheckpoint
 from engramd.server.config import DaemonConfig
-from engramd.server.grants import MappedGrants, TableDescriptors
 from engramd.server.host_tables import ReloadCancelled, TableStore
 from engramd.server.selfcheck import check_host_tables
 from engramd.server.table_file import HostTable
@@ -106,25 +105,6 @@ def open_next_tables(config: DaemonConfig, current: LoadedTables, progress: Call
         next_tables.close()
         raise
     return next_tables
-
-
-def switch_tables(current: LoadedTables, next_tables: NextTables, grants: MappedGrants,
-                  retired: Callable[[list[HostTable]], None]) -> LoadedTables:
-    """From the next lookup on, serve `next_tables` instead of `current`; returns what is served
-    then. What can fail comes before the backend's switch, which is the point of no return;
-    nothing after it raises. `retired(old tables)` as for the backend's replace_tables."""
-    old = current.tables
-    descriptors = TableDescriptors(next_tables.tables)  # for mapped clients
-    try:
-        current.backend.replace_tables(next_tables.tables, next_tables.registration,
-                                       retired=lambda: retired(old))
-    except BaseException:
-        descriptors.close()
-        raise
-    next_tables.registration = None  # the backend's now
-    current.store.switch()  # the old files go; their memory once nobody maps them
-    grants.replace(descriptors)
-    return next_tables.served(current)
 
 
 def _injected_delay(cancelled: Callable[[], bool]) -> None:

@@ -22,17 +22,13 @@ class ServiceReport:
     def __init__(self, service: Service):
         self.service = service
 
-    def reload_status(self) -> dict[str, Any]:
-        service = self.service
-        return service.reload.status() if service.reload is not None else {}
-
     def stats(self) -> StatsReply:
         """Counts anyone who may connect may see: no client's pid, name or uid (see clients)."""
         service = self.service
         stats = service.registry.stats() if service.registry is not None else {}
         return StatsReply(state=service.state, uptime=time.monotonic() - service.started,
                           hot_cache=self.cache_stats(), mps=self.mps(), tables=service.tables_id,
-                          reload=self.reload_status(), **stats)
+                          reload=service.reloads.status(), **stats)
 
     def health(self) -> HealthReply:
         service = self.service
@@ -40,7 +36,7 @@ class ServiceReport:
                            progress=round(service.progress, 4), pid=os.getpid(),
                            uptime=round(time.monotonic() - service.started, 3),
                            backend=service.tables.backend.name if service.tables else None, mps=self.mps(),
-                           tables=service.tables_id, reload=self.reload_status())
+                           tables=service.tables_id, reload=service.reloads.status())
 
     def mps(self) -> dict[str, Any]:
         """Per GPU UUID, the daemon's MPS state there (empty on the CPU backend or while loading)."""
@@ -70,4 +66,4 @@ class ServiceReport:
                 "errors": stats.get("errors", {}), "slab_bytes": slab_bytes,
                 "pinned_bytes": backend.pinned_bytes if backend else 0,
                 "hot_cache": self.cache_stats(), "mps": self.mps(), "tables": service.tables_id,
-                "reload": self.reload_status()}
+                "reload": service.reloads.status()}

@@ -1,17 +1,16 @@
 """The daemon's operations, with no transport in them.
 
 What a request asks and what the answer holds, for every operation: register, attach, lookup,
-release, heartbeat, stats, health, the tables a mapped client maps, and the admin operations
-(who the clients are, drain, reload), plus the daemon's state (starting, loading, ready,
-stopping) that decides which may run. A reload is the service's too: it starts one, and once
-its tables are ready switches the backend, the store, the registry and the mapped clients'
-grants to them (server/reload.py loads them). The daemon (daemon.py) owns the sockets, threads,
-signals and leases: it decodes a request, calls the method here, and encodes what comes back (a
-declared reply of client/shared/messages.py, or a typed EngramError) with the descriptors a reply
-passes (made by server/grants.py); what `stats`, `health` and the metrics report is read by
-server/report.py (`Service.report`). Nothing here knows ZeroMQ or the handle socket, so tests
-drive the service in-process (tests/test_service.py), as an engine core is driven without its
-client.
+release, heartbeat, stats, health, and the admin operations (who the clients are, drain,
+reload), plus the daemon's state (starting, loading, ready, stopping) that decides which may
+run. A reload is the service's too, run by its ReloadControl (server/reload_control.py,
+`Service.reloads`: starting one, switching to its tables, the tables a mapped client re-maps
+after it). The daemon (daemon.py) owns the sockets, threads, signals and leases: it decodes a
+request, calls the method here, and encodes what comes back (a declared reply of
+client/shared/messages.py, or a typed EngramError) with the descriptors a reply passes (made by
+server/grants.py); what `stats`, `health` and the metrics report is read by server/report.py
+(`Service.report`). Nothing here knows ZeroMQ or the handle socket, so tests drive the service
+in-process (tests/test_service.py), as an engine core is driven without its client.
 
 Every method runs on the daemon's loop thread, except `admits` (the handle socket's threads ask
 it before reading a request; it only reads settings).
@@ -19,15 +18,13 @@ it before reading a request; it only reads settings).
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from collections.abc import Callable
 
-from engramd.client.errors import NotReadyError, PermissionDeniedError, ResourceError
+from engramd.client.errors import NotReadyError, PermissionDeniedError
 from engramd.client.shared.handles import PeerCredentials
 from engramd.client.shared.messages import (
-    AttachReply,
     ClientsReply,
     HeartbeatReply,
     HeartbeatRequest,
@@ -37,20 +34,15 @@ from engramd.client.shared.messages import (
     RegisterRequest,
     ReleaseReply,
     ReleaseRequest,
-    ReloadReply,
-    TablesReply,
 )
 from engramd.server.backend import Completion, LookupJob
 from engramd.server.config import DaemonConfig, id_set
 from engramd.server.grants import MappedGrants
 from engramd.server.job_context import JobContext
 from engramd.server.registry import ClientRecord, ClientRegistry, Limits
-from engramd.server.reload import TableReload, switch_tables
+from engramd.server.reload_control import ReloadControl
 from engramd.server.report import ServiceReport
-from engramd.server.table_file import HostTable
 from engramd.server.table_loader import LoadedTables
-
-log = logging.getLogger("engramd.daemon")
 
 
 class Service:
@@ -70,7 +62,7 @@ class Service:
         self.registry: ClientRegistry | None = None
         self.tables: LoadedTables | None = None
         self.grants: MappedGrants | None = None  # the served tables' descriptors, for mapped clients
-        self.reload: TableReload | None = None  # the last reload, if any
+        self.reloads = ReloadControl(self)  # starts them, switches to their tables
         self.report = ServiceReport(self)  # stats, health, metrics
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -142,8 +134,9 @@ class Service:
 
     # -- operations -----------------------------------------------------------------------------
 
-    def _serving(self, op: str) -> ClientRegistry:
-        """The registry, if the daemon serves now; NotReadyError naming the state otherwise."""
+    def serving(self, op: str) -> ClientRegistry:
+        """The registry, if the daemon serves now; NotReadyError naming the state otherwise
+        (the reloads' `tables` request asks it too)."""
         if self.state != "ready" or self.registry is None:
             raise NotReadyError(f"{op}: daemon is {self.state} "
                                 f"(tables {self.progress:.0%} loaded); retry when `engramd health` says ready")
@@ -158,7 +151,7 @@ class Service:
     def register(self, identity: bytes, request: RegisterRequest,
                  peer: PeerCredentials | None = None) -> RegisterReply:
         """`peer`: who holds the connection, where the transport can say (registry.register)."""
-        return self._serving("register").register(identity, request, peer)
+        return self.serving("register").register(identity, request, peer)
 
     def lookup(self, identity: bytes, request: LookupRequest, payload: list[bytes], done: Completion,
                context: JobContext) -> None:
@@ -180,40 +173,9 @@ class Service:
         return HeartbeatReply(tables=self.tables_id, tables_seq=self.tables_seq)
 
     def attach(self, client_id: int, token: str, peer: PeerCredentials) -> ClientRecord:
-        return self._serving("attach").attach(client_id, token, peer)
-
-    def attach_reply(self, record: ClientRecord) -> tuple[AttachReply, list[int]]:
-        """What an attached client maps: its slab (served) or the tables (mapped), and the new
-        descriptors to pass with it (the caller closes them once sent). Where they cannot be
-        made, the registration is retired and the error raised."""
-        fds: list[int] = []
-        try:
-            if record.slab is not None:
-                fds.extend(record.slab.descriptors())
-                return AttachReply(slab=record.slab.wire()), fds
-            grants, table_fds = self.grants.tables()
-            fds.extend(table_fds)
-            warm_fd = self.grants.warm_file() if record.warm_file else None  # for its own cache
-            if warm_fd is not None:
-                fds.append(warm_fd)
-            return AttachReply(tables=grants, version=self.tables_id, tables_seq=self.tables_seq,
-                               warm=warm_fd is not None), fds
-        except Exception as exc:  # out of descriptors, or the device would not export
-            for fd in fds:
-                os.close(fd)
-            self.registry.retire_client(record.client_id, "retired (its descriptors could not be passed)")
-            if isinstance(exc, OSError):
-                raise ResourceError(f"cannot pass descriptors now: {exc.strerror}") from None
-            raise
-
-    def grant_tables(self, client_id: int, token: str, peer: PeerCredentials) -> tuple[TablesReply, list[int]]:
-        """A mapped client after a reload: the served tables, and a new descriptor of each."""
-        self._serving("tables").grant_tables(client_id, token, peer)
-        try:
-            grants, fds = self.grants.tables()
-        except OSError as exc:
-            raise ResourceError(f"cannot pass descriptors now: {exc.strerror}") from None
-        return TablesReply(version=self.tables_id, tables=grants, tables_seq=self.tables_seq), fds
+        """The second step of a registration (registry.attach). What the client is then passed
+        is made where the handle socket answers it (handle_requests.py, grants.attach_reply)."""
+        return self.serving("attach").attach(client_id, token, peer)
 
     def gathering(self) -> bool:
         """Whether the backend's gather threads have work now (see Backend.gathering)."""
@@ -235,65 +197,3 @@ class Service:
         open to every member of the socket's group, leaves these out."""
         self.require_admin(peer, "clients")
         return ClientsReply(clients=self.registry.who() if self.registry is not None else [])
-
-    # -- reload (server/reload.py) ---------------------------------------------------------------
-
-    def admin_reload(self, peer: PeerCredentials, done: Callable[[TableReload], None]) -> ReloadReply:
-        """Admin: load the configured checkpoint's tables beside the served ones, then serve
-        them (as on SIGHUP). Answers at once; `health` follows the reload."""
-        self.require_admin(peer, "reload")
-        self.start_reload(f"pid {peer.pid} uid {peer.uid}", done)
-        return ReloadReply(state=self.reload.state, tables=self.tables_id)
-
-    def start_reload(self, requested_by: str, done: Callable[[TableReload], None]) -> None:
-        """A reload on its thread, unless one runs (then that one answers for both); `done(reload)`
-        is called from that thread once its tables are open and checked, or it failed."""
-        if self.state != "ready":
-            raise NotReadyError(f"reload: the daemon is {self.state}")
-        if self.reload is not None and self.reload.running:
-            log.info("reload asked by %s: one is running already", requested_by)
-            return
-        log.info("reload asked by %s: loading %s beside the served tables %s", requested_by,
-                 self.config.tables, self.tables_id)
-        self.reload = TableReload(self.config, self.tables, requested_by, done)
-
-    def finish_reload(self, reload: TableReload, retired: Callable[[list[HostTable]], None]) -> bool:
-        """The reload's tables are open and checked (or it failed): switch to them. True when
-        the tables changed (the daemon tells the clients). `retired(old)` is called, from any
-        thread, once no gather reads the replaced tables (then release them: tables_retired)."""
-        if reload is not self.reload:  # cannot happen: one reload at a time
-            stray = reload.take()
-            if stray is not None:
-                stray.close()
-            return False
-        if reload.error is not None:
-            reload.finish("failed")
-            return False
-        next_tables = reload.take()
-        if next_tables is None:
-            reload.finish("unchanged", tables=self.tables_id)
-            return False
-        if self.state != "ready":
-            next_tables.close()
-            reload.finish("failed", f"the daemon is {self.state}")
-            return False
-        try:
-            self.tables = switch_tables(self.tables, next_tables, self.grants, retired)
-        except Exception as exc:
-            log.exception("reload: switching to the new tables failed")
-            next_tables.close()
-            reload.finish("failed", f"switching failed: {type(exc).__name__}: {exc}")
-            return False
-        self.registry.tables_changed(next_tables.checkpoint.fingerprint())
-        reload.finish("done", tables=self.tables_id)
-        return True
-
-    def tables_retired(self, tables: list[HostTable]) -> None:
-        """No gather of the daemon's reads these replaced tables any more: unmap them."""
-        if self.tables is not None:
-            self.tables.store.release(tables)
-
-    def cancel_reload(self) -> None:
-        """Stopping: a running load stops between chunks; its files go."""
-        if self.reload is not None:
-            self.reload.cancel()
