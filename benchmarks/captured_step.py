@@ -13,7 +13,8 @@ copy from a pool drawn beforehand), as an engine writes its inputs. Variants:
   inproc_graph   GatherPlan (kernels/gather_triton.py) over this process's own registration of
                  the table, sorted from 1,024 tokens, captured in the step
   mapped_graph   engramd's captured lookup (EngramClient.capturable_lookup, client/captured.py)
-                 of a mapped client of one `engramd serve`, recorded in the step
+                 of a mapped client of its own of one `engramd serve`, on all SMs as the
+                 in-process plan, recorded in the step
   mapped         the same client's eager lookup()+wait() in an uncaptured step (model_step.py's
                  mapped variant): what the graph saves
 Reported per cell: step time (pipelined: replays back to back, one synchronize; synced: p50 of
@@ -38,7 +39,7 @@ import torch
 from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common.daemon import bench_folders, running_daemon  # noqa: E402
+from common.daemon import bench_folders, open_client, running_daemon  # noqa: E402
 from common.ids import layer_rows  # noqa: E402
 from common.report import machine  # noqa: E402
 from common.rows import bitwise_mismatches  # noqa: E402
@@ -65,13 +66,15 @@ class CapturedBench:
     """model_step's Bench (matmuls, consumer, in-process plan, the mapped client) and, per
     (T, LEAD), a graph of each captured variant over one persistent IDs buffer."""
 
-    def __init__(self, bench: Bench, max_tokens: int):
+    def __init__(self, bench: Bench, socket: Path, max_tokens: int):
         self.bench = bench
-        client = bench.clients["mapped"]
+        # A client of its own: the eager variant's keeps both its slots.
+        self.client, _ = open_client(socket, "cuda:0", max_tokens, mode="mapped")
         geometry = bench.geometry
         self.ids = torch.full((max_tokens, geometry.n_layers, geometry.heads), -1, dtype=torch.int64,
                               device="cuda")
-        self.captured = client.capturable_lookup(self.ids)
+        # One program per SM, as the in-process plan's default grid.
+        self.captured = self.client.capturable_lookup(self.ids, sm_fraction=1.0)
         self.graphs: dict[tuple[str, int, int], torch.cuda.CUDAGraph] = {}
         self.rows: dict[tuple[str, int, int], Tensor] = {}
         self.fork, self.join = torch.cuda.Event(), torch.cuda.Event()
@@ -82,7 +85,8 @@ class CapturedBench:
             graph = torch.cuda.CUDAGraph()
             self._step(variant, tokens, lead)  # warm: the consumer's kernels load outside capture
             torch.cuda.synchronize()
-            with torch.cuda.graph(graph):
+            # thread_local: the client's threads (keeper, upkeep) call CUDA while this captures
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 self.rows[key] = self._step(variant, tokens, lead)
             self.graphs[key] = graph
         return self.graphs[key]
@@ -191,12 +195,15 @@ def measure(args: argparse.Namespace) -> dict:
         with running_daemon(work, daemon_flags(work, shm, max(tokens), args.daemon_args),
                             timeout=300) as socket:
             bench = Bench(geometry, specs, socket, max(tokens), ("compute", "inproc", "mapped"))
+            captured = None
             try:
-                captured = CapturedBench(bench, max(tokens))
+                captured = CapturedBench(bench, socket, max(tokens))
                 cells, checks = run_grid(captured, tokens, leads, args.steps, mps["mps"])
                 counts = captured.captured.counts()
                 captured.captured.check()  # no replay wrote NaN rows
             finally:
+                if captured is not None:
+                    captured.client.close()
                 bench.close()
     run = {**mps, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "table_gib": round(geometry.total_bytes / 2**30, 2), "steps": args.steps,

@@ -104,7 +104,9 @@ class EngramRunnerAdapter:
                   cu_seqlens: torch.Tensor | None = None, dead: torch.Tensor | None = None,
                   state: HashState | None = None, stream: torch.cuda.Stream | None = None) -> HashState:
         """prefetch()'s hashing, into `captured`'s IDs buffer (the first T of it) on `stream`
-        (default: the current one), before the replay that reads them; returns the carry."""
+        (default: the current one), before the replay that reads them; returns the carry. A
+        graph recorded for more tokens than these (padding) reads the rest of the buffer as it
+        is: an earlier step's IDs, in range, whose rows the engine does not use."""
         if token_ids.shape[0] > captured.ids.shape[0]:
             raise ValueError(f"{token_ids.shape[0]} tokens; the captured lookup's buffer holds "
                              f"{captured.ids.shape[0]}")
@@ -118,8 +120,8 @@ class EngramRunnerAdapter:
               stream: torch.cuda.Stream | None) -> tuple[torch.Tensor, HashState]:
         """The hash IDs of a step's tokens, on `stream`; validated on the CPU only (on a GPU
         that would synchronise)."""
-        token_ids = token_ids.to(self.device, non_blocking=True)
-        with self._on(stream):
+        with self._on(stream):  # the copy too: the hash reads it in this stream's order
+            token_ids = token_ids.to(self.device, non_blocking=True)
             return self.hasher.hash_batch(token_ids, cu_seqlens, dead, state,
                                           validate=self.device.type != "cuda")
 

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engramd.client.errors import BadIdsError, BadRequestError, EngramError, ReplayFailedError
+from engramd.client.errors import BadIdsError, BadRequestError, ReplayFailedError
+from engramd.client.rejoin import Stopped
 from engramd.kernels import descriptor as desc
 
 if TYPE_CHECKING:
@@ -48,6 +49,8 @@ class CapturedLookup:
                  policy: dict[str, Any], sm_fraction: float | None):
         """Over the client's `mapped` tables of `geometry` (`shard` of them), by the daemon's
         gather `policy`; `rows(slot, tokens)` is the client's slot rows view."""
+        # Imported here, as everywhere in the client, so that a CPU client never loads Triton
+        # (and tests can put the interpreter's copy in its place).
         from engramd.kernels.gather_triton import GatherPlan, grid_programs
 
         self._path = path
@@ -56,6 +59,9 @@ class CapturedLookup:
         self.device = ids.device
         self.geometry, self.shard = geometry, shard
         self._rows = rows
+        # The slot's memory, held: replays write it for as long as this object lives, whatever
+        # becomes of the client's slots (a detached descriptor stops the writes: lose()).
+        self._slot_memory = rows(slot, ids.shape[0])
         # The kernel's variant (row size, alignment) and the sort's keys; the tables it reads are
         # the descriptor's.
         self._plan = GatherPlan(mapped.layer_tables(), shard, self.device)
@@ -81,12 +87,17 @@ class CapturedLookup:
 
     def _warm_up(self) -> None:
         """Compile and load the variants record() launches, now: a capture cannot load a module.
-        On a descriptor of their own, so that this one's counts are the engine's replays'."""
-        nothing = desc.Contents(((0, 0, 0, 0),) * self.geometry.n_layers)  # owns no rows, reads none
+        On the engine's own IDs buffer (its alignment is part of the variant) and a descriptor of
+        their own, which owns no rows (nothing is read; this one's counts stay the replays').
+        Sorted reads at the fewest and the most tokens: the block size and torch's sort kernels
+        depend on the size."""
+        nothing = desc.Contents(((0, 0, 0, 0),) * self.geometry.n_layers)
         scratch = desc.TableDescriptor(nothing, self.device)
-        ids = torch.full((1, *self.ids.shape[1:]), -1, dtype=self.ids.dtype, device=self.device)
-        for sort in (False, True) if self._sort_from else (False,):
-            self._plan(ids, self.rows(1), num_programs=self._programs, sort=sort, descriptor=scratch)
+        most = self.ids.shape[0]
+        launches = [(1, False)] + ([(1, True), (most, True)] if 0 < self._sort_from <= most else [])
+        for tokens, sort in launches:
+            self._plan(self.ids[:tokens], self.rows(tokens), num_programs=self._programs, sort=sort,
+                       descriptor=scratch)
         self.settle()
 
     # -- what the engine calls ------------------------------------------------------------------
@@ -145,8 +156,8 @@ class CapturedLookup:
                 "out_of_range": words[desc.OUT_OF_RANGE]}
 
     def close(self) -> None:
-        """Give the slot back; later replays write NaN rows (the block itself lives on with this
-        object, so a graph that still replays reads no freed memory)."""
+        """Give the slot back; later replays read and write nothing (the block lives on with this
+        object, so a graph that still replays touches no freed memory), and check() raises."""
         self._path.forget_captured(self)
 
     # -- what the client's mapped path calls ---------------------------------------------------
@@ -172,14 +183,16 @@ class CapturedLookup:
             self.descriptor.poison()
         self._unmapped = self._unmapped or why
 
-    def lose(self, why: str) -> None:
-        """The graph can never follow the client's tables again. Synchronises the device: what
-        the tables were may go as soon as this returns."""
-        self.descriptor.poison()
+    def lose(self, why: str, detach: bool = False) -> None:
+        """The graph can never follow the client's tables again: replays write NaN rows, or with
+        `detach` (the slot is no longer the lookup's: closed, or the client gone) nothing.
+        Settles: what the tables and the slot were may go as soon as this returns."""
+        self.descriptor.poison(detach)
         self._lost = self._lost or why
         self.settle()
 
     def advance(self) -> None:
+        """Publish what waits for the last contents' adoption, if a replay adopted them."""
         self.descriptor.advance()
 
     @property
@@ -187,7 +200,13 @@ class CapturedLookup:
         """Contents wait to be published (the last ones not yet adopted by a replay)."""
         return self.descriptor.pending
 
+    @property
+    def live(self) -> bool:
+        """The graph can still follow the client (not closed, not lost for good)."""
+        return self._lost is None
+
     def reads(self, mapped: Any) -> bool:
+        """Whether a replay may still read `mapped` (MappedPath keeps it mapped until not)."""
         return self.descriptor.reads(mapped)
 
 
@@ -232,16 +251,25 @@ class Captures:
                               f"register with more")
 
     def _keep_up(self, pause: Callable[[float], bool]) -> None:
-        """Upkeep thread: the client's _keep_up while no lookup() or close() holds it."""
+        """Upkeep thread: the client's _keep_up while no lookup() or close() holds it and a
+        captured lookup is live. An error is logged and tried again at the next turn, as the
+        next lookup() would, unless the client gave up its daemon (its reconnect failed for
+        good): then the captured lookups are lost, and the thread ends (Gone)."""
         client = self._client
         if not client._tables_lock.acquire(blocking=False):
             return
         try:
-            if client._conn is not None:
-                client._keep_up(pause)
-        except EngramError as exc:  # e.g. no daemon to reconnect to: the replays stay poisoned
-            client._mapped_path.lose_captured(f"the client lost its daemon for good: {exc}")
+            if client._conn is None or not any(c.live for c in client._mapped_path.captured):
+                return
+            client._keep_up(pause)
+        except Stopped:  # close(): not a loss
             raise
+        except Exception as exc:
+            if client._conn is not None:
+                log.warning("captured lookups' upkeep: %s (trying again)", exc, exc_info=True)
+                return
+            client._mapped_path.lose_captured(f"the client gave up its daemon: {exc}", detach=True)
+            raise Gone from exc
         finally:
             client._tables_lock.release()
 
@@ -251,13 +279,17 @@ class Captures:
             self._upkeep.stop()
 
 
+class Gone(Exception):
+    """The client gave up its daemon: the upkeep thread has nothing left to keep."""
+
+
 class Upkeep:
     """For an engine whose lookups are all captured, and so never calls lookup(): a thread that
     does, every UPKEEP_S, what a lookup does first (`keep_up`: the client's _keep_up, when no
     lookup holds the client), so that a daemon's death, a restart on other tables or a reload
-    reach the captured lookups without one. Ends at the first error (the client lost its daemon
-    for good: `keep_up` has poisoned the captured lookups) or at stop(), which also ends a
-    reconnect in flight between two attempts (`keep_up(pause)`)."""
+    reach the captured lookups without one. Ends when the client gave up its daemon (Gone:
+    `keep_up` has detached the captured lookups) or at stop(), which also ends a reconnect in
+    flight between two attempts (`keep_up(pause)`)."""
 
     def __init__(self, keep_up: Callable[[Callable[[float], bool]], None], device: torch.device):
         self._stop = threading.Event()
@@ -266,7 +298,6 @@ class Upkeep:
         self._thread.start()
 
     def _run(self, keep_up: Callable[[Callable[[float], bool]], None], device: torch.device) -> None:
-        from engramd.client.rejoin import Stopped
         from engramd.client.shared import cuda
 
         if device.type == "cuda":
@@ -276,11 +307,13 @@ class Upkeep:
                 keep_up(self._stop.wait)
             except Stopped:
                 return
-            except EngramError as exc:
-                log.error("captured lookups: %s", exc)
+            except Gone as exc:
+                log.error("captured lookups: %s", exc.__cause__)
                 return
 
     def stop(self) -> None:
+        """Without a timeout: between two reconnect attempts the thread sees the stop at once,
+        and an attempt lasts at most rejoin.LONGEST_ATTEMPT_S."""
         self._stop.set()
         self._thread.join()
 

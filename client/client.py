@@ -114,7 +114,8 @@ def _require_cuda(device: torch.device) -> None:
 
 
 class EngramClient:
-    # What each registration sets (client/session.py, Session.adopt), read by every path.
+    # What each registration sets (client/session.py: Session.connect and Session.adopt), read
+    # by every path.
     geometry: TableGeometry
     shard: ShardView
     layout: SlabLayout
@@ -392,10 +393,12 @@ class EngramClient:
     # -- other operations -----------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        return self._conn.call("stats", self.timeout).body.encode()
+        with self._tables_lock:  # the connection is shared with the captured lookups' upkeep
+            return self._conn.call("stats", self.timeout).body.encode()
 
     def health(self) -> dict[str, Any]:
-        return self._conn.call("health", self.timeout).body.encode()
+        with self._tables_lock:
+            return self._conn.call("health", self.timeout).body.encode()
 
     def close(self) -> None:
         """Release the registration and the slab mapping. Safe to call twice."""
@@ -403,7 +406,7 @@ class EngramClient:
         self._captures.stop()  # likewise
         with self._tables_lock:
             self._ride.close_replaced()
-            self._mapped_path.lose_captured("the client closed")  # before the slots go
+            self._mapped_path.lose_captured("the client closed", detach=True)  # before the slots go
             self._close()
 
     def _close(self) -> None:

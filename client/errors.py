@@ -123,9 +123,8 @@ class LookupFailedError(EngramError):
 
 class CaptureUnsupportedError(BadRequestError):
     """A lookup a CUDA graph could record was asked of a client that cannot make one: only a
-    mapped GPU client gathers on the caller's stream with nothing on the host per step."""
-
-    code = "capture_unsupported"
+    mapped GPU client gathers on the caller's stream with nothing on the host per step. Made by
+    the client, never sent over the wire (its code is its parent's)."""
 
 
 class ReplayFailedError(LookupFailedError):

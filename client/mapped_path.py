@@ -268,6 +268,7 @@ class MappedPath(ClientPath):
     # -- lookups graphs record (client/captured.py) ----------------------------------------------
 
     def capture(self, ids: torch.Tensor, slot: int, sm_fraction: float | None) -> CapturedLookup:
+        """A captured lookup over the mapping of now, which follows this path's from now on."""
         client = self._client
         captured = CapturedLookup(self, self.tables, ids, slot, client._slab.rows, client.geometry,
                                   client.shard, client._gather_policy, sm_fraction)
@@ -277,14 +278,15 @@ class MappedPath(ClientPath):
     def forget_captured(self, captured: CapturedLookup) -> None:
         """A captured lookup closes: it reads nothing from now on, and its slot is free."""
         with self._client._tables_lock:
-            captured.lose("this captured lookup was closed")
+            captured.lose("this captured lookup was closed", detach=True)
             self.captured = tuple(c for c in self.captured if c is not captured)
             self._client._captures.slots.discard(captured.slot)
 
-    def lose_captured(self, why: str) -> None:
-        """The client is no longer mapped (the daemon serves it now): no graph can follow."""
+    def lose_captured(self, why: str, detach: bool = False) -> None:
+        """No graph can follow the client any more (it is served now; `detach`: its slots go,
+        the client closes or gave up its daemon)."""
         for captured in self.captured:
-            captured.lose(why)
+            captured.lose(why, detach)
 
     def _follow_captured(self) -> None:
         for captured in self.captured:

@@ -122,7 +122,8 @@ class Session:
 
     def register(self, timeout: float) -> None:
         conn = self._client._conn
-        assert conn is not None, "connect() made it"
+        if conn is None:
+            raise InternalError("register() without a connection: connect() makes one")
         reply = conn.call("register", timeout, **self.register_fields())
         try:
             self.adopt(reply)

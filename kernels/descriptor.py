@@ -17,8 +17,10 @@ replays of graphs on one stream do (two at once would also race on the one slot 
 What the graph cannot follow (the tables unmapped, another geometry) poisons it: POISONED set in
 both buffers at once. A program that reads the flag reads no ID, table or cache, and writes NaN
 rows; its launch counts in POISONED_LAUNCHES, which the owner reports. A program that began
-before the flag landed may still read the old tables, so the owner synchronises the device
-before it frees them.
+before the flag landed may still read the old tables (so one launch may be part rows, part NaN),
+and the owner synchronises the device before it frees them. A descriptor whose rows' memory is
+no longer its owner's (the lookup closed, its client gone) is detached: POISONED = DETACHED, and
+its launches write nothing at all.
 
     word  0  SELECT             the buffer the owner wants read (0 or 1); the owner writes it
     word  1  ACTIVE             the buffer launches read; the last program of a launch writes it
@@ -48,6 +50,7 @@ CONTROL_WORDS = 8
 SELECT, ACTIVE, BEGUN, ARRIVED, LAUNCHES, POISONED_LAUNCHES, OUT_OF_RANGE, SAW_POISON = range(8)
 HEADER_WORDS = 2
 POISONED, HAS_CACHE = range(HEADER_WORDS)
+DETACHED = 2  # the POISONED word's value for a descriptor whose launches write nothing
 # A layer's row, in the plan's metadata as in a buffer: its table's address and rows, and the
 # rows [row_lo, row_hi) the shard owns.
 LAYER_FIELDS = ("address", "rows", "row_lo", "row_hi")
@@ -127,7 +130,7 @@ class TableDescriptor:
     def publish(self, contents: Contents, owner: Any) -> None:
         """Launches are to read `contents` (owned by `owner`) from the launch after next; a
         poisoned descriptor comes back to life with them."""
-        if contents.layers and len(contents.layers) != self.n_layers:
+        if len(contents.layers) != self.n_layers:
             raise ValueError(f"{len(contents.layers)} layers for a descriptor of {self.n_layers}")
         self._pending = (contents, owner)
         self.poisoned = False
@@ -153,14 +156,15 @@ class TableDescriptor:
         words = self.snapshot(wait)
         return words[SELECT] == self.select and words[ACTIVE] == self.select
 
-    def poison(self) -> None:
-        """From now on launches read nothing and write NaN rows, until contents are published.
-        The caller synchronises the device before it frees what the tables were: a program that
-        began before the flag landed may still read them."""
+    def poison(self, detach: bool = False) -> None:
+        """From now on launches read nothing and write NaN rows (`detach`: nothing at all),
+        until contents are published. The caller synchronises the device before it frees what
+        the tables (`detach`: the rows) were: a program that began before the flag landed may
+        still read (write) them."""
         self._pending = None
         self.poisoned = True
         for buffer in (0, 1):
-            self._write(self._buffer(buffer) + POISONED, [1])
+            self._write(self._buffer(buffer) + POISONED, [DETACHED if detach else 1])
         self._owners = [None, None]
 
     def reads(self, owner: Any) -> bool:

@@ -80,6 +80,7 @@ if triton is not None:
         desc.SAW_POISON))
     _D_CONTROL, _D_HEADER = tl.constexpr(desc.CONTROL_WORDS), tl.constexpr(desc.HEADER_WORDS)
     _D_POISONED, _D_HAS_CACHE = tl.constexpr(desc.POISONED), tl.constexpr(desc.HAS_CACHE)
+    _DETACHED = tl.constexpr(desc.DETACHED)
     _D_CACHE_WORDS = tl.constexpr(desc.CACHE_WORDS)
     _NAN = tl.constexpr(_NAN_BITS)
     # The hot-row cache's metadata, one int64 each, in kernels/hot_cache.META_FIELDS order.
@@ -210,8 +211,8 @@ if triton is not None:
 
         With DESCRIBED, meta_ptr is a descriptor block (kernels/descriptor.py): the tables and the
         cache are those of the buffer it names active (cache_ptr is unused), a poisoned buffer
-        gives NaN rows and reads nothing, and the last program to end adopts the buffer the
-        owner selected for the next launch.
+        gives NaN rows and reads nothing, a detached one writes nothing either, and the last
+        program to end adopts the buffer the owner selected for the next launch.
         """
         cols = tl.arange(0, BLOCK_W)
         col_ok = cols < WIDTH
@@ -238,10 +239,12 @@ if triton is not None:
             layer, token, j = _decode(item, per_layer, local_heads)
             owned = live & (j < owned_heads)
             if DESCRIBED:
-                # The flags as blocks (Triton's interpreter cannot AND a scalar into a mask).
+                # The flags as blocks (Triton's interpreter cannot AND a scalar into a mask): a
+                # poisoned buffer reads nothing and writes NaN rows, a detached one writes nothing.
                 zeros = item.to(tl.int64) * 0
                 poisoned = (zeros + poison_word) != 0
                 owned = owned & ((zeros + poison_word) == 0)
+                writes = live & ((zeros + poison_word) != _DETACHED)
             id_offset = (token.to(tl.int64) * ids_stride_t + layer.to(tl.int64) * ids_stride_l
                          + (head_start + j).to(tl.int64) * ids_stride_h)
             row = tl.load(ids_ptr + id_offset, mask=owned, other=_DEAD).to(tl.int64)
@@ -271,6 +274,8 @@ if triton is not None:
             out_offset = _out_row(layer, token, j, out_rows_l, out_rows_t) * WIDTH
             dst = out_ptr + out_offset[:, None] + cols[None, :]
             store_mask = live[:, None] & col_ok[None, :]
+            if DESCRIBED:
+                store_mask = writes[:, None] & col_ok[None, :]
             raw = _load(src[:, None] + cols[None, :], load_mask, CACHED)
             if not PACKED:
                 if ALIGNED and ROW_BYTES - HEAD_DIM == 8:

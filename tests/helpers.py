@@ -465,6 +465,22 @@ def reload(daemon: DaemonProcess, *flags: str, timeout: float = 120.0) -> dict:
     return {"exit": result.returncode, "stderr": result.stderr, **status}
 
 
+def row_kinds(actual: np.ndarray, ids: np.ndarray, old: ReferenceTables,
+              new: ReferenceTables) -> set[str]:
+    """Which tables a lookup's rows [n_layers, T, heads, dim] came from, row by row: "old",
+    "new", "nan" (a row all NaN, a poisoned read); a row of neither (nor equal in both) fails.
+    Rows the two tables agree on (DEAD, out of range) count as neither."""
+    def same(expected: np.ndarray) -> np.ndarray:
+        return ((actual == expected) | (np.isnan(actual) & np.isnan(expected))).all(-1)
+
+    is_old, is_new = same(old.expected(ids)), same(new.expected(ids))
+    is_nan = np.isnan(actual).all(-1) & ~is_old & ~is_new
+    other = ~(is_old | is_new | is_nan)
+    assert not other.any(), f"{int(other.sum())} rows of neither tables, nor all NaN"
+    return {kind for kind, rows in (("old", is_old & ~is_new), ("new", is_new & ~is_old),
+                                    ("nan", is_nan)) if rows.any()}
+
+
 def rows_match(actual: np.ndarray, reference: ReferenceTables, ids: np.ndarray,
                rank: int = 0, shards: int = 1) -> bool:
     """Whether float64 rows are exactly the reference's for `ids` (NaN where it has NaN)."""

@@ -1,13 +1,18 @@
 """Lookups recorded in CUDA graphs (client/captured.py) on a mapped GPU client: replays equal the
 reference bit for bit, follow a reload and a daemon restart without a new capture, and write NaN
-rows, which check() reports, while the client has no tables: never another table's rows."""
+rows, which check() reports, while the client has no tables: never another table's rows.
+
+Graphs are captured with capture_error_mode="thread_local", as docs/client.md asks of engines:
+the client's threads (the cache keeper, the upkeep) make CUDA calls while the engine captures."""
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import pytest
 import torch
-from helpers import point, reload, rows_match, wait_until
+from helpers import point, reload, row_kinds, rows_match, wait_until
 from reference import random_ids
 from test_reload_gpu import CUDA
 
@@ -20,6 +25,7 @@ from engramd.client import (
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 MAX_TOKENS = 256
+FOLLOW_S = 120.0  # a reload or a restart reaches the replays within this
 
 
 def captured_graph(client: EngramClient, tokens: int, captured=None):
@@ -29,7 +35,7 @@ def captured_graph(client: EngramClient, tokens: int, captured=None):
                             dtype=torch.int64, device="cuda")
         captured = client.capturable_lookup(buffer)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         rows = captured.record(tokens)
     return graph, captured, rows
 
@@ -102,16 +108,12 @@ def test_replays_follow_a_reload_without_a_new_capture(daemon_factory, demo_chec
         point(current, second_checkpoint)
         status = reload(daemon)
         assert (status["exit"], status["state"]) == (0, "done"), status
-        switched = 0
-        for step in range(5000):
-            got = replay(graph, captured, rows, ids)
-            if rows_match(got, second_reference, ids):
-                switched += 1
-                if switched == 50:
-                    break
-            else:
-                assert switched == 0, f"replay {step}: old rows after new ones"
-                assert rows_match(got, reference, ids), f"replay {step}: rows of neither checkpoint"
+        switched, deadline = 0, time.monotonic() + FOLLOW_S
+        while switched < 50 and time.monotonic() < deadline:
+            kinds = row_kinds(replay(graph, captured, rows, ids), ids, reference, second_reference)
+            assert "nan" not in kinds and len(kinds) <= 1, f"a reload switches whole replays: {kinds}"
+            assert kinds != {"old"} or switched == 0, "old rows after new ones"
+            switched += kinds == {"new"}
         assert switched == 50, "the replays never read the reloaded tables"
         wait_until(lambda: not client._mapped_path.old_mappings, timeout=30)
         captured.check()
@@ -135,18 +137,15 @@ def test_a_daemon_restart_on_other_tables_gives_nan_replays_then_the_new_rows(
             assert rows_match(replay(graph, captured, rows, ids), reference, ids)
         second = daemon_factory(instance="cap", tables=second_checkpoint, shm_dir=first.shm_dir,
                                 workdir=first.workdir, extra=CUDA)
-        seen = {"old": 0, "nan": 0, "new": 0}
-        for step in range(20000):
-            got = replay(graph, captured, rows, ids)
-            kind = ("new" if rows_match(got, second_reference, ids)
-                    else "old" if rows_match(got, reference, ids)
-                    else "nan" if np.isnan(got).all() else None)
-            assert kind is not None, f"replay {step}: rows of neither checkpoint, nor all NaN"
-            assert kind == "new" or seen["new"] == 0, f"replay {step}: {kind} after new rows"
-            seen[kind] += 1
-            if seen["new"] == 20:
-                break
-        assert seen["new"] == 20, f"never the new rows: {seen}"
+        # Rows of a replay under way when the poison lands may be part old, part NaN.
+        seen, deadline = {"old": 0, "nan": 0, "new": 0, "only_new": 0}, time.monotonic() + FOLLOW_S
+        while seen["only_new"] < 20 and time.monotonic() < deadline:
+            kinds = row_kinds(replay(graph, captured, rows, ids), ids, reference, second_reference)
+            assert "old" not in kinds or seen["new"] == 0, f"old rows after new ones: {seen}"
+            for kind in kinds:
+                seen[kind] += 1
+            seen["only_new"] += kinds == {"new"}
+        assert seen["only_new"] == 20, f"never the new rows: {seen}"
         assert seen["nan"] >= 1, "the adopting replay after the remap is a poisoned one"
         assert settled(captured)["poisoned"] == seen["nan"]
         with pytest.raises(ReplayFailedError) as failed:
@@ -165,8 +164,10 @@ def test_a_closed_capture_writes_nan_and_what_cannot_capture_says_so(daemon_fact
         graph, captured, rows = captured_graph(client, ids.shape[0])
         assert rows_match(replay(graph, captured, rows, ids), reference, ids)
         slot = captured.slot
+        before = rows.clone()
         captured.close()
-        assert np.isnan(replay(graph, captured, rows, ids)).all()
+        got = replay(graph, captured, rows, ids)
+        assert np.array_equal(got, before.double().cpu().numpy()), "a closed capture writes nothing"
         with pytest.raises(ReplayFailedError, match="closed"):
             captured.check()
         client.lookup(torch.from_numpy(ids).cuda(), slot=slot).wait()  # the slot is free again

@@ -4,9 +4,11 @@ geometry, and close.
 
 A CUDA graph needs a GPU; here the client is a mapped CPU client and the kernel runs under
 Triton's interpreter, so each launch (`_launch`, what record() queues and a graph replays)
-stands for one replay of a graph that recorded it. What is checked is what the GPU test (tests/gpu/test_captured_gpu.py) checks: every
-replay's rows are all of one checkpoint or all NaN, the old tables until the switch and never
-after, NaN replays reported by check(), the old mapping freed once no replay can read it.
+stands for one replay of a graph that recorded it; on two programs, so that a launch under way when the tables change is one of
+several. What is checked is what the GPU test (tests/gpu/test_captured_gpu.py) checks: every row
+is the old tables', the new ones' or NaN, a reload switches whole replays, no old row comes after a
+new one, replays with NaN rows are reported by check(), the old mapping is freed once no replay
+can read it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from helpers import point, reload, rows_match, wait_until
+from helpers import point, reload, row_kinds, rows_match, wait_until
 from reference import interpreted_gather, random_ids
 
 from engramd.client import BadRequestError, EngramClient, ReplayFailedError
@@ -41,7 +43,8 @@ def interpreted(monkeypatch):
 def capture(client: EngramClient):
     buffer = torch.full((TOKENS, client.geometry.n_layers, client.geometry.heads), -1,
                         dtype=torch.int64)
-    return client._captures.make(buffer, None, None)  # capturable_lookup, past its refusal of the CPU
+    # capturable_lookup, past its refusal of the CPU; all SMs: the interpreter's two programs
+    return client._captures.make(buffer, None, 1.0)
 
 
 def replay(captured, ids: np.ndarray) -> np.ndarray:
@@ -49,25 +52,18 @@ def replay(captured, ids: np.ndarray) -> np.ndarray:
     return captured._launch(ids.shape[0], None).double().numpy()
 
 
-def kind_of(rows: np.ndarray, ids: np.ndarray, old, new) -> str:
-    if rows_match(rows, new, ids):
-        return "new"
-    if rows_match(rows, old, ids):
-        return "old"
-    assert np.isnan(rows).all(), "rows of neither checkpoint, and not all NaN"
-    return "nan"
-
-
 def replays_until_new(captured, ids, old, new, enough: int, timeout: float) -> dict[str, int]:
-    """Replay until `enough` replays read the new tables; every one is old, NaN or new, in that
-    order (NaN may also come before old: a remap's adopting replay)."""
-    seen = {"old": 0, "nan": 0, "new": 0}
+    """Replay until `enough` replays read only the new tables; count the replays with rows of
+    each kind (row_kinds). No old row after a new one."""
+    seen = {"old": 0, "nan": 0, "new": 0, "only_new": 0}
 
     def step() -> bool:
-        kind = kind_of(replay(captured, ids), ids, old, new)
-        assert kind == "new" or seen["new"] == 0, f"{kind} rows after new ones: {seen}"
-        seen[kind] += 1
-        return seen["new"] >= enough
+        kinds = row_kinds(replay(captured, ids), ids, old, new)
+        assert "old" not in kinds or seen["new"] == 0, f"old rows after new ones: {seen}"
+        for kind in kinds:
+            seen[kind] += 1
+        seen["only_new"] += kinds == {"new"}
+        return seen["only_new"] >= enough
 
     wait_until(step, timeout=timeout, step=0.0)
     return seen
@@ -90,6 +86,7 @@ def test_captured_replays_equal_the_reference_and_keep_their_slot(daemon_factory
         captured.ids.fill_(-1)  # DEAD: counts nothing
         assert captured.record(TOKENS).shape == (len(reference.rows), TOKENS, reference.heads, 256)
         assert captured.counts() == {"replays": 5, "poisoned": 0, "out_of_range": bad}
+        assert captured._programs == 2, "a launch of several programs: the last one closes it"
         captured.check()
         ids = random_ids(rng, 3, reference.rows, reference.heads)
         assert {client.lookup(torch.from_numpy(ids)).slot for _ in range(6)} == {0, 1}
@@ -99,8 +96,9 @@ def test_captured_replays_equal_the_reference_and_keep_their_slot(daemon_factory
             client._captures.make(captured.ids, 2, None)
         with pytest.raises(BadRequestError, match="tokens 13"):
             captured.record(TOKENS + 1)
+        before = captured.rows(3).clone()
         captured.close()
-        assert np.isnan(replay(captured, ids)).all(), "a closed capture reads nothing"
+        assert torch.equal(captured._launch(3, None), before), "a closed capture writes nothing"
         with pytest.raises(ReplayFailedError, match="closed") as failed:
             captured.check()
         assert failed.value.replays == 1
@@ -122,6 +120,7 @@ def test_captured_replays_follow_a_reload(daemon_factory, demo_checkpoint, refer
         # No lookup() calls: the watch and upkeep threads map the new tables.
         seen = replays_until_new(captured, ids, reference, second_reference, 3, UPKEEP_WAIT_S)
         assert seen["nan"] == 0, f"a reload poisons nothing: {seen}"
+        assert seen["new"] == seen["only_new"], f"a reload switches whole replays: {seen}"
         wait_until(lambda: not client._mapped_path.old_mappings, timeout=UPKEEP_WAIT_S)
         captured.check()
         assert captured.counts()["poisoned"] == 0
