@@ -130,10 +130,11 @@ phase_faults_mps() {  # the same under MPS
 }
 phase_captured_repeat() {  # captured lookups across a reload and a restart, CAPTURED_REPEAT runs
   local i rc=0 log="$out/gpu_tests_captured.log" tests=tests/gpu/test_captured_gpu.py
-  if command -v compute-sanitizer >/dev/null; then  # reads of freed or unmapped memory, once
+  local sanitizer; sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
+  if [ -n "$sanitizer" ]; then  # reads of freed or unmapped memory: the short tests, this process only
     echo "# compute-sanitizer memcheck $(date -u +%H:%M:%S)" | tee -a "$log"
-    timeout -s INT 500 compute-sanitizer --tool memcheck --target-processes all \
-      python3 -m pytest "$tests" -q -s 2>&1 | tee -a "$log" | tail -8 || rc=1
+    timeout -s INT 400 "$sanitizer" --tool memcheck python3 -m pytest "$tests" -q -s \
+      -k "equal_the_reference or closed" 2>&1 | tee -a "$log" | tail -8 || rc=1
   else
     echo "# no compute-sanitizer on this machine" | tee -a "$log"
   fi
