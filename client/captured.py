@@ -37,6 +37,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("engramd.client")
 UPKEEP_S = 0.1  # how often the upkeep thread looks at the daemon's news
+# After this long with no replay since new tables were selected, an idle engine's descriptor is
+# caught up without one (its replays adopt them within milliseconds otherwise).
+CATCH_UP_S = 1.0
 
 
 class CapturedLookup:
@@ -192,8 +195,11 @@ class CapturedLookup:
         self.settle()
 
     def advance(self) -> None:
-        """Publish what waits for the last contents' adoption, if a replay adopted them."""
+        """Publish what waits for the last contents' adoption, if a replay adopted them, and
+        catch an idle engine's descriptor up (settled: the replaced tables may go)."""
         self.descriptor.advance()
+        if self.descriptor.catch_up(CATCH_UP_S):
+            self.settle()
 
     @property
     def waiting(self) -> bool:

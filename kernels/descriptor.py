@@ -12,7 +12,9 @@ launch reads the buffer that ACTIVE names. The owner writes the other buffer, th
 SELECT; the last program of a launch to end copies SELECT to ACTIVE. So tables switch between two
 launches, never inside one, and the buffer that was active is free once the owner has seen
 ACTIVE == SELECT. That holds while the launches of one descriptor run one after another, as the
-replays of graphs on one stream do (two at once would also race on the one slot they write).
+replays of graphs on one stream do (two at once would also race on the one slot they write). An
+engine that replays nothing would hold the replaced tables for as long as it idles: after a
+while with no launch (catch_up), the owner writes the new contents over the active buffer too.
 
 What the graph cannot follow (the tables unmapped, another geometry) poisons it: POISONED set in
 both buffers at once. A program that reads the flag reads no ID, table or cache, and writes NaN
@@ -37,6 +39,7 @@ its launches write nothing at all.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -113,6 +116,8 @@ class TableDescriptor:
         self.select = 0
         self._owners: list[Any] = [owner, owner]  # what each buffer's launches read
         self._pending: tuple[Contents, Any] | None = None
+        # The words SELECT's buffer holds, and when they were selected (None: caught up with).
+        self._selected: tuple[list[int], float] | None = None
         self.poisoned = False
         for buffer in (0, 1):
             self._write(self._buffer(buffer), contents.words())
@@ -145,10 +150,32 @@ class TableDescriptor:
         if not self.adopted(wait):
             return False
         contents, owner = self._pending
-        other = 1 - self.select
-        self._write(self._buffer(other), contents.words())
+        other, words = 1 - self.select, contents.words()
+        self._write(self._buffer(other), words)
         self._write(SELECT, [other])
         self.select, self._owners[other], self._pending = other, owner, None
+        self._selected = (words, time.monotonic())
+        return True
+
+    def catch_up(self, idle_s: float) -> bool:
+        """If the selected contents wait for a launch that has not come in `idle_s` (an engine
+        that replays adopts them within a launch or two) and none is under way, write them over
+        the active buffer too, so that what it described may go with no launch; True when it
+        did: the caller settles before it frees that. A launch that begins during the rewrite
+        may read some layers of each (both stay mapped until the settle); the active buffer's
+        cache is off while its words change, and its header is written last."""
+        if self._selected is None or time.monotonic() - self._selected[1] < idle_s:
+            return False
+        words = self.snapshot(wait=True)
+        if words[ACTIVE] == self.select or words[BEGUN] != 0:
+            self._selected = None if words[ACTIVE] == self.select else self._selected
+            return False  # adopted already, or a launch under way adopts them
+        selected, active = self._selected[0], self._buffer(1 - self.select)
+        self._write(active + HAS_CACHE, [0])
+        self._write(active + HEADER_WORDS, selected[HEADER_WORDS:])
+        self._write(active, selected[:HEADER_WORDS])
+        self._owners[1 - self.select] = self._owners[self.select]
+        self._selected = None
         return True
 
     def adopted(self, wait: bool = False) -> bool:
@@ -161,7 +188,7 @@ class TableDescriptor:
         until contents are published. The caller synchronises the device before it frees what
         the tables (`detach`: the rows) were: a program that began before the flag landed may
         still read (write) them."""
-        self._pending = None
+        self._pending, self._selected = None, None
         self.poisoned = True
         for buffer in (0, 1):
             self._write(self._buffer(buffer) + POISONED, [DETACHED if detach else 1])

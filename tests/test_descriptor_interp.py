@@ -219,3 +219,26 @@ def test_a_poisoned_launch_reads_no_table_even_at_an_unmapped_address():
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
     assert done.returncode == 0 and "read nothing" in done.stdout, done.stderr[-2000:]
+
+
+def test_an_idle_descriptor_catches_up_so_the_replaced_tables_can_go(kt):
+    """No launch since B was selected: after `idle_s` the active buffer is rewritten with B,
+    A is read by nobody, and the next launch reads B. Not while a launch is under way, nor
+    before the idle time, nor once a launch adopted B."""
+    world = World(kt)
+    ids = lookup_ids(world.geo, 10, seed=9)
+    world.descriptor.publish(contents_of(world.b, world.shard), "B")
+    assert not world.descriptor.catch_up(idle_s=60.0), "not idle long enough"
+    world.descriptor.block[desc.BEGUN] = 1  # a launch under way adopts B itself
+    assert not world.descriptor.catch_up(idle_s=0.0)
+    world.descriptor.block[desc.BEGUN] = 0
+    assert world.descriptor.reads("A")
+    assert world.descriptor.catch_up(idle_s=0.0)
+    assert not world.descriptor.reads("A") and world.descriptor.reads("B")
+    assert_same(world.launch(ids), world.want(world.b, ids)[0], "the launch after the catch-up")
+    assert not world.descriptor.catch_up(idle_s=0.0), "nothing left to catch up with"
+    # Once a launch adopted the selected contents there is nothing to catch up with either.
+    world.descriptor.publish(contents_of(world.a, world.shard), "A")
+    world.launch(ids)
+    assert not world.descriptor.catch_up(idle_s=0.0)
+    assert_same(world.launch(ids), world.want(world.a, ids)[0], "adopted by a launch")

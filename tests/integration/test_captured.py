@@ -209,3 +209,24 @@ def test_the_adapter_hashes_into_a_captured_lookup_and_picks_its_layers(daemon_f
         assert np.array_equal(captured.ids[:2].numpy(), whole[7:])
         with pytest.raises(ValueError, match="buffer holds 12"):
             runner.hash_into(captured, torch.zeros(TOKENS + 1, dtype=torch.int64))
+
+
+def test_an_idle_engine_lets_the_replaced_tables_go_and_reads_the_new_ones(
+        daemon_factory, demo_checkpoint, reference, second_checkpoint, second_reference, tmp_path,
+        interpreted):
+    """No replay after a reload: the client catches the descriptor up by itself (after
+    CATCH_UP_S), unmaps the old tables, and the first replay reads the new ones."""
+    current = tmp_path / "current"
+    point(current, demo_checkpoint)
+    daemon = daemon_factory(tables=current)
+    ids = random_ids(np.random.default_rng(45), TOKENS, reference.rows, reference.heads)
+    with EngramClient(daemon.socket, mode="mapped", max_tokens=TOKENS) as client:
+        captured = capture(client)
+        assert rows_match(replay(captured, ids), reference, ids)
+        point(current, second_checkpoint)
+        status = reload(daemon)
+        assert (status["exit"], status["state"]) == (0, "done"), status
+        wait_until(lambda: client.tables_id == status["tables"], timeout=UPKEEP_WAIT_S)
+        wait_until(lambda: not client._mapped_path.old_mappings, timeout=UPKEEP_WAIT_S)
+        assert rows_match(replay(captured, ids), second_reference, ids), "the first replay after"
+        assert captured.counts()["poisoned"] == 0
