@@ -80,6 +80,7 @@ class CapturedLookup:
         # On the CPU (the Triton interpreter) a launch runs on its caller's thread: settle()
         # waits for it, as a device synchronise waits for a replay on the GPU.
         self._launching = threading.Lock()
+        self.settle()  # the slot's last lookup() may still have readers: the warm-up writes it
         self._warm_up()
 
     def _contents(self, mapped: MappedTables) -> desc.Contents:

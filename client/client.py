@@ -369,7 +369,6 @@ class EngramClient:
                 f"graphs)")
         return self._captures.make(ids, slot, sm_fraction)
 
-
     # -- daemon death ---------------------------------------------------------------------------
 
     def _daemon_gone(self) -> bool:

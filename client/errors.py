@@ -130,8 +130,9 @@ class CaptureUnsupportedError(BadRequestError):
 class ReplayFailedError(LookupFailedError):
     """Replays of a captured lookup wrote NaN rows instead of table rows: its tables were
     unmapped (the daemon went away, the client closed), or changed in a way a captured graph
-    cannot follow (another geometry, another mode). `replays` counts them. Raised by the
-    captured lookup's check(). Made by the client, never sent over the wire."""
+    cannot follow (another geometry, another mode). `replays` counts them (`seqs` is empty: a
+    replay has none). Raised by the captured lookup's check(). Made by the client, never sent
+    over the wire."""
 
     def __init__(self, message: str, replays: int, *, epoch: str | None = None):
         super().__init__(message, epoch=epoch)

@@ -2,12 +2,13 @@
 daemon's tables, into slots of its own.
 
 What the path holds: the mapping and the gather over it (on a GPU, a side stream and a hot-row
-cache of its own, client/shared/cache_keeper.py), the lookup whose gather waits to be queued (gather_at),
-a reload's tables while they are mapped and the replaced mappings until their last gathers ran
-(and until no captured lookup can read them: client/captured.py), and the counts the daemon is told. The mapping, the plan and the gather themselves are
-client/shared/mapped.py's; the registration, the lease and the rejoin after a daemon restart are the
-client's (client/client.py), which calls in here and whose `_tables_lock` orders this path's
-work between the lookup thread and the watch thread.
+cache of its own, client/shared/cache_keeper.py), the lookup whose gather waits to be queued
+(gather_at), a reload's tables while they are mapped, the replaced mappings until their last
+gathers ran and no captured lookup can read them (client/captured.py), and the counts the daemon
+is told. The mapping, the plan and the gather themselves are client/shared/mapped.py's; the
+registration, the lease and the rejoin after a daemon restart are the client's (client/session.py,
+client/rejoin.py), which calls in here and whose `_tables_lock` orders this path's work between
+the lookup thread, the watch thread and the captured lookups' upkeep thread.
 """
 
 from __future__ import annotations

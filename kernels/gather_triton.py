@@ -316,7 +316,6 @@ if triton is not None:
             tl.store(block + _D_LAUNCHES, tl.load(block + _D_LAUNCHES) + 1)
             tl.store(block + _D_ACTIVE, tl.load(block + _D_SELECT, volatile=True))
 
-
     @triton.jit(do_not_specialize=["n_items", "tokens", "local_heads", "out_rows_l", "out_rows_t"])
     def _fanout_kernel(
         lead_ptr, out_ptr, n_items, tokens, local_heads, out_rows_l, out_rows_t,

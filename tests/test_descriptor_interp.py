@@ -11,6 +11,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -202,7 +203,7 @@ def test_a_poisoned_launch_reads_no_table_even_at_an_unmapped_address():
     touch them. Run in a process of its own, since a read there would kill it."""
     script = textwrap.dedent("""
         import sys, torch, triton
-        sys.path.insert(0, "tests")
+        sys.path.insert(0, sys.argv[1])  # tests/: reference.py
         from reference import interpreted_gather, small_geometry
         from engramd.kernels import descriptor as desc
         kt = interpreted_gather("kt")
@@ -217,7 +218,8 @@ def test_a_poisoned_launch_reads_no_table_even_at_an_unmapped_address():
         assert (out.view(torch.int16) == 0x7FC0).all()
         print("poisoned: read nothing")
     """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
+    done = subprocess.run([sys.executable, "-c", script, str(Path(__file__).parent)],
+                          capture_output=True, text=True, timeout=240)
     assert done.returncode == 0 and "read nothing" in done.stdout, done.stderr[-2000:]
 
 
