@@ -144,7 +144,13 @@ class CapturedLookup:
         """Raise ReplayFailedError if replays wrote NaN rows since the last check, or if the graph
         can no longer follow the client's tables. Off the critical path: it reads the counts of
         the last finished copy (one replay or so behind), never waits for the device."""
-        poisoned = self.descriptor.snapshot()[desc.POISONED_LAUNCHES]
+        words = self.descriptor.snapshot()
+        # BEGUN counts the programs of the launch under way (at most one grid) and is reset when
+        # it ends; past two grids, launches overlapped and its count never closes one again.
+        if words[desc.BEGUN] > 2 * self._programs and self._lost is None:
+            self.lose("replays of this captured lookup ran at once (two streams?): its descriptor "
+                      "no longer switches tables; capture it again, replaying one graph at a time")
+        poisoned = words[desc.POISONED_LAUNCHES]
         failed, self._reported = poisoned - self._reported, max(poisoned, self._reported)
         if failed > 0:
             raise ReplayFailedError(f"{failed} replays of a captured lookup wrote NaN rows: "

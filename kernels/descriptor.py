@@ -58,6 +58,10 @@ DETACHED = 2  # the POISONED word's value for a descriptor whose launches write 
 # rows [row_lo, row_hi) the shard owns.
 LAYER_FIELDS = ("address", "rows", "row_lo", "row_hi")
 CACHE_WORDS = len(META_FIELDS)
+# A program of a gather runs for milliseconds: one counted in BEGUN that has not ended after this
+# long means the counts no longer close launches (launches of one descriptor overlapped), and a
+# Quiet gives up waiting rather than stop the cache keeper's refreshes for good.
+WEDGED_S = 10.0
 # A buffer's cache fields when it has no cache: never dereferenced (HAS_CACHE masks every access),
 # but sizes that keep the kernel's index arithmetic defined.
 NO_CACHE = tuple(1 if name in ("sets", "sketch_bits") else 0 for name in META_FIELDS)
@@ -244,10 +248,11 @@ class Quiet:
 
     Made after the keeper's change to the cache landed: a program that begins after that reads
     the change; one that had begun shows in BEGUN, and has ended once LAUNCHES moves past its
-    launch or BEGUN is seen at 0 (no launch under way)."""
+    launch or BEGUN is seen at 0 (no launch under way), or, the counts wedged, after WEDGED_S."""
 
-    def __init__(self, descriptor: TableDescriptor):
+    def __init__(self, descriptor: TableDescriptor, wedged_s: float = WEDGED_S):
         self._descriptor = descriptor
+        self._give_up = time.monotonic() + wedged_s
         words = descriptor.snapshot(wait=True)
         self._launches = words[LAUNCHES]
         self._done = words[BEGUN] == 0
@@ -255,5 +260,6 @@ class Quiet:
     def query(self) -> bool:
         if not self._done:
             words = self._descriptor.snapshot(wait=True)
-            self._done = words[BEGUN] == 0 or words[LAUNCHES] > self._launches
+            self._done = (words[BEGUN] == 0 or words[LAUNCHES] > self._launches
+                          or time.monotonic() > self._give_up)
         return self._done

@@ -182,6 +182,10 @@ def test_quiet_waits_for_the_launch_under_way_and_no_other(kt):
     assert not probe.query()
     world.launch(ids)  # stands for its end (ARRIVED counts from 0: this launch's last closes it)
     assert probe.query()
+    # Counts that never close a launch (launches overlapped): the grace ends after wedged_s.
+    world.descriptor.block[desc.BEGUN] = 5
+    assert not world.descriptor.quiet().query()
+    assert desc.Quiet(world.descriptor, wedged_s=0.0).query()
 
 
 def test_a_described_gather_refuses_what_it_cannot_do(kt):

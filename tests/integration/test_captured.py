@@ -23,6 +23,7 @@ from reference import interpreted_gather, random_ids
 
 from engramd.client import BadRequestError, EngramClient, ReplayFailedError
 from engramd.client.geometry import DEMO_CONFIG, TableGeometry
+from engramd.kernels import descriptor as desc
 from engramd.server.synthetic import write_synthetic_checkpoint
 
 pytest.importorskip("triton")
@@ -230,3 +231,22 @@ def test_an_idle_engine_lets_the_replaced_tables_go_and_reads_the_new_ones(
         wait_until(lambda: not client._mapped_path.old_mappings, timeout=UPKEEP_WAIT_S)
         assert rows_match(replay(captured, ids), second_reference, ids), "the first replay after"
         assert captured.counts()["poisoned"] == 0
+
+
+def test_overlapping_replays_are_caught_by_check_and_poison_the_capture(daemon_factory, reference,
+                                                                         interpreted):
+    """Replays of one captured lookup at once on two streams leave counts no launch of one grid
+    can (BEGUN past two grids, never reset): check() says so, and from then on replays write
+    NaN rather than rows of tables the descriptor can no longer switch away from."""
+    daemon = daemon_factory()
+    ids = random_ids(np.random.default_rng(46), TOKENS, reference.rows, reference.heads)
+    with EngramClient(daemon.socket, mode="mapped", max_tokens=TOKENS) as client:
+        captured = capture(client)
+        assert rows_match(replay(captured, ids), reference, ids)
+        captured.check()
+        captured.descriptor.block[desc.BEGUN] = 2 * captured._programs  # two grids: still possible
+        captured.check()
+        captured.descriptor.block[desc.BEGUN] = 2 * captured._programs + 1
+        with pytest.raises(ReplayFailedError, match="ran at once"):
+            captured.check()
+        assert np.isnan(replay(captured, ids)).all()
