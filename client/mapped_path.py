@@ -38,6 +38,7 @@ from engramd.client.shared.mapped import (
     close_in_background,
     mapped_gather,
 )
+from engramd.kernels import descriptor as desc
 
 if TYPE_CHECKING:
     from engramd.client.client import EngramClient
@@ -76,8 +77,9 @@ class MappedPath(ClientPath):
     def reset_counts(self) -> None:
         """A new registration: its counts begin at zero."""
         self.counts = {"lookups": 0, "rows": 0, "out_of_range": 0}  # since the mapping
-        # The counts when the registration began; the daemon is told those since then.
-        self.counts_base = dict(self.counts)
+        # The counts when the registration began (the captured lookups' go on across
+        # registrations); the daemon is told those since then.
+        self.counts_base = self._captured_counts()
 
     def map_tables(self, attachment: Attachment) -> None:
         """Mapped mode: the tables' descriptors, mapped read-only, and on a GPU the side stream
@@ -401,7 +403,22 @@ class MappedPath(ClientPath):
         reader = self.out_of_range  # None once unmapped (close or reconnect on another thread)
         if self.device.type == "cuda" and reader is not None:
             counts["out_of_range"] = reader.read(again=queue_copy)
+        return self._with_captured(counts)
+
+    def _captured_counts(self, wait: bool = False) -> dict[str, int]:
+        """What the captured lookups' replays looked up, since each was made (their descriptors'
+        counts, as of the last finished copy; `wait`: now). Poisoned replays looked nothing up."""
+        counts = {"lookups": 0, "rows": 0, "out_of_range": 0}
+        for captured in self.captured:
+            words = captured.descriptor.snapshot(wait)
+            counts["lookups"] += words[desc.LAUNCHES] - words[desc.POISONED_LAUNCHES]
+            counts["rows"] += words[desc.ROWS]
+            counts["out_of_range"] += words[desc.OUT_OF_RANGE]
         return counts
+
+    def _with_captured(self, counts: dict[str, int], wait: bool = False) -> dict[str, int]:
+        captured = self._captured_counts(wait)
+        return {name: value + captured[name] for name, value in counts.items()}
 
     def since_registered(self, counts: dict[str, int]) -> dict[str, int]:
         return {name: value - self.counts_base.get(name, 0) for name, value in counts.items()}
@@ -412,4 +429,4 @@ class MappedPath(ClientPath):
         if self.device.type == "cuda" and self.gather is not None:  # None: mapping failed half-way
             torch.cuda.synchronize(self.device)  # the side stream's gathers count into it
             counts["out_of_range"] = int(self.gather.out_of_range.item())
-        return self.since_registered(counts)
+        return self.since_registered(self._with_captured(counts, wait=True))

@@ -32,6 +32,8 @@ its launches write nothing at all.
     word  5  POISONED_LAUNCHES  launches that wrote NaN rows
     word  6  OUT_OF_RANGE       owned IDs outside the tables, counted
     word  7  SAW_POISON         a program of the launch under way read POISONED
+    word  8  ROWS               rows the launches that were not poisoned looked up (tokens x
+                                layers x owned heads), as a client counts them for its daemon
     buffer b at CONTROL_WORDS + b * buffer_words(n_layers):
              POISONED, HAS_CACHE, n_layers x LAYER_FIELDS, the hot-row cache's META_FIELDS
 """
@@ -49,8 +51,8 @@ from torch import Tensor
 
 from engramd.kernels.hot_cache import META_FIELDS, HotCache
 
-CONTROL_WORDS = 8
-SELECT, ACTIVE, BEGUN, ARRIVED, LAUNCHES, POISONED_LAUNCHES, OUT_OF_RANGE, SAW_POISON = range(8)
+CONTROL_WORDS = 16  # a 128-byte line: the buffers start past it
+SELECT, ACTIVE, BEGUN, ARRIVED, LAUNCHES, POISONED_LAUNCHES, OUT_OF_RANGE, SAW_POISON, ROWS = range(9)
 HEADER_WORDS = 2
 POISONED, HAS_CACHE = range(HEADER_WORDS)
 DETACHED = 2  # the POISONED word's value for a descriptor whose launches write nothing

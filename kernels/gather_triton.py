@@ -75,9 +75,9 @@ if triton is not None:
     _LO, _HI = tl.constexpr(_ROW_LO), tl.constexpr(_ROW_HI)
     # A descriptor block's words (kernels/descriptor.py).
     (_D_SELECT, _D_ACTIVE, _D_BEGUN, _D_ARRIVED, _D_LAUNCHES, _D_POISONED_LAUNCHES,
-     _D_SAW_POISON) = (tl.constexpr(w) for w in (
+     _D_SAW_POISON, _D_ROWS) = (tl.constexpr(w) for w in (
         desc.SELECT, desc.ACTIVE, desc.BEGUN, desc.ARRIVED, desc.LAUNCHES, desc.POISONED_LAUNCHES,
-        desc.SAW_POISON))
+        desc.SAW_POISON, desc.ROWS))
     _D_CONTROL, _D_HEADER = tl.constexpr(desc.CONTROL_WORDS), tl.constexpr(desc.HEADER_WORDS)
     _D_POISONED, _D_HAS_CACHE = tl.constexpr(desc.POISONED), tl.constexpr(desc.HAS_CACHE)
     _DETACHED = tl.constexpr(desc.DETACHED)
@@ -299,13 +299,15 @@ if triton is not None:
                     bits = tl.where(poisoned[:, None], _NAN, bits)
                 tl.store(dst, bits.to(tl.int16), mask=store_mask)
         if DESCRIBED:
-            _end_described_launch(meta_ptr, poison_word != 0)
+            rows_read = tokens.to(tl.int64) * n_layers * owned_heads
+            _end_described_launch(meta_ptr, poison_word != 0, rows_read)
 
     @triton.jit
-    def _end_described_launch(block, poisoned):
-        """A program of a described launch ends; the last one closes the launch: its counts,
-        and the buffer the next launch reads (SELECT -> ACTIVE). BEGUN is reset first, so a
-        reader that sees it 0 knows that no program of this launch still reads."""
+    def _end_described_launch(block, poisoned, rows_read):
+        """A program of a described launch ends; the last one closes the launch: its counts
+        (`rows_read` unless it was poisoned), and the buffer the next launch reads (SELECT ->
+        ACTIVE). BEGUN is reset first, so a reader that sees it 0 knows that no program of this
+        launch still reads."""
         if poisoned:
             tl.atomic_xchg(block + _D_SAW_POISON, 1)
         if tl.atomic_add(block + _D_ARRIVED, 1) == tl.num_programs(0) - 1:
@@ -313,6 +315,7 @@ if triton is not None:
             tl.store(block + _D_BEGUN, 0)
             saw_poison = tl.atomic_xchg(block + _D_SAW_POISON, 0)
             tl.store(block + _D_POISONED_LAUNCHES, tl.load(block + _D_POISONED_LAUNCHES) + saw_poison)
+            tl.store(block + _D_ROWS, tl.load(block + _D_ROWS) + tl.where(saw_poison != 0, 0, rows_read))
             tl.store(block + _D_LAUNCHES, tl.load(block + _D_LAUNCHES) + 1)
             tl.store(block + _D_ACTIVE, tl.load(block + _D_SELECT, volatile=True))
 

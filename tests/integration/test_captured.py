@@ -23,6 +23,7 @@ from reference import interpreted_gather, random_ids
 
 from engramd.client import BadRequestError, EngramClient, ReplayFailedError
 from engramd.client.geometry import DEMO_CONFIG, TableGeometry
+from engramd.client.shared.connection import probe
 from engramd.kernels import descriptor as desc
 from engramd.server.synthetic import write_synthetic_checkpoint
 
@@ -46,6 +47,12 @@ def capture(client: EngramClient):
                         dtype=torch.int64)
     # capturable_lookup, past its refusal of the CPU; all SMs: the interpreter's two programs
     return client._captures.make(buffer, None, 1.0)
+
+
+def out_of_range(ids: np.ndarray, rows: list[int]) -> int:
+    """IDs a gather counts: not DEAD (-1), outside their layer's table."""
+    return int(sum(((ids[:, layer] != -1) & ((ids[:, layer] < 0) | (ids[:, layer] >= n))).sum()
+                   for layer, n in enumerate(rows)))
 
 
 def replay(captured, ids: np.ndarray) -> np.ndarray:
@@ -81,8 +88,7 @@ def test_captured_replays_equal_the_reference_and_keep_their_slot(daemon_factory
         for tokens in (1, 5, TOKENS, 5):
             ids = random_ids(rng, tokens, reference.rows, reference.heads)
             assert rows_match(replay(captured, ids), reference, ids), f"{tokens} tokens"
-            bad += int(sum(((ids[:, layer] != -1) & ((ids[:, layer] < 0) | (ids[:, layer] >= rows))).sum()
-                           for layer, rows in enumerate(reference.rows)))
+            bad += out_of_range(ids, reference.rows)
         assert bad > 0
         captured.ids.fill_(-1)  # DEAD: counts nothing
         assert captured.record(TOKENS).shape == (len(reference.rows), TOKENS, reference.heads, 256)
@@ -250,3 +256,26 @@ def test_overlapping_replays_are_caught_by_check_and_poison_the_capture(daemon_f
         with pytest.raises(ReplayFailedError, match="ran at once"):
             captured.check()
         assert np.isnan(replay(captured, ids)).all()
+
+
+def test_captured_replays_reach_the_daemons_counts(daemon_factory, reference, interpreted):
+    """The daemon counts a captured engine's lookups as it counts lookup()'s: replays, their
+    rows (tokens x layers x heads) and out-of-range IDs, with the heartbeats; poisoned replays
+    looked nothing up."""
+    daemon = daemon_factory()
+    rng = np.random.default_rng(47)
+    with EngramClient(daemon.socket, mode="mapped", max_tokens=TOKENS) as client:
+        captured = capture(client)
+        bad = 0
+        for tokens in (TOKENS, 3, 7):
+            ids = random_ids(rng, tokens, reference.rows, reference.heads)
+            replay(captured, ids)
+            bad += out_of_range(ids, reference.rows)
+        rows = (TOKENS + 3 + 7) * len(reference.rows) * reference.heads
+
+        def reported() -> bool:
+            stats = probe(daemon.socket, "stats", 5.0).body.encode()
+            mine = [c for c in stats["clients"] if c["client_id"] == client.client_id]
+            return (stats["lookups"], mine[0]["rows"], stats["out_of_range"]) == (3, rows, bad)
+
+        wait_until(reported, timeout=UPKEEP_WAIT_S)
