@@ -72,6 +72,8 @@ class MappedPath(ClientPath):
         # Lookups graphs recorded (client/captured.py), which follow what this path maps. A
         # tuple, replaced whole: a cache keeper's thread reads it.
         self.captured: tuple[CapturedLookup, ...] = ()
+        # What closed captured lookups looked up: the counts the daemon is told never go back.
+        self._closed_counts = {"lookups": 0, "rows": 0, "out_of_range": 0}
         self.reset_counts()
 
     def reset_counts(self) -> None:
@@ -281,7 +283,9 @@ class MappedPath(ClientPath):
     def forget_captured(self, captured: CapturedLookup) -> None:
         """A captured lookup closes: it reads nothing from now on, and its slot is free."""
         with self._client._tables_lock:
-            captured.lose("this captured lookup was closed", detach=True)
+            captured.lose("this captured lookup was closed", detach=True)  # settled: final counts
+            final = _counts_of(captured, wait=True)
+            self._closed_counts = {name: value + final[name] for name, value in self._closed_counts.items()}
             self.captured = tuple(c for c in self.captured if c is not captured)
             self._client._captures.slots.discard(captured.slot)
 
@@ -408,12 +412,10 @@ class MappedPath(ClientPath):
     def _captured_counts(self, wait: bool = False) -> dict[str, int]:
         """What the captured lookups' replays looked up, since each was made (their descriptors'
         counts, as of the last finished copy; `wait`: now). Poisoned replays looked nothing up."""
-        counts = {"lookups": 0, "rows": 0, "out_of_range": 0}
+        counts = dict(self._closed_counts)
         for captured in self.captured:
-            words = captured.descriptor.snapshot(wait)
-            counts["lookups"] += words[desc.LAUNCHES] - words[desc.POISONED_LAUNCHES]
-            counts["rows"] += words[desc.ROWS]
-            counts["out_of_range"] += words[desc.OUT_OF_RANGE]
+            for name, value in _counts_of(captured, wait).items():
+                counts[name] += value
         return counts
 
     def _with_captured(self, counts: dict[str, int], wait: bool = False) -> dict[str, int]:
@@ -430,3 +432,11 @@ class MappedPath(ClientPath):
             torch.cuda.synchronize(self.device)  # the side stream's gathers count into it
             counts["out_of_range"] = int(self.gather.out_of_range.item())
         return self.since_registered(self._with_captured(counts, wait=True))
+
+
+def _counts_of(captured: CapturedLookup, wait: bool = False) -> dict[str, int]:
+    """A captured lookup's replays' counts, as a mapped client counts its lookups: poisoned
+    replays looked nothing up."""
+    words = captured.descriptor.snapshot(wait)
+    return {"lookups": words[desc.LAUNCHES] - words[desc.POISONED_LAUNCHES],
+            "rows": words[desc.ROWS], "out_of_range": words[desc.OUT_OF_RANGE]}

@@ -279,3 +279,9 @@ def test_captured_replays_reach_the_daemons_counts(daemon_factory, reference, in
             return (stats["lookups"], mine[0]["rows"], stats["out_of_range"]) == (3, rows, bad)
 
         wait_until(reported, timeout=UPKEEP_WAIT_S)
+        # A closed capture's counts stay told: the heartbeats' counts never go back.
+        path = client._mapped_path
+        told = path.since_registered(path.mapped_counts())
+        captured.close()
+        assert path.since_registered(path.mapped_counts()) == told == {
+            "lookups": 3, "rows": rows, "out_of_range": bad}
