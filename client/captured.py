@@ -229,7 +229,6 @@ class Captures:
 
     def __init__(self, client: EngramClient):
         self._client = client
-        self.slots: set[int] = set()
         self._upkeep: Upkeep | None = None
 
     def make(self, ids: torch.Tensor, slot: int | None, sm_fraction: float | None) -> CapturedLookup:
@@ -250,10 +249,14 @@ class Captures:
             path.queue_gather()  # a lookup of that slot's: before the capture's warm-up settles
             client._pending.pop(index, None)
             captured = path.capture(ids, index, check_sm_fraction(sm_fraction))
-            self.slots.add(index)
             if self._upkeep is None:
                 self._upkeep = Upkeep(self._keep_up, client.device)
             return captured
+
+    @property
+    def slots(self) -> set[int]:
+        """The slots captured lookups write (closed ones gave theirs back)."""
+        return {captured.slot for captured in self._client._mapped_path.captured}
 
     def _free_slot(self) -> int:
         """The last slot no captured lookup has."""

@@ -347,9 +347,10 @@ class EngramClient:
             if slot in self._captures.slots:
                 raise BadRequestError(f"slot {slot} belongs to a captured lookup (capturable_lookup)")
             return slot
+        captured = self._captures.slots
         for _ in range(self.slots):
             slot, self._next_slot = self._next_slot, (self._next_slot + 1) % self.slots
-            if slot not in self._captures.slots:
+            if slot not in captured:
                 return slot
         raise BadRequestError(f"all {self.slots} slots belong to captured lookups: register with more")
 

@@ -286,8 +286,7 @@ class MappedPath(ClientPath):
             captured.lose("this captured lookup was closed", detach=True)  # settled: final counts
             final = _counts_of(captured, wait=True)
             self._closed_counts = {name: value + final[name] for name, value in self._closed_counts.items()}
-            self.captured = tuple(c for c in self.captured if c is not captured)
-            self._client._captures.slots.discard(captured.slot)
+            self.captured = tuple(c for c in self.captured if c is not captured)  # its slot too
 
     def lose_captured(self, why: str, detach: bool = False) -> None:
         """No graph can follow the client any more (it is served now; `detach`: its slots go,

@@ -29,7 +29,6 @@ from engramd.client.shared.handles import (
     HANDLE_TIMEOUT_S,
     Attachment,
     attach,
-    check_access,
     handle_socket_path,
 )
 from engramd.client.shared.messages import RegisterReply
@@ -169,16 +168,12 @@ class RideThrough:
     def join_again(self, timeout: float) -> tuple[Connection, Any, Attachment]:
         """Rejoin thread: a registration with the restarted daemon, attached, not taken yet."""
         client = self._client
-        if not client.socket_path.exists():
-            raise DaemonUnavailableError(f"no daemon socket at {client.socket_path}")
-        handles = handle_socket_path(client.socket_path)
-        check_access(handles, timeout)
-        conn = Connection(client.socket_path)
+        conn = client._session.open_connection(timeout)
         try:
             reply = conn.call("register", timeout, **client._session.register_fields())
             try:
-                attachment = attach(handles, reply.body.client_id, reply.body.token,
-                                    timeout=max(client.timeout, HANDLE_TIMEOUT_S))
+                attachment = attach(handle_socket_path(client.socket_path), reply.body.client_id,
+                                    reply.body.token, timeout=max(client.timeout, HANDLE_TIMEOUT_S))
             except BaseException:
                 release_quietly(conn, reply.body.client_id, timeout)
                 raise

@@ -47,12 +47,7 @@ class Session:
     def connect(self, timeout: float | None = None) -> None:
         """A fresh connection and registration (first start, or a new daemon epoch)."""
         client = self._client
-        if not client.socket_path.exists():
-            raise DaemonUnavailableError(f"no daemon socket at {client.socket_path}")
-        # One round trip on the handle socket: a daemon that admits only some users drops the
-        # others' ZeroMQ connections unanswered, and this says why instead of a timeout.
-        check_access(handle_socket_path(client.socket_path), timeout or client.timeout)
-        client._conn = Connection(client.socket_path)
+        client._conn = self.open_connection(timeout or client.timeout)
         client.registrations += 1
         client._slots_epoch += 1
         client._pending = {}
@@ -61,6 +56,16 @@ class Session:
         client._seqs = itertools.count(1)
         client._dead = None
         self.register(timeout or client.timeout)
+
+    def open_connection(self, timeout: float) -> Connection:
+        """A connection to the daemon at the client's socket, once its handle socket says this
+        user may register (a daemon that admits only some users drops the others' ZeroMQ
+        connections unanswered: one round trip there says why instead of a timeout)."""
+        socket_path = self._client.socket_path
+        if not socket_path.exists():
+            raise DaemonUnavailableError(f"no daemon socket at {socket_path}")
+        check_access(handle_socket_path(socket_path), timeout)
+        return Connection(socket_path)
 
     def reconnect(self, pause: Callable[[float], bool | None] = time.sleep) -> None:
         """The daemon went away: register again, with backoff, until `reconnect_timeout`;

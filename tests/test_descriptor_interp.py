@@ -54,6 +54,14 @@ def contents_of(tables, shard, cache=None) -> desc.Contents:
                             shard.row_ranges, cache)
 
 
+def small_cache(geo):
+    """An empty hot-row cache of a few sets for these tables (every row admitted: admit_min 0)."""
+    from engramd.kernels import hot_cache
+
+    layout = hot_cache.CacheLayout(sets=4, row_bytes=geo.row_bytes, sketch_bits=10, log_entries=256)
+    return hot_cache.HotCache(layout, geo.n_layers, "cpu", admit_min=0)
+
+
 class World:
     """A plan over tables A, a descriptor first describing A, and a second set of tables B."""
 
@@ -125,12 +133,8 @@ def test_contents_published_before_the_last_were_adopted_wait_their_turn(kt):
 
 
 def test_a_poisoned_descriptor_writes_nan_rows_counts_the_launches_and_reads_nothing(kt):
-    from engramd.kernels import hot_cache
-
     world = World(kt)
-    layout = hot_cache.CacheLayout(sets=4, row_bytes=world.geo.row_bytes, sketch_bits=10,
-                                   log_entries=256)
-    cache = hot_cache.HotCache(layout, world.geo.n_layers, "cpu", admit_min=0)
+    cache = small_cache(world.geo)
     world.descriptor.publish(contents_of(world.a, world.shard, cache), "A+cache")
     ids = lookup_ids(world.geo, 12, seed=5)
     world.launch(ids)  # adopts the cached contents
@@ -156,12 +160,8 @@ def test_a_poisoned_descriptor_writes_nan_rows_counts_the_launches_and_reads_not
 
 
 def test_without_a_cache_the_buffer_reads_the_tables_and_counts_in_no_cache(kt):
-    from engramd.kernels import hot_cache
-
     world = World(kt)
-    layout = hot_cache.CacheLayout(sets=4, row_bytes=world.geo.row_bytes, sketch_bits=10,
-                                   log_entries=256)
-    cache = hot_cache.HotCache(layout, world.geo.n_layers, "cpu", admit_min=0)
+    cache = small_cache(world.geo)
     ids = lookup_ids(world.geo, 12, seed=6)
     world.descriptor.publish(contents_of(world.a, world.shard, cache), "cached")
     world.launch(ids)
@@ -191,7 +191,8 @@ def test_quiet_waits_for_the_launch_under_way_and_no_other(kt):
 def test_a_described_gather_refuses_what_it_cannot_do(kt):
     world = World(kt)
     ids = lookup_ids(world.geo, 4, seed=8)
-    for bad in (dict(packed=True), dict(dedupe=True),
+    cache = small_cache(world.geo)
+    for bad in (dict(packed=True), dict(dedupe=True), dict(cache=cache),
                 dict(out_of_range=torch.zeros(1, dtype=torch.int64))):
         with pytest.raises(ValueError, match="described gather"):
             world.plan(ids, descriptor=world.descriptor, **bad)

@@ -14,6 +14,7 @@ can read it.
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -58,6 +59,24 @@ def out_of_range(ids: np.ndarray, rows: list[int]) -> int:
 def replay(captured, ids: np.ndarray) -> np.ndarray:
     captured.ids[:ids.shape[0]].copy_(torch.from_numpy(ids))
     return captured._launch(ids.shape[0], None).double().numpy()
+
+
+@contextmanager
+def captured_then_reloaded(daemon_factory, first, second, reference, tmp_path, seed: int):
+    """A mapped client of a daemon serving `first` (its tables a symlink), a captured lookup
+    whose first replay read them, then `engramd reload` onto `second`: (client, captured, ids,
+    the reload's status)."""
+    current = tmp_path / "current"
+    point(current, first)
+    daemon = daemon_factory(tables=current)
+    ids = random_ids(np.random.default_rng(seed), TOKENS, reference.rows, reference.heads)
+    with EngramClient(daemon.socket, mode="mapped", max_tokens=TOKENS) as client:
+        captured = capture(client)
+        assert rows_match(replay(captured, ids), reference, ids)
+        point(current, second)
+        status = reload(daemon)
+        assert (status["exit"], status["state"]) == (0, "done"), status
+        yield client, captured, ids, status
 
 
 def replays_until_new(captured, ids, old, new, enough: int, timeout: float) -> dict[str, int]:
@@ -114,16 +133,8 @@ def test_captured_replays_equal_the_reference_and_keep_their_slot(daemon_factory
 
 def test_captured_replays_follow_a_reload(daemon_factory, demo_checkpoint, reference,
                                           second_checkpoint, second_reference, tmp_path, interpreted):
-    current = tmp_path / "current"
-    point(current, demo_checkpoint)
-    daemon = daemon_factory(tables=current)
-    ids = random_ids(np.random.default_rng(42), TOKENS, reference.rows, reference.heads)
-    with EngramClient(daemon.socket, mode="mapped", max_tokens=TOKENS) as client:
-        captured = capture(client)
-        assert rows_match(replay(captured, ids), reference, ids)
-        point(current, second_checkpoint)
-        status = reload(daemon)
-        assert (status["exit"], status["state"]) == (0, "done"), status
+    with captured_then_reloaded(daemon_factory, demo_checkpoint, second_checkpoint, reference,
+                                tmp_path, seed=42) as (client, captured, ids, _):
         # No lookup() calls: the watch and upkeep threads map the new tables.
         seen = replays_until_new(captured, ids, reference, second_reference, 3, UPKEEP_WAIT_S)
         assert seen["nan"] == 0, f"a reload poisons nothing: {seen}"
@@ -223,16 +234,8 @@ def test_an_idle_engine_lets_the_replaced_tables_go_and_reads_the_new_ones(
         interpreted):
     """No replay after a reload: the client catches the descriptor up by itself (after
     CATCH_UP_S), unmaps the old tables, and the first replay reads the new ones."""
-    current = tmp_path / "current"
-    point(current, demo_checkpoint)
-    daemon = daemon_factory(tables=current)
-    ids = random_ids(np.random.default_rng(45), TOKENS, reference.rows, reference.heads)
-    with EngramClient(daemon.socket, mode="mapped", max_tokens=TOKENS) as client:
-        captured = capture(client)
-        assert rows_match(replay(captured, ids), reference, ids)
-        point(current, second_checkpoint)
-        status = reload(daemon)
-        assert (status["exit"], status["state"]) == (0, "done"), status
+    with captured_then_reloaded(daemon_factory, demo_checkpoint, second_checkpoint, reference,
+                                tmp_path, seed=45) as (client, captured, ids, status):
         wait_until(lambda: client.tables_id == status["tables"], timeout=UPKEEP_WAIT_S)
         wait_until(lambda: not client._mapped_path.old_mappings, timeout=UPKEEP_WAIT_S)
         assert rows_match(replay(captured, ids), second_reference, ids), "the first replay after"
