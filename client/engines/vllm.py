@@ -29,6 +29,7 @@ import os
 
 from engramd.client.engines import shared
 from engramd.client.engines.shared import (  # noqa: F401  (names this module has always had)
+    CAPTURE_ENV,
     GATHER_AT_ENV,
     HOT_CACHE_ENV,
     MODE_ENV,
@@ -67,6 +68,11 @@ CALLS: tuple[tuple[str, str, str], ...] = (
     ("Engram", "__init__", "_init_staging"),
     ("Engram", "embed", "_ready_rows"),
 )
+
+# ENGRAMD_CAPTURE: a full graph's replay runs no model code, so the check of the captured lookup's
+# replays runs where every step of a worker still runs Python, before the step's forward.
+WORKER_MODULE = "vllm.v1.worker.gpu_worker"
+WORKER_SEAMS: tuple[shared.Seam, ...] = (("Worker", "execute_model", ("self", "scheduler_output")),)
 
 # vLLM's host work around a lookup sits in eager breaks of its breakable CUDA graphs; the
 # replacements keep that wrapper, so vLLM's own methods must still carry it.
@@ -121,6 +127,15 @@ def check_seams(engram_module) -> None:
         raise VllmPluginError(
             f"{SOCKET_ENV} is set but vLLM's Engram code ({ENGRAM_MODULE}) is not what the engramd "
             f"plugin was written against: {'; '.join(changes)}. Refusing to serve Engram rows.")
+
+
+def check_worker_seams(worker_module) -> None:
+    """Raise VllmPluginError if vLLM's worker no longer has the step seam the captured check needs."""
+    changes = shared.signature_changes(worker_module, WORKER_SEAMS)
+    if changes:
+        raise VllmPluginError(
+            f"{CAPTURE_ENV}=on but vLLM's worker ({WORKER_MODULE}) is not what the engramd plugin "
+            f"was written against: {'; '.join(changes)}. Refusing to record lookups in its graphs.")
 
 
 def _wrapper_changes(engram_module) -> list[str]:

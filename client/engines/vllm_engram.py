@@ -26,8 +26,10 @@ With ENGRAMD_CAPTURE=on a mapped GPU worker records its lookup in vLLM's graphs 
 copies its hashes into the lookup's IDs buffer and the last local layer queues the gather on the
 current stream, `_ready_rows` returns the staged rows; no eager break, so full and piecewise
 graphs and eager steps run the same launch. A served worker keeps the eager breaks (logged).
-`check()` runs in the steps vLLM runs eagerly; a replayed graph's NaN rows (the client lost its
-tables) reach the model unreported until then.
+Every step of such a worker first checks the captured lookup's replays (`check()`, wrapped
+around vLLM's `Worker.execute_model`, the Python a full graph's step still runs): NaN rows that
+replays wrote because the client lost its tables fail the worker's next step, a step or so after
+the replay that wrote them, with ReplayFailedError.
 
 What replaces what, on vLLM's classes (vLLM binds the classes at import, so attributes of the
 classes are replaced, not the classes):
@@ -38,12 +40,15 @@ classes are replaced, not the classes):
 - `Engram._init_staging`: the staging buffer, and no prefetch stream or event (the client's
   lookup overlaps on its own; vLLM's decode-time WKV prefetch therefore stays off).
 - `Engram.prepare_embeddings`, `Engram._ready_rows`: above.
+- With ENGRAMD_CAPTURE=on, `Worker.execute_model` (vllm.v1.worker.gpu_worker): the replays' check
+  before vLLM's step.
 Engram modules built before the plugin was installed keep vLLM's own path.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 
@@ -211,7 +216,34 @@ def process_rows(layout) -> ProcessRows:
             raise
         _process_rows = ProcessRows(client, _settings["capture"])
         atexit.register(_process_rows.close)
+        if _process_rows.captured is not None:
+            _check_replays_every_step()
     return _process_rows
+
+
+def _check_replays_every_step() -> None:
+    """Wrap vLLM's `Worker.execute_model` so that every step of this worker first checks the
+    captured lookup's replays (CapturedLookup.check: no device wait, so it sees the replays up to
+    a step or so behind) and fails that step with ReplayFailedError if any wrote NaN rows. A full
+    graph's replay runs no model code; the worker's step is the Python that still runs."""
+    import importlib
+
+    from engramd.client.engines.vllm import WORKER_MODULE, check_worker_seams
+
+    module = importlib.import_module(WORKER_MODULE)
+    check_worker_seams(module)
+    if "execute_model" in _originals:
+        return
+    original = _originals["execute_model"] = module.Worker.execute_model
+
+    @functools.wraps(original)
+    def execute_model(self, scheduler_output):
+        rows = _process_rows
+        if rows is not None and rows.captured is not None:
+            rows.captured.check()
+        return original(self, scheduler_output)
+
+    module.Worker.execute_model = execute_model
 
 
 def _register_client() -> EngramClient:

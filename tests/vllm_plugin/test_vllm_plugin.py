@@ -116,6 +116,22 @@ def test_vllm_0_33_has_every_seam():
     plugin.check_seams(engram_module())
 
 
+def test_vllm_0_33s_worker_has_the_step_seam_and_a_changed_one_fails_closed():
+    import importlib
+
+    worker = importlib.import_module(plugin.WORKER_MODULE)
+    plugin.check_worker_seams(worker)
+
+    class Worker(worker.Worker):
+        def execute_model(self, scheduler_output, intermediate_tensors):  # a new parameter
+            raise AssertionError
+
+    with pytest.raises(plugin.VllmPluginError,
+                       match=r"ENGRAMD_CAPTURE=on .*Worker\.execute_model takes \(self, scheduler_output, "
+                             r"intermediate_tensors\), expected \(self, scheduler_output\)"):
+        plugin.check_worker_seams(types.SimpleNamespace(Worker=Worker))
+
+
 def test_changed_seams_fail_closed_naming_each():
     real = engram_module()
 

@@ -238,6 +238,34 @@ def run_checks(engram, layout, checkpoint, reference, served, args, vllm_engram,
                      args, args.world)
     moved_rows_fail_closed(served[0], raw_ids(layout.num_embeddings, 3), vllm_engram.VllmPluginError)
     other_tables_fail_closed(served[0], raw_ids(layout.num_embeddings, 3), vllm_engram.VllmPluginError)
+    if args.capture:  # last: a lost captured lookup stays lost
+        replays_checked_every_step(rows, vllm_engram)
+
+
+def replays_checked_every_step(rows, vllm_engram) -> None:
+    """A captured worker's step (vLLM's Worker.execute_model, what a full graph's step still
+    runs in Python) first checks the replays: it passes on to vLLM's own step while they are
+    sound, and fails before it once the captured lookup is lost."""
+    from vllm.v1.worker import gpu_worker
+
+    from engramd.client.errors import ReplayFailedError
+
+    step = gpu_worker.Worker.execute_model
+    assert step.__wrapped__ is vllm_engram._originals["execute_model"], "the worker's step is not wrapped"
+    not_a_worker = object()
+    try:
+        step(not_a_worker, None)
+    except AttributeError:
+        pass  # vLLM's own step ran (on an object that is no worker)
+    else:
+        raise AssertionError("vLLM's own step did not run")
+    rows.captured.lose("its tables are gone (test)")
+    try:
+        step(not_a_worker, None)
+    except ReplayFailedError as exc:
+        assert "its tables are gone (test)" in str(exc), exc
+    else:
+        raise AssertionError("a step ran after the captured lookup was lost")
 
 
 def other_tables_fail_closed(layer, ids: torch.Tensor, error: type[Exception]) -> None:
