@@ -157,7 +157,7 @@ def test_a_daemon_restart_on_other_tables_gives_nan_replays_then_the_new_rows(
         client.close()
 
 
-def test_a_closed_capture_writes_nan_and_what_cannot_capture_says_so(daemon_factory, reference):
+def test_a_closed_capture_writes_nothing_and_what_cannot_capture_says_so(daemon_factory, reference):
     daemon = daemon_factory(extra=CUDA)
     ids = random_ids(np.random.default_rng(34), 8, reference.rows, reference.heads)
     with EngramClient(daemon.socket, device="cuda", mode="mapped", max_tokens=MAX_TOKENS) as client:
