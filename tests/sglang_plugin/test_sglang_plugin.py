@@ -16,6 +16,7 @@ import pytest
 from helpers import free_port, run_client_processes
 
 WORKER = Path(__file__).with_name("worker.py")
+GPU_WORKER = Path(__file__).parents[2] / "benchmarks" / "sglang_gpu" / "worker_gpu.py"
 WORKER_TIMEOUT_S = 300
 
 
@@ -47,6 +48,18 @@ def test_two_tensor_parallel_ranks_each_get_their_head_shard(daemon_factory, dem
     port = free_port()
     run_client_processes([worker(daemon, demo_checkpoint, port, rank, 2, mode) for rank in (0, 1)],
                          timeout=WORKER_TIMEOUT_S)
+
+
+@pytest.mark.slow
+def test_the_gpu_recipes_worker_runs_on_the_cpu(daemon_factory, demo_checkpoint):
+    """benchmarks/sglang_gpu/worker_gpu.py's dry run: its own code (the reference built under a
+    device, the kernel counters, tests/sglang_plugin/worker.py's checks on its device) on the CPU,
+    so that it keeps working with this worker's helpers; its CUDA path runs only on a GPU
+    (tests/gpu/test_sglang_gpu.py)."""
+    daemon = daemon_factory()
+    run_client_processes([[sys.executable, str(GPU_WORKER), "--socket", str(daemon.socket),
+                           "--checkpoint", str(demo_checkpoint), "--port", str(free_port()),
+                           "--mode", "mapped", "--dry-run"]], timeout=WORKER_TIMEOUT_S)
 
 
 # The probes below import SGLang in a subprocess of their own (the torchvision stand-in is on

@@ -11,6 +11,9 @@ daemon registered this rank's TP rank; that each step SGLang's `EngramHasher` ha
 one lookup, of every layer's IDs, and that those are the hashes (engramd's own hasher agrees),
 while IDs that did not come from the hasher take one lookup per layer. Exits non-zero with the
 first difference.
+
+benchmarks/sglang_gpu/worker_gpu.py runs the same checks (`run_checks`, its steps on a device it
+names) on a GPU, where SGLang takes its CUDA path.
 """
 
 from __future__ import annotations
@@ -109,8 +112,9 @@ def load_tables(layers, layout, checkpoint: Path) -> None:
         layer.embed.finish_load(label=f"layer {layer_id}")
 
 
-def sglang_hasher(engram, layout, hf):
-    """SGLang's EngramHasher over the official DeepSeek-V4 tokenizer (engramd's test tokenizer)."""
+def sglang_hasher(engram, layout, hf, device: torch.device | str = "cpu"):
+    """SGLang's EngramHasher over the official DeepSeek-V4 tokenizer (engramd's test tokenizer),
+    its buffers and history on `device` (on CUDA SGLang hashes with its Triton kernels)."""
     from transformers import PreTrainedTokenizerFast
 
     from engramd.client.token_map import default_tokenizer_path
@@ -118,7 +122,8 @@ def sglang_hasher(engram, layout, hf):
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(default_tokenizer_path()))
     hasher = engram.EngramHasher(layout, tokenizer, hf.engram_pad_token_id,
                                  hf.engram_compressed_vocab_size)
-    hasher.init_history(num_req_slots=4, device="cpu")
+    hasher.to(device)
+    hasher.init_history(num_req_slots=4, device=device)
     return hasher
 
 
@@ -126,9 +131,12 @@ def sglang_steps(hasher) -> Iterator[tuple[str, torch.Tensor, tuple]]:
     """Steps of two requests hashed by SGLang's EngramHasher (each step's hash IDs, and its chunk
     for engramd's hasher): an extend in which request 0 starts its sequence and request 1
     continues at position 100 with three tokens of history (its slot's), then two decode steps,
-    whose look-back is the history the hasher committed."""
+    whose look-back is the history the hasher committed. The batch is on the hasher's device;
+    each real token has its KV cache slot, nonzero as in a server's batch (SGLang's CUDA decode
+    hash needs them: slot 0 marks CUDA-graph padding, whose history is not committed)."""
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
+    device = hasher.history.device
     generator = torch.Generator().manual_seed(5)
     lengths = (37, 23)
     tokens = torch.randint(0, 128_000, (sum(lengths),), generator=generator, dtype=torch.int64)
@@ -137,22 +145,26 @@ def sglang_steps(hasher) -> Iterator[tuple[str, torch.Tensor, tuple]]:
     hasher.history.zero_()
     hasher.history[1] = history  # oldest first
     batch = types.SimpleNamespace(
-        forward_mode=ForwardMode.EXTEND, req_pool_indices=torch.tensor([0, 1]),
-        positions=positions, extend_seq_lens=torch.tensor(lengths),
-        extend_start_loc=torch.tensor([0, lengths[0]]), extend_seq_lens_cpu=list(lengths),
-        engram_history=None, out_cache_loc=None, engram_staged_rows=None)
+        forward_mode=ForwardMode.EXTEND, req_pool_indices=torch.tensor([0, 1], device=device),
+        positions=positions.to(device), extend_seq_lens=torch.tensor(lengths, device=device),
+        extend_start_loc=torch.tensor([0, lengths[0]], device=device),
+        extend_seq_lens_cpu=list(lengths), engram_history=None,
+        out_cache_loc=torch.arange(1, sum(lengths) + 1, device=device), engram_staged_rows=None)
     lookback = torch.stack([torch.full((3,), -1), history.flip(0).to(torch.int64)])
-    yield "extend", hasher(tokens, batch), (tokens, torch.tensor([0, lengths[0], sum(lengths)]), lookback)
+    yield ("extend", hasher(tokens.to(device), batch),
+           (tokens, torch.tensor([0, lengths[0], sum(lengths)]), lookback))
     seqs = list(tokens.split(lengths))
     seqs[1] = torch.cat([history.to(torch.int64), seqs[1]])
     for step in range(2):
         last = torch.stack([seq[-3:].flip(0) for seq in seqs])  # newest first
         tokens = torch.randint(0, 128_000, (2,), generator=generator, dtype=torch.int64)
         batch = types.SimpleNamespace(
-            forward_mode=ForwardMode.DECODE, req_pool_indices=torch.tensor([0, 1]),
-            positions=torch.tensor([lengths[0] + step, 100 + lengths[1] + step]),
-            out_cache_loc=None, engram_staged_rows=None)
-        yield f"decode {step}", hasher(tokens, batch), (tokens, torch.tensor([0, 1, 2]), last)
+            forward_mode=ForwardMode.DECODE, req_pool_indices=torch.tensor([0, 1], device=device),
+            positions=torch.tensor([lengths[0] + step, 100 + lengths[1] + step], device=device),
+            out_cache_loc=torch.tensor([1, 2], device=device) + sum(lengths) + 2 * step,
+            engram_staged_rows=None)
+        yield (f"decode {step}", hasher(tokens.to(device), batch),
+               (tokens, torch.tensor([0, 1, 2]), last))
         seqs = [torch.cat([seq, token.view(1)]) for seq, token in zip(seqs, tokens, strict=True)]
 
 
@@ -174,11 +186,12 @@ def raw_ids(layout, tokens: int) -> torch.Tensor:
 
 def compare_step(name: str, reference, served, ids: torch.Tensor, rank: int) -> None:
     """This rank's own rows (SGLang's row shard, split on the same head boundaries as engramd's
-    at TP 1 and 2), then the rows and forward after SGLang's all-reduce over the TP group."""
+    at TP 1 and 2), then the rows and forward after SGLang's all-reduce over the TP group. The
+    step's tensors are on the IDs' device."""
     tokens = ids.shape[0]
     generator = torch.Generator().manual_seed(tokens)
-    hidden = torch.randn((tokens, HC_MULT, HIDDEN), generator=generator).to(torch.bfloat16)
-    input_ids = torch.randint(0, 1000, (tokens,), generator=generator)
+    hidden = torch.randn((tokens, HC_MULT, HIDDEN), generator=generator).to(ids.device, torch.bfloat16)
+    input_ids = torch.randint(0, 1000, (tokens,), generator=generator).to(ids.device)
     for ref, ours in zip(reference, served, strict=True):
         layer_ids = ids[:, ref.layer_hash_index]
         where = f"{name}, layer {ref.layer_hash_index}, rank {rank}"
@@ -213,7 +226,9 @@ def main() -> None:
     print(f"rank {args.rank}: all equal ({sglang_engram._process_client.client.mode} mode)")
 
 
-def run_checks(engram, layout, hf, checkpoint, reference, served, args, sglang_engram) -> None:
+def run_checks(engram, layout, hf, checkpoint, reference, served, args, sglang_engram,
+               device: torch.device | str = "cpu") -> None:
+    """Every check of the module docstring; the steps' IDs and tensors on `device`."""
     daemon = sglang_engram._process_client
     load_tables(served, layout, checkpoint)  # skipped, but the checkpoint loads
     assert all(layer.embed.weight.shape[0] == 0 for layer in served), "a table was kept"
@@ -224,14 +239,14 @@ def run_checks(engram, layout, hf, checkpoint, reference, served, args, sglang_e
     sent = []
     lookup = daemon.client.lookup
     daemon.client.lookup = lambda ids, *rest, **kw: (sent.append(ids.clone()), lookup(ids, *rest, **kw))[1]
-    for name, hashes, chunk in sglang_steps(sglang_hasher(engram, layout, hf)):
+    for name, hashes, chunk in sglang_steps(sglang_hasher(engram, layout, hf, device)):
         same_bits(f"{name}: SGLang's hashes vs engramd's hasher", hashes,
-                  engramd_hashes(checkpoint, *chunk).to(hashes.dtype))
+                  engramd_hashes(checkpoint, *chunk).to(hashes.device, hashes.dtype))
         compare_step(name, reference, served, hashes, args.rank)
         assert len(sent) == 1, f"{name}: {len(sent)} lookups for one step hashed by SGLang"
         same_bits(f"{name}: IDs of the step's one lookup, every layer's", sent.pop(), hashes)
     for tokens in (5, 64, 1):  # IDs not from the hasher: a lookup per layer
-        ids = raw_ids(layout, tokens)
+        ids = raw_ids(layout, tokens).to(device)
         compare_step(f"raw IDs x {tokens}", reference, served, ids, args.rank)
         lookups_of_one_layer_each(sent, ids)
         sent.clear()
@@ -256,7 +271,7 @@ def lookups_of_one_layer_each(sent: list[torch.Tensor], ids: torch.Tensor) -> No
     for lookup in sent:
         layer = int((lookup != -1).any(dim=(0, 2)).nonzero()[0])
         same_bits(f"IDs of a lookup of layer {layer}", lookup[:, layer], ids[:, layer])
-        others = torch.arange(lookup.shape[1]) != layer
+        others = torch.arange(lookup.shape[1], device=lookup.device) != layer
         assert bool((lookup[:, others] == -1).all()), "other layers not DEAD"
         looked_up.add(layer)
     assert looked_up == set(range(ids.shape[1])), f"lookups of layers {looked_up} only"
