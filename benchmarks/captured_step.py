@@ -3,6 +3,7 @@ in-process gather captured the same way (H200).
 
     python benchmarks/captured_step.py --out DIR                 # without MPS
     python benchmarks/captured_step.py --mps both --out DIR      # without, then with MPS, merged
+    python benchmarks/captured_step.py --mps both --rounds 3 --out DIR   # each cell 3x, medians
 
 The step is model_step.py's (lookup of T tokens on a side stream -> LEAD bf16 matmuls -> the
 main stream waits for the rows -> consume them into the next matmul's operand -> 4 more
@@ -44,7 +45,16 @@ from common.ids import layer_rows  # noqa: E402
 from common.report import machine  # noqa: E402
 from common.rows import bitwise_mismatches  # noqa: E402
 from common.tables import INSTANCE, fill_tables, geometry_for  # noqa: E402
-from model_step import LEADS, SORT_MIN_TOKENS, TAIL, TOKENS, WARM_STEPS, Bench, daemon_flags  # noqa: E402
+from model_step import (  # noqa: E402
+    LEADS,
+    SORT_MIN_TOKENS,
+    TAIL,
+    TOKENS,
+    WARM_STEPS,
+    Bench,
+    daemon_flags,
+    rotated,
+)
 from mps import (  # noqa: E402
     child_reports,
     mps_argument,
@@ -163,7 +173,10 @@ def time_cell(step: Callable[[Tensor], None], pool: list[Tensor], mode: str) -> 
 
 
 def run_grid(captured: CapturedBench, tokens: Sequence[int], leads: Sequence[int], steps: int,
-             mps: bool) -> tuple[list[dict], list[dict]]:
+             mps: bool, rounds: int = 1) -> tuple[list[dict], list[dict]]:
+    """Every (T, lead, mode, variant) cell, `rounds` times, the variants interleaved with their
+    order rotated every round (as model_step.py's), so that drift hits them alike; a cell's step
+    and issue times are the medians of its rounds, every round's step time kept."""
     cells, checks = [], []
     captured.bench.spin_up()
     for t in tokens:
@@ -171,11 +184,18 @@ def run_grid(captured: CapturedBench, tokens: Sequence[int], leads: Sequence[int
         for lead in leads:
             line = []
             for mode in MODES:
-                for variant in VARIANTS:
-                    step = captured.step_fn(variant, t, lead)
-                    pool = layer_rows(captured.bench.geometry, t, steps + WARM_STEPS)
-                    torch.cuda.synchronize()
-                    cell = time_cell(step, pool, mode)
+                timed: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+                for r in range(rounds):
+                    for variant in rotated(VARIANTS, r):
+                        step = captured.step_fn(variant, t, lead)
+                        pool = layer_rows(captured.bench.geometry, t, steps + WARM_STEPS)
+                        torch.cuda.synchronize()
+                        timed[variant].append(time_cell(step, pool, mode))
+                for variant, runs in timed.items():
+                    cell = {"steps": runs[0]["steps"],
+                            "step_us": float(np.median([c["step_us"] for c in runs])),
+                            "issue_us": float(np.median([c["issue_us"] for c in runs])),
+                            "rounds_us": [round(c["step_us"], 1) for c in runs]}
                     cells.append({"mps": mps, "mode": mode, "variant": variant, "tokens": t,
                                   "lead": lead, **cell})
                     line.append(f"{mode[:4]} {variant} {cell['step_us']:.0f}/{cell['issue_us']:.1f}")
@@ -198,7 +218,7 @@ def measure(args: argparse.Namespace) -> dict:
             captured = None
             try:
                 captured = CapturedBench(bench, socket, max(tokens))
-                cells, checks = run_grid(captured, tokens, leads, args.steps, mps["mps"])
+                cells, checks = run_grid(captured, tokens, leads, args.steps, mps["mps"], args.rounds)
                 counts = captured.captured.counts()
                 captured.captured.check()  # no replay wrote NaN rows
             finally:
@@ -206,7 +226,7 @@ def measure(args: argparse.Namespace) -> dict:
                     captured.client.close()
                 bench.close()
     run = {**mps, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "table_gib": round(geometry.total_bytes / 2**30, 2), "steps": args.steps,
+           "table_gib": round(geometry.total_bytes / 2**30, 2), "steps": args.steps, "rounds": args.rounds,
            "daemon_args": args.daemon_args, "machine": machine(), "captured_counts": counts,
            "seconds": round(time.monotonic() - started, 1),
            "rows_exact": all(c["exact"] for c in checks), "checks": checks}
@@ -224,6 +244,10 @@ def markdown(report: dict) -> str:
              "", "Step time / host issue time per step, us; ratio: mapped_graph / inproc_graph step "
              "time; lookup host: mapped_graph issue less compute_graph issue. "
              f"Command: `{report['meta']['command']}`.", ""]
+    if runs and runs[0].get("rounds", 1) > 1:
+        lines.insert(-1, f"Each cell timed {runs[0]['rounds']} times, the variants' order rotated "
+                         "every round; the medians are reported (every round's step time is in "
+                         "the JSON, `rounds_us`).")
     for run in runs:
         lines.append(f"- MPS {'on' if run['mps'] else 'off'}: rows "
                      f"{'exact' if run['rows_exact'] else 'DIFFER'}; captured lookup counts "
@@ -254,6 +278,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--table-gib", type=float, default=16.0)
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="time each cell this many times, variants rotated; medians reported")
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     parser.add_argument("--lead", type=int, nargs="+", default=list(LEADS))
     parser.add_argument("--daemon-args", default="")

@@ -35,9 +35,9 @@
 #                      modes, 3 rounds of 80 steps a cell                         step_text/
 #   step-gather-at     step-text's cells with the variants of docs/performance.md's
 #                      model-step figure (mapped at the wait, and in lookup())    step_gather_at/
-#   captured-step      benchmarks/captured_step.py, both MPS modes: the whole step in a
-#                      CUDA graph, engramd's captured lookup against an in-process
-#                      gather captured alike                                      captured_step/
+#   captured-step      benchmarks/captured_step.py, both MPS modes, 3 rounds a cell: the
+#                      whole step in a CUDA graph, engramd's captured lookup against an
+#                      in-process gather captured alike (about 4 min)             captured_step/
 #   attach             benchmarks/mapped_attach.py, 16 GiB: a mapped client's attach,
 #                      a daemon's restart to ready                                attach/
 #   attach-64          the same at 64 GiB in /dev/shm, two restarts               attach64/
@@ -173,7 +173,7 @@ phase_step_gather_at() {  # step-text's cells: mapped (gather at the wait) again
     --mapped-sm-fraction 1=1.0 4=1.0 --out "$out/step_gather_at" 2>&1 | tee "$out/step_gather_at.log" | tail -30
 }
 phase_captured_step() {  # the whole step in a CUDA graph: engramd's captured lookup against in-process
-  python3 benchmarks/captured_step.py --mps both --out "$out/captured_step" 2>&1 \
+  python3 benchmarks/captured_step.py --mps both --rounds 3 --out "$out/captured_step" 2>&1 \
     | tee "$out/captured_step.log" | tail -40
 }
 phase_attach() {  # benchmarks/mapped_attach.py, 16 GiB: a mapped client's attach, restart to ready
