@@ -11,7 +11,9 @@
 # unless set.
 #
 # Tests (tests/gpu; in results.tgz, the log named):
-#   tests              all of tests/gpu, no MPS                                   gpu_tests.log
+#   tests              tests/gpu, no MPS, but for what the faults and tests-kill* phases
+#                      run; GPU_TESTS: some of its files instead (the whole folder
+#                      takes about 10 min: split it over two commands)            gpu_tests.log
 #   tests-mps          the cross-process GPU tests under MPS                      gpu_tests_mps.log
 #   tests-kill         the twenty-killed-clients test alone, no MPS, stopped
 #                      (its stack shown) at 400 s                                 gpu_tests_kill.log
@@ -87,7 +89,11 @@ on_hugetlbfs() {
 }
 
 # --- tests
-phase_tests() { python3 -m pytest tests/gpu -q --durations=5 2>&1 | tee "$out/gpu_tests.log"; }
+phase_tests() {  # tests/gpu (or GPU_TESTS) but the faults and the killed clients: phases of their own
+  # shellcheck disable=SC2086  # GPU_TESTS: paths, split on spaces
+  python3 -m pytest ${GPU_TESTS:-tests/gpu} -q --ignore=tests/gpu/test_served_faults_gpu.py \
+    -k "not twenty" --durations=5 2>&1 | tee -a "$out/gpu_tests.log"
+}
 phase_tests_mps() {  # the cross-process GPU tests under MPS
   mps_start
   python3 -m pytest tests/gpu/test_cuda_daemon.py tests/gpu/test_adapter_gpu.py \
