@@ -4,6 +4,7 @@ in-process gather captured the same way (H200).
     python benchmarks/captured_step.py --out DIR                 # without MPS
     python benchmarks/captured_step.py --mps both --out DIR      # without, then with MPS, merged
     python benchmarks/captured_step.py --mps both --rounds 3 --out DIR   # each cell 3x, medians
+    python benchmarks/captured_step.py --ids text --traces .traces --out DIR  # real text's IDs
 
 The step is model_step.py's (lookup of T tokens on a side stream -> LEAD bf16 matmuls -> the
 main stream waits for the rows -> consume them into the next matmul's operand -> 4 more
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -52,6 +54,7 @@ from model_step import (  # noqa: E402
     TOKENS,
     WARM_STEPS,
     Bench,
+    UniformIds,
     daemon_flags,
     rotated,
 )
@@ -63,6 +66,7 @@ from mps import (  # noqa: E402
     require_mps_state,
     run_children,
 )
+from traces import TextIds  # noqa: E402
 
 from engramd.kernels import gather_ref  # noqa: E402
 
@@ -172,8 +176,9 @@ def time_cell(step: Callable[[Tensor], None], pool: list[Tensor], mode: str) -> 
     return {"step_us": step_us, "issue_us": float(np.percentile(issue, 50)) * 1e6, "steps": steps}
 
 
-def run_grid(captured: CapturedBench, tokens: Sequence[int], leads: Sequence[int], steps: int,
-             mps: bool, rounds: int = 1) -> tuple[list[dict], list[dict]]:
+def run_grid(captured: CapturedBench, ids: UniformIds | TextIds, tokens: Sequence[int],
+             leads: Sequence[int], steps: int, mps: bool,
+             rounds: int = 1) -> tuple[list[dict], list[dict]]:
     """Every (T, lead, mode, variant) cell, `rounds` times, the variants interleaved with their
     order rotated every round (as model_step.py's), so that drift hits them alike; a cell's step
     and issue times are the medians of its rounds, every round's step time kept."""
@@ -188,7 +193,7 @@ def run_grid(captured: CapturedBench, tokens: Sequence[int], leads: Sequence[int
                 for r in range(rounds):
                     for variant in rotated(VARIANTS, r):
                         step = captured.step_fn(variant, t, lead)
-                        pool = layer_rows(captured.bench.geometry, t, steps + WARM_STEPS)
+                        pool = ids.pool(t, steps + WARM_STEPS)
                         torch.cuda.synchronize()
                         timed[variant].append(time_cell(step, pool, mode))
                 for variant, runs in timed.items():
@@ -212,13 +217,20 @@ def measure(args: argparse.Namespace) -> dict:
     geometry = geometry_for(args.table_gib)
     with bench_folders() as (work, shm):
         specs = fill_tables(geometry, work / "ckpt", shm, INSTANCE)
-        with running_daemon(work, daemon_flags(work, shm, max(tokens), args.daemon_args),
+        extra = args.daemon_args
+        if args.ids == "text":  # its first half warms the daemon's hot-row cache, as model_step's
+            ids: UniformIds | TextIds = TextIds(Path(args.traces), geometry, work / "warm.npy")
+            extra = f"--hot-cache-warm-file {shlex.quote(str(work / 'warm.npy'))} {extra}"
+        else:
+            ids = UniformIds(geometry)
+        with running_daemon(work, daemon_flags(work, shm, max(tokens), extra),
                             timeout=300) as socket:
             bench = Bench(geometry, specs, socket, max(tokens), ("compute", "inproc", "mapped"))
             captured = None
             try:
                 captured = CapturedBench(bench, socket, max(tokens))
-                cells, checks = run_grid(captured, tokens, leads, args.steps, mps["mps"], args.rounds)
+                cells, checks = run_grid(captured, ids, tokens, leads, args.steps, mps["mps"],
+                                         args.rounds)
                 counts = captured.captured.counts()
                 captured.captured.check()  # no replay wrote NaN rows
             finally:
@@ -226,7 +238,7 @@ def measure(args: argparse.Namespace) -> dict:
                     captured.client.close()
                 bench.close()
     run = {**mps, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "table_gib": round(geometry.total_bytes / 2**30, 2), "steps": args.steps, "rounds": args.rounds,
+           "table_gib": round(geometry.total_bytes / 2**30, 2), "steps": args.steps, "rounds": args.rounds, "ids": ids.name,
            "daemon_args": args.daemon_args, "machine": machine(), "captured_counts": counts,
            "seconds": round(time.monotonic() - started, 1),
            "rows_exact": all(c["exact"] for c in checks), "checks": checks}
@@ -249,7 +261,7 @@ def markdown(report: dict) -> str:
                          "every round; the medians are reported (every round's step time is in "
                          "the JSON, `rounds_us`).")
     for run in runs:
-        lines.append(f"- MPS {'on' if run['mps'] else 'off'}: rows "
+        lines.append(f"- MPS {'on' if run['mps'] else 'off'}, {run.get('ids', 'uniform')} IDs: rows "
                      f"{'exact' if run['rows_exact'] else 'DIFFER'}; captured lookup counts "
                      f"{run['captured_counts']}; {run['seconds']} s")
     header = ["MPS", "mode", "T", "lead", *VARIANTS, "ratio", "lookup host"]
@@ -278,6 +290,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--table-gib", type=float, default=16.0)
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS)
+    parser.add_argument("--ids", choices=("uniform", "text"), default="uniform",
+                        help="the timed steps' row IDs: uniform, or a real-text trace (--traces)")
+    parser.add_argument("--traces", default=".traces",
+                        help="the trace folder for --ids text (python benchmarks/traces.py build)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="time each cell this many times, variants rotated; medians reported")
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))

@@ -40,6 +40,7 @@
 #   captured-step      benchmarks/captured_step.py, both MPS modes, 3 rounds a cell: the
 #                      whole step in a CUDA graph, engramd's captured lookup against an
 #                      in-process gather captured alike (about 4 min)             captured_step/
+#   captured-step-text captured-step on real text's row IDs, as step-text's          captured_step_text/
 #   attach             benchmarks/mapped_attach.py, 16 GiB: a mapped client's attach,
 #                      a daemon's restart to ready                                attach/
 #   attach-64          the same at 64 GiB in /dev/shm, two restarts               attach64/
@@ -48,7 +49,7 @@
 #                      ready, plain against a standby's takeover                  standby_64_shm/
 #   standby-64-huge    the same on hugetlbfs (root)                               standby_64_huge/
 #
-# step-text and step-gather-at read a trace of real text in .traces (carry it: `python
+# step-text, step-gather-at and captured-step-text read a trace of real text in .traces (carry it: `python
 # benchmarks/traces.py build`). lookup-host-base compares with another commit's tree in the ignored
 # folder .ab_base (carry it: `git archive REV | tar x -C .ab_base`).
 # The experiments in benchmarks/experiments/ have no phase: run them as their docstrings say.
@@ -181,6 +182,11 @@ phase_step_gather_at() {  # step-text's cells: mapped (gather at the wait) again
 phase_captured_step() {  # the whole step in a CUDA graph: engramd's captured lookup against in-process
   python3 benchmarks/captured_step.py --mps both --rounds 3 --out "$out/captured_step" 2>&1 \
     | tee "$out/captured_step.log" | tail -40
+}
+phase_captured_step_text() {  # the same on real text's row IDs (the hot-row caches warmed by its first half)
+  [ -f .traces/tokens.npz ] || { echo "no .traces folder (carry it)"; return 1; }
+  python3 benchmarks/captured_step.py --mps both --rounds 3 --ids text --traces .traces \
+    --out "$out/captured_step_text" 2>&1 | tee "$out/captured_step_text.log" | tail -40
 }
 phase_attach() {  # benchmarks/mapped_attach.py, 16 GiB: a mapped client's attach, restart to ready
   python3 benchmarks/mapped_attach.py --table-gib 16 --out "$out/attach" 2>&1 \
