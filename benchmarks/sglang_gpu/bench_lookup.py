@@ -4,7 +4,7 @@ On the GPU machine, after `bash benchmarks/sglang_gpu/setup_device.sh` (README.m
 
     export PYTHONPATH=/tmp/sglang-gpu-site
     python3 benchmarks/sglang_gpu/bench_lookup.py --out DIR                # 8 GiB table
-    python3 benchmarks/sglang_gpu/bench_lookup.py --mps both --out DIR     # without MPS, then under it
+    python3 benchmarks/sglang_gpu/bench_lookup.py --mps both --out DIR     # no MPS, then MPS
     python3 benchmarks/sglang_gpu/bench_lookup.py --parts lookup --out DIR # the lookups alone
 In SGLang's CPU environment (.ci/sglang_env.sh), every path but CUDA's, on the demo geometry:
     .venv-sglang/bin/python benchmarks/sglang_gpu/bench_lookup.py --dry-run --out DIR
@@ -233,7 +233,8 @@ class Run:
         model = ModelStep("sglang", layers, hasher, self.matmuls, self.args.seed)
         with bench_device.counting_kernels(engram) as calls:
             for tokens in self.tokens:
-                self.reference_rows[tokens] = lookup.rows(self.check_ids(tokens)).to("cpu", copy=True)
+                rows = lookup.rows(self.check_ids(tokens))
+                self.reference_rows[tokens] = rows.to("cpu", copy=True)
                 self.reference_out[tokens] = model.outputs(self.check_tokens(tokens)).cpu()
         phase["kernel_calls"] = dict(calls)
         self.device.check_kernel_calls(calls)
@@ -261,7 +262,8 @@ class Run:
             print(f"[engramd] daemon ready in {phase['daemon_start_s']} s", flush=True)
             exact = self.client_lookups(sock, phase)
             if not exact:
-                print("[engramd] rows differ from SGLang's: nothing of engramd is timed", flush=True)
+                print("[engramd] rows differ from SGLang's: nothing of engramd is timed",
+                      flush=True)
             elif "step" in self.args.parts:
                 self.plugin_steps(sock, engram, hf, layout, hasher, phase)
         phase["seconds"] = round(time.monotonic() - started, 1)

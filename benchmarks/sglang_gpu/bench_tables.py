@@ -53,4 +53,4 @@ def fill_sglang_tables(layers, geometry: TableGeometry, seed: int) -> float:
 
 def table_bytes(layers) -> int:
     """Bytes of SGLang's tables (weights and scales) across the layers."""
-    return sum(param.nbytes for layer in layers for param in (layer.embed.weight, layer.embed.scale))
+    return sum(layer.embed.weight.nbytes + layer.embed.scale.nbytes for layer in layers)

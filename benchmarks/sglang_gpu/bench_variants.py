@@ -142,6 +142,7 @@ def init_projections(layers: list, seed: int) -> None:
     for layer in layers:
         generator = torch.Generator(device=layer.q_weight.device)
         generator.manual_seed(seed + layer.layer_hash_index)
-        for param, scale in ((layer.q_weight, 1.0), (layer.k_weight, 1.0), (layer.wkv.weight, 0.02)):
+        weights = ((layer.q_weight, 1.0), (layer.k_weight, 1.0), (layer.wkv.weight, 0.02))
+        for param, scale in weights:
             values = torch.randn(param.shape, generator=generator, device=param.device) * scale
             param.data.copy_(values)
