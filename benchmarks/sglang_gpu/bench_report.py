@@ -1,0 +1,150 @@
+"""bench_lookup.py's report: the JSON it writes (a header, one entry per run, every cell) and the
+markdown made from it, printed last. One run per MPS mode; merge() joins the children's."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from bench_variants import LOOKUP_VARIANTS, STEP_VARIANTS
+from vllm_bench import timing
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common.report import cpu_model, run_header, write_report  # noqa: E402
+
+JSON_NAME, MD_NAME = "bench_lookup.json", "bench_lookup.md"
+KEYS = ("runs", "lookups", "steps")
+MODES = timing.MODES
+
+
+def header() -> dict:
+    """Command line, date, machine (common/report.run_header) and its CPU model."""
+    return {"benchmark": "sglang_gpu/bench_lookup", **run_header(), "cpu": cpu_model()}
+
+
+def merge(reports: list[dict]) -> dict:
+    return {"meta": header(), **{key: [item for r in reports for item in r[key]] for key in KEYS}}
+
+
+def write(out: Path, report: dict) -> None:
+    write_report(out, report, JSON_NAME, MD_NAME, markdown(report))
+
+
+def markdown(report: dict) -> str:
+    runs, meta = report["runs"], report["meta"]
+    first = runs[0] if runs else {}
+    lines = [f"# SGLang's Engram lookup and engramd's on {first.get('gpu') or first.get('device')} "
+             f"({meta['date']})", "", _setup(first, meta), ""]
+    lines += [f"- MPS {_on(run['mps'])} ({run['mps_server']}): rows {_rows_verdict(run)}; "
+              f"{_setup_seconds(run.get('setup', {}))}; {_phases(run['phases'])}; "
+              f"{run['seconds']} s in all" for run in runs]
+    lines += ["", *_memory_table(runs), "", *_lookup_table(report["lookups"]), "",
+              *_step_table(report["steps"])]
+    return "\n".join(lines) + "\n"
+
+
+def _setup(run: dict, meta: dict) -> str:
+    return (f"SGLang {run.get('sglang')}, TP=1. Table: {run.get('geometry')}, "
+            f"{run.get('table_gib')} GiB, rows {run.get('rows')}, seed {run.get('seed')}. "
+            f"Lookup IDs: uniform in each head's bucket, int64, fresh every step; model step: "
+            f"{run.get('tokens_note')}. Each cell: {run.get('warm')} untimed then "
+            f"{run.get('steps')} timed steps, a fresh pool. gpu: CUDA events on the current "
+            "stream before and after the call (its result then ready in that stream's order), "
+            "median; host: the call, p50; step: pipelined, wall time / steps; synced, call + "
+            f"synchronize, p50. Times in us. Model step: {json.dumps(run.get('model'))}. "
+            f"Machine: {meta['machine']}, {meta.get('cpu')}. Command: `{meta['command']}`.")
+
+
+def _memory_table(runs: list[dict]) -> list[str]:
+    lines = ["## Table and hot-row cache bytes in GPU memory", "",
+             "| MPS | variant | table on the GPU (GiB) | where the table is | hot-row cache on the "
+             "GPU (GiB) | whose |", "|---|---|---:|---|---:|---|"]
+    for run in runs:
+        for variant, memory in run.get("memory", {}).items():
+            lines.append(f"| {_on(run['mps'])} | {variant} | {_gib(memory['table_gpu_bytes'])} | "
+                         f"{memory['table_at']} | {_gib(memory['cache_gpu_bytes'])} | "
+                         f"{memory['cache_of']} |")
+    return lines
+
+
+def _lookup_table(cells: list[dict]) -> list[str]:
+    if not cells:
+        return []
+    by = {(c["mps"], c["variant"], c["tokens"], c["mode"]): c for c in cells}
+    variants = [v for v in LOOKUP_VARIANTS if any(c["variant"] == v for c in cells)]
+    lines = ["## Lookup alone, both layers (us)", "",
+             "| MPS | T | variant | pipelined gpu | pipelined host | pipelined step | synced gpu "
+             "| synced host | synced step | synced gpu / sglang | synced step / sglang |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for mps, tokens in sorted({(c["mps"], c["tokens"]) for c in cells}):
+        for variant in variants:
+            row = [_on(mps), str(tokens), variant]
+            for mode in MODES:
+                cell = by.get((mps, variant, tokens, mode), {})
+                row += [_num(cell.get(key)) for key in ("gpu_us", "host_us", "step_us")]
+            base = by.get((mps, "sglang", tokens, "synced"), {})
+            own = by.get((mps, variant, tokens, "synced"), {})
+            row += [_ratio(own.get(key), base.get(key)) for key in ("gpu_us", "step_us")]
+            lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def _step_table(cells: list[dict]) -> list[str]:
+    if not cells:
+        return []
+    by = {(c["mps"], c["variant"], c["tokens"], c["lead"], c["mode"]): c["step_us"] for c in cells}
+    variants = [v for v in STEP_VARIANTS if any(c["variant"] == v for c in cells)]
+    plugins = [v for v in variants if v != "sglang"]
+    header = ["MPS", "T", "lead"]
+    for mode in MODES:
+        header += [f"{mode} {v}" for v in variants] + [f"{mode} {v} / sglang" for v in plugins]
+    lines = ["## Model step: hash -> LEAD matmuls -> each layer's Engram.forward (us per step)",
+             "", "| " + " | ".join(header) + " |", "|---|---:|---:|" + "---:|" * (len(header) - 3)]
+    for mps, tokens, lead in sorted({(c["mps"], c["tokens"], c["lead"]) for c in cells}):
+        row = [_on(mps), str(tokens), str(lead)]
+        for mode in MODES:
+            values = {v: by.get((mps, v, tokens, lead, mode)) for v in variants}
+            row += [_num(values[v]) for v in variants]
+            row += [_ratio(values[v], values.get("sglang")) for v in plugins]
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def _rows_verdict(run: dict) -> str:
+    wrong = [c for c in run["checks"] if c["mismatches"]]
+    if wrong:
+        return "DIFFER (what differs is not timed): " + json.dumps(wrong)
+    seen: dict[str, list[str]] = {}
+    for check in run["checks"]:
+        seen.setdefault(check["what"], [])
+        if check["variant"] not in seen[check["what"]]:
+            seen[check["what"]].append(check["variant"])
+    said = "; ".join(f"{what} of {', '.join(names)} = sglang's" for what, names in seen.items())
+    return f"exact ({said}, at every T)"
+
+
+def _setup_seconds(setup: dict) -> str:
+    return f"imports {setup.get('import_s')} s, SGLang's hasher {setup.get('hasher_s')} s"
+
+
+def _phases(phases: dict) -> str:
+    return "; ".join(f"{name} phase {phase.get('seconds')} s" for name, phase in phases.items())
+
+
+def _on(mps: bool) -> str:
+    return "on" if mps else "off"
+
+
+def _gib(value: int | None) -> str:
+    return "" if value is None else f"{value / 2**30:.3f}"
+
+
+def _num(value: float | None) -> str:
+    if value is None:
+        return ""
+    return f"{value:.0f}" if value >= 10 else f"{value:.1f}"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "" if a is None or not b else f"{a / b:.2f}"
