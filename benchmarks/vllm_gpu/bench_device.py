@@ -6,13 +6,18 @@ Gpu: vLLM's Python tree installed by setup_device.sh, imported through worker_gp
 stubs.py's stand-ins in place first). Its config is worker_gpu's: EngramConfig(cpu_offload=True),
 so vLLM's tables sit in pinned host memory and its Triton kernel reads them through UVA; the
 Engram layers share one prefetch stream, as vLLM's DeepseekV4Model gives them. CUDA events time
-the device (common/timing.Clock), the daemon runs `--backend cuda`, clients use cuda:0.
+the device (common/timing.Clock), the daemon runs `--backend cuda`, clients use cuda:0. A graph
+variant's step is recorded in a torch.cuda.CUDAGraph and replayed (`capture`).
 
 CpuDryRun: vLLM's CPU install (.ci/vllm_env.sh), through tests/vllm_plugin/worker.py's helpers
 with the device queries mocked as that worker mocks them. vLLM's kernels run under Triton's
 interpreter; its tables are in ordinary memory (cpu_offload=False: the offload needs UVA), so
 Engram layers have no prefetch stream and the background variant is a foreground lookup; clocks
-are host clocks, the daemon runs `--backend cpu`, clients are CPU clients.
+are host clocks, the daemon runs `--backend cpu`, clients are CPU clients. There are no CUDA
+graphs: a graph variant's step runs eagerly at every "replay", the same function the GPU records
+(`capture`), and is labelled so. The plugin's captured lookup is made for the CPU client, whose
+capturable_lookup refuses (CPU clients cannot be captured), as tests/vllm_plugin/worker.py makes
+it: its kernel then runs under Triton's interpreter at each step.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import importlib.util
 import os
 import sys
 import types
+from collections.abc import Callable
 from contextlib import ExitStack, nullcontext
 from pathlib import Path
 from typing import Any
@@ -43,6 +49,8 @@ class CpuDryRun:
     backend = "cpu"
     client_device = "cpu"
     cuda = False
+    graphs = "none (dry run): the graph variants' steps run eagerly, the same code a GPU records"
+    graph_note = "eager, no graph: dry run"
 
     def __init__(self):
         settings = (os.environ.get("TRITON_INTERPRET"), os.environ.get("VLLM_TARGET_DEVICE"))
@@ -55,12 +63,23 @@ class CpuDryRun:
 
     def vllm_scope(self):
         """The device queries vLLM's Engram code makes, answered as tests/vllm_plugin/worker.py
-        answers them (4 SMs: the lookup's persistent grid then loops)."""
+        answers them (4 SMs: the lookup's persistent grid then loops), and, as that worker does
+        for ENGRAMD_CAPTURE=on, a captured lookup for a CPU client past its refusal."""
+        from engramd.client import EngramClient
+
+        def capturable(client, ids, slot=None, sm_fraction=None):
+            return client._captures.make(ids, slot, sm_fraction)
+
         stack = ExitStack()
         properties = types.SimpleNamespace(multi_processor_count=4)
         stack.enter_context(mock.patch("torch.cuda.get_device_properties", lambda *_: properties))
         stack.enter_context(mock.patch("torch.accelerator.current_device_index", lambda: 0))
+        stack.enter_context(mock.patch.object(EngramClient, "capturable_lookup", capturable))
         return stack
+
+    def capture(self, body: Callable[[], object]) -> Callable[[], object]:
+        """No graphs on a CPU: each "replay" runs `body` again, eagerly."""
+        return body
 
     def vllm_config(self):
         return self.helpers.vllm_config()
@@ -87,6 +106,8 @@ class Gpu:
 
     backend = "cuda"
     cuda = True
+    graphs = "torch.cuda.CUDAGraph, captured once per (T, lead) with capture_error_mode='thread_local'"
+    graph_note = ""
 
     def __init__(self):
         # Kernels launched behind a wait on another stream must not load lazily there (DEVICE.md).
@@ -133,6 +154,19 @@ class Gpu:
 
     def stream(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device)
+
+    def capture(self, body: Callable[[], object]) -> Callable[[], None]:
+        """`body` recorded in a CUDA graph; returns the graph's replay (which keeps the graph).
+        One eager run first, so that every kernel it launches is compiled and loaded outside the
+        capture (as benchmarks/captured_step.py does)."""
+        body()
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the plugin's client has threads of its own (its hot-row cache's keeper,
+        # the captured lookup's upkeep) whose CUDA calls "global" would turn into a failed capture.
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            body()
+        return graph.replay
 
     def release_host_memory(self) -> dict[str, Any]:
         """Hand freed pinned memory back to the system: torch's host allocator caches it."""

@@ -7,6 +7,8 @@ On the GPU machine, after `bash benchmarks/vllm_gpu/setup_device.sh` (README.md)
     python benchmarks/vllm_gpu/bench_lookup.py --ids text --traces .traces --out DIR
     python benchmarks/vllm_gpu/bench_lookup.py --mps both --out DIR     # without MPS, then under it
     python benchmarks/vllm_gpu/bench_lookup.py --parts lookup --out DIR # the lookups alone
+    python benchmarks/vllm_gpu/bench_lookup.py --mps both --rounds 3 --plugin-gather-at wait lookup \
+        --out DIR                       # every plugin variant, each cell 3 times (README.md)
 In vLLM's CPU environment (.ci/vllm_env.sh), every path but CUDA's, on the demo geometry:
     .venv-vllm/bin/python benchmarks/vllm_gpu/bench_lookup.py --dry-run --out DIR
 
@@ -25,14 +27,36 @@ with a copy of its own:
 2. engramd: the same bytes in /dev/shm, a `--backend cuda` daemon that re-attaches them
    (common/daemon.py), a mapped and a served EngramClient (lookups mapped, served); then the
    plugin, loaded as vLLM loads it (bench_plugin.py), and vLLM's Engram layers built again once
-   per --plugin-modes mode (model steps plugin_mapped, plugin_served).
+   per plugin setting, in this process (bench_plugin.py says why that is sound, and not a child
+   process per setting): model steps plugin_mapped and plugin_mapped_at_lookup (--plugin-modes
+   mapped, one per --plugin-gather-at: ENGRAMD_GATHER_AT), plugin_served, and plugin_captured
+   with its floor compute_graph (--plugin-modes captured: mapped with ENGRAMD_CAPTURE=on), last.
 The variants: bench_variants.py. IDs (--ids uniform | text): bench_ids.py. Timing: bench_timing.py.
+
+What plugin_captured captures, and what it is held against: the whole step (every layer's
+prepare_embeddings, which copies its hashes into the captured lookup's IDs buffer and, at the
+last layer, queues the gather on the current stream; the LEAD matmuls; each layer's forward) is
+recorded once per (T, lead) in a torch.cuda.CUDAGraph (capture_error_mode="thread_local") and
+replayed at each step, after the step's hash IDs are copied into the persistent buffer the graph
+reads, as an engine writes its graph's inputs. vLLM's own offloaded lookup cannot be recorded so
+(its prefetch runs in eager breaks, which a plain capture does not make), so the ratio is to
+`vllm`, vLLM's eager step; compute_graph, the same graph without the lookup (matmuls and
+forward), is the floor a captured step could reach, and plugin_captured less compute_graph in
+host time is what the captured lookup costs the host. In a dry run nothing is captured: the same
+step function runs eagerly at every "replay" (bench_device.CpuDryRun.capture), labelled so.
 
 Rows: one batch per T (bench_ids.check_ids, 5% DEAD). vLLM's foreground rows are the reference;
 its background rows must equal them, and so must, before anything of phase 2 is timed, the rows
-of each client and of the plugin's layers in each mode: bit for bit, NaN equal to NaN
-(common/rows.py). What differs is not timed (the clients' rows differing, nothing of phase 2
-is), and the script exits 1.
+of each client and of the plugin's layers in each setting (plugin_captured's: the staged rows
+after a replay of each (T, lead) graph with the check batch in its IDs buffer): bit for bit, NaN
+equal to NaN (common/rows.py). What differs is not timed (the clients' rows differing, nothing
+of phase 2 is), and the script exits 1. After plugin_captured's cells, its captured lookup's
+check() must pass (no replay wrote NaN rows); its counts go into the report. A plugin setting
+that raises is printed and recorded (`failures`), the others keep their cells, and the script
+exits 1.
+
+--rounds N: each variant's grid of cells runs N times over (its repeats of a cell seconds apart,
+fresh IDs each time); the JSON keeps every round, the markdown the median and spread.
 
 What it is not: the equality test of vLLM's modules and the plugin's (tests/gpu/test_vllm_gpu.py
 compares embed, forward and embed_tokens too); here rows are checked so that the timed paths are
@@ -43,13 +67,17 @@ Output: DIR/bench_lookup.json (command, date, machine; every run and cell) and D
 process, a private MPS server around the `on` one (the daemon and the child its clients); with
 both, each child's files are in DIR/mps_off and DIR/mps_on, the merged ones in DIR.
 
-Cost on an H200 at the defaults, for one MPS mode (estimated from earlier runs there; the script
+Cost on an H200 at the defaults, for one MPS mode (the run of 2026-12-05, README.md; the script
 prints each phase's seconds and the JSON keeps them): importing vLLM, its Engram module and the
-plugin, 35-40 s; phase 1, 30-60 s (pinning and filling 16 GiB, the checks; its timing, 16 lookup
-cells and 24 model-step cells of 55 steps, takes a few s); phase 2, 60-120 s (filling /dev/shm,
-the daemon's start and pin, two clients' attach, per plugin mode a client's attach and 24 cells).
-About 2-4 minutes in all, twice that with --mps both. The fills grow with --table-gib: at 64 GiB,
-one MPS mode per command.
+plugin, 19 s; phase 1, 26 s (pinning and filling 16 GiB 17 s, the checks; its timing, 16 lookup
+cells and 24 model-step cells of 55 steps, about 7 s a round); phase 2, 31 s with plugin_mapped
+and plugin_served (filling /dev/shm 12 s, the daemon's start and pin 7 s, two clients' attach
+and lookups 2-3 s, then each plugin setting a client's attach and 24 cells, about 5 s a round).
+plugin_mapped_at_lookup costs what plugin_mapped does; plugin_captured with compute_graph about
+twice that (24 graphs recorded, a few s, then 48 cells a round, the floor's cheaper). At the
+defaults (with captured) about 90 s a mode, 180 s with --mps both; the README's next-run command
+(--rounds 3, both gather_at) about 150 s a mode. The fills grow with --table-gib: at 64 GiB, one
+MPS mode per command.
 """
 
 from __future__ import annotations
@@ -60,6 +88,7 @@ import shlex
 import socket
 import sys
 import time
+import traceback
 import types
 from collections.abc import Sequence
 from pathlib import Path
@@ -84,6 +113,7 @@ from bench_timing import MODES, time_cell  # noqa: E402
 from bench_variants import (  # noqa: E402
     ClientLookup,
     EngramLayers,
+    GraphStep,
     Matmuls,
     ModelStep,
     VllmForeground,
@@ -109,12 +139,15 @@ from engramd.client.geometry import TableGeometry  # noqa: E402
 
 CLIENT_MODES = ("mapped", "served")
 PARTS = ("lookup", "step")
-# Defaults on the GPU and in a dry run (tiny: vLLM's kernels run under Triton's interpreter).
+# Defaults on the GPU and in a dry run (tiny: vLLM's kernels run under Triton's interpreter; every
+# variant, so that every path runs).
 DEFAULTS = {
     False: {"tokens": [1, 16, 256, 4096], "lead": [1, 4, 12], "steps": 50, "warm": 5,
-            "matmul_n": 4096, "hidden": 4096, "hc_mult": 4, "trace_tokens": None},
+            "matmul_n": 4096, "hidden": 4096, "hc_mult": 4, "trace_tokens": None,
+            "plugin_gather_at": ["wait"]},
     True: {"tokens": [1, 16], "lead": [1, 2], "steps": 3, "warm": 1,
-           "matmul_n": 64, "hidden": 64, "hc_mult": 2, "trace_tokens": 1 << 14},
+           "matmul_n": 64, "hidden": 64, "hc_mult": 2, "trace_tokens": 1 << 14,
+           "plugin_gather_at": list(bench_plugin.GATHER_AT)},
 }
 CHECK_SEED = 7
 HOST_MARGIN_GIB = 4.0  # free host memory phase 2 wants beyond its table before it fills it
@@ -126,40 +159,56 @@ class Run:
     def __init__(self, args: argparse.Namespace, device, geometry: TableGeometry, ids, mps: bool):
         self.args, self.device, self.geometry, self.ids, self.mps = args, device, geometry, ids, mps
         self.tokens = sorted(set(args.tokens))
+        self.leads = sorted(set(args.lead))
         self.lookups: list[dict] = []
         self.steps: list[dict] = []
         self.checks: list[dict] = []
+        self.replays: list[dict] = []  # the captured lookups' check() after their cells
+        self.failures: list[dict] = []  # plugin builds that raised (the others still timed)
         self.phases: dict[str, dict] = {}
         self.reference: dict[int, Tensor] = {}  # T -> vLLM's rows of the check batch (host)
         self.matmuls = Matmuls(args.matmul_n, device.device, args.seed)
 
     @property
     def exact(self) -> bool:
-        return all(check["mismatches"] == 0 for check in self.checks)
+        """Every row check exact, every captured lookup's replays sound, no build failed."""
+        return (all(check["mismatches"] == 0 for check in self.checks)
+                and all(check["passed"] for check in self.replays) and not self.failures)
 
-    # -- cells
+    # -- cells: --rounds times the whole grid of a variant, so that its repeats of a cell lie
+    # apart in time (each round draws fresh pools)
+
+    def round_label(self, number: int) -> str:
+        rounds = self.args.rounds
+        return f" [round {number + 1}/{rounds}]" if rounds > 1 else ""
 
     def time_lookups(self, variant) -> None:
-        for tokens in self.tokens:
-            line = []
-            for mode in MODES:
-                cell = self._time(variant, tokens, mode)
-                self.lookups.append({"mps": self.mps, "variant": variant.name, "tokens": tokens,
-                                     "mode": mode, **cell})
-                line.append(f"{mode} gpu {cell['gpu_us']:.0f} host {cell['host_us']:.0f}")
-            print(f"  {variant.name} T={tokens}: {', '.join(line)} us", flush=True)
-
-    def time_model_steps(self, model: ModelStep) -> None:
-        for tokens in self.tokens:
-            for lead in sorted(set(self.args.lead)):
+        for number in range(self.args.rounds):
+            for tokens in self.tokens:
                 line = []
                 for mode in MODES:
-                    cell = self._time(model.step(lead), tokens, mode)
-                    self.steps.append({"mps": self.mps, "variant": model.name, "tokens": tokens,
-                                       "lead": lead, "mode": mode, **cell})
-                    line.append(f"{mode} {cell['step_us']:.0f}")
-                print(f"  {model.name} T={tokens} lead={lead}: {', '.join(line)} us/step",
+                    cell = self._time(variant, tokens, mode)
+                    self.lookups.append({"mps": self.mps, "variant": variant.name, "tokens": tokens,
+                                         "mode": mode, "round": number, **cell})
+                    line.append(f"{mode} gpu {cell['gpu_us']:.0f} host {cell['host_us']:.0f}")
+                print(f"  {variant.name}{self.round_label(number)} T={tokens}: {', '.join(line)} us",
                       flush=True)
+
+    def time_model_steps(self, model) -> None:
+        """A ModelStep's or a GraphStep's cells: step time and the host's time per step."""
+        note = f" ({model.note})" if getattr(model, "note", "") else ""
+        for number in range(self.args.rounds):
+            for tokens in self.tokens:
+                for lead in self.leads:
+                    line = []
+                    for mode in MODES:
+                        cell = self._time(model.step(lead), tokens, mode)
+                        self.steps.append({"mps": self.mps, "variant": model.name,
+                                           "tokens": tokens, "lead": lead, "mode": mode,
+                                           "round": number, **cell})
+                        line.append(f"{mode} {cell['step_us']:.0f} (host {cell['host_us']:.0f})")
+                    print(f"  {model.name}{note}{self.round_label(number)} T={tokens} lead={lead}: "
+                          f"{', '.join(line)} us/step", flush=True)
 
     def _time(self, step, tokens: int, mode: str) -> dict[str, Any]:
         pool = self.ids.pool(tokens, self.args.warm + self.args.steps)
@@ -179,13 +228,20 @@ class Run:
             self.reference[tokens] = foreground.rows(ids).to("cpu", copy=True)
             self.compare(background, tokens, ids)
 
-    def compare(self, variant, tokens: int, ids: Tensor | None = None) -> bool:
+    def compare(self, variant, tokens: int, ids: Tensor | None = None,
+                lead: int | None = None) -> bool:
+        """The variant's rows of the check batch against vLLM's; a graph variant's after a
+        replay of its (T, lead) graph."""
         ids = self.check_batch(tokens) if ids is None else ids
-        wrong, first = bitwise_mismatches(variant.rows(ids).cpu(), self.reference[tokens])
-        self.checks.append({"variant": variant.name, "tokens": tokens, "against": "vllm_fg",
-                            "mismatches": wrong, **({"first": first} if wrong else {})})
+        got = variant.rows(ids) if lead is None else variant.rows(ids, lead)
+        wrong, first = bitwise_mismatches(got.cpu(), self.reference[tokens])
+        where = {} if lead is None else {"lead": lead, "after": "a replay"}
+        self.checks.append({"variant": variant.name, "tokens": tokens, **where,
+                            "against": "vllm_fg", "mismatches": wrong,
+                            **({"first": first} if wrong else {})})
         verdict = "exact" if wrong == 0 else f"{wrong} values DIFFER, first at {first}"
-        print(f"  rows {variant.name} T={tokens}: {verdict}", flush=True)
+        graph = "" if lead is None else f" lead={lead}, after a replay"
+        print(f"  rows {variant.name} T={tokens}{graph}: {verdict}", flush=True)
         return wrong == 0
 
     def compare_all(self, variant) -> bool:
@@ -272,23 +328,78 @@ class Run:
                 variant.client.close()
 
     def plugin_steps(self, sock: Path, engram, hf, layout, phase: dict) -> None:
-        """vLLM's Engram layers built with the plugin loaded, once per mode: rows, model step."""
-        vllm_engram = bench_plugin.load_plugin(engram, sock, self.args.plugin_modes[0])
-        for mode in self.args.plugin_modes:
-            bench_plugin.forget_client(vllm_engram, mode)
-            begun = time.monotonic()
-            layers = self.device.build_layers(engram, hf, layout)
-            client = vllm_engram._process_rows.client
-            if client.mode != mode:
-                raise SystemExit(f"the plugin's client was granted {client.mode}, not {mode}")
-            wait_warm(client)
-            phase[f"plugin_{mode}_build_s"] = round(time.monotonic() - begun, 1)
-            init_projections(layers, self.args.seed)
-            name = f"plugin_{mode}"
-            if self.compare_all(EngramLayers(name, layers)):
-                self.time_model_steps(ModelStep(name, layers, self.matmuls, self.args.seed))
-            del layers, client  # before the next mode closes the client their rows view
-        bench_plugin.forget_client(vllm_engram, None)
+        """vLLM's Engram layers built with the plugin loaded, once per setting (bench_plugin.py:
+        mode, gather_at, capture; in this process, and why): rows, model step. A setting that
+        raises is recorded and printed, and the run exits 1; the others keep their cells."""
+        settings = bench_plugin.settings(self.args.plugin_modes, self.args.plugin_gather_at)
+        vllm_engram = bench_plugin.load_plugin(engram, sock, settings[0])
+        try:
+            for setting in settings:
+                bench_plugin.use(vllm_engram, setting)
+                try:
+                    self.plugin_setting(vllm_engram, setting, engram, hf, layout, phase)
+                except Exception as exc:  # reported, and the run fails
+                    traceback.print_exc()
+                    self.failures.append({"variant": setting.name, "error": repr(exc)})
+                    print(f"[engramd] {setting.name} FAILED: {exc!r}", flush=True)
+        finally:
+            bench_plugin.use(vllm_engram, None)
+
+    def plugin_setting(self, vllm_engram, setting, engram, hf, layout, phase: dict) -> None:
+        """One setting's layers: built, checked to be what it asked for, rows, cells."""
+        begun = time.monotonic()
+        layers = self.device.build_layers(engram, hf, layout)
+        rows = bench_plugin.check_built(vllm_engram, setting)
+        wait_warm(rows.client)
+        phase[f"{setting.name}_build_s"] = round(time.monotonic() - begun, 1)
+        init_projections(layers, self.args.seed)
+        model = ModelStep(setting.name, layers, self.matmuls, self.args.seed)
+        if rows.captured is not None:
+            self.graph_steps(model, rows.captured)
+        elif self.compare_all(EngramLayers(setting.name, layers)):
+            self.time_model_steps(model)
+        # The layers (and graphs) go on return, before the next setting closes the client
+        # whose memory their rows view.
+
+    def graph_steps(self, model: ModelStep, captured) -> None:
+        """plugin_captured and its floor, compute_graph (bench_variants.GraphStep): every
+        (T, lead) graph recorded and plugin_captured's rows checked after a replay of each, then,
+        if all are exact, both timed; then the captured lookup's check() (no NaN replays)."""
+        device, most = self.device, max(self.tokens)
+        graphs = [GraphStep("plugin_captured", model, device.capture, most, True, device.graph_note),
+                  GraphStep("compute_graph", model, device.capture, most, False, device.graph_note)]
+        try:
+            exact = True
+            for tokens in self.tokens:
+                for lead in self.leads:
+                    exact = self.compare(graphs[0], tokens, lead=lead) and exact
+                    # The floor recorded now, after a lookup of T tokens: the plugin's
+                    # _ready_rows refuses more tokens than the last lookup had.
+                    graphs[1].recorded(tokens, lead)
+            if exact:
+                for graph in graphs:
+                    self.time_model_steps(graph)
+            self.check_replays(captured)
+        finally:
+            for graph in graphs:
+                graph.close()
+
+    def check_replays(self, captured) -> None:
+        """CapturedLookup.check() once the device is done: it raises if replays wrote NaN rows.
+        Its counts are those of the last finished copy of the descriptor's words, so a copy is
+        queued (counts()) after the last replay and waited for before they are read."""
+        self.device.clock.sync()
+        captured.counts()
+        self.device.clock.sync()
+        entry: dict[str, Any] = {"variant": "plugin_captured", "passed": True}
+        try:
+            captured.check()
+        except Exception as exc:  # ReplayFailedError: recorded, and the run fails
+            entry.update(passed=False, error=repr(exc))
+        entry["counts"] = captured.counts()
+        self.replays.append(entry)
+        print(f"  replays plugin_captured: {entry['counts']}, check() "
+              f"{'passed' if entry['passed'] else 'FAILED: ' + entry['error']}", flush=True)
 
 
 def host_available_gib() -> float | None:
@@ -371,9 +482,11 @@ def describe(run: Run, mps: dict, started: float) -> dict:
             "steps": args.steps, "warm": args.warm, "parts": args.parts,
             "model": {"hidden": args.hidden, "hc_mult": args.hc_mult,
                       "matmul": f"bf16 [{args.matmul_n} x {args.matmul_n}] squared, torch.mm"},
-            "plugin_modes": args.plugin_modes, "daemon_args": args.daemon_args,
-            "phases": run.phases, "seconds": round(time.monotonic() - started, 1),
-            "rows_exact": run.exact, "checks": run.checks}
+            "rounds": args.rounds, "plugin_modes": args.plugin_modes,
+            "plugin_gather_at": args.plugin_gather_at, "graphs": run.device.graphs,
+            "daemon_args": args.daemon_args, "phases": run.phases,
+            "seconds": round(time.monotonic() - started, 1), "rows_exact": run.exact,
+            "checks": run.checks, "replays": run.replays, "failures": run.failures}
 
 
 def run_parent(args: argparse.Namespace) -> int:
@@ -402,8 +515,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warm", type=int, help="untimed steps before each cell's (5)")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
                         help="the lookups alone, the model step, or both")
-    parser.add_argument("--plugin-modes", nargs="+", choices=CLIENT_MODES,
-                        default=list(CLIENT_MODES), help="the plugin's ENGRAMD_MODE, in turn")
+    parser.add_argument("--plugin-modes", nargs="+", choices=bench_plugin.PLUGIN_MODES,
+                        default=list(bench_plugin.PLUGIN_MODES),
+                        help="the plugin's ENGRAMD_MODE, in turn; captured: mapped with "
+                             "ENGRAMD_CAPTURE=on, its step in a CUDA graph (and the floor)")
+    parser.add_argument("--plugin-gather-at", nargs="+", choices=bench_plugin.GATHER_AT,
+                        help="the mapped plugin's ENGRAMD_GATHER_AT, a variant each: wait "
+                             "(plugin_mapped), lookup (plugin_mapped_at_lookup); default wait "
+                             "(a dry run: both)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="times each variant's grid of cells runs; the report gives the "
+                             "median and the spread")
     parser.add_argument("--ids", choices=("uniform", "text"), default="uniform")
     parser.add_argument("--traces", default=".traces",
                         help="the trace folder of --ids text (benchmarks/traces.py build)")
@@ -423,6 +545,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--dry-run runs without MPS (--mps off)")
     if args.steps < 1 or args.warm < 0 or min(args.tokens) < 1 or min(args.lead) < 0:
         parser.error("--steps and --tokens must be >= 1, --warm and --lead >= 0")
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")
     return args
 
 

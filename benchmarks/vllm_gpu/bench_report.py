@@ -1,5 +1,7 @@
-"""bench_lookup.py's report: the JSON it writes (a header, one entry per run, every cell) and the
-markdown made from it, printed last. One run per MPS mode; merge() joins the children's."""
+"""bench_lookup.py's report: the JSON it writes (a header, one entry per run, every cell of every
+round) and the markdown made from it, printed last. One run per MPS mode; merge() joins the
+children's. With --rounds N a markdown value is the median of a cell's N rounds, with the
+spread (half their range, % of the median) beside it; ratios are ratios of medians."""
 
 from __future__ import annotations
 
@@ -7,8 +9,9 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 from bench_timing import MODES
-from bench_variants import LOOKUP_VARIANTS, STEP_VARIANTS
+from bench_variants import GRAPH_VARIANTS, LOOKUP_VARIANTS, STEP_VARIANTS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.report import cpu_model, run_header, write_report  # noqa: E402
@@ -36,8 +39,14 @@ def markdown(report: dict) -> str:
     lines = [f"# vLLM's Engram lookup and engramd's on {first.get('gpu') or first.get('device')} "
              f"({meta['date']})", "", _setup(first, meta), ""]
     lines += [f"- MPS {_on(run['mps'])} ({run['mps_server']}): rows {_rows_verdict(run)}; "
-              f"{_phases(run['phases'])}; {run['seconds']} s in all" for run in runs]
-    lines += ["", *_lookup_table(report["lookups"]), "", *_step_table(report["steps"])]
+              f"{_replays(run)}{_failures(run)}{_phases(run['phases'])}; {run['seconds']} s in all"
+              for run in runs]
+    steps = report["steps"]
+    lines += ["", *_lookup_table(report["lookups"]), "",
+              *_step_table(steps, "step_us", "Model step: prepare_embeddings -> LEAD matmuls -> "
+                           "forward (us per step)"), "",
+              *_step_table(steps, "host_us", "Model step, the host's time per step (us, p50 of "
+                           "the step's call: for a graph, the input write and the replay)")]
     return "\n".join(lines) + "\n"
 
 
@@ -47,15 +56,45 @@ def _setup(run: dict, meta: dict) -> str:
             f"then {run.get('steps')} timed steps, a fresh pool of IDs. gpu: CUDA events on the "
             "current stream before and after the call (its rows then ready in that stream's "
             "order), median; host: the call, p50; step: pipelined, wall time / steps; synced, "
-            "call + synchronize, p50. Times in us. Model step: "
-            f"{json.dumps(run.get('model'))}. Machine: {meta['machine']}, {meta.get('cpu')}. "
-            f"Command: `{meta['command']}`.")
+            f"call + synchronize, p50. Times in us. {_rounds_note(run.get('rounds', 1))} "
+            f"Model step: {json.dumps(run.get('model'))}{_graphs_note(run)}. "
+            f"Machine: {meta['machine']}, {meta.get('cpu')}. Command: `{meta['command']}`.")
+
+
+def _graphs_note(run: dict) -> str:
+    return f"; {' and '.join(GRAPH_VARIANTS)}: {run['graphs']}" if run.get("graphs") else ""
+
+
+def _rounds_note(rounds: int) -> str:
+    if rounds <= 1:
+        return "One round."
+    return (f"{rounds} rounds (each variant's grid of cells run {rounds} times over): a value is "
+            "the median of the rounds, ± half their range as % of it; ratios of medians.")
+
+
+def summarize(cells: list[dict], keys: tuple[str, ...]) -> dict[tuple, dict[str, tuple]]:
+    """The rounds of each cell (cells equal in `keys`): per metric, (median, spread), spread
+    being half the range as a fraction of the median (None for one round)."""
+    groups: dict[tuple, list[dict]] = {}
+    for cell in cells:
+        groups.setdefault(tuple(cell[key] for key in keys), []).append(cell)
+    out: dict[tuple, dict[str, tuple]] = {}
+    for key, group in groups.items():
+        out[key] = {}
+        for metric in ("gpu_us", "host_us", "step_us"):
+            values = [c[metric] for c in group if c.get(metric) is not None]
+            if values:
+                median = float(np.median(values))
+                spread = (max(values) - min(values)) / 2 / median if len(values) > 1 and median \
+                    else None
+                out[key][metric] = (median, spread)
+    return out
 
 
 def _lookup_table(cells: list[dict]) -> list[str]:
     if not cells:
         return []
-    by = {(c["mps"], c["variant"], c["tokens"], c["mode"]): c for c in cells}
+    by = summarize(cells, ("mps", "variant", "tokens", "mode"))
     variants = [v for v in LOOKUP_VARIANTS if any(c["variant"] == v for c in cells)]
     lines = ["## Lookup alone (us)", "",
              "| MPS | T | variant | pipelined gpu | pipelined host | pipelined step | synced gpu "
@@ -66,31 +105,37 @@ def _lookup_table(cells: list[dict]) -> list[str]:
             row = [_on(mps), str(tokens), variant]
             for mode in MODES:
                 cell = by.get((mps, variant, tokens, mode), {})
-                row += [_num(cell.get(key)) for key in ("gpu_us", "host_us", "step_us")]
-            base = by.get((mps, "vllm_bg", tokens, "synced"), {}).get("gpu_us")
-            own = by.get((mps, variant, tokens, "synced"), {}).get("gpu_us")
+                row += [_value(cell.get(key)) for key in ("gpu_us", "host_us", "step_us")]
+            base = _median(by.get((mps, "vllm_bg", tokens, "synced"), {}).get("gpu_us"))
+            own = _median(by.get((mps, variant, tokens, "synced"), {}).get("gpu_us"))
             lines.append("| " + " | ".join([*row, _ratio(own, base)]) + " |")
     return lines
 
 
-def _step_table(cells: list[dict]) -> list[str]:
+def _step_table(cells: list[dict], metric: str, title: str) -> list[str]:
+    """One row per (MPS, T, lead, mode): each variant's `metric`, then each one's ratio to vllm
+    (vLLM alone, eager). The host table adds plugin_captured less compute_graph: the captured
+    lookup's host time in the step."""
     if not cells:
         return []
-    by = {(c["mps"], c["variant"], c["tokens"], c["lead"], c["mode"]): c["step_us"] for c in cells}
+    by = summarize(cells, ("mps", "variant", "tokens", "lead", "mode"))
     variants = [v for v in STEP_VARIANTS if any(c["variant"] == v for c in cells)]
-    plugins = [v for v in variants if v != "vllm"]
-    header = ["MPS", "T", "lead"]
-    for mode in MODES:
-        header += [f"{mode} {v}" for v in variants] + [f"{mode} {v} / vllm" for v in plugins]
-    lines = ["## Model step: prepare_embeddings -> LEAD matmuls -> forward (us per step)", "",
-             "| " + " | ".join(header) + " |", "|---|---:|---:|" + "---:|" * (len(header) - 3)]
+    others = [v for v in variants if v != "vllm"]
+    lookup_host = metric == "host_us" and all(v in variants for v in GRAPH_VARIANTS)
+    header = ["MPS", "T", "lead", "mode", *variants, *[f"{v} / vllm" for v in others]]
+    header += ["plugin_captured - compute_graph"] if lookup_host else []
+    lines = [f"## {title}", "", "| " + " | ".join(header) + " |",
+             "|---|---:|---:|---|" + "---:|" * (len(header) - 4)]
     for mps, tokens, lead in sorted({(c["mps"], c["tokens"], c["lead"]) for c in cells}):
-        row = [_on(mps), str(tokens), str(lead)]
         for mode in MODES:
-            values = {v: by.get((mps, v, tokens, lead, mode)) for v in variants}
-            row += [_num(values[v]) for v in variants]
-            row += [_ratio(values[v], values.get("vllm")) for v in plugins]
-        lines.append("| " + " | ".join(row) + " |")
+            stats = {v: by.get((mps, v, tokens, lead, mode), {}).get(metric) for v in variants}
+            medians = {v: _median(stats[v]) for v in variants}
+            row = [_on(mps), str(tokens), str(lead), mode, *[_value(stats[v]) for v in variants]]
+            row += [_ratio(medians[v], medians.get("vllm")) for v in others]
+            if lookup_host:
+                captured, floor = medians["plugin_captured"], medians["compute_graph"]
+                row.append("" if None in (captured, floor) else _num(captured - floor))
+            lines.append("| " + " | ".join(row) + " |")
     return lines
 
 
@@ -109,6 +154,18 @@ def _rows_verdict(run: dict) -> str:
     return f"exact ({names} = vllm_fg, at every T)"
 
 
+def _replays(run: dict) -> str:
+    """The captured lookup's check() after its cells, if the run had one."""
+    return "".join(f"{entry['variant']} replays {json.dumps(entry['counts'])}, check() "
+                   f"{'passed' if entry['passed'] else 'FAILED: ' + entry['error']}; "
+                   for entry in run.get("replays", []))
+
+
+def _failures(run: dict) -> str:
+    return "".join(f"{entry['variant']} FAILED ({entry['error']}), not timed; "
+                   for entry in run.get("failures", []))
+
+
 def _phases(phases: dict) -> str:
     return "; ".join(f"{name} phase {phase.get('seconds')} s" for name, phase in phases.items())
 
@@ -117,10 +174,22 @@ def _on(mps: bool) -> str:
     return "on" if mps else "off"
 
 
+def _median(stats: tuple | None) -> float | None:
+    return None if stats is None else stats[0]
+
+
+def _value(stats: tuple | None) -> str:
+    """A median, and its spread where there were rounds."""
+    if stats is None:
+        return ""
+    median, spread = stats
+    return _num(median) + ("" if spread is None else f" ±{spread * 100:.0f}%")
+
+
 def _num(value: float | None) -> str:
     if value is None:
         return ""
-    return f"{value:.0f}" if value >= 10 else f"{value:.1f}"
+    return f"{value:.0f}" if abs(value) >= 10 else f"{value:.1f}"
 
 
 def _ratio(a: float | None, b: float | None) -> str:

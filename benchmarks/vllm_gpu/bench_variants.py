@@ -18,7 +18,24 @@ Model step (`ModelStep`, over vLLM's Engram layers, its own or built with the pl
   each layer's prepare_embeddings(ids[:, i]) -> LEAD bf16 [N x N] @ [N x N] matmuls (torch.mm
   into a preallocated tensor) -> each layer's forward(hidden [T, hc_mult, hidden], ids[:, i]),
   whose embed() takes the rows from _ready_rows(T), then the WKV GEMM and vLLM's fused post-WKV
-  kernel.
+  kernel. Run eagerly: vllm (vLLM's own layers: its offloaded prefetch sits in eager breaks, so
+  its step cannot be recorded whole), plugin_mapped, plugin_mapped_at_lookup (the client's
+  gather queued in lookup(), at the last layer's prepare_embeddings, not at the first layer's
+  wait: ENGRAMD_GATHER_AT=lookup), plugin_served.
+Model step in a CUDA graph (`GraphStep`, over the layers built with ENGRAMD_CAPTURE=on):
+  plugin_captured  the same step, recorded once per (T, lead) and replayed: every layer's
+                   prepare_embeddings (its copy of the hashes into the captured lookup's IDs
+                   buffer; the last layer's record() queues the gather on the current stream,
+                   in line, before the matmuls), the LEAD matmuls, each layer's forward (its
+                   _ready_rows returns the staged rows: no wait, no host work). The graph reads
+                   the step's hash IDs from a persistent buffer [T_max, n_layers, heads] that
+                   each step writes (a device copy from the pool) before the replay, as an
+                   engine writes its graph's inputs.
+  compute_graph    the floor: the same graph without prepare_embeddings (the LEAD matmuls and
+                   each layer's forward, over the rows the last lookup left), the same input
+                   write before each replay. plugin_captured less compute_graph is the lookup's
+                   cost in the graph; vllm less plugin_captured, in host time, what capture saves.
+  In a dry run (no graphs on a CPU) each "replay" runs the recorded function eagerly.
 
 What this is not: the timing (bench_timing.py) or the row check (bench_lookup.py).
 """
@@ -26,6 +43,7 @@ What this is not: the timing (bench_timing.py) or the row check (bench_lookup.py
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -33,7 +51,10 @@ from torch import Tensor
 from engramd.client import EngramClient
 
 LOOKUP_VARIANTS = ("vllm_fg", "vllm_bg", "mapped", "served")
-STEP_VARIANTS = ("vllm", "plugin_mapped", "plugin_served")
+STEP_VARIANTS = ("vllm", "plugin_mapped", "plugin_mapped_at_lookup", "plugin_served",
+                 "plugin_captured", "compute_graph")
+GRAPH_VARIANTS = ("plugin_captured", "compute_graph")
+Capture = Callable[[Callable[[], object]], Callable[[], object]]  # bench_device's capture()
 WARM_CACHE_S = 120.0  # at most, for a mapped client's hot-row cache to warm after its attach
 
 
@@ -131,15 +152,56 @@ class ModelStep:
                                                device=device).to(torch.bfloat16)
         return self._hidden[tokens]
 
-    def step(self, lead: int):
+    def step(self, lead: int, lookup: bool = True):
         def run(ids: Tensor) -> None:
             hidden = self.hidden(ids.shape[0])
-            self.staged.prepare(ids)
+            if lookup:
+                self.staged.prepare(ids)
             self.matmuls(lead)
             for layer in self.layers:
                 layer(hidden, ids[:, layer.layer_hash_index])
 
         return run
+
+
+class GraphStep:
+    """A ModelStep's step (with its lookup, or without: the floor) recorded once per (T, lead)
+    by `capture` (bench_device: a CUDA graph on the GPU, the step itself in a dry run) over a
+    persistent IDs buffer, and replayed: each step copies its IDs into the buffer, then replays.
+    close() drops the graphs, which must go before the client whose memory they read."""
+
+    def __init__(self, name: str, model: ModelStep, capture: Capture, max_tokens: int,
+                 lookup: bool, note: str = ""):
+        self.name, self.model, self.capture, self.lookup, self.note = name, model, capture, lookup, note
+        layer = model.layers[0]
+        shape = (max_tokens, len(model.layers), layer.embed_tokens.n_hash_cols)
+        self.ids = torch.full(shape, -1, dtype=torch.int32, device=layer.q_weight.device)
+        self._replays: dict[tuple[int, int], Callable[[], object]] = {}
+
+    def recorded(self, tokens: int, lead: int) -> Callable[[], object]:
+        """The replay of the (T, lead) graph, recorded now if it was not."""
+        key = (tokens, lead)
+        if key not in self._replays:
+            self._replays[key] = self.capture(lambda: self.model.step(lead, self.lookup)(
+                self.ids[:tokens]))
+        return self._replays[key]
+
+    def step(self, lead: int):
+        def run(ids: Tensor) -> None:
+            replay = self.recorded(ids.shape[0], lead)
+            self.ids[:ids.shape[0]].copy_(ids, non_blocking=True)
+            replay()
+
+        return run
+
+    def rows(self, ids: Tensor, lead: int) -> Tensor:
+        """The rows each layer's forward reads after one replay of the (T, lead) graph with
+        `ids`: [n_layers, T, heads, head_dim], in the current stream's order."""
+        self.step(lead)(ids)
+        return torch.stack([layer.staged_rows[:ids.shape[0]] for layer in self.model.layers])
+
+    def close(self) -> None:
+        self._replays.clear()
 
 
 def init_projections(layers: list, seed: int) -> None:
