@@ -13,7 +13,8 @@ import json
 import mmap
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -23,7 +24,7 @@ import torch
 from engramd.client.geometry import V41_FLASH_CONFIG, TableGeometry
 from engramd.server.checkpoint import EngramCheckpoint, scale_name, weight_name
 from engramd.server.host_tables import TableStore
-from engramd.server.synthetic import write_synthetic_checkpoint
+from engramd.server.synthetic import BLOCK_ROWS, synthetic_packed_rows, write_synthetic_checkpoint
 from engramd.server.table_file import HostTable
 from engramd.server.table_loader import tables_folder
 
@@ -169,3 +170,50 @@ def pin_as_reader(tables: list[MappedTable]):
     from engramd.server.table_registration import register_for_gpus
 
     return PinnedTables(tables, register_for_gpus(tables, collapse=False))
+
+
+# -- synthetic rows, reproducible: the engine benchmarks fill the engine's copy and the daemon's
+# from one definition (server/synthetic.synthetic_packed_rows of (seed, layer, row)).
+
+PART_ROWS = 16 * BLOCK_ROWS  # rows per thread task: 17 MB of packed rows, whole generator blocks
+
+
+def threads() -> int:
+    return max(1, min(16, os.cpu_count() or 1))
+
+
+def in_parts(start: int, stop: int, fill: Callable[[int, int], None]) -> None:
+    """fill(lo, hi) over [start, stop) in parts of PART_ROWS, by threads side by side."""
+    with ThreadPoolExecutor(threads()) as pool:
+        list(pool.map(lambda lo: fill(lo, min(stop, lo + PART_ROWS)),
+                      range(start, stop, PART_ROWS)))
+
+
+class SyntheticRows(RandomRows):
+    """A TableStore source: synthetic_packed_rows of `seed` under the fingerprint of the sparse
+    checkpoint (RandomRows' own rows are random, not reproducible)."""
+
+    def __init__(self, checkpoint: EngramCheckpoint, seed: int):
+        super().__init__(checkpoint)
+        self.seed = seed
+
+    def read_packed(self, layer_index: int, row_start: int, out: np.ndarray) -> None:
+        def fill(lo: int, hi: int) -> None:
+            synthetic_packed_rows(self.geometry, layer_index, lo, hi, self.seed,
+                                  out=out[lo - row_start:hi - row_start])
+
+        in_parts(row_start, row_start + len(out), fill)
+
+
+def fill_daemon_tables(geometry: TableGeometry, checkpoint: Path, shm: Path, seed: int) -> float:
+    """The sparse checkpoint at `checkpoint` and its tables in `shm`, filled as daemon INSTANCE
+    would fill them (common/tables.reattach_flags starts one that re-attaches them). Returns the
+    seconds it took."""
+    started = time.monotonic()
+    write_sparse_checkpoint(geometry, checkpoint)
+    source = SyntheticRows(EngramCheckpoint.open(checkpoint), seed)
+    with TableStore(tables_folder(shm, INSTANCE), INSTANCE) as store:
+        # Chunks of a part per thread, so that the threads fill each chunk together.
+        store.open(source, chunk_bytes=threads() * PART_ROWS * geometry.row_bytes)
+        # Closing the store unmaps the tables; their files stay for the daemon.
+    return time.monotonic() - started

@@ -28,7 +28,7 @@ phases, one after the other, TP=1 on SGLang's own process groups (gloo):
    (common/daemon.py), a mapped and a served EngramClient (lookups mapped, served); then the
    plugin, loaded as SGLang loads it (bench_plugin.py), and SGLang's Engram layers built again
    once per --plugin-modes mode (model steps plugin_mapped, plugin_served).
-The variants and the step: bench_variants.py. Timing: the vLLM benchmark's (vllm_bench.py).
+The variants and the step: bench_variants.py. Timing: common/timing.time_cell, as the vLLM benchmark's.
 
 Rows, before anything of phase 2 is timed: each client's rows of the check batches, and, per
 plugin mode, the layers' rows (EngramEmbedding.forward) and the outputs of the hashed check step
@@ -84,7 +84,7 @@ import bench_device  # noqa: E402
 import bench_plugin  # noqa: E402
 import bench_report  # noqa: E402
 import torch  # noqa: E402
-from bench_tables import fill_daemon_tables, fill_sglang_tables, table_bytes  # noqa: E402
+from bench_tables import fill_sglang_tables, table_bytes  # noqa: E402
 from bench_variants import (  # noqa: E402
     DECODE_MAX_TOKENS,
     EmbeddingLookup,
@@ -96,7 +96,9 @@ from bench_variants import (  # noqa: E402
 from common.daemon import bench_folders, open_client, running_daemon  # noqa: E402
 from common.ids import bucket_ids  # noqa: E402
 from common.rows import bitwise_mismatches  # noqa: E402
-from common.tables import INSTANCE, geometry_for, reattach_flags  # noqa: E402
+from common.steps import ClientLookup, Matmuls, wait_warm  # noqa: E402
+from common.tables import INSTANCE, fill_daemon_tables, geometry_for, reattach_flags  # noqa: E402
+from common.timing import MODES, time_cell  # noqa: E402
 from mps import (  # noqa: E402
     child_reports,
     gpu_processes,
@@ -107,8 +109,6 @@ from mps import (  # noqa: E402
     run_children,
 )
 from torch import Tensor  # noqa: E402
-from vllm_bench import timing  # noqa: E402
-from vllm_bench import variants as shared  # noqa: E402
 
 from engramd.client.geometry import TableGeometry  # noqa: E402
 from engramd.client.shared.connection import probe  # noqa: E402
@@ -141,7 +141,7 @@ class Run:
         self.memory: dict[str, dict] = {}
         self.reference_rows: dict[int, Tensor] = {}  # T -> SGLang's rows of the check batch (host)
         self.reference_out: dict[int, Tensor] = {}  # T -> its layers' outputs of the check step
-        self.matmuls = shared.Matmuls(args.matmul_n, device.device, args.seed)
+        self.matmuls = Matmuls(args.matmul_n, device.device, args.seed)
         self.id_generator = torch.Generator(device=device.device).manual_seed(args.seed)
         self.token_pools = TokenPools(vocab, device.device, args.seed)
 
@@ -154,7 +154,7 @@ class Run:
     def time_lookups(self, variant) -> None:
         for tokens in self.tokens:
             line = []
-            for mode in timing.MODES:
+            for mode in MODES:
                 pool = bucket_ids(self.geometry, tokens, self.args.warm + self.args.steps,
                                   self.device.device, self.id_generator)
                 cell = self._time(variant, pool, mode)
@@ -167,7 +167,7 @@ class Run:
         for tokens in self.tokens:
             for lead in sorted(set(self.args.lead)):
                 line = []
-                for mode in timing.MODES:
+                for mode in MODES:
                     pool = self.token_pools.pool(tokens, self.args.warm + self.args.steps)
                     cell = self._time(model.step(lead), pool, mode)
                     self.steps.append({"mps": self.mps, "variant": model.name, "tokens": tokens,
@@ -177,7 +177,7 @@ class Run:
                       flush=True)
 
     def _time(self, step, pool: list[Tensor], mode: str) -> dict[str, Any]:
-        return timing.time_cell(self.device.clock, step, pool, self.args.warm, mode == "synced")
+        return time_cell(self.device.clock, step, pool, self.args.warm, mode == "synced")
 
     # -- rows
 
@@ -282,8 +282,8 @@ class Run:
             for mode in CLIENT_MODES:
                 client, attach_s = open_client(sock, self.device.client_device, max(self.tokens),
                                                mode)
-                variants.append(shared.ClientLookup(client, self.device.stream()))
-                shared.wait_warm(client)
+                variants.append(ClientLookup(client, self.device.stream()))
+                wait_warm(client)
                 phase["attach_s"][mode], phase["client_mps"][mode] = round(attach_s, 2), client.mps
                 self.memory[mode] = engramd_memory(client, sock, layers=None)
             phase["gpu_processes"] = gpu_processes()  # the daemon and this process hold the GPU
@@ -307,7 +307,7 @@ class Run:
             client = sglang_engram._process_client.client
             if client.mode != mode:
                 raise SystemExit(f"the plugin's client was granted {client.mode}, not {mode}")
-            shared.wait_warm(client)
+            wait_warm(client)
             phase[f"plugin_{mode}_build_s"] = round(time.monotonic() - begun, 1)
             init_projections(layers, self.args.seed)
             name = f"plugin_{mode}"

@@ -8,14 +8,13 @@ import sys
 from pathlib import Path
 
 from bench_variants import LOOKUP_VARIANTS, STEP_VARIANTS
-from vllm_bench import timing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.report import cpu_model, run_header, write_report  # noqa: E402
+from common.timing import MODES  # noqa: E402
 
 JSON_NAME, MD_NAME = "bench_lookup.json", "bench_lookup.md"
 KEYS = ("runs", "lookups", "steps")
-MODES = timing.MODES
 
 
 def header() -> dict:

@@ -1,7 +1,7 @@
 """bench_lookup.py's Engram table, filled twice from one definition: into SGLang's own table
 parameters (EngramEmbedding's `weight`, FP8, and `scale`, UE8M0, in device memory on the GPU),
-and into the /dev/shm table files that the daemon re-attaches (the vLLM benchmark's
-fill_daemon_tables, vllm_bench.py).
+and into the /dev/shm table files that the daemon re-attaches (common/tables.fill_daemon_tables,
+as the vLLM benchmark's).
 
 Every byte is server/synthetic.py's `synthetic_packed_rows` of (seed, layer, row), whatever the
 chunking; its scale bytes lie in 127 +- 20, where SGLang's dequantization and engramd's agree,
@@ -16,15 +16,17 @@ are the same.
 
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 
 import torch
-from vllm_bench import tables as shared_tables
 
 from engramd.client.geometry import TableGeometry
 from engramd.server.synthetic import synthetic_packed_rows
 
-fill_daemon_tables = shared_tables.fill_daemon_tables
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common.tables import in_parts  # noqa: E402
 
 
 def fill_sglang_tables(layers, geometry: TableGeometry, seed: int) -> float:
@@ -45,7 +47,7 @@ def fill_sglang_tables(layers, geometry: TableGeometry, seed: int) -> float:
             weight[lo:hi].copy_(packed[:, :geometry.head_dim])
             scale[lo:hi].copy_(packed[:, geometry.head_dim:])
 
-        shared_tables.in_parts(0, geometry.rows[index], fill)
+        in_parts(0, geometry.rows[index], fill)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return time.monotonic() - started

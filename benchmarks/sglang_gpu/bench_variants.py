@@ -6,7 +6,7 @@ Lookup alone, a call per batch of row IDs [T, n_layers, heads] int64 (SGLang's h
             `_owned_rows`, its Triton `engram_gather` from the layer's table in device memory
             into a fresh [T, heads, dim] bf16 tensor, on the current stream (its torch gather
             on the CPU). `rows(ids)`: the layers' rows stacked, [n_layers, T, heads, dim].
-  mapped    EngramClient(mode="mapped").lookup(ids, stream).wait(stream) (vllm_bench's
+  mapped    EngramClient(mode="mapped").lookup(ids, stream).wait(stream) (common/steps
             ClientLookup): this process gathers from its mapping of the daemon's host tables.
   served    the same with mode="served": the daemon gathers into the client's slab.
 Model step (`ModelStep`), a call per batch of T token IDs, over SGLang's Engram layers (its own,
@@ -18,7 +18,7 @@ or built with the plugin loaded):
   the wkv linear and SGLang's gate. The batch (`step_batch`) is a decode step of T requests of
   one token each for T <= DECODE_MAX_TOKENS, else an extend of one request's T tokens.
 
-What this is not: the timing (vllm_bench.timing) or the row check (bench_lookup.py).
+What this is not: the timing (common/timing.time_cell) or the row check (bench_lookup.py).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ with a copy of its own:
    process per setting): model steps plugin_mapped and plugin_mapped_at_lookup (--plugin-modes
    mapped, one per --plugin-gather-at: ENGRAMD_GATHER_AT), plugin_served, and plugin_captured
    with its floor compute_graph (--plugin-modes captured: mapped with ENGRAMD_CAPTURE=on), last.
-The variants: bench_variants.py. IDs (--ids uniform | text): bench_ids.py. Timing: bench_timing.py.
+The variants: bench_variants.py. IDs (--ids uniform | text): bench_ids.py. Timing: common/timing.time_cell.
 
 What plugin_captured captures, and what it is held against: the whole step (every layer's
 prepare_embeddings, which copies its hashes into the captured lookup's IDs buffer and, at the
@@ -108,21 +108,19 @@ import bench_plugin  # noqa: E402
 import bench_report  # noqa: E402
 import torch  # noqa: E402
 from bench_ids import UniformIds, check_ids  # noqa: E402
-from bench_tables import fill_daemon_tables, fill_vllm_tables  # noqa: E402
-from bench_timing import MODES, time_cell  # noqa: E402
+from bench_tables import fill_vllm_tables  # noqa: E402
 from bench_variants import (  # noqa: E402
-    ClientLookup,
     EngramLayers,
     GraphStep,
-    Matmuls,
     ModelStep,
     VllmForeground,
     init_projections,
-    wait_warm,
 )
 from common.daemon import bench_folders, open_client, running_daemon  # noqa: E402
 from common.rows import bitwise_mismatches  # noqa: E402
-from common.tables import INSTANCE, geometry_for, reattach_flags  # noqa: E402
+from common.steps import ClientLookup, Matmuls, wait_warm  # noqa: E402
+from common.tables import INSTANCE, fill_daemon_tables, geometry_for, reattach_flags  # noqa: E402
+from common.timing import MODES, time_cell  # noqa: E402
 from mps import (  # noqa: E402
     child_reports,
     gpu_processes,

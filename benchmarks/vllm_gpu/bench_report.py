@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from bench_timing import MODES
 from bench_variants import GRAPH_VARIANTS, LOOKUP_VARIANTS, STEP_VARIANTS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.report import cpu_model, run_header, write_report  # noqa: E402
+from common.timing import MODES  # noqa: E402
 
 JSON_NAME, MD_NAME = "bench_lookup.json", "bench_lookup.md"
 KEYS = ("runs", "lookups", "steps")

@@ -37,25 +37,23 @@ Model step in a CUDA graph (`GraphStep`, over the layers built with ENGRAMD_CAPT
                    cost in the graph; vllm less plugin_captured, in host time, what capture saves.
   In a dry run (no graphs on a CPU) each "replay" runs the recorded function eagerly.
 
-What this is not: the timing (bench_timing.py) or the row check (bench_lookup.py).
+What this is not: the timing (common/timing.time_cell), the row check (bench_lookup.py), or the
+pieces the SGLang benchmark shares (common/steps.py: the client variant, the matmuls).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
+from common.steps import Matmuls
 from torch import Tensor
-
-from engramd.client import EngramClient
 
 LOOKUP_VARIANTS = ("vllm_fg", "vllm_bg", "mapped", "served")
 STEP_VARIANTS = ("vllm", "plugin_mapped", "plugin_mapped_at_lookup", "plugin_served",
                  "plugin_captured", "compute_graph")
 GRAPH_VARIANTS = ("plugin_captured", "compute_graph")
 Capture = Callable[[Callable[[], object]], Callable[[], object]]  # bench_device's capture()
-WARM_CACHE_S = 120.0  # at most, for a mapped client's hot-row cache to warm after its attach
 
 
 class VllmForeground:
@@ -97,40 +95,6 @@ class EngramLayers:
     def rows(self, ids: Tensor) -> Tensor:
         self.prepare(ids)
         return torch.stack([layer._ready_rows(ids.shape[0]) for layer in self.layers])
-
-
-class ClientLookup:
-    """An EngramClient's lookup, the current stream (None on the CPU) waiting for its rows."""
-
-    def __init__(self, client: EngramClient, stream: torch.cuda.Stream | None):
-        self.name, self.client, self.stream = client.mode, client, stream
-
-    def __call__(self, ids: Tensor) -> Tensor:
-        return self.client.lookup(ids, self.stream).wait(self.stream)
-
-    rows = __call__
-
-
-def wait_warm(client: EngramClient) -> None:
-    """A mapped client's keeper warms its hot-row cache after the attach: time it warm, as the
-    daemon's own cache is warm before it serves (model_step.py does the same)."""
-    deadline = time.monotonic() + WARM_CACHE_S
-    while (client.hot_cache_stats() or {}).get("warming") and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
-class Matmuls:
-    """`count` bf16 [n x n] @ [n x n] products into one preallocated tensor."""
-
-    def __init__(self, n: int, device: torch.device, seed: int):
-        generator = torch.Generator(device=device).manual_seed(seed)
-        self.a = torch.randn((n, n), generator=generator, device=device).to(torch.bfloat16)
-        self.b = torch.randn((n, n), generator=generator, device=device).to(torch.bfloat16)
-        self.c = torch.empty_like(self.a)
-
-    def __call__(self, count: int) -> None:
-        for _ in range(count):
-            torch.mm(self.a, self.b, out=self.c)
 
 
 class ModelStep:

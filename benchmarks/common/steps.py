@@ -1,0 +1,51 @@
+"""The pieces of the engine benchmarks' steps (benchmarks/vllm_gpu, benchmarks/sglang_gpu) that
+are not the engine's: an EngramClient's lookup as a variant, the wait for a mapped client's
+hot-row cache to warm, and the LEAD matmuls that stand for the model's other work.
+
+What this is not: the engines' own layers or steps (each benchmark's bench_variants.py).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import Tensor
+
+from engramd.client import EngramClient
+
+WARM_CACHE_S = 120.0  # at most, for a mapped client's hot-row cache to warm after its attach
+
+
+class ClientLookup:
+    """An EngramClient's lookup, the current stream (None on the CPU) waiting for its rows."""
+
+    def __init__(self, client: EngramClient, stream: torch.cuda.Stream | None):
+        self.name, self.client, self.stream = client.mode, client, stream
+
+    def __call__(self, ids: Tensor) -> Tensor:
+        return self.client.lookup(ids, self.stream).wait(self.stream)
+
+    rows = __call__
+
+
+def wait_warm(client: EngramClient) -> None:
+    """A mapped client's keeper warms its hot-row cache after the attach: time it warm, as the
+    daemon's own cache is warm before it serves (model_step.py does the same)."""
+    deadline = time.monotonic() + WARM_CACHE_S
+    while (client.hot_cache_stats() or {}).get("warming") and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+class Matmuls:
+    """`count` bf16 [n x n] @ [n x n] products into one preallocated tensor."""
+
+    def __init__(self, n: int, device: torch.device, seed: int):
+        generator = torch.Generator(device=device).manual_seed(seed)
+        self.a = torch.randn((n, n), generator=generator, device=device).to(torch.bfloat16)
+        self.b = torch.randn((n, n), generator=generator, device=device).to(torch.bfloat16)
+        self.c = torch.empty_like(self.a)
+
+    def __call__(self, count: int) -> None:
+        for _ in range(count):
+            torch.mm(self.a, self.b, out=self.c)
