@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -57,6 +56,7 @@ from model_step import (  # noqa: E402
     UniformIds,
     daemon_flags,
     rotated,
+    step_ids,
 )
 from mps import (  # noqa: E402
     child_reports,
@@ -217,12 +217,7 @@ def measure(args: argparse.Namespace) -> dict:
     geometry = geometry_for(args.table_gib)
     with bench_folders() as (work, shm):
         specs = fill_tables(geometry, work / "ckpt", shm, INSTANCE)
-        extra = args.daemon_args
-        if args.ids == "text":  # its first half warms the daemon's hot-row cache, as model_step's
-            ids: UniformIds | TextIds = TextIds(Path(args.traces), geometry, work / "warm.npy")
-            extra = f"--hot-cache-warm-file {shlex.quote(str(work / 'warm.npy'))} {extra}"
-        else:
-            ids = UniformIds(geometry)
+        ids, extra = step_ids(args, geometry, work)
         with running_daemon(work, daemon_flags(work, shm, max(tokens), extra),
                             timeout=300) as socket:
             bench = Bench(geometry, specs, socket, max(tokens), ("compute", "inproc", "mapped"))

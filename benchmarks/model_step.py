@@ -414,6 +414,17 @@ def run_grid(bench: Bench, ids: UniformIds | TextIds, tokens: Sequence[int], lea
 # -- one run (one MPS mode, this process) -----------------------------------------------------
 
 
+def step_ids(args: argparse.Namespace, geometry: TableGeometry,
+             work: Path) -> tuple[UniformIds | TextIds, str]:
+    """The timed steps' row IDs (--ids) and the daemon's extra flags (--daemon-args): for real
+    text, the trace's first half warms the daemon's hot-row cache (a warm file in `work`)."""
+    if args.ids == "uniform":
+        return UniformIds(geometry), args.daemon_args
+    warm = work / "warm.npy"
+    ids = TextIds(Path(args.traces), geometry, warm)
+    return ids, f"--hot-cache-warm-file {shlex.quote(str(warm))} {args.daemon_args}"
+
+
 def daemon_flags(work: Path, shm: Path, max_tokens: int, extra: str) -> list[str]:
     return [*reattach_flags(work / "ckpt", shm, INSTANCE),
             "--backend", "cuda", "--max-tokens", str(max_tokens),
@@ -429,12 +440,7 @@ def measure(args: argparse.Namespace) -> dict:
     geometry = geometry_for(args.table_gib)
     with bench_folders() as (work, shm):
         specs = fill_tables(geometry, work / "ckpt", shm, INSTANCE)
-        extra = args.daemon_args
-        if args.ids == "text":
-            ids: UniformIds | TextIds = TextIds(Path(args.traces), geometry, work / "warm.npy")
-            extra = f"--hot-cache-warm-file {shlex.quote(str(work / 'warm.npy'))} {extra}"
-        else:
-            ids = UniformIds(geometry)
+        ids, extra = step_ids(args, geometry, work)
         flags = daemon_flags(work, shm, max(tokens), extra)
         with running_daemon(work, flags, timeout=300) as socket:
             bench = Bench(geometry, specs, socket, max(tokens), args.variants,

@@ -487,3 +487,29 @@ def rows_match(actual: np.ndarray, reference: ReferenceTables, ids: np.ndarray,
     expected = reference.expected(ids, rank, shards)
     return actual.shape == expected.shape and bool(
         ((actual == expected) | (np.isnan(actual) & np.isnan(expected))).all())
+
+
+def engine_tree(package: str, marker: Path) -> Path | None:
+    """An engine's package folder (vLLM's, SGLang's) if it is on the path and holds `marker`,
+    found without importing it (that takes seconds): the engines' GPU tests skip without it."""
+    import importlib.machinery
+
+    spec = importlib.machinery.PathFinder.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    return folder if (folder / marker).is_file() else None
+
+
+def run_engine_worker(command: list[str], report: Path, daemon, timeout: float) -> dict:
+    """Run an engine's GPU worker (benchmarks/*_gpu/worker_gpu.py) to its end and return the
+    report it wrote (printed too: shown with -s, and kept in a failure's output); its output
+    and the daemon's log's end if it failed."""
+    try:
+        run = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"worker timed out:\n{exc.stdout}\n{exc.stderr}") from None
+    result = json.loads(report.read_text()) if report.exists() else {}
+    print(json.dumps(result, indent=1))
+    assert run.returncode == 0, f"{run.stdout[-4000:]}\n{run.stderr[-8000:]}\n{daemon.log()[-2000:]}"
+    return result

@@ -49,3 +49,16 @@ class Matmuls:
     def __call__(self, count: int) -> None:
         for _ in range(count):
             torch.mm(self.a, self.b, out=self.c)
+
+
+def seed_projections(layers: list, seed: int) -> None:
+    """The same q, k and WKV weights for every build of an engine's Engram layers (the engine's
+    own, the plugin's): seeded per layer, made where they live (WKV scaled as
+    tests/engine_worker.copy_projections does). Both engines' layers name them alike."""
+    for layer in layers:
+        generator = torch.Generator(device=layer.q_weight.device)
+        generator.manual_seed(seed + layer.layer_hash_index)
+        weights = ((layer.q_weight, 1.0), (layer.k_weight, 1.0), (layer.wkv.weight, 0.02))
+        for param, scale in weights:
+            values = torch.randn(param.shape, generator=generator, device=param.device) * scale
+            param.data.copy_(values)

@@ -35,6 +35,7 @@ STAND_INS = REPO / "tests" / "sglang_plugin" / "stand_ins"  # torchvision, for t
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 import worker_gpu  # noqa: E402  (imports stubs; installs nothing yet)
+from common import plugin_worker  # noqa: E402
 from common.timing import Clock  # noqa: E402
 
 # SGLang's CUDA kernels that must have run on the reference side of the row checks.
@@ -57,7 +58,7 @@ class CpuDryRun:
                              "--dry-run as a script")
         if importlib.util.find_spec("torchvision") is None:
             sys.path.insert(0, str(STAND_INS))  # SGLang imports it; its Engram code does not use it
-        self.helpers = worker_gpu.plugin_worker(keep_cpu_settings=True)
+        self.helpers = plugin_worker.load("sglang", keep_cpu_settings=True)
         self.device = torch.device("cpu")
         self.clock = Clock(self.device)
 
@@ -99,7 +100,7 @@ class Gpu:
         if not worker_gpu.stubs.install():
             raise SystemExit("SGLang's carried tree is not importable here, or is a full install "
                              "(run benchmarks/sglang_gpu/setup_device.sh, then set PYTHONPATH)")
-        self.helpers = worker_gpu.plugin_worker(keep_cpu_settings=False)
+        self.helpers = plugin_worker.load("sglang")
         self.device = torch.device("cuda", 0)
         torch.cuda.set_device(self.device)
         self.client_device = f"cuda:{self.device.index}"

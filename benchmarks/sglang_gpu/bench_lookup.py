@@ -91,30 +91,21 @@ from bench_variants import (  # noqa: E402
     ModelStep,
     TokenPools,
     history_slots,
-    init_projections,
 )
+from common import engine_bench  # noqa: E402
 from common.daemon import bench_folders, open_client, running_daemon  # noqa: E402
 from common.ids import bucket_ids  # noqa: E402
 from common.rows import bitwise_mismatches  # noqa: E402
-from common.steps import ClientLookup, Matmuls, wait_warm  # noqa: E402
+from common.steps import ClientLookup, Matmuls, seed_projections, wait_warm  # noqa: E402
 from common.tables import INSTANCE, fill_daemon_tables, geometry_for, reattach_flags  # noqa: E402
 from common.timing import MODES, time_cell  # noqa: E402
-from mps import (  # noqa: E402
-    child_reports,
-    gpu_processes,
-    mps_argument,
-    mps_modes,
-    needs_children,
-    require_mps_state,
-    run_children,
-)
+from mps import gpu_processes, require_mps_state  # noqa: E402
 from torch import Tensor  # noqa: E402
 
 from engramd.client.geometry import TableGeometry  # noqa: E402
 from engramd.client.shared.connection import probe  # noqa: E402
 
-CLIENT_MODES = ("mapped", "served")
-PARTS = ("lookup", "step")
+BENCHMARK = "sglang_gpu/bench_lookup"
 # Defaults on the GPU and in a dry run (tiny: SGLang's torch paths; 300 tokens make an extend).
 DEFAULTS = {
     False: {"tokens": [1, 16, 256, 4096], "lead": [1, 4, 12], "steps": 50, "warm": 5,
@@ -228,7 +219,7 @@ class Run:
         phase["memory_filled"] = self.device.memory()
         print(f"[sglang] built in {phase['build_s']} s, filled in {phase['fill_s']} s", flush=True)
         self.memory["sglang"] = sglang_memory(layers)
-        init_projections(layers, self.args.seed)
+        seed_projections(layers, self.args.seed)
         lookup = EmbeddingLookup("sglang", layers)
         model = ModelStep("sglang", layers, hasher, self.matmuls, self.args.seed)
         with bench_device.counting_kernels(engram) as calls:
@@ -279,7 +270,7 @@ class Run:
         """A mapped and a served client: their rows checked, then, if exact, their lookups timed."""
         variants, phase["attach_s"], phase["client_mps"] = [], {}, {}
         try:
-            for mode in CLIENT_MODES:
+            for mode in engine_bench.CLIENT_MODES:
                 client, attach_s = open_client(sock, self.device.client_device, max(self.tokens),
                                                mode)
                 variants.append(ClientLookup(client, self.device.stream()))
@@ -309,7 +300,7 @@ class Run:
                 raise SystemExit(f"the plugin's client was granted {client.mode}, not {mode}")
             wait_warm(client)
             phase[f"plugin_{mode}_build_s"] = round(time.monotonic() - begun, 1)
-            init_projections(layers, self.args.seed)
+            seed_projections(layers, self.args.seed)
             name = f"plugin_{mode}"
             self.memory[name] = engramd_memory(client, sock, layers)
             model = ModelStep(name, layers, hasher, self.matmuls, self.args.seed)
@@ -390,7 +381,7 @@ def measure(args: argparse.Namespace) -> dict:
         run = Run(args, device, geometry, hasher.token_map.shape[0], mps["mps"])
         run.sglang_phase(engram, hf, layout, hasher)
         run.engramd_phase(work, shm, engram, hf, layout, hasher)
-    return {"meta": bench_report.header(), "runs": [describe(run, mps, setup, started)],
+    return {"meta": engine_bench.header(BENCHMARK), "runs": [describe(run, mps, setup, started)],
             "lookups": run.lookups, "steps": run.steps}
 
 
@@ -416,59 +407,19 @@ def describe(run: Run, mps: dict, setup: dict, started: float) -> dict:
             "checks": run.checks}
 
 
-def run_parent(args: argparse.Namespace) -> int:
-    """--mps on|both: a child process per MPS mode (mps.run_children), their reports merged.
-    GPU only: MPS needs NVIDIA's control daemon."""
-    out = Path(args.out)
-    children = run_children(Path(__file__).resolve(), mps_modes(args), out)
-    reports = [report for _, report in child_reports(children, bench_report.JSON_NAME)]
-    if reports:
-        bench_report.write(out, bench_report.merge(reports))
-    ok = len(reports) == len(children) and all(child.returncode == 0 for child in children)
-    return 0 if ok else 1
-
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dry-run", action="store_true",
-                        help="on a CPU machine, in SGLang's CPU environment: the demo geometry "
-                             "and tiny settings, every path but CUDA's (--mps off only)")
-    parser.add_argument("--table-gib", type=float, default=8.0)
-    parser.add_argument("--seed", type=int, default=1, help="of the table's bytes, IDs and tokens")
-    parser.add_argument("--tokens", type=int, nargs="+", help="T per lookup (1 16 256 4096)")
-    parser.add_argument("--lead", type=int, nargs="+",
-                        help="model step: matmuls between the hash and the layers (1 4 12)")
-    parser.add_argument("--steps", type=int, help="timed steps per cell (50)")
-    parser.add_argument("--warm", type=int, help="untimed steps before each cell's (5)")
-    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
-                        help="the lookups alone, the model step, or both")
-    parser.add_argument("--plugin-modes", nargs="+", choices=CLIENT_MODES,
-                        default=list(CLIENT_MODES), help="the plugin's ENGRAMD_MODE, in turn")
-    parser.add_argument("--matmul-n", type=int, help="the model step's square matmuls (4096)")
-    parser.add_argument("--hidden", type=int, help="the Engram layers' hidden size (4096)")
-    parser.add_argument("--hc-mult", type=int, help="their hyper-connection copies (4)")
-    parser.add_argument("--daemon-args", default="",
-                        help="extra `engramd serve` flags, one string (write it with '=')")
-    parser.add_argument("--out", required=True)
-    mps_argument(parser)
-    args = parser.parse_args(argv)
-    for name, value in DEFAULTS[args.dry_run].items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    if args.dry_run and args.mps != "off":
-        parser.error("--dry-run runs without MPS (--mps off)")
-    if args.steps < 1 or args.warm < 0 or min(args.tokens) < 1 or min(args.lead) < 0:
-        parser.error("--steps and --tokens must be >= 1, --warm and --lead >= 0")
+    engine_bench.add_arguments(parser, "SGLang", table_gib=8.0)
+    parser.add_argument("--plugin-modes", nargs="+", choices=engine_bench.CLIENT_MODES,
+                        default=list(engine_bench.CLIENT_MODES),
+                        help="the plugin's ENGRAMD_MODE, in turn")
+    args = engine_bench.finish_arguments(parser, parser.parse_args(argv), DEFAULTS)
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    if needs_children(args):
-        return run_parent(args)  # this process never touches CUDA: MPS starts around a child
-    report = measure(args)
-    bench_report.write(Path(args.out), report)
-    return 0 if report["runs"][0]["rows_exact"] else 1
+    return engine_bench.main(Path(__file__).resolve(), parse_args(argv), measure, BENCHMARK,
+                             bench_report.markdown)
 
 
 if __name__ == "__main__":

@@ -10,24 +10,8 @@ from pathlib import Path
 from bench_variants import LOOKUP_VARIANTS, STEP_VARIANTS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.report import cpu_model, run_header, write_report  # noqa: E402
+from common.engine_bench import mps_text, phases_text, ratio  # noqa: E402
 from common.timing import MODES  # noqa: E402
-
-JSON_NAME, MD_NAME = "bench_lookup.json", "bench_lookup.md"
-KEYS = ("runs", "lookups", "steps")
-
-
-def header() -> dict:
-    """Command line, date, machine (common/report.run_header) and its CPU model."""
-    return {"benchmark": "sglang_gpu/bench_lookup", **run_header(), "cpu": cpu_model()}
-
-
-def merge(reports: list[dict]) -> dict:
-    return {"meta": header(), **{key: [item for r in reports for item in r[key]] for key in KEYS}}
-
-
-def write(out: Path, report: dict) -> None:
-    write_report(out, report, JSON_NAME, MD_NAME, markdown(report))
 
 
 def markdown(report: dict) -> str:
@@ -35,8 +19,8 @@ def markdown(report: dict) -> str:
     first = runs[0] if runs else {}
     lines = [f"# SGLang's Engram lookup and engramd's on {first.get('gpu') or first.get('device')} "
              f"({meta['date']})", "", _setup(first, meta), ""]
-    lines += [f"- MPS {_on(run['mps'])} ({run['mps_server']}): rows {_rows_verdict(run)}; "
-              f"{_setup_seconds(run.get('setup', {}))}; {_phases(run['phases'])}; "
+    lines += [f"- MPS {mps_text(run['mps'])} ({run['mps_server']}): rows {_rows_verdict(run)}; "
+              f"{_setup_seconds(run.get('setup', {}))}; {phases_text(run['phases'])}; "
               f"{run['seconds']} s in all" for run in runs]
     lines += ["", *_memory_table(runs), "", *_lookup_table(report["lookups"]), "",
               *_step_table(report["steps"])]
@@ -61,7 +45,8 @@ def _memory_table(runs: list[dict]) -> list[str]:
              "GPU (GiB) | whose |", "|---|---|---:|---|---:|---|"]
     for run in runs:
         for variant, memory in run.get("memory", {}).items():
-            lines.append(f"| {_on(run['mps'])} | {variant} | {_gib(memory['table_gpu_bytes'])} | "
+            lines.append(f"| {mps_text(run['mps'])} | {variant} | "
+                         f"{_gib(memory['table_gpu_bytes'])} | "
                          f"{memory['table_at']} | {_gib(memory['cache_gpu_bytes'])} | "
                          f"{memory['cache_of']} |")
     return lines
@@ -78,13 +63,13 @@ def _lookup_table(cells: list[dict]) -> list[str]:
              "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for mps, tokens in sorted({(c["mps"], c["tokens"]) for c in cells}):
         for variant in variants:
-            row = [_on(mps), str(tokens), variant]
+            row = [mps_text(mps), str(tokens), variant]
             for mode in MODES:
                 cell = by.get((mps, variant, tokens, mode), {})
                 row += [_num(cell.get(key)) for key in ("gpu_us", "host_us", "step_us")]
             base = by.get((mps, "sglang", tokens, "synced"), {})
             own = by.get((mps, variant, tokens, "synced"), {})
-            row += [_ratio(own.get(key), base.get(key)) for key in ("gpu_us", "step_us")]
+            row += [ratio(own.get(key), base.get(key)) for key in ("gpu_us", "step_us")]
             lines.append("| " + " | ".join(row) + " |")
     return lines
 
@@ -101,11 +86,11 @@ def _step_table(cells: list[dict]) -> list[str]:
     lines = ["## Model step: hash -> LEAD matmuls -> each layer's Engram.forward (us per step)",
              "", "| " + " | ".join(header) + " |", "|---|---:|---:|" + "---:|" * (len(header) - 3)]
     for mps, tokens, lead in sorted({(c["mps"], c["tokens"], c["lead"]) for c in cells}):
-        row = [_on(mps), str(tokens), str(lead)]
+        row = [mps_text(mps), str(tokens), str(lead)]
         for mode in MODES:
             values = {v: by.get((mps, v, tokens, lead, mode)) for v in variants}
             row += [_num(values[v]) for v in variants]
-            row += [_ratio(values[v], values.get("sglang")) for v in plugins]
+            row += [ratio(values[v], values.get("sglang")) for v in plugins]
         lines.append("| " + " | ".join(row) + " |")
     return lines
 
@@ -127,14 +112,6 @@ def _setup_seconds(setup: dict) -> str:
     return f"imports {setup.get('import_s')} s, SGLang's hasher {setup.get('hasher_s')} s"
 
 
-def _phases(phases: dict) -> str:
-    return "; ".join(f"{name} phase {phase.get('seconds')} s" for name, phase in phases.items())
-
-
-def _on(mps: bool) -> str:
-    return "on" if mps else "off"
-
-
 def _gib(value: int | None) -> str:
     return "" if value is None else f"{value / 2**30:.3f}"
 
@@ -143,7 +120,3 @@ def _num(value: float | None) -> str:
     if value is None:
         return ""
     return f"{value:.0f}" if value >= 10 else f"{value:.1f}"
-
-
-def _ratio(a: float | None, b: float | None) -> str:
-    return "" if a is None or not b else f"{a / b:.2f}"

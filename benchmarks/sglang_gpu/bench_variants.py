@@ -134,15 +134,3 @@ class ModelStep:
         """The check: one step of `tokens` from zeroed history, the layers' outputs stacked."""
         self.hasher.history.zero_()
         return torch.stack(self.forward(tokens, 0))
-
-
-def init_projections(layers: list, seed: int) -> None:
-    """The same q, k and wkv weights for every build of the layers (SGLang's own, the plugin's):
-    seeded, made where they live (wkv scaled as tests/engine_worker.copy_projections does)."""
-    for layer in layers:
-        generator = torch.Generator(device=layer.q_weight.device)
-        generator.manual_seed(seed + layer.layer_hash_index)
-        weights = ((layer.q_weight, 1.0), (layer.k_weight, 1.0), (layer.wkv.weight, 0.02))
-        for param, scale in weights:
-            values = torch.randn(param.shape, generator=generator, device=param.device) * scale
-            param.data.copy_(values)

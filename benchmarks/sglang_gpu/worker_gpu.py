@@ -27,19 +27,18 @@ difference.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
-import types
 from collections import Counter
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
 
 import stubs  # noqa: E402
+from common import plugin_worker  # noqa: E402
 
 # SGLang's CUDA path in sglang.srt.layers.engram: the names it calls them by there.
 CUDA_KERNELS = ("engram_gather", "fused_engram_gate", "engram_hash_ids",
@@ -58,24 +57,6 @@ def parse() -> argparse.Namespace:
     args = parser.parse_args()
     args.rank, args.world = 0, 1  # what tests/sglang_plugin/worker.py's helpers read
     return args
-
-
-def plugin_worker(keep_cpu_settings: bool) -> types.ModuleType:
-    """tests/sglang_plugin/worker.py, for its helpers. It sets CPU-only variables at import
-    (CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET=1); on the GPU they are undone before CUDA or
-    any kernel of SGLang is touched (CUDA reads the one at its first use, Triton the other when
-    SGLang's modules define their kernels, both later)."""
-    saved = dict(os.environ)
-    spec = importlib.util.spec_from_file_location(
-        "sglang_plugin_worker", REPO / "tests" / "sglang_plugin" / "worker.py")
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        if not keep_cpu_settings:
-            os.environ.clear()
-            os.environ.update(saved)
-    return module
 
 
 def build_layers(cpu, engram, hf, layout, device) -> list:
@@ -121,7 +102,7 @@ def main() -> None:
     if not stubs.install() and not args.dry_run:
         sys.exit("SGLang's carried tree is not importable here, or is a full install "
                  "(benchmarks/sglang_gpu/setup_device.sh sets it up)")
-    cpu = plugin_worker(keep_cpu_settings=args.dry_run)
+    cpu = plugin_worker.load("sglang", keep_cpu_settings=args.dry_run)
     import torch
 
     device = torch.device("cpu") if args.dry_run else torch.device("cuda", 0)

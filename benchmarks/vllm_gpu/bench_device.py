@@ -23,7 +23,6 @@ it: its kernel then runs under Triton's interpreter at each step.
 from __future__ import annotations
 
 import gc
-import importlib.util
 import os
 import sys
 import types
@@ -36,8 +35,8 @@ from unittest import mock
 import torch
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE.parent))
+from common import plugin_worker  # noqa: E402
 from common.timing import Clock  # noqa: E402
 
 SAMPLE_ROWS = 4096  # rows at each end of a table whose UVA view is compared with the host bytes
@@ -57,7 +56,7 @@ class CpuDryRun:
         if settings != ("1", "cpu"):
             raise SystemExit("a dry run needs TRITON_INTERPRET=1 and VLLM_TARGET_DEVICE=cpu before "
                              "Triton is imported: run bench_lookup.py --dry-run as a script")
-        self.helpers = _load(REPO / "tests" / "vllm_plugin" / "worker.py", "vllm_plugin_worker")
+        self.helpers = plugin_worker.load("vllm", keep_cpu_settings=True)
         self.device = torch.device("cpu")
         self.clock = Clock(self.device)
 
@@ -184,12 +183,3 @@ class Gpu:
 
 def open_device(dry_run: bool) -> CpuDryRun | Gpu:
     return CpuDryRun() if dry_run else Gpu()
-
-
-def _load(path: Path, name: str) -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise SystemExit(f"{path}: cannot be loaded as a module")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module

@@ -116,27 +116,19 @@ from bench_variants import (  # noqa: E402
     VllmForeground,
     init_projections,
 )
+from common import engine_bench  # noqa: E402
 from common.daemon import bench_folders, open_client, running_daemon  # noqa: E402
 from common.rows import bitwise_mismatches  # noqa: E402
 from common.steps import ClientLookup, Matmuls, wait_warm  # noqa: E402
 from common.tables import INSTANCE, fill_daemon_tables, geometry_for, reattach_flags  # noqa: E402
 from common.timing import MODES, time_cell  # noqa: E402
-from mps import (  # noqa: E402
-    child_reports,
-    gpu_processes,
-    mps_argument,
-    mps_modes,
-    needs_children,
-    require_mps_state,
-    run_children,
-)
+from mps import gpu_processes, require_mps_state  # noqa: E402
 from torch import Tensor  # noqa: E402
 from traces import TextIds  # noqa: E402
 
 from engramd.client.geometry import TableGeometry  # noqa: E402
 
-CLIENT_MODES = ("mapped", "served")
-PARTS = ("lookup", "step")
+BENCHMARK = "vllm_gpu/bench_lookup"
 # Defaults on the GPU and in a dry run (tiny: vLLM's kernels run under Triton's interpreter; every
 # variant, so that every path runs).
 DEFAULTS = {
@@ -309,7 +301,7 @@ class Run:
         """A mapped and a served client: their rows checked, then, if exact, their lookups timed."""
         variants, phase["attach_s"], phase["client_mps"] = [], {}, {}
         try:
-            for mode in CLIENT_MODES:
+            for mode in engine_bench.CLIENT_MODES:
                 client, attach_s = open_client(sock, self.device.client_device, max(self.tokens),
                                                mode)
                 variants.append(ClientLookup(client, self.device.stream()))
@@ -462,7 +454,7 @@ def measure(args: argparse.Namespace) -> dict:
             run.vllm_phase(engram, hf, layout)
             run.free_vllm()
             run.engramd_phase(work, shm, engram, hf, layout)
-    return {"meta": bench_report.header(), "runs": [describe(run, mps, started)],
+    return {"meta": engine_bench.header(BENCHMARK), "runs": [describe(run, mps, started)],
             "lookups": run.lookups, "steps": run.steps}
 
 
@@ -487,32 +479,9 @@ def describe(run: Run, mps: dict, started: float) -> dict:
             "checks": run.checks, "replays": run.replays, "failures": run.failures}
 
 
-def run_parent(args: argparse.Namespace) -> int:
-    """--mps on|both: a child process per MPS mode (mps.run_children), their reports merged.
-    GPU only: MPS needs NVIDIA's control daemon."""
-    out = Path(args.out)
-    children = run_children(Path(__file__).resolve(), mps_modes(args), out)
-    reports = [report for _, report in child_reports(children, bench_report.JSON_NAME)]
-    if reports:
-        bench_report.write(out, bench_report.merge(reports))
-    ok = len(reports) == len(children) and all(child.returncode == 0 for child in children)
-    return 0 if ok else 1
-
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dry-run", action="store_true",
-                        help="on a CPU machine, in vLLM's CPU environment: the demo geometry and "
-                             "tiny settings, every path but CUDA's (--mps off only)")
-    parser.add_argument("--table-gib", type=float, default=16.0)
-    parser.add_argument("--seed", type=int, default=1, help="of the table's bytes and the IDs")
-    parser.add_argument("--tokens", type=int, nargs="+", help="T per lookup (1 16 256 4096)")
-    parser.add_argument("--lead", type=int, nargs="+",
-                        help="model step: matmuls between the lookup and the forward (1 4 12)")
-    parser.add_argument("--steps", type=int, help="timed steps per cell (50)")
-    parser.add_argument("--warm", type=int, help="untimed steps before each cell's (5)")
-    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
-                        help="the lookups alone, the model step, or both")
+    engine_bench.add_arguments(parser, "vLLM", table_gib=16.0)
     parser.add_argument("--plugin-modes", nargs="+", choices=bench_plugin.PLUGIN_MODES,
                         default=list(bench_plugin.PLUGIN_MODES),
                         help="the plugin's ENGRAMD_MODE, in turn; captured: mapped with "
@@ -528,33 +497,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--traces", default=".traces",
                         help="the trace folder of --ids text (benchmarks/traces.py build)")
     parser.add_argument("--trace-tokens", type=int, help="hash only the trace's first documents")
-    parser.add_argument("--matmul-n", type=int, help="the model step's square matmuls (4096)")
-    parser.add_argument("--hidden", type=int, help="the Engram layers' hidden size (4096)")
-    parser.add_argument("--hc-mult", type=int, help="their hyper-connection copies (4)")
-    parser.add_argument("--daemon-args", default="",
-                        help="extra `engramd serve` flags, one string (write it with '=')")
-    parser.add_argument("--out", required=True)
-    mps_argument(parser)
-    args = parser.parse_args(argv)
-    for name, value in DEFAULTS[args.dry_run].items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    if args.dry_run and args.mps != "off":
-        parser.error("--dry-run runs without MPS (--mps off)")
-    if args.steps < 1 or args.warm < 0 or min(args.tokens) < 1 or min(args.lead) < 0:
-        parser.error("--steps and --tokens must be >= 1, --warm and --lead >= 0")
+    args = engine_bench.finish_arguments(parser, parser.parse_args(argv), DEFAULTS)
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    if needs_children(args):
-        return run_parent(args)  # this process never touches CUDA: MPS starts around a child
-    report = measure(args)
-    bench_report.write(Path(args.out), report)
-    return 0 if report["runs"][0]["rows_exact"] else 1
+    return engine_bench.main(Path(__file__).resolve(), parse_args(argv), measure, BENCHMARK,
+                             bench_report.markdown)
 
 
 if __name__ == "__main__":

@@ -13,24 +13,8 @@ import numpy as np
 from bench_variants import GRAPH_VARIANTS, LOOKUP_VARIANTS, STEP_VARIANTS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.report import cpu_model, run_header, write_report  # noqa: E402
+from common.engine_bench import mps_text, phases_text, ratio  # noqa: E402
 from common.timing import MODES  # noqa: E402
-
-JSON_NAME, MD_NAME = "bench_lookup.json", "bench_lookup.md"
-KEYS = ("runs", "lookups", "steps")
-
-
-def header() -> dict:
-    """Command line, date, machine (common/report.run_header) and its CPU model."""
-    return {"benchmark": "vllm_gpu/bench_lookup", **run_header(), "cpu": cpu_model()}
-
-
-def merge(reports: list[dict]) -> dict:
-    return {"meta": header(), **{key: [item for r in reports for item in r[key]] for key in KEYS}}
-
-
-def write(out: Path, report: dict) -> None:
-    write_report(out, report, JSON_NAME, MD_NAME, markdown(report))
 
 
 def markdown(report: dict) -> str:
@@ -38,8 +22,9 @@ def markdown(report: dict) -> str:
     first = runs[0] if runs else {}
     lines = [f"# vLLM's Engram lookup and engramd's on {first.get('gpu') or first.get('device')} "
              f"({meta['date']})", "", _setup(first, meta), ""]
-    lines += [f"- MPS {_on(run['mps'])} ({run['mps_server']}): rows {_rows_verdict(run)}; "
-              f"{_replays(run)}{_failures(run)}{_phases(run['phases'])}; {run['seconds']} s in all"
+    lines += [f"- MPS {mps_text(run['mps'])} ({run['mps_server']}): rows {_rows_verdict(run)}; "
+              f"{_replays(run)}{_failures(run)}{phases_text(run['phases'])}; "
+              f"{run['seconds']} s in all"
               for run in runs]
     steps = report["steps"]
     lines += ["", *_lookup_table(report["lookups"]), "",
@@ -102,13 +87,13 @@ def _lookup_table(cells: list[dict]) -> list[str]:
              "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for mps, tokens in sorted({(c["mps"], c["tokens"]) for c in cells}):
         for variant in variants:
-            row = [_on(mps), str(tokens), variant]
+            row = [mps_text(mps), str(tokens), variant]
             for mode in MODES:
                 cell = by.get((mps, variant, tokens, mode), {})
                 row += [_value(cell.get(key)) for key in ("gpu_us", "host_us", "step_us")]
             base = _median(by.get((mps, "vllm_bg", tokens, "synced"), {}).get("gpu_us"))
             own = _median(by.get((mps, variant, tokens, "synced"), {}).get("gpu_us"))
-            lines.append("| " + " | ".join([*row, _ratio(own, base)]) + " |")
+            lines.append("| " + " | ".join([*row, ratio(own, base)]) + " |")
     return lines
 
 
@@ -130,8 +115,9 @@ def _step_table(cells: list[dict], metric: str, title: str) -> list[str]:
         for mode in MODES:
             stats = {v: by.get((mps, v, tokens, lead, mode), {}).get(metric) for v in variants}
             medians = {v: _median(stats[v]) for v in variants}
-            row = [_on(mps), str(tokens), str(lead), mode, *[_value(stats[v]) for v in variants]]
-            row += [_ratio(medians[v], medians.get("vllm")) for v in others]
+            row = [mps_text(mps), str(tokens), str(lead), mode,
+                   *[_value(stats[v]) for v in variants]]
+            row += [ratio(medians[v], medians.get("vllm")) for v in others]
             if lookup_host:
                 captured, floor = medians["plugin_captured"], medians["compute_graph"]
                 row.append("" if None in (captured, floor) else _num(captured - floor))
@@ -166,14 +152,6 @@ def _failures(run: dict) -> str:
                    for entry in run.get("failures", []))
 
 
-def _phases(phases: dict) -> str:
-    return "; ".join(f"{name} phase {phase.get('seconds')} s" for name, phase in phases.items())
-
-
-def _on(mps: bool) -> str:
-    return "on" if mps else "off"
-
-
 def _median(stats: tuple | None) -> float | None:
     return None if stats is None else stats[0]
 
@@ -190,7 +168,3 @@ def _num(value: float | None) -> str:
     if value is None:
         return ""
     return f"{value:.0f}" if abs(value) >= 10 else f"{value:.1f}"
-
-
-def _ratio(a: float | None, b: float | None) -> str:
-    return "" if a is None or not b else f"{a / b:.2f}"

@@ -46,7 +46,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from common.steps import Matmuls
+from common.steps import Matmuls, seed_projections
 from torch import Tensor
 
 LOOKUP_VARIANTS = ("vllm_fg", "vllm_bg", "mapped", "served")
@@ -169,13 +169,8 @@ class GraphStep:
 
 
 def init_projections(layers: list, seed: int) -> None:
-    """The same q, k and WKV weights for every build of the layers (vLLM's own, the plugin's):
-    seeded, made where they live, then finished as vLLM's loader finishes a layer."""
+    """The same q, k and WKV weights for every build of the layers (vLLM's own, the plugin's),
+    then finished as vLLM's loader finishes a layer."""
+    seed_projections(layers, seed)
     for layer in layers:
-        generator = torch.Generator(device=layer.q_weight.device)
-        generator.manual_seed(seed + layer.layer_hash_index)
-        weights = ((layer.q_weight, 1.0), (layer.k_weight, 1.0), (layer.wkv.weight, 0.02))
-        for param, scale in weights:
-            values = torch.randn(param.shape, generator=generator, device=param.device) * scale
-            param.data.copy_(values)
         layer.wkv.quant_method.process_weights_after_loading(layer.wkv)

@@ -24,39 +24,22 @@ import importlib.util
 import json
 import os
 import sys
-import types
 from collections import Counter
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
 
 import stubs  # noqa: E402
+from common import plugin_worker  # noqa: E402
 
 if not stubs.install():
     sys.exit("vLLM's Python tree is not importable here, or is a full install (see setup_device.sh)")
 
 import torch  # noqa: E402
 
-
-def plugin_worker() -> types.ModuleType:
-    """tests/vllm_plugin/worker.py, for its helpers. It sets CPU-only variables at import
-    (CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET=1); they are undone before CUDA or any kernel
-    of vLLM is touched (both read them later: at CUDA's first use and at @triton.jit)."""
-    saved = dict(os.environ)
-    spec = importlib.util.spec_from_file_location(
-        "vllm_plugin_worker", REPO / "tests" / "vllm_plugin" / "worker.py")
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-    return module
-
-
-cpu = plugin_worker()
+cpu = plugin_worker.load("vllm")  # its helpers
 DEVICE = torch.device("cuda", 0)
 
 

@@ -15,15 +15,12 @@ tests/sglang_plugin. Skipped without CUDA or without SGLang's tree on the path.
 
 from __future__ import annotations
 
-import importlib.machinery
-import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import free_port
+from helpers import engine_tree, free_port, run_engine_worker
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "benchmarks" / "sglang_gpu" / "worker_gpu.py"
@@ -31,20 +28,11 @@ ENGRAM_FILE = Path("srt", "layers", "engram.py")
 WORKER_TIMEOUT_S = 300
 
 
-def _sglang_tree() -> Path | None:
-    """SGLang's package folder, found without importing it (that takes seconds)."""
-    spec = importlib.machinery.PathFinder.find_spec("sglang")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    folder = Path(next(iter(spec.submodule_search_locations)))
-    return folder if (folder / ENGRAM_FILE).is_file() else None
-
-
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.slow,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.skipif(_sglang_tree() is None,
+    pytest.mark.skipif(engine_tree("sglang", ENGRAM_FILE) is None,
                        reason="needs SGLang 0.5.23's tree on the path (benchmarks/sglang_gpu/setup_device.sh)"),
 ]
 
@@ -53,14 +41,7 @@ def run_worker(daemon, checkpoint: Path, mode: str, report: Path, extend_hash: b
     cmd = [sys.executable, str(WORKER), "--socket", str(daemon.socket), "--checkpoint", str(checkpoint),
            "--port", str(free_port()), "--mode", mode, "--report", str(report),
            *(["--extend-hash"] if extend_hash else [])]
-    try:
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
-    except subprocess.TimeoutExpired as exc:
-        raise AssertionError(f"worker timed out:\n{exc.stdout}\n{exc.stderr}") from None
-    result = json.loads(report.read_text()) if report.exists() else {}
-    print(json.dumps(result, indent=1))  # shown with -s, and kept in the failure report
-    assert run.returncode == 0, f"{run.stdout[-4000:]}\n{run.stderr[-8000:]}\n{daemon.log()[-2000:]}"
-    return result
+    return run_engine_worker(cmd, report, daemon, WORKER_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("mode, extend_hash", [("mapped", False), ("served", False), ("mapped", True)],

@@ -15,18 +15,16 @@ Skipped without CUDA or without vLLM's tree on the path.
 
 from __future__ import annotations
 
-import importlib.machinery
 import json
 import mmap
 import struct
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import free_port
+from helpers import engine_tree, free_port, run_engine_worker
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "benchmarks" / "vllm_gpu" / "worker_gpu.py"
@@ -34,20 +32,11 @@ ENGRAM_FILE = Path("models", "deepseek_v41", "common", "engram.py")
 WORKER_TIMEOUT_S = 240
 
 
-def _vllm_tree() -> Path | None:
-    """vLLM's package folder, found without importing it (that takes seconds)."""
-    spec = importlib.machinery.PathFinder.find_spec("vllm")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    folder = Path(next(iter(spec.submodule_search_locations)))
-    return folder if (folder / ENGRAM_FILE).is_file() else None
-
-
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.slow,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.skipif(_vllm_tree() is None,
+    pytest.mark.skipif(engine_tree("vllm", ENGRAM_FILE) is None,
                        reason="needs vLLM 0.33.0's tree on the path (benchmarks/vllm_gpu/setup_device.sh)"),
 ]
 
@@ -59,14 +48,7 @@ def run_worker(daemon, checkpoint: Path, mode: str, check: str, report: Path,
     cmd = [sys.executable, str(WORKER), "--socket", str(daemon.socket), "--checkpoint", str(checkpoint),
            "--port", str(free_port()), "--mode", mode, "--check", check, "--report", str(report),
            *(["--capture"] if capture else [])]
-    try:
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
-    except subprocess.TimeoutExpired as exc:
-        raise AssertionError(f"worker timed out:\n{exc.stdout}\n{exc.stderr}") from None
-    result = json.loads(report.read_text()) if report.exists() else {}
-    print(json.dumps(result, indent=1))  # shown with -s, and kept in the failure report
-    assert run.returncode == 0, f"{run.stdout[-4000:]}\n{run.stderr[-8000:]}\n{daemon.log()[-2000:]}"
-    return result
+    return run_engine_worker(cmd, report, daemon, WORKER_TIMEOUT_S)
 
 
 def every_scale_byte(checkpoint: Path) -> Path:
