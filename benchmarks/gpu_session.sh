@@ -4,11 +4,17 @@
 # come in .whl/ (benchmarks/fetch_wheels.sh, run where there is a network). benchmarks/README.md
 # says how to set such a machine up.
 #
-#   bash benchmarks/gpu_session.sh OUT PHASE...
+#   bash benchmarks/gpu_session.sh OUT PHASE[+PHASE...]...
 #
-# Logs and results are packed into OUT/results.tgz (one file, rewritten after every phase); each
+# Logs and results are packed into OUT/results.tgz (one file, rewritten every 30 s and after every
+# phase, so a command stopped at its time limit still brings back what its phases wrote); each
 # phase's exit code is printed at the end. CUDA_MODULE_LOADING is EAGER, as the daemon runs,
 # unless set.
+#
+# Phases joined by `+` run side by side, each its output in <phase>.out: only the correctness
+# phases, whose tests hold no timing and no count of the GPU's free memory (tests, tests-mps,
+# faults, faults-mps, captured-repeat, vllm-tests*, sglang-tests). A phase named *-mps runs under
+# one MPS server that its group shares; the others of the group stay outside it.
 #
 # Tests (tests/gpu; in results.tgz, the log named):
 #   tests              tests/gpu, no MPS, but for what the faults and tests-kill* phases
@@ -27,8 +33,17 @@
 #   faults-mps         the same under MPS                                         gpu_tests_faults_mps.log
 #   captured-repeat    captured lookups across a reload and a daemon restart
 #                      (tests/gpu/test_captured_gpu.py), CAPTURED_REPEAT runs (20)
-#                      in a row, the first under compute-sanitizer's memcheck
-#                      where it is installed                                      gpu_tests_captured.log
+#                      in a row, after the short tests under compute-sanitizer's
+#                      memcheck where it is installed; CAPTURED_REPEAT_BUDGET_S:
+#                      start no run after that many seconds, less one run's 35 s  gpu_tests_captured.log
+# Engines (each its recipe's folder carried: .vllm-gpu or .sglang-gpu; README there):
+#   vllm-tests         benchmarks/vllm_gpu/setup_device.sh --test: vLLM's Engram
+#                      modules against the plugin's, rows bit for bit             vllm_gpu.log
+#   vllm-tests-mps     the same under MPS (its served test's IPC through MPS)     mps/vllm_gpu.log
+#   vllm-bench         benchmarks/vllm_gpu/bench_lookup.py, both MPS modes, 3 rounds,
+#                      the mapped plugin's gather at the wait and in lookup()    vllm_bench/
+#   sglang-tests       benchmarks/sglang_gpu/setup_device.sh --test               sglang_gpu.log
+#   sglang-bench       benchmarks/sglang_gpu/bench_lookup.py, both MPS modes      sglang_bench/
 # Benchmarks (in results.tgz: each its .json and .md in <name>/, its output in <name>.log):
 #   lookup             benchmarks/gpu_lookup.py, 16 GiB, without and under MPS    lookup/
 #   lookup-host        benchmarks/lookup_host.py: host time of one lookup         lookup_host/
@@ -40,7 +55,7 @@
 #   captured-step      benchmarks/captured_step.py, both MPS modes, 3 rounds a cell: the
 #                      whole step in a CUDA graph, engramd's captured lookup against an
 #                      in-process gather captured alike (about 4 min)             captured_step/
-#   captured-step-text captured-step on real text's row IDs, as step-text's          captured_step_text/
+#   captured-step-text  captured-step on real text's row IDs, as step-text's         captured_step_text/
 #   attach             benchmarks/mapped_attach.py, 16 GiB: a mapped client's attach,
 #                      a daemon's restart to ready                                attach/
 #   attach-64          the same at 64 GiB in /dev/shm, two restarts               attach64/
@@ -55,20 +70,19 @@
 # The experiments in benchmarks/experiments/ have no phase: run them as their docstrings say.
 set -u
 final=$1; shift
-out=$(mktemp -d)
-trap 'tar czf "$final/results.tgz" -C "$out" .' EXIT
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 CUDA_MODULE_LOADING=${CUDA_MODULE_LOADING:-EAGER}  # as the daemon runs, unless set
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 \
-    || { tail -20 "$out/install.log"; exit 1; }
-
+out=$(mktemp -d)
+pack() {  # results.tgz from what the phases wrote so far; renamed into place whole
+  tar czf "$final/results.$1.tgz" -C "$out" . 2>/dev/null; mv -f "$final/results.$1.tgz" "$final/results.tgz"
+}
+# MPS_HELD: a group's MPS server, which its *-mps phases share (and do not start or stop).
 mps_start() {
+  [ -n "${MPS_HELD:-}" ] && return 0
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
   mkdir -p /tmp/mps /tmp/mpslog && nvidia-cuda-mps-control -d
 }
 mps_stop() {
+  [ -n "${MPS_HELD:-}" ] && return 0
   echo quit | nvidia-cuda-mps-control; sleep 1
   unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 }
@@ -136,7 +150,7 @@ phase_faults_mps() {  # the same under MPS
   return "$rc"
 }
 phase_captured_repeat() {  # captured lookups across a reload and a restart, CAPTURED_REPEAT runs
-  local i rc=0 log="$out/gpu_tests_captured.log" tests=tests/gpu/test_captured_gpu.py
+  local i rc=0 log="$out/gpu_tests_captured.log" tests=tests/gpu/test_captured_gpu.py started=$SECONDS
   local sanitizer; sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
   if [ -n "$sanitizer" ]; then  # reads of freed or unmapped memory: the short tests, this process only
     echo "# compute-sanitizer memcheck $(date -u +%H:%M:%S)" | tee -a "$log"
@@ -146,10 +160,39 @@ phase_captured_repeat() {  # captured lookups across a reload and a restart, CAP
     echo "# no compute-sanitizer on this machine" | tee -a "$log"
   fi
   for i in $(seq "${CAPTURED_REPEAT:-20}"); do
+    if [ -n "${CAPTURED_REPEAT_BUDGET_S:-}" ] && (( SECONDS - started + 35 > CAPTURED_REPEAT_BUDGET_S )); then
+      echo "# stopped before run $i: CAPTURED_REPEAT_BUDGET_S=$CAPTURED_REPEAT_BUDGET_S" | tee -a "$log"
+      break
+    fi
     echo "# run $i $(date -u +%H:%M:%S)" | tee -a "$log"
     timeout -s INT 200 python3 -m pytest "$tests" -q -k "reload or restart" 2>&1 | tee -a "$log" | tail -3 || rc=1
   done
   return "$rc"
+}
+
+# --- engines: each recipe's set-up installs the engine's tree into a site of its own
+phase_vllm_tests() {  # vLLM's Engram modules against the plugin's on the GPU
+  bash benchmarks/vllm_gpu/setup_device.sh --test "$out" >"$out/vllm_setup.log" 2>&1
+}
+phase_vllm_tests_mps() {  # the same under MPS
+  mps_start
+  bash benchmarks/vllm_gpu/setup_device.sh --test "$out/mps" >"$out/vllm_setup_mps.log" 2>&1
+  local rc=$?
+  mps_stop
+  return "$rc"
+}
+phase_vllm_bench() {  # vLLM's lookup and model step against engramd's, both MPS modes, 3 rounds
+  bash benchmarks/vllm_gpu/setup_device.sh >"$out/vllm_setup.log" 2>&1 || return 1
+  PYTHONPATH=/tmp/vllm-gpu-site python3 benchmarks/vllm_gpu/bench_lookup.py --mps both --rounds 3 \
+    --plugin-gather-at wait lookup --out "$out/vllm_bench" 2>&1 | tee "$out/vllm_bench.log" | grep -v "^|" | tail -60
+}
+phase_sglang_tests() {  # SGLang's Engram modules on its CUDA path against the plugin's
+  bash benchmarks/sglang_gpu/setup_device.sh --test "$out" >"$out/sglang_setup.log" 2>&1
+}
+phase_sglang_bench() {  # SGLang's lookup and model step against engramd's, both MPS modes
+  bash benchmarks/sglang_gpu/setup_device.sh >"$out/sglang_setup.log" 2>&1 || return 1
+  PYTHONPATH=/tmp/sglang-gpu-site python3 benchmarks/sglang_gpu/bench_lookup.py --mps both \
+    --out "$out/sglang_bench" 2>&1 | tee "$out/sglang_bench.log" | grep -v "^|" | tail -60
 }
 
 # --- benchmarks
@@ -209,13 +252,58 @@ phase_standby_64_huge() {  # restart to ready at 64 GiB on hugetlbfs: plain agai
     --table-gib 64 --restarts 2 --shm-root "$HUGE" --out "$0"' "$out/standby_64_huge"
 }
 
-declare -A status
-for phase in "$@"; do
-  echo "=== $phase $(date -u +%H:%M:%S)"
-  set -o pipefail
-  "phase_${phase//-/_}"
-  status[$phase]=$?
-  set +o pipefail
-  tar czf "$final/results.tgz" -C "$out" .  # after every phase: a later one may run out of time
+# Phases that may run side by side: their tests assert no timing and no free GPU memory.
+SIDE_BY_SIDE=" tests tests-mps faults faults-mps captured-repeat vllm-tests vllm-tests-mps sglang-tests "
+for group in "$@"; do  # a misspelt phase is found before the GPU's minutes are spent
+  IFS=+ read -ra phases <<<"$group"
+  for phase in "${phases[@]}"; do
+    declare -F "phase_${phase//-/_}" >/dev/null || { echo "unknown phase: $phase" >&2; exit 2; }
+    if [[ $group == *+* && $SIDE_BY_SIDE != *" $phase "* ]]; then
+      echo "$phase times or counts the GPU's memory: it cannot run beside another phase" >&2; exit 2
+    fi
+  done
 done
-for phase in "$@"; do echo "phase $phase: exit ${status[$phase]}"; done
+
+( while sleep 30; do pack periodic; done ) &
+packer=$!
+trap 'kill $packer 2>/dev/null; wait $packer 2>/dev/null; pack exit' EXIT
+export PYTHONUNBUFFERED=1 CUDA_MODULE_LOADING=${CUDA_MODULE_LOADING:-EAGER}  # as the daemon runs, unless set
+if [ -d .whl ]; then  # the engine phases need only their own recipe's folder
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+bash benchmarks/common/install_editable.sh "$out/install.log" || exit 1
+
+declare -A status
+run_group() {  # PHASE+PHASE...: side by side, each its output in <phase>.out; one MPS server for the *-mps
+  local phase i pids=() phases
+  IFS=+ read -ra phases <<<"$1"
+  if [[ $1 == *-mps* ]]; then mps_start && MPS_HELD=1; fi
+  for phase in "${phases[@]}"; do
+    ( [[ $phase == *-mps ]] || unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+      set -o pipefail; "phase_${phase//-/_}" ) >"$out/$phase.out" 2>&1 &
+    pids+=($!)
+  done
+  for i in "${!phases[@]}"; do
+    wait "${pids[$i]}"; status[${phases[$i]}]=$?
+    echo "--- ${phases[$i]}: exit ${status[${phases[$i]}]}; the end of its output:"
+    tail -n 25 "$out/${phases[$i]}.out"
+  done
+  if [ -n "${MPS_HELD:-}" ]; then unset MPS_HELD; mps_stop; fi
+}
+for group in "$@"; do
+  echo "=== $group $(date -u +%H:%M:%S)"
+  if [[ $group == *+* ]]; then
+    run_group "$group"
+  else
+    set -o pipefail
+    "phase_${group//-/_}"
+    status[$group]=$?
+    set +o pipefail
+  fi
+  pack phase  # after every group: a later one may run out of time
+done
+for group in "$@"; do
+  IFS=+ read -ra phases <<<"$group"
+  for phase in "${phases[@]}"; do echo "phase $phase: exit ${status[$phase]}"; done
+done

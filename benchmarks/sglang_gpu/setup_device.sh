@@ -24,8 +24,7 @@ start=$(date +%s)
 rm -rf "$site"
 "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$carry"/wheels/*.whl
 tar xzf "$carry"/sglang-*-py.tar.gz -C "$site"
-"$python" -m pip install -q --no-deps --no-build-isolation -e . >/tmp/sglang-gpu-engramd-install.log 2>&1 \
-    || { tail -20 /tmp/sglang-gpu-engramd-install.log; exit 1; }
+PYTHON="$python" bash benchmarks/common/install_editable.sh /tmp/sglang-gpu-engramd-install.log
 export PYTHONPATH="$site"
 echo "installed into $site in $(( $(date +%s) - start )) s"
 
