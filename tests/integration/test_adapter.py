@@ -65,3 +65,20 @@ def test_the_adapter_passes_a_cache_cap_and_gather_point_on(daemon_factory):
         EngramRunnerAdapter(daemon.socket, gather_at="later")
     with EngramRunnerAdapter(daemon.socket, hot_cache_gib=0, gather_at="lookup") as runner:
         assert runner.client._cache_cap == 0 and runner.client.gather_at == "lookup"
+
+
+def test_the_adapter_hands_the_hasher_every_input_on_its_device(daemon_factory):
+    """An engine may keep a step's chunk bounds and DEAD marks on the host: the adapter moves
+    them to its device with the token IDs (the GPU hasher refuses inputs on two devices)."""
+    daemon = daemon_factory()
+    with EngramRunnerAdapter(daemon.socket) as runner:
+        seen = {}
+
+        def hash_batch(token_ids, cu_seqlens, dead, state, validate):
+            seen.update(token_ids=token_ids.device, cu_seqlens=cu_seqlens.device, dead=dead.device)
+            return token_ids, state
+
+        runner.hasher.hash_batch = hash_batch
+        runner.device = torch.device("meta")  # another device than the host's, without a GPU
+        runner._hash(torch.arange(4), torch.tensor([0, 4]), torch.zeros(4, dtype=torch.bool), None, None)
+        assert seen == dict.fromkeys(("token_ids", "cu_seqlens", "dead"), torch.device("meta"))
