@@ -27,6 +27,7 @@ import torch
 
 from engramd.client.errors import BadIdsError, BadRequestError, ReplayFailedError
 from engramd.client.rejoin import Stopped
+from engramd.client.shared import cuda
 from engramd.kernels import descriptor as desc
 
 if TYPE_CHECKING:
@@ -68,7 +69,10 @@ class CapturedLookup:
         # The kernel's variant (row size, alignment) and the sort's keys; the tables it reads are
         # the descriptor's.
         self._plan = GatherPlan(mapped.layer_tables(), shard, self.device)
-        self.descriptor = desc.TableDescriptor(self._contents(mapped), self.device, owner=mapped)
+        # The descriptors' writes and copies: a stream of this lookup's own, kept while it lives.
+        self._stream = cuda.owned_stream(self, self.device.index) if self.device.type == "cuda" else None
+        self.descriptor = desc.TableDescriptor(self._contents(mapped), self.device, owner=mapped,
+                                               stream=self._stream)
         self._sort_from = int(policy.get("sort_min_tokens", 0))
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count \
             if self.device.type == "cuda" else 2  # the interpreter's
@@ -96,7 +100,7 @@ class CapturedLookup:
         Sorted reads at the fewest and the most tokens: the block size and torch's sort kernels
         depend on the size."""
         nothing = desc.Contents(((0, 0, 0, 0),) * self.geometry.n_layers)
-        scratch = desc.TableDescriptor(nothing, self.device)
+        scratch = desc.TableDescriptor(nothing, self.device, stream=self._stream)
         most = self.ids.shape[0]
         launches = [(1, False)] + ([(1, True), (most, True)] if 0 < self._sort_from <= most else [])
         for tokens, sort in launches:
@@ -314,8 +318,6 @@ class Upkeep:
         self._thread.start()
 
     def _run(self, keep_up: Callable[[Callable[[float], bool]], None], device: torch.device) -> None:
-        from engramd.client.shared import cuda
-
         if device.type == "cuda":
             cuda.make_current(device.index)  # a reconnect maps tables and builds gathers here
         while not self._stop.wait(UPKEEP_S):

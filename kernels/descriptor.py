@@ -106,12 +106,17 @@ class TableDescriptor:
     the caller until it may not); `snapshot` reads the control words. Not thread-safe on its
     own: the caller serialises publish, advance and poison; snapshots lock."""
 
-    def __init__(self, contents: Contents, device: torch.device, owner: Any = None):
+    def __init__(self, contents: Contents, device: torch.device, owner: Any = None,
+                 stream: torch.cuda.Stream | None = None):
+        if device.type == "cuda" and stream is None:
+            # Not one of torch's pooled streams: an engine's graph capture may be using it, and
+            # the writes and copies here must be neither recorded into it nor behind its work.
+            raise ValueError("a descriptor on a GPU needs a stream of its owner's own")
         self.n_layers = len(contents.layers)
         self.device = device
         self._width = buffer_words(self.n_layers)
         self.block = torch.zeros(CONTROL_WORDS + 2 * self._width, dtype=torch.int64, device=device)
-        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._stream = stream if device.type == "cuda" else None
         if self._stream is not None:  # the block's zeros were queued on the caller's stream
             self._stream.wait_stream(torch.cuda.current_stream(device))
         self._lock = threading.Lock()  # snapshots come from the owner's threads and a cache keeper's

@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from engramd.client.errors import ConfigError
+from engramd.client.shared import cuda
 from engramd.kernels import hot_cache
 from engramd.kernels.hot_cache import Admissions, HotCache
 
@@ -134,7 +135,8 @@ class CacheKeeper:
         self.stats = KeeperStats(reads=[0] * cache.n_layers, hits=[0] * cache.n_layers)
         self._logged = 0  # log entries taken so far
         self._reads_at_aging = 0
-        self._stream = torch.cuda.Stream(cache.device) if cache.device.type == "cuda" else None
+        # Never one of torch's pooled streams, which an engine's graph capture may be using.
+        self._stream = cuda.owned_stream(self, cache.device.index) if cache.device.type == "cuda" else None
         if self._stream is not None:  # the cache's arrays were filled on the creator's stream
             self._stream.wait_stream(torch.cuda.current_stream(cache.device))
         self._stop = threading.Event()

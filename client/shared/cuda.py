@@ -11,6 +11,7 @@ by the calls that make tensors or streams (host_pin.py pins tables before torch 
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from engramd.client.errors import CudaUnavailableError
@@ -366,3 +367,17 @@ STREAMS = IdleStreams()
 def new_stream(device_index: int) -> torch.cuda.Stream:
     """A stream of the caller's own (STREAMS.take); give it back with STREAMS.give once idle."""
     return STREAMS.take(device_index)
+
+
+def owned_stream(owner: object, device_index: int) -> torch.cuda.Stream:
+    """A stream of `owner`'s own (new_stream) for as long as `owner` lives, given back once it
+    is collected and the stream has drained: for objects with no close() of their own, or whose
+    stream outlives it (a descriptor a replaying graph may still read)."""
+    stream = new_stream(device_index)
+    weakref.finalize(owner, _give_back, stream).atexit = False  # CUDA may be gone at exit
+    return stream
+
+
+def _give_back(stream: torch.cuda.Stream) -> None:
+    stream.synchronize()
+    STREAMS.give(stream)

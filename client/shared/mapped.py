@@ -28,6 +28,7 @@ import torch
 
 from engramd.client.errors import InternalError
 from engramd.client.geometry import ShardView, TableGeometry
+from engramd.client.shared import cuda
 from engramd.client.shared.cache_keeper import CacheKeeper
 from engramd.client.shared.handles import TableGrant
 from engramd.client.shared.slab import SlabLayout, SlotViews
@@ -104,8 +105,6 @@ class MappedTables:
 
     def device_rows(self) -> list[torch.Tensor]:
         """uint8 [rows, row_bytes] tensors on the GPU over the registered rows (reads go over UVA)."""
-        from engramd.client.shared import cuda
-
         return cuda.row_views(self._registration.addresses, [a.shape for a in self.rows], self.device)
 
     def close(self, synchronize: bool = True) -> None:
@@ -137,8 +136,6 @@ def close_in_background(tables: MappedTables) -> threading.Thread:
     2-CPU VM), and a GPU unregisters them; neither may stall a lookup."""
     def close() -> None:
         if tables.device.type == "cuda":
-            from engramd.client.shared import cuda
-
             cuda.make_current(tables.device.index)  # else the unregister lands on device 0
         tables.close(synchronize=False)
 
@@ -165,8 +162,6 @@ class PendingMapping:
              device: torch.device) -> None:
         try:
             if device.type == "cuda":
-                from engramd.client.shared import cuda
-
                 cuda.make_current(device.index)  # else the registration lands on device 0
             version, seq, grants = fetch()
             try:
@@ -282,7 +277,7 @@ class DeviceCounterReader:
         # device="cpu" whatever the caller's default device: engines build their modules, and
         # so this client, under `with torch.device("cuda")` (vLLM does).
         self._host = torch.zeros(1, dtype=counter.dtype, device="cpu").pin_memory()
-        self._stream = stream if stream is not None else torch.cuda.Stream(counter.device)
+        self._stream = stream if stream is not None else cuda.owned_stream(self, counter.device.index)
         self._copied: torch.cuda.Event | None = None
         self._value = 0
 

@@ -1,0 +1,62 @@
+"""The streams engramd queues its own work on are never torch's pooled ones: torch hands the same
+32 streams a device out round-robin, to engines' graph captures too, so a pooled stream of ours
+could be the stream an engine is capturing (our copies recorded into its graph, or our syncs
+breaking the capture) or one that waits behind a dead client's counter. Checked without a GPU:
+the sources, the giving back of an owned stream, and the descriptor's refusal."""
+
+from __future__ import annotations
+
+import gc
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from engramd.client.shared import cuda
+from engramd.kernels import descriptor as desc
+
+SOURCES = [Path(__file__).resolve().parents[1] / folder for folder in ("client", "kernels", "server")]
+
+
+def test_no_source_takes_a_stream_from_torchs_pool():
+    pooled = re.compile(r"torch\.cuda\.Stream\(")
+    found = [f"{path.name}:{number}" for folder in SOURCES for path in sorted(folder.rglob("*.py"))
+             for number, line in enumerate(path.read_text().splitlines(), 1) if pooled.search(line)]
+    assert sum(1 for folder in SOURCES for _ in folder.rglob("*.py")) > 50  # the folders were read
+    assert found == [], f"streams from torch's pool (use client/shared/cuda.new_stream): {found}"
+
+
+class FakeStream:
+    def __init__(self):
+        self.device = torch.device("cuda", 3)
+        self.synchronized = 0
+
+    def synchronize(self):
+        self.synchronized += 1
+
+
+def test_an_owned_stream_goes_back_drained_once_its_owner_is_collected(monkeypatch):
+    streams = cuda.IdleStreams()
+    monkeypatch.setattr(cuda, "STREAMS", streams)
+    stream = FakeStream()
+    monkeypatch.setattr(streams, "take", lambda index: stream if index == 3 else pytest.fail(index))
+
+    class Owner:
+        pass
+
+    owner = Owner()
+    assert cuda.owned_stream(owner, 3) is stream
+    gc.collect()
+    assert stream.synchronized == 0 and streams._idle == {}  # held while its owner lives
+    del owner
+    gc.collect()
+    assert stream.synchronized == 1 and streams._idle == {3: [stream]}
+
+
+def test_a_gpu_descriptor_refuses_to_be_made_without_a_stream_of_its_owners():
+    nothing = desc.Contents(((0, 0, 0, 0),))
+    with pytest.raises(ValueError, match="stream of its owner's own"):
+        desc.TableDescriptor(nothing, torch.device("cuda", 0))
+    assert desc.TableDescriptor(nothing, torch.device("cpu")).snapshot() is not None
