@@ -11,6 +11,9 @@
 # phase's exit code is printed at the end. CUDA_MODULE_LOADING is EAGER, as the daemon runs,
 # unless set.
 #
+# BUDGET_S (570): seconds from the start after which the repeating phases begin no run, so that
+# a command (10 minutes at most) ends with its summary.
+#
 # Phases joined by `+` run side by side, each its output in <phase>.out: only the correctness
 # phases, whose tests hold no timing and no count of the GPU's free memory (tests, tests-mps,
 # faults, faults-mps, captured-repeat, vllm-tests*, sglang-tests). A phase named *-mps runs under
@@ -23,9 +26,8 @@
 #   tests-mps          the cross-process GPU tests under MPS                      gpu_tests_mps.log
 #   tests-kill         the twenty-killed-clients test alone, no MPS, stopped
 #                      (its stack shown) at 400 s                                 gpu_tests_kill.log
-#   tests-kill-repeat  the same test, worker dispatch, KILL_REPEAT runs (10) in a row;
-#                      KILL_REPEAT_BUDGET_S: start no run after that many seconds,
-#                      less one run's 70 s                                       gpu_tests_kill_repeat.log
+#   tests-kill-repeat  the same test, worker dispatch, KILL_REPEAT runs (10) in a row, none
+#                      begun that would end past BUDGET_S (a run: 58 s)          gpu_tests_kill_repeat.log
 #   faults             a served client across kills, standby takeovers, drains and reloads
 #                      (tests/gpu/test_served_faults_gpu.py; ENGRAMD_TEST_KILLS kills a run)
 #                      and the killed-mid-lookup test, no MPS; FAULTS_K: a pytest -k
@@ -34,16 +36,18 @@
 #   captured-repeat    captured lookups across a reload and a daemon restart
 #                      (tests/gpu/test_captured_gpu.py), CAPTURED_REPEAT runs (20)
 #                      in a row, after the short tests under compute-sanitizer's
-#                      memcheck where it is installed; CAPTURED_REPEAT_BUDGET_S:
-#                      start no run after that many seconds, less one run's 35 s  gpu_tests_captured.log
+#                      memcheck where it is installed; none begun that would end
+#                      past BUDGET_S (a run: 35 s)                                gpu_tests_captured.log
 # Engines (each its recipe's folder carried: .vllm-gpu or .sglang-gpu; README there):
 #   vllm-tests         benchmarks/vllm_gpu/setup_device.sh --test: vLLM's Engram
 #                      modules against the plugin's, rows bit for bit             vllm_gpu.log
 #   vllm-tests-mps     the same under MPS (its served test's IPC through MPS)     mps/vllm_gpu.log
 #   vllm-bench         benchmarks/vllm_gpu/bench_lookup.py, both MPS modes, 3 rounds,
-#                      the mapped plugin's gather at the wait and in lookup()    vllm_bench/
+#                      the mapped plugin's gather at the wait and in lookup(), the
+#                      decode cells of lead 1 profiled (their profile/ folders)   vllm_bench/
 #   sglang-tests       benchmarks/sglang_gpu/setup_device.sh --test               sglang_gpu.log
-#   sglang-bench       benchmarks/sglang_gpu/bench_lookup.py, both MPS modes      sglang_bench/
+#   sglang-bench       benchmarks/sglang_gpu/bench_lookup.py, both MPS modes, lead 1's
+#                      decode cells profiled                                      sglang_bench/
 # Benchmarks (in results.tgz: each its .json and .md in <name>/, its output in <name>.log):
 #   lookup             benchmarks/gpu_lookup.py, 16 GiB, without and under MPS    lookup/
 #   lookup-host        benchmarks/lookup_host.py: host time of one lookup         lookup_host/
@@ -75,6 +79,8 @@ out=$(mktemp -d)
 pack() {  # results.tgz from what the phases wrote so far; renamed into place whole
   tar czf "$final/results.$1.tgz" -C "$out" . 2>/dev/null; mv -f "$final/results.$1.tgz" "$final/results.tgz"
 }
+BUDGET_S=${BUDGET_S:-570}
+fits() { (( SECONDS + $1 <= BUDGET_S )); }  # a run of $1 s, begun now, ends within BUDGET_S
 # MPS_HELD: a group's MPS server, which its *-mps phases share (and do not start or stop).
 mps_start() {
   [ -n "${MPS_HELD:-}" ] && return 0
@@ -121,14 +127,9 @@ phase_tests_kill() {  # the twenty-killed-clients test alone, no MPS; interrupte
   timeout -s INT 400 python3 -m pytest tests/gpu/test_containers_gpu.py -q -k twenty -s 2>&1 | tee -a "$out/gpu_tests_kill.log"
 }
 phase_tests_kill_repeat() {  # the twenty-killed-clients test, worker dispatch, KILL_REPEAT runs in a row
-  # KILL_REPEAT_BUDGET_S: start no run later than this many seconds after the first, less one
-  # run's 70 s (a run is 50-60 s): a run cut off by the machine's limit leaves no log at all.
-  local i rc=0 started=$SECONDS
+  local i rc=0
   for i in $(seq "${KILL_REPEAT:-10}"); do
-    if [ -n "${KILL_REPEAT_BUDGET_S:-}" ] && (( SECONDS - started + 70 > KILL_REPEAT_BUDGET_S )); then
-      echo "# stopped before run $i: KILL_REPEAT_BUDGET_S=$KILL_REPEAT_BUDGET_S" | tee -a "$out/gpu_tests_kill_repeat.log"
-      break
-    fi
+    fits 58 || { echo "# stopped before run $i: BUDGET_S=$BUDGET_S" | tee -a "$out/gpu_tests_kill_repeat.log"; break; }
     echo "# run $i $(date -u +%H:%M:%S)" | tee -a "$out/gpu_tests_kill_repeat.log"
     timeout -s INT 200 python3 -m pytest tests/gpu/test_containers_gpu.py -q -s -k "twenty and worker" \
       2>&1 | tee -a "$out/gpu_tests_kill_repeat.log" | tail -4 || rc=1
@@ -150,7 +151,7 @@ phase_faults_mps() {  # the same under MPS
   return "$rc"
 }
 phase_captured_repeat() {  # captured lookups across a reload and a restart, CAPTURED_REPEAT runs
-  local i rc=0 log="$out/gpu_tests_captured.log" tests=tests/gpu/test_captured_gpu.py started=$SECONDS
+  local i rc=0 log="$out/gpu_tests_captured.log" tests=tests/gpu/test_captured_gpu.py
   local sanitizer; sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
   if [ -n "$sanitizer" ]; then  # reads of freed or unmapped memory: the short tests, this process only
     echo "# compute-sanitizer memcheck $(date -u +%H:%M:%S)" | tee -a "$log"
@@ -160,10 +161,7 @@ phase_captured_repeat() {  # captured lookups across a reload and a restart, CAP
     echo "# no compute-sanitizer on this machine" | tee -a "$log"
   fi
   for i in $(seq "${CAPTURED_REPEAT:-20}"); do
-    if [ -n "${CAPTURED_REPEAT_BUDGET_S:-}" ] && (( SECONDS - started + 35 > CAPTURED_REPEAT_BUDGET_S )); then
-      echo "# stopped before run $i: CAPTURED_REPEAT_BUDGET_S=$CAPTURED_REPEAT_BUDGET_S" | tee -a "$log"
-      break
-    fi
+    fits 35 || { echo "# stopped before run $i: BUDGET_S=$BUDGET_S" | tee -a "$log"; break; }
     echo "# run $i $(date -u +%H:%M:%S)" | tee -a "$log"
     timeout -s INT 200 python3 -m pytest "$tests" -q -k "reload or restart" 2>&1 | tee -a "$log" | tail -3 || rc=1
   done
@@ -183,16 +181,17 @@ phase_vllm_tests_mps() {  # the same under MPS
 }
 phase_vllm_bench() {  # vLLM's lookup and model step against engramd's, both MPS modes, 3 rounds
   bash benchmarks/vllm_gpu/setup_device.sh >"$out/vllm_setup.log" 2>&1 || return 1
-  PYTHONPATH=/tmp/vllm-gpu-site python3 benchmarks/vllm_gpu/bench_lookup.py --mps both --rounds 3 \
-    --plugin-gather-at wait lookup --out "$out/vllm_bench" 2>&1 | tee "$out/vllm_bench.log" | grep -v "^|" | tail -60
+  PYTHONPATH=${VLLM_GPU_SITE:-/tmp/vllm-gpu-site} python3 benchmarks/vllm_gpu/bench_lookup.py --mps both --rounds 3 \
+    --plugin-gather-at wait lookup --profile 1:1 16:1 256:1 --out "$out/vllm_bench" 2>&1 \
+    | tee "$out/vllm_bench.log" | grep -v "^|" | tail -60
 }
 phase_sglang_tests() {  # SGLang's Engram modules on its CUDA path against the plugin's
   bash benchmarks/sglang_gpu/setup_device.sh --test "$out" >"$out/sglang_setup.log" 2>&1
 }
 phase_sglang_bench() {  # SGLang's lookup and model step against engramd's, both MPS modes
   bash benchmarks/sglang_gpu/setup_device.sh >"$out/sglang_setup.log" 2>&1 || return 1
-  PYTHONPATH=/tmp/sglang-gpu-site python3 benchmarks/sglang_gpu/bench_lookup.py --mps both \
-    --out "$out/sglang_bench" 2>&1 | tee "$out/sglang_bench.log" | grep -v "^|" | tail -60
+  PYTHONPATH=${SGLANG_GPU_SITE:-/tmp/sglang-gpu-site} python3 benchmarks/sglang_gpu/bench_lookup.py --mps both \
+    --profile 1:1 16:1 256:1 --out "$out/sglang_bench" 2>&1 | tee "$out/sglang_bench.log" | grep -v "^|" | tail -60
 }
 
 # --- benchmarks
@@ -260,6 +259,11 @@ for group in "$@"; do  # a misspelt phase is found before the GPU's minutes are 
     declare -F "phase_${phase//-/_}" >/dev/null || { echo "unknown phase: $phase" >&2; exit 2; }
     if [[ $group == *+* && $SIDE_BY_SIDE != *" $phase "* ]]; then
       echo "$phase times or counts the GPU's memory: it cannot run beside another phase" >&2; exit 2
+    fi
+  done
+  for engine in vllm sglang; do  # each set-up replaces its engine's site: one in a group
+    if (( $(grep -o "\b$engine-" <<<"$group" | wc -l) > 1 )); then
+      echo "$group: one $engine phase to a group (each set-up reinstalls $engine's site)" >&2; exit 2
     fi
   done
 done
