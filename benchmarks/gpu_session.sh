@@ -182,7 +182,7 @@ phase_vllm_tests_mps() {  # the same under MPS
 phase_vllm_bench() {  # vLLM's lookup and model step against engramd's, both MPS modes, 3 rounds
   bash benchmarks/vllm_gpu/setup_device.sh >"$out/vllm_setup.log" 2>&1 || return 1
   PYTHONPATH=${VLLM_GPU_SITE:-/tmp/vllm-gpu-site} python3 benchmarks/vllm_gpu/bench_lookup.py --mps both --rounds 3 \
-    --plugin-gather-at wait lookup --profile 1:1 16:1 256:1 --out "$out/vllm_bench" 2>&1 \
+    --plugin-gather-at wait lookup --profile 1:1 16:1 --out "$out/vllm_bench" 2>&1 \
     | tee "$out/vllm_bench.log" | grep -v "^|" | tail -60
 }
 phase_sglang_tests() {  # SGLang's Engram modules on its CUDA path against the plugin's
@@ -191,7 +191,7 @@ phase_sglang_tests() {  # SGLang's Engram modules on its CUDA path against the p
 phase_sglang_bench() {  # SGLang's lookup and model step against engramd's, both MPS modes
   bash benchmarks/sglang_gpu/setup_device.sh >"$out/sglang_setup.log" 2>&1 || return 1
   PYTHONPATH=${SGLANG_GPU_SITE:-/tmp/sglang-gpu-site} python3 benchmarks/sglang_gpu/bench_lookup.py --mps both \
-    --profile 1:1 16:1 256:1 --out "$out/sglang_bench" 2>&1 | tee "$out/sglang_bench.log" | grep -v "^|" | tail -60
+    --profile 1:1 16:1 --out "$out/sglang_bench" 2>&1 | tee "$out/sglang_bench.log" | grep -v "^|" | tail -60
 }
 
 # --- benchmarks

@@ -23,7 +23,7 @@ from engramd.kernels import gather_ref
 from engramd.server.checkpoint import EngramCheckpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from common import daemon, ids, rows, tables, timing  # noqa: E402
+from common import cell_profile, daemon, ids, rows, tables, timing  # noqa: E402
 
 DEMO = TableGeometry.named("demo")
 
@@ -183,3 +183,40 @@ def test_model_step_takes_each_leads_sm_fraction_once_and_only_for_a_timed_lead(
         with pytest.raises(SystemExit):
             model_step.parse_args(["--lead", "1", "4", "--mapped-sm-fraction", *bad])
         assert says in capsys.readouterr().err
+
+
+def test_parse_cells_reads_t_lead_pairs_and_names_a_malformed_one():
+    assert cell_profile.parse_cells(["1:1", "256:12", "1:1"]) == {(1, 1), (256, 12)}
+    assert cell_profile.parse_cells(None) == set()
+    for bad in ("1-1", "0:1", "1:", ":4", "a:1", "1:-1"):
+        with pytest.raises(ValueError, match=repr(bad)):
+            cell_profile.parse_cells([bad])
+
+
+def _a_distinctly_named_step(ids: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(ids.double(), 0)
+
+
+def test_profile_cell_writes_a_trace_and_names_the_steps_python_and_operators(tmp_path):
+    import gzip
+    import json
+
+    calls = []
+
+    def step(ids):
+        calls.append(int(ids[0]))
+        return _a_distinctly_named_step(ids)
+
+    pool = [torch.full((4,), k) for k in range(7)]
+    head = cell_profile.profile_cell(timing.Clock(torch.device("cpu")), step, pool, warm=2,
+                                     path=tmp_path / "profile" / "cell")
+    # warm, profiled, warm again, profiled again: the profiled steps see the pool's last five
+    assert calls == [0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4, 5, 6]
+    trace = json.loads(gzip.decompress((tmp_path / "profile" / "cell.trace.json.gz").read_bytes()))
+    names = {event.get("name") for event in trace["traceEvents"]}
+    assert "benchmark step" in names and "aten::cumsum" in names
+    report = (tmp_path / "profile" / "cell.txt").read_text()
+    assert report.startswith("cell: 5 steps")
+    assert "aten::cumsum" in report and "_a_distinctly_named_step" in report
+    assert head and report.startswith(head)
+    assert not (tmp_path / "profile" / "cell.trace.json").exists()  # only the packed trace stays

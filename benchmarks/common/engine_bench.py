@@ -10,11 +10,13 @@ each benchmark keeps its own.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from mps import child_reports, mps_argument, mps_modes, needs_children, run_children
+from torch import Tensor
 
+from common.cell_profile import parse_cells, profile_cell
 from common.report import cpu_model, run_header, write_report
 
 JSON_NAME, MD_NAME = "bench_lookup.json", "bench_lookup.md"
@@ -22,6 +24,7 @@ KEYS = ("runs", "lookups", "steps")
 PARTS = ("lookup", "step")
 CLIENT_MODES = ("mapped", "served")
 Markdown = Callable[[dict], str]
+PROFILE_STEPS = 20  # a profiled cell's steps: a trace of a few MB at most
 
 
 def header(benchmark: str) -> dict:
@@ -60,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser, engine: str, table_gib: float
     parser.add_argument("--daemon-args", default="",
                         help="extra `engramd serve` flags, one string (write it with '=')")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--profile", nargs="+", metavar="T:LEAD", default=[],
+                        help="after each model-step variant's cells, profile these cells of it "
+                             f"({PROFILE_STEPS} steps; common/cell_profile.py): files in OUT/profile/")
     mps_argument(parser)
 
 
@@ -73,7 +79,22 @@ def finish_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace,
         parser.error("--dry-run runs without MPS (--mps off)")
     if args.steps < 1 or args.warm < 0 or min(args.tokens) < 1 or min(args.lead) < 0:
         parser.error("--steps and --tokens must be >= 1, --warm and --lead >= 0")
+    try:
+        args.profile_cells = sorted(parse_cells(args.profile))
+    except ValueError as exc:
+        parser.error(str(exc))
     return args
+
+
+def profile_steps(args: argparse.Namespace, clock, model,
+                  pool: Callable[[int, int], Sequence[Tensor]]) -> None:
+    """The --profile cells of one model-step variant (`model.step(lead)`, `pool(tokens, n)`: n
+    batches of T), each written to OUT/profile/<variant>_T<T>_lead<LEAD>.*, its head printed."""
+    for tokens, lead in args.profile_cells:
+        name = f"{model.name}_T{tokens}_lead{lead}"
+        head = profile_cell(clock, model.step(lead), pool(tokens, args.warm + PROFILE_STEPS), args.warm,
+                            Path(args.out) / "profile" / name)
+        print(head, flush=True)
 
 
 def run_parent(script: Path, args: argparse.Namespace, benchmark: str, markdown: Markdown) -> int:

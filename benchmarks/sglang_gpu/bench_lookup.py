@@ -166,6 +166,7 @@ class Run:
                     line.append(f"{mode} {cell['step_us']:.0f}")
                 print(f"  {model.name} T={tokens} lead={lead}: {', '.join(line)} us/step",
                       flush=True)
+        engine_bench.profile_steps(self.args, self.device.clock, model, self.token_pools.pool)
 
     def _time(self, step, pool: list[Tensor], mode: str) -> dict[str, Any]:
         return time_cell(self.device.clock, step, pool, self.args.warm, mode == "synced")

@@ -184,8 +184,9 @@ class Run:
                 print(f"  {variant.name}{self.round_label(number)} T={tokens}: {', '.join(line)} us",
                       flush=True)
 
-    def time_model_steps(self, model) -> None:
-        """A ModelStep's or a GraphStep's cells: step time and the host's time per step."""
+    def time_model_steps(self, model, profile: bool = True) -> None:
+        """A ModelStep's or a GraphStep's cells: step time and the host's time per step; then,
+        unless told not to, its --profile cells."""
         note = f" ({model.note})" if getattr(model, "note", "") else ""
         for number in range(self.args.rounds):
             for tokens in self.tokens:
@@ -199,6 +200,8 @@ class Run:
                         line.append(f"{mode} {cell['step_us']:.0f} (host {cell['host_us']:.0f})")
                     print(f"  {model.name}{note}{self.round_label(number)} T={tokens} lead={lead}: "
                           f"{', '.join(line)} us/step", flush=True)
+        if profile:
+            engine_bench.profile_steps(self.args, self.device.clock, model, self.ids.pool)
 
     def _time(self, step, tokens: int, mode: str) -> dict[str, Any]:
         pool = self.ids.pool(tokens, self.args.warm + self.args.steps)
@@ -368,7 +371,11 @@ class Run:
                     graphs[1].recorded(tokens, lead)
             if exact:
                 for graph in graphs:
-                    self.time_model_steps(graph)
+                    self.time_model_steps(graph, profile=False)
+                # The floor's first: in a dry run its steps run eagerly, and refuse more tokens
+                # than the captured lookup's last (its last timed cell's, the grid's most).
+                for graph in reversed(graphs):
+                    engine_bench.profile_steps(self.args, self.device.clock, graph, self.ids.pool)
             self.check_replays(captured)
         finally:
             for graph in graphs:
