@@ -121,8 +121,9 @@ class EngramRunnerAdapter:
         """The hash IDs of a step's tokens, on `stream`; validated on the CPU only (on a GPU
         that would synchronise)."""
         with self._on(stream):  # the copies too: the hash reads them in this stream's order
-            token_ids, cu_seqlens, dead = (None if tensor is None else tensor.to(self.device, non_blocking=True)
-                                           for tensor in (token_ids, cu_seqlens, dead))
+            token_ids = token_ids.to(self.device, non_blocking=True)
+            cu_seqlens, dead = (None if tensor is None else tensor.to(self.device, non_blocking=True)
+                                for tensor in (cu_seqlens, dead))
             return self.hasher.hash_batch(token_ids, cu_seqlens, dead, state,
                                           validate=self.device.type != "cuda")
 

@@ -103,9 +103,11 @@ class CapturedLookup:
         scratch = desc.TableDescriptor(nothing, self.device, stream=self._stream)
         most = self.ids.shape[0]
         launches = [(1, False)] + ([(1, True), (most, True)] if 0 < self._sort_from <= most else [])
-        for tokens, sort in launches:
-            self._plan(self.ids[:tokens], self.rows(tokens), num_programs=self._programs, sort=sort,
-                       descriptor=scratch)
+        # Triton launches on the thread's device, not the tensors': this client's, then.
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext():
+            for tokens, sort in launches:
+                self._plan(self.ids[:tokens], self.rows(tokens), num_programs=self._programs,
+                           sort=sort, descriptor=scratch)
         self.settle()
 
     # -- what the engine calls ------------------------------------------------------------------
@@ -319,7 +321,7 @@ class Upkeep:
 
     def _run(self, keep_up: Callable[[Callable[[float], bool]], None], device: torch.device) -> None:
         if device.type == "cuda":
-            cuda.make_current(device.index)  # a reconnect maps tables and builds gathers here
+            cuda.enter_thread(device.index)  # a reconnect maps tables and builds gathers here
         while not self._stop.wait(UPKEEP_S):
             try:
                 keep_up(self._stop.wait)

@@ -230,6 +230,7 @@ class ServedGpu(ClientPath):
         tokens = ids.shape[0]
         # One copy, no conversion kernel: the slot keeps the caller's dtype.
         if ids.is_cuda and ids.device == self._client.device and ids.is_contiguous():
+            ids.record_stream(stream)  # the caller may drop them before `stream` has copied them
             slab.ops.copy(raw, slab.ids_address[slot], ids.data_ptr(), ids.numel() * ids.element_size())
         else:
             with torch.cuda.stream(stream):

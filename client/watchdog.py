@@ -56,7 +56,7 @@ class Watchdog:
         if client.device.type == "cuda":
             from engramd.client.shared import cuda
 
-            cuda.make_current(client.device.index)  # the release's driver calls need the context
+            cuda.enter_thread(client.device.index)  # the release's driver calls need the context
         beat = Connection(client.socket_path)
         next_beat = 0.0
         try:

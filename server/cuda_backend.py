@@ -331,7 +331,6 @@ class CudaBackend:
             raise CudaError("no CUDA device is visible")
         self.geometry = geometry
         self.inline = inline
-        self._inline_device: int | None = None
         self.options = options or GatherOptions()
         self.pinned = PinnedTables(tables, registration)  # the tables' pin is ours from here
         self.pinned_bytes = sum(t.nbytes for t in tables)
@@ -426,10 +425,9 @@ class CudaBackend:
 
     def submit(self, job: LookupJob, done: Completion) -> None:
         if self.inline:  # enqueueing is asynchronous, so the request loop may do it itself
-            index = job.slab.device_index
-            if index != self._inline_device:  # launches go to the current device's context
-                torch.cuda.set_device(index)
-                self._inline_device = index
+            # Launches go to the current device's context, set every time: whatever else the loop
+            # did since (made a slab, switched tables) may have left it on another GPU.
+            torch.cuda.set_device(job.slab.device_index)
             run_job(job, done)
         else:
             self.workers[job.slab.device_index].submit(job, done)

@@ -1,8 +1,12 @@
-"""The streams engramd queues its own work on are never torch's pooled ones: torch hands the same
-32 streams a device out round-robin, to engines' graph captures too, so a pooled stream of ours
-could be the stream an engine is capturing (our copies recorded into its graph, or our syncs
-breaking the capture) or one that waits behind a dead client's counter. Checked without a GPU:
-the sources, the giving back of an owned stream, and the descriptor's refusal."""
+"""engramd's own CUDA work stays out of an engine's graph captures.
+
+The streams it queues work on are never torch's pooled ones: torch hands the same 32 streams a
+device out round-robin, to engines' graph captures too, so a pooled stream of ours could be the
+stream an engine is capturing (our copies recorded into its graph, or our syncs breaking the
+capture) or one that waits behind a dead client's counter. Its threads enter CUDA in relaxed
+capture mode, so that their calls do not spoil an engine's capture in the default mode.
+Checked without a GPU: the sources, the giving back of an owned stream, the descriptor's
+refusal, and what a thread's entry asks of the runtime (a stand-in for it)."""
 
 from __future__ import annotations
 
@@ -60,3 +64,15 @@ def test_a_gpu_descriptor_refuses_to_be_made_without_a_stream_of_its_owners():
     with pytest.raises(ValueError, match="stream of its owner's own"):
         desc.TableDescriptor(nothing, torch.device("cuda", 0))
     assert desc.TableDescriptor(nothing, torch.device("cpu")).snapshot() is not None
+
+
+def test_a_thread_enters_on_its_device_in_relaxed_capture_mode(monkeypatch):
+    calls = []
+    modes = SimpleNamespace(cudaStreamCaptureModeGlobal=0, cudaStreamCaptureModeRelaxed=2)
+    runtime = SimpleNamespace(
+        cudaStreamCaptureMode=modes,
+        cudaSetDevice=lambda index: calls.append(("device", index)) or (0,),
+        cudaThreadExchangeStreamCaptureMode=lambda mode: calls.append(("mode", mode)) or (0, 0))
+    monkeypatch.setattr(cuda, "cudart", runtime)
+    cuda.enter_thread(5)
+    assert calls == [("device", 5), ("mode", modes.cudaStreamCaptureModeRelaxed)]

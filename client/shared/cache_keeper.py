@@ -192,7 +192,7 @@ class CacheKeeper:
 
     def _run(self, warm_up: WarmUpTrace | None) -> None:
         if self._stream is not None:
-            torch.cuda.set_device(self.cache.device)
+            cuda.enter_thread(self.cache.device.index)
         if warm_up is not None:
             self._warm_from(warm_up)
         while not self._stop.wait(self.interval):

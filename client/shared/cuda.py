@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from engramd.client.errors import CudaUnavailableError
@@ -114,11 +116,8 @@ class DeviceAllocation:
         self._handle = handle
         self.ptr = 0
         self._mapped = False
-        import torch
-
         try:
-            with torch.cuda.device(device_index):
-                make_current(device_index)
+            with on_device(device_index):
                 self.ptr = int(check("cuMemAddressReserve",
                                      cu.cuMemAddressReserve(size, _granularity(device_index), 0, 0)))
                 self._map()
@@ -138,19 +137,19 @@ class DeviceAllocation:
     def create(cls, device_index: int, size: int) -> DeviceAllocation:
         """`size` bytes (rounded up to the allocation granularity) on device `device_index`."""
         require_cuda_python()
-        make_current(device_index)
-        granularity = _granularity(device_index)
-        size = (size + granularity - 1) // granularity * granularity
-        handle = check("cuMemCreate", cu.cuMemCreate(size, _allocation_prop(device_index), 0))
+        with on_device(device_index):
+            granularity = _granularity(device_index)
+            size = (size + granularity - 1) // granularity * granularity
+            handle = check("cuMemCreate", cu.cuMemCreate(size, _allocation_prop(device_index), 0))
         return cls(handle, size, device_index)
 
     @classmethod
     def from_descriptor(cls, fd: int, size: int, device_index: int) -> DeviceAllocation:
         """Import a peer's allocation of `size` bytes; the caller still owns (and closes) `fd`."""
         require_cuda_python()
-        make_current(device_index)
-        handle = check("cuMemImportFromShareableHandle", cu.cuMemImportFromShareableHandle(
-            fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))
+        with on_device(device_index):
+            handle = check("cuMemImportFromShareableHandle", cu.cuMemImportFromShareableHandle(
+                fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))
         return cls(handle, size, device_index)
 
     def descriptor(self) -> int:
@@ -162,10 +161,7 @@ class DeviceAllocation:
         """Map a peer's allocation of the same size at this address instead of the one mapped
         here, and let go of that one (the device must be done with it). Tensors over the address
         then read the new memory; `fd` stays the caller's."""
-        import torch
-
-        with torch.cuda.device(self.device_index):
-            make_current(self.device_index)
+        with on_device(self.device_index):
             handle = check("cuMemImportFromShareableHandle", cu.cuMemImportFromShareableHandle(
                 fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))
             try:
@@ -178,10 +174,7 @@ class DeviceAllocation:
 
     def close(self) -> None:
         """Unmap and release this process's hold (the device must be done with the memory)."""
-        import torch
-
-        with torch.cuda.device(self.device_index):
-            make_current(self.device_index)
+        with on_device(self.device_index):
             self._unmap_and_release()
             ptr, self.ptr = self.ptr, 0
             if ptr:
@@ -193,6 +186,31 @@ class DeviceAllocation:
             check("cuMemUnmap", cu.cuMemUnmap(self.ptr, self.size))
         if handle is not None:
             check("cuMemRelease", cu.cuMemRelease(handle))
+
+
+@contextmanager
+def on_device(device_index: int) -> Iterator[None]:
+    """The device's primary context current in this thread (make_current) for the block, and the
+    thread's device as it was after it: a daemon's request loop that makes a slab for one GPU
+    must not go on launching another GPU's lookups in that one's context."""
+    import torch
+
+    with torch.cuda.device(device_index):  # restores the thread's device on the way out
+        make_current(device_index)
+        yield
+
+
+def enter_thread(device_index: int) -> None:
+    """The first call of each thread of engramd's own that touches CUDA (the cache keeper, the
+    heartbeat, the captured lookup's upkeep, remapping, unmapping, registering): the device's
+    context current (make_current), and the thread's calls let through while an engine captures
+    a CUDA graph in CUDA's default (global) mode, which vLLM's and SGLang's captures use. There,
+    a potentially unsafe call (an allocation, a synchronize) from any other thread in the
+    default mode is refused and spoils the capture. These threads touch only streams and memory
+    of their own, never a capture's, so relaxed mode is safe for them."""
+    make_current(device_index)
+    relaxed = cudart.cudaStreamCaptureMode.cudaStreamCaptureModeRelaxed
+    check("cudaThreadExchangeStreamCaptureMode", cudart.cudaThreadExchangeStreamCaptureMode(relaxed))
 
 
 def make_current(device_index: int) -> None:

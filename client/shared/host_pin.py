@@ -20,7 +20,7 @@ import mmap
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 
-from engramd.client.shared.cuda import CudaError, check, cudart, make_current, require_cuda_python
+from engramd.client.shared.cuda import CudaError, check, cudart, enter_thread, require_cuda_python
 from engramd.client.shared.huge_pages import HugeView
 from engramd.client.shared.libc import libc
 
@@ -129,7 +129,7 @@ def _register(part: tuple[int, int], flags: int, device: int | None) -> int:
     """Register one part; on any failure after the registration, unregister it again."""
     address, nbytes = part
     if device is not None:
-        make_current(device)
+        enter_thread(device)
     check(f"cudaHostRegister({nbytes} bytes at {address:#x})",
           cudart.cudaHostRegister(address, nbytes, flags))
     try:

@@ -136,7 +136,7 @@ def close_in_background(tables: MappedTables) -> threading.Thread:
     2-CPU VM), and a GPU unregisters them; neither may stall a lookup."""
     def close() -> None:
         if tables.device.type == "cuda":
-            cuda.make_current(tables.device.index)  # else the unregister lands on device 0
+            cuda.enter_thread(tables.device.index)  # else the unregister lands on device 0
         tables.close(synchronize=False)
 
     thread = threading.Thread(target=close, name="engramd-unmap", daemon=True)
@@ -162,7 +162,7 @@ class PendingMapping:
              device: torch.device) -> None:
         try:
             if device.type == "cuda":
-                cuda.make_current(device.index)  # else the registration lands on device 0
+                cuda.enter_thread(device.index)  # else the registration lands on device 0
             version, seq, grants = fetch()
             try:
                 # A GPU reads through the registration's own mapping: populate only the CPU's.
@@ -228,8 +228,9 @@ def mapped_gather(shard: ShardView, tables: MappedTables, device: torch.device, 
     # Exactly what gather_gpu launches: bf16 rows, always counted, through this cache. The grid
     # is a launch argument, but it picks a sorted lookup's block size (sorted_block_rows), which
     # is one: warm_up compiles both sizes, so no fraction of a lookup's own compiles in the hot path.
-    plan.warm_up(caches=(cache,), sort=(False, True) if sort_min_tokens else (False,),
-                 dedupe=(False,), packed=(False,), counted=(True,))
+    with torch.cuda.device(device):  # Triton launches on the thread's device, not the tensors'
+        plan.warm_up(caches=(cache,), sort=(False, True) if sort_min_tokens else (False,),
+                     dedupe=(False,), packed=(False,), counted=(True,))
     counter = counter if counter is not None else torch.zeros(1, dtype=torch.int64, device=device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     default_programs = grid_programs(sms, default_fraction)

@@ -2,8 +2,9 @@
 reference bit for bit, follow a reload and a daemon restart without a new capture, and write NaN
 rows, which check() reports, while the client has no tables: never another table's rows.
 
-Graphs are captured with capture_error_mode="thread_local", as docs/client.md asks of engines:
-the client's threads (the cache keeper, the upkeep) make CUDA calls while the engine captures."""
+Graphs are captured with capture_error_mode="thread_local", as docs/client.md asks of engines,
+but for one test: the client's threads (the cache keeper, the upkeep) make CUDA calls while the
+engine captures, in CUDA's default mode too, as vLLM and SGLang capture."""
 
 from __future__ import annotations
 
@@ -155,6 +156,31 @@ def test_a_daemon_restart_on_other_tables_gives_nan_replays_then_the_new_rows(
         assert second.health()["ready"]
     finally:
         client.close()
+
+
+def test_captures_in_cudas_default_mode_beside_the_clients_threads(daemon_factory, reference):
+    """vLLM and SGLang capture in CUDA's default (global) mode, where a possibly unsafe CUDA call
+    from any other thread in the default mode is refused and spoils the capture. A mapped
+    client's own threads (its cache keeper, refreshing every 5 ms over the lookups in between,
+    and its heartbeat) go on while the engine captures: each capture, held open 20 ms, must
+    succeed, and its replays equal the reference."""
+    daemon = daemon_factory(extra=CUDA)
+    rng = np.random.default_rng(43)
+    with EngramClient(daemon.socket, device="cuda", mode="mapped", max_tokens=MAX_TOKENS) as client:
+        assert client._mapped_path.tables.keeper is not None  # the thread this is about runs
+        buffer = torch.full((MAX_TOKENS, client.geometry.n_layers, client.geometry.heads), -1,
+                            dtype=torch.int64, device="cuda")
+        captured = client.capturable_lookup(buffer)
+        hot = random_ids(rng, 64, reference.rows, reference.heads, out_of_range=0.0)
+        for capture in range(12):
+            for _ in range(4):  # reads for the keeper to count, cache and refresh over
+                client.lookup(torch.from_numpy(hot).cuda()).result()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):  # capture_error_mode="global", the default
+                rows = captured.record(16)
+                time.sleep(0.02)  # the keeper refreshes meanwhile
+            ids = random_ids(rng, 16, reference.rows, reference.heads)
+            assert rows_match(replay(graph, captured, rows, ids), reference, ids), f"capture {capture}"
 
 
 def test_a_closed_capture_writes_nothing_and_what_cannot_capture_says_so(daemon_factory, reference):
