@@ -104,7 +104,9 @@ class CudaSlabView:
             self._map_counters(attachment)
             # Where the watchdog invalidates rows the daemon will not write (invalidate()).
             self.release_stream = cuda.new_stream(device.index)
-        except BaseException:
+        except BaseException:  # what was mapped goes with it
+            if self.counters is not None:
+                self.counters.close()
             self.memory.close()
             raise
         self.ids_address = [self.ptr + layout.ids_offset(s) for s in range(layout.slots)]
