@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fetch, on a machine with a package index, the wheels that engramd needs on the lent GPU
+# Fetch, on a machine with a package index, the wheels that engramd needs on the GPU test
 # machine and that its image lacks (it has torch, Triton and cuda-python, and no network), into
 # .whl/ (ignored by git). gpu_session.sh installs them there from that folder:
 #   bash benchmarks/fetch_wheels.sh && <device run, carrying .whl> bash benchmarks/gpu_session.sh OUT PHASE
