@@ -16,6 +16,7 @@ method runs on the loop's thread.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import time
@@ -43,6 +44,7 @@ class RequestSocket:
     def __init__(self, ctx: zmq.Context, service: Service):
         """`service` counts the errors and retires a gone peer's clients."""
         self.service = service
+        seed_routing_ids()  # before the socket: its first routing id is drawn when it is made
         self.sock = ctx.socket(zmq.ROUTER)  # closed by close(), whether bound or not
         self.path: Path | None = None  # once bound there
         self._dropped = Throttled(log)  # a peer that reads no replies must not flood the log
@@ -150,6 +152,21 @@ class RequestSocket:
         self.sock.close(0)
         if self.path is not None:
             self.path.unlink(missing_ok=True)
+
+
+def seed_routing_ids() -> None:
+    """Seed the C library's rand() from the kernel's randomness. libzmq names each peer that names
+    no routing id of its own (every client of this library) by a counter that starts at rand()
+    when the ROUTER is made, and aborts the process (an assertion in add_out_pipe) when the id it
+    hands out is one a peer has claimed for itself; peers may claim any id not in use. rand() was
+    never seeded, so the counter started at the same number in every daemon (0x6b8b4567 with
+    glibc), and a peer that claimed the next few ids aborted the daemon at the next connection.
+    Seeded, the start is one of 2**32 a peer cannot see (ids are never sent to peers)."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.srand(ctypes.c_uint(int.from_bytes(os.urandom(4), "little")))
+    except (OSError, AttributeError):  # no C library to seed here: libzmq seeds its own, or none
+        log.warning("cannot seed rand(): libzmq's routing ids start where they always do")
 
 
 def admit_only_allowed_peers(sock: zmq.Socket, service: Service) -> None:

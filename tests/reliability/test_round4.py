@@ -1,0 +1,78 @@
+"""A fourth round of attacks by a hostile local user on a real daemon (CPU backend, demo tables):
+each test here is one finding, and fails without its fix.
+
+What this is not: the earlier rounds (test_hostile.py, test_round3.py), access by file modes
+(test_access.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+import time
+
+import msgpack
+import zmq
+
+from engramd.client.shared.protocol import PROTOCOL_VERSION
+
+
+def dealer(daemon, timeout_ms: int = 10_000, routing_id: bytes | None = None) -> zmq.Socket:
+    peer = zmq.Context.instance().socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.setsockopt(zmq.RCVTIMEO, timeout_ms)
+    if routing_id is not None:
+        peer.setsockopt(zmq.ROUTING_ID, routing_id)
+    peer.connect(f"ipc://{daemon.socket}")
+    return peer
+
+
+def request(peer: zmq.Socket, op: str, rid: int, **fields) -> dict:
+    peer.send(msgpack.packb({"v": PROTOCOL_VERSION, "op": op, "rid": rid, **fields}))
+    return msgpack.unpackb(peer.recv())
+
+
+def wait_ready_in_log(daemon, timeout: float = 120.0) -> None:
+    """Ready, as the daemon's log says: no probe connects meanwhile (each takes a routing id)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert daemon.proc.poll() is None, daemon.log()
+        if " ready: " in daemon.log():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"daemon not ready within {timeout} s:\n{daemon.log()}")
+
+
+def unseeded_rand_start() -> int:
+    """Where libzmq's routing ids start in a process whose C library's rand() was never seeded:
+    its generate_random() of the first two rand() numbers (glibc's seed 1)."""
+    libc = ctypes.CDLL(None)
+    libc.srand(1)
+    low, high = libc.rand(), libc.rand()
+    return ((high << 31) | low) & 0xFFFFFFFF
+
+
+# -- 1. routing ids ------------------------------------------------------------------------------
+
+
+def test_peers_that_claim_routing_ids_cannot_abort_the_daemon(daemon_factory):
+    """libzmq names a peer that names no routing id of its own (every client of this library)
+    by a counter, and aborts the process (an assertion) when that counter reaches an id a peer
+    claimed for itself. The counter started at rand() of a C library nobody had seeded: at the
+    same number in every daemon. A peer that claimed the next 64 ids aborted the daemon at the
+    next `engramd health`."""
+    daemon = daemon_factory(ready=False)
+    wait_ready_in_log(daemon)
+    start = unseeded_rand_start()
+    claims = [dealer(daemon, routing_id=b"\x00" + struct.pack(">I", (start + k) & 0xFFFFFFFF))
+              for k in range(64)]
+    try:
+        for rid, peer in enumerate(claims, 1):  # each a peer of the daemon's, once answered
+            assert request(peer, "health", rid)["status"] == "ok"
+        for _ in range(8):  # good peers, each named by the counter
+            assert daemon.health(timeout=10.0) is not None, \
+                f"no answer; the daemon's exit status {daemon.proc.poll()}:\n{daemon.log()[-2000:]}"
+        assert daemon.proc.poll() is None, daemon.log()
+    finally:
+        for peer in claims:
+            peer.close(0)
