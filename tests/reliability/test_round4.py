@@ -8,11 +8,14 @@ What this is not: the earlier rounds (test_hostile.py, test_round3.py), access b
 from __future__ import annotations
 
 import ctypes
+import os
 import struct
+import subprocess
 import time
 
 import msgpack
 import zmq
+from helpers import attach_raw, engramd_command
 
 from engramd.client.shared.protocol import PROTOCOL_VERSION
 
@@ -30,6 +33,17 @@ def dealer(daemon, timeout_ms: int = 10_000, routing_id: bytes | None = None) ->
 def request(peer: zmq.Socket, op: str, rid: int, **fields) -> dict:
     peer.send(msgpack.packb({"v": PROTOCOL_VERSION, "op": op, "rid": rid, **fields}))
     return msgpack.unpackb(peer.recv())
+
+
+def register(peer: zmq.Socket, rid: int, **fields) -> dict:
+    fields = {"pid": os.getpid(), "device": "cpu", "tp_rank": 0, "tp_size": 1, "max_tokens": 4,
+              "slots": 1, **fields}
+    return request(peer, "register", rid, **fields)
+
+
+def engramd_stats(daemon, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*engramd_command(), "stats", "--socket", str(daemon.socket), *flags],
+                          capture_output=True, text=True, timeout=60)
 
 
 def wait_ready_in_log(daemon, timeout: float = 120.0) -> None:
@@ -76,3 +90,36 @@ def test_peers_that_claim_routing_ids_cannot_abort_the_daemon(daemon_factory):
     finally:
         for peer in claims:
             peer.close(0)
+
+
+# -- 2. what `stats` carries ---------------------------------------------------------------------
+
+
+def test_a_device_name_past_any_real_one_is_refused_and_stats_keep_working(daemon_factory):
+    """A mapped registration's `device` was never checked (only a served one's, against the
+    backend's devices) and every client's reaches `stats`: three mapped clients naming devices
+    of 30,000 characters made the stats reply larger than any reply a client reads (64 KiB), and
+    `engramd stats` failed for everyone while they lived. A device is now "cpu" or
+    "cuda:<id>" of at most 64 letters, digits and dashes; anything else is refused by name."""
+    daemon = daemon_factory()
+    peer = dealer(daemon)
+    leases = []
+    try:
+        for rid, device in enumerate(["cuda:GPU-" + "x" * 30_000] * 3 + ["cpu\x1b[2J", "cuda:",
+                                                                         "GPU-0"], 1):
+            reply = register(peer, rid, mode="mapped", device=device)
+            if reply["status"] == "ok":
+                leases.append(attach_raw(daemon.socket, reply).lease)
+            assert (reply["status"], reply["code"]) == ("error", "bad_request"), reply["code"]
+            assert "device" in reply["message"] and len(reply["message"]) < 400, reply["message"]
+        good = register(peer, 10, mode="mapped", device="cuda:GPU-5a1f0c2e-9d7b-4e1a-8c3f-0b6d2e4f1a2b")
+        assert good["status"] == "ok", good
+        leases.append(attach_raw(daemon.socket, good).lease)
+        cli = engramd_stats(daemon)
+        assert cli.returncode == 0, cli.stderr
+        assert "cuda:GPU-5a1f0c2e" in cli.stdout
+    finally:
+        for lease in leases:
+            lease.close()
+        peer.close(0)
+
