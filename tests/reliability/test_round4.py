@@ -17,6 +17,7 @@ import msgpack
 import zmq
 from helpers import attach_raw, engramd_command
 
+from engramd.client.shared.connection import probe
 from engramd.client.shared.protocol import PROTOCOL_VERSION
 
 
@@ -123,3 +124,27 @@ def test_a_device_name_past_any_real_one_is_refused_and_stats_keep_working(daemo
             lease.close()
         peer.close(0)
 
+
+def test_stats_of_a_daemon_with_hundreds_of_clients_still_reach_the_cli(daemon_factory):
+    """max_clients may be 4,096, and the admins' `clients` reply is read up to 4 MiB for them,
+    but a client read no reply header over 64 KiB: past about 300 clients of GPU engines the
+    `stats` reply (a summary per client) was larger, and `engramd stats` failed with a protocol
+    error on a daemon doing nothing wrong. Replies are read up to 4 MiB now."""
+    daemon = daemon_factory(extra=["--max-clients", "400", "--max-clients-per-uid", "0"])
+    peer = dealer(daemon)
+    leases = []
+    try:
+        for rid in range(1, 351):
+            reply = register(peer, rid, mode="mapped",
+                             device=f"cuda:GPU-5a1f0c2e-9d7b-4e1a-8c3f-{rid:012x}")
+            assert reply["status"] == "ok", reply
+            leases.append(attach_raw(daemon.socket, reply).lease)
+        stats = probe(daemon.socket, "stats", 30.0).body
+        assert len(stats.clients) == 350
+        cli = engramd_stats(daemon, "--timeout", "30")
+        assert cli.returncode == 0, cli.stderr
+        assert "clients 350" in cli.stdout
+    finally:
+        for lease in leases:
+            lease.close()
+        peer.close(0)
