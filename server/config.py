@@ -8,6 +8,7 @@ checked on load; an error names the file, the key and the bad value. Command-lin
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 from collections.abc import Callable
@@ -228,6 +229,8 @@ def _check(source: str, setting: Setting, value: Any) -> Any:
         value = value.replace("{uid}", str(os.geteuid()))
     if not isinstance(value, setting.kind) or (isinstance(value, bool) and setting.kind is not bool):
         raise bad(f"expected {setting.kind.__name__}")
+    if setting.kind is float and not math.isfinite(value):  # NaN passes every bound below
+        raise bad("expected a finite number")
     if setting.low is not None and value < setting.low:
         raise bad(f"must be >= {setting.low}")
     if setting.high is not None and value > setting.high:

@@ -14,6 +14,7 @@ import subprocess
 import time
 
 import msgpack
+import pytest
 import zmq
 from helpers import attach_raw, engramd_command
 
@@ -148,3 +149,27 @@ def test_stats_of_a_daemon_with_hundreds_of_clients_still_reach_the_cli(daemon_f
         for lease in leases:
             lease.close()
         peer.close(0)
+
+
+# -- 3. settings ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("setting", ["heartbeat_interval = nan", "slab_budget_gib = nan",
+                                     "gather_sm_fraction = nan", "--heartbeat-interval=nan"])
+def test_a_setting_that_is_not_a_number_is_refused_at_start(daemon_factory, tmp_path, setting):
+    """TOML and float() both read `nan`, which passes every bound (each comparison is false):
+    a NaN heartbeat_interval or slab_budget_gib killed the daemon with a traceback once it had
+    bound its socket (exit 1, not EXIT_CONFIG), and a NaN gather_sm_fraction was served, and
+    told to every mapped client. A float setting must be a finite number, named if it is not."""
+    from engramd.server.startup import EXIT_CONFIG
+
+    if setting.startswith("--"):
+        extra = [setting]
+    else:
+        config = tmp_path / "engramd.toml"
+        config.write_text(setting + "\n")
+        extra = ["--config", str(config)]
+    daemon = daemon_factory(extra=extra, ready=False)
+    assert daemon.proc.wait(120) == EXIT_CONFIG, daemon.log()[-3000:]
+    key = setting.removeprefix("--").split("=")[0].strip().replace("-", "_")
+    assert repr(key) in daemon.log() and "Traceback" not in daemon.log(), daemon.log()[-3000:]
