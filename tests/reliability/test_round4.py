@@ -173,3 +173,14 @@ def test_a_setting_that_is_not_a_number_is_refused_at_start(daemon_factory, tmp_
     assert daemon.proc.wait(120) == EXIT_CONFIG, daemon.log()[-3000:]
     key = setting.removeprefix("--").split("=")[0].strip().replace("-", "_")
     assert repr(key) in daemon.log() and "Traceback" not in daemon.log(), daemon.log()[-3000:]
+
+
+def test_a_metrics_port_past_65535_is_refused_at_start(daemon_factory):
+    """metrics_address took any port of up to five digits: 127.0.0.1:99999 passed the config's
+    check and killed the daemon with a traceback (OverflowError from bind) once it had bound its
+    socket, exit 1. A port must be one (0 to 65535)."""
+    from engramd.server.startup import EXIT_CONFIG
+
+    daemon = daemon_factory(extra=["--metrics-address", "127.0.0.1:99999"], ready=False)
+    assert daemon.proc.wait(120) == EXIT_CONFIG, daemon.log()[-3000:]
+    assert "'metrics_address'" in daemon.log() and "Traceback" not in daemon.log(), daemon.log()[-3000:]
