@@ -184,3 +184,26 @@ def test_a_metrics_port_past_65535_is_refused_at_start(daemon_factory):
     daemon = daemon_factory(extra=["--metrics-address", "127.0.0.1:99999"], ready=False)
     assert daemon.proc.wait(120) == EXIT_CONFIG, daemon.log()[-3000:]
     assert "'metrics_address'" in daemon.log() and "Traceback" not in daemon.log(), daemon.log()[-3000:]
+
+
+# -- 4. the command line -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("timeout", ["nan", "-1", "inf"])
+def test_the_cli_refuses_a_timeout_that_is_no_number_of_seconds(daemon_factory, timeout):
+    """`engramd health --timeout nan` against a daemon whose loop is stuck (SIGSTOP here) waited
+    forever, where a health check exists to say it is stuck; `--timeout -1` ended `engramd stats`
+    in a traceback. A timeout is a finite number of seconds, >= 0, or a usage error (exit 2)."""
+    import signal
+
+    daemon = daemon_factory()
+    daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        for command in ("health", "stats"):
+            result = subprocess.run([*engramd_command(), command, "--socket", str(daemon.socket),
+                                     f"--timeout={timeout}"], capture_output=True, text=True,
+                                    timeout=60)
+            assert result.returncode == 2, (command, result.returncode, result.stderr[-2000:])
+            assert "--timeout" in result.stderr and "Traceback" not in result.stderr, result.stderr
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
