@@ -161,7 +161,11 @@ def seed_routing_ids() -> None:
     hands out is one a peer has claimed for itself; peers may claim any id not in use. rand() was
     never seeded, so the counter started at the same number in every daemon (0x6b8b4567 with
     glibc), and a peer that claimed the next few ids aborted the daemon at the next connection.
-    Seeded, the start is one of 2**32 a peer cannot see (ids are never sent to peers)."""
+    Seeded, the start is one of 2**32 no peer is told (ids are never sent to peers). This makes
+    the abort a search, not a certainty: a claim of an id in use is ignored, which a peer can
+    notice, so one that holds K connections and claims ids at random finds where the counter is
+    after some 2**32 / K claims (thousands a second here: hours for K = 100). Only libzmq can
+    close that; allowed_uids/allowed_gids keep everyone else off the socket."""
     try:
         libc = ctypes.CDLL(None)
         libc.srand(ctypes.c_uint(int.from_bytes(os.urandom(4), "little")))
