@@ -207,3 +207,26 @@ def test_the_cli_refuses_a_timeout_that_is_no_number_of_seconds(daemon_factory, 
             assert "--timeout" in result.stderr and "Traceback" not in result.stderr, result.stderr
     finally:
         daemon.proc.send_signal(signal.SIGCONT)
+
+
+# -- 5. where the daemon listens -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("length", [106, 120])
+def test_a_socket_path_too_long_for_a_unix_socket_is_refused_at_start(daemon_factory, tmp_path,
+                                                                      length):
+    """A Unix socket's path holds 107 bytes. A socket path of 106 bound the ZeroMQ socket, then
+    died with a traceback binding the handle socket beside it, whose name is 3 bytes longer
+    (engramd.handles); one of 120 died with a traceback from ZeroMQ. Both exited 1 once the lock
+    was taken. The socket setting is refused at start now, naming it, with EXIT_CONFIG."""
+    from engramd.server.startup import EXIT_CONFIG
+
+    tail = "/run/engramd.sock"
+    pad = length - len(str(tmp_path)) - 1 - len(tail)
+    assert pad > 0, tmp_path
+    workdir = tmp_path / ("w" * pad)
+    workdir.mkdir()
+    daemon = daemon_factory(workdir=workdir, ready=False)
+    assert len(str(daemon.socket)) == length
+    assert daemon.proc.wait(120) == EXIT_CONFIG, daemon.log()[-3000:]
+    assert "socket" in daemon.log() and "Traceback" not in daemon.log(), daemon.log()[-3000:]
