@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("engramd.daemon")
 
+SEND_QUEUE = 1024  # replies one peer may have waiting (bind)
 DEAF_FOR_S = 1.0  # how long a peer whose reply queue was full gets no answers but to lookups
 # The most frames a request may have: the peer's identity, the header, the payload frames.
 MAX_MESSAGE_FRAMES = 2 + protocol.MAX_PAYLOAD_FRAMES
@@ -62,7 +63,11 @@ class RequestSocket:
         path.unlink(missing_ok=True)
         sock = self.sock
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 100_000)
+        # Replies queued for one peer before the next is dropped (and the peer deaf, see send): a
+        # client reads its replies and has at most its slots' lookups in flight (max_slots, 256 at
+        # most). At 100,000, a peer that asked for `stats` and read nothing held 680 MB, and each
+        # further connection as much again.
+        sock.setsockopt(zmq.SNDHWM, SEND_QUEUE)
         # Messages one peer may have queued here before libzmq stops reading its connection (it
         # then waits in the peer's socket; nothing is dropped). Clients keep a few in flight; a
         # flooding peer's deep queue is memory the daemon holds for it, and (the suspicion of

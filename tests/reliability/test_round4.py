@@ -230,3 +230,54 @@ def test_a_socket_path_too_long_for_a_unix_socket_is_refused_at_start(daemon_fac
     assert len(str(daemon.socket)) == length
     assert daemon.proc.wait(120) == EXIT_CONFIG, daemon.log()[-3000:]
     assert "socket" in daemon.log() and "Traceback" not in daemon.log(), daemon.log()[-3000:]
+
+
+# -- 6. memory held for replies nobody reads -------------------------------------------------------
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        line = next(line for line in status if line.startswith("VmRSS:"))
+    return int(line.split()[1]) * 1024
+
+
+UNREAD_STATS = 150_000
+UNREAD_GROWTH_BOUND = 256 << 20
+
+
+def test_replies_a_peer_never_reads_hold_a_bounded_amount_of_memory(daemon_factory):
+    """The daemon queued up to 100,000 replies for each peer before it dropped one. A peer that
+    asks for `stats` (7 KB with 30 clients) and reads nothing made it hold 680 MB, and every
+    further connection as much again: a few exhausted the node's memory. A peer's queue holds
+    1,024 replies now (a client has at most a slot's worth of lookups in flight, 256 at most,
+    and reads its replies)."""
+    daemon = daemon_factory()
+    peer = dealer(daemon)
+    leases = []
+    try:
+        for rid in range(1, 31):
+            reply = register(peer, rid, mode="mapped", device="cuda:GPU-" + "a" * 55)
+            assert reply["status"] == "ok", reply
+            leases.append(attach_raw(daemon.socket, reply).lease)
+        before = rss_bytes(daemon.proc.pid)
+        flood = zmq.Context.instance().socket(zmq.DEALER)
+        flood.setsockopt(zmq.LINGER, 0)
+        flood.setsockopt(zmq.RCVHWM, 1)  # reads nothing, buffers (almost) nothing
+        flood.setsockopt(zmq.SNDHWM, 0)
+        flood.connect(f"ipc://{daemon.socket}")
+        try:
+            frame = msgpack.packb({"v": PROTOCOL_VERSION, "op": "stats", "rid": 1})
+            for _ in range(UNREAD_STATS):
+                flood.send(frame)
+            deadline = time.monotonic() + 300  # until it drops one, or has answered them all
+            while "dropping a reply" not in daemon.log() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            grown = rss_bytes(daemon.proc.pid) - before
+            assert grown < UNREAD_GROWTH_BOUND, f"{grown >> 20} MiB held for one peer's unread replies"
+            assert request(peer, "health", 99)["ready"] is True
+        finally:
+            flood.close(0)
+    finally:
+        for lease in leases:
+            lease.close()
+        peer.close(0)
