@@ -8,10 +8,16 @@ What this is not: the earlier rounds (test_hostile.py, test_round3.py), access b
 from __future__ import annotations
 
 import ctypes
+import json
 import os
+import shutil
 import struct
 import subprocess
+import sys
+import tempfile
+import textwrap
 import time
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -281,3 +287,52 @@ def test_replies_a_peer_never_reads_hold_a_bounded_amount_of_memory(daemon_facto
         for lease in leases:
             lease.close()
         peer.close(0)
+
+
+# -- 7. a daemon in the client's default folder that is not the user's --------------------------
+
+VICTIM = textwrap.dedent("""
+    import json, os, sys
+    from engramd.client.errors import EngramError
+    from engramd.client.shared.connection import default_socket_path, probe
+    os.setgroups([])
+    os.setgid(int(sys.argv[1]))
+    os.setuid(int(sys.argv[1]))
+    try:
+        reply = probe(default_socket_path(), "health", 10.0)
+        print(json.dumps({"outcome": "answered", "ready": reply.body.ready}))
+    except EngramError as exc:
+        print(json.dumps({"outcome": type(exc).__name__, "error": str(exc)}))
+""")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a process as another user")
+def test_a_client_does_not_talk_to_a_daemon_in_a_default_folder_another_user_made(daemon_factory):
+    """A user's default socket is <tmp>/engramd-<uid>/engramd.sock, in a folder anyone may make
+    first. The daemon refuses such a folder (test_hostile.py), but a client used it: another user
+    who made the folder and ran a daemon there answered the user's `engramd health`, and would
+    have served its engines rows of its own. A client now refuses a default folder that is not
+    its own user's, naming its owner."""
+    victim, attacker = 65534, 12345
+    tmp = Path(tempfile.mkdtemp(prefix="egd-", dir="/tmp"))
+    try:
+        tmp.chmod(0o1777)  # as /tmp is: anyone may make a folder in it
+        folder = tmp / f"engramd-{victim}"
+        socket_path = folder / "engramd.sock"
+        daemon = daemon_factory(extra=["--socket", str(socket_path)], ready=False)
+        deadline = time.monotonic() + 120
+        while not (socket_path.exists() and probe(socket_path, "health", 2.0).body.ready):
+            assert daemon.proc.poll() is None and time.monotonic() < deadline, daemon.log()[-3000:]
+            time.sleep(0.1)
+        os.chown(folder, attacker, attacker)  # as if that user had made it, and serves there
+        folder.chmod(0o755)
+        for path in (socket_path, folder / "engramd.handles"):
+            path.chmod(0o666)
+        result = subprocess.run([sys.executable, "-c", VICTIM, str(victim)], capture_output=True,
+                                text=True, timeout=60, env={**os.environ, "TMPDIR": str(tmp)})
+        assert result.returncode == 0, result.stderr[-3000:]
+        outcome = json.loads(result.stdout.splitlines()[-1])
+        assert outcome["outcome"] == "DaemonUnavailableError", outcome
+        assert str(folder) in outcome["error"] and str(attacker) in outcome["error"], outcome
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
