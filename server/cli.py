@@ -17,6 +17,7 @@ import argparse
 import faulthandler
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -316,6 +317,18 @@ def _write_tables(geometry: TableGeometry, args: argparse.Namespace) -> int:
     return 0
 
 
+def seconds(text: str) -> float:
+    """A --timeout or --wait: a finite number of seconds, >= 0 (argparse's usage error otherwise).
+    float() reads 'nan', with which a health check waited forever for a stuck daemon."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds >= 0, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     from engramd.server.config import add_setting_flags
 
@@ -338,12 +351,12 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=text)
         p.add_argument("--socket", help=f"daemon socket (default: {default_socket_path()})")
         p.add_argument("--json", action="store_true", help="machine-readable output")
-        p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
+        p.add_argument("--timeout", type=seconds, default=5.0, help="seconds to wait for the daemon")
         if name == "health":
             p.add_argument("--live", action="store_true",
                            help="exit 0 when the daemon answers at all (liveness), ready or not")
         if name == "reload":
-            p.add_argument("--wait", type=float, default=3600.0,
+            p.add_argument("--wait", type=seconds, default=3600.0,
                            help="seconds to follow the reload (0: only start it)")
         p.set_defaults(func=func)
 

@@ -8,6 +8,7 @@ checked on load; an error names the file, the key and the bad value. Command-lin
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 from collections.abc import Callable
@@ -22,6 +23,9 @@ except ModuleNotFoundError:  # Python 3.10
 
 from engramd.client.errors import ConfigError
 from engramd.client.shared.connection import default_socket_path
+
+# A TCP port, 0 to 65535 (five digits reach 99999, which bind() refuses with a traceback).
+PORT = r"0*(\d{1,4}|[1-5]\d{4}|6[0-4]\d{3}|65[0-4]\d{2}|655[0-2]\d|6553[0-5])"
 
 
 @dataclass(frozen=True)
@@ -143,7 +147,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("self_check", bool, True,
             "before ready: sampled lookups through the serving kernel must equal the checkpoint"),
     Setting("metrics_address", str, "127.0.0.1:9464",
-            "Prometheus metrics HOST:PORT; port 0 disables the endpoint", pattern=r"[^:\s]*:\d{1,5}"),
+            "Prometheus metrics HOST:PORT; port 0 disables the endpoint", pattern=rf"[^:\s]*:{PORT}"),
     Setting("demo_seed", int, 0, "seed of the built-in demo table", low=0, high=2**32 - 1),
     Setting("cache_dir", str, "",
             "where the demo checkpoint is written (empty: engramd-demo-<uid> in the temp folder)"),
@@ -228,6 +232,8 @@ def _check(source: str, setting: Setting, value: Any) -> Any:
         value = value.replace("{uid}", str(os.geteuid()))
     if not isinstance(value, setting.kind) or (isinstance(value, bool) and setting.kind is not bool):
         raise bad(f"expected {setting.kind.__name__}")
+    if setting.kind is float and not math.isfinite(value):  # NaN passes every bound below
+        raise bad("expected a finite number")
     if setting.low is not None and value < setting.low:
         raise bad(f"must be >= {setting.low}")
     if setting.high is not None and value > setting.high:

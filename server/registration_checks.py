@@ -10,6 +10,7 @@ lookup's checks (server/lookup_checks.py).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -18,12 +19,16 @@ from engramd.client.geometry import GeometryError, ShardView, TableGeometry
 from engramd.client.shared.messages import RegisterRequest
 from engramd.client.shared.mps import MpsState
 from engramd.client.shared.slab import SlabLayout
+from engramd.server.accounting import printable
 from engramd.server.backend import Backend
 
 if TYPE_CHECKING:
     from engramd.server.registry import ClientRecord, Limits
 
 MODES = ("served", "mapped")  # how a client is served; "auto" asks the daemon to choose
+# What a client's device may be called: "cpu", or "cuda:" and a GPU's id ("GPU-<uuid>", 40
+# characters; MIG instances' are longer). It reaches `stats` for every client, and the log.
+DEVICE = re.compile(r"cpu|cuda:[A-Za-z0-9-]{1,64}")
 
 
 def check_pinned_tables(req: RegisterRequest, tables_id: str | None) -> None:
@@ -32,6 +37,15 @@ def check_pinned_tables(req: RegisterRequest, tables_id: str | None) -> None:
         raise TablesChangedError(f"this client pinned tables {req.tables}; the daemon serves "
                                  f"{tables_id} now (a reload, or a restart on another "
                                  "checkpoint)")
+
+
+def check_device_name(device: str) -> None:
+    """A device named as clients name them. A served client's is checked against the backend's
+    devices too (Backend.check_device); a mapped one's only here, and each is in every `stats`
+    reply: three of 30,000 characters made it larger than any client reads."""
+    if not DEVICE.fullmatch(device):
+        raise BadRequestError(f"device {printable(device[:80])!r}{'...' if len(device) > 80 else ''}"
+                              ": expected 'cpu' or 'cuda:GPU-<uuid>'")
 
 
 def mode_for(asked: Any, device: str, allowed: tuple[str, ...]) -> str:

@@ -49,6 +49,7 @@ from engramd.server.lookup_checks import check_ids_handed_over, check_lookup, re
 from engramd.server.procwatch import ProcessWatch
 from engramd.server.registration_checks import (
     check_budget,
+    check_device_name,
     check_pinned_tables,
     layout_for,
     mode_for,
@@ -198,6 +199,7 @@ class ClientRegistry:
         if pending >= MAX_PENDING_PER_CONNECTION:
             raise ResourceError(f"{pending} registrations of this connection are not attached yet; "
                                 "attach them (handle socket) before registering more")
+        check_device_name(req.device)
         shard = shard_for(req, self.geometry)
         layout = layout_for(req, shard, self.geometry, self.limits)
         mps = mps_report(self.backend, req.device, req.mps)

@@ -16,6 +16,7 @@ method runs on the loop's thread.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import time
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("engramd.daemon")
 
+SEND_QUEUE = 1024  # replies one peer may have waiting (bind)
 DEAF_FOR_S = 1.0  # how long a peer whose reply queue was full gets no answers but to lookups
 # The most frames a request may have: the peer's identity, the header, the payload frames.
 MAX_MESSAGE_FRAMES = 2 + protocol.MAX_PAYLOAD_FRAMES
@@ -43,6 +45,7 @@ class RequestSocket:
     def __init__(self, ctx: zmq.Context, service: Service):
         """`service` counts the errors and retires a gone peer's clients."""
         self.service = service
+        seed_routing_ids()  # before the socket: its first routing id is drawn when it is made
         self.sock = ctx.socket(zmq.ROUTER)  # closed by close(), whether bound or not
         self.path: Path | None = None  # once bound there
         self._dropped = Throttled(log)  # a peer that reads no replies must not flood the log
@@ -60,7 +63,11 @@ class RequestSocket:
         path.unlink(missing_ok=True)
         sock = self.sock
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 100_000)
+        # Replies queued for one peer before the next is dropped (and the peer deaf, see send): a
+        # client reads its replies and has at most its slots' lookups in flight (max_slots, 256 at
+        # most). At 100,000, a peer that asked for `stats` and read nothing held 680 MB, and each
+        # further connection as much again.
+        sock.setsockopt(zmq.SNDHWM, SEND_QUEUE)
         # Messages one peer may have queued here before libzmq stops reading its connection (it
         # then waits in the peer's socket; nothing is dropped). Clients keep a few in flight; a
         # flooding peer's deep queue is memory the daemon holds for it, and (the suspicion of
@@ -150,6 +157,25 @@ class RequestSocket:
         self.sock.close(0)
         if self.path is not None:
             self.path.unlink(missing_ok=True)
+
+
+def seed_routing_ids() -> None:
+    """Seed the C library's rand() from the kernel's randomness. libzmq names each peer that names
+    no routing id of its own (every client of this library) by a counter that starts at rand()
+    when the ROUTER is made, and aborts the process (an assertion in add_out_pipe) when the id it
+    hands out is one a peer has claimed for itself; peers may claim any id not in use. rand() was
+    never seeded, so the counter started at the same number in every daemon (0x6b8b4567 with
+    glibc), and a peer that claimed the next few ids aborted the daemon at the next connection.
+    Seeded, the start is one of 2**32 no peer is told (ids are never sent to peers). This makes
+    the abort a search, not a certainty: a claim of an id in use is ignored, which a peer can
+    notice, so one that holds K connections and claims ids at random finds where the counter is
+    after some 2**32 / K claims (thousands a second here: hours for K = 100). Only libzmq can
+    close that; allowed_uids/allowed_gids keep everyone else off the socket."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.srand(ctypes.c_uint(int.from_bytes(os.urandom(4), "little")))
+    except (OSError, AttributeError):  # no C library to seed here: libzmq seeds its own, or none
+        log.warning("cannot seed rand(): libzmq's routing ids start where they always do")
 
 
 def admit_only_allowed_peers(sock: zmq.Socket, service: Service) -> None:

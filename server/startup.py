@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from engramd.client.errors import ConfigError
+from engramd.client.shared.handles import handle_socket_path
 from engramd.client.shared.libc import filesystem_type
 from engramd.server.config import DaemonConfig
 from engramd.server.ownership import make_own_folder
@@ -121,10 +122,26 @@ def check_folders(config: DaemonConfig) -> None:
     typo is then reported at once, naming its setting (DaemonHalt with EXIT_CONFIG), not as a
     missing file seconds after the daemon said it was listening."""
     try:
+        check_socket_path(config.socket_path)
         check_tables_folder(config.tables)
         check_shm_dir(Path(config.shm_dir))
     except ConfigError as exc:
         raise DaemonHalt(exc.message, EXIT_CONFIG) from None
+
+
+# What a Unix socket's path may hold (sockaddr_un.sun_path, less its terminating NUL), on Linux.
+UNIX_PATH_MAX = 107
+
+
+def check_socket_path(path: Path) -> None:
+    """ConfigError unless both sockets the daemon binds there fit a Unix socket's path: the
+    ZeroMQ socket, and the handle socket beside it, whose name is 3 bytes longer. One too long
+    was bound, or not, and the start died with a traceback after taking the lock."""
+    longest = max((path, handle_socket_path(path)), key=lambda p: len(os.fsencode(p)))
+    if len(os.fsencode(longest)) > UNIX_PATH_MAX:
+        raise ConfigError(f"socket = {str(path)!r}: {longest} is {len(os.fsencode(longest))} "
+                          f"bytes, more than a Unix socket's path holds ({UNIX_PATH_MAX}); "
+                          "choose a shorter socket path")
 
 
 def check_tables_folder(tables: str) -> None:

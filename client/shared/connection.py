@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import stat
 import tempfile
 import time
 from collections.abc import Callable
@@ -43,8 +44,30 @@ def default_socket_path() -> str:
     return str(Path(tempfile.gettempdir()) / f"engramd-{os.geteuid()}" / "engramd.sock")
 
 
+def check_own_default_folder(socket_path: str | os.PathLike) -> None:
+    """A non-root user's default folder (<tmp>/engramd-<uid>) may be made by anyone first, and
+    a daemon of whoever made it would answer this user's health checks and serve its engines
+    rows of its own. The daemon refuses such a folder; a client does too: DaemonUnavailableError
+    naming its owner, unless it is a folder of this user's. Other paths are the operator's
+    choice ($ENGRAMD_SOCKET, an explicit path), as is root's /run/engramd."""
+    uid = os.geteuid()
+    folder = Path(socket_path).parent
+    if uid == 0 or folder != Path(tempfile.gettempdir()) / f"engramd-{uid}":
+        return
+    try:
+        info = os.lstat(folder)
+    except FileNotFoundError:
+        return  # no daemon there: connecting says so
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != uid:
+        what = "folder" if stat.S_ISDIR(info.st_mode) else "non-folder"
+        raise DaemonUnavailableError(f"{folder} is a {what} of uid {info.st_uid}, not of this user "
+                                     f"(uid {uid}): a daemon there is not yours; remove it, or "
+                                     f"name your daemon's socket (${SOCKET_ENV})")
+
+
 class Connection:
     def __init__(self, socket_path: str | os.PathLike, context: zmq.Context | None = None):
+        check_own_default_folder(socket_path)
         self.socket_path = Path(socket_path)
         self._own_ctx = context is None
         self._ctx = context or zmq.Context()

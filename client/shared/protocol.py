@@ -6,7 +6,7 @@ Every message is a multipart message; msgpack is the only encoding (never pickle
     client -> daemon   [ header ][ payload ... ]            (ROUTER prepends the peer identity)
     daemon -> client   [ header ][ payload ... ]
 
-    header   msgpack map, at most MAX_HEADER_BYTES
+    header   msgpack map, at most MAX_HEADER_BYTES (a reply's: MAX_REPLY_HEADER_BYTES)
              request: {"v": PROTOCOL_VERSION, "op": <op>, "rid": <int>, <op fields>}
              reply:   {"v", "op", "rid", "status": "ok"|"error", "code", "message", "epoch",
                        <result fields>}
@@ -66,6 +66,9 @@ from engramd.client.shared.messages import REPLIES, REQUESTS, Message
 
 PROTOCOL_VERSION = 3  # 2: slab rows at a fixed place per layer; 3: GPU counters in host memory (client/shared/slab.py)
 MAX_HEADER_BYTES = 64 * 1024
+# A reply is the daemon's, and `stats` carries a summary of every client: about 200 bytes each,
+# so 64 KiB held some 300 and max_clients may be 4,096 (as the admins' `clients`, handles.py).
+MAX_REPLY_HEADER_BYTES = 4 << 20
 MAX_PAYLOAD_FRAMES = 1
 MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
 SOCKET_NAME = "engramd.sock"
@@ -102,9 +105,9 @@ def _pack(header: dict[str, Any]) -> bytes:
     return msgpack.packb(header, use_bin_type=True)
 
 
-def _unpack_header(frame: bytes) -> dict[str, Any]:
-    if len(frame) > MAX_HEADER_BYTES:
-        raise ProtocolError(f"header frame of {len(frame)} bytes exceeds {MAX_HEADER_BYTES}")
+def _unpack_header(frame: bytes, limit: int = MAX_HEADER_BYTES) -> dict[str, Any]:
+    if len(frame) > limit:
+        raise ProtocolError(f"header frame of {len(frame)} bytes exceeds {limit}")
     try:
         header = msgpack.unpackb(frame, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types for bad input
@@ -187,7 +190,7 @@ def decode_reply(frames: list[bytes]) -> Reply:
     """Decode a reply; an error reply is raised as its typed exception."""
     if not frames:
         raise ProtocolError("empty reply")
-    header = _unpack_header(frames[0])
+    header = _unpack_header(frames[0], MAX_REPLY_HEADER_BYTES)
     if header.get("v") != PROTOCOL_VERSION:
         raise VersionError(f"daemon speaks protocol {header.get('v')!r}, this client {PROTOCOL_VERSION}")
     epoch = str(header.get("epoch", ""))
