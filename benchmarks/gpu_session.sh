@@ -14,10 +14,11 @@
 # BUDGET_S (570): seconds from the start after which the repeating phases begin no run, so that
 # a command (10 minutes at most) ends with its summary.
 #
-# Phases joined by `+` run side by side, each its output in <phase>.out: only the correctness
-# phases, whose tests hold no timing and no count of the GPU's free memory (tests, tests-mps,
-# faults, faults-mps, captured-repeat, vllm-tests*, sglang-tests). A phase named *-mps runs under
-# one MPS server that its group shares; the others of the group stay outside it.
+# Phases joined by `+` run side by side, each its output in <phase>.out: only those whose tests
+# count no free GPU memory and bound no time tighter than seconds (faults, faults-mps,
+# captured-repeat, vllm-tests, vllm-tests-mps, sglang-tests; not tests, whose enqueue bounds are
+# in milliseconds), each at most once, one per engine. A phase named *-mps runs under one MPS
+# server that its group shares; the others of the group stay outside it.
 #
 # Tests (tests/gpu; in results.tgz, the log named):
 #   tests              tests/gpu, no MPS, but for what the faults and tests-kill* phases
@@ -43,11 +44,12 @@
 #                      modules against the plugin's, rows bit for bit             vllm_gpu.log
 #   vllm-tests-mps     the same under MPS (its served test's IPC through MPS)     mps/vllm_gpu.log
 #   vllm-bench         benchmarks/vllm_gpu/bench_lookup.py, both MPS modes, 3 rounds,
-#                      the mapped plugin's gather at the wait and in lookup(), the
-#                      decode cells of lead 1 profiled (their profile/ folders)   vllm_bench/
+#                      the mapped plugin's gather at the wait and in lookup()    vllm_bench/
+#   vllm-profile       the model step's lead-1 cells at T = 1 and 16 of each variant
+#                      profiled, both MPS modes (a run of its own: profiling
+#                      slows what is timed after it)                              vllm_profile/
 #   sglang-tests       benchmarks/sglang_gpu/setup_device.sh --test               sglang_gpu.log
-#   sglang-bench       benchmarks/sglang_gpu/bench_lookup.py, both MPS modes, lead 1's
-#                      decode cells profiled                                      sglang_bench/
+#   sglang-bench       benchmarks/sglang_gpu/bench_lookup.py, both MPS modes      sglang_bench/
 # Benchmarks (in results.tgz: each its .json and .md in <name>/, its output in <name>.log):
 #   lookup             benchmarks/gpu_lookup.py, 16 GiB, without and under MPS    lookup/
 #   lookup-host        benchmarks/lookup_host.py: host time of one lookup         lookup_host/
@@ -85,6 +87,8 @@ fits() { (( SECONDS + $1 <= BUDGET_S )); }  # a run of $1 s, begun now, ends wit
 mps_start() {
   [ -n "${MPS_HELD:-}" ] && return 0
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
+  # A server left by a command stopped at its limit (no trap ran) goes first.
+  [ -e /tmp/mps/control ] && { echo quit | nvidia-cuda-mps-control; sleep 1; }
   mkdir -p /tmp/mps /tmp/mpslog && nvidia-cuda-mps-control -d
 }
 mps_stop() {
@@ -171,27 +175,39 @@ phase_captured_repeat() {  # captured lookups across a reload and a restart, CAP
 # --- engines: each recipe's set-up installs the engine's tree into a site of its own
 phase_vllm_tests() {  # vLLM's Engram modules against the plugin's on the GPU
   bash benchmarks/vllm_gpu/setup_device.sh --test "$out" >"$out/vllm_setup.log" 2>&1
+  local rc=$?
+  tail -n 25 "$out/vllm_setup.log"
+  return "$rc"
 }
 phase_vllm_tests_mps() {  # the same under MPS
   mps_start
   bash benchmarks/vllm_gpu/setup_device.sh --test "$out/mps" >"$out/vllm_setup_mps.log" 2>&1
   local rc=$?
   mps_stop
+  tail -n 25 "$out/vllm_setup_mps.log"
   return "$rc"
 }
 phase_vllm_bench() {  # vLLM's lookup and model step against engramd's, both MPS modes, 3 rounds
   bash benchmarks/vllm_gpu/setup_device.sh >"$out/vllm_setup.log" 2>&1 || return 1
   PYTHONPATH=${VLLM_GPU_SITE:-/tmp/vllm-gpu-site} python3 benchmarks/vllm_gpu/bench_lookup.py --mps both --rounds 3 \
-    --plugin-gather-at wait lookup --profile 1:1 16:1 --out "$out/vllm_bench" 2>&1 \
-    | tee "$out/vllm_bench.log" | grep -v "^|" | tail -60
+    --plugin-gather-at wait lookup --out "$out/vllm_bench" 2>&1 | tee "$out/vllm_bench.log" | grep -v "^|" | tail -60
+}
+phase_vllm_profile() {  # the lead-1 cells at T = 1 and 16 of every variant profiled, both MPS modes
+  bash benchmarks/vllm_gpu/setup_device.sh >"$out/vllm_setup.log" 2>&1 || return 1
+  PYTHONPATH=${VLLM_GPU_SITE:-/tmp/vllm-gpu-site} python3 benchmarks/vllm_gpu/bench_lookup.py --mps both \
+    --parts step --tokens 1 16 --lead 1 --plugin-gather-at wait lookup --profile 1:1 16:1 \
+    --out "$out/vllm_profile" 2>&1 | tee "$out/vllm_profile.log" | grep -v "^|" | tail -40
 }
 phase_sglang_tests() {  # SGLang's Engram modules on its CUDA path against the plugin's
   bash benchmarks/sglang_gpu/setup_device.sh --test "$out" >"$out/sglang_setup.log" 2>&1
+  local rc=$?
+  tail -n 25 "$out/sglang_setup.log"
+  return "$rc"
 }
 phase_sglang_bench() {  # SGLang's lookup and model step against engramd's, both MPS modes
   bash benchmarks/sglang_gpu/setup_device.sh >"$out/sglang_setup.log" 2>&1 || return 1
   PYTHONPATH=${SGLANG_GPU_SITE:-/tmp/sglang-gpu-site} python3 benchmarks/sglang_gpu/bench_lookup.py --mps both \
-    --profile 1:1 16:1 --out "$out/sglang_bench" 2>&1 | tee "$out/sglang_bench.log" | grep -v "^|" | tail -60
+    --out "$out/sglang_bench" 2>&1 | tee "$out/sglang_bench.log" | grep -v "^|" | tail -60
 }
 
 # --- benchmarks
@@ -252,7 +268,7 @@ phase_standby_64_huge() {  # restart to ready at 64 GiB on hugetlbfs: plain agai
 }
 
 # Phases that may run side by side: their tests assert no timing and no free GPU memory.
-SIDE_BY_SIDE=" tests tests-mps faults faults-mps captured-repeat vllm-tests vllm-tests-mps sglang-tests "
+SIDE_BY_SIDE=" faults faults-mps captured-repeat vllm-tests vllm-tests-mps sglang-tests "
 for group in "$@"; do  # a misspelt phase is found before the GPU's minutes are spent
   IFS=+ read -ra phases <<<"$group"
   for phase in "${phases[@]}"; do
@@ -261,6 +277,9 @@ for group in "$@"; do  # a misspelt phase is found before the GPU's minutes are 
       echo "$phase times or counts the GPU's memory: it cannot run beside another phase" >&2; exit 2
     fi
   done
+  if (( $(printf '%s\n' "${phases[@]}" | sort | uniq -d | wc -l) > 0 )); then
+    echo "$group: a phase twice (its logs would mix)" >&2; exit 2
+  fi
   for engine in vllm sglang; do  # each set-up replaces its engine's site: one in a group
     if (( $(grep -o "\b$engine-" <<<"$group" | wc -l) > 1 )); then
       echo "$group: one $engine phase to a group (each set-up reinstalls $engine's site)" >&2; exit 2
@@ -268,9 +287,9 @@ for group in "$@"; do  # a misspelt phase is found before the GPU's minutes are 
   done
 done
 
-( while sleep 30; do pack periodic; done ) &
+( exec >/dev/null 2>&1; while sleep 30; do pack periodic; done ) &  # holds no output open
 packer=$!
-trap 'kill $packer 2>/dev/null; wait $packer 2>/dev/null; pack exit' EXIT
+trap 'kill $packer 2>/dev/null; wait $packer 2>/dev/null; pack exit; rm -f "$final"/results.periodic.tgz' EXIT
 export PYTHONUNBUFFERED=1 CUDA_MODULE_LOADING=${CUDA_MODULE_LOADING:-EAGER}  # as the daemon runs, unless set
 if [ -d .whl ]; then  # the engine phases need only their own recipe's folder
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -282,7 +301,8 @@ declare -A status
 run_group() {  # PHASE+PHASE...: side by side, each its output in <phase>.out; one MPS server for the *-mps
   local phase i pids=() phases
   IFS=+ read -ra phases <<<"$1"
-  if [[ $1 == *-mps* ]]; then mps_start && MPS_HELD=1; fi
+  # Held whether or not it started: its phases then fail on their own, never stop it under another.
+  if [[ $1 == *-mps* ]]; then mps_start; MPS_HELD=1; fi
   for phase in "${phases[@]}"; do
     ( [[ $phase == *-mps ]] || unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
       set -o pipefail; "phase_${phase//-/_}" ) >"$out/$phase.out" 2>&1 &

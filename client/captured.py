@@ -69,10 +69,13 @@ class CapturedLookup:
         # The kernel's variant (row size, alignment) and the sort's keys; the tables it reads are
         # the descriptor's.
         self._plan = GatherPlan(mapped.layer_tables(), shard, self.device)
-        # The descriptors' writes and copies: a stream of this lookup's own, kept while it lives.
-        self._stream = cuda.owned_stream(self, self.device.index) if self.device.type == "cuda" else None
+        # The descriptors' writes and copies: a stream of their own, kept while the descriptor
+        # lives (the cache keeper's probes may hold it past this lookup).
+        self._stream = cuda.new_stream(self.device.index) if self.device.type == "cuda" else None
         self.descriptor = desc.TableDescriptor(self._contents(mapped), self.device, owner=mapped,
                                                stream=self._stream)
+        if self._stream is not None:
+            cuda.give_back_when_gone(self.descriptor, self._stream)
         self._sort_from = int(policy.get("sort_min_tokens", 0))
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count \
             if self.device.type == "cuda" else 2  # the interpreter's

@@ -33,6 +33,8 @@ def test_every_phase_is_documented_and_every_documented_phase_exists():
     (["faults+lookup"], "lookup times or counts the GPU's memory"),
     (["tests-kill-repeat+faults-mps"], "tests-kill-repeat times or counts the GPU's memory"),
     (["faults+vllm-tests+vllm-tests-mps"], "one vllm phase to a group"),
+    (["faults+faults-mps+faults"], "a phase twice"),
+    (["tests+faults"], "tests times or counts the GPU's memory"),
 ])
 def test_a_phase_that_cannot_run_is_refused_before_anything_runs(tmp_path, phases, refusal):
     done = subprocess.run(["bash", str(SCRIPT), str(tmp_path), *phases], capture_output=True, text=True,

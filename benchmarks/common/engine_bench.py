@@ -10,6 +10,7 @@ each benchmark keeps its own.
 from __future__ import annotations
 
 import argparse
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -65,7 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser, engine: str, table_gib: float
     parser.add_argument("--out", required=True)
     parser.add_argument("--profile", nargs="+", metavar="T:LEAD", default=[],
                         help="after each model-step variant's cells, profile these cells of it "
-                             f"({PROFILE_STEPS} steps; common/cell_profile.py): files in OUT/profile/")
+                             f"({PROFILE_STEPS} steps; common/cell_profile.py): files in OUT/profile/. "
+                             "In a run of its own: the profiler may stay attached and slow what is "
+                             "timed after it")
     mps_argument(parser)
 
 
@@ -89,11 +92,17 @@ def finish_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace,
 def profile_steps(args: argparse.Namespace, clock, model,
                   pool: Callable[[int, int], Sequence[Tensor]]) -> None:
     """The --profile cells of one model-step variant (`model.step(lead)`, `pool(tokens, n)`: n
-    batches of T), each written to OUT/profile/<variant>_T<T>_lead<LEAD>.*, its head printed."""
+    batches of T), each written to OUT/profile/<variant>_T<T>_lead<LEAD>.*, its head printed. A
+    profile that fails is printed and skipped: the run's cells and report go on."""
     for tokens, lead in args.profile_cells:
         name = f"{model.name}_T{tokens}_lead{lead}"
-        head = profile_cell(clock, model.step(lead), pool(tokens, args.warm + PROFILE_STEPS), args.warm,
-                            Path(args.out) / "profile" / name)
+        try:
+            head = profile_cell(clock, model.step(lead), pool(tokens, args.warm + PROFILE_STEPS),
+                                args.warm, Path(args.out) / "profile" / name)
+        except Exception:
+            traceback.print_exc()
+            print(f"profile {name} FAILED", flush=True)
+            continue
         print(head, flush=True)
 
 

@@ -10,6 +10,7 @@ by the calls that make tensors or streams (host_pin.py pins tables before torch 
 
 from __future__ import annotations
 
+import collections
 import threading
 import weakref
 from collections.abc import Iterator
@@ -190,9 +191,11 @@ class DeviceAllocation:
 
 @contextmanager
 def on_device(device_index: int) -> Iterator[None]:
-    """The device's primary context current in this thread (make_current) for the block, and the
-    thread's device as it was after it: a daemon's request loop that makes a slab for one GPU
-    must not go on launching another GPU's lookups in that one's context."""
+    """The device's primary context current in this thread (make_current) for the block; after
+    it, the thread's device as it was, where that device has a context (torch.cuda.device's
+    rule: no context is made on a device only to go back to it). A thread that launches work
+    after making slabs for several GPUs still sets its device first (the daemon's inline
+    submit does)."""
     import torch
 
     with torch.cuda.device(device_index):  # restores the thread's device on the way out
@@ -205,9 +208,10 @@ def enter_thread(device_index: int) -> None:
     heartbeat, the captured lookup's upkeep, remapping, unmapping, registering): the device's
     context current (make_current), and the thread's calls let through while an engine captures
     a CUDA graph in CUDA's default (global) mode, which vLLM's and SGLang's captures use. There,
-    a potentially unsafe call (an allocation, a synchronize) from any other thread in the
-    default mode is refused and spoils the capture. These threads touch only streams and memory
-    of their own, never a capture's, so relaxed mode is safe for them."""
+    a potentially unsafe call (an allocation, a stream's synchronize) from any other thread in
+    the default mode is refused and spoils the capture. Relaxed mode lets those through, which
+    is sound where the calls touch no stream being captured; a synchronize of the whole device
+    (the client's when its tables go away) still conflicts with any capture in progress."""
     make_current(device_index)
     relaxed = cudart.cudaStreamCaptureMode.cudaStreamCaptureModeRelaxed
     check("cudaThreadExchangeStreamCaptureMode", cudart.cudaThreadExchangeStreamCaptureMode(relaxed))
@@ -352,16 +356,25 @@ class IdleStreams:
     Not torch's pooled streams: the pool hands the same few streams out again and again, so a
     "new" one may be a stream that already waits on a counter another process never writes (a
     dead client's), and work put on it would wait behind that forever. A stream taken here
-    belongs to its taker until it gives it back idle (synchronised); it is then handed out
-    again rather than destroyed, because torch may still hold uses recorded on it.
+    belongs to its taker until it gives it back idle (synchronised), or until its owner is
+    collected (give_back_when_gone); it is then handed out again rather than destroyed, because
+    torch may still hold uses recorded on it.
     """
 
     def __init__(self) -> None:
         self._idle: dict[int, list[torch.cuda.Stream]] = {}
         self._lock = threading.Lock()
+        # Streams whose owners were collected, not synchronised: a collection may run on any
+        # thread (one capturing a CUDA graph, where a synchronize is refused) and at any point
+        # (inside give(), holding the lock); deque.append needs neither. take() drains them.
+        self._returned: collections.deque[torch.cuda.Stream] = collections.deque()
 
     def take(self, device_index: int) -> torch.cuda.Stream:
         with self._lock:
+            while self._returned:  # on the taker's thread: idle once synchronised
+                returned = self._returned.popleft()
+                returned.synchronize()
+                self._idle.setdefault(returned.device.index, []).append(returned)
             idle = self._idle.get(device_index)
             if idle:
                 return idle.pop()
@@ -388,14 +401,14 @@ def new_stream(device_index: int) -> torch.cuda.Stream:
 
 
 def owned_stream(owner: object, device_index: int) -> torch.cuda.Stream:
-    """A stream of `owner`'s own (new_stream) for as long as `owner` lives, given back once it
-    is collected and the stream has drained: for objects with no close() of their own, or whose
-    stream outlives it (a descriptor a replaying graph may still read)."""
+    """A stream of `owner`'s own (new_stream), given back when `owner` is collected
+    (give_back_when_gone): for objects with no close() of their own."""
     stream = new_stream(device_index)
-    weakref.finalize(owner, _give_back, stream).atexit = False  # CUDA may be gone at exit
+    give_back_when_gone(owner, stream)
     return stream
 
 
-def _give_back(stream: torch.cuda.Stream) -> None:
-    stream.synchronize()
-    STREAMS.give(stream)
+def give_back_when_gone(owner: object, stream: torch.cuda.Stream) -> None:
+    """Hand `stream` back to STREAMS once `owner`, its only user from now on, is collected; the
+    next take() synchronises it before handing it out."""
+    weakref.finalize(owner, STREAMS._returned.append, stream).atexit = False  # CUDA may be gone at exit

@@ -167,7 +167,8 @@ def test_captures_in_cudas_default_mode_beside_the_clients_threads(daemon_factor
     daemon = daemon_factory(extra=CUDA)
     rng = np.random.default_rng(43)
     with EngramClient(daemon.socket, device="cuda", mode="mapped", max_tokens=MAX_TOKENS) as client:
-        assert client._mapped_path.tables.keeper is not None  # the thread this is about runs
+        keeper = client._mapped_path.tables.keeper
+        assert keeper is not None  # the thread this is about runs
         buffer = torch.full((MAX_TOKENS, client.geometry.n_layers, client.geometry.heads), -1,
                             dtype=torch.int64, device="cuda")
         captured = client.capturable_lookup(buffer)
@@ -176,9 +177,12 @@ def test_captures_in_cudas_default_mode_beside_the_clients_threads(daemon_factor
             for _ in range(4):  # reads for the keeper to count, cache and refresh over
                 client.lookup(torch.from_numpy(hot).cuda()).result()
             graph = torch.cuda.CUDAGraph()
+            refreshes = keeper.stats.refreshes
             with torch.cuda.graph(graph):  # capture_error_mode="global", the default
                 rows = captured.record(16)
                 time.sleep(0.02)  # the keeper refreshes meanwhile
+                refreshed = keeper.stats.refreshes - refreshes
+            assert refreshed > 0, f"capture {capture}: the keeper did not refresh while it ran"
             ids = random_ids(rng, 16, reference.rows, reference.heads)
             assert rows_match(replay(graph, captured, rows, ids), reference, ids), f"capture {capture}"
 
