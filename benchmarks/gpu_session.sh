@@ -144,12 +144,12 @@ phase_faults() {  # a served client across kills, standby takeovers, drains and 
   # without an error (tests/gpu/test_served_faults_gpu.py, ENGRAMD_TEST_KILLS per run), and the
   # killed-mid-lookup test (FAULTS_K: a pytest -k expression for a part of them); no MPS
   python3 -m pytest tests/gpu/test_served_faults_gpu.py tests/gpu/test_cuda_daemon.py -q -s \
-    -k "${FAULTS_K:-never_takes or killed_mid_lookup}" --timeout 280 --durations=10 2>&1 | tee "$out/gpu_tests_faults.log"
+    -k "${FAULTS_K:-never_takes or killed_mid_lookup}" --timeout 420 --durations=10 2>&1 | tee "$out/gpu_tests_faults.log"
 }
 phase_faults_mps() {  # the same under MPS
   mps_start
   ( set -o pipefail; python3 -m pytest tests/gpu/test_served_faults_gpu.py tests/gpu/test_cuda_daemon.py \
-    -q -s -k "${FAULTS_K:-never_takes or killed_mid_lookup}" --timeout 280 --durations=10 2>&1 | tee "$out/gpu_tests_faults_mps.log" )
+    -q -s -k "${FAULTS_K:-never_takes or killed_mid_lookup}" --timeout 420 --durations=10 2>&1 | tee "$out/gpu_tests_faults_mps.log" )
   local rc=$?
   mps_stop
   return "$rc"
