@@ -355,6 +355,43 @@ def attach_raw(socket_path: Path, reply: dict, keep_descriptors: bool = False):
     return attached
 
 
+def dealer(daemon, timeout_ms: int = 10_000, routing_id: bytes | None = None):
+    """A raw ZeroMQ peer of `daemon`'s request socket (its replies waited for up to timeout_ms),
+    for tests that send what no client library would; `routing_id`: one the peer claims."""
+    import zmq
+
+    peer = zmq.Context.instance().socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.setsockopt(zmq.RCVTIMEO, timeout_ms)
+    if routing_id is not None:
+        peer.setsockopt(zmq.ROUTING_ID, routing_id)
+    peer.connect(f"ipc://{daemon.socket}")
+    return peer
+
+
+def request(peer, op: str, rid: int, **fields) -> dict:
+    """Send one raw request on a dealer() and return its reply's header."""
+    import msgpack
+
+    from engramd.client.shared.protocol import PROTOCOL_VERSION
+
+    peer.send(msgpack.packb({"v": PROTOCOL_VERSION, "op": op, "rid": rid, **fields}))
+    return msgpack.unpackb(peer.recv())
+
+
+def register(peer, rid: int, **fields) -> dict:
+    """A raw registration of a CPU client of 4 tokens and one slot, `fields` overriding."""
+    fields = {"pid": os.getpid(), "device": "cpu", "tp_rank": 0, "tp_size": 1, "max_tokens": 4,
+              "slots": 1, **fields}
+    return request(peer, "register", rid, **fields)
+
+
+def engramd_stats(daemon, *flags: str) -> subprocess.CompletedProcess:
+    """`engramd stats` of `daemon`, as a user runs it."""
+    return subprocess.run([*engramd_command(), "stats", "--socket", str(daemon.socket), *flags],
+                          capture_output=True, text=True, timeout=60)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 free now (a metrics endpoint, a gloo rendezvous)."""
     with socket.socket() as probe:

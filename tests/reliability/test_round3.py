@@ -6,7 +6,6 @@ What this is not: the earlier rounds (test_hostile.py), access by file modes (te
 
 from __future__ import annotations
 
-import os
 import select
 import socket
 import struct
@@ -15,43 +14,16 @@ import sys
 import time
 from pathlib import Path
 
-import msgpack
 import numpy as np
 import pytest
 import torch
-import zmq
-from helpers import attach_raw, engramd_command
+from helpers import attach_raw, dealer, engramd_stats, register, request
 from reference import random_ids
 
 from engramd.client import EngramClient
 from engramd.client.shared.connection import probe
 from engramd.client.shared.handles import admin_request, handle_socket_path
 from engramd.client.shared.protocol import PROTOCOL_VERSION
-
-
-def dealer(daemon, timeout_ms: int = 10_000) -> zmq.Socket:
-    peer = zmq.Context.instance().socket(zmq.DEALER)
-    peer.setsockopt(zmq.LINGER, 0)
-    peer.setsockopt(zmq.RCVTIMEO, timeout_ms)
-    peer.connect(f"ipc://{daemon.socket}")
-    return peer
-
-
-def request(peer: zmq.Socket, op: str, rid: int, **fields) -> dict:
-    peer.send(msgpack.packb({"v": PROTOCOL_VERSION, "op": op, "rid": rid, **fields}))
-    return msgpack.unpackb(peer.recv())
-
-
-def register(peer: zmq.Socket, rid: int, **fields) -> dict:
-    fields = {"pid": os.getpid(), "device": "cpu", "tp_rank": 0, "tp_size": 1, "max_tokens": 4,
-              "slots": 1, **fields}
-    return request(peer, "register", rid, **fields)
-
-
-def engramd_stats(daemon, *flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*engramd_command(), "stats", "--socket", str(daemon.socket), *flags],
-                          capture_output=True, text=True, timeout=60)
-
 
 # -- 2. what a mapped client reports -------------------------------------------------------------
 

@@ -22,36 +22,10 @@ from pathlib import Path
 import msgpack
 import pytest
 import zmq
-from helpers import attach_raw, engramd_command
+from helpers import attach_raw, dealer, engramd_command, engramd_stats, register, request
 
 from engramd.client.shared.connection import probe
 from engramd.client.shared.protocol import PROTOCOL_VERSION
-
-
-def dealer(daemon, timeout_ms: int = 10_000, routing_id: bytes | None = None) -> zmq.Socket:
-    peer = zmq.Context.instance().socket(zmq.DEALER)
-    peer.setsockopt(zmq.LINGER, 0)
-    peer.setsockopt(zmq.RCVTIMEO, timeout_ms)
-    if routing_id is not None:
-        peer.setsockopt(zmq.ROUTING_ID, routing_id)
-    peer.connect(f"ipc://{daemon.socket}")
-    return peer
-
-
-def request(peer: zmq.Socket, op: str, rid: int, **fields) -> dict:
-    peer.send(msgpack.packb({"v": PROTOCOL_VERSION, "op": op, "rid": rid, **fields}))
-    return msgpack.unpackb(peer.recv())
-
-
-def register(peer: zmq.Socket, rid: int, **fields) -> dict:
-    fields = {"pid": os.getpid(), "device": "cpu", "tp_rank": 0, "tp_size": 1, "max_tokens": 4,
-              "slots": 1, **fields}
-    return request(peer, "register", rid, **fields)
-
-
-def engramd_stats(daemon, *flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*engramd_command(), "stats", "--socket", str(daemon.socket), *flags],
-                          capture_output=True, text=True, timeout=60)
 
 
 def wait_ready_in_log(daemon, timeout: float = 120.0) -> None:
