@@ -3,7 +3,7 @@ read from the environment, and the fail-closed checks of the engine's version an
 plugin replaces.
 
     ENGRAMD_SOCKET         the daemon's socket; unset or empty: the plugin does nothing
-    ENGRAMD_MODE           auto | served | mapped (default auto): the client's mode
+    ENGRAMD_MODE           auto | served | mapped (default auto, as when empty): the client's mode
     ENGRAMD_HOT_CACHE_GIB  a mapped client's own hot-row cache cap (0: none; unset: the daemon's)
     ENGRAMD_GATHER_AT      wait | lookup (default wait): the client's gather_at
     ENGRAMD_CAPTURE        off | on (default off): a mapped GPU worker's lookups are recorded in
@@ -48,7 +48,7 @@ class Settings:
     @classmethod
     def from_environment(cls, error: type[PluginError]) -> Settings:
         """The settings of this process; `error` names a bad one before any worker registers."""
-        return cls(os.environ[SOCKET_ENV], os.environ.get(MODE_ENV, "auto"),
+        return cls(os.environ[SOCKET_ENV], mode(os.environ.get(MODE_ENV), error),
                    hot_cache_cap(os.environ.get(HOT_CACHE_ENV), error),
                    gather_at(os.environ.get(GATHER_AT_ENV), error),
                    capture(os.environ.get(CAPTURE_ENV), error))
@@ -73,6 +73,17 @@ def hot_cache_cap(value: str | None, error: type[PluginError]) -> float | None:
         raise error(f"{HOT_CACHE_ENV}={value!r}: expected GiB as a number >= 0 "
                     "(0: no hot-row cache in the client)") from None
     return gib
+
+
+def mode(value: str | None, error: type[PluginError]) -> str:
+    """ENGRAMD_MODE as EngramClient's mode ("auto" when unset or empty)."""
+    from engramd.client.client import MODES
+
+    if not value:
+        return "auto"
+    if value not in MODES:
+        raise error(f"{MODE_ENV}={value!r}: expected one of {', '.join(MODES)}")
+    return value
 
 
 def gather_at(value: str | None, error: type[PluginError]) -> str:

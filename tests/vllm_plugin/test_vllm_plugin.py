@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import types
@@ -97,6 +98,23 @@ def test_the_gather_point_is_read_from_the_environment_and_a_bad_one_named():
     for bad in ("Wait", "soon", " lookup"):
         with pytest.raises(plugin.VllmPluginError, match=f"ENGRAMD_GATHER_AT='{bad}'"):
             plugin.gather_at(bad)
+
+
+def test_the_mode_is_read_from_the_environment_and_a_bad_one_named_before_any_worker_registers(
+        monkeypatch):
+    """As the other settings: checked at register(), unset or empty is the default, and a bad one
+    is named by its setting (not first at the first worker's registration, as a client's mode)."""
+    from engramd.client.engines import shared
+
+    monkeypatch.setenv("ENGRAMD_SOCKET", "/nonexistent/engramd.sock")
+    for value, expected in (("", "auto"), ("auto", "auto"), ("served", "served"), ("mapped", "mapped")):
+        monkeypatch.setenv("ENGRAMD_MODE", value)
+        assert shared.Settings.from_environment(plugin.VllmPluginError).mode == expected
+    for bad in ("Served", " mapped", "mapped\n", "gpu"):
+        monkeypatch.setenv("ENGRAMD_MODE", bad)
+        with pytest.raises(plugin.VllmPluginError,
+                           match=re.escape(f"ENGRAMD_MODE={bad!r}: expected one of auto, served, mapped")):
+            shared.Settings.from_environment(plugin.VllmPluginError)
 
 
 def test_another_vllm_version_fails_closed(monkeypatch):
