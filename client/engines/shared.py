@@ -11,6 +11,11 @@ plugin replaces.
 
 Every check raises the engine's own PluginError subclass, with a message that names the setting
 or the seam. What it is not: anything that imports an engine, or replaces anything in one.
+
+The engines' entry points import this module, and their loaders log an entry point whose import
+fails and go on with the engine's own tables: so it imports nothing of engramd's client (pyzmq,
+msgpack) at import time, and a client that cannot be imported fails `register()` instead
+(client_import_error), where the plugin stops the engine.
 """
 
 from __future__ import annotations
@@ -20,8 +25,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engramd.client.shared.connection import SOCKET_ENV
-
+SOCKET_ENV = "ENGRAMD_SOCKET"  # engramd.client.shared.connection.SOCKET_ENV, not imported: above
 MODE_ENV = "ENGRAMD_MODE"
 HOT_CACHE_ENV = "ENGRAMD_HOT_CACHE_GIB"
 GATHER_AT_ENV = "ENGRAMD_GATHER_AT"
@@ -104,6 +108,13 @@ def capture(value: str | None, error: type[PluginError]) -> bool:
     if value != "on":
         raise error(f"{CAPTURE_ENV}={value!r}: expected on or off")
     return True
+
+
+def client_import_error(exc: ImportError, engine: str, error: type[PluginError]) -> PluginError:
+    """The engine's error for an engramd client that cannot be imported in the engine's Python."""
+    return error(f"{SOCKET_ENV} is set but engramd's client cannot be imported beside this {engine} "
+                 f"({exc}): install engramd with its dependencies into {engine}'s Python, or unset "
+                 f"{SOCKET_ENV} to run {engine}'s own Engram tables.")
 
 
 def check_version(engine: str, version: str, supported: tuple[str, ...],

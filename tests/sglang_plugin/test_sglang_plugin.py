@@ -132,6 +132,28 @@ def test_another_version_a_changed_seam_or_sglangs_own_table_placement_fail_clos
         assert expected in errors["seams"], errors
 
 
+MISSING_DEPENDENCY_PROBE = """
+import os, sys
+os.environ["ENGRAMD_SOCKET"] = "/nonexistent/engramd.sock"
+from sglang.srt.layers import engram
+from sglang.srt.plugins import load_plugins
+sys.modules["msgpack"] = None  # engramd's client needs it: absent beside this SGLang
+load_plugins()  # SGLang's loader: logs a plugin's exception and goes on
+try:
+    engram.EngramEmbedding(10, 256, 1, (0, 10))
+except Exception as exc:
+    print(type(exc).__name__, exc)
+"""
+
+
+def test_an_engramd_client_that_cannot_be_imported_stops_sglang_at_its_engram_table():
+    """SGLang's loader logs any exception of the entry point (its import, or register()) and
+    goes on: building an Engram table must then fail with the reason, not build SGLang's own."""
+    out = run_probe(MISSING_DEPENDENCY_PROBE).splitlines()[-1]
+    assert out.startswith("SglangPluginError ENGRAMD_SOCKET is set but engramd's client cannot be "
+                          "imported") and "msgpack" in out, out
+
+
 GEOMETRY_PROBE = """
 import json, sys
 from engramd.client.geometry import TableGeometry

@@ -74,6 +74,36 @@ def test_entry_point_loads_and_does_nothing_without_the_setting():
     assert run.returncode == 0 and "untouched" in run.stdout, run.stdout + run.stderr
 
 
+MISSING_DEPENDENCY_PROBE = """
+import os, sys
+os.environ["ENGRAMD_SOCKET"] = "/nonexistent/engramd.sock"
+from vllm.models.deepseek_v41.common.engram import Engram
+before = dict(vars(Engram))
+sys.modules["msgpack"] = None  # engramd's client needs it; vLLM does not: absent beside this vLLM
+from vllm.plugins import load_general_plugins
+try:
+    load_general_plugins()
+except Exception as exc:
+    print(type(exc).__name__, exc)
+else:
+    print("untouched" if dict(vars(Engram)) == before else "installed")
+"""
+
+
+def test_an_engramd_client_that_cannot_be_imported_stops_vllm_not_its_plugin_loader():
+    """vLLM's loader logs an entry point whose import fails and goes on with vLLM's own Engram
+    tables: the entry point imports nothing of the client, whose failure then stops register()."""
+    from engramd.client.engines import shared
+    from engramd.client.shared import connection
+
+    assert shared.SOCKET_ENV == connection.SOCKET_ENV  # the entry point's own copy of the name
+    run = subprocess.run([sys.executable, "-c", MISSING_DEPENDENCY_PROBE], capture_output=True,
+                         text=True, timeout=WORKER_TIMEOUT_S, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "VllmPluginError ENGRAMD_SOCKET is set but engramd's client cannot be imported" in run.stdout \
+        and "msgpack" in run.stdout, run.stdout + run.stderr
+
+
 def test_the_hot_cache_cap_is_read_from_the_environment_and_a_bad_one_named():
     assert plugin.hot_cache_cap(None) is None and plugin.hot_cache_cap("") is None
     assert plugin.hot_cache_cap("0") == 0.0 and plugin.hot_cache_cap("1.5") == 1.5
