@@ -258,6 +258,9 @@ def _embedding_init(self, num_embeddings, dim, layer_id, column_bounds):
     self.staged_by_scheduler, self.peer = False, None
     self.weight = _checking_parameter(self, torch.float8_e4m3fn, dim)
     self.scale = _checking_parameter(self, torch.float8_e8m0fnu, dim // SCALE_BLOCK)
+    self.engramd_checkpoint = shared.CheckpointRows(daemon.client, self.engramd_layer,
+                                                    SglangPluginError, DIRECT_SLOT,
+                                                    daemon.check_still_served)
 
 
 def _checking_parameter(embedding, dtype: torch.dtype, width: int) -> nn.Parameter:
@@ -270,12 +273,15 @@ def _checking_parameter(embedding, dtype: torch.dtype, width: int) -> nn.Paramet
 
 def _skip_checkpoint_table(embedding, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
     """The checkpoint's table is the daemon's to load: keep nothing, but refuse one whose shape
-    is not the table the daemon serves."""
+    is not the table the daemon serves, or whose rows are not the ones it serves
+    (shared.CheckpointRows: a sample of them)."""
     expected = (embedding.num_embeddings, param.shape[1])
     if tuple(loaded_weight.shape) != expected:
         raise SglangPluginError(
             f"checkpoint Engram tensor of layer {embedding.engramd_layer_id} has shape "
             f"{list(loaded_weight.shape)}; the daemon serves {list(expected)}")
+    embedding.engramd_checkpoint.hand("weight" if param is embedding.weight else "scale",
+                                      loaded_weight)
 
 
 def _served(embedding) -> bool:

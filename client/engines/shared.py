@@ -183,3 +183,73 @@ class ServedTables:
                 f"checked against: restart this {self._engine} server")
         self._registration = client.registrations
 
+
+
+class CheckpointRows:
+    """A layer's checkpoint table as the engine's loader hands it in (its FP8 weight and its
+    UE8M0 scales, either first), compared on a sample of rows with the rows the daemon serves.
+    A daemon started on another checkpoint of the model's geometry (another revision of the
+    model) passes every check of the config and of the tensors' shapes, and would serve its own
+    rows: the sample (the first, middle and last row of each of this rank's heads' buckets) is
+    what tells them apart, at load, before any step."""
+
+    PARTS = ("weight", "scale")
+
+    def __init__(self, client, layer_index: int, error: type[PluginError], slot: int,
+                 check_still_served: Callable[[], None]):
+        import torch
+
+        self.client, self.layer_index, self._error = client, layer_index, error
+        self._slot, self._check_still_served = slot, check_still_served
+        geometry, shard = client.geometry, client.shard
+        bounds = (*geometry.offsets[layer_index], geometry.rows[layer_index])
+        picks = [(head, row) for head in range(shard.head_start, shard.head_end)
+                 for row in dict.fromkeys((bounds[head], (bounds[head] + bounds[head + 1]) // 2,
+                                           bounds[head + 1] - 1))]
+        self._picks = picks[:client.max_tokens]
+        self._rows = torch.tensor([row for _, row in self._picks], dtype=torch.int64)
+        self._parts: dict[str, torch.Tensor] = {}
+
+    def hand(self, part: str, loaded) -> None:
+        """One of the layer's checkpoint tensors (`part`: weight or scale, full shape, checked);
+        once both are in, the sample is compared (the engine's error naming a difference)."""
+        if loaded.element_size() != 1:
+            raise self._error(
+                f"checkpoint Engram {part} of layer {self._layer_id} is {loaded.dtype}; the engramd "
+                "daemon serves FP8 rows with UE8M0 scales (one byte each)")
+        import torch
+
+        sample = loaded.detach()[self._rows.to(loaded.device)].cpu().contiguous()
+        self._parts[part] = sample.view(torch.uint8)
+        if len(self._parts) == len(self.PARTS):
+            self._compare()
+
+    @property
+    def _layer_id(self) -> int:
+        return self.client.geometry.layer_ids[self.layer_index]
+
+    def _compare(self) -> None:
+        import torch
+
+        from engramd.client.geometry import DEAD_ID
+        from engramd.kernels.gather_ref import dequantize_rows
+
+        if not self._picks:  # a rank of no heads (more ranks than heads) serves no rows
+            return
+        geometry, shard = self.client.geometry, self.client.shard
+        packed = torch.cat([self._parts[part] for part in self.PARTS], dim=1)
+        expected = dequantize_rows(packed, geometry.head_dim)
+        ids = torch.full((len(self._picks), geometry.n_layers, geometry.heads), DEAD_ID,
+                         dtype=torch.int64, device=self.client.device)
+        for token, (head, row) in enumerate(self._picks):
+            ids[token, self.layer_index, head] = row
+        served = self.client.lookup(ids, slot=self._slot).wait()[self.layer_index]
+        self._check_still_served()
+        for token, (head, row) in enumerate(self._picks):
+            got = served[token, head - shard.head_start].cpu()
+            if not torch.equal(got.view(torch.int16), expected[token].view(torch.int16)):
+                raise self._error(
+                    f"the engramd daemon at {self.client.socket_path} serves other rows than this "
+                    f"checkpoint's Engram table (layer {self._layer_id}, row {row}, head {head}): "
+                    "it was started on another checkpoint of the same geometry (another revision "
+                    "of this model?); start the daemon on this model's checkpoint")

@@ -310,6 +310,8 @@ class EngramdEmbedding(ParallelEngramEmbedding):
         self.part_num_embeddings = 0  # rows held here
         self.weight = self._empty_parameter(torch.float8_e4m3fn, self.dim)
         self.weight_scale_inv = self._empty_parameter(torch.uint8, self.dim // self.block_size)
+        self.checkpoint_rows = shared.CheckpointRows(rows.client, layer_index, VllmPluginError,
+                                                     DIRECT_SLOT, rows.check_still_served)
 
     def _empty_parameter(self, dtype: torch.dtype, width: int) -> nn.Parameter:
         from vllm.model_executor.utils import set_weight_attrs
@@ -320,12 +322,14 @@ class EngramdEmbedding(ParallelEngramEmbedding):
 
     def _skip_checkpoint_table(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         """The checkpoint's table is the daemon's to load: keep nothing, but refuse one whose
-        shape is not the table the daemon serves."""
+        shape is not the table the daemon serves, or whose rows are not the ones it serves
+        (shared.CheckpointRows: a sample of them)."""
         expected = (self.num_embeddings, param.shape[1])
         if tuple(loaded_weight.shape) != expected:
             raise VllmPluginError(
                 f"checkpoint Engram tensor of layer {self.rows.geometry.layer_ids[self.layer_index]} "
                 f"has shape {list(loaded_weight.shape)}; the daemon serves {list(expected)}")
+        self.checkpoint_rows.hand("weight" if param is self.weight else "scale", loaded_weight)
 
     def lookup(self, indices: torch.Tensor, out: torch.Tensor, background: bool = False) -> None:
         """vLLM's direct lookup (`[T, heads]` IDs into `[T, local_heads, dim]` bf16), through a

@@ -29,10 +29,12 @@ WORKER_TIMEOUT_S = 300  # vLLM's kernels under Triton's interpreter: tens of sec
 
 
 def worker(daemon, checkpoint: Path, port: int, rank: int = 0, world: int = 1,
-           mode: str = "auto", sp: bool = False, capture: bool = False) -> list[str]:
+           mode: str = "auto", sp: bool = False, capture: bool = False,
+           other_rows: bool = False) -> list[str]:
     return [sys.executable, str(WORKER), "--socket", str(daemon.socket), "--checkpoint",
             str(checkpoint), "--rank", str(rank), "--world", str(world), "--port", str(port),
-            "--mode", mode, *(["--sp"] if sp else []), *(["--capture"] if capture else [])]
+            "--mode", mode, *(["--sp"] if sp else []), *(["--capture"] if capture else []),
+            *(["--other-rows"] if other_rows else [])]
 
 
 @pytest.mark.slow
@@ -51,6 +53,18 @@ def test_two_tensor_parallel_ranks_each_get_their_head_shard(daemon_factory, dem
     daemon = daemon_factory()
     port = free_port()
     run_client_processes([worker(daemon, demo_checkpoint, port, rank, 2, sp=sp) for rank in (0, 1)], timeout=WORKER_TIMEOUT_S)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, world", [("served", 1), ("mapped", 2)], ids=["served", "mapped-tp2"])
+def test_a_daemon_on_another_checkpoint_of_the_models_geometry_is_refused_at_load(
+        daemon_factory, demo_checkpoint, second_checkpoint, mode, world):
+    """Same config, same shapes, other rows (another revision of the model): no geometry check
+    can tell, the checkpoint's rows can."""
+    daemon = daemon_factory(tables=second_checkpoint)
+    port = free_port()
+    run_client_processes([worker(daemon, demo_checkpoint, port, rank, world, mode=mode, other_rows=True)
+                          for rank in range(world)], timeout=WORKER_TIMEOUT_S)
 
 
 ENTRY_POINT_PROBE = """
