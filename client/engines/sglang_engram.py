@@ -30,7 +30,9 @@ rows. Any other IDs take a lookup of their own (the direct slot), as before:
 - breakable CUDA graphs, capture and replay: the hasher runs inside a captured segment (decode)
   or its output is copied into a graph buffer (extend), so neither the hook's host work nor the
   tensor's identity would carry over to a replay (the hook submits nothing there either);
-- IDs that did not come from the hasher (tests, offline tools).
+- IDs that did not come from the hasher (tests, offline tools);
+- steps run under `torch.inference_mode()` (SGLANG_ENABLE_TORCH_INFERENCE_MODE): its tensors
+  keep no version counter, so a rewrite of the hasher's output would go unseen.
 
 What replaces what, on SGLang's `EngramEmbedding` (SGLang binds the class at import, so its
 attributes are replaced, not the class):
@@ -127,6 +129,8 @@ class ProcessClient:
         the step slot; IDs it cannot take in one lookup are left to the layers' own lookups."""
         self.step = None
         geometry = self.geometry
+        if hash_ids.is_inference():  # no version counter: a rewrite of the IDs would go unseen
+            return
         if (hash_ids.ndim != 3 or tuple(hash_ids.shape[1:]) != (geometry.n_layers, geometry.heads)
                 or not 0 < hash_ids.shape[0] <= self.client.max_tokens):
             return

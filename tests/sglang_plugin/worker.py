@@ -259,6 +259,11 @@ def run_checks(engram, layout, hf, checkpoint, reference, served, args, sglang_e
         compare_step(f"raw IDs x {tokens}", reference, served, ids, args.rank)
         lookups_of_one_layer_each(sent, ids)
         sent.clear()
+    with torch.inference_mode():  # SGLANG_ENABLE_TORCH_INFERENCE_MODE: the scheduler's steps
+        name, hashes, _ = next(sglang_steps(sglang_hasher(engram, layout, hf, device)))
+        compare_step(f"{name} in inference mode", reference, served, hashes, args.rank)
+    lookups_of_one_layer_each(sent, hashes)  # no version counter to tell a rewrite: per layer
+    sent.clear()
     staging_is_refused(served[0], sglang_engram.SglangPluginError)
 
 
