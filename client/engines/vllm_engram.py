@@ -151,19 +151,29 @@ class ProcessRows:
     def _submit(self) -> None:
         parts, self._ids = self._ids, {}
         first = next(iter(parts.values()))
-        self._tokens = first.shape[0]
-        if self._tokens == 0:
+        self._tokens = 0  # until this step's lookup is submitted, no layer reads the last one's rows
+        shape = (first.shape[0], self.geometry.heads)
+        for layer, part in parts.items():  # columns of one [T, layers, heads] tensor in vLLM
+            if tuple(part.shape) != shape:
+                raise VllmPluginError(
+                    f"Engram layer {layer} handed in IDs of {part.shape[0]} tokens "
+                    f"{list(part.shape)}; this step's other layers handed in {list(shape)}: "
+                    "vLLM's layers no longer take columns of one hash tensor")
+        tokens = first.shape[0]
+        if tokens == 0:
             return
         if self.captured is not None:
-            self.captured.record(self._tokens)  # on the current stream: the rows follow in its order
+            self.captured.record(tokens)  # on the current stream: the rows follow in its order
+            self._tokens = tokens
             if not _capturing():  # a check reads the host; in a replay no Python runs
                 self.captured.check()
             return
         # Layers of other pipeline stages (and any that did not hand in) look up nothing.
-        ids = first.new_full((self._tokens, self.geometry.n_layers, self.geometry.heads), DEAD_ID)
+        ids = first.new_full((tokens, self.geometry.n_layers, self.geometry.heads), DEAD_ID)
         for layer, part in parts.items():
             ids[:, layer] = part
         self._future = self.client.lookup(ids, slot=STAGED_SLOT)
+        self._tokens = tokens
 
     def ready(self, layer: int, num_tokens: int) -> torch.Tensor:
         """The layer's rows of the first `num_tokens` tokens, valid in the current stream's order."""

@@ -247,6 +247,8 @@ def run_checks(engram, layout, checkpoint, reference, served, args, vllm_engram,
     for tokens in (5, 64, 1):  # decode-sized and prefill-sized steps reuse the staging slot
         compare_step(f"raw IDs x {tokens}", reference, served, raw_ids(layout.num_embeddings, tokens),
                      args, args.world)
+    layers_of_other_token_counts_fail_closed(served, raw_ids(layout.num_embeddings, 5),
+                                             vllm_engram.VllmPluginError)
     moved_rows_fail_closed(served[0], raw_ids(layout.num_embeddings, 3), vllm_engram.VllmPluginError)
     other_tables_fail_closed(served[0], raw_ids(layout.num_embeddings, 3), vllm_engram.VllmPluginError)
     if args.capture:  # last: a lost captured lookup stays lost
@@ -297,6 +299,23 @@ def other_tables_fail_closed(layer, ids: torch.Tensor, error: type[Exception]) -
     finally:
         client.tables_id = served
         del client._tables_news
+
+
+def layers_of_other_token_counts_fail_closed(served, ids: torch.Tensor, error: type[Exception]) -> None:
+    """A step's layers hand in IDs of one token count (columns of one hash tensor); a layer that
+    hands in another count (a seam vLLM changed) is refused, not broadcast over the step's
+    tokens or read past its own."""
+    assert len(served) > 1
+    try:
+        for layer in served:
+            count = 1 if layer is served[-1] else ids.shape[0]
+            layer.prepare_embeddings(ids[:count, layer.layer_hash_index])
+        for layer in served:
+            layer._ready_rows(ids.shape[0])
+    except error as exc:
+        assert "handed in IDs of 1 tokens" in str(exc), exc
+    else:
+        raise AssertionError("a step whose layers handed in different token counts was served")
 
 
 def moved_rows_fail_closed(layer, ids: torch.Tensor, error: type[Exception]) -> None:
