@@ -31,6 +31,17 @@ def refuses_other_table(param, head_dim: int, error: type[Exception]) -> None:
     raise AssertionError("a checkpoint table of 7 rows loaded against the daemon's")
 
 
+def refuses_other_rows(load: Callable[[], None], error: type[Exception]) -> None:
+    """Against a daemon on another checkpoint of the model's geometry (another revision: every
+    shape the same), loading the model's checkpoint fails (fail closed), before any step."""
+    try:
+        load()
+    except error as exc:
+        assert "serves other rows than this checkpoint's Engram table" in str(exc), exc
+        return
+    raise AssertionError("the checkpoint loaded against a daemon serving another checkpoint's rows")
+
+
 def copy_projections(reference, served) -> None:
     """The plugin replaces only the table: the same wkv, q and k weights on both."""
     generator = torch.Generator().manual_seed(11)

@@ -14,7 +14,8 @@ a step's hash IDs make one lookup of every layer (engramd.client.engines.sglang_
 replacements and says what each does). The other settings (ENGRAMD_MODE, ENGRAMD_HOT_CACHE_GIB,
 ENGRAMD_GATHER_AT) are the vLLM plugin's (engramd.client.engines.shared).
 
-SGLang's plugin loader logs a plugin that raises and goes on, so a failed check also makes
+SGLang's plugin loader logs a plugin that raises and goes on, so a failed check (or any other
+failure of `register()`, an engramd client that cannot be imported among them) also makes
 SGLang's `EngramEmbedding` refuse to build (with the same message): the server stops at model
 construction rather than serving its own tables while ENGRAMD_SOCKET names the daemon's.
 
@@ -81,15 +82,28 @@ def register() -> None:
         return
     try:
         settings = _checked_settings()
-    except SglangPluginError as error:
-        _refuse_engram_tables(error)
-        raise
-    engram = importlib.import_module(ENGRAM_MODULE)
-    from engramd.client.engines import sglang_engram
+        engram = importlib.import_module(ENGRAM_MODULE)
+        from engramd.client.engines import sglang_engram
 
-    if sglang_engram.install(engram, settings):
+        installed = sglang_engram.install(engram, settings)
+    except Exception as exc:  # SGLang's loader would log it and go on with its own tables
+        error = _plugin_error(exc)
+        _refuse_engram_tables(error)
+        if error is exc:
+            raise
+        raise error from exc
+    if installed:
         log.info("engramd plugin installed: Engram rows come from the daemon at %s",
                  settings.socket)
+
+
+def _plugin_error(exc: Exception) -> PluginError:
+    if isinstance(exc, SglangPluginError):
+        return exc
+    if isinstance(exc, ImportError):
+        return shared.client_import_error(exc, "SGLang", SglangPluginError)
+    return SglangPluginError(f"{SOCKET_ENV} is set but installing the engramd plugin failed "
+                             f"({type(exc).__name__}: {exc}); refusing to build Engram tables.")
 
 
 def _checked_settings() -> shared.Settings:
@@ -101,7 +115,7 @@ def _checked_settings() -> shared.Settings:
     return shared.Settings.from_environment(SglangPluginError)
 
 
-def _refuse_engram_tables(error: SglangPluginError) -> None:
+def _refuse_engram_tables(error: PluginError) -> None:
     """SGLang's loader logs a plugin's exception and goes on: make building an Engram table
     raise the same error, so the server stops at model construction instead of serving its own
     tables while ENGRAMD_SOCKET says the daemon's."""

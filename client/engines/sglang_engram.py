@@ -30,7 +30,9 @@ rows. Any other IDs take a lookup of their own (the direct slot), as before:
 - breakable CUDA graphs, capture and replay: the hasher runs inside a captured segment (decode)
   or its output is copied into a graph buffer (extend), so neither the hook's host work nor the
   tensor's identity would carry over to a replay (the hook submits nothing there either);
-- IDs that did not come from the hasher (tests, offline tools).
+- IDs that did not come from the hasher (tests, offline tools);
+- steps run under `torch.inference_mode()` (SGLANG_ENABLE_TORCH_INFERENCE_MODE): its tensors
+  keep no version counter, so a rewrite of the hasher's output would go unseen.
 
 What replaces what, on SGLang's `EngramEmbedding` (SGLang binds the class at import, so its
 attributes are replaced, not the class):
@@ -127,6 +129,8 @@ class ProcessClient:
         the step slot; IDs it cannot take in one lookup are left to the layers' own lookups."""
         self.step = None
         geometry = self.geometry
+        if hash_ids.is_inference():  # no version counter: a rewrite of the IDs would go unseen
+            return
         if (hash_ids.ndim != 3 or tuple(hash_ids.shape[1:]) != (geometry.n_layers, geometry.heads)
                 or not 0 < hash_ids.shape[0] <= self.client.max_tokens):
             return
@@ -258,6 +262,9 @@ def _embedding_init(self, num_embeddings, dim, layer_id, column_bounds):
     self.staged_by_scheduler, self.peer = False, None
     self.weight = _checking_parameter(self, torch.float8_e4m3fn, dim)
     self.scale = _checking_parameter(self, torch.float8_e8m0fnu, dim // SCALE_BLOCK)
+    self.engramd_checkpoint = shared.CheckpointRows(daemon.client, self.engramd_layer,
+                                                    SglangPluginError, DIRECT_SLOT,
+                                                    daemon.check_still_served)
 
 
 def _checking_parameter(embedding, dtype: torch.dtype, width: int) -> nn.Parameter:
@@ -270,12 +277,15 @@ def _checking_parameter(embedding, dtype: torch.dtype, width: int) -> nn.Paramet
 
 def _skip_checkpoint_table(embedding, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
     """The checkpoint's table is the daemon's to load: keep nothing, but refuse one whose shape
-    is not the table the daemon serves."""
+    is not the table the daemon serves, or whose rows are not the ones it serves
+    (shared.CheckpointRows: a sample of them)."""
     expected = (embedding.num_embeddings, param.shape[1])
     if tuple(loaded_weight.shape) != expected:
         raise SglangPluginError(
             f"checkpoint Engram tensor of layer {embedding.engramd_layer_id} has shape "
             f"{list(loaded_weight.shape)}; the daemon serves {list(expected)}")
+    embedding.engramd_checkpoint.hand("weight" if param is embedding.weight else "scale",
+                                      loaded_weight)
 
 
 def _served(embedding) -> bool:

@@ -3,7 +3,7 @@ read from the environment, and the fail-closed checks of the engine's version an
 plugin replaces.
 
     ENGRAMD_SOCKET         the daemon's socket; unset or empty: the plugin does nothing
-    ENGRAMD_MODE           auto | served | mapped (default auto): the client's mode
+    ENGRAMD_MODE           auto | served | mapped (default auto, as when empty): the client's mode
     ENGRAMD_HOT_CACHE_GIB  a mapped client's own hot-row cache cap (0: none; unset: the daemon's)
     ENGRAMD_GATHER_AT      wait | lookup (default wait): the client's gather_at
     ENGRAMD_CAPTURE        off | on (default off): a mapped GPU worker's lookups are recorded in
@@ -11,6 +11,11 @@ plugin replaces.
 
 Every check raises the engine's own PluginError subclass, with a message that names the setting
 or the seam. What it is not: anything that imports an engine, or replaces anything in one.
+
+The engines' entry points import this module, and their loaders log an entry point whose import
+fails and go on with the engine's own tables: so it imports nothing of engramd's client (pyzmq,
+msgpack) at import time, and a client that cannot be imported fails `register()` instead
+(client_import_error), where the plugin stops the engine.
 """
 
 from __future__ import annotations
@@ -20,8 +25,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engramd.client.shared.connection import SOCKET_ENV
-
+SOCKET_ENV = "ENGRAMD_SOCKET"  # engramd.client.shared.connection.SOCKET_ENV, not imported: above
 MODE_ENV = "ENGRAMD_MODE"
 HOT_CACHE_ENV = "ENGRAMD_HOT_CACHE_GIB"
 GATHER_AT_ENV = "ENGRAMD_GATHER_AT"
@@ -48,7 +52,7 @@ class Settings:
     @classmethod
     def from_environment(cls, error: type[PluginError]) -> Settings:
         """The settings of this process; `error` names a bad one before any worker registers."""
-        return cls(os.environ[SOCKET_ENV], os.environ.get(MODE_ENV, "auto"),
+        return cls(os.environ[SOCKET_ENV], mode(os.environ.get(MODE_ENV), error),
                    hot_cache_cap(os.environ.get(HOT_CACHE_ENV), error),
                    gather_at(os.environ.get(GATHER_AT_ENV), error),
                    capture(os.environ.get(CAPTURE_ENV), error))
@@ -75,6 +79,17 @@ def hot_cache_cap(value: str | None, error: type[PluginError]) -> float | None:
     return gib
 
 
+def mode(value: str | None, error: type[PluginError]) -> str:
+    """ENGRAMD_MODE as EngramClient's mode ("auto" when unset or empty)."""
+    from engramd.client.client import MODES
+
+    if not value:
+        return "auto"
+    if value not in MODES:
+        raise error(f"{MODE_ENV}={value!r}: expected one of {', '.join(MODES)}")
+    return value
+
+
 def gather_at(value: str | None, error: type[PluginError]) -> str:
     """ENGRAMD_GATHER_AT as EngramClient's gather_at ("wait" when unset or empty)."""
     from engramd.client.client import GATHER_AT
@@ -93,6 +108,13 @@ def capture(value: str | None, error: type[PluginError]) -> bool:
     if value != "on":
         raise error(f"{CAPTURE_ENV}={value!r}: expected on or off")
     return True
+
+
+def client_import_error(exc: ImportError, engine: str, error: type[PluginError]) -> PluginError:
+    """The engine's error for an engramd client that cannot be imported in the engine's Python."""
+    return error(f"{SOCKET_ENV} is set but engramd's client cannot be imported beside this {engine} "
+                 f"({exc}): install engramd with its dependencies into {engine}'s Python, or unset "
+                 f"{SOCKET_ENV} to run {engine}'s own Engram tables.")
 
 
 def check_version(engine: str, version: str, supported: tuple[str, ...],
@@ -161,3 +183,73 @@ class ServedTables:
                 f"checked against: restart this {self._engine} server")
         self._registration = client.registrations
 
+
+
+class CheckpointRows:
+    """A layer's checkpoint table as the engine's loader hands it in (its FP8 weight and its
+    UE8M0 scales, either first), compared on a sample of rows with the rows the daemon serves.
+    A daemon started on another checkpoint of the model's geometry (another revision of the
+    model) passes every check of the config and of the tensors' shapes, and would serve its own
+    rows: the sample (the first, middle and last row of each of this rank's heads' buckets) is
+    what tells them apart, at load, before any step."""
+
+    PARTS = ("weight", "scale")
+
+    def __init__(self, client, layer_index: int, error: type[PluginError], slot: int,
+                 check_still_served: Callable[[], None]):
+        import torch
+
+        self.client, self.layer_index, self._error = client, layer_index, error
+        self._slot, self._check_still_served = slot, check_still_served
+        geometry, shard = client.geometry, client.shard
+        bounds = (*geometry.offsets[layer_index], geometry.rows[layer_index])
+        picks = [(head, row) for head in range(shard.head_start, shard.head_end)
+                 for row in dict.fromkeys((bounds[head], (bounds[head] + bounds[head + 1]) // 2,
+                                           bounds[head + 1] - 1))]
+        self._picks = picks[:client.max_tokens]
+        self._rows = torch.tensor([row for _, row in self._picks], dtype=torch.int64)
+        self._parts: dict[str, torch.Tensor] = {}
+
+    def hand(self, part: str, loaded) -> None:
+        """One of the layer's checkpoint tensors (`part`: weight or scale, full shape, checked);
+        once both are in, the sample is compared (the engine's error naming a difference)."""
+        if loaded.element_size() != 1:
+            raise self._error(
+                f"checkpoint Engram {part} of layer {self._layer_id} is {loaded.dtype}; the engramd "
+                "daemon serves FP8 rows with UE8M0 scales (one byte each)")
+        import torch
+
+        sample = loaded.detach()[self._rows.to(loaded.device)].cpu().contiguous()
+        self._parts[part] = sample.view(torch.uint8)
+        if len(self._parts) == len(self.PARTS):
+            self._compare()
+
+    @property
+    def _layer_id(self) -> int:
+        return self.client.geometry.layer_ids[self.layer_index]
+
+    def _compare(self) -> None:
+        import torch
+
+        from engramd.client.geometry import DEAD_ID
+        from engramd.kernels.gather_ref import dequantize_rows
+
+        if not self._picks:  # a rank of no heads (more ranks than heads) serves no rows
+            return
+        geometry, shard = self.client.geometry, self.client.shard
+        packed = torch.cat([self._parts[part] for part in self.PARTS], dim=1)
+        expected = dequantize_rows(packed, geometry.head_dim)
+        ids = torch.full((len(self._picks), geometry.n_layers, geometry.heads), DEAD_ID,
+                         dtype=torch.int64, device=self.client.device)
+        for token, (head, row) in enumerate(self._picks):
+            ids[token, self.layer_index, head] = row
+        served = self.client.lookup(ids, slot=self._slot).wait()[self.layer_index]
+        self._check_still_served()
+        for token, (head, row) in enumerate(self._picks):
+            got = served[token, head - shard.head_start].cpu()
+            if not torch.equal(got.view(torch.int16), expected[token].view(torch.int16)):
+                raise self._error(
+                    f"the engramd daemon at {self.client.socket_path} serves other rows than this "
+                    f"checkpoint's Engram table (layer {self._layer_id}, row {row}, head {head}): "
+                    "it was started on another checkpoint of the same geometry (another revision "
+                    "of this model?); start the daemon on this model's checkpoint")

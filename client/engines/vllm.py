@@ -94,7 +94,10 @@ def register() -> None:
     check_version(vllm.__version__)
     engram = importlib.import_module(ENGRAM_MODULE)
     check_seams(engram)
-    from engramd.client.engines import vllm_engram
+    try:
+        from engramd.client.engines import vllm_engram
+    except ImportError as exc:
+        raise shared.client_import_error(exc, "vLLM", VllmPluginError) from exc
 
     settings = shared.Settings.from_environment(VllmPluginError)
     if vllm_engram.install(engram, settings.socket, settings.mode, settings.hot_cache_gib,

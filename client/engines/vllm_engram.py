@@ -151,19 +151,29 @@ class ProcessRows:
     def _submit(self) -> None:
         parts, self._ids = self._ids, {}
         first = next(iter(parts.values()))
-        self._tokens = first.shape[0]
-        if self._tokens == 0:
+        self._tokens = 0  # until this step's lookup is submitted, no layer reads the last one's rows
+        shape = (first.shape[0], self.geometry.heads)
+        for layer, part in parts.items():  # columns of one [T, layers, heads] tensor in vLLM
+            if tuple(part.shape) != shape:
+                raise VllmPluginError(
+                    f"Engram layer {layer} handed in IDs of {part.shape[0]} tokens "
+                    f"{list(part.shape)}; this step's other layers handed in {list(shape)}: "
+                    "vLLM's layers no longer take columns of one hash tensor")
+        tokens = first.shape[0]
+        if tokens == 0:
             return
         if self.captured is not None:
-            self.captured.record(self._tokens)  # on the current stream: the rows follow in its order
+            self.captured.record(tokens)  # on the current stream: the rows follow in its order
+            self._tokens = tokens
             if not _capturing():  # a check reads the host; in a replay no Python runs
                 self.captured.check()
             return
         # Layers of other pipeline stages (and any that did not hand in) look up nothing.
-        ids = first.new_full((self._tokens, self.geometry.n_layers, self.geometry.heads), DEAD_ID)
+        ids = first.new_full((tokens, self.geometry.n_layers, self.geometry.heads), DEAD_ID)
         for layer, part in parts.items():
             ids[:, layer] = part
         self._future = self.client.lookup(ids, slot=STAGED_SLOT)
+        self._tokens = tokens
 
     def ready(self, layer: int, num_tokens: int) -> torch.Tensor:
         """The layer's rows of the first `num_tokens` tokens, valid in the current stream's order."""
@@ -310,6 +320,8 @@ class EngramdEmbedding(ParallelEngramEmbedding):
         self.part_num_embeddings = 0  # rows held here
         self.weight = self._empty_parameter(torch.float8_e4m3fn, self.dim)
         self.weight_scale_inv = self._empty_parameter(torch.uint8, self.dim // self.block_size)
+        self.checkpoint_rows = shared.CheckpointRows(rows.client, layer_index, VllmPluginError,
+                                                     DIRECT_SLOT, rows.check_still_served)
 
     def _empty_parameter(self, dtype: torch.dtype, width: int) -> nn.Parameter:
         from vllm.model_executor.utils import set_weight_attrs
@@ -320,12 +332,14 @@ class EngramdEmbedding(ParallelEngramEmbedding):
 
     def _skip_checkpoint_table(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         """The checkpoint's table is the daemon's to load: keep nothing, but refuse one whose
-        shape is not the table the daemon serves."""
+        shape is not the table the daemon serves, or whose rows are not the ones it serves
+        (shared.CheckpointRows: a sample of them)."""
         expected = (self.num_embeddings, param.shape[1])
         if tuple(loaded_weight.shape) != expected:
             raise VllmPluginError(
                 f"checkpoint Engram tensor of layer {self.rows.geometry.layer_ids[self.layer_index]} "
                 f"has shape {list(loaded_weight.shape)}; the daemon serves {list(expected)}")
+        self.checkpoint_rows.hand("weight" if param is self.weight else "scale", loaded_weight)
 
     def lookup(self, indices: torch.Tensor, out: torch.Tensor, background: bool = False) -> None:
         """vLLM's direct lookup (`[T, heads]` IDs into `[T, local_heads, dim]` bf16), through a

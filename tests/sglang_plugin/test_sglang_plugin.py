@@ -21,10 +21,10 @@ WORKER_TIMEOUT_S = 300
 
 
 def worker(daemon, checkpoint: Path, port: int, rank: int = 0, world: int = 1,
-           mode: str = "auto") -> list[str]:
+           mode: str = "auto", other_rows: bool = False) -> list[str]:
     return [sys.executable, str(WORKER), "--socket", str(daemon.socket), "--checkpoint",
             str(checkpoint), "--rank", str(rank), "--world", str(world), "--port", str(port),
-            "--mode", mode]
+            "--mode", mode, *(["--other-rows"] if other_rows else [])]
 
 
 def run_probe(code: str, *argv: str) -> str:
@@ -48,6 +48,18 @@ def test_two_tensor_parallel_ranks_each_get_their_head_shard(daemon_factory, dem
     port = free_port()
     run_client_processes([worker(daemon, demo_checkpoint, port, rank, 2, mode) for rank in (0, 1)],
                          timeout=WORKER_TIMEOUT_S)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, world", [("served", 1), ("mapped", 2)], ids=["served", "mapped-tp2"])
+def test_a_daemon_on_another_checkpoint_of_the_models_geometry_is_refused_at_load(
+        daemon_factory, demo_checkpoint, second_checkpoint, mode, world):
+    """Same config, same shapes, other rows (another revision of the model): no geometry check
+    can tell, the checkpoint's rows can."""
+    daemon = daemon_factory(tables=second_checkpoint)
+    port = free_port()
+    run_client_processes([worker(daemon, demo_checkpoint, port, rank, world, mode, other_rows=True)
+                          for rank in range(world)], timeout=WORKER_TIMEOUT_S)
 
 
 @pytest.mark.slow
@@ -130,6 +142,28 @@ def test_another_version_a_changed_seam_or_sglangs_own_table_placement_fail_clos
                      "EngramEmbedding._lookup no longer calls _owned_rows",
                      "eager_on_graph is missing"):
         assert expected in errors["seams"], errors
+
+
+MISSING_DEPENDENCY_PROBE = """
+import os, sys
+os.environ["ENGRAMD_SOCKET"] = "/nonexistent/engramd.sock"
+from sglang.srt.layers import engram
+from sglang.srt.plugins import load_plugins
+sys.modules["msgpack"] = None  # engramd's client needs it: absent beside this SGLang
+load_plugins()  # SGLang's loader: logs a plugin's exception and goes on
+try:
+    engram.EngramEmbedding(10, 256, 1, (0, 10))
+except Exception as exc:
+    print(type(exc).__name__, exc)
+"""
+
+
+def test_an_engramd_client_that_cannot_be_imported_stops_sglang_at_its_engram_table():
+    """SGLang's loader logs any exception of the entry point (its import, or register()) and
+    goes on: building an Engram table must then fail with the reason, not build SGLang's own."""
+    out = run_probe(MISSING_DEPENDENCY_PROBE).splitlines()[-1]
+    assert out.startswith("SglangPluginError ENGRAMD_SOCKET is set but engramd's client cannot be "
+                          "imported") and "msgpack" in out, out
 
 
 GEOMETRY_PROBE = """

@@ -1,6 +1,7 @@
 """One SGLang TP worker process of the plugin tests: SGLang's own Engram modules beside the plugin's.
 
     python worker.py --socket S --checkpoint DIR --rank R --world W --port P [--mode M]
+                     [--other-rows]
 
 Builds, on one TP rank of W (SGLang's own process groups over gloo, CPU: SGLang's torch paths),
 SGLang's Engram modules with their row shards loaded from the checkpoint (the reference), then
@@ -40,6 +41,7 @@ from engine_worker import (  # noqa: E402
     copy_projections,
     engramd_hashes,
     model_config,
+    refuses_other_rows,
     refuses_other_table,
     run,
     same_bits,
@@ -52,6 +54,8 @@ def parse() -> argparse.Namespace:
         parser.add_argument(flag, default="auto")
     for flag in ("--rank", "--world", "--port"):
         parser.add_argument(flag, type=int, default=0)
+    parser.add_argument("--other-rows", action="store_true",
+                        help="the daemon serves another checkpoint of this geometry: loading fails")
     return parser.parse_args()
 
 
@@ -222,6 +226,11 @@ def main() -> None:
         assert engram.EngramEmbedding._owned_rows is sglang_engram._owned_rows, \
             "the entry point did not install"
         served = build_layers(engram, hf, layout)
+        if args.other_rows:
+            refuses_other_rows(lambda: load_tables(served, layout, checkpoint),
+                               sglang_engram.SglangPluginError)
+            print(f"rank {args.rank}: the daemon's other rows were refused at load")
+            return
         run_checks(engram, layout, hf, checkpoint, reference, served, args, sglang_engram)
     print(f"rank {args.rank}: all equal ({sglang_engram._process_client.client.mode} mode)")
 
@@ -250,6 +259,11 @@ def run_checks(engram, layout, hf, checkpoint, reference, served, args, sglang_e
         compare_step(f"raw IDs x {tokens}", reference, served, ids, args.rank)
         lookups_of_one_layer_each(sent, ids)
         sent.clear()
+    with torch.inference_mode():  # SGLANG_ENABLE_TORCH_INFERENCE_MODE: the scheduler's steps
+        name, hashes, _ = next(sglang_steps(sglang_hasher(engram, layout, hf, device)))
+        compare_step(f"{name} in inference mode", reference, served, hashes, args.rank)
+    lookups_of_one_layer_each(sent, hashes)  # no version counter to tell a rewrite: per layer
+    sent.clear()
     staging_is_refused(served[0], sglang_engram.SglangPluginError)
 
 

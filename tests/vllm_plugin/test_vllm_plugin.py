@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import types
@@ -28,10 +29,12 @@ WORKER_TIMEOUT_S = 300  # vLLM's kernels under Triton's interpreter: tens of sec
 
 
 def worker(daemon, checkpoint: Path, port: int, rank: int = 0, world: int = 1,
-           mode: str = "auto", sp: bool = False, capture: bool = False) -> list[str]:
+           mode: str = "auto", sp: bool = False, capture: bool = False,
+           other_rows: bool = False) -> list[str]:
     return [sys.executable, str(WORKER), "--socket", str(daemon.socket), "--checkpoint",
             str(checkpoint), "--rank", str(rank), "--world", str(world), "--port", str(port),
-            "--mode", mode, *(["--sp"] if sp else []), *(["--capture"] if capture else [])]
+            "--mode", mode, *(["--sp"] if sp else []), *(["--capture"] if capture else []),
+            *(["--other-rows"] if other_rows else [])]
 
 
 @pytest.mark.slow
@@ -50,6 +53,18 @@ def test_two_tensor_parallel_ranks_each_get_their_head_shard(daemon_factory, dem
     daemon = daemon_factory()
     port = free_port()
     run_client_processes([worker(daemon, demo_checkpoint, port, rank, 2, sp=sp) for rank in (0, 1)], timeout=WORKER_TIMEOUT_S)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, world", [("served", 1), ("mapped", 2)], ids=["served", "mapped-tp2"])
+def test_a_daemon_on_another_checkpoint_of_the_models_geometry_is_refused_at_load(
+        daemon_factory, demo_checkpoint, second_checkpoint, mode, world):
+    """Same config, same shapes, other rows (another revision of the model): no geometry check
+    can tell, the checkpoint's rows can."""
+    daemon = daemon_factory(tables=second_checkpoint)
+    port = free_port()
+    run_client_processes([worker(daemon, demo_checkpoint, port, rank, world, mode=mode, other_rows=True)
+                          for rank in range(world)], timeout=WORKER_TIMEOUT_S)
 
 
 ENTRY_POINT_PROBE = """
@@ -71,6 +86,36 @@ def test_entry_point_loads_and_does_nothing_without_the_setting():
     run = subprocess.run([sys.executable, "-c", ENTRY_POINT_PROBE], capture_output=True, text=True,
                          timeout=WORKER_TIMEOUT_S, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
     assert run.returncode == 0 and "untouched" in run.stdout, run.stdout + run.stderr
+
+
+MISSING_DEPENDENCY_PROBE = """
+import os, sys
+os.environ["ENGRAMD_SOCKET"] = "/nonexistent/engramd.sock"
+from vllm.models.deepseek_v41.common.engram import Engram
+before = dict(vars(Engram))
+sys.modules["msgpack"] = None  # engramd's client needs it; vLLM does not: absent beside this vLLM
+from vllm.plugins import load_general_plugins
+try:
+    load_general_plugins()
+except Exception as exc:
+    print(type(exc).__name__, exc)
+else:
+    print("untouched" if dict(vars(Engram)) == before else "installed")
+"""
+
+
+def test_an_engramd_client_that_cannot_be_imported_stops_vllm_not_its_plugin_loader():
+    """vLLM's loader logs an entry point whose import fails and goes on with vLLM's own Engram
+    tables: the entry point imports nothing of the client, whose failure then stops register()."""
+    from engramd.client.engines import shared
+    from engramd.client.shared import connection
+
+    assert shared.SOCKET_ENV == connection.SOCKET_ENV  # the entry point's own copy of the name
+    run = subprocess.run([sys.executable, "-c", MISSING_DEPENDENCY_PROBE], capture_output=True,
+                         text=True, timeout=WORKER_TIMEOUT_S, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "VllmPluginError ENGRAMD_SOCKET is set but engramd's client cannot be imported" in run.stdout \
+        and "msgpack" in run.stdout, run.stdout + run.stderr
 
 
 def test_the_hot_cache_cap_is_read_from_the_environment_and_a_bad_one_named():
@@ -97,6 +142,23 @@ def test_the_gather_point_is_read_from_the_environment_and_a_bad_one_named():
     for bad in ("Wait", "soon", " lookup"):
         with pytest.raises(plugin.VllmPluginError, match=f"ENGRAMD_GATHER_AT='{bad}'"):
             plugin.gather_at(bad)
+
+
+def test_the_mode_is_read_from_the_environment_and_a_bad_one_named_before_any_worker_registers(
+        monkeypatch):
+    """As the other settings: checked at register(), unset or empty is the default, and a bad one
+    is named by its setting (not first at the first worker's registration, as a client's mode)."""
+    from engramd.client.engines import shared
+
+    monkeypatch.setenv("ENGRAMD_SOCKET", "/nonexistent/engramd.sock")
+    for value, expected in (("", "auto"), ("auto", "auto"), ("served", "served"), ("mapped", "mapped")):
+        monkeypatch.setenv("ENGRAMD_MODE", value)
+        assert shared.Settings.from_environment(plugin.VllmPluginError).mode == expected
+    for bad in ("Served", " mapped", "mapped\n", "gpu"):
+        monkeypatch.setenv("ENGRAMD_MODE", bad)
+        with pytest.raises(plugin.VllmPluginError,
+                           match=re.escape(f"ENGRAMD_MODE={bad!r}: expected one of auto, served, mapped")):
+            shared.Settings.from_environment(plugin.VllmPluginError)
 
 
 def test_another_vllm_version_fails_closed(monkeypatch):

@@ -1,7 +1,7 @@
 """One vLLM worker process of the plugin tests: vLLM's own Engram modules beside the plugin's.
 
     python worker.py --socket S --checkpoint DIR --rank R --world W --port P [--sp] [--mode M]
-                     [--capture]
+                     [--capture] [--other-rows]
 
 Builds, on one TP rank (gloo, CPU, vLLM's kernels under Triton's interpreter), vLLM's Engram
 modules with their tables loaded from the checkpoint (the reference), then loads the plugins as
@@ -9,6 +9,9 @@ vLLM does (`load_general_plugins`, with ENGRAMD_SOCKET set), builds the same mod
 served by the daemon), and checks step by step that the rows, `embed` and `forward` are the same
 bits, and that the IDs the daemon got are the hashes vLLM's `NgramHashState` computed (and that
 engramd's own hasher agrees). Exits non-zero with the first difference.
+
+--other-rows: the daemon serves another checkpoint of the model's geometry, and loading the
+model's checkpoint must fail (nothing else is checked).
 
 --capture sets ENGRAMD_CAPTURE=on: the staging slot's lookup is a captured one (no graph here:
 each step launches it eagerly, the kernel under Triton's interpreter like vLLM's); the CPU
@@ -40,6 +43,7 @@ from engine_worker import (  # noqa: E402
     copy_projections,
     engramd_hashes,
     model_config,
+    refuses_other_rows,
     refuses_other_table,
     run,
     same_bits,
@@ -52,6 +56,8 @@ def parse() -> argparse.Namespace:
         parser.add_argument(flag, default="auto")
     for flag in ("--rank", "--world", "--port"):
         parser.add_argument(flag, type=int, default=0)
+    parser.add_argument("--other-rows", action="store_true",
+                        help="the daemon serves another checkpoint of this geometry: loading fails")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism")
     parser.add_argument("--capture", action="store_true", help="ENGRAMD_CAPTURE=on")
     return parser.parse_args()
@@ -199,6 +205,11 @@ def main() -> None:
 
             assert engram.Engram._ready_rows is vllm_engram._ready_rows, "the entry point did not install"
             served = build_layers(engram, hf, layout, args.sp)
+            if args.other_rows:
+                refuses_other_rows(lambda: load_tables(served, layout, checkpoint),
+                                   vllm_engram.VllmPluginError)
+                print(f"rank {args.rank}: the daemon's other rows were refused at load")
+                return
             run_checks(engram, layout, checkpoint, reference, served, args, vllm_engram,
                        default_tokenizer_path().parent)
     captured = " captured" if vllm_engram._process_rows.captured is not None else ""
@@ -236,6 +247,8 @@ def run_checks(engram, layout, checkpoint, reference, served, args, vllm_engram,
     for tokens in (5, 64, 1):  # decode-sized and prefill-sized steps reuse the staging slot
         compare_step(f"raw IDs x {tokens}", reference, served, raw_ids(layout.num_embeddings, tokens),
                      args, args.world)
+    layers_of_other_token_counts_fail_closed(served, raw_ids(layout.num_embeddings, 5),
+                                             vllm_engram.VllmPluginError)
     moved_rows_fail_closed(served[0], raw_ids(layout.num_embeddings, 3), vllm_engram.VllmPluginError)
     other_tables_fail_closed(served[0], raw_ids(layout.num_embeddings, 3), vllm_engram.VllmPluginError)
     if args.capture:  # last: a lost captured lookup stays lost
@@ -286,6 +299,23 @@ def other_tables_fail_closed(layer, ids: torch.Tensor, error: type[Exception]) -
     finally:
         client.tables_id = served
         del client._tables_news
+
+
+def layers_of_other_token_counts_fail_closed(served, ids: torch.Tensor, error: type[Exception]) -> None:
+    """A step's layers hand in IDs of one token count (columns of one hash tensor); a layer that
+    hands in another count (a seam vLLM changed) is refused, not broadcast over the step's
+    tokens or read past its own."""
+    assert len(served) > 1
+    try:
+        for layer in served:
+            count = 1 if layer is served[-1] else ids.shape[0]
+            layer.prepare_embeddings(ids[:count, layer.layer_hash_index])
+        for layer in served:
+            layer._ready_rows(ids.shape[0])
+    except error as exc:
+        assert "handed in IDs of 1 tokens" in str(exc), exc
+    else:
+        raise AssertionError("a step whose layers handed in different token counts was served")
 
 
 def moved_rows_fail_closed(layer, ids: torch.Tensor, error: type[Exception]) -> None:
