@@ -207,7 +207,7 @@ class CheckpointRows:
                  for row in dict.fromkeys((bounds[head], (bounds[head] + bounds[head + 1]) // 2,
                                            bounds[head + 1] - 1))]
         self._picks = picks[:client.max_tokens]
-        self._rows = torch.tensor([row for _, row in self._picks], dtype=torch.int64)
+        self._rows = torch.tensor([row for _, row in self._picks], dtype=torch.int64, device="cpu")
         self._parts: dict[str, torch.Tensor] = {}
 
     def hand(self, part: str, loaded) -> None:
