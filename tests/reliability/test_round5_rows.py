@@ -9,6 +9,8 @@ test_round3.py, test_round4.py).
 
 from __future__ import annotations
 
+import signal
+
 import numpy as np
 import pytest
 import torch
@@ -47,3 +49,30 @@ def test_a_lookup_read_after_its_slot_was_taken_raises_not_the_later_rows(daemon
         client.lookup(second, slot=1)
         with pytest.raises(BadRequestError, match="slot 1 has taken a later lookup"):
             named.result()
+
+
+# -- 2. IDs refilled after lookup() -----------------------------------------------------------------
+
+REFILLED_TOKENS = 4096  # 1.5 MiB of int64 IDs: far over ZeroMQ's copy threshold (64 KiB)
+
+
+def test_a_served_cpu_lookup_reads_the_ids_it_was_given_not_what_the_caller_wrote_after(
+        daemon_factory, reference):
+    """A served client copies the IDs in lookup() (docs/client.md), so an engine may refill its
+    IDs buffer for the next step at once. On the CPU the frame was sent from the caller's own
+    tensor, which ZeroMQ reads on its I/O thread after lookup() returns: a refill before it was
+    sent (always, with the daemon slow to read; in most of a few tries even idle, for a prefill
+    of 4096 tokens) was looked up instead, and its rows returned as the lookup's."""
+    daemon = daemon_factory()
+    rng = np.random.default_rng(52)
+    with EngramClient(daemon.socket, max_tokens=REFILLED_TOKENS, slots=2, timeout=60) as client:
+        ids = ids_of(reference, rng, REFILLED_TOKENS)
+        asked = ids.clone()
+        daemon.proc.send_signal(signal.SIGSTOP)  # it reads nothing: the frame waits to be sent
+        try:
+            future = client.lookup(ids)
+            ids.copy_(ids_of(reference, rng, REFILLED_TOKENS))  # the next step's, in the same buffer
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        assert rows_match(future.result().double().numpy(), reference, asked.numpy()), \
+            "the rows of the IDs written after lookup(), not of the ones it was given"
