@@ -76,3 +76,38 @@ def test_a_served_cpu_lookup_reads_the_ids_it_was_given_not_what_the_caller_wrot
             daemon.proc.send_signal(signal.SIGCONT)
         assert rows_match(future.result().double().numpy(), reference, asked.numpy()), \
             "the rows of the IDs written after lookup(), not of the ones it was given"
+
+
+# -- 3. the adapter after a restart on tables of another geometry ------------------------------------
+
+
+def test_the_adapter_refuses_rows_of_a_restarted_daemon_of_another_geometry(daemon_factory,
+                                                                            tmp_path_factory):
+    """EngramRunnerAdapter builds its hasher once, from the geometry of its first registration.
+    Its client follows a daemon restarted on tables of another geometry (here: other bucket
+    sizes, the same layers and heads, so the IDs' shape passes) without a word, and the adapter
+    went on hashing for the old buckets: every step's rows were rows of the new tables at IDs
+    that are no n-gram's there, returned as the step's. Its prefetch raises TablesChangedError
+    now."""
+    from engramd.client.adapter import EngramRunnerAdapter
+    from engramd.client.errors import TablesChangedError
+    from engramd.client.geometry import DEMO_CONFIG, TableGeometry
+    from engramd.server.synthetic import write_synthetic_checkpoint
+
+    other = TableGeometry.from_config({**DEMO_CONFIG, "engram_vocab_size": 600}, source="other buckets")
+    other_checkpoint = write_synthetic_checkpoint(other, tmp_path_factory.mktemp("other-geometry"), seed=9)
+    first = daemon_factory()
+    token_map = np.arange(DEMO_CONFIG["engram_compressed_vocab_size"], dtype=np.int32)
+    tokens = torch.arange(100, 116)
+    with EngramRunnerAdapter(first.socket, max_tokens=16, token_map=token_map, timeout=30) as adapter:
+        adapter.prefetch(tokens)
+        adapter.rows(layer_id=1)
+        first.proc.kill()
+        first.proc.wait()
+        second = daemon_factory(tables=other_checkpoint, instance="other", shm_dir=first.shm_dir,
+                                workdir=first.workdir)
+        with pytest.raises(TablesChangedError, match="another geometry"):
+            adapter.prefetch(tokens)
+        with pytest.raises(RuntimeError, match="before prefetch"):
+            adapter.rows(layer_id=1)  # the refused step's rows are not handed out either
+    assert second.stop() == 0, second.log()
