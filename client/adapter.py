@@ -33,6 +33,7 @@ import torch
 
 from engramd.client.captured import CapturedLookup
 from engramd.client.client import EngramClient, LookupFuture
+from engramd.client.errors import TablesChangedError
 from engramd.client.hashing import EngramHasher, HashState
 from engramd.client.token_map import build_token_map, default_tokenizer_path, load_token_map
 
@@ -56,6 +57,7 @@ class EngramRunnerAdapter:
             self.client.close()
             raise
         self.device = self.client.device
+        self._registration = self.client.registrations  # the one the hasher was built for
         self._future: LookupFuture | None = None
         self._rows: torch.Tensor | None = None
 
@@ -75,9 +77,25 @@ class EngramRunnerAdapter:
         EngramClient.lookup's (a mapped client's gather grid for this lookup).
         """
         ids, next_state = self._hash(token_ids, cu_seqlens, dead, state, stream)
-        self._future = self.client.lookup(ids, stream, sm_fraction=sm_fraction)
-        self._rows = None
+        self._future, self._rows = None, None
+        future = self.client.lookup(ids, stream, sm_fraction=sm_fraction)
+        self._check_geometry()
+        self._future = future
         return next_state
+
+    def _check_geometry(self) -> None:
+        """After a lookup, which may have registered again with a restarted daemon: refuse rows
+        of tables of another geometry than the hasher's. Their rows of IDs hashed for other
+        buckets would be no n-gram's, and pass for this step's."""
+        client = self.client
+        if client.registrations == self._registration:
+            return
+        if client.geometry != self.hasher.geometry:
+            raise TablesChangedError(
+                f"the engramd daemon at {client.socket_path} restarted on tables of another "
+                f"geometry (rows per layer {list(client.geometry.rows)}) than this adapter hashes "
+                f"for ({list(self.hasher.geometry.rows)}): make a new adapter")
+        self._registration = client.registrations
 
     def rows(self, layer_id: int, stream: torch.cuda.Stream | None = None) -> torch.Tensor:
         """`[T, local_heads, head_dim]` bf16 rows of Engram layer `layer_id` (backbone layer id)."""

@@ -9,6 +9,7 @@ from typing import Any, Protocol
 import torch
 
 from engramd.client.errors import (
+    BadRequestError,
     DaemonUnavailableError,
     EngramError,
     InternalError,
@@ -30,7 +31,8 @@ class LookupPath(Protocol):
         """The client's registrations that took its slots over (a lookup of an older one is lost)."""
 
     def check_current(self, lookup: LookupFuture) -> None:
-        """Raise DaemonUnavailableError if the lookup's rows are gone (closed, re-registered)."""
+        """Raise DaemonUnavailableError if the lookup's rows are gone (closed, re-registered),
+        BadRequestError if a later lookup took its slot."""
 
     def rows(self, lookup: LookupFuture) -> torch.Tensor:
         """The view of the lookup's rows in its slot."""
@@ -80,6 +82,13 @@ class ClientPath:
             raise DaemonUnavailableError(
                 "this lookup was made before the client re-registered with a restarted daemon; "
                 "its rows are lost: look them up again")
+        if self._client._pending.get(lookup.slot) is not lookup:
+            # A later lookup took the slot (in turn, or named): the rows there are its own, or
+            # on their way, and nothing in them says so.
+            raise BadRequestError(
+                f"lookup seq {lookup.seq}: slot {lookup.slot} has taken a later lookup since, so "
+                f"its rows are gone; read a lookup's rows before {self._client.slots} further "
+                "lookups (or the next one into its slot), or keep them with result(copy=True)")
 
     def rows(self, lookup: LookupFuture) -> torch.Tensor:
         return self._client._slab.rows(lookup.slot, lookup.tokens)
@@ -138,7 +147,13 @@ class LookupFuture:
     def ok(self) -> bool:
         """True once the rows are known to be this lookup's (written, not failed); False while
         they may still come, and after a failure. Never waits and never syncs."""
-        return not self.failed() and self._path.rows_written(self)
+        if self.failed():
+            return False
+        try:
+            self._path.check_current(self)  # closed, re-registered, or its slot taken since
+        except EngramError:
+            return False
+        return self._path.rows_written(self)
 
     def done(self) -> bool:
         """True once the host has nothing left to wait for: on the CPU, the daemon's reply with

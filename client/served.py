@@ -474,7 +474,9 @@ class ServedCpu(ClientPath):
     def lookup(self, ids: torch.Tensor, slot: int | None) -> LookupFuture:
         client = self._client
         slot = self._claim_slot(slot)
-        ids = ids.to("cpu").contiguous()
+        # A copy of our own: the frame is sent from this memory after lookup() returns (ZeroMQ
+        # copies none over its copy threshold), and the caller may refill its IDs at once.
+        ids = ids.to("cpu").clone(memory_format=torch.contiguous_format)
         seq = next(client._seqs)
         rid = client._conn.send(
             "lookup", [memoryview(ids.numpy()).cast("B")], client_id=client.client_id, slot=slot,
