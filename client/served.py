@@ -476,7 +476,7 @@ class ServedCpu(ClientPath):
         slot = self._claim_slot(slot)
         # A copy of our own: the frame is sent from this memory after lookup() returns (ZeroMQ
         # copies none over its copy threshold), and the caller may refill its IDs at once.
-        ids = ids.to("cpu").clone(memory_format=torch.contiguous_format)
+        ids = ids.to("cpu", memory_format=torch.contiguous_format, copy=True)
         seq = next(client._seqs)
         rid = client._conn.send(
             "lookup", [memoryview(ids.numpy()).cast("B")], client_id=client.client_id, slot=slot,
