@@ -41,7 +41,7 @@ Grid: T in {1, 16, 256, 4096} x LEAD in {1, 4, 12} (--tokens, --lead), each cell
 steps of its own. The host table (--table-gib of V4.1-width rows, random bytes in /dev/shm, a
 sparse checkpoint that the daemon re-attaches) is built by common/tables.py. Every kernel this
 process launches behind a wait on the daemon is warmed up first (lazy loading would otherwise
-block the host there; DEVICE.md).
+block the host there: docs/architecture.md, "Cross-process waits and lazy module loading").
 
 IDs (--ids): `uniform` (the default) draws fresh random rows every step as above. `text` takes
 them from a real-text trace (benchmarks/traces.py, built where the tokenizer is; --traces names

@@ -1,6 +1,6 @@
 """A private NVIDIA MPS server for a benchmark, and the --mps flag the GPU benchmarks share.
 
-Without MPS, kernels of different processes time-slice one GPU (DEVICE.md): a gather
+Without MPS, kernels of different processes time-slice one GPU: a gather
 the daemon launches waits for the client's matmuls instead of running beside them. With MPS the
 processes' kernels share the GPU at once. `private_mps(folder)` starts a control daemon with pipe
 and log folders of its own for the length of a `with` block, so it neither finds nor disturbs any

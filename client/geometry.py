@@ -1,7 +1,7 @@
 """Engram table geometry: bucket primes, column offsets, rows per layer, head-wise shards.
 
 This is the shared contract between the daemon, the client library and the hashing code. It is
-computed from a model's config.json (DeepSeek field names) exactly as ENGRAM_REFERENCE.md states;
+computed from a model's config.json (DeepSeek field names) exactly as docs/engram.md states;
 it holds no table data.
 """
 

@@ -1,7 +1,7 @@
 """Engram n-gram hashing for model runners: raw token IDs in, table row IDs out.
 
 What it is: the public surface over the hashing kernels. `EngramHasher` holds a model's geometry,
-its compressed token map and the hash parameters derived from them (ENGRAM_REFERENCE.md
+its compressed token map and the hash parameters derived from them (docs/engram.md
 "Hashing" points 2 and 4), and hashes whole sequences (`hash`) or batches of request chunks with
 carried look-back (`hash_batch` and `HashState`). CPU tensors go to the torch reference, CUDA
 tensors to the Triton kernel (or the torch reference on the GPU where Triton is missing).

@@ -1,6 +1,6 @@
 """Compressed token map: raw token ID -> compressed ID, built from a Hugging Face tokenizer.json.
 
-What it is: ENGRAM_REFERENCE.md "Hashing" point 1. Every token is decoded alone; its key is the
+What it is: docs/engram.md "Hashing" point 1. Every token is decoded alone; its key is the
 normalized text, or the raw token string when decoding gives U+FFFD (a partial UTF-8 byte token);
 compressed IDs are numbered in first-seen order of the key, walking token IDs upwards. Plus a
 size check against the config and a small .npy file format (int32 [vocab]) so a model runner

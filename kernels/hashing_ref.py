@@ -1,6 +1,6 @@
 """Engram n-gram hashing, plain torch reference: raw token IDs to row IDs.
 
-What it is: ENGRAM_REFERENCE.md "Hashing", points 1 to 5, for a batch of request chunks laid end
+What it is: docs/engram.md "Hashing", points 1 to 5, for a batch of request chunks laid end
 to end, in int64 torch arithmetic that runs on any device (CPU or CUDA). The Triton kernel in
 `hashing_triton.py` takes the same arguments and must return identical row IDs; this module also
 holds what both share (the parameter bundle, input checks, the look-back carry).

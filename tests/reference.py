@@ -2,8 +2,8 @@
 
 Reads the Engram tensors with the `safetensors` library (not engramd's reader), decodes FP8 E4M3
 and UE8M0 from their bit patterns in float64 numpy (not torch's float8), and gathers with plain
-numpy indexing following ENGRAM_REFERENCE.md's output contract. Shares no code with engramd's
-kernels. Also the helpers the kernel tests share: bit-exact comparison with NaN by position, the
+numpy indexing following the output contract of docs/engram.md ("What a lookup returns"). Shares
+no code with engramd's kernels. Also the helpers the kernel tests share: bit-exact comparison with NaN by position, the
 small two-layer geometry, and loading a module afresh under Triton's CPU interpreter.
 """
 

@@ -1,5 +1,5 @@
 """N-gram hashing: the torch reference and EngramHasher against a slow per-position Python
-implementation written from ENGRAM_REFERENCE.md, chunking with carried look-back, DEAD tokens."""
+implementation written from docs/engram.md, chunking with carried look-back, DEAD tokens."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from engramd.kernels.hashing_ref import HashInputError
 
 TEXTS = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "texts"
 
-# From ENGRAM_REFERENCE.md, "Hashing" point 2.
+# From docs/engram.md, "Hashing" point 2.
 V41_MULTIPLIERS = {
     1: [76632096046245, 4839876093313, 35959672319349, 73987337458391],
     14: [67716810739261, 51510806800915, 30921347202721, 82619226485591],

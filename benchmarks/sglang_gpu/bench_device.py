@@ -95,7 +95,7 @@ class Gpu:
     cuda = True
 
     def __init__(self):
-        # Kernels launched behind a wait on another stream must not load lazily there (DEVICE.md).
+        # Kernels launched behind a wait on another stream must not load lazily there (docs/architecture.md).
         os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
         if not worker_gpu.stubs.install():
             raise SystemExit("SGLang's carried tree is not importable here, or is a full install "

@@ -109,7 +109,7 @@ class Gpu:
     graph_note = ""
 
     def __init__(self):
-        # Kernels launched behind a wait on another stream must not load lazily there (DEVICE.md).
+        # Kernels launched behind a wait on another stream must not load lazily there (docs/architecture.md).
         os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
         import worker_gpu  # stubs.install() before vLLM, or an exit naming setup_device.sh
 

@@ -158,7 +158,7 @@ def every_row_ids(layout) -> torch.Tensor:
 
 def convention_difference(byte: int, vllm_bits: int, engramd_bits: int) -> bool:
     """Whether a differing BF16 value is where vLLM's dequantization, float32 bit-cast `s << 23`,
-    and the exact 2^(s - 127) of UE8M0 (ENGRAM_REFERENCE, kernels/gather_ref.py) part by design:
+    and the exact 2^(s - 127) of UE8M0 (docs/engram.md, kernels/gather_ref.py) part by design:
     scale byte 0 (vLLM: 0.0, so a signed zero; engramd: the value times 2^-127, not zero) and
     255 (vLLM: +-inf, or NaN for a zero value; engramd: UE8M0's NaN)."""
     vllm_bits, engramd_bits = vllm_bits & 0xFFFF, engramd_bits & 0xFFFF
