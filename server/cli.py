@@ -4,8 +4,8 @@
     engramd health [--socket PATH] [--json] [--timeout S] [--live]
                    exit 0 ready (with --live: answering at all), 1 otherwise
     engramd stats  [--socket PATH] [--json] [--timeout S]
-    engramd drain  [--socket PATH] [--timeout S] [--json]
-                   stop accepting, finish in-flight lookups, exit; waits --timeout for the exit
+    engramd drain  [--socket PATH] [--timeout S] [--wait S] [--json]
+                   stop accepting, finish in-flight lookups, exit; waits --wait for the exit
     engramd reload [--socket PATH] [--timeout S] [--wait S] [--json]
                    serve the configured checkpoint's tables anew (as SIGHUP does); exit 0
                    once it is served (or unchanged), 1 if the reload failed
@@ -27,7 +27,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engramd.client.errors import ConfigError, EngramError
+from engramd.client.errors import (
+    ConfigError,
+    DaemonUnavailableError,
+    EngramError,
+    ReplyTimeoutError,
+)
 from engramd.client.geometry import GeometryError, TableGeometry
 from engramd.client.shared.connection import SOCKET_ENV, default_socket_path, probe
 
@@ -209,18 +214,19 @@ def cmd_drain(args: argparse.Namespace) -> int:
         else:
             print(f"engramd drain: {exc.message}", file=sys.stderr)
         return EXIT_NOT_READY
-    deadline = time.monotonic() + args.timeout
-    while time.monotonic() < deadline:
-        try:
-            probe(socket, "health", 0.5)
-        except EngramError:
-            if args.json:
-                print(json.dumps({"drained": True, "epoch": epoch, "in_flight": drained.in_flight}))
-            else:
-                print(f"drained: daemon epoch {epoch} finished {drained.in_flight} lookups and exited")
-            return 0
+    deadline = time.monotonic() + args.wait
+    while not (gone := _drained_gone(socket, epoch))[0] and time.monotonic() < deadline:
         time.sleep(0.1)
-    message = f"daemon still running after {args.timeout:.0f} s"
+    exited, serving_now = gone
+    if exited:
+        if args.json:
+            print(json.dumps({"drained": True, "epoch": epoch, "in_flight": drained.in_flight,
+                              "serving_now": serving_now}))
+        else:
+            after = f"; daemon epoch {serving_now} serves now" if serving_now is not None else ""
+            print(f"drained: daemon epoch {epoch} finished {drained.in_flight} lookups and exited{after}")
+        return 0
+    message = f"daemon epoch {epoch} has not exited after {args.wait:.0f} s (its socket is still there)"
     if args.json:
         print(json.dumps({"drained": False, "epoch": epoch, "error": message}))
     else:
@@ -228,6 +234,25 @@ def cmd_drain(args: argparse.Namespace) -> int:
     return EXIT_NOT_READY
 
 
+def _drained_gone(socket: str, epoch: str) -> tuple[bool, str | None]:
+    """(whether the drained daemon has exited, the epoch of the daemon that answers in its
+    place): exited once its socket is gone, or once another daemon answers there (a standby's
+    takeover, a restart); not while it answers, or is silent (busy finishing its lookups:
+    silence is no exit)."""
+    try:
+        serving = probe(socket, "health", 1.0).epoch
+    except ReplyTimeoutError:  # a DaemonUnavailableError, but the daemon may be there
+        return False, None
+    except DaemonUnavailableError:  # no socket
+        return True, None
+    except EngramError:
+        return False, None
+    return serving != epoch, (serving if serving != epoch else None)
+
+
+# A draining daemon finishes its lookups for at most DRAIN_TIMEOUT_S (30 s, server/daemon.py),
+# then exits regardless: drain waits that long and a margin for the exit.
+DRAIN_WAIT_S = 40.0
 RELOAD_POLL_S = 0.5
 RELOAD_PRINT_S = 5.0
 
@@ -363,14 +388,16 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--socket", help=f"daemon socket (default: {default_socket_path()})")
         p.add_argument("--json", action="store_true", help="machine-readable output")
         p.add_argument("--timeout", type=seconds, default=5.0,
-                       help="seconds to wait for the daemon (default: 5)" + (
-                           "; drain also waits this long for it to exit" if name == "drain" else ""))
+                       help="seconds to wait for the daemon's answer (default: 5)")
         if name == "health":
             p.add_argument("--live", action="store_true",
                            help="exit 0 when the daemon answers at all (liveness), ready or not")
         if name == "reload":
             p.add_argument("--wait", type=seconds, default=3600.0,
                            help="seconds to follow the reload (0: only start it; default: 3600)")
+        if name == "drain":
+            p.add_argument("--wait", type=seconds, default=DRAIN_WAIT_S,
+                           help=f"seconds to wait for the daemon's exit (default: {DRAIN_WAIT_S:.0f})")
         p.set_defaults(func=func)
 
     make = sub.add_parser("make-tables", help="write a synthetic Engram checkpoint")

@@ -12,19 +12,22 @@ meant for the serving daemon) does not end it; under systemd it says READY=1 onc
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
+import subprocess
 
 import numpy as np
 import pytest
 import torch
-from helpers import point, reload, wait_until
+from helpers import engramd_command, point, reload, wait_until
 from reference import random_ids
 from test_daemon_lookups import assert_rows_equal
 from test_reload import mapped_names, table_files
 
 from engramd.client import EngramClient
+from engramd.client.shared.connection import probe
 from engramd.server.standby_tables import WATCH_S
 from engramd.server.table_loader import LOAD_DELAY_ENV
 
@@ -197,3 +200,22 @@ def test_a_standby_on_a_free_socket_starts_at_once_as_a_plain_start(daemon_facto
     assert "is free; starting at once" in log and "standing by" not in log, log
     assert "daemon modules and CUDA ready" not in log and "standby: daemon modules" not in log
     assert daemon.stop() == 0
+
+
+def test_a_drain_returns_once_a_standby_has_taken_over(daemon_factory):
+    """`engramd drain` waits for the daemon it drained to exit. With a standby on the socket, the
+    socket is gone only for the moment between the two: the drain also counts another daemon's
+    answer there as the exit, and names it (tests/test_cli_drain.py covers each answer)."""
+    serving = daemon_factory()
+    standby = standby_for(daemon_factory, serving)
+    drained_epoch = probe(serving.socket, "health", 10.0).epoch
+    drain = subprocess.run([*engramd_command(), "drain", "--socket", str(serving.socket), "--json",
+                            "--wait", "120"], capture_output=True, text=True, timeout=180)
+    assert drain.returncode == 0, drain.stdout + drain.stderr
+    assert serving.proc.wait(60) == 0, serving.log()
+    standby.wait_ready()
+    answer = json.loads(drain.stdout)
+    assert answer["drained"] and answer["epoch"] == drained_epoch
+    standby_epoch = probe(standby.socket, "health", 10.0).epoch
+    assert standby_epoch != drained_epoch and answer["serving_now"] in (None, standby_epoch)
+    assert standby.stop() == 0, standby.log()
