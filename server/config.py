@@ -243,8 +243,8 @@ def _check(source: str, setting: Setting, value: Any) -> Any:
         raise bad(f"must be <= {setting.high}")
     if setting.choices and value not in setting.choices:
         raise bad(f"must be one of {', '.join(setting.choices)}")
-    if setting.pattern and not re.fullmatch(setting.pattern, value):
-        raise bad(f"must match {setting.pattern}")
+    if setting.pattern and not re.fullmatch(setting.pattern, value):  # the doc says the form
+        raise bad(f"expected {setting.doc} (the pattern {setting.pattern})")
     return value
 
 

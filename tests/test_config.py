@@ -94,3 +94,14 @@ def test_uid_in_the_instance_gives_each_user_their_own_table_folder(tmp_path):
     assert load_config(None, {"instance": "a{uid}b{uid}"}).instance == f"a{uid}b{uid}"
     with pytest.raises(ConfigError, match="instance"):
         load_config(write(tmp_path, 'instance = "{user}"\n'))
+
+
+@pytest.mark.parametrize("key, value, form", [
+    ("metrics_address", "", "HOST:PORT"),
+    ("client_modes", "served;mapped", "comma-separated"),
+])
+def test_a_value_of_the_wrong_form_is_told_the_form(key, value, form):
+    """A setting checked by a pattern says, in words, what form it takes (the pattern alone
+    left a reader to decode a regular expression)."""
+    with pytest.raises(ConfigError, match=form):
+        build_config({}, "f", {key: value})
