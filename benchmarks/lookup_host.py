@@ -36,7 +36,7 @@ from engramd.client import EngramClient
 from engramd.kernels.gather_triton import GatherPlan
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common.daemon import start_daemon, stop_process  # noqa: E402
+from common.daemon import bench_folders, start_daemon, stop_process  # noqa: E402
 from common.report import machine  # noqa: E402
 
 SYNC_EVERY = 16
@@ -101,9 +101,7 @@ def client_call(client: EngramClient):
     return call
 
 
-def measure(args: argparse.Namespace) -> dict[str, Any]:
-    work = Path(tempfile.mkdtemp(prefix="egd-host-"))
-    shm = Path(tempfile.mkdtemp(prefix="egd-host-", dir="/dev/shm"))
+def measure(args: argparse.Namespace, work: Path, shm: Path) -> dict[str, Any]:
     daemon, socket = start_daemon(work, ["--backend", "cuda", "--shm-dir", str(shm),
                                          "--cache-dir", str(work)], timeout=180)
     rows: list[dict[str, Any]] = []
@@ -157,12 +155,13 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 256])
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--top", type=int, default=25, help="cProfile entries to print")
-    parser.add_argument("--out", default=tempfile.mkdtemp(prefix="engramd-host-"))
+    parser.add_argument("--out", help="folder for the results (default: a new temporary folder)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("lookup_host needs a CUDA GPU")
-    report = measure(args)
-    out = Path(args.out)
+    with bench_folders(show_log=False) as (work, shm):  # removed however the run ends
+        report = measure(args, work, shm)
+    out = Path(args.out or tempfile.mkdtemp(prefix="engramd-host-"))
     out.mkdir(parents=True, exist_ok=True)
     (out / "lookup_host.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "lookup_host.md").write_text(markdown(report))

@@ -25,7 +25,7 @@ import torch
 from engramd.client import EngramClient
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common.daemon import start_daemon  # noqa: E402
+from common.daemon import bench_folders, start_daemon  # noqa: E402
 
 
 def top(stats: pstats.Stats, n: int = 30, min_calls: int = 0) -> str:
@@ -39,39 +39,46 @@ def top(stats: pstats.Stats, n: int = 30, min_calls: int = 0) -> str:
     return out.getvalue()
 
 
+def run(args: argparse.Namespace, work: Path, shm: Path, out: Path) -> cProfile.Profile:
+    """The profiled lookups against a daemon of its own, profiled too (its profile in `out`)."""
+    daemon, socket = start_daemon(work, ["--backend", "cuda", "--shm-dir", str(shm),
+                                         "--cache-dir", str(work)], timeout=120,
+                                  python=[sys.executable, "-m", "cProfile", "-o", str(out / "daemon.prof")])
+    try:
+        with EngramClient(socket, device="cuda", max_tokens=args.tokens, slots=2,
+                          mode=args.mode) as client:
+            ids = torch.zeros((args.tokens, 2, 24), dtype=torch.int64, device="cuda")
+            stream = torch.cuda.current_stream()
+            for _ in range(50):
+                client.lookup(ids).wait()
+            stream.synchronize()
+            profile = cProfile.Profile()
+            start = time.perf_counter()
+            profile.enable()
+            for _ in range(args.iters):
+                client.lookup(ids, stream).wait(stream)
+                stream.synchronize()
+            profile.disable()
+            print(f"{(time.perf_counter() - start) / args.iters * 1e6:.1f} us per lookup (profiled)")
+            print(f"mode {client.mode}; daemon dispatch us:", client.stats().get("dispatch_us"))
+    finally:
+        daemon.terminate()  # SIGTERM: the profiled daemon writes daemon.prof as it exits
+        daemon.wait(60)
+    return profile
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=1)
     parser.add_argument("--iters", type=int, default=2000)
     parser.add_argument("--top", type=int, default=30, help="entries of each profile to print")
     parser.add_argument("--mode", choices=("served", "mapped"), default="served")
-    parser.add_argument("--out", default=tempfile.mkdtemp(prefix="engramd-prof-"))
+    parser.add_argument("--out", help="folder for daemon.prof (default: a new temporary folder)")
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="egd-prof-"))
-    shm = Path(tempfile.mkdtemp(prefix="egd-prof-", dir="/dev/shm"))  # cudaHostRegister needs tmpfs
-    out = Path(args.out)
+    out = Path(args.out or tempfile.mkdtemp(prefix="engramd-prof-"))
     out.mkdir(parents=True, exist_ok=True)
-    daemon, socket = start_daemon(work, ["--backend", "cuda", "--shm-dir", str(shm),
-                                         "--cache-dir", str(work)], timeout=120,
-                                  python=[sys.executable, "-m", "cProfile", "-o", str(out / "daemon.prof")])
-    with EngramClient(socket, device="cuda", max_tokens=args.tokens, slots=2,
-                      mode=args.mode) as client:
-        ids = torch.zeros((args.tokens, 2, 24), dtype=torch.int64, device="cuda")
-        stream = torch.cuda.current_stream()
-        for _ in range(50):
-            client.lookup(ids).wait()
-        stream.synchronize()
-        profile = cProfile.Profile()
-        start = time.perf_counter()
-        profile.enable()
-        for _ in range(args.iters):
-            client.lookup(ids, stream).wait(stream)
-            stream.synchronize()
-        profile.disable()
-        print(f"{(time.perf_counter() - start) / args.iters * 1e6:.1f} us per lookup (profiled)")
-        print(f"mode {client.mode}; daemon dispatch us:", client.stats().get("dispatch_us"))
-    daemon.terminate()
-    daemon.wait(60)
+    with bench_folders(show_log=False) as (work, shm):  # removed however the run ends
+        profile = run(args, work, shm, out)
     print("=== client ===")
     print(top(pstats.Stats(profile), args.top))
     print("=== daemon ===")
