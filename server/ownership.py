@@ -15,6 +15,11 @@ from pathlib import Path
 
 from engramd.client.errors import ConfigError
 
+# The daemon's lock files (the socket's, the instance's) are its user's alone: flock needs no more
+# than a descriptor, so a member of the folders' group (the engines' users) who could open one
+# took it the moment the daemon let go, and no later daemon or standby could start.
+LOCK_FILE_MODE = 0o600
+
 
 def check_own_folder(path: Path, what: str) -> None:
     """Raise ConfigError naming `path` and its owner unless the daemon may trust it."""

@@ -21,7 +21,7 @@ from engramd.client.errors import ConfigError
 from engramd.client.shared.handles import handle_socket_path
 from engramd.client.shared.libc import filesystem_type
 from engramd.server.config import DaemonConfig
-from engramd.server.ownership import make_own_folder
+from engramd.server.ownership import LOCK_FILE_MODE, make_own_folder
 
 log = logging.getLogger("engramd.daemon")
 
@@ -70,7 +70,9 @@ class SocketLock:
         again every STANDBY_POLL_S until it is free (`on_held(holder pid)` is told once, and
         `on_poll()` at every try) or `stop` is set (DaemonHalt with EXIT_OK)."""
         try:  # never through a symlink planted where the lock goes (it would overwrite its target)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o660)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         LOCK_FILE_MODE)
+            os.fchmod(fd, LOCK_FILE_MODE)  # one made by an earlier version was the group's too
         except OSError as exc:
             raise DaemonHalt(f"cannot open the lock file {self.path}: {exc.strerror} (a symlink or "
                              "a folder there? remove it)", EXIT_CONFIG) from None
