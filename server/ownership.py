@@ -39,9 +39,12 @@ def check_own_folder(path: Path, what: str) -> None:
                           f"{stat.S_IMODE(info.st_mode):o}); make it 0750 or choose another folder")
 
 
-def make_own_folder(path: Path, what: str, mode: int = 0o770) -> None:
-    """Create `path` (and its parents) for the daemon, or check the one that is there."""
+def make_own_folder(path: Path, what: str, mode: int = 0o770) -> bool:
+    """Create `path` (and its parents) for the daemon, or check the one that is there; whether
+    it was made here."""
     check_own_folder(path, what)
-    if not path.exists():
-        path.mkdir(mode=mode, parents=True, exist_ok=True)
-        check_own_folder(path, what)  # a race may have put someone else's there meanwhile
+    if path.exists():
+        return False
+    path.mkdir(mode=mode, parents=True, exist_ok=True)
+    check_own_folder(path, what)  # a race may have put someone else's there meanwhile
+    return True

@@ -13,6 +13,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import stat
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -111,12 +112,24 @@ def prepare_runtime_dir(path: Path) -> None:
     them: connecting needs write permission on a socket, not on its folder), or check that
     the one there is ours; DaemonHalt naming it and its owner otherwise."""
     try:
-        make_own_folder(path, "runtime folder", mode=RUNTIME_DIR_MODE)
+        made = make_own_folder(path, "runtime folder", mode=RUNTIME_DIR_MODE)
     except ConfigError as exc:
         raise DaemonHalt(exc.message, EXIT_CONFIG) from None
     info = os.lstat(path)
-    if info.st_uid == os.geteuid() and not info.st_mode & 0o1000:
-        os.chmod(path, RUNTIME_DIR_MODE)  # ours, not a shared sticky folder (mkdir met the umask)
+    if info.st_uid != os.geteuid() or info.st_mode & stat.S_ISVTX:
+        return  # root's, or a shared sticky folder: not ours to change
+    if made:
+        os.chmod(path, RUNTIME_DIR_MODE)  # mkdir met the umask
+        return
+    # A folder that was there (/run, or the working folder for a relative socket path) is
+    # someone's choice: its group and others keep what they may read and enter (the mode was
+    # set to 0750, locking every other user out of /run). Only the write that would let the
+    # group replace a socket goes.
+    if info.st_mode & 0o022:
+        narrowed = stat.S_IMODE(info.st_mode) & ~0o022
+        log.warning("runtime folder %s: mode %o lets its group replace the sockets; made it %o",
+                    path, stat.S_IMODE(info.st_mode), narrowed)
+        os.chmod(path, narrowed)
 
 
 def check_folders(config: DaemonConfig) -> None:

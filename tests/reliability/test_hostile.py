@@ -90,7 +90,7 @@ def test_health_probe_loads_neither_torch_nor_numpy(daemon_factory):
     assert result.stdout.split("\n")[-2].split(" ") == ["0", ""], result.stdout
 
 
-FLOOD_MESSAGES = 150_000  # far past the daemon's send queue per peer (request_socket.SEND_QUEUE)
+FLOOD_MESSAGES = 150_000  # far past the daemon's send queue per peer (request_socket.send_queue)
 
 
 def test_unread_replies_do_not_flood_the_log(daemon_factory):
