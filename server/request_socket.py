@@ -36,7 +36,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("engramd.daemon")
 
-MIN_SEND_QUEUE = 64  # replies one peer may have waiting (bind: send_queue)
+# Replies one peer may have waiting, at least (bind: send_queue). At 64, a peer that sent 60
+# requests before reading (the fuzzer) lost replies: the loop answers faster than libzmq's
+# I/O thread moves them to the kernel on a loaded machine.
+MIN_SEND_QUEUE = 256
 DEAF_FOR_S = 1.0  # how long a peer whose reply queue was full gets no answers but to lookups
 # The most frames a request may have: the peer's identity, the header, the payload frames.
 MAX_MESSAGE_FRAMES = 2 + protocol.MAX_PAYLOAD_FRAMES

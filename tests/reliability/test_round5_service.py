@@ -255,8 +255,8 @@ def socket_count(pid: int) -> int:
     return count
 
 
-FLOOD_CONNECTIONS, FLOOD_STATS = 300, 300
-FLOOD_GROWTH_BOUND = 256 << 20
+FLOOD_CONNECTIONS, FLOOD_STATS = 400, 400
+FLOOD_GROWTH_BOUND = 512 << 20  # 128 connections of 256 replies of 7 KB: 230 MB
 
 
 def test_one_users_connections_that_read_nothing_hold_a_bounded_amount_of_memory(daemon_factory,
@@ -267,8 +267,8 @@ def test_one_users_connections_that_read_nothing_hold_a_bounded_amount_of_memory
     MB), and as much again for every further 300, until the node's memory ran out for
     everyone. One user's connections are now bounded (four a client place, 128 by default):
     past it the oldest of the process that holds the most is closed, and its queue goes; a
-    peer's queue holds four replies a slot. Another process of the same user keeps its
-    clients and its lookups."""
+    peer's queue holds four replies a slot, 256 at least. Another process of the same user
+    keeps its clients and its lookups."""
     from engramd.client import EngramClient
     from engramd.server.connections import connections_per_uid
 
