@@ -48,6 +48,10 @@ def _setup_logging(level: str) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    # SIGHUP is a reload, and a start has nothing to reload yet: its default action ended a
+    # daemon that was importing or loading its tables (no log line, the lock file left). The
+    # daemon installs its handler once it listens (Daemon.start), a standby keeps ignoring it.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     # Before anything initialises CUDA: a lazily loaded kernel, launched while one of our streams
     # waits on a client process, would block the host until that client delivers
     # (docs/architecture.md, "Cross-process waits and lazy module loading").

@@ -237,6 +237,10 @@ def _check(source: str, setting: Setting, value: Any) -> Any:
         raise bad(f"expected {setting.kind.__name__}")
     if setting.kind is float and not math.isfinite(value):  # NaN passes every bound below
         raise bad("expected a finite number")
+    # TOML writes one as \u0000; no path or name holds one, and each system call that met it
+    # raised ValueError (a traceback, or a table error, once the daemon had bound its socket).
+    if setting.kind is str and "\0" in value:
+        raise bad("a NUL character")
     if setting.low is not None and value < setting.low:
         raise bad(f"must be >= {setting.low}")
     if setting.high is not None and value > setting.high:

@@ -172,6 +172,9 @@ class Daemon:
     def _loop(self) -> int:
         self._poller.register(self._socket.sock, zmq.POLLIN)
         self._poller.register(self._events.fd, zmq.POLLIN)
+        connections = self._socket.connections
+        if connections is not None:
+            self._poller.register(connections.monitor, zmq.POLLIN)
         interval_ms = int(self.config.heartbeat_interval * 1000)
         next_reap = time.monotonic()
         while self._halt is None:
@@ -180,6 +183,8 @@ class Daemon:
             # behind waits for IDs it will never write.
             for fd in [fd for fd in ready if fd in self._leases]:
                 self._leases.event(fd)
+            if connections is not None and connections.monitor in ready:
+                connections.events()  # before the requests: a cut peer's replies are not queued
             if self._socket.sock in ready:
                 self._drain_socket()
             if self._events.fd in ready:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -96,16 +97,24 @@ class MappedGrants:
 
 def _open_warm_file(path: str) -> int | None:
     """A read-only descriptor of the warm-up trace at `path` ("": none); a file that cannot be
-    opened leaves the mapped clients' caches to start cold (the daemon's own cache checked it
-    already where it has one)."""
+    opened, or is no regular file, leaves the mapped clients' caches to start cold (the daemon's
+    own cache checked it already where it has one)."""
     if not path:
         return None
     try:
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        # Without O_NONBLOCK the open of a FIFO waits for a writer: the loop, which opens it
+        # as the daemon becomes ready, then waited for good, deaf to `health` and SIGTERM.
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:
         log.warning("hot_cache_warm_file %s: %s; mapped clients' caches start cold", path,
                     exc.strerror)
         return None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        log.warning("hot_cache_warm_file %s is not a regular file; mapped clients' caches start "
+                    "cold", path)
+        return None
+    return fd
 
 
 def attach_reply(record: ClientRecord, grants: MappedGrants, version: str | None,

@@ -31,8 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from engramd.client.geometry import TableGeometry
+from engramd.server.ownership import LOCK_FILE_MODE
 from engramd.server.table_file import (
-    FILE_MODE,
     PAGE_BYTES,
     FileLayout,
     HostTable,
@@ -422,10 +422,11 @@ def still_in_place(table: HostTable) -> bool:
 def _acquire_lock(path: Path, instance: str) -> int:
     """flock the instance's lock file (held until close) and write our pid into it."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, LOCK_FILE_MODE)
     except OSError as exc:
         raise TableStoreError(f"{path}: cannot open lock file: {exc.strerror}") from exc
     try:
+        os.fchmod(fd, LOCK_FILE_MODE)  # one made by an earlier version was the group's too
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = _read_pid(fd)

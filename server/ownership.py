@@ -15,6 +15,11 @@ from pathlib import Path
 
 from engramd.client.errors import ConfigError
 
+# The daemon's lock files (the socket's, the instance's) are its user's alone: flock needs no more
+# than a descriptor, so a member of the folders' group (the engines' users) who could open one
+# took it the moment the daemon let go, and no later daemon or standby could start.
+LOCK_FILE_MODE = 0o600
+
 
 def check_own_folder(path: Path, what: str) -> None:
     """Raise ConfigError naming `path` and its owner unless the daemon may trust it."""
@@ -34,9 +39,12 @@ def check_own_folder(path: Path, what: str) -> None:
                           f"{stat.S_IMODE(info.st_mode):o}); make it 0750 or choose another folder")
 
 
-def make_own_folder(path: Path, what: str, mode: int = 0o770) -> None:
-    """Create `path` (and its parents) for the daemon, or check the one that is there."""
+def make_own_folder(path: Path, what: str, mode: int = 0o770) -> bool:
+    """Create `path` (and its parents) for the daemon, or check the one that is there; whether
+    it was made here."""
     check_own_folder(path, what)
-    if not path.exists():
-        path.mkdir(mode=mode, parents=True, exist_ok=True)
-        check_own_folder(path, what)  # a race may have put someone else's there meanwhile
+    if path.exists():
+        return False
+    path.mkdir(mode=mode, parents=True, exist_ok=True)
+    check_own_folder(path, what)  # a race may have put someone else's there meanwhile
+    return True

@@ -28,6 +28,7 @@ import zmq
 from engramd.client.errors import ProtocolError
 from engramd.client.shared import protocol
 from engramd.client.shared.handles import PeerCredentials
+from engramd.server.connections import ConnectionsPerUser, connections_per_uid
 from engramd.server.throttle import Throttled
 
 if TYPE_CHECKING:
@@ -35,7 +36,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("engramd.daemon")
 
-SEND_QUEUE = 1024  # replies one peer may have waiting (bind)
+# Replies one peer may have waiting, at least (bind: send_queue). At 64, a peer that sent 60
+# requests before reading (the fuzzer) lost replies: the loop answers faster than libzmq's
+# I/O thread moves them to the kernel on a loaded machine.
+MIN_SEND_QUEUE = 256
 DEAF_FOR_S = 1.0  # how long a peer whose reply queue was full gets no answers but to lookups
 # The most frames a request may have: the peer's identity, the header, the payload frames.
 MAX_MESSAGE_FRAMES = 2 + protocol.MAX_PAYLOAD_FRAMES
@@ -54,6 +58,7 @@ class RequestSocket:
         # not worth the loop's time (nobody reads the answer). Lookups are always served.
         self._deaf: dict[bytes, float] = {}
         self._first_frame: zmq.Frame | None = None  # of the message being handled
+        self.connections: ConnectionsPerUser | None = None  # once bound; its monitor is polled
 
     def bind(self, path: Path, max_frame: int) -> None:
         """Listen at `path`, whose stale socket goes (the caller holds the socket's lock, so no
@@ -64,10 +69,13 @@ class RequestSocket:
         sock = self.sock
         sock.setsockopt(zmq.LINGER, 0)
         # Replies queued for one peer before the next is dropped (and the peer deaf, see send): a
-        # client reads its replies and has at most its slots' lookups in flight (max_slots, 256 at
-        # most). At 100,000, a peer that asked for `stats` and read nothing held 680 MB, and each
-        # further connection as much again.
-        sock.setsockopt(zmq.SNDHWM, SEND_QUEUE)
+        # client reads its replies and has at most its slots' lookups in flight (max_slots). At
+        # 100,000, a peer that asked for `stats` and read nothing held 680 MB; at 1,024, 7 MB,
+        # and each further connection as much again (connections.py bounds those of one user).
+        limits = self.service.limits
+        sock.setsockopt(zmq.SNDHWM, send_queue(limits.max_slots))
+        self.connections = ConnectionsPerUser(sock, connections_per_uid(
+            limits.max_clients_per_uid, limits.max_clients))
         # Messages one peer may have queued here before libzmq stops reading its connection (it
         # then waits in the peer's socket; nothing is dropped). Clients keep a few in flight; a
         # flooding peer's deep queue is memory the daemon holds for it, and (the suspicion of
@@ -154,9 +162,17 @@ class RequestSocket:
 
     def close(self) -> None:
         """Close the socket, and remove its path if it was bound there."""
+        if self.connections is not None:
+            self.connections.close(self.sock)
         self.sock.close(0)
         if self.path is not None:
             self.path.unlink(missing_ok=True)
+
+
+def send_queue(max_slots: int) -> int:
+    """Replies one peer may have waiting: four for each of a client's slots (a lookup in flight
+    each), room for its heartbeats' replies and notices besides."""
+    return max(MIN_SEND_QUEUE, 4 * max_slots)
 
 
 def seed_routing_ids() -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import stat
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +22,7 @@ from engramd.client.errors import ConfigError
 from engramd.client.shared.handles import handle_socket_path
 from engramd.client.shared.libc import filesystem_type
 from engramd.server.config import DaemonConfig
-from engramd.server.ownership import make_own_folder
+from engramd.server.ownership import LOCK_FILE_MODE, make_own_folder
 
 log = logging.getLogger("engramd.daemon")
 
@@ -70,7 +71,9 @@ class SocketLock:
         again every STANDBY_POLL_S until it is free (`on_held(holder pid)` is told once, and
         `on_poll()` at every try) or `stop` is set (DaemonHalt with EXIT_OK)."""
         try:  # never through a symlink planted where the lock goes (it would overwrite its target)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o660)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         LOCK_FILE_MODE)
+            os.fchmod(fd, LOCK_FILE_MODE)  # one made by an earlier version was the group's too
         except OSError as exc:
             raise DaemonHalt(f"cannot open the lock file {self.path}: {exc.strerror} (a symlink or "
                              "a folder there? remove it)", EXIT_CONFIG) from None
@@ -109,12 +112,24 @@ def prepare_runtime_dir(path: Path) -> None:
     them: connecting needs write permission on a socket, not on its folder), or check that
     the one there is ours; DaemonHalt naming it and its owner otherwise."""
     try:
-        make_own_folder(path, "runtime folder", mode=RUNTIME_DIR_MODE)
+        made = make_own_folder(path, "runtime folder", mode=RUNTIME_DIR_MODE)
     except ConfigError as exc:
         raise DaemonHalt(exc.message, EXIT_CONFIG) from None
     info = os.lstat(path)
-    if info.st_uid == os.geteuid() and not info.st_mode & 0o1000:
-        os.chmod(path, RUNTIME_DIR_MODE)  # ours, not a shared sticky folder (mkdir met the umask)
+    if info.st_uid != os.geteuid() or info.st_mode & stat.S_ISVTX:
+        return  # root's, or a shared sticky folder: not ours to change
+    if made:
+        os.chmod(path, RUNTIME_DIR_MODE)  # mkdir met the umask
+        return
+    # A folder that was there (/run, or the working folder for a relative socket path) is
+    # someone's choice: its group and others keep what they may read and enter (the mode was
+    # set to 0750, locking every other user out of /run). Only the write that would let the
+    # group replace a socket goes.
+    if info.st_mode & 0o022:
+        narrowed = stat.S_IMODE(info.st_mode) & ~0o022
+        log.warning("runtime folder %s: mode %o lets its group replace the sockets; made it %o",
+                    path, stat.S_IMODE(info.st_mode), narrowed)
+        os.chmod(path, narrowed)
 
 
 def check_folders(config: DaemonConfig) -> None:

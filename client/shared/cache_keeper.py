@@ -30,6 +30,7 @@ import contextlib
 import logging
 import mmap
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -67,6 +68,8 @@ def warm_ids_array(path: str | int, n_layers: int, heads: int) -> np.ndarray:
             with mmap.mmap(path, 0, prot=mmap.PROT_READ) as file:
                 ids = np.load(file, allow_pickle=False)  # read (copied) out of the mapping
         else:
+            if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO's open waits for a writer
+                raise ValueError("not a regular file")
             ids = np.load(path, mmap_mode="r", allow_pickle=False)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"hot_cache_warm_file {path}: cannot read it as .npy ({exc})") from None

@@ -134,7 +134,7 @@ write_tables() {
     # The daemon's uid owns the runtime folder and its shared-memory folder; the clients write
     # their results into OUT under whatever uid they run as.
     chown 990:990 "$RUN" "$SHM"
-    chmod 0770 "$RUN"
+    chmod 0750 "$RUN"
     chmod 0777 "$OUT"
     engramd make-tables --geometry demo --seed 0 --out "$CKPT" >"$WORK/make-tables.log" 2>&1 \
         || { cat "$WORK/make-tables.log"; fail "engramd make-tables"; }
