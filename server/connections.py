@@ -74,8 +74,15 @@ class ConnectionsPerUser:
             self._cut_oldest(peer.uid)
 
     def _cut_oldest(self, uid: int) -> None:
-        """Shut down the oldest connection of the process of `uid` that holds the most."""
-        held = self._by_uid[uid]
+        """Shut down the oldest connection of the process of `uid` that holds the most, once
+        its count is confirmed: an end the monitor did not report (its queue is bounded, and a
+        flood fills it) leaves a descriptor counted that is no longer that peer's, and a user
+        whose count held such ones lost a live connection below the bound."""
+        for fd in [fd for fd in self._by_uid[uid] if credentials(fd) != self._peers[fd]]:
+            self._forget(fd)
+        held = self._by_uid.get(uid)
+        if held is None or len(held) <= self._per_uid:
+            return
         pids = Counter(self._peers[fd].pid for fd in held)
         most = max(pids.values())
         fd = next(fd for fd in held if pids[self._peers[fd].pid] == most)
