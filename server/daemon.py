@@ -77,6 +77,7 @@ from engramd.server.units import size
 log = logging.getLogger("engramd.daemon")
 
 DRAIN_TIMEOUT_S = 30.0  # stopping waits this long for in-flight lookups, then exits regardless
+REPLIES_FLUSH_S = 1.0  # at the stop, for replies still queued to peers that read them
 SETTLE_POLL_MS = 1  # a stopping loop's look at its last gathers (_drained)
 SWITCH_INTERVAL_S = 0.0002
 # Requests read per wake-up, so that timers and leases are not starved (a batch sleeps at most
@@ -426,14 +427,17 @@ class Daemon:
                 log.exception("closing the preloaded tables")
         if self._handles is not None:
             self._handles.close()
+        # The replies first, then the leases: a client that sees its lease close fails a lookup
+        # whose reply has not come (a drain's last ones, and every CPU lookup's rows), and the
+        # socket's queues went with it unsent (ZeroMQ drops them at a close without linger).
+        self._socket.close(REPLIES_FLUSH_S)  # and its path, if start() got to bind it
+        self._ctx.term()  # returns once the replies are sent, or REPLIES_FLUSH_S passed
         self._leases.close()
         if self._grants is not None:
             self._grants.close()
             self._grants = None
         self.metrics.close()
         self.service.close()  # backend.stop, the slabs freed, backend.close: in that order
-        self._socket.close()  # and its path, if start() got to bind it
-        self._ctx.term()
         self._lock.release()
         self._events.close()
 

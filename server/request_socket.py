@@ -160,11 +160,12 @@ class RequestSocket:
         """Forget the peers deaf until before `now` (time.perf_counter)."""
         self._deaf = {peer: until for peer, until in self._deaf.items() if until > now}
 
-    def close(self) -> None:
-        """Close the socket, and remove its path if it was bound there."""
+    def close(self, flush_s: float = 0.0) -> None:
+        """Close the socket, and remove its path if it was bound there; replies still queued
+        are sent for up to `flush_s` more (by the context's term())."""
         if self.connections is not None:
             self.connections.close(self.sock)
-        self.sock.close(0)
+        self.sock.close(linger=int(flush_s * 1000))
         if self.path is not None:
             self.path.unlink(missing_ok=True)
 

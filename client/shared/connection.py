@@ -29,6 +29,10 @@ from engramd.client.shared import protocol
 from engramd.client.shared.handles import check_access, handle_socket_path
 
 POLL_S = 0.1
+# How long a wait whose daemon is gone still looks for its reply: a stopping daemon flushes its
+# replies before it closes its leases, but ours may still be crossing this process's ZeroMQ I/O
+# thread when the lease's end is seen.
+GONE_GRACE_S = 0.5
 
 
 SOCKET_ENV = "ENGRAMD_SOCKET"
@@ -156,13 +160,20 @@ class Connection:
                     "(is the daemon running? raise the client's timeout if it is busy)")
             gone = self._gone() if self._gone is not None else None
             if gone is not None:
-                self._collect(0)
+                self._collect_for(rid, GONE_GRACE_S)
                 if rid in self._replies:
                     break
                 raise DaemonUnavailableError(f"{gone} while waiting for {what}", epoch=self.epoch)
             left = POLL_S if deadline is None else max(0.0, min(POLL_S, deadline - time.monotonic()))
             self._collect(int(left * 1000))
         return self._replies.pop(rid)
+
+    def _collect_for(self, rid: int, seconds: float) -> None:
+        """Collect replies until the one for `rid` is in, or `seconds` have passed."""
+        deadline = time.monotonic() + seconds
+        self._collect(0)
+        while rid not in self._replies and (left := deadline - time.monotonic()) > 0:
+            self._collect(max(1, int(min(left, POLL_S) * 1000)))
 
     def _collect(self, timeout_ms: int) -> None:
         # Without waiting, ask the socket's event flags: Socket.poll builds a Poller per call.

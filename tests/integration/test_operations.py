@@ -17,6 +17,7 @@ from helpers import GatherGate, SettleGate, engramd_command, free_port, wait_unt
 
 from engramd.client import DaemonUnavailableError, EngramClient
 from engramd.client.shared.connection import probe
+from engramd.client.shared.handles import lease_closed
 from engramd.server.startup import EXIT_TABLES
 
 
@@ -115,6 +116,20 @@ def test_a_drain_waits_for_its_last_gathers_in_its_loop(daemon_factory, tmp_path
         daemon.proc.send_signal(signal.SIGTERM)
     assert daemon.proc.wait(30) == 0, daemon.log()
     assert ("stopped by a second SIGTERM" in daemon.log()) == (end == "second signal")
+
+
+def test_a_stopping_daemon_sends_its_replies_before_it_closes_the_leases(daemon_factory):
+    """A client that sees its lease close fails the lookups whose replies have not come; a
+    daemon that closed its leases first, and its request socket after them without waiting for
+    its queues, failed a drain's last lookups on a loaded machine ("lease closed"), though it
+    had answered them. Its request socket (its replies flushed, its path gone) closes first."""
+    daemon = daemon_factory()
+    with EngramClient(daemon.socket, max_tokens=4, timeout=30) as client:
+        lease = client._watchdog.lease
+        daemon.proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: lease_closed(lease), timeout=60, step=0.0002)
+        assert not daemon.socket.exists(), "the lease closed before the request socket"
+    assert daemon.proc.wait(30) == 0, daemon.log()
 
 
 def test_drain_finishes_in_flight_lookups_and_exits(daemon_factory, reference, tmp_path):

@@ -1,0 +1,64 @@
+"""client/shared/connection.py against a stand-in daemon (a ZeroMQ ROUTER in this process): a
+wait whose daemon is gone."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import zmq
+
+from engramd.client.errors import DaemonUnavailableError
+from engramd.client.shared import protocol
+from engramd.client.shared.connection import GONE_GRACE_S, Connection
+from engramd.client.shared.messages import StatsReply
+
+
+@pytest.fixture
+def daemon_and_client(tmp_path):
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.setsockopt(zmq.RCVTIMEO, 30_000)  # a test that failed early leaves no thread waiting
+    router.bind(f"ipc://{tmp_path}/engramd.sock")
+    conn = Connection(tmp_path / "engramd.sock")
+    conn.watch_daemon(lambda: "the daemon closed this client's lease")  # gone from the start
+    yield router, conn
+    conn.close()
+    router.close(0)
+    ctx.term()
+
+
+def answer_later(router: zmq.Socket, delay: float) -> threading.Thread:
+    """Answer the next request after `delay` seconds, as a stats reply."""
+    def answer():
+        identity, *frames = router.recv_multipart()
+        request = protocol.decode_request(frames)
+        threading.Event().wait(delay)
+        reply = StatsReply(state="stopping", uptime=1.0, lookups=1, errors={})
+        router.send_multipart([identity, *protocol.encode_reply(request.rid, "ep", reply)])
+    thread = threading.Thread(target=answer)
+    thread.start()
+    return thread
+
+
+def test_a_reply_still_on_its_way_when_the_daemon_is_gone_is_taken(daemon_and_client):
+    """A stopping daemon sends its replies before it closes the leases, but the lease's end can
+    be seen before this process's ZeroMQ thread has handed the reply over: the wait gives it
+    a moment (it failed a lookup the daemon had answered, before)."""
+    router, conn = daemon_and_client
+    thread = answer_later(router, GONE_GRACE_S / 5)
+    try:
+        assert conn.call("stats", timeout=30).body.lookups == 1
+    finally:
+        thread.join()
+
+
+def test_a_reply_that_does_not_come_fails_the_wait_once_the_daemon_is_gone(daemon_and_client):
+    router, conn = daemon_and_client
+    thread = answer_later(router, GONE_GRACE_S * 4)
+    try:
+        with pytest.raises(DaemonUnavailableError, match="closed this client's lease while waiting for stats"):
+            conn.call("stats", timeout=30)  # the timeout is far: the daemon's end decides
+    finally:
+        thread.join()
