@@ -118,6 +118,11 @@ def _injected_delay(cancelled: Callable[[], bool]) -> None:
         time.sleep(0.05)
 
 
+# How long a stop waits for a reload's load to end (it stops between chunks); a read that hangs
+# (a stalled network filesystem) must not keep the daemon from stopping.
+CANCEL_WAIT_S = 30.0
+
+
 class TableReload:
     """One reload's first stage on a thread of its own; `done(self)` is called from that thread
     when it ends. The loop then take()s the tables and switches, or reads why it failed."""
@@ -188,7 +193,12 @@ class TableReload:
         """The daemon stops: end the load (between chunks), and close what it opened if the
         loop never took it."""
         self._cancel.set()
-        self._thread.join()
+        self._thread.join(CANCEL_WAIT_S)
+        if self._thread.is_alive():  # a daemon thread: the process exits without it
+            log.error("the reload asked by %s did not stop within %.0f s (a read of the checkpoint "
+                      "that hangs?); stopping without it, what it opened left open",
+                      self.requested_by, CANCEL_WAIT_S)
+            return
         with self._lock:
             result, self._result = self._result, None
         if result is not None:
