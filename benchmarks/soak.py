@@ -113,6 +113,30 @@ class LazyReference(ReferenceTables):
 # -- one client process -----------------------------------------------------------------------
 
 
+def draw_registration(rng: np.random.Generator) -> dict[str, int]:
+    """A registration's random shape: TP rank and size, token budget, slots."""
+    shards = int(rng.choice([1, 1, 2, 3, 4, 8]))
+    return {"tp_rank": int(rng.integers(0, shards)), "tp_size": shards,
+            "max_tokens": int(rng.choice([16, 64, 256])), "slots": int(rng.integers(1, 5))}
+
+
+def draw_ids(rng: np.random.Generator, max_tokens: int, ref: ReferenceTables) -> np.ndarray:
+    """One lookup's IDs: a random T up to `max_tokens` (small ones most often), int64 or int32,
+    with DEAD, negative and past-the-table IDs among them (tests/reference.py random_ids)."""
+    tokens = int(min(max_tokens, rng.choice([1, 4, 16, 64, 256])))
+    tokens = int(rng.integers(1, tokens + 1))
+    ids = random_ids(rng, tokens, ref.rows, ref.heads)
+    if rng.random() < 0.5:
+        ids = np.where(np.abs(ids) < 2**31 - 1, ids, ref.rows[0] + 11).astype(np.int32)
+    return ids
+
+
+def same_rows(rows: np.ndarray, expected: np.ndarray) -> np.ndarray:
+    """[n_layers, T, heads]: whether each row equals the expected one in every value (a NaN
+    never does)."""
+    return (rows == expected).all(axis=-1)
+
+
 def _session(client, ref: LazyReference, rng: np.random.Generator, rank: int, shards: int,
              deadline: float, counts: Counter, wrong: list[str]) -> None:
     """One registration's worth of lookups, `slots` in flight at a time, each verified."""
@@ -122,16 +146,11 @@ def _session(client, ref: LazyReference, rng: np.random.Generator, rank: int, sh
     while lookups > 0 and time.time() < deadline:
         wave = []
         for _ in range(min(client.slots, lookups)):
-            tokens = int(min(client.max_tokens, rng.choice([1, 4, 16, 64, 256])))
-            tokens = int(rng.integers(1, tokens + 1))
-            ids = random_ids(rng, tokens, ref.rows, ref.heads)
-            if rng.random() < 0.5:
-                ids = np.where(np.abs(ids) < 2**31 - 1, ids, ref.rows[0] + 11).astype(np.int32)
+            ids = draw_ids(rng, client.max_tokens, ref)
             wave.append((ids, client.lookup(torch.from_numpy(ids))))
         for ids, future in wave:
             rows = future.result().double().numpy()
-            expected = ref.expected(ids, rank, shards)
-            bad = (rows != expected).any(axis=-1)
+            bad = ~same_rows(rows, ref.expected(ids, rank, shards))
             counts["lookups"] += 1
             counts["rows_verified"] += bad.size
             counts["wrong_rows"] += int(bad.sum())
@@ -159,13 +178,11 @@ def worker(socket: str, tables: str, seed: int, seconds: float) -> dict[str, Any
     wrong: list[str] = []
     errors: list[str] = []
     while time.time() < deadline and len(errors) < 5:
-        shards = int(rng.choice([1, 1, 2, 3, 4, 8]))
-        rank = int(rng.integers(0, shards))
+        shape = draw_registration(rng)
         try:
-            with EngramClient(socket, tp_rank=rank, tp_size=shards, max_tokens=int(rng.choice([16, 64, 256])),
-                              slots=int(rng.integers(1, 5)), timeout=120, name=f"soak-{seed}") as client:
+            with EngramClient(socket, **shape, timeout=120, name=f"soak-{seed}") as client:
                 counts["registrations"] += 1
-                _session(client, ref, rng, rank, shards, deadline, counts, wrong)
+                _session(client, ref, rng, shape["tp_rank"], shape["tp_size"], deadline, counts, wrong)
         except EngramError as exc:
             errors.append(f"client {seed}: {type(exc).__name__}: {exc}")
     return {"seed": seed, **counts, "wrong": wrong, "errors": errors}

@@ -11,11 +11,12 @@ import importlib.util
 import sys
 from pathlib import Path
 
-SOAK = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-def load_soak():
-    spec = importlib.util.spec_from_file_location("engramd_soak", SOAK)
+def load_script(name: str):
+    """benchmarks/<name>.py as a module (engramd_<name>), as its tests import it."""
+    spec = importlib.util.spec_from_file_location(f"engramd_{name}", BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
@@ -23,7 +24,7 @@ def load_soak():
 
 
 def test_short_soak_verifies_every_row_and_leaks_nothing(demo_checkpoint, tmp_path):
-    soak = load_soak()
+    soak = load_script("soak")
     summary = soak.run(soak.SoakConfig(seconds=8, clients=4, tables=str(demo_checkpoint),
                                        sample_s=1.0, heartbeat_s=0.2, workdir=str(tmp_path)))
     failed = [name for name, ok in summary["checks"].items() if not ok]
