@@ -53,7 +53,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -71,8 +70,11 @@ from soak import (  # noqa: E402
     draw_ids,
     draw_registration,
     machine,
+    publish,
+    run_kept_on_failure,
     same_rows,
     sample_process,
+    shm_scratch,
 )
 from standby_takeover import Node  # noqa: E402
 
@@ -533,22 +535,15 @@ def _collect(procs: list[subprocess.Popen], work: Path, timeout: float) -> list[
 
 
 def run(cfg: ChaosConfig) -> dict[str, Any]:
-    """Run the chaos soak; returns the summary (see `judge` for what passes). A work folder made
-    here is removed after a passing run and kept, with its path printed, after a failing one."""
-    work = Path(cfg.workdir) if cfg.workdir else Path(tempfile.mkdtemp(prefix="engramd-chaos-"))
-    work.mkdir(parents=True, exist_ok=True)
-    summary = _run_in(cfg, work)
-    if cfg.workdir is None and summary["ok"]:
-        shutil.rmtree(work, ignore_errors=True)
-    elif not summary["ok"]:
-        print(f"chaos failed; logs and checkpoints kept in {work}", file=sys.stderr)
-    return summary
+    """Run the chaos soak; returns the summary (see `judge` for what passes), its folder kept
+    only after a failing run (run_kept_on_failure)."""
+    return run_kept_on_failure("chaos", cfg.workdir, lambda work: _run_in(cfg, work))
 
 
 def _run_in(cfg: ChaosConfig, work: Path) -> dict[str, Any]:
     from engramd.client.shared.connection import probe
 
-    shm = Path(tempfile.mkdtemp(prefix="engramd-chaos-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None))
+    shm = shm_scratch("chaos")
     op, procs, end = None, [], {}
     try:
         checkpoints = _checkpoints(cfg, work)
@@ -772,12 +767,7 @@ def main() -> int:
                       seed=args.seed)
     summary = run(cfg)
     text = report(summary, "python benchmarks/chaos.py " + " ".join(sys.argv[1:]))
-    print(text)
-    if args.report:
-        Path(args.report).write_text(text)
-    if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
-    return 0 if summary["ok"] else 1
+    return publish(summary, text, args.report, args.json)
 
 
 if __name__ == "__main__":

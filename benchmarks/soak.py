@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -252,19 +253,29 @@ def _monitor(pid: int, procs: list[subprocess.Popen], socket: Path, cfg: SoakCon
 
 
 def run(cfg: SoakConfig) -> dict[str, Any]:
-    """Run the soak; returns the summary (see `judge` for what passes).
+    """Run the soak; returns the summary (see `judge` for what passes), its folder kept only
+    after a failing run (run_kept_on_failure)."""
+    return run_kept_on_failure("soak", cfg.workdir, lambda work: _run_in(cfg, work))
 
-    A work folder made here (checkpoint, socket, logs) is removed after a passing run and kept,
-    with its path printed, after a failing one.
-    """
-    work = Path(cfg.workdir) if cfg.workdir else Path(tempfile.mkdtemp(prefix="engramd-soak-"))
+
+def run_kept_on_failure(kind: str, workdir: str | None,
+                        body: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
+    """`body(work folder)`'s summary. A work folder made here (checkpoints, socket, logs) is
+    removed after a passing run and kept, with its path printed, after a failing one."""
+    work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix=f"engramd-{kind}-"))
     work.mkdir(parents=True, exist_ok=True)
-    summary = _run_in(cfg, work)
-    if cfg.workdir is None and summary["ok"]:
+    summary = body(work)
+    if workdir is None and summary["ok"]:
         shutil.rmtree(work, ignore_errors=True)
     elif not summary["ok"]:
-        print(f"soak failed; logs and checkpoint kept in {work}", file=sys.stderr)
+        print(f"{kind} failed; logs and checkpoints kept in {work}", file=sys.stderr)
     return summary
+
+
+def shm_scratch(kind: str) -> Path:
+    """A folder of the run's own for the daemon's table files, in /dev/shm where it may write."""
+    return Path(tempfile.mkdtemp(prefix=f"engramd-{kind}-",
+                                 dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None))
 
 
 def _run_in(cfg: SoakConfig, work: Path) -> dict[str, Any]:
@@ -272,7 +283,7 @@ def _run_in(cfg: SoakConfig, work: Path) -> dict[str, Any]:
 
     from engramd.client.shared.connection import probe
 
-    shm = Path(tempfile.mkdtemp(prefix="engramd-soak-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None))
+    shm = shm_scratch("soak")
     proc = None
     try:
         tables = _prepare_tables(cfg, work)
@@ -418,12 +429,16 @@ def main() -> int:
                      vocab=args.vocab, sample_s=args.sample_s, seed=args.seed)
     summary = run(cfg)
     command = "python benchmarks/soak.py " + " ".join(a for a in sys.argv[1:])
-    text = report(summary, command)
+    return publish(summary, report(summary, command), args.report, args.json)
+
+
+def publish(summary: dict[str, Any], text: str, report_path: str | None, json_path: str | None) -> int:
+    """Print the report, write it and the summary where asked; the exit status of the run."""
     print(text)
-    if args.report:
-        Path(args.report).write_text(text)
-    if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
+    if report_path:
+        Path(report_path).write_text(text)
+    if json_path:
+        Path(json_path).write_text(json.dumps(summary, indent=1) + "\n")
     return 0 if summary["ok"] else 1
 
 
