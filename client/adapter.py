@@ -24,6 +24,7 @@ The geometry is the daemon's (it serves the tables); the token map must match it
 
 from __future__ import annotations
 
+import operator
 import os
 from contextlib import nullcontext
 from pathlib import Path
@@ -34,7 +35,7 @@ import torch
 from engramd.client.captured import CapturedLookup
 from engramd.client.client import EngramClient, LookupFuture
 from engramd.client.errors import TablesChangedError
-from engramd.client.hashing import EngramHasher, HashState
+from engramd.client.hashing import EngramHasher, HashState, check_inputs
 from engramd.client.token_map import build_token_map, default_tokenizer_path, load_token_map
 
 
@@ -76,8 +77,10 @@ class EngramRunnerAdapter:
         same requests (None: every chunk starts its sequence). `sm_fraction`: as
         EngramClient.lookup's (a mapped client's gather grid for this lookup).
         """
-        ids, next_state = self._hash(token_ids, cu_seqlens, dead, state, stream)
+        # Forgotten first: a step refused anywhere below (its tokens, its lookup) must leave no
+        # lookup for rows() to hand out, least of all the previous step's.
         self._future, self._rows = None, None
+        ids, next_state = self._hash(token_ids, cu_seqlens, dead, state, stream)
         future = self.client.lookup(ids, stream, sm_fraction=sm_fraction)
         self._check_geometry()
         self._future = future
@@ -138,6 +141,7 @@ class EngramRunnerAdapter:
               stream: torch.cuda.Stream | None) -> tuple[torch.Tensor, HashState]:
         """The hash IDs of a step's tokens, on `stream`; validated on the CPU only (on a GPU
         that would synchronise)."""
+        check_inputs(token_ids, cu_seqlens, dead, state)  # before .to(), which lists lack
         with self._on(stream):  # the copies too: the hash reads them in this stream's order
             token_ids = token_ids.to(self.device, non_blocking=True)
             cu_seqlens, dead = (None if tensor is None else tensor.to(self.device, non_blocking=True)
@@ -154,10 +158,14 @@ class EngramRunnerAdapter:
         return rows[self._layer_index(layer_id)]
 
     def _layer_index(self, layer_id: int) -> int:
+        """The position of `layer_id` among the Engram layers. Only an integer names a layer:
+        list.index compares by ==, and True == 1, 14.0 == 14 picked a layer's rows."""
         try:
-            return self.geometry.layer_ids.index(layer_id)
-        except ValueError:
-            raise ValueError(f"layer {layer_id} has no Engram table; Engram layers: "
+            if isinstance(layer_id, bool):
+                raise TypeError("a bool names no layer")
+            return self.geometry.layer_ids.index(operator.index(layer_id))
+        except (TypeError, ValueError):
+            raise ValueError(f"layer {layer_id!r} has no Engram table; Engram layers: "
                              f"{list(self.geometry.layer_ids)}") from None
 
     def close(self) -> None:

@@ -50,6 +50,7 @@ __all__ = [
     "HashInputError",
     "HashState",
     "TokenMapError",
+    "check_inputs",
     "hash_multipliers",
     "layer_multipliers",
 ]
@@ -98,6 +99,26 @@ class HashState:
         return HashState(self.ids.to(device), self.dead.to(device))
 
 
+def check_inputs(token_ids: object, cu_seqlens: object = None, dead: object = None,
+                 state: object = None) -> None:
+    """Refuse what is no tensor (no HashState) before anything reads it, with HashInputError.
+
+    The hasher reads `token_ids.device` and `.shape[0]` (the adapter calls `.to()` on each
+    input) before the kernels' own checks: a list, a numpy array or a 0-d tensor failed there
+    as an AttributeError or IndexError. A few isinstance checks: well under a microsecond.
+    """
+    if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 1:
+        shape = tuple(token_ids.shape) if isinstance(token_ids, torch.Tensor) else None
+        raise HashInputError(f"token_ids must be a 1-D torch.Tensor, got {type(token_ids).__name__}"
+                             f"{'' if shape is None else f' of shape {shape}'}")
+    for name, value in (("cu_seqlens", cu_seqlens), ("dead", dead)):
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise HashInputError(f"{name} must be a torch.Tensor or None, got {type(value).__name__}")
+    if state is not None and not isinstance(state, HashState):
+        raise HashInputError("state must be a HashState (what the previous call returned) or "
+                             f"None, got {type(state).__name__}")
+
+
 class EngramHasher:
     """Hashes raw token IDs into Engram row IDs for every Engram layer of one model."""
 
@@ -107,7 +128,9 @@ class EngramHasher:
             raise TokenMapError(f"{source}: engram_pad_token_id {geometry.pad_token_id} is "
                                 f"outside the token map [0, {token_map.size})")
         self.geometry = geometry
-        self.token_map = np.ascontiguousarray(token_map)
+        # A copy: the caller may reuse its array, and the map hashed with must stay the one
+        # checked above (torch.from_numpy in params() would share the caller's memory too).
+        self.token_map = np.array(token_map, order="C", copy=True)
         self.pad_id = int(token_map[geometry.pad_token_id])
         self.multipliers = hash_multipliers(geometry)
         self._params: dict[torch.device, NgramHashParams] = {}
@@ -174,6 +197,7 @@ class EngramHasher:
         starts its sequence). `validate` checks boundaries and raw IDs (a GPU synchronisation);
         a serving loop that trusts its inputs turns it off.
         """
+        check_inputs(token_ids, state=state)
         device = token_ids.device
         if cu_seqlens is None:
             cu_seqlens = torch.tensor([0, token_ids.shape[0]], dtype=torch.int64, device=device)
