@@ -296,9 +296,13 @@ def worker(index: int, mode: str, socket: str, tables: list[str], fingerprints: 
     stop_file, ready_file = Path(work) / "stop", Path(work) / f"ready-{index}"
 
     def stop() -> bool:
+        """Once the stop file names the last fault's end: after this client's first good lookup
+        past it (however long a loaded machine takes; a client that never gets one hangs)."""
         if tally.last_good is not None and not ready_file.exists():
             ready_file.touch()
-        return stop_file.exists()
+        if not stop_file.exists() or not (text := stop_file.read_text()):
+            return False
+        return tally.last_good is not None and tally.last_good > float(text)
 
     while not stop():
         shape = draw_registration(rng)
@@ -560,8 +564,10 @@ def _run_in(cfg: ChaosConfig, work: Path) -> dict[str, Any]:
         _wait_clients_ready(procs, work)
         started = time.time()
         faults = _operate(op, cfg, procs)
-        time.sleep(cfg.grace_s)  # the last fault's window: clients look up again
-        (work / "stop").touch()
+        time.sleep(cfg.grace_s)  # the last fault's window: its errors are due to it
+        last_over = max((f.over for f in faults), default=0.0)
+        (work / "stop.part").write_text(repr(last_over))
+        (work / "stop.part").rename(work / "stop")  # whole, for the clients that read it
         results = _collect(procs, work, cfg.hang_s + 60)
         procs = []
         time.sleep(2 * cfg.heartbeat_s)  # anything a client left is reaped by now
