@@ -74,7 +74,6 @@ from soak import (  # noqa: E402
     run_kept_on_failure,
     same_rows,
     sample_process,
-    shm_scratch,
 )
 from standby_takeover import Node  # noqa: E402
 
@@ -545,9 +544,11 @@ def run(cfg: ChaosConfig) -> dict[str, Any]:
 
 
 def _run_in(cfg: ChaosConfig, work: Path) -> dict[str, Any]:
+    from common.daemon import shm_scratch
+
     from engramd.client.shared.connection import probe
 
-    shm = shm_scratch("chaos")
+    shm = shm_scratch("engramd-chaos-")
     op, procs, end = None, [], {}
     try:
         checkpoints = _checkpoints(cfg, work)

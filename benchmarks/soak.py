@@ -272,18 +272,12 @@ def run_kept_on_failure(kind: str, workdir: str | None,
     return summary
 
 
-def shm_scratch(kind: str) -> Path:
-    """A folder of the run's own for the daemon's table files, in /dev/shm where it may write."""
-    return Path(tempfile.mkdtemp(prefix=f"engramd-{kind}-",
-                                 dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None))
-
-
 def _run_in(cfg: SoakConfig, work: Path) -> dict[str, Any]:
-    from common.daemon import start_daemon
+    from common.daemon import shm_scratch, start_daemon
 
     from engramd.client.shared.connection import probe
 
-    shm = shm_scratch("soak")
+    shm = shm_scratch("engramd-soak-")
     proc = None
     try:
         tables = _prepare_tables(cfg, work)

@@ -91,14 +91,20 @@ def stop_process(proc: subprocess.Popen, timeout: float) -> int | str:
         return "killed"
 
 
+def shm_scratch(prefix: str, root: str | None = None) -> Path:
+    """A new folder for a daemon's table files: in `root`, by default /dev/shm where this
+    process may write there (the temp folder otherwise)."""
+    if root is None:
+        root = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=root))
+
+
 @contextmanager
 def bench_folders(show_log: bool = True, shm_root: str | None = None) -> Iterator[tuple[Path, Path]]:
     """(work folder, folder in `shm_root`, by default /dev/shm) for one run; both removed at the
     end, after the tail of the daemon log in the work folder is printed when `show_log`."""
     work = Path(tempfile.mkdtemp(prefix="engramd-bench-"))
-    if shm_root is None:
-        shm_root = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    shm = Path(tempfile.mkdtemp(prefix="engramd-bench-", dir=shm_root))
+    shm = shm_scratch("engramd-bench-", shm_root)
     try:
         yield work, shm
     finally:
