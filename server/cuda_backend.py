@@ -63,6 +63,7 @@ from engramd.server.backend import Completion, LookupJob
 from engramd.server.config import DaemonConfig, from_setting, gib, ms, options_from
 from engramd.server.cuda_slab import CudaSlab
 from engramd.server.cuda_switch import TableSwitch, switch_tables
+from engramd.server.quiet_gate import QuietGate
 from engramd.server.table_file import HostTable
 from engramd.server.table_registration import register_for_gpus
 
@@ -141,6 +142,10 @@ class GpuState:
         self.device = torch.device("cuda", index)
         self.options = options
         self.slabs: set[CudaSlab] = set()  # live ones; the keeper's grace waits on their streams
+        # Held while a lookup is enqueued: the quiet gate holds it for a call that waits for the
+        # whole device (server/quiet_gate.py), so that no new wait for a client comes meanwhile.
+        self.enqueue_lock = threading.Lock()
+        self.gate: QuietGate | None = None  # the backend's, once every GPU is set up
         sms = torch.cuda.get_device_properties(index).multi_processor_count
         self.programs = grid_programs(sms, options.sm_fraction)
         self.cache: HotCache | None = None
@@ -219,6 +224,23 @@ class GpuState:
             return self._freed_out_of_range + sum(s.count_reader.read(again=not s.count_final)
                                                   for s in {*slabs, *self._draining})
 
+    def quiet(self) -> bool:
+        """Whether every daemon stream of this GPU (live, draining and stuck slabs') has run all
+        it holds: then nothing on the GPU waits for a client."""
+        with self._freed_lock:
+            slabs = {*self.slabs, *self._draining, *self.stuck}
+        with torch.cuda.device(self.index):
+            return all(slab.stream.query() for slab in slabs)
+
+    def make_current(self) -> None:
+        cuda.make_current(self.index)
+
+    def when_quiet(self, what: str, call: Callable[[], None]) -> None:
+        """Make `call`, which waits for the whole device (cudaHostUnregister), once this GPU is
+        quiet (server/quiet_gate.py)."""
+        assert self.gate is not None, "the backend sets the gate up before any slab"
+        self.gate.defer(what, call, [self.index])
+
     def start(self) -> None:
         if self.keeper is not None:
             self.keeper.start()
@@ -266,7 +288,8 @@ class GpuWorker:
 
 def run_job(job: LookupJob, done: Completion) -> None:
     try:
-        enqueue_lookup(job)
+        with job.slab.gpu.enqueue_lock:
+            enqueue_lookup(job)
     except BaseException as exc:  # reported to the client; the dispatcher keeps serving
         log.exception("enqueue failed for client %d slot %d", job.client_id, job.slot)
         job.error = exc
@@ -345,6 +368,9 @@ class CudaBackend:
         # Every kernel variant is compiled and loaded on every GPU before any client can wait on us.
         self.gpus = {i: GpuState(i, self.pinned, self.layer_tables, geometry, self.options)
                      for i in self.uuids.values()}
+        self.gate = QuietGate(self.gpus)
+        for gpu in self.gpus.values():
+            gpu.gate = self.gate
         if GATHER_DELAY_MS:
             for index in self.gpus:
                 with torch.cuda.device(index):
@@ -455,11 +481,13 @@ class CudaBackend:
         self.stop()
         self._await_freed_slabs()
         stuck = sum(len(gpu.stuck) for gpu in self.gpus.values())
-        if stuck:  # a synchronize would wait for them forever, and they may still read the tables
+        if stuck:
+            self.gate.close(run_rest=False)  # a synchronize would wait for them forever, and they may still read the tables
             log.error("%d freed slab(s) never drained: the GPUs are not synchronised and the tables "
                       "stay registered (the exit lets go of both)", stuck)
             return
         for index in self.workers:
             torch.cuda.synchronize(index)
+        self.gate.close(run_rest=True)
         self.layer_tables = []
         self.pinned.close()

@@ -11,7 +11,8 @@ Freeing a slab is the delicate part, and why the slab is a module of its own: th
 may wait for IDs a dead client never wrote, and the client's streams (under MPS, every client's)
 for rows the daemon never wrote. The release satisfies those waits with CPU stores, which no GPU
 queue can hold up, until the stream has drained, on a thread of its own so that a slow client
-never stalls the loop (`CudaSlab._release_waits`).
+never stalls the loop (`CudaSlab._release_waits`). The counter block's unregister, which waits for
+the whole device, goes through the GPU's quiet gate (server/quiet_gate.py).
 
 Not what every slab of a GPU shares (cuda_backend.GpuState: its cache, the freed slabs' counts),
 nor the enqueueing of a lookup on the slab's stream (cuda_backend.enqueue_lookup).
@@ -83,8 +84,8 @@ class CudaSlab:
                 cuda.STREAMS.give(stream)
             self.memory.close()
             counters = getattr(self, "counters", None)
-            if counters is not None:
-                counters.close()
+            if counters is not None:  # its unregister waits for the whole device: deferred
+                gpu.when_quiet("the counter block of a slab not made", counters.close)
             if isinstance(exc, (CudaError, torch.cuda.OutOfMemoryError, OSError)):
                 raise ResourceError(f"cannot set up a slab on {uuid}: {exc}") from None
             raise
@@ -171,8 +172,10 @@ class CudaSlab:
                 self.gpu.count_freed(self)  # its count is final now: every gather has run
                 self.views.close()
                 self.memory.close()
-                self.counters.close()
                 cuda.STREAMS.give(self.stream)  # idle: drained in _release_waits
+            # cudaHostUnregister waits for the whole device: made once no daemon stream of the
+            # GPU holds a wait for a client (server/quiet_gate.py says why).
+            self.gpu.when_quiet(f"the counter block of a freed slab on {self.uuid}", self.counters.close)
         except Exception:
             log.exception("freeing the slab on %s failed", self.uuid)
             self.gpu.stuck.add(self)  # its stream's state unknown: close() leaves the GPU alone

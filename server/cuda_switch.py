@@ -32,6 +32,7 @@ from engramd.server.cuda_slab import RELEASE_DEADLINE_S
 if TYPE_CHECKING:
     from engramd.server.cuda_backend import CudaBackend, GpuState, PinnedTables
     from engramd.server.cuda_slab import CudaSlab
+    from engramd.server.quiet_gate import QuietGate
 
 log = logging.getLogger("engramd.cuda")
 
@@ -76,7 +77,7 @@ def switch_tables(backend: CudaBackend, pinned: PinnedTables, retired: Callable[
             switch_on(index)()
         else:
             backend.workers[index].call(switch_on(index))
-    threading.Thread(target=_retire_tables, args=(old_pinned, switches, left, passed, retired),
+    threading.Thread(target=_retire_tables, args=(old_pinned, switches, left, passed, retired, backend.gate),
                      name="engramd-retire-tables", daemon=True).start()
 
 
@@ -128,10 +129,10 @@ def switch_gpu(gpu: GpuState, switch: TableSwitch) -> list[torch.cuda.Event]:
 
 def _retire_tables(old: PinnedTables, switches: dict[int, TableSwitch],
                    switched: threading.Semaphore, passed: list[torch.cuda.Event],
-                   retired: Callable[[], None]) -> None:
+                   retired: Callable[[], None], gate: QuietGate) -> None:
     """Once every GPU has switched and every slab stream has passed its switch: free what
-    the switches replaced, unregister the old tables, then `retired()`. A stream held up by
-    a client holds them up too."""
+    the switches replaced, then, once every GPU is quiet (the gate), unregister the old tables
+    and call `retired()`. A stream held up by a client holds them up too."""
     for _ in switches:
         switched.acquire()
     cuda.make_current(next(iter(switches)))
@@ -149,6 +150,12 @@ def _retire_tables(old: PinnedTables, switches: dict[int, TableSwitch],
             if isinstance(replaced, CacheKeeper):
                 replaced.close()  # its last writes into the old cache are done
         switch.replaced.clear()
-    old.close()
-    log.info("the replaced tables are unregistered")
-    retired()
+
+    def unregister() -> None:
+        old.close()
+        log.info("the replaced tables are unregistered")
+        retired()
+
+    # cudaHostUnregister waits for the whole device: made once no daemon stream of any GPU
+    # holds a wait for a client (server/quiet_gate.py says why).
+    gate.defer("the replaced tables' unregister", unregister, switches)
