@@ -5,7 +5,7 @@ device before it returns, and other threads' CUDA calls wait behind it meanwhile
 is a deadlock waiting for its moment: a daemon stream may hold a wait for IDs (IDS_READY) that a
 dead client never wrote, which only the CPU release of that client's slab satisfies; the release
 starts once every lookup of the client has been enqueued; and the thread that enqueues them is
-blocked behind the unregister. Seen on an H200 (benchmarks/results/h200/kill_repeat_2026-12-05.md):
+blocked behind the unregister. Seen on an H200 (benchmarks/results/h200/served_faults/README.md, run8):
 in one run of seven of the twenty-killed-clients test, fifteen threads sat in cudaHostUnregister,
 the gather worker and the request loop in CUDA calls behind them, and the daemon served nobody
 again.
