@@ -108,6 +108,7 @@ def fault_loop(client: EngramClient, batches: list[torch.Tensor], ledger: Ledger
     """Drive the client while another thread makes `faults` faults, each after
     LOOKUPS_BETWEEN_FAULTS exact lookups and a random pause."""
     stop, failure = threading.Event(), []
+    start = time.monotonic()
 
     def control() -> None:
         try:
@@ -116,7 +117,11 @@ def fault_loop(client: EngramClient, batches: list[torch.Tensor], ledger: Ledger
                 wait_until(lambda: ledger.exact_since >= LOOKUPS_BETWEEN_FAULTS, timeout=STANDING_BY_S,
                            step=0.01)
                 time.sleep(random.uniform(0.0, 0.05))
+                # A timeline in the output (-s): a failure of the client's own CUDA context is
+                # placed among the faults by it.
+                print(f"fault {k} at {time.monotonic() - start:.2f} s", flush=True)
                 fault(k)
+                print(f"fault {k} over at {time.monotonic() - start:.2f} s", flush=True)
             ledger.exact_since = 0
             wait_until(lambda: ledger.exact_since >= LOOKUPS_BETWEEN_FAULTS, timeout=STANDING_BY_S)
         except BaseException as exc:
