@@ -181,6 +181,9 @@ def test_a_served_client_never_takes_wrong_rows_across_kills(daemon_factory, ref
         else:
             serving[0] = daemon_factory(workdir=victim.workdir, shm_dir=victim.shm_dir,
                                         extra=CUDA, env=GATHER_DELAY)
+        # The PIDs an MPS server's log names, beside the fault's timeline.
+        print(f"fault {k}: killed {victim.proc.pid}, serving {serving[0].proc.pid}, standing by "
+              f"{standby[0].proc.pid if standby[0] else None}, this client {os.getpid()}", flush=True)
 
     if restart == "standby":
         start_standby()
