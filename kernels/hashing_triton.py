@@ -9,9 +9,10 @@ each request's last N-1 tokens for its next chunk. No allocation besides the out
 synchronisation unless `validate=True`.
 
 What it is not: it does not build parameters (`engramd.client.hashing` does) and does not check
-raw IDs on its own: an ID outside the map at a non-DEAD position is read as the pad ID (memory
-safe, but not what the CPU reference does, which raises); pass `validate=True` to get the
-reference's error at the cost of a device synchronisation.
+values on its own: an ID outside the map at a non-DEAD position is read as the pad ID, and a bad
+`cu_seqlens` gives rows of no meaning (both memory safe: every read is masked to its input, but
+not what the CPU reference does, which raises); pass `validate=True` to get the reference's error
+at the cost of a device synchronisation.
 
 Importing this module works without Triton; calling the kernel then raises TritonUnavailable.
 With TRITON_INTERPRET=1 set before import, the kernel runs in Triton's interpreter on CPU tensors.
@@ -68,18 +69,22 @@ if HAVE_TRITON:
 
     @triton.jit
     def _token_at(ids_ptr, dead_ptr, hist_ids_ptr, hist_dead_ptr, chunk_at, hist_at, in_chunk,
-                  live, HAS_DEAD: tl.constexpr, HAS_HISTORY: tl.constexpr):
+                  live, total, hist_len, HAS_DEAD: tl.constexpr, HAS_HISTORY: tl.constexpr):
         """Raw ID (int64) and DEAD flag (uint8) of a chunk position or a history slot. Without
-        a history every slot is before the sequence start: -1 and dead."""
-        raw = tl.load(ids_ptr + chunk_at, mask=live & in_chunk, other=0).to(tl.int64)
+        a history every slot is before the sequence start: -1 and dead. Reads stay inside the
+        inputs (`total` tokens, `hist_len` history slots) whatever cu_seqlens holds: unchecked
+        (validate=False), a bad one gives rows of no meaning, never a read of other memory."""
+        chunk_ok = live & in_chunk & (chunk_at >= 0) & (chunk_at < total)
+        raw = tl.load(ids_ptr + chunk_at, mask=chunk_ok, other=0).to(tl.int64)
         dead = tl.full(raw.shape, 0, dtype=tl.uint8)
         if HAS_DEAD:
-            dead = tl.load(dead_ptr + chunk_at, mask=live & in_chunk, other=0)
+            dead = tl.load(dead_ptr + chunk_at, mask=chunk_ok, other=0)
         raw_h = tl.full(raw.shape, -1, dtype=tl.int64)
         dead_h = tl.full(raw.shape, 1, dtype=tl.uint8)
         if HAS_HISTORY:
-            raw_h = tl.load(hist_ids_ptr + hist_at, mask=live & ~in_chunk, other=-1).to(tl.int64)
-            dead_h = tl.load(hist_dead_ptr + hist_at, mask=live & ~in_chunk, other=1)
+            hist_ok = live & ~in_chunk & (hist_at >= 0) & (hist_at < hist_len)
+            raw_h = tl.load(hist_ids_ptr + hist_at, mask=hist_ok, other=-1).to(tl.int64)
+            dead_h = tl.load(hist_dead_ptr + hist_at, mask=hist_ok, other=1)
         return tl.where(in_chunk, raw, raw_h), tl.where(in_chunk, dead, dead_h)
 
     @triton.jit
@@ -104,7 +109,7 @@ if HAVE_TRITON:
             pos = local - back
             raw, dead = _token_at(ids_ptr, dead_ptr, hist_ids_ptr, hist_dead_ptr, t - back,
                                   seq * (N - 1) + (pos + (N - 1)), pos >= 0, live,
-                                  HAS_DEAD, HAS_HISTORY)
+                                  total, batch * (N - 1), HAS_DEAD, HAS_HISTORY)
             # A DEAD token (or the sequence start, carried as dead history) blocks all older ones.
             alive = alive & (dead == 0)
             usable = alive & (raw >= 0) & (raw < vocab)
@@ -125,7 +130,7 @@ if HAVE_TRITON:
     @triton.jit
     def _carry_block(
         block, ids_ptr, dead_ptr, cu_ptr, hist_ids_ptr, hist_dead_ptr,
-        next_ids_ptr, next_dead_ptr, batch,
+        next_ids_ptr, next_dead_ptr, total, batch,
         N: tl.constexpr, HAS_DEAD: tl.constexpr, HAS_HISTORY: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
@@ -137,7 +142,7 @@ if HAVE_TRITON:
             local = length - (N - 1) + slot
             raw, dead = _token_at(ids_ptr, dead_ptr, hist_ids_ptr, hist_dead_ptr, start + local,
                                   b * (N - 1) + local + (N - 1), local >= 0, live,
-                                  HAS_DEAD, HAS_HISTORY)
+                                  total, batch * (N - 1), HAS_DEAD, HAS_HISTORY)
             tl.store(next_ids_ptr + b * (N - 1) + slot, raw, mask=live)
             tl.store(next_dead_ptr + b * (N - 1) + slot, dead, mask=live)
 
@@ -158,7 +163,7 @@ if HAVE_TRITON:
                         HAS_DEAD, HAS_HISTORY, BLOCK)
         else:
             _carry_block(pid - token_blocks, ids_ptr, dead_ptr, cu_ptr, hist_ids_ptr,
-                         hist_dead_ptr, next_ids_ptr, next_dead_ptr, batch,
+                         hist_dead_ptr, next_ids_ptr, next_dead_ptr, total, batch,
                          N, HAS_DEAD, HAS_HISTORY, CARRY_BLOCK)
 
 

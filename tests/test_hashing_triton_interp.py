@@ -119,3 +119,35 @@ def test_interpreter_validate_raises_like_reference(interp):
     ids, cu = torch.tensor([1, 100, 3]), torch.tensor([0, 3])
     with pytest.raises(HashInputError, match="outside the token map"):
         interp.hash_ngrams_triton(ids, cu, params, validate=True)
+
+
+def guarded(values: torch.Tensor, fill: int, pad: int = 64) -> torch.Tensor:
+    """`values` as a view into a larger buffer whose rest holds `fill`: a kernel reading past
+    the tensor's ends reads `fill`."""
+    flat = values.reshape(-1)
+    buf = torch.full((pad + flat.numel() + pad,), fill, dtype=values.dtype)
+    buf[pad:pad + flat.numel()] = flat
+    return buf[pad:pad + flat.numel()].view(values.shape)
+
+
+@pytest.mark.parametrize("cu", [[0, 7, 3, 12], [-40, 4, 12], [0, 4, 60], [30, 31, 12], [0, 12, 12, -9]],
+                         ids=["decreasing", "negative", "past-the-end", "start-past-the-end", "negative-end"])
+def test_bad_cu_seqlens_read_nothing_outside_the_inputs_without_validate(interp, cu):
+    """Without validate=True a bad cu_seqlens gives rows of no meaning, but the kernel reads only
+    its inputs: the same rows whatever lies around them in memory."""
+    params = make_params(np.random.default_rng(2), 100, 20, 2, 4, 8, 2)
+    rng = np.random.default_rng(3)
+    ids = torch.from_numpy(rng.integers(0, 100, 12))
+    batch = len(cu) - 1
+    hist_ids = torch.from_numpy(rng.integers(0, 100, (batch, 3)))
+    dead, hist_dead = torch.zeros(12, dtype=torch.bool), torch.zeros((batch, 3), dtype=torch.bool)
+    results = []
+    for fill_id, fill_dead in ((1, 0), (97, 1)):  # what lies around: another ID, other flags
+        args = (guarded(ids, fill_id), torch.tensor(cu), params,
+                guarded(dead.view(torch.uint8), fill_dead).view(torch.bool),
+                guarded(hist_ids, fill_id), guarded(hist_dead.view(torch.uint8), fill_dead).view(torch.bool))
+        results.append(interp.hash_and_carry_triton(*args))
+    for part, first, second in zip(("rows", "next ids", "next dead"), *results, strict=True):
+        assert_same(first, second, f"{part} with cu_seqlens {cu}")
+    with pytest.raises(HashInputError, match="cu_seqlens"):
+        interp.hash_ngrams_triton(ids, torch.tensor(cu), params, validate=True)
