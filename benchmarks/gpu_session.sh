@@ -51,6 +51,8 @@
 #   sglang-tests       benchmarks/sglang_gpu/setup_device.sh --test               sglang_gpu.log
 #   sglang-bench       benchmarks/sglang_gpu/bench_lookup.py, both MPS modes      sglang_bench/
 # Benchmarks (in results.tgz: each its .json and .md in <name>/, its output in <name>.log):
+#   sync-probe         benchmarks/experiments/sync_probe.py: which CUDA calls wait for
+#                      the device while a stream waits on a host counter (20 s)   sync_probe.log
 #   lookup             benchmarks/gpu_lookup.py, 16 GiB, without and under MPS    lookup/
 #   lookup-host        benchmarks/lookup_host.py: host time of one lookup         lookup_host/
 #   lookup-host-base   the same of the tree in .ab_base, then of this one         lookup_host_base/
@@ -216,6 +218,10 @@ phase_sglang_bench() {  # SGLang's lookup and model step against engramd's, both
 }
 
 # --- benchmarks
+phase_sync_probe() {  # which calls wait for the device while a stream waits (server/quiet_gate.py)
+  timeout -s INT -k 10 120 python3 benchmarks/experiments/sync_probe.py --out "$out/sync_probe.json" 2>&1 \
+    | tee "$out/sync_probe.log"
+}
 phase_lookup() {  # benchmarks/gpu_lookup.py, 16 GiB, without and under MPS
   python3 benchmarks/gpu_lookup.py --table-gib 16 --mps both --out "$out/lookup" 2>&1 \
     | tee "$out/lookup.log" | tail -30

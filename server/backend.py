@@ -35,6 +35,11 @@ class Slab(Protocol):
         """Whether the client has handed over the IDs of lookup `seq` in `slot` (a GPU slab's
         IDS_READY has reached it; a CPU slab's lookups come with their IDs: always)."""
 
+    def unpin(self, registration: Any, let_go: Callable[[], None]) -> None:
+        """Unregister tables this backend never served (a reload's that failed or was cancelled;
+        None: nothing pinned), then `let_go()` of them: at once, or for a GPU once the daemon has
+        nothing queued there (server/quiet_gate.py)."""
+
     def close(self) -> None:
         """After stop() and the slabs' release: let go of the devices and the tables."""
 
@@ -110,6 +115,11 @@ class Backend(Protocol):
 
     def check_gather(self, ids: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         """(where, rows) of a full-shard lookup of `ids` on each device, for the self-check."""
+
+    def unpin(self, registration: Any, let_go: Callable[[], None]) -> None:
+        """Unregister tables this backend never served (a reload's that failed or was cancelled;
+        None: nothing pinned), then `let_go()` of them: at once, or for a GPU once the daemon has
+        nothing queued there (server/quiet_gate.py)."""
 
     def close(self) -> None:
         """After stop() and the slabs' release: let go of the devices and the tables."""

@@ -27,6 +27,7 @@ from engramd.client.shared.slab import SlabLayout
 from engramd.kernels.gather_ref import gather
 from engramd.server.backend import Completion, LookupJob
 from engramd.server.fair_queue import FairQueue
+from engramd.server.table_loader import unpin_then
 
 if TYPE_CHECKING:
     from engramd.server.table_file import HostTable
@@ -251,6 +252,9 @@ class CpuBackend:
     def check_gather(self, ids: torch.Tensor):
         """(where, rows) of a full-shard lookup of `ids`, for the start-up self-check."""
         yield "cpu", gather(self.tables, ids, self.geometry.shard(0, 1))[0]
+
+    def unpin(self, registration: Any, let_go: Callable[[], None]) -> None:
+        unpin_then(registration, let_go)  # None here: nothing is pinned for a device
 
     def stop(self) -> None:
         """Finish what is queued, then stop the workers (again: nothing more)."""

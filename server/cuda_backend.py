@@ -65,6 +65,7 @@ from engramd.server.cuda_slab import CudaSlab
 from engramd.server.cuda_switch import TableSwitch, switch_tables
 from engramd.server.quiet_gate import QuietGate
 from engramd.server.table_file import HostTable
+from engramd.server.table_loader import unpin_then
 from engramd.server.table_registration import register_for_gpus
 
 log = logging.getLogger("engramd.cuda")
@@ -126,6 +127,11 @@ class PinnedTables:
         return cuda.row_views(self._registration.addresses,
                               [(t.rows, t.row_bytes) for t in self.tables], device)
 
+    def unregister(self) -> None:
+        """Unregister the tables for the GPUs (it waits for the device: the quiet gate makes it
+        while serving); close() unmaps them."""
+        self._registration.unregister()
+
     def close(self) -> None:
         try:
             self._registration.close()
@@ -142,8 +148,11 @@ class GpuState:
         self.device = torch.device("cuda", index)
         self.options = options
         self.slabs: set[CudaSlab] = set()  # live ones; the keeper's grace waits on their streams
-        # Held while a lookup is enqueued: the quiet gate holds it for a call that waits for the
-        # whole device (server/quiet_gate.py), so that no new wait for a client comes meanwhile.
+        # Held while a lookup is enqueued (and tried for a counter copy): the quiet gate holds it
+        # for a call that waits for the whole device (server/quiet_gate.py), so that no new
+        # wait for a client is queued meanwhile, and only once the daemon's streams are idle.
+        # No other holder waits for the device: the gather worker needs it to enqueue the
+        # lookups whose release a dead client's wait may need.
         self.enqueue_lock = threading.Lock()
         self.gate: QuietGate | None = None  # the backend's, once every GPU is set up
         sms = torch.cuda.get_device_properties(index).multi_processor_count
@@ -210,6 +219,8 @@ class GpuState:
         synchronous read, ordered after every copy out_of_range queued, none queued after it."""
         with self._freed_lock:
             slab.count_final = True
+        # Not under enqueue_lock: this waits for the copy, and a thread that waits for the
+        # device must hold nothing the gather worker needs.
         with torch.cuda.device(self.index), torch.cuda.stream(self.count_stream):
             value = int(slab.out_of_range.item())
         with self._freed_lock:
@@ -220,26 +231,43 @@ class GpuState:
         """Out-of-range IDs counted so far by these live slabs, the draining and the freed ones,
         each live or draining one as of its last finished copy (the request loop never waits on
         the device: a copy can wait behind work a killed client left on a shared MPS server)."""
-        with self._freed_lock, torch.cuda.device(self.index):
-            return self._freed_out_of_range + sum(s.count_reader.read(again=not s.count_final)
-                                                  for s in {*slabs, *self._draining})
+        # No new copy while the quiet gate holds the GPU (the last finished one is read).
+        copy = self.enqueue_lock.acquire(blocking=False)
+        try:
+            with self._freed_lock, torch.cuda.device(self.index):
+                return self._freed_out_of_range + sum(
+                    s.count_reader.read(again=copy and not s.count_final)
+                    for s in {*slabs, *self._draining})
+        finally:
+            if copy:
+                self.enqueue_lock.release()
+
+    def queue_locks(self) -> list[threading.Lock]:
+        """The locks under which work is queued on this GPU: lookups and the like, and the
+        hot-row cache's refreshes."""
+        keeper = self.keeper
+        return [self.enqueue_lock] + ([keeper.refresh_lock] if keeper is not None else [])
 
     def quiet(self) -> bool:
-        """Whether every daemon stream of this GPU (live, draining and stuck slabs') has run all
-        it holds: then nothing on the GPU waits for a client."""
+        """Whether every daemon stream of this GPU (live, draining and stuck slabs', the counter
+        copies', the cache's) has run all it holds: then nothing of the daemon's is left there."""
         with self._freed_lock:
             slabs = {*self.slabs, *self._draining, *self.stuck}
+        streams = [slab.stream for slab in slabs] + [self.count_stream]
+        if self.keeper is not None and self.keeper.stream is not None:
+            streams.append(self.keeper.stream)
         with torch.cuda.device(self.index):
-            return all(slab.stream.query() for slab in slabs)
+            return all(stream.query() for stream in streams)
 
     def make_current(self) -> None:
         cuda.make_current(self.index)
 
-    def when_quiet(self, what: str, call: Callable[[], None]) -> None:
-        """Make `call`, which waits for the whole device (cudaHostUnregister), once this GPU is
-        quiet (server/quiet_gate.py)."""
+    def when_quiet(self, what: str, call: Callable[[], None], then: Callable[[], None]) -> None:
+        """Make `call`, which waits for the whole device (cudaHostUnregister), once every GPU is
+        quiet (server/quiet_gate.py), then `then`: every GPU, since what it unregisters is
+        mapped for all (Portable)."""
         assert self.gate is not None, "the backend sets the gate up before any slab"
-        self.gate.defer(what, call, [self.index])
+        self.gate.defer(what, call, then=then)
 
     def start(self) -> None:
         if self.keeper is not None:
@@ -382,8 +410,9 @@ class CudaBackend:
     def replace_tables(self, tables: list[HostTable], registration: HostRegistration,
                        retired: Callable[[], None]) -> None:
         """A reload: lookups submitted from now on read `tables` (pinned by `registration`, ours
-        from here), through a new, empty hot-row cache per GPU; `retired()` is called (from
-        another thread) once no gather can read the old tables, which are then unregistered.
+        from here), through a new, empty hot-row cache per GPU; once no gather can read the old
+        tables they are unregistered, when every GPU is quiet (server/quiet_gate.py), and then
+        `retired()` is called (from another thread).
 
         Each GPU's worker switches in its place among the lookups (inline dispatch: at once),
         so the slabs' daemon streams see the old tables up to one lookup and the new ones
@@ -429,6 +458,13 @@ class CudaBackend:
                     event.record(slab.stream)
                     done.append(event)
         return lambda: all(event.query() for event in done)
+
+    def unpin(self, registration: HostRegistration | None, let_go: Callable[[], None]) -> None:
+        if registration is None:
+            let_go()
+            return
+        self.gate.defer("the unregister of tables never served", registration.unregister,
+                        then=lambda: unpin_then(registration, let_go))
 
     def mps_states(self) -> dict[str, MpsState]:
         return self.mps

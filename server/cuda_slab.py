@@ -85,7 +85,8 @@ class CudaSlab:
             self.memory.close()
             counters = getattr(self, "counters", None)
             if counters is not None:  # its unregister waits for the whole device: deferred
-                gpu.when_quiet("the counter block of a slab not made", counters.close)
+                gpu.when_quiet("the counter block of a slab not made", counters.unregister,
+                               then=counters.close)
             if isinstance(exc, (CudaError, torch.cuda.OutOfMemoryError, OSError)):
                 raise ResourceError(f"cannot set up a slab on {uuid}: {exc}") from None
             raise
@@ -173,9 +174,11 @@ class CudaSlab:
                 self.views.close()
                 self.memory.close()
                 cuda.STREAMS.give(self.stream)  # idle: drained in _release_waits
-            # cudaHostUnregister waits for the whole device: made once no daemon stream of the
-            # GPU holds a wait for a client (server/quiet_gate.py says why).
-            self.gpu.when_quiet(f"the counter block of a freed slab on {self.uuid}", self.counters.close)
+            # cudaHostUnregister waits for the whole device: made once the daemon has nothing
+            # queued on the GPUs (server/quiet_gate.py says why); unmapped after it.
+            self.counters.close_descriptor()
+            self.gpu.when_quiet(f"the counter block of a freed slab on {self.uuid}",
+                                self.counters.unregister, then=self.counters.close)
         except Exception:
             log.exception("freeing the slab on %s failed", self.uuid)
             self.gpu.stuck.add(self)  # its stream's state unknown: close() leaves the GPU alone

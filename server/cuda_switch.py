@@ -151,11 +151,11 @@ def _retire_tables(old: PinnedTables, switches: dict[int, TableSwitch],
                 replaced.close()  # its last writes into the old cache are done
         switch.replaced.clear()
 
-    def unregister() -> None:
+    def let_go() -> None:  # without the GPUs' locks: unmapping hundreds of GiB takes a while
         old.close()
         log.info("the replaced tables are unregistered")
         retired()
 
-    # cudaHostUnregister waits for the whole device: made once no daemon stream of any GPU
-    # holds a wait for a client (server/quiet_gate.py says why).
-    gate.defer("the replaced tables' unregister", unregister, switches)
+    # cudaHostUnregister waits for the whole device: made once the daemon has nothing queued on
+    # any GPU (server/quiet_gate.py says why).
+    gate.defer("the replaced tables' unregister", old.unregister, then=let_go)

@@ -65,6 +65,8 @@ class NextTables:
     store: TableStore
     tables: list[HostTable]
     registration: Any  # their HostRegistration (cuda backend); the backend takes it over
+    # How the serving backend unpins tables it never served (Backend.unpin).
+    unpin: Callable[[Any, Callable[[], None]], None] = unpin_then
 
     @property
     def reattached(self) -> bool:
@@ -78,7 +80,7 @@ class NextTables:
     def close(self) -> None:
         """Never served: unpin, unmap and remove the files."""
         registration, self.registration = self.registration, None
-        unpin_then(registration, self.store.abandon_next)
+        self.unpin(registration, self.store.abandon_next)
 
 
 def open_next_tables(config: DaemonConfig, current: LoadedTables, progress: Callable[[float], None],
@@ -96,7 +98,7 @@ def open_next_tables(config: DaemonConfig, current: LoadedTables, progress: Call
         return None
     store = current.store
     tables = store.open_next(checkpoint, overall_progress(checkpoint.geometry.total_bytes, progress), verify=config.verify_tables, cancelled=cancelled)
-    next_tables = NextTables(checkpoint, store, tables, None)
+    next_tables = NextTables(checkpoint, store, tables, None, unpin=current.backend.unpin)
     try:
         if config.self_check:  # the served kernel was checked at start; these are new bytes
             check_host_tables(checkpoint, tables)

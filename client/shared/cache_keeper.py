@@ -157,6 +157,16 @@ class CacheKeeper:
         return cls(HotCache(layout, len(tables), tables[0].device), tables, gather_streams,
                    interval=interval, gather_probes=gather_probes)
 
+    @property
+    def refresh_lock(self) -> threading.Lock:
+        """Held for each refresh: a holder of it knows no refresh queues work meanwhile."""
+        return self._lock
+
+    @property
+    def stream(self) -> torch.cuda.Stream | None:
+        """The stream the refreshes run on (None on the CPU)."""
+        return self._stream
+
     def report(self) -> dict:
         """The stats snapshot, with the cache's size (`engramd stats`, hot_cache_stats())."""
         layout = self.cache.layout

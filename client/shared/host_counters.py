@@ -101,6 +101,17 @@ class HostCounters:
             self.store(slot, DONE_AT_RELEASE, done)
         self.store(slot, ROWS_DONE, release_value(last_seq))
 
+    def unregister(self) -> None:
+        """Unregister the block for the GPUs (it waits for the device); close() unmaps it."""
+        if self.base:
+            self._registration.unregister()
+
+    def close_descriptor(self) -> None:
+        """Let go of the creator's descriptor early (no client will be handed it again)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
     def close(self) -> None:
         if not self.base:
             return

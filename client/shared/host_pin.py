@@ -102,9 +102,10 @@ class HostRegistration:
         """Bytes of the files of_files(collapse=True) mapped that it did not collapse."""
         return sum(view.collapsed_short for view in self._views)
 
-    def close(self) -> None:
+    def unregister(self) -> None:
+        """cudaHostUnregister of every part (it waits for the device: a daemon makes it through
+        its quiet gate, server/quiet_gate.py); the views stay mapped until close()."""
         parts, self._parts = self._parts, []
-        views, self._views = self._views, []
         errors = []
         for address in parts:
             try:
@@ -112,7 +113,12 @@ class HostRegistration:
             except CudaError as exc:
                 errors.append(str(exc))
         if errors:  # a view still registered must stay mapped: the pages are the driver's
+            self._views = []
             raise CudaError("; ".join(errors))
+
+    def close(self) -> None:
+        self.unregister()
+        views, self._views = self._views, []
         for view in views:
             view.close()
 
