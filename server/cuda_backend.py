@@ -517,8 +517,8 @@ class CudaBackend:
         self.stop()
         self._await_freed_slabs()
         stuck = sum(len(gpu.stuck) for gpu in self.gpus.values())
-        if stuck:
-            self.gate.close(run_rest=False)  # a synchronize would wait for them forever, and they may still read the tables
+        if stuck:  # a synchronize would wait for them forever, and they may still read the tables
+            self.gate.close(run_rest=False)
             log.error("%d freed slab(s) never drained: the GPUs are not synchronised and the tables "
                       "stay registered (the exit lets go of both)", stuck)
             return
