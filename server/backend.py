@@ -35,13 +35,9 @@ class Slab(Protocol):
         """Whether the client has handed over the IDs of lookup `seq` in `slot` (a GPU slab's
         IDS_READY has reached it; a CPU slab's lookups come with their IDs: always)."""
 
-    def unpin(self, registration: Any, let_go: Callable[[], None]) -> None:
-        """Unregister tables this backend never served (a reload's that failed or was cancelled;
-        None: nothing pinned), then `let_go()` of them: at once, or for a GPU once the daemon has
-        nothing queued there (server/quiet_gate.py)."""
-
     def close(self) -> None:
-        """After stop() and the slabs' release: let go of the devices and the tables."""
+        """Free the slab, once every lookup of its client has been handed to the backend (its
+        memory goes when the gathers queued on it have run)."""
 
 
 @dataclass

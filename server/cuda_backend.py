@@ -65,7 +65,6 @@ from engramd.server.cuda_slab import CudaSlab
 from engramd.server.cuda_switch import TableSwitch, switch_tables
 from engramd.server.quiet_gate import QuietGate
 from engramd.server.table_file import HostTable
-from engramd.server.table_loader import unpin_then
 from engramd.server.table_registration import register_for_gpus
 
 log = logging.getLogger("engramd.cuda")
@@ -204,11 +203,6 @@ class GpuState:
         with self._freed_lock:
             return list(self._draining)
 
-    def drain(self, slab: CudaSlab) -> None:
-        """A closed slab whose gathers may still run: its count stays in until it is final."""
-        with self._freed_lock:
-            self._draining.add(slab)
-
     def freeing(self) -> bool:
         """Whether a freed slab's release still runs and has not given up (stuck)."""
         with self._freed_lock:
@@ -242,12 +236,6 @@ class GpuState:
             if copy:
                 self.enqueue_lock.release()
 
-    def queue_locks(self) -> list[threading.Lock]:
-        """The locks under which work is queued on this GPU: lookups and the like, and the
-        hot-row cache's refreshes."""
-        keeper = self.keeper
-        return [self.enqueue_lock] + ([keeper.refresh_lock] if keeper is not None else [])
-
     def quiet(self) -> bool:
         """Whether every daemon stream of this GPU (live, draining and stuck slabs', the counter
         copies', the cache's) has run all it holds: then nothing of the daemon's is left there."""
@@ -264,10 +252,21 @@ class GpuState:
 
     def when_quiet(self, what: str, call: Callable[[], None], then: Callable[[], None]) -> None:
         """Make `call`, which waits for the whole device (cudaHostUnregister), once every GPU is
-        quiet (server/quiet_gate.py), then `then`: every GPU, since what it unregisters is
-        mapped for all (Portable)."""
+        quiet (server/quiet_gate.py), then `then` unless it failed: every GPU, since what it
+        unregisters is mapped for all (Portable)."""
         assert self.gate is not None, "the backend sets the gate up before any slab"
         self.gate.defer(what, call, then=then)
+
+    def add_slab(self, slab: CudaSlab) -> None:
+        with self._freed_lock:
+            self.slabs.add(slab)
+
+    def retire_slab(self, slab: CudaSlab) -> None:
+        """A closed slab whose gathers may still run: from the live ones to the draining ones in
+        one step (quiet() must see it in one or the other), its count kept until final."""
+        with self._freed_lock:
+            self.slabs.discard(slab)
+            self._draining.add(slab)
 
     def start(self) -> None:
         if self.keeper is not None:
@@ -464,7 +463,7 @@ class CudaBackend:
             let_go()
             return
         self.gate.defer("the unregister of tables never served", registration.unregister,
-                        then=lambda: unpin_then(registration, let_go))
+                        then=registration.close, after=let_go)
 
     def mps_states(self) -> dict[str, MpsState]:
         return self.mps

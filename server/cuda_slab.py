@@ -12,7 +12,7 @@ may wait for IDs a dead client never wrote, and the client's streams (under MPS,
 for rows the daemon never wrote. The release satisfies those waits with CPU stores, which no GPU
 queue can hold up, until the stream has drained, on a thread of its own so that a slow client
 never stalls the loop (`CudaSlab._release_waits`). The counter block's unregister, which waits for
-the whole device, goes through the GPU's quiet gate (server/quiet_gate.py).
+the whole device, goes through the quiet gate (server/quiet_gate.py).
 
 Not what every slab of a GPU shares (cuda_backend.GpuState: its cache, the freed slabs' counts),
 nor the enqueueing of a lookup on the slab's stream (cuda_backend.enqueue_lookup).
@@ -85,6 +85,7 @@ class CudaSlab:
             self.memory.close()
             counters = getattr(self, "counters", None)
             if counters is not None:  # its unregister waits for the whole device: deferred
+                counters.close_descriptor()
                 gpu.when_quiet("the counter block of a slab not made", counters.unregister,
                                then=counters.close)
             if isinstance(exc, (CudaError, torch.cuda.OutOfMemoryError, OSError)):
@@ -96,7 +97,7 @@ class CudaSlab:
         self.rows_done = [ops.pointer(self.counters.address(s, ROWS_DONE)) for s in range(layout.slots)]
         self.failed = [ops.pointer(self.counters.address(s, FAILED)) for s in range(layout.slots)]
         self.last_job: dict[int, LookupJob] = {}  # slot -> the last lookup enqueued on it
-        gpu.slabs.add(self)
+        gpu.add_slab(self)
 
     def _build(self, plan_tables: list[LayerTable], shard: ShardView) -> None:
         """The daemon stream, the zeroed slab, the slot views and the gather plan."""
@@ -161,8 +162,7 @@ class CudaSlab:
         if not self.ptr:
             return
         ptr, self.ptr = self.ptr, 0
-        self.gpu.slabs.discard(self)
-        self.gpu.drain(self)
+        self.gpu.retire_slab(self)
         threading.Thread(target=self._free, args=(ptr,), name="engramd-free", daemon=True).start()
 
     def _free(self, ptr: int) -> None:  # the client's own mapping keeps the memory until it lets go

@@ -151,11 +151,10 @@ def _retire_tables(old: PinnedTables, switches: dict[int, TableSwitch],
                 replaced.close()  # its last writes into the old cache are done
         switch.replaced.clear()
 
-    def let_go() -> None:  # without the GPUs' locks: unmapping hundreds of GiB takes a while
+    def unmap() -> None:  # without the GPUs' locks: unmapping hundreds of GiB takes a while
         old.close()
         log.info("the replaced tables are unregistered")
-        retired()
 
     # cudaHostUnregister waits for the whole device: made once the daemon has nothing queued on
-    # any GPU (server/quiet_gate.py says why).
-    gate.defer("the replaced tables' unregister", old.unregister, then=let_go)
+    # any GPU (server/quiet_gate.py says why); the store lets go of the tables after it.
+    gate.defer("the replaced tables' unregister", old.unregister, then=unmap, after=retired)

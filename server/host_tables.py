@@ -181,10 +181,16 @@ class TableStore:
 
     def abandon_next(self) -> None:
         """A reload that will not switch: close its tables and remove their files."""
+        for table in self.detach_next():
+            close_quietly(table)
+
+    def detach_next(self) -> list[HostTable]:
+        """A reload that will not switch: its tables leave the store and their files go now (what
+        is mapped or pinned of them stays until let go); the caller closes the tables."""
         tables, self._next, self._next_fingerprint = self._next, [], None
         for table in tables:
-            close_quietly(table)
             self._remove(table.path, "the reload did not finish")
+        return tables
 
     def release(self, tables: list[HostTable]) -> threading.Thread:
         """Unmap tables that switch() replaced, now that nothing reads them, on a thread of its

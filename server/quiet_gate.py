@@ -11,16 +11,17 @@ cudaHostUnregister, the gather worker and the request loop in CUDA calls behind 
 daemon served nobody again.
 
 So such a call is deferred here and made by the gate's one thread once every GPU it may touch is
-quiet: the gate takes each GPU's locks (without waiting for them: a holder may be waiting for
-the device itself), so that no lookup is enqueued and no refresh or counter copy queued meanwhile,
-gives the GPU's streams a few milliseconds to finish what they hold (a live client writes its IDs
-on its own), and makes the call only if every daemon stream of those GPUs is then idle: nothing
-of the daemon's is left on the device for the call to wait for. Otherwise it lets go and tries
-again later, backing off to once a second: a stopped client whose IDs never come holds its calls
-back until it goes on or is retired, and a call older than QUIET_WARN_S is logged.
+quiet: the gate takes each GPU's enqueue lock (without waiting for it: a holder may be waiting
+for the device itself), so that no lookup, and so no new wait for a client, is enqueued
+meanwhile; gives the GPU's streams some milliseconds to finish what they hold (a live client
+writes its IDs on its own); and makes the call only if every daemon stream of those GPUs is then
+idle. What may still be queued during the call (a cache refresh, a counter copy) waits for no
+client. Otherwise it lets go and tries again later, backing off to once a second and holding a
+little longer each time: a stopped client whose IDs never come holds the calls back until it goes
+on or is retired, and a call older than QUIET_WARN_S is logged.
 
 What is not here: the releases themselves (cuda_slab.py), which must go on whatever this gate
-waits for, and what a call lets go of after it (`Deferred.then`, made without the locks).
+waits for, and what follows a call (`Deferred.then` and `.after`, made without the locks).
 """
 
 from __future__ import annotations
@@ -35,16 +36,19 @@ from typing import Protocol
 
 log = logging.getLogger("engramd.cuda")
 
-QUIESCE_S = 0.005  # how long the gate holds a GPU's locks for its streams to finish
+# How long the gate holds a GPU's enqueue lock for its streams to finish: 5 ms, doubling after
+# each failed try to 50 ms (with the pause between tries at 1 s: lookups held 5% of the time
+# at most, while a stopped client holds the calls back).
+QUIESCE_S, QUIESCE_MAX_S = 0.005, 0.05
 QUIET_FIRST_PAUSE_S, QUIET_MAX_PAUSE_S = 1e-3, 1.0  # between tries, doubling
 QUIET_WARN_S = 60.0  # a deferred call this old is logged, once: a stream held up by a client
 
 
 class QuietDevice(Protocol):
-    """What the gate needs of a GPU: the locks under which work is queued on it, whether the
+    """What the gate needs of a GPU: the lock its lookups are enqueued under, whether the
     daemon's streams there hold any work, and its context made current on the calling thread."""
 
-    def queue_locks(self) -> list[threading.Lock]: ...
+    enqueue_lock: threading.Lock
 
     def quiet(self) -> bool: ...
 
@@ -55,7 +59,8 @@ class QuietDevice(Protocol):
 class Deferred:
     what: str
     call: Callable[[], None]  # made under the locks, once the GPUs are quiet
-    then: Callable[[], None] | None  # made after, without them
+    then: Callable[[], None] | None  # made after it, without them, if it did not fail
+    after: Callable[[], None] | None  # made after it (and `then`) in any case
     devices: tuple[int, ...]
     since: float = field(default_factory=time.monotonic)
     warned: bool = False
@@ -67,10 +72,11 @@ class QuietGate:
     same GPUs."""
 
     def __init__(self, devices: Mapping[int, QuietDevice], warn_s: float = QUIET_WARN_S,
-                 quiesce_s: float = QUIESCE_S):
+                 quiesce_s: float = QUIESCE_S, quiesce_max_s: float = QUIESCE_MAX_S):
         self._devices = devices
         self._warn_s = warn_s
-        self._quiesce_s = quiesce_s
+        self._quiesce = (quiesce_s, max(quiesce_s, quiesce_max_s))
+        self._hold_s = quiesce_s  # this try's: longer after each failed one
         self._waiting: list[Deferred] = []
         self._changed = threading.Condition()
         self._closed = False
@@ -79,11 +85,12 @@ class QuietGate:
         self._thread.start()
 
     def defer(self, what: str, call: Callable[[], None], devices: Iterable[int] | None = None,
-              then: Callable[[], None] | None = None) -> None:
-        """Make `call` once every GPU of `devices` (None: all) is quiet, then `then`. Once the
-        gate is closed: at once if the device was synchronised, else never (logged)."""
+              then: Callable[[], None] | None = None, after: Callable[[], None] | None = None) -> None:
+        """Make `call` once every GPU of `devices` (None: all) is quiet, then `then` if it did
+        not fail, then `after` in any case. Once the gate is closed: at once if the device was
+        synchronised, else never (logged: the exit lets go of it all)."""
         chosen = self._devices if devices is None else devices
-        item = Deferred(what, call, then, tuple(sorted(set(chosen))))
+        item = Deferred(what, call, then, after, tuple(sorted(set(chosen))))
         with self._changed:
             if not self._closed:
                 self._waiting.append(item)
@@ -131,12 +138,13 @@ class QuietGate:
                     return
                 waiting = list(self._waiting)
             if self._settle(waiting):
-                pause = QUIET_FIRST_PAUSE_S
+                pause, self._hold_s = QUIET_FIRST_PAUSE_S, self._quiesce[0]
                 continue
             self._warn_old(waiting)
             with self._changed:
                 self._changed.wait(pause)
             pause = min(pause * 2, QUIET_MAX_PAUSE_S)
+            self._hold_s = min(self._hold_s * 2, self._quiesce[1])
 
     def _settle(self, waiting: list[Deferred]) -> bool:
         """One try at each waiting call, in order; a call waits for the calls before it that
@@ -150,54 +158,57 @@ class QuietGate:
             made = True
             with self._changed:
                 self._waiting.remove(item)
-            if not item.failed:
-                self._then(item)
+            self._follow(item)
         return made
 
     def _try(self, item: Deferred) -> bool:
-        """Make the call if its GPUs can be made quiet now: their locks taken without waiting,
-        their streams given QUIESCE_S to finish."""
-        with ExitStack() as held:
-            for index in item.devices:
-                for lock in self._devices[index].queue_locks():
+        """Make the call if its GPUs can be made quiet now: their enqueue locks taken without
+        waiting, their streams given this try's hold to finish. True if it was made (or failed)."""
+        try:
+            with ExitStack() as held:
+                for index in item.devices:
+                    lock = self._devices[index].enqueue_lock
                     if not lock.acquire(blocking=False):  # its holder may wait for the device
                         return False
                     held.callback(lock.release)
-            deadline = time.monotonic() + self._quiesce_s
-            while not self._quiet(item.devices):
-                if time.monotonic() > deadline:
-                    return False
-                time.sleep(self._quiesce_s / 10)
-            item.failed = not self._make(item, then=False)
-        return True
-
-    def _quiet(self, devices: tuple[int, ...]) -> bool:
-        try:
-            return all(self._devices[index].quiet() for index in devices)
+                deadline = time.monotonic() + self._hold_s
+                while not self._quiet(item.devices):
+                    if time.monotonic() > deadline:
+                        return False
+                    time.sleep(self._hold_s / 10)
+                item.failed = not self._call(item)
+            return True
         except Exception:  # a broken GPU is never quiet; the calls wait for the exit
-            log.exception("looking at the streams of GPUs %s failed", list(devices))
+            log.exception("%s: looking at the streams of GPUs %s failed", item.what, list(item.devices))
             return False
 
-    def _make(self, item: Deferred, then: bool = True) -> bool:
-        """Make the call (and `then` after it, unless told not to); False if it failed."""
+    def _quiet(self, devices: tuple[int, ...]) -> bool:
+        return all(self._devices[index].quiet() for index in devices)
+
+    def _make(self, item: Deferred) -> None:
+        item.failed = not self._call(item)
+        self._follow(item)
+
+    def _call(self, item: Deferred) -> bool:
+        """Make the call; False if it failed (what it would have let go of stays held)."""
         try:
             if item.devices:
                 self._devices[item.devices[0]].make_current()
             item.call()
-        except Exception:  # the gate goes on for the others; what failed stays held
+        except Exception:  # the gate goes on for the others
             log.exception("%s failed", item.what)
             return False
-        if then:
-            self._then(item)
         return True
 
-    def _then(self, item: Deferred) -> None:
-        if item.then is None:
-            return
-        try:
-            item.then()
-        except Exception:
-            log.exception("%s: what follows it failed", item.what)
+    def _follow(self, item: Deferred) -> None:
+        """`then` if the call did not fail, `after` in any case."""
+        for follow, due in ((item.then, not item.failed), (item.after, True)):
+            if follow is None or not due:
+                continue
+            try:
+                follow()
+            except Exception:
+                log.exception("%s: what follows it failed", item.what)
 
     def _warn_old(self, waiting: list[Deferred]) -> None:
         now = time.monotonic()

@@ -37,7 +37,7 @@ from engramd.server.checkpoint import EngramCheckpoint
 from engramd.server.config import DaemonConfig
 from engramd.server.host_tables import ReloadCancelled, TableStore
 from engramd.server.selfcheck import check_host_tables
-from engramd.server.table_file import HostTable
+from engramd.server.table_file import HostTable, close_all_quietly
 from engramd.server.table_loader import (
     LoadedTables,
     overall_progress,
@@ -80,7 +80,10 @@ class NextTables:
     def close(self) -> None:
         """Never served: unpin, unmap and remove the files."""
         registration, self.registration = self.registration, None
-        self.unpin(registration, self.store.abandon_next)
+        # Out of the store now, whenever the backend unpins them: a reload started next finds
+        # no tables of this one there.
+        tables = self.store.detach_next()
+        self.unpin(registration, lambda: close_all_quietly(tables))
 
 
 def open_next_tables(config: DaemonConfig, current: LoadedTables, progress: Callable[[float], None],

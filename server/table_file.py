@@ -364,6 +364,11 @@ def close_quietly(table: HostTable) -> None:
         logger.warning("%s (it is unmapped once the last view goes)", exc)
 
 
+def close_all_quietly(tables: list[HostTable]) -> None:
+    for table in tables:
+        close_quietly(table)
+
+
 def table_file_name(instance: str, layer_id: int, fingerprint: str) -> str:
     return f"engramd.{instance}.L{layer_id}.{fingerprint}.tbl"
 

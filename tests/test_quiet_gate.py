@@ -7,6 +7,7 @@ the GPU suite's twenty-killed-clients test)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from types import SimpleNamespace
@@ -22,21 +23,17 @@ WAIT_S = 30.0  # generous: CI runs beside other work
 
 class FakeGpu:
     """quiet() says `busy`'s opposite, unless `answers` holds scripted replies; it records each
-    look and whether its locks were held then."""
+    look and whether the enqueue lock was held then."""
 
     def __init__(self):
         self.enqueue_lock = threading.Lock()
-        self.refresh_lock = threading.Lock()
         self.busy = False
         self.answers: list[bool] = []
-        self.looks: list[bool] = []  # both locks held at each look
+        self.looks: list[bool] = []  # the lock held at each look
         self.current = 0
 
-    def queue_locks(self) -> list[threading.Lock]:
-        return [self.enqueue_lock, self.refresh_lock]
-
     def held(self) -> bool:
-        return self.enqueue_lock.locked() and self.refresh_lock.locked()
+        return self.enqueue_lock.locked()
 
     def quiet(self) -> bool:
         self.looks.append(self.held())
@@ -93,39 +90,42 @@ def test_a_call_waits_while_its_gpu_is_busy_and_is_made_once_it_is_quiet(gpus, g
     wait_until(lambda: gate.waiting() == [], timeout=WAIT_S)
 
 
-def test_a_call_is_made_under_every_lock_of_its_gpu_and_its_then_after_them(gpus, gate):
+def test_a_call_is_made_under_the_lock_of_its_gpu_and_what_follows_without_it(gpus, gate):
     held = []
     gate.defer("unregister", lambda: held.append(("call", gpus[0].held())), [0],
-               then=lambda: held.append(("then", gpus[0].held())))
-    wait_until(lambda: len(held) == 2, timeout=WAIT_S)
-    assert held == [("call", True), ("then", False)]
+               then=lambda: held.append(("then", gpus[0].held())),
+               after=lambda: held.append(("after", gpus[0].held())))
+    wait_until(lambda: len(held) == 3, timeout=WAIT_S)
+    assert held == [("call", True), ("then", False), ("after", False)]
     assert all(gpus[0].looks)  # every look under the locks
     assert gpus[0].current >= 1  # its context made current first
 
 
-def test_a_gpu_busy_a_moment_is_given_time_under_its_locks(gpus, gate):
-    """Its streams finish within the quiesce time while nothing new can be queued: made in
-    the same try, not a later one."""
+def test_a_gpu_busy_a_moment_is_given_time_under_its_lock(gpus):
+    """Its streams finish within the hold while nothing new can be enqueued: made in the same
+    try, not a later one (a hold long enough that the clock cannot decide it)."""
+    gate = QuietGate(gpus, quiesce_s=WAIT_S)
     made = threading.Event()
     gpus[0].enqueue_lock = CountingLock()
     gpus[0].answers = [False, False, True]
     gate.defer("unregister", made.set, [0])
     assert made.wait(WAIT_S)
+    gate.close(run_rest=False)
     assert gpus[0].looks[:3] == [True, True, True]
-    assert gpus[0].enqueue_lock.tries == 1  # one hold of the locks
+    assert gpus[0].enqueue_lock.tries == 1  # one hold of the lock
 
 
 def test_a_lock_held_elsewhere_is_not_waited_for(gpus, gate):
     """A holder of a GPU's lock may itself wait for the device: the gate never blocks on it,
-    and lets go of what it took."""
+    and lets go of the locks it took."""
     made = threading.Event()
-    gpus[0].refresh_lock = CountingLock()
-    with gpus[0].refresh_lock:
-        gate.defer("unregister", made.set, [0])
-        wait_until(lambda: gpus[0].refresh_lock.tries >= 4, timeout=WAIT_S)  # three tries failed
+    gpus[1].enqueue_lock = CountingLock()
+    with gpus[1].enqueue_lock:
+        gate.defer("on both", made.set)
+        wait_until(lambda: gpus[1].enqueue_lock.tries >= 4, timeout=WAIT_S)  # three tries failed
         assert not made.is_set()
-        assert gpus[0].looks == []  # it never looked: it had only part of the locks
-        assert gpus[0].enqueue_lock.acquire(timeout=WAIT_S)  # let go of
+        assert gpus[0].looks == [] and gpus[1].looks == []  # it never looked
+        assert gpus[0].enqueue_lock.acquire(timeout=WAIT_S)  # GPU 0's let go of
         gpus[0].enqueue_lock.release()
     assert made.wait(WAIT_S)
 
@@ -175,12 +175,14 @@ def test_calls_of_a_gpu_are_made_in_order_and_a_failing_one_stops_no_other(gpus,
 
     gate.defer("first", first, [0])
     assert first_in.wait(WAIT_S)  # the rest are queued while it runs
-    gate.defer("failing", fail, [0], then=lambda: made.append("then of failing"))
+    gate.defer("failing", fail, [0], then=lambda: made.append("then of failing"),
+               after=lambda: made.append("after failing"))
     gate.defer("third", lambda: made.append("third"), [0])
     with caplog.at_level(logging.ERROR, logger="engramd.cuda"):
         release.set()
-        wait_until(lambda: gate.waiting() == [] and len(made) == 2, timeout=WAIT_S)
-    assert made == ["first", "third"]  # a failed call's `then` is not made
+        wait_until(lambda: gate.waiting() == [] and len(made) == 3, timeout=WAIT_S)
+    # A failed call's `then` (what needs it done) is not made; its `after` is.
+    assert made == ["first", "after failing", "third"]
     assert "failing failed" in caplog.text and "cudaHostUnregister failed" in caplog.text
 
 
@@ -245,7 +247,7 @@ def test_close_otherwise_leaves_what_waits_and_what_comes_later_and_says_so(gpus
     gate = QuietGate(gpus)
     made = []
     gpus[0].busy = True
-    gate.defer("the counter block", lambda: made.append(1), [0])
+    gate.defer("the counter block", lambda: made.append(1), [0], after=lambda: made.append("after"))
     with caplog.at_level(logging.ERROR, logger="engramd.cuda"):
         gate.close(run_rest=False)
         gate.defer("a late one", lambda: made.append(2), [0])  # a stuck stream may still wait
@@ -273,3 +275,75 @@ def test_a_lookup_is_enqueued_under_the_lock_the_gate_takes(monkeypatch):
     done = []
     cuda_backend.run_job(job, done.append)
     assert seen == [True] and done == [job] and not gpu.enqueue_lock.locked()
+
+
+class FakeStream:
+    def __init__(self, idle: bool = True):
+        self.idle = idle
+
+    def query(self) -> bool:
+        return self.idle
+
+
+class FakeSlab:  # hashable, as a CudaSlab
+    def __init__(self):
+        self.stream = FakeStream()
+
+
+def fake_gpu_state(monkeypatch) -> cuda_backend.GpuState:
+    """A GpuState with nothing but what quiet() and the slab hand-over read; streams are
+    stand-ins (torch.cuda.device is a no-op here)."""
+    monkeypatch.setattr(cuda_backend.torch.cuda, "device", lambda index: contextlib.nullcontext())
+    gpu = cuda_backend.GpuState.__new__(cuda_backend.GpuState)
+    gpu.index, gpu._freed_lock = 0, threading.Lock()
+    gpu.slabs, gpu._draining, gpu.stuck = set(), set(), set()
+    gpu.count_stream, gpu.keeper = FakeStream(), None
+    return gpu
+
+
+def test_a_gpu_is_quiet_only_when_every_daemon_stream_of_it_is_idle(monkeypatch):
+    gpu = fake_gpu_state(monkeypatch)
+    live, closed, stuck = (FakeSlab() for _ in range(3))
+    gpu.add_slab(live)
+    gpu.add_slab(closed)
+    gpu.retire_slab(closed)  # live to draining in one step
+    assert closed in gpu._draining and closed not in gpu.slabs
+    gpu.stuck.add(stuck)
+    gpu.keeper = SimpleNamespace(stream=FakeStream())
+    assert gpu.quiet()
+    for busy in (live.stream, closed.stream, stuck.stream, gpu.count_stream, gpu.keeper.stream):
+        busy.idle = False
+        assert not gpu.quiet()
+        busy.idle = True
+
+
+def test_tables_never_served_are_unpinned_through_the_gate_and_let_go_after(monkeypatch):
+    deferred = []
+    backend = cuda_backend.CudaBackend.__new__(cuda_backend.CudaBackend)
+    backend.gate = SimpleNamespace(defer=lambda what, call, then=None, after=None: deferred.append(
+        (call, then, after)))
+    registration = SimpleNamespace(unregister=lambda: None, close=lambda: None)
+    let_go = []
+    backend.unpin(registration, lambda: let_go.append(1))
+    assert deferred == [(registration.unregister, registration.close, deferred[0][2])]
+    assert let_go == []  # not before the unregister
+    deferred[0][2]()
+    assert let_go == [1]
+    backend.unpin(None, lambda: let_go.append(2))  # nothing pinned: at once
+    assert let_go == [1, 2]
+
+
+def test_a_reload_that_will_not_switch_leaves_the_store_at_once_and_unpins_later():
+    from engramd.server.reload import NextTables
+
+    events = []
+    store = SimpleNamespace(detach_next=lambda: events.append("detached") or [
+        SimpleNamespace(close=lambda: events.append("table closed"))])
+    unpins = []
+    registration = object()
+    tables = NextTables(None, store, [], registration,
+                        unpin=lambda reg, let_go: unpins.append((reg, let_go)))
+    tables.close()
+    assert events == ["detached"] and unpins[0][0] is registration
+    unpins[0][1]()  # the backend's let-go, once it has unregistered
+    assert events == ["detached", "table closed"]

@@ -158,11 +158,6 @@ class CacheKeeper:
                    interval=interval, gather_probes=gather_probes)
 
     @property
-    def refresh_lock(self) -> threading.Lock:
-        """Held for each refresh: a holder of it knows no refresh queues work meanwhile."""
-        return self._lock
-
-    @property
     def stream(self) -> torch.cuda.Stream | None:
         """The stream the refreshes run on (None on the CPU)."""
         return self._stream
