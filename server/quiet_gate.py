@@ -64,7 +64,7 @@ class Deferred:
     devices: tuple[int, ...]
     since: float = field(default_factory=time.monotonic)
     warned: bool = False
-    failed: bool = False  # the call raised: what follows it is not made
+    failed: bool = False  # the call raised: its `then` is not made
 
 
 class QuietGate:
