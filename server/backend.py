@@ -112,6 +112,10 @@ class Backend(Protocol):
     def check_gather(self, ids: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         """(where, rows) of a full-shard lookup of `ids` on each device, for the self-check."""
 
+    def deferred(self) -> list[str]:
+        """What a GPU backend holds back until its GPUs are quiet (server/quiet_gate.py), by
+        name (CPU: none)."""
+
     def unpin(self, registration: Any, let_go: Callable[[], None]) -> None:
         """Unregister tables this backend never served (a reload's that failed or was cancelled;
         None: nothing pinned), then `let_go()` of them: at once, or for a GPU once the daemon has

@@ -253,6 +253,9 @@ class CpuBackend:
         """(where, rows) of a full-shard lookup of `ids`, for the start-up self-check."""
         yield "cpu", gather(self.tables, ids, self.geometry.shard(0, 1))[0]
 
+    def deferred(self) -> list[str]:
+        return []
+
     def unpin(self, registration: Any, let_go: Callable[[], None]) -> None:
         unpin_then(registration, let_go)  # None here: nothing is pinned for a device
 

@@ -458,6 +458,9 @@ class CudaBackend:
                     done.append(event)
         return lambda: all(event.query() for event in done)
 
+    def deferred(self) -> list[str]:
+        return self.gate.waiting()
+
     def unpin(self, registration: HostRegistration | None, let_go: Callable[[], None]) -> None:
         if registration is None:
             let_go()

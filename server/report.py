@@ -26,9 +26,11 @@ class ServiceReport:
         """Counts anyone who may connect may see: no client's pid, name or uid (see clients)."""
         service = self.service
         stats = service.registry.stats() if service.registry is not None else {}
+        backend = service.tables.backend if service.tables is not None else None
         return StatsReply(state=service.state, uptime=time.monotonic() - service.started,
                           hot_cache=self.cache_stats(), mps=self.mps(), tables=service.tables_id,
-                          reload=service.reloads.status(), **stats)
+                          reload=service.reloads.status(),
+                          deferred=backend.deferred() if backend else [], **stats)
 
     def health(self) -> HealthReply:
         service = self.service

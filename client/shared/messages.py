@@ -207,6 +207,8 @@ class StatsReply(Message):
     dispatch_us: dict = field(default_factory=dict)  # request received -> work enqueued, percentiles
     tables: str | None = None  # the served tables' identity
     reload: dict = field(default_factory=dict)  # the last reload's state (server/reload.py)
+    # Unregisters a GPU backend holds until the daemon has nothing queued (server/quiet_gate.py).
+    deferred: list = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -144,6 +144,9 @@ def kill_round(daemon) -> tuple[float, float, list[int]]:
                                       f"the slabs of {KILLED} killed clients freed")
         stats = stats_or_stacks(daemon, 10.0)
         assert stats["clients"] == [] and stats["slab_bytes"] == 0
+        # Their counter blocks' unregisters, held until the GPU is quiet (server/quiet_gate.py).
+        stats_until(daemon, lambda stats: stats["deferred"] == [], 60.0,
+                    f"the counter blocks of {KILLED} killed clients unregistered")
         return answered, gone, pids
     finally:
         for p in procs:
