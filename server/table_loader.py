@@ -293,13 +293,14 @@ def load_tables(config: DaemonConfig, progress: Callable[[float], None],
                         opened.reattached)
 
 
-def pin_for_backend(backend_name: str, tables: list[HostTable], collapse: bool = True) -> Any:
-    """The tables' HostRegistration for a cuda backend (None for the cpu one); `collapse` as
-    for register_for_gpus."""
+def pin_for_backend(backend_name: str, tables: list[HostTable], collapse: bool = True,
+                    unregister_later: Callable[[Any], None] | None = None) -> Any:
+    """The tables' HostRegistration for a cuda backend (None for the cpu one); `collapse` and
+    `unregister_later` as for register_for_gpus."""
     if backend_name != "cuda":
         return None
     try:
-        return register_for_gpus(tables, collapse)
+        return register_for_gpus(tables, collapse, unregister_later)
     except Exception as exc:
         raise DeviceBackendError(f"cuda backend failed to start: cannot pin the tables: {exc}") from exc
 

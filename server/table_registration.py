@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from engramd.server.units import size
@@ -24,15 +25,18 @@ if TYPE_CHECKING:
 logger = logging.getLogger("engramd.tables")  # one log for the tables' load, attach and pinning
 
 
-def register_for_gpus(tables: list[HostTable], collapse: bool = True) -> HostRegistration:
+def register_for_gpus(tables: list[HostTable], collapse: bool = True,
+                      unregister_later: Callable[[HostRegistration], None] | None = None) -> HostRegistration:
     """The tables registered for the GPUs, read-only; CudaError if that fails. `collapse`: their
     pages made 2 MiB folios first (the serving daemon; a standby leaves that to it:
-    client/shared/huge_pages.py)."""
+    client/shared/huge_pages.py). `unregister_later`: where a failure hands what it pinned
+    (a serving daemon's reload: HostRegistration says why)."""
     from engramd.client.shared.host_pin import HostRegistration
 
     started = time.monotonic()
     registration = HostRegistration.of_files([(t.fd, t.data_offset, t.nbytes) for t in tables],
-                                             read_only=True, collapse=collapse)
+                                             read_only=True, collapse=collapse,
+                                             unregister_later=unregister_later)
     total, seconds = sum(t.nbytes for t in tables), time.monotonic() - started
     logger.info("pinned %s of host tables in %.2f s (%.1f GB/s)%s", size(total), seconds,
                 total / 1e9 / max(seconds, 1e-9),

@@ -1,6 +1,7 @@
 """The quiet gate (server/quiet_gate.py): a call that waits for the whole device is made only while
 every GPU it needs is quiet, under their locks (taken without waiting), in order, never lost; and
-the CUDA backend's lookups are enqueued under the lock the gate takes.
+what feeds it: the CUDA backend's lookups enqueued under the lock the gate takes, its view of a
+GPU's streams, tables never served and a reload's failed pin handed to it.
 
 GPUs are stand-ins here: what makes a real GPU quiet is its daemon streams (GpuState.quiet, run by
 the GPU suite's twenty-killed-clients test)."""
@@ -8,6 +9,7 @@ the GPU suite's twenty-killed-clients test)."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import threading
 from types import SimpleNamespace
@@ -347,3 +349,41 @@ def test_a_reload_that_will_not_switch_leaves_the_store_at_once_and_unpins_later
     assert events == ["detached"] and unpins[0][0] is registration
     unpins[0][1]()  # the backend's let-go, once it has unregistered
     assert events == ["detached", "table closed"]
+
+
+def test_a_pin_that_fails_partway_hands_what_it_registered_to_unregister_later(monkeypatch):
+    """A serving daemon's reload pins beside the served tables: a failure there must not
+    unregister (it waits for the device) on the pinning thread, but hand the parts over."""
+    from engramd.client.shared import host_pin
+
+    unregistered, registered = [], []
+
+    def register(part, flags, device):
+        if registered:
+            raise host_pin.CudaError("cudaHostRegister: out of memory")
+        registered.append(part[0])
+        return part[0]
+
+    monkeypatch.setattr(host_pin, "require_cuda_python", lambda: None)
+    monkeypatch.setattr(host_pin, "read_only_supported", lambda: False)
+    monkeypatch.setattr(host_pin, "_register", register)
+    monkeypatch.setattr(host_pin, "cudart", SimpleNamespace(
+        cudaHostRegisterPortable=1, cudaHostRegisterMapped=2,
+        cudaHostUnregister=lambda address: (unregistered.append(address) or 0,)))
+    monkeypatch.setattr(host_pin, "check", lambda what, result: None)
+    memory = ctypes.create_string_buffer(2 * host_pin.PART_ALIGN)
+    start = ctypes.addressof(memory)
+    ranges = [(start, host_pin.PART_ALIGN), (start + host_pin.PART_ALIGN, host_pin.PART_ALIGN)]
+
+    handed = []
+    with pytest.raises(host_pin.CudaError, match="out of memory"):
+        host_pin.HostRegistration(ranges, workers=1, unregister_later=handed.append)
+    assert len(handed) == 1 and unregistered == []  # nothing unregistered on this thread
+    handed[0].unregister()
+    assert unregistered == registered
+
+    registered.clear()
+    unregistered.clear()
+    with pytest.raises(host_pin.CudaError, match="out of memory"):
+        host_pin.HostRegistration(ranges, workers=1)  # no one to hand it to: unregistered here
+    assert unregistered == registered and registered

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 
@@ -49,17 +50,27 @@ class HostRegistration:
     of_files() registers files through HugeViews of their own (2 MiB pages where possible)."""
 
     def __init__(self, ranges: list[tuple[int, int]], read_only: bool = False,
-                 workers: int = PIN_WORKERS, device: int | None = None):
+                 workers: int = PIN_WORKERS, device: int | None = None,
+                 views: list[HugeView] | None = None,
+                 unregister_later: Callable[[HostRegistration], None] | None = None):
         """`device`: the GPU whose context the registering threads use (default: device 0, as a
-        fresh thread's; a process on another GPU would get a context on GPU 0 for it)."""
-        require_cuda_python()
+        fresh thread's; a process on another GPU would get a context on GPU 0 for it). `views`:
+        the mappings the ranges lie in, closed with it. `unregister_later`: where a failed
+        start hands what it registered (the registration, to unregister and close), instead of
+        unregistering it here: an unregister waits for the whole device, which a serving
+        daemon must not do on any thread (server/quiet_gate.py)."""
         self.addresses = [address for address, _ in ranges]
-        self._views: list[HugeView] = []
+        self._views: list[HugeView] = list(views or [])
         self._parts: list[int] = []
-        flags = cudart.cudaHostRegisterPortable | cudart.cudaHostRegisterMapped
-        if read_only and read_only_supported():  # the device only ever reads these pages
-            flags |= cudart.cudaHostRegisterReadOnly
-        parts = split_ranges(ranges, workers)
+        try:
+            require_cuda_python()
+            flags = cudart.cudaHostRegisterPortable | cudart.cudaHostRegisterMapped
+            if read_only and read_only_supported():  # the device only ever reads these pages
+                flags |= cudart.cudaHostRegisterReadOnly
+            parts = split_ranges(ranges, workers)
+        except BaseException:
+            self.close()  # nothing registered yet: the views go
+            raise
         registered: list[int] = []  # list.append is atomic
         try:
             with ThreadPoolExecutor(max(1, workers), thread_name_prefix="engramd-pin") as pool:
@@ -67,6 +78,9 @@ class HostRegistration:
                 list(pool.map(lambda part: registered.append(_register(part, flags, device)), parts))
         except BaseException:  # the pool has joined: every part that registered is listed
             self._parts = registered
+            if registered and unregister_later is not None:
+                unregister_later(self)
+                raise
             try:
                 self.close()
             except CudaError:
@@ -76,26 +90,24 @@ class HostRegistration:
 
     @classmethod
     def of_files(cls, files: list[tuple[int, int, int]], read_only: bool = False,
-                 workers: int = PIN_WORKERS, device: int | None = None,
-                 collapse: bool = False) -> HostRegistration:
+                 workers: int = PIN_WORKERS, device: int | None = None, collapse: bool = False,
+                 unregister_later: Callable[[HostRegistration], None] | None = None) -> HostRegistration:
         """Register (fd, offset, nbytes) ranges of files, each file mapped for it by a HugeView
         (the caller may close the descriptors after): the pin walks 2 MiB pages where the
         file's pages are 2 MiB folios, which `collapse` makes them first (the daemon's pin
-        only: client/shared/huge_pages.py). The views go with close()."""
+        only: client/shared/huge_pages.py). The views go with close(). `unregister_later` as
+        for the constructor."""
         writable = not (read_only and read_only_supported())  # a read-only view needs the flag
         views: list[HugeView] = []
         try:
             for fd, _, _ in files:
                 views.append(HugeView(fd, writable, workers if collapse else 0))
-            registration = cls([(view.address + offset, nbytes)
-                                for view, (_, offset, nbytes) in zip(views, files, strict=True)],
-                               read_only, workers, device)
         except BaseException:
             for view in views:
                 view.close()
             raise
-        registration._views = views
-        return registration
+        return cls([(view.address + offset, nbytes) for view, (_, offset, nbytes) in zip(views, files, strict=True)],
+                   read_only, workers, device, views=views, unregister_later=unregister_later)
 
     @property
     def not_collapsed_bytes(self) -> int:
