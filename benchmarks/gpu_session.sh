@@ -52,7 +52,9 @@
 #   sglang-bench       benchmarks/sglang_gpu/bench_lookup.py, both MPS modes      sglang_bench/
 # Benchmarks (in results.tgz: each its .json and .md in <name>/, its output in <name>.log):
 #   sync-probe         benchmarks/experiments/sync_probe.py: which CUDA calls wait for
-#                      the device while a stream waits on a host counter (20 s)   sync_probe.log
+#                      the device while a stream of this process, then of another,
+#                      waits on a host counter (40 s)                             sync_probe*.log
+#   sync-probe-mps     the same under MPS                                         sync_probe*_mps.log
 #   lookup             benchmarks/gpu_lookup.py, 16 GiB, without and under MPS    lookup/
 #   lookup-host        benchmarks/lookup_host.py: host time of one lookup         lookup_host/
 #   lookup-host-base   the same of the tree in .ab_base, then of this one         lookup_host_base/
@@ -218,9 +220,22 @@ phase_sglang_bench() {  # SGLang's lookup and model step against engramd's, both
 }
 
 # --- benchmarks
-phase_sync_probe() {  # which calls wait for the device while a stream waits (server/quiet_gate.py)
-  timeout -s INT -k 10 120 python3 benchmarks/experiments/sync_probe.py --out "$out/sync_probe.json" 2>&1 \
-    | tee "$out/sync_probe.log"
+phase_sync_probe() {  # which calls wait for the device while a stream waits (server/quiet_gate.py):
+  # this process's stream, then another process's
+  local rc=0 name
+  for name in sync_probe sync_probe_peer; do
+    timeout -s INT -k 10 120 python3 benchmarks/experiments/sync_probe.py \
+      $([ $name = sync_probe_peer ] && echo --peer) --out "$out/${name}${1:-}.json" 2>&1 \
+      | tee "$out/${name}${1:-}.log" || rc=1
+  done
+  return "$rc"
+}
+phase_sync_probe_mps() {  # the same under MPS, where every client's work shares one server
+  mps_start
+  phase_sync_probe _mps
+  local rc=$?
+  mps_stop
+  return "$rc"
 }
 phase_lookup() {  # benchmarks/gpu_lookup.py, 16 GiB, without and under MPS
   python3 benchmarks/gpu_lookup.py --table-gib 16 --mps both --out "$out/lookup" 2>&1 \
