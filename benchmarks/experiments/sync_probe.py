@@ -123,14 +123,15 @@ def peer(index: int, fd: int) -> None:
 def candidates(index: int) -> dict[str, Callable[[], Callable[[], None]]]:
     """Each: set-up made before the wait is armed, returning the call to probe."""
 
+    # Each call holds what it registers or unregisters (a default argument): a mapping freed
+    # under its registration would make the call fail, not wait.
     def unregister():
         page = HostPage(index)
-        return page.registration.unregister
+        return lambda page=page: page.registration.unregister()
 
     def register():
-        buf = mmap.mmap(-1, PAGE)
-        address = ctypes.addressof(ctypes.c_char.from_buffer(buf))
-        return lambda: HostRegistration([(address, PAGE)], workers=1, device=index)
+        page = HostPage(index, pinned=False)
+        return lambda page=page: HostRegistration([(page.address, PAGE)], workers=1, device=index)
 
     def pinned_alloc():  # torch's host allocator, a size it has not cached
         return lambda: torch.empty(3 * PAGE + 17, dtype=torch.uint8, pin_memory=True)
