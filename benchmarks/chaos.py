@@ -70,6 +70,7 @@ from soak import (  # noqa: E402
     draw_ids,
     draw_registration,
     machine,
+    problems_section,
     publish,
     run_kept_on_failure,
     same_rows,
@@ -746,8 +747,7 @@ def report(summary: dict[str, Any], command: str) -> str:
         f"{', '.join(f'{f[0]}/{f[-1]}' for f in summary['client_fds'].values())}; "
         f"shared memory left: {', '.join(end.get('shm', [])) or 'nothing'}.", "",
     ]
-    if summary["problems"]:
-        lines += ["Problems:", "", *[f"- {p}" for p in summary["problems"][:30]], ""]
+    lines += problems_section(summary["problems"][:30])
     return "\n".join(lines)
 
 

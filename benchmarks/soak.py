@@ -399,9 +399,13 @@ def report(summary: dict[str, Any], command: str) -> str:
     lines += [f"{s['t']:7.1f}: {s['fds']:4d} {s['rss_anon_kib'] * mib:7.1f} {s['rss_kib'] * mib:8.1f} "
               f"{s['clients']:3d} {s['lookups']:9d}" for s in summary["samples"][::step]]
     lines += ["```", ""]
-    if summary["wrong"] or summary["errors"]:
-        lines += ["Problems:", "", *[f"- {p}" for p in summary["wrong"] + summary["errors"]], ""]
+    lines += problems_section(summary["wrong"] + summary["errors"])
     return "\n".join(lines)
+
+
+def problems_section(problems: list[str]) -> list[str]:
+    """A report's list of what went wrong (nothing when nothing did)."""
+    return ["Problems:", "", *[f"- {p}" for p in problems], ""] if problems else []
 
 
 def main() -> int:

@@ -106,9 +106,9 @@ def open_next_tables(config: DaemonConfig, current: LoadedTables, progress: Call
         if config.self_check:  # the served kernel was checked at start; these are new bytes
             check_host_tables(checkpoint, tables)
         # What a failed pin registered is unregistered by the serving backend, not here.
-        unpin = current.backend.unpin
-        next_tables.registration = pin_for_backend(current.backend.name, tables, config.collapse_pages,
-                                                   unregister_later=lambda partial: unpin(partial, lambda: None))
+        next_tables.registration = pin_for_backend(
+            current.backend.name, tables, config.collapse_pages,
+            unregister_later=lambda partial: next_tables.unpin(partial, lambda: None))
     except BaseException:
         next_tables.close()
         raise
