@@ -1,7 +1,7 @@
 """Lets SGLang 0.5.23's Python tree, carried without its compiled parts, import on the GPU machine.
 
     sys.path.insert(0, "benchmarks/sglang_gpu"); import stubs; stubs.install()   # before `import sglang`
-                                       # (worker_gpu.py and setup_device.sh's checks do this)
+                                       # (worker_gpu.py and check_imports.py do this)
 
 SGLang's wheel holds five Rust extensions (45 MB: the Rust server front end, its gRPC and
 benchmark clients, the multimodal processors and the radix cache's tree core); fetch.sh leaves them

