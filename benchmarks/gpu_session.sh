@@ -103,7 +103,13 @@ mps_stop() {  # the server's logs are kept, one folder a server: what it said of
   unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 }
 # A/B phases run another commit's tree from an ignored folder that the run carries.
-ab_install() { python3 -m pip install -q --no-deps --no-build-isolation -e "$1" >>"$out/install.log" 2>&1; }
+# `ab_install TREE`: engramd installed editable from TREE, the one install of it: older trees name the
+# distribution engramd (now engramd-daemon), and an install under one name leaves the other's finder,
+# which may win the import.
+ab_install() {
+  python3 -m pip uninstall -q -y engramd engramd-daemon >>"$out/install.log" 2>&1
+  python3 -m pip install -q --no-deps --no-build-isolation -e "$1" >>"$out/install.log" 2>&1
+}
 # `on_hugetlbfs NAME TAIL CMD...`: CMD with HUGE set to a hugetlbfs mount of 2 MiB pages that
 # holds 64 GiB of tables (root), its output in $out/NAME.log; the pool is given back after.
 on_hugetlbfs() {

@@ -30,6 +30,21 @@ from helpers import (  # noqa: E402
 from reference import ReferenceTables  # noqa: E402
 
 LEAK_GRACE_S = 5.0  # a killed child may take a moment to be reaped by its parent
+DAEMONS = pytest.StashKey[list[DaemonProcess]]()  # the daemons a test made (daemon_factory)
+DAEMON_LOG_TAIL = 6000  # characters of each one's log its failure report shows
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's report ends with the end of each of its daemons' logs: the daemon's side
+    of what went wrong (a refusal, a dropped connection), which its folder takes with it."""
+    report = yield
+    if report.when == "call" and report.failed:
+        for daemon in item.stash.get(DAEMONS, []):
+            pid = daemon.proc.pid if daemon.proc is not None else None
+            report.sections.append((f"{daemon.log_path.name} (pid {pid}), its end",
+                                    daemon.log()[-DAEMON_LOG_TAIL:]))
+    return report
 
 
 def _leak_message(left: list[Path]) -> str:
@@ -121,10 +136,11 @@ def second_reference(second_checkpoint) -> ReferenceTables:
 
 
 @pytest.fixture
-def daemon_factory(demo_checkpoint):
+def daemon_factory(demo_checkpoint, request):
     """Make daemons: factory(tables=, instance=, extra=[flags], shm_dir=, workdir=, start=, ready=,
-    env=, nofile=(soft, hard))."""
+    env=, nofile=(soft, hard)). A failed test's report shows the end of each one's log."""
     started: list[DaemonProcess] = []
+    request.node.stash[DAEMONS] = started
     dirs: list[Path] = []
 
     def make(tables: Path | str | None = None, instance: str = "t", extra: list[str] | None = None,
