@@ -7,7 +7,9 @@ refuse anyway, before reading anything; then it reads the one request before an 
 deadline (REQUEST_DEADLINE_S from the accept). Each user (by those credentials) may have at
 most `per_uid` connections waiting for their request: past that, one is closed, the oldest of
 the process that has the most of them waiting, so that one process's idle connections neither
-pile up nor lock out the same user's real clients, which send their request at once.
+pile up nor lock out the same user's real clients, which send their request at once. A
+connection closed either way is told why first (NotReadyError): a real client that stalled
+between its connect and its send retries its attach (client/shared/handles.py).
 
 A request read whole goes to one of MAX_CONNECTIONS answering threads, which asks the request
 loop for the answer (the registrations belong to the loop's thread). With the request goes a
@@ -210,7 +212,8 @@ class HandleServer:
         self._evicted.warning("handle socket: uid %d has %d connections waiting for their "
                               "request (config: handle_connections_per_uid); closed its oldest "
                               "(pid %d)", uid, self._per_uid, oldest.peer.pid)
-        self._forget(oldest)
+        self._drop(oldest, f"closed before its request came: uid {uid} had {self._per_uid} "
+                           "connections waiting for theirs (config: handle_connections_per_uid)")
 
     def _read(self, waiting: _Waiting) -> None:
         try:
@@ -243,7 +246,8 @@ class HandleServer:
                 self._dropped.warning("handle socket: dropped a connection of pid %d uid %d "
                                       "(no request within %.1f s)", oldest.peer.pid,
                                       oldest.peer.uid, REQUEST_DEADLINE_S)
-                self._forget(oldest)
+                self._drop(oldest, f"closed: no whole request within {REQUEST_DEADLINE_S:.1f} s "
+                                   "of connecting")
 
     def _unwait(self, waiting: _Waiting) -> None:
         """The connection no longer waits for its request (answered, or closed)."""
@@ -257,6 +261,14 @@ class HandleServer:
     def _forget(self, waiting: _Waiting) -> None:
         self._unwait(waiting)
         waiting.conn.close()
+
+    def _drop(self, waiting: _Waiting, why: str) -> None:
+        """Close a connection whose request never came whole, saying why (NotReadyError, which
+        a client's attach retries): a peer that stalled between its connect and its send (a
+        busy process's threads, a debugger) hears that it may try again, not a bare close."""
+        self._count(NotReadyError.code)
+        self._try_send(waiting.conn, error_reply(NotReadyError(f"handle socket: {why}; retry"), self._epoch))
+        self._forget(waiting)
 
     def _refuse(self, waiting: _Waiting, exc: ProtocolError | UnknownOperationError) -> None:
         self._count(exc.code)

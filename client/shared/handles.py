@@ -49,6 +49,7 @@ import msgpack
 from engramd.client.errors import (
     DaemonUnavailableError,
     EngramError,
+    NotReadyError,
     ProtocolError,
     UnknownOperationError,
     error_for_code,
@@ -67,6 +68,7 @@ from engramd.client.shared.protocol import PROTOCOL_VERSION
 
 HANDLE_SOCKET_NAME = "engramd.handles"
 HANDLE_TIMEOUT_S = 5.0
+ATTACH_RETRY_PAUSE_S = 0.05  # between attach attempts the daemon answered with NotReadyError
 MAX_MESSAGE_BYTES = 64 * 1024  # requests, and replies to attach
 MAX_ADMIN_REPLY_BYTES = 4 << 20  # `clients` of a full daemon (4,096 places)
 MAX_FDS = 64
@@ -193,7 +195,22 @@ class Attachment:
 
 def attach(path: str | os.PathLike, client_id: int, token: str,
            timeout: float = HANDLE_TIMEOUT_S) -> Attachment:
-    """Attach a registration (its lease begins); raises the daemon's typed error."""
+    """Attach a registration (its lease begins); raises the daemon's typed error. NotReadyError
+    is asked again until `timeout` has passed: the daemon answers it to a request it could not
+    take yet, and to a connection it closed before the request came whole (this process
+    stalled between its connect and its send: its other threads, a debugger, a sanitizer),
+    neither of which did anything with the registration."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return _attach_once(path, client_id, token, max(0.1, deadline - time.monotonic()))
+        except NotReadyError:
+            if time.monotonic() + ATTACH_RETRY_PAUSE_S >= deadline:
+                raise
+            time.sleep(ATTACH_RETRY_PAUSE_S)
+
+
+def _attach_once(path: str | os.PathLike, client_id: int, token: str, timeout: float) -> Attachment:
     sock, reply, fds = _ask_for_descriptors(path, AttachRequest(client_id, token), timeout)
     try:
         return _attachment(sock, reply, fds)
