@@ -16,6 +16,9 @@ class EngramError(Exception):
     # its error reply can be matched (client/shared/protocol.py). Absent otherwise.
     request_op: str
     request_rid: int
+    # True on an error the handle socket answered without handing the request on (it never came
+    # whole, or the daemon could not take it yet): nothing was done, so asking again is safe.
+    not_taken = False
 
     def __init__(self, message: str, *, epoch: str | None = None):
         super().__init__(message)

@@ -115,6 +115,13 @@ class _Waiting:
         return header
 
 
+def _not_taken(message: str) -> NotReadyError:
+    """The error for a request that was never handed on: its client may ask again."""
+    error = NotReadyError(message)
+    error.not_taken = True
+    return error
+
+
 class HandleServer:
     def __init__(self, path: Path, ask: Ask, epoch: str, admit: Admit = lambda peer: True,
                  count: Count = lambda code: None,
@@ -263,11 +270,11 @@ class HandleServer:
         waiting.conn.close()
 
     def _drop(self, waiting: _Waiting, why: str) -> None:
-        """Close a connection whose request never came whole, saying why (NotReadyError, which
-        a client's attach retries): a peer that stalled between its connect and its send (a
-        busy process's threads, a debugger) hears that it may try again, not a bare close."""
-        self._count(NotReadyError.code)
-        self._try_send(waiting.conn, error_reply(NotReadyError(f"handle socket: {why}; retry"), self._epoch))
+        """Close a connection whose request never came whole, saying why (NotReadyError, not
+        taken: a client's attach asks again): a peer that stalled between its connect and its
+        send (a busy process's threads, a debugger) hears that it may, not a bare close. Not
+        counted as an error of the daemon's: any admitted user can make these at will."""
+        self._try_send(waiting.conn, error_reply(_not_taken(f"handle socket: {why}; retry"), self._epoch))
         self._forget(waiting)
 
     def _refuse(self, waiting: _Waiting, exc: ProtocolError | UnknownOperationError) -> None:
@@ -319,8 +326,8 @@ class HandleServer:
         except futures.TimeoutError:
             if future.cancel():  # the loop never took it: the duplicate is still ours
                 os.close(duplicate)
-                raise NotReadyError(f"the daemon did not take the request within "
-                                    f"{HANDLE_TIMEOUT_S} s (busy); retry") from None
+                raise _not_taken(f"the daemon did not take the request within "
+                                 f"{HANDLE_TIMEOUT_S} s (busy); retry") from None
             return future.result()  # taken: the loop answers every request it takes
 
     @staticmethod

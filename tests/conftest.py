@@ -39,7 +39,7 @@ def pytest_runtest_makereport(item, call):
     """A failed test's report ends with the end of each of its daemons' logs: the daemon's side
     of what went wrong (a refusal, a dropped connection), which its folder takes with it."""
     report = yield
-    if report.when == "call" and report.failed:
+    if report.when in ("setup", "call") and report.failed:
         for daemon in item.stash.get(DAEMONS, []):
             pid = daemon.proc.pid if daemon.proc is not None else None
             report.sections.append((f"{daemon.log_path.name} (pid {pid}), its end",

@@ -8,6 +8,7 @@ DeepSeek-V4 tokenizer present.
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata as md
 import sys
 import time
@@ -26,8 +27,9 @@ def main() -> None:
     print(f"import sglang {sglang.__version__}: {time.monotonic() - started:.1f} s "
           f"(torch {torch.__version__}, triton {triton.__version__}, CUDA {torch.version.cuda})")
     assert torch.cuda.is_available() and is_cuda(), "SGLang does not see CUDA here"
-    import sglang.srt.distributed.parallel_state  # noqa: F401  (the worker's process groups)
     import sglang.srt.layers.engram as engram
+
+    importlib.import_module("sglang.srt.distributed.parallel_state")  # after engram, which must stand alone
 
     from engramd.client.engines import sglang as plugin
     from engramd.client.token_map import default_tokenizer_path

@@ -49,7 +49,6 @@ import msgpack
 from engramd.client.errors import (
     DaemonUnavailableError,
     EngramError,
-    NotReadyError,
     ProtocolError,
     UnknownOperationError,
     error_for_code,
@@ -68,7 +67,7 @@ from engramd.client.shared.protocol import PROTOCOL_VERSION
 
 HANDLE_SOCKET_NAME = "engramd.handles"
 HANDLE_TIMEOUT_S = 5.0
-ATTACH_RETRY_PAUSE_S = 0.05  # between attach attempts the daemon answered with NotReadyError
+ATTACH_FIRST_PAUSE_S, ATTACH_LONGEST_PAUSE_S = 0.05, 0.2  # between attaches the daemon did not take
 MAX_MESSAGE_BYTES = 64 * 1024  # requests, and replies to attach
 MAX_ADMIN_REPLY_BYTES = 4 << 20  # `clients` of a full daemon (4,096 places)
 MAX_FDS = 64
@@ -195,19 +194,20 @@ class Attachment:
 
 def attach(path: str | os.PathLike, client_id: int, token: str,
            timeout: float = HANDLE_TIMEOUT_S) -> Attachment:
-    """Attach a registration (its lease begins); raises the daemon's typed error. NotReadyError
-    is asked again until `timeout` has passed: the daemon answers it to a request it could not
-    take yet, and to a connection it closed before the request came whole (this process
-    stalled between its connect and its send: its other threads, a debugger, a sanitizer),
-    neither of which did anything with the registration."""
-    deadline = time.monotonic() + timeout
+    """Attach a registration (its lease begins); raises the daemon's typed error. An error the
+    handle socket answered without handing the request on (`not_taken`: a connection it closed
+    before the request came whole, as when this process stalled between its connect and its
+    send, or a request the daemon could not take yet) is asked again, with backoff, until
+    `timeout` has passed; any other error, a stopping daemon's included, is raised at once."""
+    deadline, pause = time.monotonic() + timeout, ATTACH_FIRST_PAUSE_S
     while True:
         try:
             return _attach_once(path, client_id, token, max(0.1, deadline - time.monotonic()))
-        except NotReadyError:
-            if time.monotonic() + ATTACH_RETRY_PAUSE_S >= deadline:
+        except EngramError as exc:
+            if not exc.not_taken or time.monotonic() + pause >= deadline:
                 raise
-            time.sleep(ATTACH_RETRY_PAUSE_S)
+            time.sleep(pause)
+            pause = min(2 * pause, ATTACH_LONGEST_PAUSE_S)
 
 
 def _attach_once(path: str | os.PathLike, client_id: int, token: str, timeout: float) -> Attachment:
@@ -319,8 +319,10 @@ def read_reply(header: dict[str, Any], expected: type[M]) -> tuple[str, M]:
     """The client's side: (epoch, the reply as its declared type), or the daemon's typed error."""
     epoch = header.get("epoch")
     if header.get("status") != "ok":
-        raise error_for_code(str(header.get("code")), str(header.get("message")),
-                             epoch if isinstance(epoch, str) else None)
+        error = error_for_code(str(header.get("code")), str(header.get("message")),
+                               epoch if isinstance(epoch, str) else None)
+        error.not_taken = header.get("not_taken") is True
+        raise error
     return str(epoch), expected.decode(header, f"handle socket: {expected.OP} reply")
 
 
@@ -367,5 +369,9 @@ def lease_closed(lease: socket.socket) -> bool:
 
 
 def error_reply(error: EngramError, epoch: str) -> dict[str, Any]:
-    return {"status": "error", "code": error.code, "message": error.message, "epoch": epoch}
+    reply: dict[str, Any] = {"status": "error", "code": error.code, "message": error.message,
+                             "epoch": epoch}
+    if error.not_taken:
+        reply["not_taken"] = True
+    return reply
 

@@ -9,10 +9,11 @@ import socket
 import time
 
 import numpy as np
+import pytest
 import torch
 from reference import random_ids
 
-from engramd.client import EngramClient
+from engramd.client import EngramClient, NotReadyError
 from engramd.client.shared import handles
 from engramd.client.shared.handles import handle_socket_path, recv_message
 from engramd.server.handle_server import REQUEST_DEADLINE_S
@@ -33,7 +34,7 @@ def test_a_connection_that_sends_nothing_hears_why_it_is_closed(daemon_factory):
         wait_for_the_daemon(sock)
         header, fds = recv_message(sock, 0, deadline=time.monotonic() + ANSWER_WAIT_S)
     assert fds == []
-    assert (header["status"], header["code"]) == ("error", "not_ready"), header
+    assert (header["status"], header["code"], header.get("not_taken")) == ("error", "not_ready", True), header
     assert f"no whole request within {REQUEST_DEADLINE_S:.1f} s" in header["message"], header
     assert daemon.proc.poll() is None
 
@@ -58,3 +59,27 @@ def test_an_attach_stalled_past_the_deadline_is_asked_again(daemon_factory, refe
     assert np.array_equal(rows, reference.expected(ids))
     assert len(attaches) == 2, f"{len(attaches)} attach requests: the stalled one, then one more"
     assert daemon.proc.poll() is None
+
+
+@pytest.mark.parametrize("not_taken", [True, False])
+def test_attach_asks_again_only_what_the_daemon_did_not_take(monkeypatch, not_taken):
+    """A not-taken error is asked again until an attach comes back; any other (a stopping
+    daemon's NotReadyError) is raised at once, never retried for the whole timeout."""
+    calls = []
+
+    def attach_once(path, client_id, token, timeout):
+        calls.append(timeout)
+        if len(calls) < 3:
+            error = NotReadyError("attach: daemon is stopping")
+            error.not_taken = not_taken
+            raise error
+        return "attached"
+
+    monkeypatch.setattr(handles, "_attach_once", attach_once)
+    if not_taken:
+        assert handles.attach("unused", 1, "t", timeout=30.0) == "attached"
+        assert len(calls) == 3
+    else:
+        with pytest.raises(NotReadyError, match="stopping"):
+            handles.attach("unused", 1, "t", timeout=30.0)
+        assert len(calls) == 1

@@ -21,6 +21,7 @@ from helpers import attach_raw, dealer, engramd_stats, register, request
 from reference import random_ids
 
 from engramd.client import EngramClient
+from engramd.client.shared import handles
 from engramd.client.shared.connection import probe
 from engramd.client.shared.handles import admin_request, handle_socket_path
 from engramd.client.shared.protocol import PROTOCOL_VERSION
@@ -234,16 +235,24 @@ class SilentPeer:
 
 
 @pytest.mark.parametrize("silent", [40, 100, 270])
-def test_silent_handle_connections_lock_no_client_out(daemon_factory, reference, silent):
+def test_silent_handle_connections_lock_no_client_out(daemon_factory, reference, silent, monkeypatch):
     """Connections to the handle socket that send nothing, reopened whenever the daemon closed
     them, locked everyone out: with 40 of them each registration took 5.5-6 s, with 100 every one
     timed out, with 270 new clients failed at once, and so did an admin's `clients`. The handle
     socket now reads every connection without waiting on any, and a user's idle connections past
     handle_connections_per_uid close the oldest of the process with the most. With a flood of them
     from a process of the daemon's own user, a client still attaches, its rows exact, and
-    `clients` answers, each within twice the first-message deadline."""
+    `clients` answers, each within twice the first-message deadline, and no client's attach is
+    closed under it (a closed one would be asked again: each client sends one)."""
     from engramd.server.handle_server import REQUEST_DEADLINE_S
 
+    send, attaches = handles._send_request, []
+
+    def counted(sock, request):
+        attaches.extend([request.OP] if request.OP == "attach" else [])
+        send(sock, request)
+
+    monkeypatch.setattr(handles, "_send_request", counted)
     daemon = daemon_factory(extra=["--handle-connections-per-uid", "32"])
     path = handle_socket_path(daemon.socket)
     flood = SilentPeer(path, silent, daemon.workdir)
@@ -262,6 +271,7 @@ def test_silent_handle_connections_lock_no_client_out(daemon_factory, reference,
                 assert client.client_id in [c["client_id"] for c in listed]
             assert attached < 2 * REQUEST_DEADLINE_S, f"attempt {attempt}: attached in {attached:.1f} s"
             assert asked < 2 * REQUEST_DEADLINE_S, f"attempt {attempt}: `clients` took {asked:.1f} s"
+        assert len(attaches) == 5, f"{len(attaches)} attach requests for 5 clients: some were closed"
         assert flood.opened > silent  # the daemon did close some, and they came back
     finally:
         flood.stop()
