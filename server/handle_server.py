@@ -272,7 +272,7 @@ class HandleServer:
     def _drop(self, waiting: _Waiting, why: str) -> None:
         """Close a connection whose request never came whole, saying why (NotReadyError, not
         taken: a client's attach asks again): a peer that stalled between its connect and its
-        send (a busy process's threads, a debugger) hears that it may, not a bare close. Not
+        send (a busy process's threads, a debugger) hears that it may ask again. Not
         counted as an error of the daemon's: any admitted user can make these at will."""
         self._try_send(waiting.conn, error_reply(_not_taken(f"handle socket: {why}; retry"), self._epoch))
         self._forget(waiting)
