@@ -9,7 +9,8 @@
 # Logs and results are packed into OUT/results.tgz (one file, rewritten every 30 s and after every
 # phase, so a command stopped at its time limit still brings back what its phases wrote); each
 # phase's exit code is printed at the end. CUDA_MODULE_LOADING is EAGER, as the daemon runs,
-# unless set.
+# unless set. After every group, kernel_gpu.log holds the kernel's NVRM and Xid lines (where dmesg
+# can be read): a GPU fault's Xid names the process, channel and address that faulted.
 #
 # BUDGET_S (570): seconds from the start after which the repeating phases begin no run, so that
 # a command (10 minutes at most) ends with its summary.
@@ -86,6 +87,13 @@ pack() {  # results.tgz from what the phases wrote so far; renamed into place wh
   tar czf "$final/results.$1.tgz" -C "$out" . 2>/dev/null; mv -f "$final/results.$1.tgz" "$final/results.tgz"
 }
 BUDGET_S=${BUDGET_S:-570}
+kernel_gpu_log() {  # the kernel's GPU messages so far: which process faulted, when one did
+  if dmesg >/dev/null 2>&1; then
+    dmesg | grep -E "NVRM|Xid" >"$out/kernel_gpu.log" || echo "no NVRM or Xid line" >"$out/kernel_gpu.log"
+  else
+    echo "dmesg cannot be read on this machine" >"$out/kernel_gpu.log"
+  fi
+}
 fits() { (( SECONDS + $1 <= BUDGET_S )); }  # a run of $1 s, begun now, ends within BUDGET_S
 # MPS_HELD: a group's MPS server, which its *-mps phases share (and do not start or stop).
 mps_start() {
@@ -357,6 +365,7 @@ for group in "$@"; do
     status[$group]=$?
     set +o pipefail
   fi
+  kernel_gpu_log
   pack phase  # after every group: a later one may run out of time
 done
 for group in "$@"; do
