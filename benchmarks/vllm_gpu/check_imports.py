@@ -7,11 +7,14 @@ the plugin's version and seam checks passing and its entry point registered.
 
 from __future__ import annotations
 
-import importlib.metadata as md
 import sys
 import time
+from pathlib import Path
 
 import stubs  # this file's folder is sys.path[0]
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common.plugin_check import check_plugin  # noqa: E402
 
 
 def main() -> None:
@@ -29,13 +32,8 @@ def main() -> None:
 
     from engramd.client.engines import vllm as plugin
 
-    plugin.check_version(vllm.__version__)
-    plugin.check_seams(engram)
-    plugins = [e.name for e in md.entry_points(group="vllm.general_plugins")]
-    assert "engramd" in plugins, f"engramd's entry point is not registered: {plugins}"
-    stood = sorted(n for n, m in list(sys.modules.items()) if stubs.is_stand_in(m))
-    print(f"vllm.models.deepseek_v41.common.engram and the engramd plugin import "
-          f"({time.monotonic() - started:.1f} s); stand-ins loaded: {', '.join(stood) or 'none'}")
+    check_plugin(plugin, vllm.__version__, engram, "vllm.general_plugins", stubs, started,
+                 "vllm.models.deepseek_v41.common.engram")
 
 
 if __name__ == "__main__":
