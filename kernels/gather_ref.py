@@ -89,6 +89,15 @@ def dequantize_rows(packed: Tensor, head_dim: int) -> Tensor:
     return (blocks * scales.unsqueeze(-1)).to(torch.bfloat16).flatten(-2)
 
 
+def differing_values(actual: Tensor, expected: Tensor) -> Tensor:
+    """Where two BF16 tensors differ bit for bit, except that NaN equals NaN: a NaN's sign and
+    payload are not part of the contract (above). For scale byte 255 this reference's NaN is
+    0xFFFF on an x86 CPU, the Triton kernel's 0x7FC0; every comparison of served rows with
+    rows dequantized here (the daemon's self-check, an engine plugin's checkpoint sample) needs it."""
+    nan = torch.isnan(actual)
+    return (nan != torch.isnan(expected)) | (~nan & (actual.view(torch.int16) != expected.view(torch.int16)))
+
+
 def gather_layer(
     table: Tensor,
     ids: Tensor,

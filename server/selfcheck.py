@@ -52,14 +52,6 @@ def expected_rows(checkpoint: EngramCheckpoint, ids: np.ndarray) -> torch.Tensor
     return rows.permute(1, 0, 2, 3).contiguous()
 
 
-def differing_values(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
-    """Where two BF16 tensors differ bit for bit, except that NaN equals NaN: a NaN's sign and
-    payload are not part of the contract (kernels/gather_ref.py): the torch reference's NaN
-    for scale byte 255 is 0xFFFF on an x86 CPU, the Triton kernel's 0x7FC0."""
-    nan = torch.isnan(actual)
-    return (nan != torch.isnan(expected)) | (~nan & (actual.view(torch.int16) != expected.view(torch.int16)))
-
-
 def run_self_check(checkpoint: EngramCheckpoint, loaded: LoadedTables, seed: int | None = None) -> None:
     """The start-up check: sampled rows through the backend's kernel on every device."""
     _check_rows(checkpoint, loaded.backend.check_gather, seed)
@@ -80,6 +72,8 @@ def _check_rows(checkpoint: EngramCheckpoint, gathers: Callable[[torch.Tensor], 
                 seed: int | None) -> None:
     """SelfCheckError unless every (where, rows) `gathers` yields for a fresh sample of IDs
     equals the checkpoint's rows exactly."""
+    from engramd.kernels.gather_ref import differing_values
+
     started = time.monotonic()
     geometry = checkpoint.geometry
     seed = secrets.randbits(32) if seed is None else seed

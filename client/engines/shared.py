@@ -191,7 +191,8 @@ class CheckpointRows:
     A daemon started on another checkpoint of the model's geometry (another revision of the
     model) passes every check of the config and of the tensors' shapes, and would serve its own
     rows: the sample (the first, middle and last row of each of this rank's heads' buckets) is
-    what tells them apart, at load, before any step."""
+    what tells them apart, at load, before any step. Bit for bit but for a NaN's bits, which are
+    not part of the contract (kernels/gather_ref.py)."""
 
     PARTS = ("weight", "scale")
 
@@ -232,7 +233,7 @@ class CheckpointRows:
         import torch
 
         from engramd.client.geometry import DEAD_ID
-        from engramd.kernels.gather_ref import dequantize_rows
+        from engramd.kernels.gather_ref import dequantize_rows, differing_values
 
         if not self._picks:  # a rank of no heads (more ranks than heads) serves no rows
             return
@@ -247,7 +248,7 @@ class CheckpointRows:
         self._check_still_served()
         for token, (head, row) in enumerate(self._picks):
             got = served[token, head - shard.head_start].cpu()
-            if not torch.equal(got.view(torch.int16), expected[token].view(torch.int16)):
+            if differing_values(got, expected[token]).any():
                 raise self._error(
                     f"the engramd daemon at {self.client.socket_path} serves other rows than this "
                     f"checkpoint's Engram table (layer {self._layer_id}, row {row}, head {head}): "

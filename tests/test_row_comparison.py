@@ -1,11 +1,12 @@
-"""The start-up self-check's comparison: bit for bit, NaN by position (server/selfcheck.py)."""
+"""How served rows are compared with the reference's: bit for bit, NaN by position
+(kernels/gather_ref.py; the self-check and the engine plugins' checkpoint samples use it)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engramd.server.selfcheck import differing_values
+from engramd.kernels.gather_ref import differing_values
 
 BF16_NAN, REFERENCE_NAN, ONE, NEGATIVE_ZERO = 0x7FC0, -1, 0x3F80, -0x8000  # as int16 (-1: 0xFFFF)
 
