@@ -60,7 +60,7 @@ from engramd.client.shared.handles import (
 from engramd.client.shared.messages import HelloReply, HelloRequest, Message
 from engramd.client.shared.protocol import PROTOCOL_VERSION
 from engramd.server.config import default
-from engramd.server.throttle import Throttled
+from engramd.server.throttle import Throttled, ThrottledBy
 
 log = logging.getLogger("engramd.handles")
 
@@ -146,7 +146,10 @@ class HandleServer:
         self._waiting: dict[int, OrderedDict[_Waiting, None]] = {}
         self._answers: queue.SimpleQueue[tuple[_Waiting, Message] | None] = queue.SimpleQueue()
         # What a peer can provoke at will is logged once per interval (server/throttle.py).
-        self._accept_failed, self._refused, self._dropped = Throttled(log), Throttled(log), Throttled(log)
+        self._accept_failed, self._refused = Throttled(log), Throttled(log)
+        # Per peer pid: a peer that drops its connections at will (a probe that stops waiting
+        # for its answer) must not hide why a client's attach connection went.
+        self._dropped = ThrottledBy(log)
         self._evicted = Throttled(log)
         self._threads = [threading.Thread(target=self._answering, name="engramd-handle", daemon=True)
                          for _ in range(MAX_CONNECTIONS)]
@@ -188,7 +191,7 @@ class HandleServer:
             try:
                 self._welcome(conn)
             except OSError as exc:  # gone already
-                self._dropped.warning("handle socket: dropped a connection (%s)", exc)
+                self._dropped[None].warning("handle socket: dropped a connection as it came (%s)", exc)
                 conn.close()
 
     def _welcome(self, conn: socket.socket) -> None:
@@ -228,7 +231,9 @@ class HandleServer:
         except BlockingIOError:
             return
         except OSError as exc:
-            self._dropped.warning("handle socket: dropped a connection (%s)", exc)
+            self._dropped[waiting.peer.pid].warning(
+                "handle socket: dropped pid %d's connection while reading its request (%s)",
+                waiting.peer.pid, exc)
             self._forget(waiting)
             return
         if not chunk:  # the peer closed it before its request was whole
@@ -250,9 +255,9 @@ class HandleServer:
         now = time.monotonic()
         for per_uid in list(self._waiting.values()):
             while per_uid and (oldest := next(iter(per_uid))).deadline <= now:
-                self._dropped.warning("handle socket: dropped a connection of pid %d uid %d "
-                                      "(no request within %.1f s)", oldest.peer.pid,
-                                      oldest.peer.uid, REQUEST_DEADLINE_S)
+                self._dropped[oldest.peer.pid].warning(
+                    "handle socket: dropped a connection of pid %d uid %d (no request within %.1f s)",
+                    oldest.peer.pid, oldest.peer.uid, REQUEST_DEADLINE_S)
                 self._drop(oldest, f"closed: no whole request within {REQUEST_DEADLINE_S:.1f} s "
                                    "of connecting")
 
@@ -311,7 +316,9 @@ class HandleServer:
                                   peer.pid, peer.uid, exc.message)
             self._try_send(conn, error_reply(exc, self._epoch))
         except (OSError, TimeoutError) as exc:
-            self._dropped.warning("handle socket: dropped a connection (%s)", exc)
+            self._dropped[peer.pid].warning(
+                "handle socket: dropped pid %d's connection while answering its %s request (%s)",
+                peer.pid, request.OP, exc)
         finally:
             for fd in fds:
                 os.close(fd)

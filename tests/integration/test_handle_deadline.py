@@ -4,8 +4,11 @@ connection was closed, and its attach asks again, instead of failing on a bare c
 
 from __future__ import annotations
 
+import os
 import select
 import socket
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -83,3 +86,26 @@ def test_attach_asks_again_only_what_the_daemon_did_not_take(monkeypatch, not_ta
         with pytest.raises(NotReadyError, match="stopping"):
             handles.attach("unused", 1, "t", timeout=30.0)
         assert len(calls) == 1
+
+
+def test_each_peers_dropped_connection_is_logged_under_its_pid(daemon_factory):
+    """Dropped connections are logged once per interval per peer: a process that drops them at
+    will (a probe that stopped waiting for its answer) must not hide why another's went."""
+    daemon = daemon_factory()
+    path = str(handle_socket_path(daemon.socket))
+    other = subprocess.Popen([sys.executable, "-c", IDLE_PEER, path, str(ANSWER_WAIT_S)])
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(path)
+        wait_for_the_daemon(sock)
+    assert other.wait(timeout=ANSWER_WAIT_S + 30) == 0, "the other peer's connection was not closed"
+    log = daemon.log()
+    for pid in (os.getpid(), other.pid):
+        assert f"dropped a connection of pid {pid} " in log, f"pid {pid}'s dropped connection unlogged"
+
+
+IDLE_PEER = """
+import select, socket, sys
+sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+sock.connect(sys.argv[1])
+sys.exit(0 if select.select([sock], [], [], float(sys.argv[2]))[0] else 1)
+"""
