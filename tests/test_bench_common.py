@@ -23,7 +23,7 @@ from engramd.kernels import gather_ref
 from engramd.server.checkpoint import EngramCheckpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from common import cell_profile, daemon, ids, rows, tables, timing  # noqa: E402
+from common import cell_profile, daemon, ids, rows, tables, timing, wall_timers  # noqa: E402
 
 DEMO = TableGeometry.named("demo")
 
@@ -220,3 +220,64 @@ def test_profile_cell_writes_a_trace_and_names_the_steps_python_and_operators(tm
     assert "aten::cumsum" in report and "_a_distinctly_named_step" in report
     assert head.splitlines()[0] == "cell: 5 steps"  # what the run prints is the report's top
     assert not (tmp_path / "profile" / "cell.trace.json").exists()  # only the packed trace stays
+
+
+class _Timed:
+    """Targets for the wall timers: an outer method calling an inner one and itself."""
+
+    def outer(self, depth: int = 0) -> int:
+        return self.inner() + (self.outer(depth - 1) if depth else 0)
+
+    def inner(self) -> int:
+        return 1
+
+    @staticmethod
+    def static() -> str:
+        return "static"
+
+
+class _TimedChild(_Timed):
+    pass
+
+
+HERE = __name__
+
+
+def test_wall_timers_count_the_steps_calls_once_each_and_put_everything_back():
+    import threading
+
+    originals = dict(vars(_Timed))
+    targets = [f"{HERE}:_Timed.outer", f"{HERE}:_Timed.inner", f"{HERE}:_Timed.static",
+               f"{HERE}:_TimedChild.inner", f"{HERE}:_Timed.absent", "no_such_module:f"]
+    with wall_timers.WallTimers(targets) as timers:
+        child = _TimedChild()
+        assert child.outer(depth=2) == 3  # outer once (its own calls nested), inner 3 times
+        assert _Timed.static() == "static" and _Timed().static() == "static"
+        other = threading.Thread(target=_Timed().outer)  # another thread's calls: not counted
+        other.start()
+        other.join()
+    by_target = {timer.target.rsplit(".", 1)[1]: timer for timer in timers.timers}
+    assert by_target["outer"].calls == 1
+    # _TimedChild.inner wraps _Timed.inner's wrapper: each layer counts the same 3 calls
+    assert [t.calls for t in timers.timers if t.name == "inner"] == [3, 3]
+    assert by_target["static"].calls == 2
+    assert by_target["outer"].ns >= max(t.ns for t in timers.timers if t.name == "inner")
+    assert timers.unresolved == [f"{HERE}:_Timed.absent", "no_such_module:f"]
+    assert dict(vars(_Timed)) == originals and "inner" not in vars(_TimedChild)
+    report = timers.report(steps=2, step_ns=4_000)
+    assert report.startswith("Wall time inside functions (2 steps, 2.0 us a step")
+    assert "not found: " in report and "no_such_module:f" in report
+
+
+def test_profile_cell_with_timed_functions_adds_their_wall_time(tmp_path):
+    module = sys.modules[HERE]
+    pool = [torch.full((4,), k) for k in range(5)]
+    head = cell_profile.profile_cell(timing.Clock(torch.device("cpu")),
+                                     lambda ids: module._a_distinctly_named_step(ids), pool,
+                                     warm=1, path=tmp_path / "cell",
+                                     timed=[f"{HERE}:_a_distinctly_named_step"])
+    report = (tmp_path / "cell.txt").read_text()
+    assert "Wall time inside functions (4 steps" in report and "Wall time inside functions" in head
+    line = next(line for line in report.splitlines() if line.endswith(":_a_distinctly_named_step"))
+    assert line.split()[1] == "1.0"  # calls a step
+    assert module._a_distinctly_named_step is _a_distinctly_named_step  # put back

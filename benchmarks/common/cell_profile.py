@@ -7,8 +7,12 @@ Two passes over the same steps, after the cell's warm steps, so that neither inf
    chrome://tracing or Perfetto: where the device idles, which stream waits for which), and the
    operators by self host time and by self device time;
 2. cProfile: the Python functions by their own time and by cumulative time, per step, which is
-   where a host-side wait (a lock, a poll, a sleep, an event's synchronize) shows by name.
-Both tables go to `<name>.txt`; profile_cell returns its head for the run's output.
+   where a host-side wait (a lock, a poll, a sleep, an event's synchronize) shows by name;
+3. where the caller names functions (`timed`), their inclusive wall time per step at nearly the
+   step's own speed (common/wall_timers.py: cProfile slows every call, and hides a gap of a few
+   hundred microseconds between two host-bound steps).
+The tables go to `<name>.txt`; profile_cell returns its head, and the third pass's table, for
+the run's output.
 """
 
 from __future__ import annotations
@@ -18,11 +22,14 @@ import gzip
 import io
 import pstats
 import shutil
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from torch import Tensor
 from torch.profiler import ProfilerActivity, profile, record_function
+
+from common.wall_timers import WallTimers
 
 
 def parse_cells(texts: Sequence[str] | None) -> set[tuple[int, int]]:
@@ -37,9 +44,11 @@ def parse_cells(texts: Sequence[str] | None) -> set[tuple[int, int]]:
 
 
 def profile_cell(clock, step: Callable[[Tensor], object], pool: Sequence[Tensor], warm: int,
-                 path: Path, rows: int = 25) -> str:
+                 path: Path, rows: int = 25, timed: Sequence[str] = ()) -> str:
     """Profile `step(ids)` over pool[warm:] after pool[:warm] untimed, twice (torch.profiler,
-    then cProfile): files at `path` + .trace.json.gz and .txt. Returns the .txt's first lines."""
+    then cProfile), and a third time with the `timed` functions' wall time where any are named:
+    files at `path` + .trace.json.gz and .txt. Returns the .txt's first lines and the third
+    pass's table."""
     path.parent.mkdir(parents=True, exist_ok=True)
     steps = len(pool) - warm
     _run(clock, step, pool[:warm])
@@ -68,9 +77,20 @@ def profile_cell(clock, step: Callable[[Tensor], object], pool: Sequence[Tensor]
         pstats.Stats(python_profile, stream=text).sort_stats(order).print_stats(rows)
         parts.append(f"Python functions by {order} ({steps} steps, under cProfile):\n{text.getvalue()}")
 
-    report = "\n".join(parts)
+    walls = _wall_times(clock, step, pool, warm, timed) if timed else ""
+    report = "\n".join([*parts, walls])
     path.with_suffix(".txt").write_text(report)
-    return "\n".join(report.splitlines()[:rows // 2])
+    return "\n".join([*report.splitlines()[:rows // 2], walls])
+
+
+def _wall_times(clock, step: Callable[[Tensor], object], pool: Sequence[Tensor], warm: int,
+                timed: Sequence[str]) -> str:
+    _run(clock, step, pool[:warm])
+    with WallTimers(timed) as timers:
+        started = time.perf_counter_ns()
+        _run(clock, step, pool[warm:])
+        elapsed = time.perf_counter_ns() - started
+    return timers.report(len(pool) - warm, elapsed)
 
 
 def _run(clock, step: Callable[[Tensor], object], pool: Sequence[Tensor]) -> None:

@@ -90,15 +90,16 @@ def finish_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace,
 
 
 def profile_steps(args: argparse.Namespace, clock, model,
-                  pool: Callable[[int, int], Sequence[Tensor]]) -> None:
+                  pool: Callable[[int, int], Sequence[Tensor]], timed: Sequence[str] = ()) -> None:
     """The --profile cells of one model-step variant (`model.step(lead)`, `pool(tokens, n)`: n
-    batches of T), each written to OUT/profile/<variant>_T<T>_lead<LEAD>.*, its head printed. A
-    profile that fails is printed and skipped: the run's cells and report go on."""
+    batches of T), each written to OUT/profile/<variant>_T<T>_lead<LEAD>.*, its head printed;
+    `timed`: functions whose wall time a third pass adds (common/wall_timers.py). A profile that
+    fails is printed and skipped: the run's cells and report go on."""
     for tokens, lead in args.profile_cells:
         name = f"{model.name}_T{tokens}_lead{lead}"
         try:
             head = profile_cell(clock, model.step(lead), pool(tokens, args.warm + PROFILE_STEPS),
-                                args.warm, Path(args.out) / "profile" / name)
+                                args.warm, Path(args.out) / "profile" / name, timed=timed)
         except Exception:
             traceback.print_exc()
             print(f"profile {name} FAILED", flush=True)

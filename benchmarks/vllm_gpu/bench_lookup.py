@@ -110,6 +110,7 @@ import torch  # noqa: E402
 from bench_ids import UniformIds, check_ids  # noqa: E402
 from bench_tables import fill_vllm_tables  # noqa: E402
 from bench_variants import (  # noqa: E402
+    TIMED,
     EngramLayers,
     GraphStep,
     ModelStep,
@@ -201,7 +202,8 @@ class Run:
                     print(f"  {model.name}{note}{self.round_label(number)} T={tokens} lead={lead}: "
                           f"{', '.join(line)} us/step", flush=True)
         if profile:
-            engine_bench.profile_steps(self.args, self.device.clock, model, self.ids.pool)
+            engine_bench.profile_steps(self.args, self.device.clock, model, self.ids.pool,
+                                       timed=TIMED)
 
     def _time(self, step, tokens: int, mode: str) -> dict[str, Any]:
         pool = self.ids.pool(tokens, self.args.warm + self.args.steps)
@@ -375,7 +377,8 @@ class Run:
                 # The floor's first: in a dry run its steps run eagerly, and refuse more tokens
                 # than the captured lookup's last (its last timed cell's, the grid's most).
                 for graph in reversed(graphs):
-                    engine_bench.profile_steps(self.args, self.device.clock, graph, self.ids.pool)
+                    engine_bench.profile_steps(self.args, self.device.clock, graph, self.ids.pool,
+                                               timed=TIMED)
             self.check_replays(captured)
         finally:
             for graph in graphs:

@@ -53,6 +53,20 @@ LOOKUP_VARIANTS = ("vllm_fg", "vllm_bg", "mapped", "served")
 STEP_VARIANTS = ("vllm", "plugin_mapped", "plugin_mapped_at_lookup", "plugin_served",
                  "plugin_captured", "compute_graph")
 GRAPH_VARIANTS = ("plugin_captured", "compute_graph")
+# What a profiled cell's third pass times (common/wall_timers.py): vLLM's Engram step, and the
+# plugin's path through it down to the client's mapped lookup; each variant runs the part it has.
+_ENGRAM, _PLUGIN = "vllm.models.deepseek_v41.common.engram", "engramd.client.engines.vllm_engram"
+TIMED = (
+    *(f"{_ENGRAM}:Engram.{name}" for name in ("prepare_embeddings", "_start_prefetch", "_ready_rows",
+                                              "_finish_prefetch", "embed", "forward")),
+    f"{_ENGRAM}:ParallelEngramEmbedding.lookup",
+    f"{_PLUGIN}:_hand_ids", f"{_PLUGIN}:_ready",
+    *(f"{_PLUGIN}:ProcessRows.{name}" for name in ("hand", "_submit", "ready", "_await_rows",
+                                                   "check_still_served")),
+    "engramd.client.client:EngramClient.lookup", "engramd.client.future:LookupFuture.wait",
+    *(f"engramd.client.mapped_path:MappedPath.{name}" for name in ("lookup", "_gather_inputs",
+                                                                   "queue_gather", "queued", "stream_wait")),
+)
 Capture = Callable[[Callable[[], object]], Callable[[], object]]  # bench_device's capture()
 
 
