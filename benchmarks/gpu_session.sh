@@ -44,11 +44,10 @@
 #   vllm-tests         benchmarks/vllm_gpu/setup_device.sh --test: vLLM's Engram
 #                      modules against the plugin's, rows bit for bit             vllm_gpu.log
 #   vllm-tests-mps     the same under MPS (its served test's IPC through MPS)     mps/vllm_gpu.log
-#   vllm-bench         benchmarks/vllm_gpu/bench_lookup.py, both MPS modes, 3 rounds,
-#                      the mapped plugin's gather at the wait and in lookup()    vllm_bench/
-#   vllm-bench-text    vllm-bench on real text's row IDs (carry .traces too)    vllm_bench_text/
-#   vllm-bench-64      vllm-bench at 64 GiB, one round, one MPS mode
-#                      (VLLM_BENCH_MPS: off or on)                              vllm_bench_64_mps_*/
+#   vllm-bench         benchmarks/vllm_gpu/bench_lookup.py, the mapped plugin's gather at
+#                      the wait and in lookup(); VLLM_BENCH_MPS (both), _ROUNDS (3),
+#                      _GIB (16; at 64 one MPS mode a command), _IDS (uniform, or
+#                      text: carry .traces)                                       vllm_bench/
 #   vllm-profile       the model step's lead-1 cells at T = 1 and 16 of each variant
 #                      profiled, both MPS modes (a run of its own: profiling
 #                      slows what is timed after it)                              vllm_profile/
@@ -214,24 +213,14 @@ phase_vllm_tests_mps() {  # the same under MPS
   tail -n 25 "$out/vllm_setup_mps.log"
   return "$rc"
 }
-phase_vllm_bench() {  # vLLM's lookup and model step against engramd's, both MPS modes, 3 rounds
-  bash benchmarks/vllm_gpu/setup_device.sh >"$out/vllm_setup.log" 2>&1 || return 1
-  PYTHONPATH=${VLLM_GPU_SITE:-/tmp/vllm-gpu-site} python3 benchmarks/vllm_gpu/bench_lookup.py --mps both --rounds 3 \
-    --plugin-gather-at wait lookup --out "$out/vllm_bench" 2>&1 | tee "$out/vllm_bench.log" | grep -v "^|" | tail -60
-}
-phase_vllm_bench_text() {  # the same on real text's row IDs (.traces carried), 16 GiB
-  [ -f .traces/tokens.npz ] || { echo "no .traces folder (carry it)"; return 1; }
-  bash benchmarks/vllm_gpu/setup_device.sh >"$out/vllm_setup.log" 2>&1 || return 1
-  PYTHONPATH=${VLLM_GPU_SITE:-/tmp/vllm-gpu-site} python3 benchmarks/vllm_gpu/bench_lookup.py --mps both --rounds 3 \
-    --ids text --traces .traces --plugin-gather-at wait lookup --out "$out/vllm_bench_text" 2>&1 \
-    | tee "$out/vllm_bench_text.log" | grep -v "^|" | tail -60
-}
-phase_vllm_bench_64() {  # vllm-bench at 64 GiB, one round, VLLM_BENCH_MPS (off) alone: the fills
-  # grow with the table (bench_lookup.py: one MPS mode a command)
+phase_vllm_bench() {  # vLLM's lookup and model step against engramd's: VLLM_BENCH_* (header)
+  local ids=${VLLM_BENCH_IDS:-uniform}
+  [ "$ids" = uniform ] || [ -f .traces/tokens.npz ] || { echo "no .traces folder (carry it)"; return 1; }
   bash benchmarks/vllm_gpu/setup_device.sh >"$out/vllm_setup.log" 2>&1 || return 1
   PYTHONPATH=${VLLM_GPU_SITE:-/tmp/vllm-gpu-site} python3 benchmarks/vllm_gpu/bench_lookup.py \
-    --mps "${VLLM_BENCH_MPS:-off}" --table-gib 64 --plugin-gather-at wait lookup \
-    --out "$out/vllm_bench_64_mps_${VLLM_BENCH_MPS:-off}" 2>&1 | tee "$out/vllm_bench_64.log" | grep -v "^|" | tail -60
+    --mps "${VLLM_BENCH_MPS:-both}" --rounds "${VLLM_BENCH_ROUNDS:-3}" --table-gib "${VLLM_BENCH_GIB:-16}" \
+    --ids "$ids" --traces .traces --plugin-gather-at wait lookup --out "$out/vllm_bench" 2>&1 \
+    | tee "$out/vllm_bench.log" | grep -v "^|" | tail -60
 }
 phase_vllm_profile() {  # the lead-1 cells at T = 1 and 16 of every variant profiled, both MPS modes
   bash benchmarks/vllm_gpu/setup_device.sh >"$out/vllm_setup.log" 2>&1 || return 1
