@@ -67,7 +67,8 @@
 #                      model-step figure (mapped at the wait, and in lookup())    step_gather_at/
 #   captured-step      benchmarks/captured_step.py, both MPS modes, 3 rounds a cell: the
 #                      whole step in a CUDA graph, engramd's captured lookup against an
-#                      in-process gather captured alike (about 4 min)             captured_step/
+#                      in-process gather captured alike (about 4 min); CAPTURED_STEP_ARGS:
+#                      more of its options                                        captured_step/
 #   captured-step-text  captured-step on real text's row IDs, as step-text's         captured_step_text/
 #   attach             benchmarks/mapped_attach.py, 16 GiB: a mapped client's attach,
 #                      a daemon's restart to ready                                attach/
@@ -285,7 +286,8 @@ phase_step_gather_at() {  # step-text's cells: mapped (gather at the wait) again
     --mapped-sm-fraction 1=1.0 4=1.0 --out "$out/step_gather_at" 2>&1 | tee "$out/step_gather_at.log" | tail -30
 }
 phase_captured_step() {  # the whole step in a CUDA graph: engramd's captured lookup against in-process
-  python3 benchmarks/captured_step.py --mps both --rounds 3 --out "$out/captured_step" 2>&1 \
+  # shellcheck disable=SC2086  # CAPTURED_STEP_ARGS: more options, split on spaces
+  python3 benchmarks/captured_step.py --mps both --rounds 3 ${CAPTURED_STEP_ARGS:-} --out "$out/captured_step" 2>&1 \
     | tee "$out/captured_step.log" | tail -40
 }
 phase_captured_step_text() {  # the same on real text's row IDs (the hot-row caches warmed by its first half)
