@@ -68,6 +68,7 @@ from engramd.client.shared.protocol import PROTOCOL_VERSION
 HANDLE_SOCKET_NAME = "engramd.handles"
 HANDLE_TIMEOUT_S = 5.0
 ATTACH_FIRST_PAUSE_S, ATTACH_LONGEST_PAUSE_S = 0.05, 0.2  # between attaches the daemon did not take
+CONNECT_FIRST_PAUSE_S, CONNECT_LONGEST_PAUSE_S = 0.001, 0.05  # between connects to a full queue
 MAX_MESSAGE_BYTES = 64 * 1024  # requests, and replies to attach
 MAX_ADMIN_REPLY_BYTES = 4 << 20  # `clients` of a full daemon (4,096 places)
 MAX_FDS = 64
@@ -240,7 +241,7 @@ def _ask_for_descriptors(path: str | os.PathLike, request: Message,
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     sock.settimeout(timeout)
     try:
-        sock.connect(str(path))
+        connect(sock, path, time.monotonic() + timeout)
         _send_request(sock, request)
         header, fds = recv_message(sock, MAX_FDS, deadline=time.monotonic() + timeout)
     except BaseException as exc:
@@ -253,6 +254,25 @@ def _ask_for_descriptors(path: str | os.PathLike, request: Message,
             raise DaemonUnavailableError(f"handle socket {path}: {exc.message}") from None
         raise
     return sock, header, fds
+
+
+def connect(sock: socket.socket, path: str | os.PathLike, deadline: float) -> None:
+    """Connect `sock` to the handle socket at `path`, waiting, until `deadline`, while its queue
+    of connections not yet accepted is full: a Unix socket refuses a connect then at once
+    (EAGAIN), and a burst of clients, or a peer that floods the socket with connections, must
+    delay a client, not fail it. DaemonUnavailableError once the deadline has passed."""
+    pause = CONNECT_FIRST_PAUSE_S
+    while True:
+        try:
+            sock.connect(str(path))
+            return
+        except BlockingIOError:
+            if time.monotonic() + pause >= deadline:
+                raise DaemonUnavailableError(
+                    f"handle socket {path}: its queue of connections stayed full until this "
+                    "connection's deadline (a burst or a flood of connections)") from None
+            time.sleep(pause)
+            pause = min(2 * pause, CONNECT_LONGEST_PAUSE_S)
 
 
 def _grants(tables: list[Any], fds: list[int], what: str) -> list[TableGrant]:
@@ -343,7 +363,7 @@ def admin_request(path: str | os.PathLike, op: str, timeout: float = HANDLE_TIME
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     sock.settimeout(timeout)
     try:
-        sock.connect(str(path))
+        connect(sock, path, time.monotonic() + timeout)
         _send_request(sock, HANDLE_REQUESTS[op]())
         header, _ = recv_message(sock, 0, deadline=time.monotonic() + timeout,
                                  max_bytes=MAX_ADMIN_REPLY_BYTES)

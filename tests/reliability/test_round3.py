@@ -278,6 +278,65 @@ def test_silent_handle_connections_lock_no_client_out(daemon_factory, reference,
     assert daemon.proc.poll() is None
 
 
+HELLO_FLOOD = """
+import os, socket, sys, threading
+from engramd.client.shared.handles import HANDLE_REQUESTS, _send_request
+
+path, counter = sys.argv[1], sys.argv[2]
+refused = [0]
+
+
+def flood():
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            sock.connect(path)
+            _send_request(sock, HANDLE_REQUESTS["hello"]())
+        except BlockingIOError:  # the daemon's queue of unaccepted connections is full
+            refused[0] += 1
+        except OSError:
+            pass
+        sock.close()  # before the answer
+
+
+for _ in range(4):
+    threading.Thread(target=flood, daemon=True).start()
+while True:
+    threading.Event().wait(0.05)
+    with open(counter + ".new", "w") as f:
+        f.write(str(refused[0]))
+    os.replace(counter + ".new", counter)  # whole, for the test to read at any time
+"""
+
+
+def test_a_flood_of_short_handle_connections_delays_clients_but_fails_none(daemon_factory, reference):
+    """Threads of one process that connect to the handle socket, ask `hello` and close before the
+    answer, as fast as they can, keep its queue of connections not yet accepted full, and a Unix
+    socket refuses a connect to a full queue at once: 292 of 300 new clients failed that way
+    (EAGAIN). A client now waits for room, within its timeout: every one attaches, rows exact."""
+    daemon = daemon_factory()
+    counter = daemon.workdir / "flood-refused"
+    flood = subprocess.Popen([sys.executable, "-c", HELLO_FLOOD, str(handle_socket_path(daemon.socket)),
+                              str(counter)])
+    try:
+        deadline = time.monotonic() + 60.0
+        while not (counter.exists() and int(counter.read_text()) > 0):
+            assert time.monotonic() < deadline, "the flood never found the daemon's queue full"
+            time.sleep(0.05)
+        ids = random_ids(np.random.default_rng(11), 4, reference.rows, reference.heads)
+        refused_before = int(counter.read_text())
+        for _ in range(10):
+            with EngramClient(daemon.socket, max_tokens=4) as client:
+                rows = client.lookup(torch.from_numpy(ids)).result().double().numpy()
+            assert np.array_equal(rows, reference.expected(ids))
+        assert int(counter.read_text()) > refused_before, "the queue was not full while clients came"
+    finally:
+        flood.kill()
+        flood.wait()
+    assert daemon.proc.poll() is None
+
+
 # -- 3. registrations that never attach ------------------------------------------------------------
 
 RENEWER = """
