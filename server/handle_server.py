@@ -82,6 +82,7 @@ ACCEPT_BATCH = 8
 # long is holding a connection, not using it.
 REQUEST_DEADLINE_S = 2.0
 TICK_S = 0.2  # the selector's longest wait, so that close() is noticed
+DROPS_LOGGED = 20  # dropped-connection lines per throttle interval, over all peers
 CLOSE_WAIT_S = 2.0  # close() lets connections in progress send their answers for this long
 _LENGTH = struct.Struct("<I")
 
@@ -148,8 +149,9 @@ class HandleServer:
         # What a peer can provoke at will is logged once per interval (server/throttle.py).
         self._accept_failed, self._refused = Throttled(log), Throttled(log)
         # Per peer pid: a peer that drops its connections at will (a probe that stops waiting
-        # for its answer) must not hide why a client's attach connection went.
-        self._dropped = ThrottledBy(log)
+        # for its answer) must not hide why a client's attach connection went; 20 lines per
+        # interval in all, whatever the number of processes.
+        self._dropped = ThrottledBy(log, most=DROPS_LOGGED)
         self._evicted = Throttled(log)
         self._threads = [threading.Thread(target=self._answering, name="engramd-handle", daemon=True)
                          for _ in range(MAX_CONNECTIONS)]
