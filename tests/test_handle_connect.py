@@ -65,3 +65,32 @@ def test_a_queue_full_past_the_deadline_fails_the_connect_with_why(full_queue):
             handles.connect(sock, path, time.monotonic() + 0.3)
     finally:
         sock.close()
+
+
+def test_the_wait_for_room_counts_against_the_requests_timeout(full_queue):
+    """One deadline for the whole request: a queue that has room only after most of the timeout,
+    and a peer that then never answers, fail the request at its timeout, not a timeout later."""
+    path, listener = full_queue
+    accepted = []
+    room = threading.Timer(1.5, lambda: accepted.append(listener.accept()[0]))  # held, unanswered
+    room.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(DaemonUnavailableError, match="no answer|not complete"):
+            handles.admin_request(path, "hello", timeout=2.0)
+        elapsed = time.monotonic() - started
+    finally:
+        room.join()
+        for conn in accepted:
+            conn.close()
+    assert elapsed < 3.0, f"a 2-s request took {elapsed:.1f} s"
+
+
+def test_connect_bounds_a_blocking_socket_by_the_deadline(full_queue):
+    path, _ = full_queue
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # blocking: no timeout of its own
+    try:
+        with pytest.raises(DaemonUnavailableError, match="stayed full"):
+            handles.connect(sock, path, time.monotonic() + 0.3)
+    finally:
+        sock.close()

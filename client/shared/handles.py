@@ -239,11 +239,11 @@ def _ask_for_descriptors(path: str | os.PathLike, request: Message,
                          timeout: float) -> tuple[socket.socket, dict[str, Any], list[int]]:
     """Send `request`; (the connection, the reply's header, the descriptors it carried)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    sock.settimeout(timeout)
+    deadline = time.monotonic() + timeout  # the whole request's: connect, send and answer
     try:
-        connect(sock, path, time.monotonic() + timeout)
+        connect(sock, path, deadline)
         _send_request(sock, request)
-        header, fds = recv_message(sock, MAX_FDS, deadline=time.monotonic() + timeout)
+        header, fds = recv_message(sock, MAX_FDS, deadline=deadline)
     except BaseException as exc:
         sock.close()
         if isinstance(exc, TimeoutError):
@@ -257,21 +257,24 @@ def _ask_for_descriptors(path: str | os.PathLike, request: Message,
 
 
 def connect(sock: socket.socket, path: str | os.PathLike, deadline: float) -> None:
-    """Connect `sock` to the handle socket at `path`, waiting, until `deadline`, while its queue
-    of connections not yet accepted is full: a Unix socket refuses a connect then at once
-    (EAGAIN), and a burst of clients, or a peer that floods the socket with connections, must
-    delay a client, not fail it. DaemonUnavailableError once the deadline has passed."""
+    """Connect `sock` to the handle socket at `path` (leaving it with the time to `deadline` as
+    its timeout), waiting, until `deadline`, while its queue of connections not yet accepted is
+    full: a Unix socket refuses a connect then at once (EAGAIN), and a burst of clients, or a
+    peer that floods the socket with connections, must delay a client, not fail it.
+    DaemonUnavailableError once the deadline has passed."""
     pause = CONNECT_FIRST_PAUSE_S
     while True:
+        left = deadline - time.monotonic()
+        sock.settimeout(max(left, 1e-3))  # a blocking connect would wait for room without end
         try:
             sock.connect(str(path))
             return
         except BlockingIOError:
-            if time.monotonic() + pause >= deadline:
+            if left <= 0:
                 raise DaemonUnavailableError(
                     f"handle socket {path}: its queue of connections stayed full until this "
                     "connection's deadline (a burst or a flood of connections)") from None
-            time.sleep(pause)
+            time.sleep(min(pause, left))  # then once more, at the deadline at the latest
             pause = min(2 * pause, CONNECT_LONGEST_PAUSE_S)
 
 
@@ -361,12 +364,11 @@ def admin_request(path: str | os.PathLike, op: str, timeout: float = HANDLE_TIME
     admitted): the daemon decides by this process's kernel credentials. Returns the declared
     reply; raises the daemon's typed error."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    sock.settimeout(timeout)
+    deadline = time.monotonic() + timeout  # the whole request's: connect, send and answer
     try:
-        connect(sock, path, time.monotonic() + timeout)
+        connect(sock, path, deadline)
         _send_request(sock, HANDLE_REQUESTS[op]())
-        header, _ = recv_message(sock, 0, deadline=time.monotonic() + timeout,
-                                 max_bytes=MAX_ADMIN_REPLY_BYTES)
+        header, _ = recv_message(sock, 0, deadline=deadline, max_bytes=MAX_ADMIN_REPLY_BYTES)
     except TimeoutError:
         raise DaemonUnavailableError(f"no answer on {path} within {timeout:.1f} s") from None
     except OSError as exc:
