@@ -150,7 +150,8 @@ class HandleServer:
         self._accept_failed, self._refused = Throttled(log), Throttled(log)
         # Per peer pid: a peer that drops its connections at will (a probe that stops waiting
         # for its answer) must not hide why a client's attach connection went; 20 lines per
-        # interval in all, whatever the number of processes.
+        # interval in all, whatever the number of processes. (Peers in another pid namespace
+        # all read as pid 0: they share one key.)
         self._dropped = ThrottledBy(log, most=DROPS_LOGGED)
         self._evicted = Throttled(log)
         self._threads = [threading.Thread(target=self._answering, name="engramd-handle", daemon=True)
