@@ -217,9 +217,13 @@ phase_vllm_tests_mps() {  # the same under MPS
 phase_vllm_bench() {  # vLLM's lookup and model step against engramd's: VLLM_BENCH_* (header)
   local ids=${VLLM_BENCH_IDS:-uniform}
   [ "$ids" = uniform ] || [ -f .traces/tokens.npz ] || { echo "no .traces folder (carry it)"; return 1; }
+  local gib=${VLLM_BENCH_GIB:-16}
+  if (( ${gib%%.*} >= 64 )) && [ "${VLLM_BENCH_MPS:-both}" = both ]; then
+    echo "VLLM_BENCH_GIB=${VLLM_BENCH_GIB}: one MPS mode a command (VLLM_BENCH_MPS=off, then on)"; return 1
+  fi
   bash benchmarks/vllm_gpu/setup_device.sh >"$out/vllm_setup.log" 2>&1 || return 1
   PYTHONPATH=${VLLM_GPU_SITE:-/tmp/vllm-gpu-site} python3 benchmarks/vllm_gpu/bench_lookup.py \
-    --mps "${VLLM_BENCH_MPS:-both}" --rounds "${VLLM_BENCH_ROUNDS:-3}" --table-gib "${VLLM_BENCH_GIB:-16}" \
+    --mps "${VLLM_BENCH_MPS:-both}" --rounds "${VLLM_BENCH_ROUNDS:-3}" --table-gib "$gib" \
     --ids "$ids" --traces .traces --plugin-gather-at wait lookup --out "$out/vllm_bench" 2>&1 \
     | tee "$out/vllm_bench.log" | grep -v "^|" | tail -60
 }

@@ -235,6 +235,10 @@ class _Timed:
     def static() -> str:
         return "static"
 
+    @property
+    def prop(self) -> int:
+        return 2
+
 
 class _TimedChild(_Timed):
     pass
@@ -248,7 +252,8 @@ def test_wall_timers_count_the_steps_calls_once_each_and_put_everything_back():
 
     originals = dict(vars(_Timed))
     targets = [f"{HERE}:_Timed.outer", f"{HERE}:_Timed.inner", f"{HERE}:_Timed.static",
-               f"{HERE}:_TimedChild.inner", f"{HERE}:_Timed.absent", "no_such_module:f"]
+               f"{HERE}:_TimedChild.inner", f"{HERE}:_Timed.absent", "no_such_module:f",
+               f"{HERE}:_Timed.prop"]
     with wall_timers.WallTimers(targets) as timers:
         child = _TimedChild()
         assert child.outer(depth=2) == 3  # outer once (its own calls nested), inner 3 times
@@ -262,7 +267,9 @@ def test_wall_timers_count_the_steps_calls_once_each_and_put_everything_back():
     assert [t.calls for t in timers.timers if t.name == "inner"] == [3, 3]
     assert by_target["static"].calls == 2
     assert by_target["outer"].ns >= max(t.ns for t in timers.timers if t.name == "inner")
-    assert timers.unresolved == [f"{HERE}:_Timed.absent", "no_such_module:f"]
+    assert timers.unresolved == [f"{HERE}:_Timed.absent", "no_such_module:f",
+                                 f"{HERE}:_Timed.prop (not a function)"]
+    assert child.prop == 2  # a property is left alone
     assert dict(vars(_Timed)) == originals and "inner" not in vars(_TimedChild)
     report = timers.report(steps=2, step_ns=4_000)
     assert report.startswith("Wall time inside functions (2 steps, 2.0 us a step")
@@ -281,3 +288,19 @@ def test_profile_cell_with_timed_functions_adds_their_wall_time(tmp_path):
     line = next(line for line in report.splitlines() if line.endswith(":_a_distinctly_named_step"))
     assert line.split()[1] == "1.0"  # calls a step
     assert module._a_distinctly_named_step is _a_distinctly_named_step  # put back
+
+
+def test_wall_timers_put_back_what_they_wrapped_when_a_target_fails(monkeypatch):
+    originals = dict(vars(_Timed))
+
+    def broken(target):
+        if target.endswith("inner"):
+            raise RuntimeError("an import that fails otherwise than ImportError")
+        return real(target)
+
+    real = wall_timers._resolve
+    monkeypatch.setattr(wall_timers, "_resolve", broken)
+    with pytest.raises(RuntimeError, match="otherwise"):
+        with wall_timers.WallTimers([f"{HERE}:_Timed.outer", f"{HERE}:_Timed.inner"]):
+            pass
+    assert dict(vars(_Timed)) == originals

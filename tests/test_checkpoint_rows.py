@@ -15,12 +15,14 @@ from engramd.client.engines.shared import CheckpointRows, PluginError
 from engramd.client.geometry import TableGeometry
 from engramd.kernels.gather_ref import dequantize_rows
 
-KERNEL_NAN = 0x7FC0
+KERNEL_NAN = 0x7FC0  # the Triton kernel's; the reference's is 0xFFFF on x86
+OTHER_NAN = 0x7FC1  # served where the reference's NaN is already the kernel's (another CPU)
 
 
 class ServedLikeTheGpuKernel:
     """The parts of an EngramClient the check uses, serving `tables` (packed uint8 per layer)
-    as the Triton kernel does: the reference's values, every NaN as 0x7FC0. `flip`: a (layer,
+    as the Triton kernel does: the reference's values, every NaN as 0x7FC0 (or, where that is
+    the reference's own NaN, as another NaN, so that the payloads differ). `flip`: a (layer,
     row) whose first value of its second scale block is served one unit in the last place off."""
 
     socket_path = "/run/engramd/engramd.sock"
@@ -37,9 +39,10 @@ class ServedLikeTheGpuKernel:
             layer_ids = ids[:, layer, :].clamp(min=0)
             out = dequantize_rows(table[layer_ids], self.geometry.head_dim)
             nan = torch.isnan(out)
-            self.nan_payloads_changed += int((out.view(torch.int16)[nan] != KERNEL_NAN).sum())
             bits = out.view(torch.int16)
-            bits[nan] = KERNEL_NAN
+            served = KERNEL_NAN if bool((bits[nan] != KERNEL_NAN).any()) else OTHER_NAN
+            self.nan_payloads_changed += int((bits[nan] != served).sum())
+            bits[nan] = served
             if self.flip is not None and self.flip[0] == layer:
                 bits[ids[:, layer, :] == self.flip[1], 32] ^= 1
             rows.append(out)
@@ -58,6 +61,7 @@ def checkpoint():
         values = table[:, :geometry.head_dim]
         values[(values & 0x7F) == 0x7F] = 0
         table[:, geometry.head_dim] = 255
+        table[:, geometry.head_dim + 1:][table[:, geometry.head_dim + 1:] == 255] = 127  # no other NaN block
         tables.append(table)
     return geometry, tables
 

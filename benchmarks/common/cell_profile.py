@@ -77,9 +77,10 @@ def profile_cell(clock, step: Callable[[Tensor], object], pool: Sequence[Tensor]
         pstats.Stats(python_profile, stream=text).sort_stats(order).print_stats(rows)
         parts.append(f"Python functions by {order} ({steps} steps, under cProfile):\n{text.getvalue()}")
 
+    report = "\n".join(parts)
+    path.with_suffix(".txt").write_text(report)  # kept, should the third pass fail
     walls = _wall_times(clock, step, pool, warm, timed) if timed else ""
-    report = "\n".join([*parts, walls])
-    path.with_suffix(".txt").write_text(report)
+    path.with_suffix(".txt").write_text("\n".join([report, walls]))
     return "\n".join([*report.splitlines()[:rows // 2], walls])
 
 

@@ -44,24 +44,38 @@ class WallTimers:
     def __init__(self, targets: Sequence[str]):
         self.targets = tuple(targets)
         self.timers: list[_Timer] = []
+        self._installed: list[_Timer] = []  # wrapped now, put back on exit
         self.unresolved: list[str] = []
         self._thread: threading.Thread | None = None
 
     def __enter__(self) -> WallTimers:
         self._thread = threading.current_thread()
-        for target in self.targets:
-            found = _resolve(target)
-            if found is None:
-                self.unresolved.append(target)
-                continue
-            owner, name = found
-            timer = _Timer(target, owner, name, vars(owner).get(name, _MISSING))
-            setattr(owner, name, self._wrap(timer, inspect.getattr_static(owner, name)))
-            self.timers.append(timer)
+        try:
+            for target in self.targets:
+                self._install(target)
+        except BaseException:  # what was wrapped so far is put back
+            self.__exit__()
+            raise
         return self
 
+    def _install(self, target: str) -> None:
+        found = _resolve(target)
+        if found is None:
+            self.unresolved.append(target)
+            return
+        owner, name = found
+        raw = inspect.getattr_static(owner, name)
+        if not inspect.isfunction(raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw):
+            self.unresolved.append(f"{target} (not a function)")  # a property, a builtin: left alone
+            return
+        timer = _Timer(target, owner, name, vars(owner).get(name, _MISSING))
+        setattr(owner, name, self._wrap(timer, raw))
+        self.timers.append(timer)
+        self._installed.append(timer)
+
     def __exit__(self, *exc_info) -> None:
-        for timer in reversed(self.timers):  # the last wrapped first: one owner's name twice unwinds
+        installed, self._installed = self._installed, []
+        for timer in reversed(installed):  # the last wrapped first: one owner's name twice unwinds
             if timer.raw is _MISSING:
                 delattr(timer.owner, timer.name)
             else:
