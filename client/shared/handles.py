@@ -40,6 +40,7 @@ import os
 import socket
 import struct
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -200,15 +201,15 @@ def attach(path: str | os.PathLike, client_id: int, token: str,
     before the request came whole, as when this process stalled between its connect and its
     send, or a request the daemon could not take yet) is asked again, with backoff, until
     `timeout` has passed; any other error, a stopping daemon's included, is raised at once."""
-    deadline, pause = time.monotonic() + timeout, ATTACH_FIRST_PAUSE_S
+    deadline, pauses = time.monotonic() + timeout, _pauses(ATTACH_FIRST_PAUSE_S, ATTACH_LONGEST_PAUSE_S)
     while True:
         try:
             return _attach_once(path, client_id, token, max(0.1, deadline - time.monotonic()))
         except EngramError as exc:
+            pause = next(pauses)
             if not exc.not_taken or time.monotonic() + pause >= deadline:
                 raise
             time.sleep(pause)
-            pause = min(2 * pause, ATTACH_LONGEST_PAUSE_S)
 
 
 def _attach_once(path: str | os.PathLike, client_id: int, token: str, timeout: float) -> Attachment:
@@ -262,8 +263,7 @@ def connect(sock: socket.socket, path: str | os.PathLike, deadline: float) -> No
     full: a Unix socket refuses a connect then at once (EAGAIN), and a burst of clients, or a
     peer that floods the socket with connections, must delay a client, not fail it.
     DaemonUnavailableError once the deadline has passed."""
-    pause = CONNECT_FIRST_PAUSE_S
-    while True:
+    for pause in _pauses(CONNECT_FIRST_PAUSE_S, CONNECT_LONGEST_PAUSE_S):
         left = deadline - time.monotonic()
         sock.settimeout(max(left, 1e-3))  # a blocking connect would wait for room without end
         try:
@@ -275,7 +275,15 @@ def connect(sock: socket.socket, path: str | os.PathLike, deadline: float) -> No
                     f"handle socket {path}: its queue of connections stayed full until this "
                     "connection's deadline (a burst or a flood of connections)") from None
             time.sleep(min(pause, left))  # then once more, at the deadline at the latest
-            pause = min(2 * pause, CONNECT_LONGEST_PAUSE_S)
+
+
+def _pauses(first: float, longest: float) -> Iterator[float]:
+    """Backoff between tries: `first`, doubling up to `longest`, without end (the caller's
+    deadline ends it)."""
+    pause = first
+    while True:
+        yield pause
+        pause = min(2 * pause, longest)
 
 
 def _grants(tables: list[Any], fds: list[int], what: str) -> list[TableGrant]:
