@@ -98,6 +98,9 @@ kernel_gpu_log() {  # the kernel's GPU messages so far: which process faulted, w
     grep -E "NVRM|Xid" <<<"$kernel" >"$out/kernel_gpu.log" || echo "no NVRM or Xid line" >"$out/kernel_gpu.log"
   fi
 }
+have_traces() {  # real text's trace (benchmarks/traces.py build), which the run must carry
+  [ -f .traces/tokens.npz ] || { echo "no .traces folder (carry it)"; return 1; }
+}
 fits() { (( SECONDS + $1 <= BUDGET_S )); }  # a run of $1 s, begun now, ends within BUDGET_S
 # MPS_HELD: a group's MPS server, which its *-mps phases share (and do not start or stop).
 mps_start() {
@@ -216,7 +219,7 @@ phase_vllm_tests_mps() {  # the same under MPS
 }
 phase_vllm_bench() {  # vLLM's lookup and model step against engramd's: VLLM_BENCH_* (header)
   local ids=${VLLM_BENCH_IDS:-uniform}
-  [ "$ids" = uniform ] || [ -f .traces/tokens.npz ] || { echo "no .traces folder (carry it)"; return 1; }
+  [ "$ids" = uniform ] || have_traces || return 1
   local gib=${VLLM_BENCH_GIB:-16}
   if (( ${gib%%.*} >= 64 )) && [ "${VLLM_BENCH_MPS:-both}" = both ]; then
     echo "VLLM_BENCH_GIB=${VLLM_BENCH_GIB}: one MPS mode a command (VLLM_BENCH_MPS=off, then on)"; return 1
@@ -279,12 +282,12 @@ phase_lookup_host_base() {  # the same of the tree in .ab_base, then of this one
   return "$rc"
 }
 phase_step_text() {  # model_step, both MPS modes, 3 rounds of 80 steps a cell, on real text's row IDs
-  [ -f .traces/tokens.npz ] || { echo "no .traces folder (carry it)"; return 1; }
+  have_traces || return 1
   python3 benchmarks/model_step.py --mps both --steps 80 --rounds 3 --ids text --traces .traces \
     --out "$out/step_text" 2>&1 | tee "$out/step_text.log" | tail -30
 }
 phase_step_gather_at() {  # step-text's cells: mapped (gather at the wait) against mapped_at_lookup
-  [ -f .traces/tokens.npz ] || { echo "no .traces folder (carry it)"; return 1; }
+  have_traces || return 1
   python3 benchmarks/model_step.py --mps both --steps 80 --rounds 3 --ids text --traces .traces \
     --variants compute inproc engramd mapped mapped_at_lookup \
     --mapped-sm-fraction 1=1.0 4=1.0 --out "$out/step_gather_at" 2>&1 | tee "$out/step_gather_at.log" | tail -30
@@ -295,7 +298,7 @@ phase_captured_step() {  # the whole step in a CUDA graph: engramd's captured lo
     | tee "$out/captured_step.log" | tail -40
 }
 phase_captured_step_text() {  # the same on real text's row IDs (the hot-row caches warmed by its first half)
-  [ -f .traces/tokens.npz ] || { echo "no .traces folder (carry it)"; return 1; }
+  have_traces || return 1
   python3 benchmarks/captured_step.py --mps both --rounds 3 --ids text --traces .traces \
     --out "$out/captured_step_text" 2>&1 | tee "$out/captured_step_text.log" | tail -40
 }
