@@ -243,7 +243,7 @@ phase_sglang_tests() {  # SGLang's Engram modules on its CUDA path against the p
   return "$rc"
 }
 phase_sglang_bench() {  # SGLang's lookup and model step against engramd's, both MPS modes
-  bash benchmarks/sglang_gpu/setup_device.sh >"$out/sglang_setup.log" 2>&1 || return 1
+  bash benchmarks/sglang_gpu/setup_device.sh >"$out/sglang_bench_setup.log" 2>&1 || return 1
   PYTHONPATH=${SGLANG_GPU_SITE:-/tmp/sglang-gpu-site} python3 benchmarks/sglang_gpu/bench_lookup.py --mps both \
     --out "$out/sglang_bench" 2>&1 | tee "$out/sglang_bench.log" | grep -v "^|" | tail -60
 }
