@@ -422,15 +422,16 @@ def check_rows_stay_across_a_restart(daemon_factory, reference, device: str, mod
     lookup into that slot, of any token count, also after the daemon was killed and restarted
     (the client re-registers and keeps its rows' address). The restarted daemon comes up while
     the client's next lookup is already waiting for it, so failed attempts come first; a lookup
-    made before the restart is refused afterwards, not waited for. A mapped client does not wait:
-    its lookups go on from its mapping with no daemon, re-registering in the background, and
-    its lookup made before the restart stays valid."""
+    made before the restart is refused afterwards, not waited for (a served GPU client fails it
+    once its lease closes, and its next lookup says so: docs/client.md). A mapped client does
+    not wait: its lookups go on from its mapping with no daemon, re-registering in the
+    background, and its lookup made before the restart stays valid."""
     import threading
 
     import torch
     from reference import random_ids
 
-    from engramd.client import DaemonUnavailableError, EngramClient
+    from engramd.client import DaemonUnavailableError, EngramClient, LookupFailedError
 
     first = daemon_factory(instance="stay", extra=list(extra))
     client = EngramClient(first.socket, device=device, mode=mode, max_tokens=64, slots=2,
@@ -450,6 +451,7 @@ def check_rows_stay_across_a_restart(daemon_factory, reference, device: str, mod
             wrong = np.argwhere(got != reference.expected(ids.numpy()))
             assert wrong.size == 0, f"{what}: {len(wrong)} wrong values, first {wrong[:3].tolist()}"
 
+    restart = None
     try:
         assert client.mode == mode
         lookups("before the restart")
@@ -464,6 +466,12 @@ def check_rows_stay_across_a_restart(daemon_factory, reference, device: str, mod
                 torch.cuda.current_stream().synchronize()
             assert np.array_equal(rows.double().cpu().numpy(), reference.expected(stale_ids)), \
                 "a lookup made before the kill"
+        served_gpu = mode == "served" and device == "cuda"
+        if served_gpu:  # its rows were never written: the next lookup reports it, once
+            wait_until(stale.failed, timeout=5.0)  # noticed within 0.1 s of the lease's close
+            with pytest.raises(LookupFailedError) as failed:
+                client.lookup(torch.from_numpy(stale_ids).to(device))
+            assert failed.value.seqs == (stale.seq,)
         second = daemon_factory(instance="stay", shm_dir=first.shm_dir, workdir=first.workdir,
                                 extra=list(extra), start=False)
         restart = threading.Timer(1.0, second.start)
@@ -478,10 +486,16 @@ def check_rows_stay_across_a_restart(daemon_factory, reference, device: str, mod
         assert client.rows_generation == generation, "the rows moved"
         assert tables is not None and client.tables_id == tables, "the same checkpoint, other tables?"
         assert stale.done()  # nothing to wait for: its rid belongs to the new connection now
-        if mode == "served":
+        if served_gpu:
+            with pytest.raises(LookupFailedError):
+                stale.wait()  # its own failure, raised by its own wait too
+        elif mode == "served":
             with pytest.raises(DaemonUnavailableError, match="before the client re-registered"):
                 stale.wait()  # its slot has been the new registration's since
     finally:
+        if restart is not None:  # a failure before it fired: no daemon starts after this test
+            restart.cancel()
+            restart.join()
         client.close()
     assert second.stop() == 0, second.log()
 
