@@ -148,10 +148,11 @@ class HandleServer:
         self._answers: queue.SimpleQueue[tuple[_Waiting, Message] | None] = queue.SimpleQueue()
         # What a peer can provoke at will is logged once per interval (server/throttle.py).
         self._accept_failed, self._refused = Throttled(log), Throttled(log)
-        # Per peer pid: a peer that drops its connections at will (a probe that stops waiting
-        # for its answer) must not hide why a client's attach connection went; 20 lines per
-        # interval in all, whatever the number of processes. (Peers in another pid namespace
-        # all read as pid 0: they share one key.)
+        # Per peer pid and what was under way (reading, no request, answering which request): a
+        # peer that drops its connections at will (a probe that stops waiting for its answer)
+        # must not hide why another's attach connection went, nor its own (a client's readiness
+        # probe gives up on a hello, then its attach is dropped); 20 lines per interval in all,
+        # whatever the number of processes. (Peers in another pid namespace all read as pid 0.)
         self._dropped = ThrottledBy(log, most=DROPS_LOGGED)
         self._evicted = Throttled(log)
         self._threads = [threading.Thread(target=self._answering, name="engramd-handle", daemon=True)
@@ -234,7 +235,7 @@ class HandleServer:
         except BlockingIOError:
             return
         except OSError as exc:
-            self._dropped[waiting.peer.pid].warning(
+            self._dropped[waiting.peer.pid, "reading"].warning(
                 "handle socket: dropped pid %d's connection while reading its request (%s)",
                 waiting.peer.pid, exc)
             self._forget(waiting)
@@ -258,7 +259,7 @@ class HandleServer:
         now = time.monotonic()
         for per_uid in list(self._waiting.values()):
             while per_uid and (oldest := next(iter(per_uid))).deadline <= now:
-                self._dropped[oldest.peer.pid].warning(
+                self._dropped[oldest.peer.pid, "no request"].warning(
                     "handle socket: dropped a connection of pid %d uid %d (no request within %.1f s)",
                     oldest.peer.pid, oldest.peer.uid, REQUEST_DEADLINE_S)
                 self._drop(oldest, f"closed: no whole request within {REQUEST_DEADLINE_S:.1f} s "
@@ -319,7 +320,7 @@ class HandleServer:
                                   peer.pid, peer.uid, exc.message)
             self._try_send(conn, error_reply(exc, self._epoch))
         except (OSError, TimeoutError) as exc:
-            self._dropped[peer.pid].warning(
+            self._dropped[peer.pid, request.OP].warning(
                 "handle socket: dropped pid %d's connection while answering its %s request (%s)",
                 peer.pid, request.OP, exc)
         finally:

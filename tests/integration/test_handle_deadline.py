@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from helpers import wait_until
 from reference import random_ids
 
 from engramd.client import EngramClient, NotReadyError
@@ -101,6 +102,22 @@ def test_each_peers_dropped_connection_is_logged_under_its_pid(daemon_factory):
     log = daemon.log()
     for pid in (os.getpid(), other.pid):
         assert f"dropped a connection of pid {pid} " in log, f"pid {pid}'s dropped connection unlogged"
+
+
+def test_a_dropped_answer_does_not_hide_the_same_peers_next_dropped_connection(daemon_factory):
+    """A client's readiness probe that gave up on its hello must not hide, for the interval,
+    why the same process's attach connection was closed a moment later."""
+    daemon = daemon_factory()
+    path = str(handle_socket_path(daemon.socket))
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(path)
+        sock.shutdown(socket.SHUT_RD)  # the daemon's answer to what follows fails: EPIPE
+        handles._send_request(sock, handles.HANDLE_REQUESTS["hello"]())
+        wait_until(lambda: "while answering its hello request" in daemon.log(), timeout=ANSWER_WAIT_S)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(path)
+        wait_for_the_daemon(sock)
+    wait_until(lambda: f"dropped a connection of pid {os.getpid()} " in daemon.log(), timeout=5.0)
 
 
 IDLE_PEER = """
