@@ -58,9 +58,14 @@
 #                      the device while a stream of this process, then of another,
 #                      waits on a host counter (40 s)                             sync_probe*.log
 #   sync-probe-mps     the same under MPS                                         sync_probe*_mps.log
+#   capture-probe      benchmarks/experiments/capture_probe.py: which of a client's
+#                      background CUDA calls spoil a capture in CUDA's default mode,
+#                      the worker relaxed (10 trials a call), then in the default
+#                      mode (the control, 3 trials) (about 1 min)                 capture_probe*.log
 #   lookup             benchmarks/gpu_lookup.py, 16 GiB, without and under MPS    lookup/
 #   lookup-host        benchmarks/lookup_host.py: host time of one lookup         lookup_host/
-#   lookup-host-base   the same of the tree in .ab_base, then of this one         lookup_host_base/
+#   lookup-host-base   the same of the tree in .ab_base and of this one, in turn,
+#                      LOOKUP_HOST_ROUNDS (3) rounds (about 1.5 min a round)     lookup_host_base/
 #   step-text          benchmarks/model_step.py on real text's row IDs, both MPS
 #                      modes, 3 rounds of 80 steps a cell                         step_text/
 #   step-gather-at     step-text's cells with the variants of docs/performance.md's
@@ -259,6 +264,15 @@ phase_sync_probe() {  # which calls wait for the device while a stream waits (se
   done
   return "$rc"
 }
+phase_capture_probe() {  # which background calls spoil a capture in the default mode: relaxed, then the control
+  local rc=0 mode trials
+  for mode in relaxed global; do
+    trials=$([ $mode = relaxed ] && echo 10 || echo 3)
+    timeout -s INT -k 10 150 python3 benchmarks/experiments/capture_probe.py --worker-mode $mode \
+      --trials "$trials" --out "$out/capture_probe_$mode.json" 2>&1 | tee "$out/capture_probe_$mode.log" || rc=1
+  done
+  return "$rc"
+}
 phase_sync_probe_mps() {  # the same under MPS, where every client's work shares one server
   mps_start
   phase_sync_probe _mps
@@ -273,12 +287,16 @@ phase_lookup() {  # benchmarks/gpu_lookup.py, 16 GiB, without and under MPS
 phase_lookup_host() {  # benchmarks/lookup_host.py: host time of a lookup, mapped / served / in-process
   python3 benchmarks/lookup_host.py --out "$out/lookup_host" 2>&1 | tee "$out/lookup_host.log" | tail -50
 }
-phase_lookup_host_base() {  # the same of the tree in .ab_base, then of this one
+phase_lookup_host_base() {  # the same of the tree in .ab_base and of this one, in turn, LOOKUP_HOST_ROUNDS (3)
   [ -d .ab_base ] || { echo "no .ab_base folder"; return 1; }
-  local rc=0
-  ab_install .ab_base && { (cd .ab_base && python3 benchmarks/lookup_host.py --out "$out/lookup_host_base") \
-    2>&1 | tee "$out/lookup_host_base.log" | tail -14 || rc=1; }
-  ab_install . && { phase_lookup_host || rc=1; }
+  local rc=0 round ab="$out/lookup_host_base"
+  for round in $(seq "${LOOKUP_HOST_ROUNDS:-3}"); do
+    ab_install .ab_base && { (cd .ab_base && python3 benchmarks/lookup_host.py --out "$ab/base_$round") \
+      >>"$out/lookup_host_base.log" 2>&1 || rc=1; }
+    ab_install . && { python3 benchmarks/lookup_host.py --out "$ab/current_$round" \
+      >>"$out/lookup_host_base.log" 2>&1 || rc=1; }
+  done
+  python3 benchmarks/lookup_host.py --compare "$ab" || rc=1
   return "$rc"
 }
 phase_step_text() {  # model_step, both MPS modes, 3 rounds of 80 steps a cell, on real text's row IDs

@@ -14,6 +14,14 @@ handed to the daemon (without MPS, behind the daemon's time-sliced gathers). The
 mapped calls once more under cProfile, whose top entries by own time are printed.
 
 Writes DIR/lookup_host.json and DIR/lookup_host.md.
+
+    python benchmarks/lookup_host.py --compare DIR
+
+Two trees' runs, taken in turn (gpu_session.sh's lookup-host-base: DIR/base_N and
+DIR/current_N, N = 1, 2, ...): per cell, each round's p50 and the median of the rounds' ratios
+current / base. One run of each, one after the other, is not a comparison: in two such runs
+on an H200, minutes apart, the own time of calls neither tree changed (torch's event record,
+Triton's kernel launch, under cProfile) differed by 37-45%.
 """
 
 from __future__ import annotations
@@ -150,13 +158,45 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def compare(folder: Path) -> str:
+    """Markdown: per (T, variant), the p50 of every round of each tree and the median ratio."""
+    rounds: dict[str, list[dict[tuple[int, str], float]]] = {"base": [], "current": []}
+    for tree, runs in rounds.items():
+        for n in range(1, 1000):
+            report = folder / f"{tree}_{n}" / "lookup_host.json"
+            if not report.exists():
+                break
+            runs.append({(r["tokens"], r["variant"]): r["p50_us"]
+                         for r in json.loads(report.read_text())["rows"]})
+    paired = min(len(rounds["base"]), len(rounds["current"]))
+    if paired == 0:
+        raise SystemExit(f"{folder}: no base_1/ and current_1/ runs to compare")
+    lines = [f"Host time p50 (us), {paired} rounds of each tree, taken in turn; ratio: the median "
+             "of the rounds' current / base.", "",
+             "| T | variant | base, each round | current, each round | ratio |", "|---:|---|---|---|---:|"]
+    for cell in sorted(set(rounds["base"][0]) & set(rounds["current"][0])):
+        base = [run[cell] for run in rounds["base"][:paired]]
+        current = [run[cell] for run in rounds["current"][:paired]]
+        ratio = float(np.median([c / b for b, c in zip(base, current, strict=True)]))
+        lines.append(f"| {cell[0]} | {cell[1]} | {' / '.join(map(str, base))} | "
+                     f"{' / '.join(map(str, current))} | {ratio:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--compare", type=Path, metavar="DIR",
+                        help="summarise DIR's base_N/ and current_N/ runs instead of measuring")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 256])
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--top", type=int, default=25, help="cProfile entries to print")
     parser.add_argument("--out", help="folder for the results (default: a new temporary folder)")
     args = parser.parse_args()
+    if args.compare is not None:
+        table = compare(args.compare)
+        (args.compare / "comparison.md").write_text(table)
+        print(table)
+        return 0
     if not torch.cuda.is_available():
         raise SystemExit("lookup_host needs a CUDA GPU")
     with bench_folders(show_log=False) as (work, shm):  # removed however the run ends
