@@ -23,8 +23,10 @@ possibly unsafe call must spoil the capture, else the probe sees nothing).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import itertools
 import json
+import mmap
 import queue
 import sys
 import threading
@@ -36,11 +38,13 @@ from pathlib import Path
 import torch
 
 from engramd.client.shared import cuda
+from engramd.client.shared.host_pin import HostRegistration
 from engramd.kernels import descriptor as desc
 from engramd.kernels import hot_cache
 
 ROW_BYTES, ROWS, LAYERS, HEADS = 264, 1 << 16, 2, 8
 OP_DEADLINE_S = 30.0  # an operation still running then is reported as hung
+GRAPHS = 64  # graphs for graph_destroyed to let go, one a call: enough for 2 + --trials calls
 
 
 class Fixture:
@@ -60,12 +64,19 @@ class Fixture:
         self.descriptor = desc.TableDescriptor(nothing, device, stream=cuda.new_stream(device.index))
         self.keeper = CacheKeeper.over(self.tables, 8 << 20, lambda: [self.side], interval=1.0,
                                        gather_probes=lambda: [self.descriptor.quiet()])
-        self.rng = torch.Generator(device=device).manual_seed(7)
+        self.rng = torch.Generator().manual_seed(7)
+        self.graphs = [self._graph() for _ in range(GRAPHS)]
         torch.cuda.synchronize(device)
+
+    def _graph(self) -> torch.cuda.CUDAGraph:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            self.small.add_(0)
+        return graph
 
     def hot_ids(self) -> torch.Tensor:
         """IDs [N, layers, heads], each row four times: enough for the keeper to admit it."""
-        ids = torch.randint(0, ROWS, (64, LAYERS, HEADS), device=self.device, generator=self.rng)
+        ids = torch.randint(0, ROWS, (64, LAYERS, HEADS), generator=self.rng)  # on the host, as a trace's
         return ids.repeat(4, 1, 1)
 
 
@@ -130,10 +141,37 @@ def operations(f: Fixture) -> dict[str, Callable[[], object]]:
         torch.empty(5 << 20, dtype=torch.uint8, device=f.device)
         torch.cuda.empty_cache()
 
+    def graph_destroyed():  # a finalizer the garbage collector may run on any thread
+        f.graphs.pop()  # captured before any of the probe's captures
+
+    def host_unregistered():  # a mapping let go (a reload's old tables, a closed client)
+        page = mmap.mmap(-1, 1 << 21)
+        view = ctypes.c_char.from_buffer(page)
+        address = ctypes.addressof(view)
+        del view  # the mapping may close once nothing points into it
+        HostRegistration([(address, 1 << 21)], workers=1, device=f.device.index).close()
+        page.close()
+
+    def fresh_thread_keeper_warm():  # a thread's first CUDA calls, as a new keeper's
+        errors: list[BaseException] = []
+
+        def run():
+            try:
+                cuda.enter_thread(f.device.index)
+                f.keeper.warm(f.hot_ids())
+            except BaseException as exc:
+                errors.append(exc)
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+        if errors:
+            raise errors[0]
+
     return {op.__name__: op for op in (
         event_query, event_synchronize, item, tolist, new_allocation, pin_memory, copy_to_pinned,
         unique, stream_from_pool, descriptor_snapshot, keeper_warm, keeper_refresh,
-        device_synchronize, empty_cache)}
+        graph_destroyed, host_unregistered, fresh_thread_keeper_warm, device_synchronize,
+        empty_cache)}
 
 
 class Worker:
@@ -235,6 +273,8 @@ def main() -> None:
     parser.add_argument("--device", type=int, default=0)
     parser.add_argument("--out", help="JSON file for the results")
     args = parser.parse_args()
+    if not 1 <= args.trials <= GRAPHS - 2:
+        parser.error(f"--trials must be 1..{GRAPHS - 2}")
     if not torch.cuda.is_available():
         sys.exit("capture_probe needs a GPU")
     device = torch.device("cuda", args.device)
