@@ -134,7 +134,8 @@ def main(script: Path, args: argparse.Namespace, measure: Callable[[argparse.Nam
 # -- pieces of the markdown
 
 def phases_text(phases: dict) -> str:
-    return "; ".join(f"{name} phase {phase.get('seconds')} s" for name, phase in phases.items())
+    return "; ".join(f"{name} phase FAILED: {phase['error']}" if "error" in phase
+                     else f"{name} phase {phase.get('seconds')} s" for name, phase in phases.items())
 
 
 def mps_text(mps: bool) -> str:

@@ -10,7 +10,9 @@ In SGLang's CPU environment (.ci/sglang_env.sh), every path but CUDA's, on the d
     .venv-sglang/bin/python benchmarks/sglang_gpu/bench_lookup.py --dry-run --out DIR
 
 SGLang 0.5.23 keeps a layer's Engram table in device memory (EngramEmbedding's `weight` and
-`scale`; its host-table settings are off by default) and gathers from it with its Triton kernel.
+`scale`; its host-table settings are off by default) and gathers from it with its Triton kernel;
+with SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE the table is in pinned host memory instead, as it must
+be for a table larger than HBM (V4.1-Flash's 189 GiB), read over PCIe by the same kernel.
 The table has V4.1-Flash's shape (2 layers x 24 heads x 256) with its buckets scaled down to
 --table-gib (common/tables.geometry_for), every byte a function of --seed (bench_tables.py).
 SGLang's device copy and the daemon's /dev/shm copy fit beside each other at the default 8 GiB
@@ -23,7 +25,11 @@ phases, one after the other, TP=1 on SGLang's own process groups (gloo):
    per T and the layers' outputs of one hashed step per T are kept (host memory), SGLang's
    kernel calls counted meanwhile (on the GPU each of its gather, gate and hash kernels must
    have run); then its lookup (sglang) and its model step (sglang) are timed, and its layers go,
-   their device memory handed back.
+   their device memory handed back. On a GPU the same again with SGLang's host table
+   (--sglang-host-layout, per_rank by default: anonymous memory, which SGLang folds into huge
+   pages; `shared` is its memfd layout for TP > 1): rows and outputs checked against the
+   device table's, then timed (sglang_host). SGLang never lets a host table go: its 8 GiB
+   stay pinned through phase 2.
 2. engramd: the same bytes in /dev/shm, a `--backend cuda` daemon that re-attaches them
    (common/daemon.py), a mapped and a served EngramClient (lookups mapped, served); then the
    plugin, loaded as SGLang loads it (bench_plugin.py), and SGLang's Engram layers built again
@@ -53,7 +59,8 @@ Cost on an H200 at the defaults, for one MPS mode (estimated from the vLLM bench
 SGLang GPU test's runs there; the script prints each phase's seconds and the JSON keeps them):
 importing SGLang, its Engram module and the helpers, 20-40 s; phase 1, 30-60 s (filling 8 GiB of
 device memory, the hasher's token map, SGLang's Triton compiles, the checks, 8 lookup cells and
-24 model-step cells of 55 steps); phase 2, 40-80 s (filling /dev/shm, the daemon's start and pin,
+24 model-step cells of 55 steps), and about as long again for the host table (not yet run:
+the first runs, without it, took 11-13 s for phase 1); phase 2, 40-80 s (filling /dev/shm, the daemon's start and pin,
 two clients' attach and 16 lookup cells, per plugin mode a build, the checks and 24 cells). About
 1.5-3 minutes in all, twice that with --mps both.
 """
@@ -61,13 +68,14 @@ two clients' attach and 16 lookup cells, per plugin mode a build, the checks and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import socket
 import sys
 import time
 import types
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -209,36 +217,58 @@ class Run:
 
     # -- phase 1
 
-    def sglang_phase(self, engram, hf, layout, hasher) -> None:
-        """SGLang's own lookup and step; its layers, and with them its device tables, go when it
-        returns."""
+    def sglang_phase(self, engram, hf, layout, hasher, host_layout: str | None = None) -> None:
+        """SGLang's own lookup and step. Its tables in device memory (its default; `host_layout`
+        None): the reference, whose layers, and with them the tables, go when it returns. Else in
+        its host table of that layout (SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE): rows and outputs
+        checked against the reference first; SGLang never lets a host table go, so its pinned
+        memory stays until the process ends."""
+        name = "sglang" if host_layout is None else "sglang_host"
         started = time.monotonic()
-        phase = self.phases["sglang"] = {"memory_before": self.device.memory()}
-        layers = self.device.build_layers(engram, hf, layout)
+        phase = self.phases[name] = {"memory_before": self.device.memory()}
+        with sglang_host_table(host_layout):
+            layers = self.device.build_layers(engram, hf, layout)
         phase["build_s"] = round(time.monotonic() - started, 1)
         phase["fill_s"] = round(fill_sglang_tables(layers, self.geometry, self.args.seed), 1)
+        if host_layout is not None:
+            finish_host_load(layers)
         phase["memory_filled"] = self.device.memory()
-        print(f"[sglang] built in {phase['build_s']} s, filled in {phase['fill_s']} s", flush=True)
-        self.memory["sglang"] = sglang_memory(layers)
+        print(f"[{name}] built in {phase['build_s']} s, filled in {phase['fill_s']} s", flush=True)
+        self.memory[name] = sglang_memory(layers, engram)
         seed_projections(layers, self.args.seed)
-        lookup = EmbeddingLookup("sglang", layers)
-        model = ModelStep("sglang", layers, hasher, self.matmuls, self.args.seed)
+        lookup = EmbeddingLookup(name, layers)
+        model = ModelStep(name, layers, hasher, self.matmuls, self.args.seed)
         with bench_device.counting_kernels(engram) as calls:
-            for tokens in self.tokens:
-                rows = lookup.rows(self.check_ids(tokens))
-                self.reference_rows[tokens] = rows.to("cpu", copy=True)
-                self.reference_out[tokens] = model.outputs(self.check_tokens(tokens)).cpu()
+            if host_layout is None:
+                for tokens in self.tokens:
+                    rows = lookup.rows(self.check_ids(tokens))
+                    self.reference_rows[tokens] = rows.to("cpu", copy=True)
+                    self.reference_out[tokens] = model.outputs(self.check_tokens(tokens)).cpu()
+                exact = True
+            else:
+                exact = self.compare_rows(lookup) and all([
+                    self.compare(name, "forward", tokens, model.outputs(self.check_tokens(tokens)),
+                                 self.reference_out[tokens]) for tokens in self.tokens])
         phase["kernel_calls"] = dict(calls)
         self.device.check_kernel_calls(calls)
-        if "lookup" in self.args.parts:
+        if exact and "lookup" in self.args.parts:
             self.time_lookups(lookup)
-        if "step" in self.args.parts:
+        if exact and "step" in self.args.parts:
             self.time_model_steps(model)
         del layers, lookup, model
         self.device.free()
         phase["memory_after_free"] = self.device.memory()
         phase["seconds"] = round(time.monotonic() - started, 1)
-        print(f"[sglang] done in {phase['seconds']} s", flush=True)
+        print(f"[{name}] done in {phase['seconds']} s", flush=True)
+
+    def sglang_host_phase(self, engram, hf, layout, hasher, host_layout: str) -> None:
+        """The host table's phase; its failure is reported, and phase 2 runs all the same."""
+        try:
+            self.sglang_phase(engram, hf, layout, hasher, host_layout)
+        except Exception as exc:
+            self.phases["sglang_host"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+            print(f"[sglang_host] FAILED, phase 2 goes on: {exc!r}", flush=True)
+            self.device.free()
 
     # -- phase 2
 
@@ -313,12 +343,52 @@ class Run:
         bench_plugin.forget_client(sglang_engram, None)
 
 
-def sglang_memory(layers: list) -> dict[str, Any]:
-    device = layers[0].embed.weight.device
+def sglang_memory(layers: list, engram) -> dict[str, Any]:
+    table = layers[0].embed
     nbytes = table_bytes(layers)
+    if table.host_table is not None:
+        resident_kb = huge_kb = 0
+        for layer in layers:
+            kb = engram._huge_pages_backing(layer.embed.host_table.bytes.data_ptr())
+            resident_kb, huge_kb = resident_kb + kb[0], huge_kb + kb[1]
+        where = (f"SGLang's host table ({table.host_table.layout} layout, pinned, {nbytes} bytes; "
+                 f"{100 * huge_kb / max(resident_kb, 1):.0f}% of it in huge pages; "
+                 f"{'sorted' if table._sort_host_reads else 'unsorted'} reads)")
+        return {"table_gpu_bytes": 0, "table_at": where, "cache_gpu_bytes": 0, "cache_of": "none"}
+    device = table.weight.device
     return {"table_gpu_bytes": nbytes if device.type == "cuda" else 0,
             "table_at": f"SGLang's EngramEmbedding parameters on {device} ({nbytes} bytes)",
             "cache_gpu_bytes": 0, "cache_of": "none"}
+
+
+@contextlib.contextmanager
+def sglang_host_table(layout: str | None) -> Iterator[None]:
+    """SGLang's settings for its host table of `layout` (none: its default, device memory) while
+    its layers are built: they read them at construction."""
+    if layout is None:
+        yield
+        return
+    settings = {"SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE": "true",
+                "SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT": layout}
+    before = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def finish_host_load(layers: list) -> None:
+    """What SGLang's loader does after a host table's rows came in (its weight loader marks the
+    table written; fill_sglang_tables writes the same bytes past it): EngramEmbedding.finish_load,
+    which folds the table into huge pages where the kernel allows."""
+    for layer in layers:
+        layer.embed.host_table.dirty = True
+        layer.embed.finish_load(f"layer {layer.layer_hash_index}")
 
 
 def engramd_memory(client, sock: Path, layers: list | None) -> dict[str, Any]:
@@ -381,6 +451,8 @@ def measure(args: argparse.Namespace) -> dict:
         print(f"SGLang's EngramHasher built in {setup['hasher_s']} s", flush=True)
         run = Run(args, device, geometry, hasher.token_map.shape[0], mps["mps"])
         run.sglang_phase(engram, hf, layout, hasher)
+        if args.sglang_host_layout != "none" and not args.dry_run:  # cudaHostRegister: a GPU's
+            run.sglang_host_phase(engram, hf, layout, hasher, args.sglang_host_layout)
         run.engramd_phase(work, shm, engram, hf, layout, hasher)
     return {"meta": engine_bench.header(BENCHMARK), "runs": [describe(run, mps, setup, started)],
             "lookups": run.lookups, "steps": run.steps}
@@ -403,6 +475,7 @@ def describe(run: Run, mps: dict, setup: dict, started: float) -> dict:
             "model": {"hidden": args.hidden, "hc_mult": args.hc_mult,
                       "matmul": f"bf16 [{args.matmul_n} x {args.matmul_n}] squared, torch.mm"},
             "plugin_modes": args.plugin_modes, "daemon_args": args.daemon_args,
+            "sglang_host_layout": args.sglang_host_layout,
             "memory": run.memory, "setup": setup, "phases": run.phases,
             "seconds": round(time.monotonic() - started, 1), "rows_exact": run.exact,
             "checks": run.checks}
@@ -414,6 +487,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--plugin-modes", nargs="+", choices=engine_bench.CLIENT_MODES,
                         default=list(engine_bench.CLIENT_MODES),
                         help="the plugin's ENGRAMD_MODE, in turn")
+    parser.add_argument("--sglang-host-layout", choices=["per_rank", "shared", "none"],
+                        default="per_rank",
+                        help="SGLang's host table too, of this layout (none: its device table "
+                             "alone; on a GPU only)")
     args = engine_bench.finish_arguments(parser, parser.parse_args(argv), DEFAULTS)
     return args
 

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench_variants import LOOKUP_VARIANTS, STEP_VARIANTS
+from bench_variants import LOOKUP_VARIANTS, REFERENCES, STEP_VARIANTS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.engine_bench import mps_text, phases_text, ratio  # noqa: E402
@@ -57,19 +57,22 @@ def _lookup_table(cells: list[dict]) -> list[str]:
         return []
     by = {(c["mps"], c["variant"], c["tokens"], c["mode"]): c for c in cells}
     variants = [v for v in LOOKUP_VARIANTS if any(c["variant"] == v for c in cells)]
-    lines = ["## Lookup alone, both layers (us)", "",
-             "| MPS | T | variant | pipelined gpu | pipelined host | pipelined step | synced gpu "
-             "| synced host | synced step | synced gpu / sglang | synced step / sglang |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    references = [v for v in REFERENCES if v in variants]
+    header = ["MPS", "T", "variant", "pipelined gpu", "pipelined host", "pipelined step",
+              "synced gpu", "synced host", "synced step"]
+    header += [f"synced {key} / {ref}" for ref in references for key in ("gpu", "step")]
+    lines = ["## Lookup alone, both layers (us)", "", "| " + " | ".join(header) + " |",
+             "|---|---:|---|" + "---:|" * (len(header) - 3)]
     for mps, tokens in sorted({(c["mps"], c["tokens"]) for c in cells}):
         for variant in variants:
             row = [mps_text(mps), str(tokens), variant]
             for mode in MODES:
                 cell = by.get((mps, variant, tokens, mode), {})
                 row += [_num(cell.get(key)) for key in ("gpu_us", "host_us", "step_us")]
-            base = by.get((mps, "sglang", tokens, "synced"), {})
             own = by.get((mps, variant, tokens, "synced"), {})
-            row += [ratio(own.get(key), base.get(key)) for key in ("gpu_us", "step_us")]
+            for ref in references:
+                base = by.get((mps, ref, tokens, "synced"), {})
+                row += [ratio(own.get(key), base.get(key)) for key in ("gpu_us", "step_us")]
             lines.append("| " + " | ".join(row) + " |")
     return lines
 
@@ -79,10 +82,12 @@ def _step_table(cells: list[dict]) -> list[str]:
         return []
     by = {(c["mps"], c["variant"], c["tokens"], c["lead"], c["mode"]): c["step_us"] for c in cells}
     variants = [v for v in STEP_VARIANTS if any(c["variant"] == v for c in cells)]
-    plugins = [v for v in variants if v != "sglang"]
+    # Each variant against each of SGLang's own that is not itself (sglang_host / sglang too).
+    pairs = [(v, ref) for ref in REFERENCES if ref in variants for v in variants
+             if v != ref and not (ref == "sglang_host" and v == "sglang")]
     header = ["MPS", "T", "lead"]
     for mode in MODES:
-        header += [f"{mode} {v}" for v in variants] + [f"{mode} {v} / sglang" for v in plugins]
+        header += [f"{mode} {v}" for v in variants] + [f"{mode} {v} / {ref}" for v, ref in pairs]
     lines = ["## Model step: hash -> LEAD matmuls -> each layer's Engram.forward (us per step)",
              "", "| " + " | ".join(header) + " |", "|---|---:|---:|" + "---:|" * (len(header) - 3)]
     for mps, tokens, lead in sorted({(c["mps"], c["tokens"], c["lead"]) for c in cells}):
@@ -90,7 +95,7 @@ def _step_table(cells: list[dict]) -> list[str]:
         for mode in MODES:
             values = {v: by.get((mps, v, tokens, lead, mode)) for v in variants}
             row += [_num(values[v]) for v in variants]
-            row += [ratio(values[v], values.get("sglang")) for v in plugins]
+            row += [ratio(values[v], values[ref]) for v, ref in pairs]
         lines.append("| " + " | ".join(row) + " |")
     return lines
 

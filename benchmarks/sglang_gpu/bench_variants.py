@@ -6,6 +6,9 @@ Lookup alone, a call per batch of row IDs [T, n_layers, heads] int64 (SGLang's h
             `_owned_rows`, its Triton `engram_gather` from the layer's table in device memory
             into a fresh [T, heads, dim] bf16 tensor, on the current stream (its torch gather
             on the CPU). `rows(ids)`: the layers' rows stacked, [n_layers, T, heads, dim].
+  sglang_host  the same with SGLang's host table (SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE): the
+            table in pinned host memory, read over PCIe by the same kernel (in sorted order on
+            a GPU without ATS, as SGLang decides): where a table larger than HBM lives.
   mapped    EngramClient(mode="mapped").lookup(ids, stream).wait(stream) (common/steps
             ClientLookup): this process gathers from its mapping of the daemon's host tables.
   served    the same with mode="served": the daemon gathers into the client's slab.
@@ -28,8 +31,9 @@ import types
 import torch
 from torch import Tensor
 
-LOOKUP_VARIANTS = ("sglang", "mapped", "served")
-STEP_VARIANTS = ("sglang", "plugin_mapped", "plugin_served")
+LOOKUP_VARIANTS = ("sglang", "sglang_host", "mapped", "served")
+STEP_VARIANTS = ("sglang", "sglang_host", "plugin_mapped", "plugin_served")
+REFERENCES = ("sglang", "sglang_host")  # SGLang's own, its table in device or in host memory
 DECODE_MAX_TOKENS = 256  # above it a step is a prefill chunk (one request), below a decode batch
 POSITION = 1000  # where every request is: its whole look-back is in its history, none blocked
 
