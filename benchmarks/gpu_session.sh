@@ -53,6 +53,9 @@
 #                      slows what is timed after it)                              vllm_profile/
 #   sglang-tests       benchmarks/sglang_gpu/setup_device.sh --test               sglang_gpu.log
 #   sglang-bench       benchmarks/sglang_gpu/bench_lookup.py, both MPS modes      sglang_bench/
+#   sglang-profile     its lead-1 model-step cells at T = 1 and 16 profiled, both MPS
+#                      modes, with the wall time inside SGLang's and the plugin's
+#                      step functions (a run of its own)                          sglang_profile/
 # Benchmarks (in results.tgz: each its .json and .md in <name>/, its output in <name>.log):
 #   sync-probe         benchmarks/experiments/sync_probe.py: which CUDA calls wait for
 #                      the device while a stream of this process, then of another,
@@ -251,6 +254,13 @@ phase_sglang_bench() {  # SGLang's lookup and model step against engramd's, both
   bash benchmarks/sglang_gpu/setup_device.sh >"$out/sglang_bench_setup.log" 2>&1 || return 1
   PYTHONPATH=${SGLANG_GPU_SITE:-/tmp/sglang-gpu-site} python3 benchmarks/sglang_gpu/bench_lookup.py --mps both \
     --out "$out/sglang_bench" 2>&1 | tee "$out/sglang_bench.log" | grep -v "^|" | tail -60
+}
+
+phase_sglang_profile() {  # the lead-1 cells at T = 1 and 16 of every step variant profiled, both MPS modes
+  bash benchmarks/sglang_gpu/setup_device.sh >"$out/sglang_profile_setup.log" 2>&1 || return 1
+  PYTHONPATH=${SGLANG_GPU_SITE:-/tmp/sglang-gpu-site} python3 benchmarks/sglang_gpu/bench_lookup.py --mps both \
+    --parts step --tokens 1 16 --lead 1 --profile 1:1 16:1 --out "$out/sglang_profile" 2>&1 \
+    | tee "$out/sglang_profile.log" | grep -v "^|" | tail -40
 }
 
 # --- benchmarks

@@ -95,6 +95,7 @@ import torch  # noqa: E402
 from bench_tables import fill_sglang_tables, table_bytes  # noqa: E402
 from bench_variants import (  # noqa: E402
     DECODE_MAX_TOKENS,
+    TIMED,
     EmbeddingLookup,
     ModelStep,
     TokenPools,
@@ -174,7 +175,8 @@ class Run:
                     line.append(f"{mode} {cell['step_us']:.0f}")
                 print(f"  {model.name} T={tokens} lead={lead}: {', '.join(line)} us/step",
                       flush=True)
-        engine_bench.profile_steps(self.args, self.device.clock, model, self.token_pools.pool)
+        engine_bench.profile_steps(self.args, self.device.clock, model, self.token_pools.pool,
+                                   timed=TIMED)
 
     def _time(self, step, pool: list[Tensor], mode: str) -> dict[str, Any]:
         return time_cell(self.device.clock, step, pool, self.args.warm, mode == "synced")

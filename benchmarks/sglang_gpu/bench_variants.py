@@ -34,6 +34,18 @@ from torch import Tensor
 LOOKUP_VARIANTS = ("sglang", "sglang_host", "mapped", "served")
 STEP_VARIANTS = ("sglang", "sglang_host", "plugin_mapped", "plugin_served")
 REFERENCES = ("sglang", "sglang_host")  # SGLang's own, its table in device or in host memory
+# What a profiled cell's third pass times (common/wall_timers.py): SGLang's Engram step, and the
+# plugin's path through it down to the client's mapped lookup; each variant runs the part it has.
+_ENGRAM, _PLUGIN = "sglang.srt.layers.engram", "engramd.client.engines.sglang_engram"
+TIMED = (
+    f"{_ENGRAM}:EngramHasher.forward", f"{_ENGRAM}:Engram.forward",
+    *(f"{_ENGRAM}:EngramEmbedding.{name}" for name in ("forward", "_lookup", "_owned_rows")),
+    *(f"{_PLUGIN}:ProcessClient.{name}" for name in ("submit_step", "step_rows", "rows", "_place",
+                                                     "check_still_served")),
+    "engramd.client.client:EngramClient.lookup", "engramd.client.future:LookupFuture.wait",
+    *(f"engramd.client.mapped_path:MappedPath.{name}" for name in ("lookup", "_gather_inputs",
+                                                                   "queue_gather", "queued", "stream_wait")),
+)
 DECODE_MAX_TOKENS = 256  # above it a step is a prefill chunk (one request), below a decode batch
 POSITION = 1000  # where every request is: its whole look-back is in its history, none blocked
 
