@@ -78,6 +78,7 @@ import types
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 # What a dry run needs set before torch, Triton and SGLang read it, as tests/sglang_plugin/worker.py
 # sets it: so, before the imports below.
@@ -370,18 +371,9 @@ def sglang_host_table(layout: str | None) -> Iterator[None]:
     if layout is None:
         yield
         return
-    settings = {"SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE": "true",
-                "SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT": layout}
-    before = {name: os.environ.get(name) for name in settings}
-    os.environ.update(settings)
-    try:
+    with mock.patch.dict(os.environ, {"SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE": "true",
+                                      "SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT": layout}):
         yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def finish_host_load(layers: list) -> None:
