@@ -8,13 +8,23 @@ calls that are illegal during any capture (a synchronize of the whole device) st
 tests/gpu/test_captured_gpu.py's capture in the default mode, held open while the keeper
 refreshes, failed on an H200 (its first run): this probe names the call.
 
-For each operation below, TRIALS times: the main thread begins a capture in global mode on a
-stream of its own and launches a kernel in it; a worker thread then runs the operation, while
-the capture is open; the main thread launches a second kernel and ends the capture, then
-replays the graph and checks what it wrote. Reported per operation: captures that failed, the
-first error, and errors of the operation itself. The worker enters relaxed mode as the client's
-threads do; `--worker-mode global` leaves it in the default mode (the control: there, every
-possibly unsafe call must spoil the capture, else the probe sees nothing).
+For each operation below, in a process of its own, up to TRIALS times: the main thread begins
+a capture in global mode and launches a kernel in it; a worker thread then runs the operation
+while the capture is open; the main thread launches a second kernel and ends the capture, then
+replays the graph and checks what it wrote. The first capture that fails ends the operation's
+trials (torch leaves a failed capture's state behind: later captures in that process would not
+say anything of the operation). Reported per operation: the trial whose capture failed (none:
+every one held), its error, and errors of the operation itself.
+
+The worker enters relaxed mode as the client's threads do; `--worker-mode global` leaves it in
+the default mode: the control, in which a possibly unsafe call must spoil the capture, else the
+probe cannot see it. Three operations call through threads or guards of their own that are
+relaxed whatever the worker is (host_unregistered's registering threads, graph_destroyed's
+torch guard), or that follow the worker's mode (fresh_thread_keeper_warm). keeper_refresh finds
+no logged candidates (nothing gathers here): it makes a refresh's reads and its aging;
+keeper_warm makes the rest of a refresh's calls (invalidate, grace, fill, publish). What the
+capturing thread itself does (a captured lookup's record()) is not probed here: captures in
+"thread_local" mode, where only that thread counts, hold (tests/gpu/test_captured_gpu.py).
 
     python benchmarks/experiments/capture_probe.py [--trials 10] [--worker-mode relaxed|global]
         [--ops NAME ...] [--out FILE.json]
@@ -28,10 +38,10 @@ import itertools
 import json
 import mmap
 import queue
+import subprocess
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,11 +50,16 @@ import torch
 from engramd.client.shared import cuda
 from engramd.client.shared.host_pin import HostRegistration
 from engramd.kernels import descriptor as desc
-from engramd.kernels import hot_cache
 
 ROW_BYTES, ROWS, LAYERS, HEADS = 264, 1 << 16, 2, 8
 OP_DEADLINE_S = 30.0  # an operation still running then is reported as hung
 GRAPHS = 64  # graphs for graph_destroyed to let go, one a call: enough for 2 + --trials calls
+CHILD_TIMEOUT_S = 120.0  # an operation's process: imports, the fixture and its trials
+OPERATIONS = (
+    "event_query", "event_synchronize", "item", "tolist", "new_allocation", "pin_memory",
+    "copy_to_pinned", "unique", "stream_from_pool", "descriptor_snapshot", "keeper_warm",
+    "keeper_refresh", "graph_destroyed", "host_unregistered", "fresh_thread_keeper_warm",
+    "device_synchronize", "empty_cache")
 
 
 class Fixture:
@@ -66,6 +81,7 @@ class Fixture:
                                        gather_probes=lambda: [self.descriptor.quiet()])
         self.rng = torch.Generator().manual_seed(7)
         self.graphs = [self._graph() for _ in range(GRAPHS)]
+        self.kept: list[object] = []  # what an operation could not let go during a capture
         torch.cuda.synchronize(device)
 
     def _graph(self) -> torch.cuda.CUDAGraph:
@@ -80,8 +96,9 @@ class Fixture:
         return ids.repeat(4, 1, 1)
 
 
-def operations(f: Fixture) -> dict[str, Callable[[], object]]:
-    """What the client's threads do while an engine may capture, one call (or step) each."""
+def operations(f: Fixture, relaxed: bool = True) -> dict[str, Callable[[], object]]:
+    """What the client's threads do while an engine may capture, one call (or step) each;
+    `relaxed`: the worker's mode, which a thread an operation starts takes too."""
     def on_own():  # the worker's own stream, as the keeper's
         return torch.cuda.stream(f.stream)
 
@@ -149,7 +166,12 @@ def operations(f: Fixture) -> dict[str, Callable[[], object]]:
         view = ctypes.c_char.from_buffer(page)
         address = ctypes.addressof(view)
         del view  # the mapping may close once nothing points into it
-        HostRegistration([(address, 1 << 21)], workers=1, device=f.device.index).close()
+        registration = HostRegistration([(address, 1 << 21)], workers=1, device=f.device.index)
+        try:
+            registration.close()
+        except BaseException:
+            f.kept.append((registration, page))  # still registered: never unmapped under it
+            raise
         page.close()
 
     def fresh_thread_keeper_warm():  # a thread's first CUDA calls, as a new keeper's
@@ -157,7 +179,7 @@ def operations(f: Fixture) -> dict[str, Callable[[], object]]:
 
         def run():
             try:
-                cuda.enter_thread(f.device.index)
+                (cuda.enter_thread if relaxed else cuda.make_current)(f.device.index)
                 f.keeper.warm(f.hot_ids())
             except BaseException as exc:
                 errors.append(exc)
@@ -167,11 +189,13 @@ def operations(f: Fixture) -> dict[str, Callable[[], object]]:
         if errors:
             raise errors[0]
 
-    return {op.__name__: op for op in (
+    ops = {op.__name__: op for op in (
         event_query, event_synchronize, item, tolist, new_allocation, pin_memory, copy_to_pinned,
         unique, stream_from_pool, descriptor_snapshot, keeper_warm, keeper_refresh,
         graph_destroyed, host_unregistered, fresh_thread_keeper_warm, device_synchronize,
         empty_cache)}
+    assert tuple(ops) == OPERATIONS, "OPERATIONS names the operations, in order"
+    return ops
 
 
 class Worker:
@@ -233,35 +257,46 @@ def one_capture(worker: Worker, op: Callable[[], object], device: torch.device) 
     return {"op_error": op_error, "capture_error": capture_error, "replayed_right": replayed}
 
 
-def probe(names: list[str], trials: int, relaxed: bool, device: torch.device) -> list[dict]:
+def probe_one(name: str, trials: int, relaxed: bool, device: torch.device) -> dict:
+    """In this process: `name`'s trials, up to the first capture that fails."""
     fixture = Fixture(device)
-    ops = operations(fixture)
-    unknown = sorted(set(names) - set(ops))
-    if unknown:
-        sys.exit(f"unknown operations {unknown}; known: {sorted(ops)}")
+    op = operations(fixture, relaxed)[name]
     worker = Worker(device, relaxed)
+    first_calls = [worker.run(op) for _ in range(2)]  # untimed: compile and load what it uses
+    torch.cuda.synchronize(device)
+    results = []
+    for _ in range(trials):
+        results.append(one_capture(worker, op, device))
+        if results[-1]["capture_error"] or results[-1]["op_error"] == "hung":
+            break
+    worker.stop()
+    failed = next((n for n, r in enumerate(results, start=1) if r["capture_error"]), None)
+    return {"op": name, "worker_mode": "relaxed" if relaxed else "global", "trials": len(results),
+            "failed_at_trial": failed,
+            "capture_error": results[failed - 1]["capture_error"] if failed else None,
+            "op_errors": sum(1 for r in results if r["op_error"]),
+            "first_op_error": next((r["op_error"] for r in results if r["op_error"]), None),
+            "first_calls_errors": [e for e in first_calls if e],
+            "replays_wrong": sum(1 for r in results if r["replayed_right"] is False)}
+
+
+def probe(names: list[str], trials: int, worker_mode: str, device_index: int) -> list[dict]:
+    """Each operation in a child process (this script with --child); its row, or what ended it."""
     rows = []
-    for name in names or list(ops):
-        for _ in range(2):  # untimed first calls: compile and load what the operation uses
-            worker.run(ops[name])
-        torch.cuda.synchronize(device)
-        results = []
-        for _ in range(trials):
-            try:
-                results.append(one_capture(worker, ops[name], device))
-            except Exception:
-                results.append({"op_error": None, "capture_error": traceback.format_exc(limit=2)[-300:],
-                                "replayed_right": None})
-        failed = [r for r in results if r["capture_error"]]
-        row = {"op": name, "worker_mode": "relaxed" if relaxed else "global", "trials": trials,
-               "captures_failed": len(failed),
-               "first_capture_error": failed[0]["capture_error"] if failed else None,
-               "op_errors": sum(1 for r in results if r["op_error"]),
-               "first_op_error": next((r["op_error"] for r in results if r["op_error"]), None),
-               "replays_wrong": sum(1 for r in results if r["replayed_right"] is False)}
+    for name in names:
+        command = [sys.executable, __file__, "--child", "--ops", name, "--trials", str(trials),
+                   "--worker-mode", worker_mode, "--device", str(device_index)]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+            lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+            row = json.loads(lines[-1]) if done.returncode == 0 and lines else {
+                "op": name, "worker_mode": worker_mode,
+                "child_failed": f"exit {done.returncode}: {done.stderr.strip()[-400:]}"}
+        except subprocess.TimeoutExpired:
+            row = {"op": name, "worker_mode": worker_mode,
+                   "child_failed": f"no answer within {CHILD_TIMEOUT_S:.0f} s (hung)"}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    worker.stop()
     return rows
 
 
@@ -272,16 +307,24 @@ def main() -> None:
     parser.add_argument("--ops", nargs="*", default=[], help="operations to probe (default: all)")
     parser.add_argument("--device", type=int, default=0)
     parser.add_argument("--out", help="JSON file for the results")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if not 1 <= args.trials <= GRAPHS - 2:
         parser.error(f"--trials must be 1..{GRAPHS - 2}")
+    unknown = sorted(set(args.ops) - set(OPERATIONS))
+    if unknown:
+        parser.error(f"unknown operations {unknown}; known: {list(OPERATIONS)}")
     if not torch.cuda.is_available():
         sys.exit("capture_probe needs a GPU")
-    device = torch.device("cuda", args.device)
-    torch.cuda.set_device(device)
-    rows = probe(args.ops, args.trials, args.worker_mode == "relaxed", device)
-    report = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
-              "worker_mode": args.worker_mode, "hot_cache_ways": hot_cache.WAYS, "rows": rows}
+    if args.child:
+        device = torch.device("cuda", args.device)
+        torch.cuda.set_device(device)
+        print(json.dumps(probe_one(args.ops[0], args.trials, args.worker_mode == "relaxed", device)),
+              flush=True)
+        return
+    rows = probe(args.ops or list(OPERATIONS), args.trials, args.worker_mode, args.device)
+    report = {"device": torch.cuda.get_device_name(args.device), "torch": torch.__version__,
+              "worker_mode": args.worker_mode, "trials": args.trials, "rows": rows}
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
 
