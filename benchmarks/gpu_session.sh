@@ -299,14 +299,19 @@ phase_lookup() {  # benchmarks/gpu_lookup.py, 16 GiB, without and under MPS
 phase_lookup_host() {  # benchmarks/lookup_host.py: host time of a lookup, mapped / served / in-process
   python3 benchmarks/lookup_host.py --out "$out/lookup_host" 2>&1 | tee "$out/lookup_host.log" | tail -50
 }
+lookup_host_of() {  # lookup_host.py of the tree `$1` (installed first) into $2
+  if ! ab_install "$1"; then echo "installing $1 failed (install.log)"; return 1; fi
+  (cd "$1" && python3 benchmarks/lookup_host.py --out "$2") >>"$out/lookup_host_base.log" 2>&1
+}
 phase_lookup_host_base() {  # the same of the tree in .ab_base and of this one, in turn, LOOKUP_HOST_ROUNDS (3)
   [ -d .ab_base ] || { echo "no .ab_base folder"; return 1; }
   local rc=0 round ab="$out/lookup_host_base"
-  for round in $(seq "${LOOKUP_HOST_ROUNDS:-3}"); do
-    ab_install .ab_base && { (cd .ab_base && python3 benchmarks/lookup_host.py --out "$ab/base_$round") \
-      >>"$out/lookup_host_base.log" 2>&1 || rc=1; }
-    ab_install . && { python3 benchmarks/lookup_host.py --out "$ab/current_$round" \
-      >>"$out/lookup_host_base.log" 2>&1 || rc=1; }
+  for round in $(seq "${LOOKUP_HOST_ROUNDS:-3}"); do  # which goes first alternates
+    if (( round % 2 )); then
+      lookup_host_of .ab_base "$ab/base_$round" || rc=1; lookup_host_of "$PWD" "$ab/current_$round" || rc=1
+    else
+      lookup_host_of "$PWD" "$ab/current_$round" || rc=1; lookup_host_of .ab_base "$ab/base_$round" || rc=1
+    fi
   done
   python3 benchmarks/lookup_host.py --compare "$ab" || rc=1
   return "$rc"

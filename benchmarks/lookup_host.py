@@ -160,23 +160,24 @@ def markdown(report: dict[str, Any]) -> str:
 
 def compare(folder: Path) -> str:
     """Markdown: per (T, variant), the p50 of every round of each tree and the median ratio."""
-    rounds: dict[str, list[dict[tuple[int, str], float]]] = {"base": [], "current": []}
-    for tree, runs in rounds.items():
-        for n in range(1, 1000):
-            report = folder / f"{tree}_{n}" / "lookup_host.json"
-            if not report.exists():
-                break
-            runs.append({(r["tokens"], r["variant"]): r["p50_us"]
-                         for r in json.loads(report.read_text())["rows"]})
-    paired = min(len(rounds["base"]), len(rounds["current"]))
-    if paired == 0:
-        raise SystemExit(f"{folder}: no base_1/ and current_1/ runs to compare")
-    lines = [f"Host time p50 (us), {paired} rounds of each tree, taken in turn; ratio: the median "
-             "of the rounds' current / base.", "",
+    def runs(tree: str) -> dict[int, dict[tuple[int, str], float]]:
+        found = {}
+        for report in folder.glob(f"{tree}_*/lookup_host.json"):
+            found[int(report.parent.name.split("_")[-1])] = {
+                (r["tokens"], r["variant"]): r["p50_us"] for r in json.loads(report.read_text())["rows"]}
+        return found
+
+    base_runs, current_runs = runs("base"), runs("current")
+    paired = sorted(set(base_runs) & set(current_runs))  # a round one tree failed in: left out
+    if not paired:
+        raise SystemExit(f"{folder}: no round with both base_N/ and current_N/ runs to compare")
+    lines = [f"Host time p50 (us), {len(paired)} rounds of each tree, taken in turn (rounds "
+             f"{', '.join(map(str, paired))}); ratio: the median of the rounds' current / base.", "",
              "| T | variant | base, each round | current, each round | ratio |", "|---:|---|---|---|---:|"]
-    for cell in sorted(set(rounds["base"][0]) & set(rounds["current"][0])):
-        base = [run[cell] for run in rounds["base"][:paired]]
-        current = [run[cell] for run in rounds["current"][:paired]]
+    cells = set.intersection(*(set(base_runs[n]) & set(current_runs[n]) for n in paired))
+    for cell in sorted(cells):
+        base = [base_runs[n][cell] for n in paired]
+        current = [current_runs[n][cell] for n in paired]
         ratio = float(np.median([c / b for b, c in zip(base, current, strict=True)]))
         lines.append(f"| {cell[0]} | {cell[1]} | {' / '.join(map(str, base))} | "
                      f"{' / '.join(map(str, current))} | {ratio:.2f} |")

@@ -457,7 +457,11 @@ def check_rows_stay_across_a_restart(daemon_factory, reference, device: str, mod
         lookups("before the restart")
         epoch, generation, tables = client.epoch, client.rows_generation, client.tables_id
         stale_ids = random_ids(rng, 3, reference.rows, reference.heads)
-        stale = client.lookup(torch.from_numpy(stale_ids).to(device))
+        stale_on_device = torch.from_numpy(stale_ids).to(device)
+        served_gpu = mode == "served" and device == "cuda"
+        if served_gpu:  # its IDs are handed over after ~1 s: the daemon dies before it writes
+            torch.cuda._sleep(2_000_000_000)
+        stale = client.lookup(stale_on_device)
         first.proc.kill()
         first.proc.wait()
         if mode == "mapped":  # its own gather, which no daemon took part in: still valid
@@ -466,7 +470,6 @@ def check_rows_stay_across_a_restart(daemon_factory, reference, device: str, mod
                 torch.cuda.current_stream().synchronize()
             assert np.array_equal(rows.double().cpu().numpy(), reference.expected(stale_ids)), \
                 "a lookup made before the kill"
-        served_gpu = mode == "served" and device == "cuda"
         if served_gpu:  # its rows were never written: the next lookup reports it, once
             wait_until(stale.failed, timeout=5.0)  # noticed within 0.1 s of the lease's close
             with pytest.raises(LookupFailedError) as failed:

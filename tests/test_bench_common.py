@@ -316,13 +316,15 @@ def test_lookup_host_compare_pairs_the_rounds_and_takes_the_median_ratio(tmp_pat
         rows_ = [{"tokens": t, "variant": v, "p50_us": us, "p90_us": us} for (t, v), us in p50.items()]
         (tmp_path / folder / "lookup_host.json").write_text(json.dumps({"rows": rows_}))
 
-    with pytest.raises(SystemExit, match="no base_1"):
+    with pytest.raises(SystemExit, match="no round with both"):
         lookup_host.compare(tmp_path)
-    for n, (base, current) in enumerate([(100.0, 110.0), (50.0, 100.0), (80.0, 72.0)], start=1):
-        run(f"base_{n}", {(1, "mapped"): base, (16, "served"): 300.0})
-        run(f"current_{n}", {(1, "mapped"): current, (16, "served"): 330.0})
-    run("base_4", {(1, "mapped"): 1.0, (16, "served"): 1.0})  # no current_4: left out
+    for n, (base, current) in zip((1, 3, 4), [(100.0, 110.0), (50.0, 100.0), (80.0, 72.0)], strict=True):
+        run(f"base_{n}", {(1, "mapped"): base, (16, "served"): 300.0, (256, "inproc"): 9.0})
+        run(f"current_{n}", {(1, "mapped"): current, (16, "served"): 330.0} | (
+            {(256, "inproc"): 9.0} if n != 4 else {}))  # a cell one round lacks: left out
+    run("base_2", {(1, "mapped"): 1.0, (16, "served"): 1.0})  # round 2's current failed: left out
     table = lookup_host.compare(tmp_path).splitlines()
-    assert "3 rounds of each tree" in table[0]
+    assert "3 rounds of each tree" in table[0] and "(rounds 1, 3, 4)" in table[0]
     assert "| 1 | mapped | 100.0 / 50.0 / 80.0 | 110.0 / 100.0 / 72.0 | 1.10 |" in table  # of 1.1, 2.0, 0.9
     assert "| 16 | served | 300.0 / 300.0 / 300.0 | 330.0 / 330.0 / 330.0 | 1.10 |" in table
+    assert not any("inproc" in line for line in table)

@@ -28,8 +28,8 @@ phases, one after the other, TP=1 on SGLang's own process groups (gloo):
    their device memory handed back. On a GPU the same again with SGLang's host table
    (--sglang-host-layout, per_rank by default: anonymous memory, which SGLang folds into huge
    pages; `shared` is its memfd layout for TP > 1): rows and outputs checked against the
-   device table's, then timed (sglang_host). SGLang never lets a host table go: its 8 GiB
-   stay pinned through phase 2.
+   device table's, then timed (sglang_host). SGLang never lets a host table go (nor does this
+   script): its 8 GiB stay mapped and pinned through phase 2.
 2. engramd: the same bytes in /dev/shm, a `--backend cuda` daemon that re-attaches them
    (common/daemon.py), a mapped and a served EngramClient (lookups mapped, served); then the
    plugin, loaded as SGLang loads it (bench_plugin.py), and SGLang's Engram layers built again
@@ -142,6 +142,10 @@ class Run:
         self.memory: dict[str, dict] = {}
         self.reference_rows: dict[int, Tensor] = {}  # T -> SGLang's rows of the check batch (host)
         self.reference_out: dict[int, Tensor] = {}  # T -> its layers' outputs of the check step
+        # SGLang's host tables, kept to the end: SGLang never unregisters one, so one collected
+        # would leave its range registered after it is unmapped (the next registration of that
+        # address, a mapped client's, would fail).
+        self.host_tables: list = []
         self.matmuls = Matmuls(args.matmul_n, device.device, args.seed)
         self.id_generator = torch.Generator(device=device.device).manual_seed(args.seed)
         self.token_pools = TokenPools(vocab, device.device, args.seed)
@@ -234,6 +238,7 @@ class Run:
         phase["build_s"] = round(time.monotonic() - started, 1)
         phase["fill_s"] = round(fill_sglang_tables(layers, self.geometry, self.args.seed), 1)
         if host_layout is not None:
+            self.host_tables += [layer.embed.host_table for layer in layers]
             finish_host_load(layers)
         phase["memory_filled"] = self.device.memory()
         print(f"[{name}] built in {phase['build_s']} s, filled in {phase['fill_s']} s", flush=True)
@@ -268,10 +273,13 @@ class Run:
         """The host table's phase; its failure is reported, and phase 2 runs all the same."""
         try:
             self.sglang_phase(engram, hf, layout, hasher, host_layout)
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # SystemExit: a check's (check_kernel_calls)
             self.phases["sglang_host"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
             print(f"[sglang_host] FAILED, phase 2 goes on: {exc!r}", flush=True)
-            self.device.free()
+            try:
+                self.device.free()
+            except Exception as again:  # a CUDA error that stays: phase 2 will say so itself
+                print(f"[sglang_host] freeing after the failure: {again!r}", flush=True)
 
     # -- phase 2
 
