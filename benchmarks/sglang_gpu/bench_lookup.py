@@ -59,10 +59,10 @@ Cost on an H200 at the defaults, for one MPS mode (estimated from the vLLM bench
 SGLang GPU test's runs there; the script prints each phase's seconds and the JSON keeps them):
 importing SGLang, its Engram module and the helpers, 20-40 s; phase 1, 30-60 s (filling 8 GiB of
 device memory, the hasher's token map, SGLang's Triton compiles, the checks, 8 lookup cells and
-24 model-step cells of 55 steps), and about as long again for the host table (not yet run:
-the first runs, without it, took 11-13 s for phase 1); phase 2, 40-80 s (filling /dev/shm, the daemon's start and pin,
-two clients' attach and 16 lookup cells, per plugin mode a build, the checks and 24 cells). About
-1.5-3 minutes in all, twice that with --mps both.
+24 model-step cells of 55 steps), and about as long again for the host table (not yet run: the
+first runs, without it, took 11-13 s for phase 1); phase 2, 40-80 s (filling /dev/shm, the
+daemon's start and pin, two clients' attach and 16 lookup cells, per plugin mode a build, the
+checks and 24 cells). About 1.5-3 minutes in all, twice that with --mps both.
 """
 
 from __future__ import annotations
@@ -235,10 +235,11 @@ class Run:
         phase = self.phases[name] = {"memory_before": self.device.memory()}
         with sglang_host_table(host_layout):
             layers = self.device.build_layers(engram, hf, layout)
+        if host_layout is not None:
+            self.host_tables += [layer.embed.host_table for layer in layers]
         phase["build_s"] = round(time.monotonic() - started, 1)
         phase["fill_s"] = round(fill_sglang_tables(layers, self.geometry, self.args.seed), 1)
         if host_layout is not None:
-            self.host_tables += [layer.embed.host_table for layer in layers]
             finish_host_load(layers)
         phase["memory_filled"] = self.device.memory()
         print(f"[{name}] built in {phase['build_s']} s, filled in {phase['fill_s']} s", flush=True)
