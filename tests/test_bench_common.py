@@ -328,3 +328,24 @@ def test_lookup_host_compare_pairs_the_rounds_and_takes_the_median_ratio(tmp_pat
     assert "| 1 | mapped | 100.0 / 50.0 / 80.0 | 110.0 / 100.0 / 72.0 | 1.10 |" in table  # of 1.1, 2.0, 0.9
     assert "| 16 | served | 300.0 / 300.0 / 300.0 | 330.0 / 330.0 / 330.0 | 1.10 |" in table
     assert not any("inproc" in line for line in table)
+
+
+def test_the_sglang_report_holds_each_variant_against_both_of_sglangs_own(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks" / "sglang_gpu"))
+    import bench_report
+
+    us = {"sglang": 100.0, "sglang_host": 200.0, "plugin_mapped": 300.0}
+    steps = [{"mps": False, "variant": v, "tokens": 1, "lead": 1, "mode": mode, "step_us": t}
+             for v, t in us.items() for mode in ("pipelined", "synced")]
+    header, _, row = bench_report._step_table(steps)[2:5]
+    cells = dict(zip(header.strip("| ").split(" | "), row.strip("| ").split(" | "), strict=True))
+    assert cells["synced sglang_host / sglang"] == "2.00"
+    assert cells["synced plugin_mapped / sglang"] == "3.00"
+    assert cells["synced plugin_mapped / sglang_host"] == "1.50"
+    assert "synced sglang / sglang_host" not in cells
+    lookups = [{"mps": False, "variant": v, "tokens": 1, "mode": "synced", "gpu_us": t, "step_us": t}
+               for v, t in us.items() if v != "plugin_mapped"]
+    header, _, _, second = bench_report._lookup_table(lookups)[2:6]
+    cells = dict(zip(header.strip("| ").split(" | "), second.strip("| ").split(" | "), strict=True))
+    assert (cells["variant"], cells["synced gpu / sglang"], cells["synced gpu / sglang_host"]) == (
+        "sglang_host", "2.00", "1.00")
