@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from helpers import point, reload, row_kinds, rows_match, wait_until
+from helpers import DEMO_HEARTBEAT_S, point, reload, row_kinds, rows_match, wait_until
 from reference import random_ids
 from test_reload_gpu import CUDA
 
@@ -182,6 +182,28 @@ def test_captures_in_cudas_default_mode_beside_the_clients_threads(daemon_factor
                 rows = captured.record(16)
                 # Held open until the keeper has refreshed (its CUDA calls made meanwhile).
                 wait_until(lambda since=refreshes: keeper.stats.refreshes > since, timeout=FOLLOW_S)
+            ids = random_ids(rng, 16, reference.rows, reference.heads)
+            assert rows_match(replay(graph, captured, rows, ids), reference, ids), f"capture {capture}"
+
+
+def test_captures_in_cudas_default_mode_beside_a_client_without_a_hot_row_cache(daemon_factory,
+                                                                               reference):
+    """The test above without the keeper: the heartbeat (every DEMO_HEARTBEAT_S here) and the
+    captured lookups' upkeep go on while each capture is held open. Beside the test above, it
+    says whether the keeper is what spoils a capture in the default mode."""
+    daemon = daemon_factory(extra=CUDA)
+    rng = np.random.default_rng(44)
+    with EngramClient(daemon.socket, device="cuda", mode="mapped", max_tokens=MAX_TOKENS,
+                      hot_cache_gib=0) as client:
+        assert client._mapped_path.tables.keeper is None
+        buffer = torch.full((MAX_TOKENS, client.geometry.n_layers, client.geometry.heads), -1,
+                            dtype=torch.int64, device="cuda")
+        captured = client.capturable_lookup(buffer)
+        for capture in range(4):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):  # capture_error_mode="global", the default
+                rows = captured.record(16)
+                time.sleep(5 * DEMO_HEARTBEAT_S)  # held open: the client's threads run meanwhile
             ids = random_ids(rng, 16, reference.rows, reference.heads)
             assert rows_match(replay(graph, captured, rows, ids), reference, ids), f"capture {capture}"
 
