@@ -152,7 +152,7 @@ on_hugetlbfs() {
 # --- tests
 phase_tests() {  # tests/gpu (or GPU_TESTS) but the faults and the killed clients: phases of their own
   # shellcheck disable=SC2086  # GPU_TESTS: paths, split on spaces
-  python3 -m pytest ${GPU_TESTS:-tests/gpu} -q --ignore=tests/gpu/test_served_faults_gpu.py \
+  python3 -m pytest ${GPU_TESTS:-tests/gpu} -v --ignore=tests/gpu/test_served_faults_gpu.py \
     -k "not twenty" --durations=5 2>&1 | tee -a "$out/gpu_tests.log"
 }
 phase_tests_mps() {  # the cross-process GPU tests under MPS
