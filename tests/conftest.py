@@ -21,6 +21,7 @@ from helpers import (  # noqa: E402
     children,
     long_lived_helpers,
     new_entries_of_ours,
+    remove_dead_runs_folders,
     remove_entry,
     remove_tempdir,
     shm_tempdir,
@@ -54,7 +55,8 @@ def _leak_message(left: list[Path]) -> str:
 @pytest.fixture(autouse=True, scope="session")
 def no_leaks_at_exit():
     """What module and session fixtures made in /dev/shm and /tmp (before a test's no_leaks looked,
-    and kept past it) must be gone when the run ends."""
+    and kept past it) must be gone when the run ends. First, what killed runs left goes."""
+    remove_dead_runs_folders()
     before = watched_entries()
     yield
     left = new_entries_of_ours(before)

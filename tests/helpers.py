@@ -76,6 +76,24 @@ def shm_tempdir() -> Path:
     return _made(Path(tempfile.mkdtemp(prefix=RUN_PREFIX, dir=base)))
 
 
+def remove_dead_runs_folders() -> list[Path]:
+    """Remove the engramd-test-<pid>-* folders of runs whose process is gone (a run killed by a
+    signal cleans up nothing); those of live processes, other runs going on, stay. Returns
+    what it removed."""
+    removed = []
+    for folder in WATCHED:
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            continue
+        for name in names:
+            pid = name.removeprefix("engramd-test-").split("-", 1)[0]
+            if name.startswith("engramd-test-") and pid.isdigit() and not Path(f"/proc/{pid}").exists():
+                shutil.rmtree(folder / name, ignore_errors=True)
+                removed.append(folder / name)
+    return removed
+
+
 def remove_tempdir(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
     _made_temp_dirs.discard(path)

@@ -105,3 +105,25 @@ def test_engramd_folders_of_other_processes_are_not_ours(tmp_path):
     finally:
         shutil.rmtree(folder)
     assert not ours(tmp_path)  # pytest's own folders are pytest's to clean
+
+
+def test_a_killed_runs_folders_go_and_a_live_ones_stay():
+    """A run killed by a signal cleans up nothing: the next run removes its folders (those of
+    a process that is gone), never those of a run still going (this one's)."""
+    import subprocess
+    import sys
+
+    from helpers import RUN_PREFIX, remove_dead_runs_folders, remove_tempdir, shm_tempdir
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    dead = Path(tempfile.mkdtemp(prefix=f"engramd-test-{gone.stdout.strip()}-", dir=SHM))
+    (dead / "table").write_bytes(b"rows")
+    live = shm_tempdir()
+    try:
+        removed = remove_dead_runs_folders()
+        assert dead in removed and not dead.exists()
+        assert live.exists() and live.name.startswith(RUN_PREFIX) and live not in removed
+    finally:
+        shutil.rmtree(dead, ignore_errors=True)
+        remove_tempdir(live)
