@@ -31,36 +31,7 @@ from engramd.client.shared.connection import probe
 
 REPO = Path(__file__).resolve().parents[2]
 
-FLOOD = """
-import os, socket, sys, threading
-from engramd.client.shared.handles import HANDLE_REQUESTS, _send_request
-
-path, counter, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
-refused = [0]
-
-
-def flood():
-    while True:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.setblocking(False)
-        try:
-            sock.connect(path)
-            _send_request(sock, HANDLE_REQUESTS["hello"]())
-        except BlockingIOError:
-            refused[0] += 1
-        except OSError:
-            pass
-        sock.close()
-
-
-for _ in range(threads):
-    threading.Thread(target=flood, daemon=True).start()
-while True:
-    threading.Event().wait(0.05)
-    with open(counter + ".new", "w") as f:
-        f.write(str(refused[0]))
-    os.replace(counter + ".new", counter)
-"""
+FLOOD = REPO / "benchmarks" / "common" / "hello_flood.py"  # the flood, a process of its own
 
 
 def _plain_connect(sock, path, deadline: float) -> None:
@@ -97,7 +68,7 @@ def main() -> None:
     flood = None
     try:
         wait_ready(socket_path, time.monotonic() + 120)
-        flood = subprocess.Popen([sys.executable, "-c", FLOOD, str(socket_path.parent / "engramd.handles"),
+        flood = subprocess.Popen([sys.executable, str(FLOOD), str(socket_path.parent / "engramd.handles"),
                                   str(counter), str(args.threads)])
         while not counter.exists():
             time.sleep(0.05)

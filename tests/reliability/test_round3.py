@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import attach_raw, dealer, engramd_stats, register, request
+from helpers import attach_raw, dealer, engramd_stats, register, request, wait_until
 from reference import random_ids
 
 from engramd.client import EngramClient
@@ -278,36 +278,9 @@ def test_silent_handle_connections_lock_no_client_out(daemon_factory, reference,
     assert daemon.proc.poll() is None
 
 
-HELLO_FLOOD = """
-import os, socket, sys, threading
-from engramd.client.shared.handles import HANDLE_REQUESTS, _send_request
-
-path, counter = sys.argv[1], sys.argv[2]
-refused = [0]
-
-
-def flood():
-    while True:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.setblocking(False)
-        try:
-            sock.connect(path)
-            _send_request(sock, HANDLE_REQUESTS["hello"]())
-        except BlockingIOError:  # the daemon's queue of unaccepted connections is full
-            refused[0] += 1
-        except OSError:
-            pass
-        sock.close()  # before the answer
-
-
-for _ in range(4):
-    threading.Thread(target=flood, daemon=True).start()
-while True:
-    threading.Event().wait(0.05)
-    with open(counter + ".new", "w") as f:
-        f.write(str(refused[0]))
-    os.replace(counter + ".new", counter)  # whole, for the test to read at any time
-"""
+# The flood, a process of its own (connects, asks hello, closes before the answer; 4 threads).
+HELLO_FLOOD = Path(__file__).resolve().parents[2] / "benchmarks" / "common" / "hello_flood.py"
+FLOOD_FILLS_S = 60.0  # the flood's start (an interpreter, imports) and its first refused connect
 
 
 def test_a_flood_of_short_handle_connections_delays_clients_but_fails_none(daemon_factory, reference):
@@ -317,13 +290,11 @@ def test_a_flood_of_short_handle_connections_delays_clients_but_fails_none(daemo
     (EAGAIN). A client now waits for room, within its timeout: every one attaches, rows exact."""
     daemon = daemon_factory()
     counter = daemon.workdir / "flood-refused"
-    flood = subprocess.Popen([sys.executable, "-c", HELLO_FLOOD, str(handle_socket_path(daemon.socket)),
-                              str(counter)])
+    flood = subprocess.Popen([sys.executable, str(HELLO_FLOOD), str(handle_socket_path(daemon.socket)),
+                              str(counter), "4"])
     try:
-        deadline = time.monotonic() + 60.0
-        while not (counter.exists() and int(counter.read_text()) > 0):
-            assert time.monotonic() < deadline, "the flood never found the daemon's queue full"
-            time.sleep(0.05)
+        # Not a bound on the daemon: only how long the flood may take to fill the queue at all.
+        wait_until(lambda: counter.exists() and int(counter.read_text()) > 0, timeout=FLOOD_FILLS_S)
         ids = random_ids(np.random.default_rng(11), 4, reference.rows, reference.heads)
         refused_before = int(counter.read_text())
         for _ in range(10):
