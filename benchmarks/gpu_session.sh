@@ -42,7 +42,8 @@
 #                      past BUDGET_S (a run: 35 s)                                gpu_tests_captured.log
 # Engines (each its recipe's folder carried: .vllm-gpu or .sglang-gpu; README there):
 #   vllm-tests         benchmarks/vllm_gpu/setup_device.sh --test: vLLM's Engram
-#                      modules against the plugin's, rows bit for bit             vllm_gpu.log
+#                      modules against the plugin's, rows bit for bit;
+#                      ENGINE_TESTS_K: a pytest -k expression (also sglang-tests) vllm_gpu.log
 #   vllm-tests-mps     the same under MPS (its served test's IPC through MPS)     mps/vllm_gpu.log
 #   vllm-bench         benchmarks/vllm_gpu/bench_lookup.py, the mapped plugin's gather at
 #                      the wait and in lookup(); VLLM_BENCH_MPS (both), _ROUNDS (3),
@@ -66,6 +67,12 @@
 #                      the worker relaxed (10 trials a call), then in the default
 #                      mode (the control, 3 trials); a process per call (about
 #                      2.5 min)                                                   capture_probe*.log
+#   capture-keeper     benchmarks/experiments/capture_beside_keeper.py: the default-mode
+#                      capture test's loop beside a mapped client with a hot-row
+#                      cache, in variants that each take one suspect away or first
+#                      ride a captured lookup through a daemon restart, every step
+#                      traced with the capture's status (about 4 min);
+#                      CAPTURE_VARIANTS: some of them                            capture_beside_keeper.log
 #   lookup             benchmarks/gpu_lookup.py, 16 GiB, without and under MPS    lookup/
 #   lookup-host        benchmarks/lookup_host.py: host time of one lookup         lookup_host/
 #   lookup-host-base   the same of the tree in .ab_base and of this one, in turn,
@@ -284,6 +291,10 @@ phase_capture_probe() {  # which background calls spoil a capture in the default
     --trials 3 --ops event_query item new_allocation unique keeper_warm device_synchronize \
     --out "$out/capture_probe_global.json" 2>&1 | tee "$out/capture_probe_global.log" || rc=1
   return "$rc"
+}
+phase_capture_keeper() {  # which suspect of a mapped client with a hot-row cache spoils a default-mode capture
+  timeout -s INT -k 10 420 python3 benchmarks/experiments/capture_beside_keeper.py ${CAPTURE_VARIANTS:+--variants $CAPTURE_VARIANTS} \
+    --out "$out/capture_beside_keeper.json" 2>&1 | tee "$out/capture_beside_keeper.log"
 }
 phase_sync_probe_mps() {  # the same under MPS, where every client's work shares one server
   mps_start

@@ -10,7 +10,8 @@
 #
 #   bash benchmarks/<engine>_gpu/setup_device.sh [--test OUT]
 #       then: export PYTHONPATH=${<ENGINE>_GPU_SITE:-/tmp/<engine>-gpu-site}
-#   --test OUT  also runs tests/gpu/test_<engine>_gpu.py, its log in OUT/<engine>_gpu.log
+#   --test OUT  also runs tests/gpu/test_<engine>_gpu.py, its log in OUT/<engine>_gpu.log;
+#               ENGINE_TESTS_K: a pytest -k expression for some of its tests
 #
 # Settings: <ENGINE>_GPU_CARRY (default .<engine>-gpu), <ENGINE>_GPU_SITE (default
 # /tmp/<engine>-gpu-site).
@@ -41,6 +42,7 @@ if [ "${1:-}" = "--test" ]; then
     out="${2:?--test needs an output folder}"
     mkdir -p "$out"
     set +e
-    "$python" -m pytest -v -s -rA --durations=5 "tests/gpu/test_${ENGINE}_gpu.py" 2>&1 | tee "$out/${ENGINE}_gpu.log"
+    "$python" -m pytest -v -s -rA --durations=5 ${ENGINE_TESTS_K:+-k "$ENGINE_TESTS_K"} \
+        "tests/gpu/test_${ENGINE}_gpu.py" 2>&1 | tee "$out/${ENGINE}_gpu.log"
     exit "${PIPESTATUS[0]}"
 fi
