@@ -258,7 +258,7 @@ def read_toml(path: Path) -> dict[str, Any]:
             return tomllib.load(f)
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config: {exc.strerror}") from None
-    except tomllib.TOMLDecodeError as exc:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:  # TOML is UTF-8
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
 
 

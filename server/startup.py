@@ -157,6 +157,23 @@ def check_socket_path(path: Path) -> None:
         raise ConfigError(f"socket = {str(path)!r}: {longest} is {len(os.fsencode(longest))} "
                           f"bytes, more than a Unix socket's path holds ({UNIX_PATH_MAX}); "
                           "choose a shorter socket path")
+    for bound in (path, handle_socket_path(path)):
+        check_nothing_but_a_socket(bound, path)
+
+
+def check_nothing_but_a_socket(bound: Path, setting: Path) -> None:
+    """ConfigError if something other than a socket (a dead daemon's, which the start replaces)
+    is at `bound`: the start would delete a user's file there, or fail on a folder."""
+    try:
+        mode = os.lstat(bound).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise ConfigError(f"socket = {str(setting)!r}: cannot look at {bound}: {exc.strerror}") from None
+    if not stat.S_ISSOCK(mode):
+        kind = "a folder" if stat.S_ISDIR(mode) else "a symlink" if stat.S_ISLNK(mode) else "a file"
+        raise ConfigError(f"socket = {str(setting)!r}: {bound} is {kind}, not a socket; the daemon "
+                          "would replace it: remove it or choose another socket path")
 
 
 def check_tables_folder(tables: str) -> None:

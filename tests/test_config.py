@@ -53,6 +53,10 @@ def test_unreadable_and_invalid_toml(tmp_path):
         load_config(tmp_path / "missing.toml")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(write(tmp_path, "backend = \n"))
+    not_utf8 = tmp_path / "latin1.toml"
+    not_utf8.write_bytes(b'\xff\xfe\x00backend = "cpu"\n')  # raised UnicodeDecodeError
+    with pytest.raises(ConfigError, match="latin1.toml: not valid TOML"):
+        load_config(not_utf8)
 
 
 def test_bad_override_names_the_flag():

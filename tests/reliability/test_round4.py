@@ -212,6 +212,33 @@ def test_a_socket_path_too_long_for_a_unix_socket_is_refused_at_start(daemon_fac
     assert "socket" in daemon.log() and "Traceback" not in daemon.log(), daemon.log()[-3000:]
 
 
+@pytest.mark.parametrize("which, kind", [("engramd.sock", "file"), ("engramd.sock", "folder"),
+                                         ("engramd.handles", "file")])
+def test_something_other_than_a_socket_where_the_daemon_binds_is_kept_and_refused(
+        daemon_factory, tmp_path, which, kind):
+    """The start unlinked whatever was at the socket path before binding there: a user's file at
+    the path given as --socket was deleted without a word, and a folder there ended the start
+    with IsADirectoryError's traceback. Only a socket (a dead daemon's) is replaced now; anything
+    else is refused at start, named, with EXIT_CONFIG, and left as it was."""
+    from engramd.server.startup import EXIT_CONFIG
+
+    workdir = tmp_path / "w"
+    (workdir / "run").mkdir(parents=True)
+    in_the_way = workdir / "run" / which
+    if kind == "file":
+        in_the_way.write_text("a user's notes")
+    else:
+        (in_the_way / "inside").mkdir(parents=True)
+    daemon = daemon_factory(workdir=workdir, ready=False)
+    assert daemon.proc.wait(120) == EXIT_CONFIG, daemon.log()[-3000:]
+    log = daemon.log()
+    assert f"{in_the_way} is a {kind}, not a socket" in log and "Traceback" not in log, log[-3000:]
+    if kind == "file":
+        assert in_the_way.read_text() == "a user's notes"
+    else:
+        assert (in_the_way / "inside").is_dir()
+
+
 # -- 6. memory held for replies nobody reads -------------------------------------------------------
 
 
