@@ -167,7 +167,9 @@ class LookupFuture:
     def result(self, timeout: float | None = None, copy: bool = False) -> torch.Tensor:
         """Block until the rows are ready; `[n_layers, T, local_heads, head_dim]` bfloat16.
         Raises LookupFailedError if this lookup, or one whose failure was not yet reported,
-        failed (client/failures.py)."""
+        failed (client/failures.py). A served lookup waits for the daemon's reply up to `timeout`
+        seconds (default: the client's `timeout`), then raises ReplyTimeoutError; a later call
+        may still collect the rows."""
         path = self._path
         self._raise_failure()
         path.check_current(self)

@@ -505,4 +505,7 @@ class ServedCpu(ClientPath):
         return self._client._conn.poll_reply(future.rid)
 
     def wait_reply(self, future: LookupFuture, timeout: float | None) -> Any:
+        """The lookup's reply, waited for up to `timeout` (None: the client's timeout; a daemon
+        that is alive but silent, e.g. stopped, never closes the lease)."""
+        timeout = self._client.timeout if timeout is None else timeout
         return self._client._conn.wait(future.rid, timeout, f"lookup of {future.tokens} tokens")

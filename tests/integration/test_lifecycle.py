@@ -16,7 +16,7 @@ import torch
 from helpers import check_rows_stay_across_a_restart, engramd_command
 from reference import random_ids
 
-from engramd.client import BadRequestError, DaemonUnavailableError, EngramClient
+from engramd.client import BadRequestError, DaemonUnavailableError, EngramClient, ReplyTimeoutError
 from engramd.client.shared.handles import handle_socket_path
 from engramd.server.startup import EXIT_CONFIG, EXIT_SOCKET_IN_USE, EXIT_TABLES
 
@@ -106,6 +106,39 @@ def test_killed_daemon_is_reported_to_a_waiting_client(daemon_factory):
         future.result()
     assert time.monotonic() - started < 2.0
     client.close()
+
+
+def test_a_lookup_of_a_stopped_daemon_times_out_and_is_collected_later(daemon_factory, reference):
+    """result() with no timeout waited for a stopped daemon (alive, its lease open) for as long
+    as it was stopped; it waits the client's timeout now, raises ReplyTimeoutError, and a later
+    result() collects the rows once the daemon goes on."""
+    daemon = daemon_factory()
+    ids = torch.from_numpy(random_ids(np.random.default_rng(12), 8, reference.rows, reference.heads))
+    client = EngramClient(daemon.socket, timeout=2.0)
+    try:
+        daemon.proc.send_signal(signal.SIGSTOP)
+        future = client.lookup(ids)
+        outcome: list[BaseException] = []
+        waiter = threading.Thread(target=lambda: _raised(future.result, outcome), daemon=True)
+        started = time.monotonic()
+        waiter.start()
+        waiter.join(60)
+        assert not waiter.is_alive(), "result() still waits for the stopped daemon"
+        assert isinstance(outcome[0], ReplyTimeoutError), outcome
+        assert time.monotonic() - started >= client.timeout
+        daemon.proc.send_signal(signal.SIGCONT)
+        rows = future.result(timeout=60)
+        assert np.array_equal(rows.double().numpy(), reference.expected(ids.numpy()))
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+        client.close()
+
+
+def _raised(call, into: list[BaseException]) -> None:
+    try:
+        call()
+    except BaseException as exc:  # the test looks at what it was
+        into.append(exc)
 
 
 def test_client_re_registers_with_a_restarted_daemon(daemon_factory, reference):
