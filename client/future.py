@@ -4,6 +4,7 @@ client/mapped_path.py). Not here: how rows are gathered or released, which is ea
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Protocol
 
 import torch
@@ -58,6 +59,10 @@ class LookupPath(Protocol):
     def wait_reply(self, lookup: LookupFuture, timeout: float | None) -> Any:
         """Acknowledged lookups: the daemon's reply (its error raised)."""
 
+    @property
+    def lock(self) -> threading.RLock:
+        """Held by lookup(): while it is held, no lookup takes a slot."""
+
 
 class ClientPath:
     """What every path of one client answers alike, from the client's registration and slot
@@ -70,6 +75,10 @@ class ClientPath:
     @property
     def failures(self) -> FailedLookups:
         return self._client._failed
+
+    @property
+    def lock(self) -> threading.RLock:
+        return self._client._tables_lock
 
     @property
     def slots_epoch(self) -> int:
@@ -124,6 +133,7 @@ class LookupFuture:
         # GPU lookups are not acknowledged when they succeed (completion is the slot's counter),
         # so there is no reply to wait for; an error reply still arrives and is kept here.
         self._replied = not acked
+        self._collecting = threading.Lock()  # one thread waits for the reply, others find it in
         self._error: EngramError | None = None
         self.consumers: list[torch.cuda.Stream] = []  # GPU: streams that waited on these rows
         self.event: torch.cuda.Event | None = None  # mapped GPU lookups: recorded after the gather
@@ -174,15 +184,18 @@ class LookupFuture:
         self._raise_failure()
         path.check_current(self)
         self._collect(timeout)
-        rows = path.rows(self)
-        if path.device.type == "cuda":
-            stream = torch.cuda.current_stream(path.device.index)
-            path.stream_wait(self, stream)
-            stream.synchronize()
-            self._raise_failure()  # released by the watchdog while we synced
-            path.after_sync(self)
-            self._raise_failure()
-        return rows.clone() if copy else rows
+        # From the check to the copy, no lookup of another thread may take the slot over.
+        with path.lock:
+            path.check_current(self)
+            rows = path.rows(self)
+            if path.device.type == "cuda":
+                stream = torch.cuda.current_stream(path.device.index)
+                path.stream_wait(self, stream)
+                stream.synchronize()
+                self._raise_failure()  # released by the watchdog while we synced
+                path.after_sync(self)
+                self._raise_failure()
+            return rows.clone() if copy else rows
 
     def wait(self, stream: torch.cuda.Stream | None = None) -> torch.Tensor:
         """GPU: make `stream` (default: current) wait for the rows and return their view at once."""
@@ -211,13 +224,18 @@ class LookupFuture:
 
     def _collect(self, timeout: float | None) -> None:
         if not self._replied:
-            try:
-                reply = self._path.wait_reply(self, timeout)
-                self.out_of_range = reply.body.out_of_range or 0
-            except ReplyTimeoutError:
-                raise  # the lookup may still complete: a later call can collect it
-            except EngramError as exc:
-                self._error = exc
-            self._replied = True
+            with self._collecting:  # a thread that waited here finds the reply collected
+                if not self._replied:
+                    self._wait_for_reply(timeout)
         if self._error is not None:
             raise self._error
+
+    def _wait_for_reply(self, timeout: float | None) -> None:
+        try:
+            reply = self._path.wait_reply(self, timeout)
+            self.out_of_range = reply.body.out_of_range or 0
+        except ReplyTimeoutError:
+            raise  # the lookup may still complete: a later call can collect it
+        except EngramError as exc:
+            self._error = exc
+        self._replied = True

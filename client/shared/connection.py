@@ -12,6 +12,7 @@ import itertools
 import os
 import stat
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -78,6 +79,9 @@ class Connection:
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(f"ipc://{self.socket_path}")
+        # A ZeroMQ socket is not thread-safe: one thread at a time sends or reads on it (a
+        # client's callers and its own threads share the connection).
+        self._lock = threading.RLock()
         self._rids = itertools.count(1)
         self._replies: dict[int, list[bytes]] = {}
         self._gone: Callable[[], str | None] | None = None
@@ -93,10 +97,11 @@ class Connection:
         """Send a request; returns its rid. Payload frames are sent without copying."""
         rid = next(self._rids)
         frames = protocol.encode_request(op, rid, payload, **fields)
-        if len(frames) == 1:
-            self._sock.send(frames[0])  # a small header alone: one call, no multipart bookkeeping
-        else:
-            self._sock.send_multipart(frames, copy=False)
+        with self._lock:
+            if len(frames) == 1:
+                self._sock.send(frames[0])  # a small header alone: one call, no multipart bookkeeping
+            else:
+                self._sock.send_multipart(frames, copy=False)
         return rid
 
     def wait(self, rid: int, timeout: float | None, what: str) -> protocol.Reply:
@@ -122,8 +127,9 @@ class Connection:
     def take_replies(self) -> list[protocol.Reply]:
         """Whatever replies arrived, decoded, in no order; error replies left out (a heartbeat
         connection does not wait for its answers, it only reads what they say)."""
-        self._collect(0)
-        frames, self._replies = list(self._replies.values()), {}
+        with self._lock:
+            self._collect(0)
+            frames, self._replies = list(self._replies.values()), {}
         replies = []
         for reply in frames:
             try:
@@ -140,7 +146,8 @@ class Connection:
 
     def take_stale_errors(self) -> list[tuple[int, EngramError]]:
         """Remove the replies nobody waits for any more (all of them), returning their errors."""
-        stale, self._replies = self._replies, {}
+        with self._lock:
+            stale, self._replies = self._replies, {}
         errors = []
         for rid, frames in stale.items():
             try:
@@ -176,6 +183,10 @@ class Connection:
             self._collect(max(1, int(min(left, POLL_S) * 1000)))
 
     def _collect(self, timeout_ms: int) -> None:
+        with self._lock:
+            self._collect_locked(timeout_ms)
+
+    def _collect_locked(self, timeout_ms: int) -> None:
         # Without waiting, ask the socket's event flags: Socket.poll builds a Poller per call.
         if timeout_ms <= 0:
             if not cast(int, self._sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
@@ -198,7 +209,8 @@ class Connection:
                 self._replies[rid] = frames
 
     def close(self) -> None:
-        self._sock.close(0)
+        with self._lock:
+            self._sock.close(0)
         if self._own_ctx:
             self._ctx.term()
 

@@ -1,0 +1,67 @@
+"""One client shared by several threads of its process, against a real daemon.
+
+Six threads shared a served CPU client of two slots: two of them could wait for the same reply,
+one took it and the other waited for good (or until its timeout, for a daemon that was fine),
+and a result(copy=True) could copy a slot while another thread's lookup was writing it: rows of
+two lookups, returned without an error. Now the connection is read and written by one thread at
+a time, a lookup's reply is waited for by one thread (the others find it collected), and no
+lookup takes a slot between result()'s check of it and its copy. A lookup whose slot another
+thread took first is told so (BadRequestError), as in one thread."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+from reference import random_ids
+
+from engramd.client import BadRequestError, EngramClient
+
+THREADS = 6
+LOOKUPS_PER_THREAD = 40
+JOIN_S = 120.0  # every thread's lookups end well within this, or one hangs
+
+
+@pytest.mark.parametrize("mode", ["served", "mapped"])
+def test_threads_sharing_a_client_get_their_own_rows_or_a_typed_error(daemon_factory, reference, mode):
+    daemon = daemon_factory()
+    pool = [random_ids(np.random.default_rng(seed), 24, reference.rows, reference.heads)
+            for seed in range(20)]
+    expected = [reference.expected(ids) for ids in pool]
+    counts = {"exact": 0, "slot_taken": 0}
+    wrong: list[str] = []
+    lock = threading.Lock()
+    with EngramClient(daemon.socket, device="cpu", mode=mode, max_tokens=32, slots=2, timeout=20) as client:
+        def worker(seed: int) -> None:
+            rng = np.random.default_rng(100 + seed)
+            for _ in range(LOOKUPS_PER_THREAD):
+                pick = int(rng.integers(len(pool)))
+                try:
+                    rows = client.lookup(torch.from_numpy(pool[pick])).result(copy=True)
+                except BadRequestError as exc:  # another thread's lookup took the slot first
+                    assert "has taken a later lookup" in str(exc), exc
+                    with lock:
+                        counts["slot_taken"] += 1
+                    continue
+                except Exception as exc:  # a timeout from a healthy daemon, or anything else
+                    with lock:
+                        wrong.append(f"{type(exc).__name__}: {exc}")
+                    continue
+                same = np.array_equal(rows.double().numpy(), expected[pick], equal_nan=True)
+                with lock:
+                    if same:
+                        counts["exact"] += 1
+                    else:
+                        wrong.append(f"ID set {pick}: rows not its own")
+
+        threads = [threading.Thread(target=worker, args=(n,), daemon=True) for n in range(THREADS)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(JOIN_S)
+        assert not any(t.is_alive() for t in threads), f"a thread still waits after {JOIN_S:.0f} s: {counts}"
+    assert not wrong, (wrong[:5], counts)
+    assert counts["exact"] + counts["slot_taken"] == THREADS * LOOKUPS_PER_THREAD, counts
+    assert counts["exact"] > 0, counts
