@@ -46,9 +46,12 @@ def check_slot(slot: Any, slots: int) -> int | None:
     if slot is None:
         return None
     try:
-        index = operator.index(slot) if not isinstance(slot, bool) else -1
+        index = operator.index(slot) if not isinstance(slot, bool) else None
     except TypeError:
-        index = -1
+        index = None
+    if index is None:
+        raise BadRequestError(f"slot {slot!r} is a {type(slot).__name__}, not a slot index: this "
+                              f"client has slots 0..{slots - 1}")
     if not 0 <= index < slots:
         raise BadRequestError(f"slot {slot!r}: this client has slots 0..{slots - 1}")
     return index

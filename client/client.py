@@ -89,7 +89,11 @@ def check_cache_cap(gib: Any) -> int | None:
 
 
 def _resolve_device(device: str | torch.device) -> torch.device:
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:  # a name torch does not know ("tpu"), or no name
+        raise BadRequestError(f"device {device!r}: engramd serves 'cpu' and 'cuda' clients "
+                              f"({exc})") from None
     if device.type == "cuda":
         _require_cuda(device)
         if device.index is None:

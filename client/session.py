@@ -16,11 +16,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from engramd.client.errors import DaemonUnavailableError, InternalError
+from engramd.client.errors import InternalError
 from engramd.client.geometry import TableGeometry
 from engramd.client.rejoin import release_quietly, retry_until
 from engramd.client.served import CudaSlabView, MemfdSlabView
-from engramd.client.shared.connection import Connection
+from engramd.client.shared.connection import Connection, check_daemon_socket
 from engramd.client.shared.handles import (
     HANDLE_TIMEOUT_S,
     Attachment,
@@ -62,8 +62,7 @@ class Session:
         user may register (a daemon that admits only some users drops the others' ZeroMQ
         connections unanswered: one round trip there says why instead of a timeout)."""
         socket_path = self._client.socket_path
-        if not socket_path.exists():
-            raise DaemonUnavailableError(f"no daemon socket at {socket_path}")
+        check_daemon_socket(socket_path)
         check_access(handle_socket_path(socket_path), timeout)
         return Connection(socket_path)
 

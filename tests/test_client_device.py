@@ -58,3 +58,10 @@ def test_a_torch_without_cuda(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     error = client_error(monkeypatch, tmp_path, "cuda:0", FakeDriver())
     assert "cannot use CUDA" in error.message and torch.__version__ in error.message
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda:x", 7.5])
+def test_a_device_torch_does_not_know_is_a_bad_request(tmp_path, device):
+    """torch's own RuntimeError (an unknown device name) came through untyped."""
+    with pytest.raises(BadRequestError, match="engramd serves 'cpu' and 'cuda' clients"):
+        EngramClient(tmp_path / "no-daemon.sock", device=device)

@@ -69,3 +69,17 @@ def test_a_reply_that_does_not_come_fails_the_wait_once_the_daemon_is_gone(daemo
             conn.call("stats", timeout=120)  # the timeout is far: the daemon's end decides
     finally:
         thread.join()
+
+
+def test_a_path_that_cannot_be_the_daemons_socket_is_refused_at_once(tmp_path):
+    """The handle socket's path given as the daemon's waited 30 s for a reply it never sends,
+    then blamed the daemon; a folder made the client look for the handle socket in its parent."""
+    from engramd.client import EngramClient
+
+    handles = tmp_path / "engramd.handles"
+    for path, says in ((handles, "is the daemon's handle socket"), (tmp_path, "is a folder"),
+                       (tmp_path / "none.sock", "no daemon socket at")):
+        with pytest.raises(DaemonUnavailableError, match=says):
+            EngramClient(path, device="cpu", timeout=30)
+        with pytest.raises(DaemonUnavailableError, match=says):
+            connection.probe(path, "health", 30)

@@ -27,7 +27,7 @@ from engramd.client.errors import (
     ReplyTimeoutError,
 )
 from engramd.client.shared import protocol
-from engramd.client.shared.handles import check_access, handle_socket_path
+from engramd.client.shared.handles import HANDLE_SOCKET_NAME, check_access, handle_socket_path
 
 POLL_S = 0.1
 # How long a wait whose daemon is gone still looks for its reply: a stopping daemon flushes its
@@ -215,12 +215,26 @@ class Connection:
             self._ctx.term()
 
 
+def check_daemon_socket(socket_path: Path) -> None:
+    """DaemonUnavailableError, at once, unless something is at `socket_path` that may be the
+    daemon's request socket: not the handle socket beside it (whose peer waits 30 s for a
+    request it never reads), not a folder."""
+    if socket_path.name == HANDLE_SOCKET_NAME:
+        raise DaemonUnavailableError(
+            f"{socket_path} is the daemon's handle socket: name its request socket, the socket "
+            "the daemon was started with (beside it; engramd.sock by default)")
+    if socket_path.is_dir():
+        raise DaemonUnavailableError(f"{socket_path} is a folder, not the daemon's socket: name "
+                                     "the socket in it (engramd.sock by default)")
+    if not socket_path.exists():
+        raise DaemonUnavailableError(f"no daemon socket at {socket_path}")
+
+
 def probe(socket_path: str | os.PathLike, op: str, timeout: float) -> protocol.Reply:
     """One-shot request without registration (health, stats). Waits `timeout` for the answer;
     without one, up to 2 s more to ask the handle socket whether this process is refused (a
     daemon that admits only some users drops the others unanswered), then raises the timeout."""
-    if not Path(socket_path).exists():
-        raise DaemonUnavailableError(f"no daemon socket at {socket_path}")
+    check_daemon_socket(Path(socket_path))
     conn = Connection(socket_path)
     try:
         return conn.call(op, timeout)

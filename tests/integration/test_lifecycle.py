@@ -226,9 +226,11 @@ def test_a_restart_on_other_tables_is_told_to_the_client(daemon_factory, demo_ch
 def test_a_lookup_into_a_slot_that_is_not_there_is_refused(daemon_factory):
     with EngramClient(daemon_factory().socket, slots=2) as client:
         ids = torch.zeros((1, client.geometry.n_layers, client.geometry.heads), dtype=torch.int64)
-        for slot in (2, -1, True, "0"):
-            with pytest.raises(BadRequestError, match="slots 0..1"):
+        for slot in (2, -1, True, "0", 1.0):
+            with pytest.raises(BadRequestError, match="slots 0..1") as refused:
                 client.lookup(ids, slot=slot)
+            if not isinstance(slot, int) or isinstance(slot, bool):  # named as no index at all
+                assert f"is a {type(slot).__name__}, not a slot index" in str(refused.value)
             with pytest.raises(BadRequestError, match="slot"):
                 client.slot_rows(slot)
         assert client.lookup(ids, slot=1).result().shape[1] == 1  # the client still serves
