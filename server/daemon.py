@@ -521,6 +521,9 @@ def run_daemon(config: DaemonConfig, lock: SocketLock | None = None,
         status = halt.status
     finally:
         daemon.close()
-        log.info("stopped (exit status %d); the tables stay in %s for the next start", status,
-                 tables_folder_path(config.shm_dir, config.instance))
+        folder = tables_folder_path(config.shm_dir, config.instance)
+        if folder.is_dir():  # a start whose load failed left none
+            log.info("stopped (exit status %d); the tables stay in %s for the next start", status, folder)
+        else:
+            log.info("stopped (exit status %d)", status)
     return status

@@ -255,6 +255,9 @@ def test_broken_checkpoint_exits_with_table_status(daemon_factory, demo_checkpoi
     daemon = daemon_factory(tables=broken, ready=False)
     assert daemon.proc.wait(60) == EXIT_TABLES
     assert "layers.14.engram.embed.scale" in daemon.log()
+    # Its load left no tables behind, and its last line does not say it did.
+    assert not daemon.tables_dir.exists()
+    assert "stopped (exit status" in daemon.log() and "stay in" not in daemon.log(), daemon.log()[-2000:]
 
 
 def test_sigterm_finishes_and_exits_zero(daemon_factory):
