@@ -34,7 +34,12 @@ from engramd.client.errors import (
     ReplyTimeoutError,
 )
 from engramd.client.geometry import GeometryError, TableGeometry
-from engramd.client.shared.connection import SOCKET_ENV, default_socket_path, probe
+from engramd.client.shared.connection import (
+    SOCKET_ENV,
+    check_daemon_socket,
+    default_socket_path,
+    probe,
+)
 
 if TYPE_CHECKING:
     from engramd.server.config import DaemonConfig
@@ -268,6 +273,7 @@ def cmd_reload(args: argparse.Namespace) -> int:
 
     socket = args.socket or default_socket_path()
     try:
+        check_daemon_socket(Path(socket))  # said as health, stats and drain say it
         started = admin_request(handle_socket_path(socket), "reload", args.timeout)
     except EngramError as exc:
         print(f"engramd reload: {exc.message}", file=sys.stderr)

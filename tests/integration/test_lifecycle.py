@@ -25,6 +25,16 @@ def cli(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess:
     return subprocess.run([*engramd_command(), *args], capture_output=True, text=True, timeout=timeout)
 
 
+def test_commands_against_no_daemon_say_so_alike(tmp_path):
+    """`reload` said "handle socket .../engramd.handles: No such file or directory" where
+    `health`, `stats` and `drain` say there is no daemon socket."""
+    socket = str(tmp_path / "engramd.sock")
+    for command in ("health", "stats", "drain", "reload"):
+        result = cli(command, "--socket", socket, "--timeout", "5")
+        assert result.returncode != 0, (command, result.stdout)
+        assert f"no daemon socket at {socket}" in result.stderr + result.stdout, (command, result.stderr)
+
+
 def test_health_cli_ready_starting_and_dead(daemon_factory):
     slow = daemon_factory(ready=False, env={"ENGRAMD_DEBUG_LOAD_DELAY_S": "30"})
     deadline = time.monotonic() + 20
