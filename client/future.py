@@ -177,9 +177,10 @@ class LookupFuture:
     def result(self, timeout: float | None = None, copy: bool = False) -> torch.Tensor:
         """Block until the rows are ready; `[n_layers, T, local_heads, head_dim]` bfloat16.
         Raises LookupFailedError if this lookup, or one whose failure was not yet reported,
-        failed (client/failures.py). A served lookup waits for the daemon's reply up to `timeout`
-        seconds (default: the client's `timeout`), then raises ReplyTimeoutError; a later call
-        may still collect the rows."""
+        failed (client/failures.py). A served CPU lookup waits for the daemon's reply up to
+        `timeout` seconds (default: the client's `timeout`), then raises ReplyTimeoutError; a
+        later call may still collect the rows. A GPU lookup synchronises on its rows, holding
+        the client's lock: other threads' lookups wait meanwhile."""
         path = self._path
         self._raise_failure()
         path.check_current(self)
@@ -224,9 +225,16 @@ class LookupFuture:
 
     def _collect(self, timeout: float | None) -> None:
         if not self._replied:
-            with self._collecting:  # a thread that waited here finds the reply collected
+            # One thread waits for the reply; one that waited here finds it collected, or gives
+            # up at its own timeout (it may hold the client's lock: _claim_slot, close).
+            if not self._collecting.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
+                raise ReplyTimeoutError(f"lookup seq {self.seq}: another thread waits for its reply; "
+                                        f"none within {timeout:.1f} s")
+            try:
                 if not self._replied:
                     self._wait_for_reply(timeout)
+            finally:
+                self._collecting.release()
         if self._error is not None:
             raise self._error
 

@@ -83,3 +83,24 @@ def test_a_path_that_cannot_be_the_daemons_socket_is_refused_at_once(tmp_path):
             EngramClient(path, device="cpu", timeout=30)
         with pytest.raises(DaemonUnavailableError, match=says):
             connection.probe(path, "health", 30)
+
+
+def test_a_wait_on_a_connection_another_thread_closes_is_told_so(tmp_path):
+    """A thread waiting for a reply when another closed the connection (a reconnect, close())
+    got zmq's 'Operation not supported' from the closed socket; now DaemonUnavailableError."""
+    conn = Connection(tmp_path / "nobody.sock")
+    rid = conn.send("health")  # queued: nothing listens there
+    raised: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            conn.wait(rid, 30.0, "health")
+        except BaseException as exc:
+            raised.append(exc)
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    conn.close()
+    waiter.join(30)
+    assert not waiter.is_alive()
+    assert isinstance(raised[0], DaemonUnavailableError) and "was closed" in str(raised[0]), raised

@@ -30,6 +30,7 @@ from engramd.client.shared import protocol
 from engramd.client.shared.handles import HANDLE_SOCKET_NAME, check_access, handle_socket_path
 
 POLL_S = 0.1
+LOCKED_POLL_MS = 5  # the longest one thread holds the connection while it waits for replies
 # How long a wait whose daemon is gone still looks for its reply: a stopping daemon flushes its
 # replies before it closes its leases, but ours may still be crossing this process's ZeroMQ I/O
 # thread when the lease's end is seen.
@@ -82,6 +83,8 @@ class Connection:
         # A ZeroMQ socket is not thread-safe: one thread at a time sends or reads on it (a
         # client's callers and its own threads share the connection).
         self._lock = threading.RLock()
+        self._closed = False  # another thread may still wait on it: it is told, not zmq's error
+        self._waited: set[int] = set()  # rids a caller waits for: take_stale_errors leaves them
         self._rids = itertools.count(1)
         self._replies: dict[int, list[bytes]] = {}
         self._gone: Callable[[], str | None] | None = None
@@ -98,6 +101,7 @@ class Connection:
         rid = next(self._rids)
         frames = protocol.encode_request(op, rid, payload, **fields)
         with self._lock:
+            self._check_open()
             if len(frames) == 1:
                 self._sock.send(frames[0])  # a small header alone: one call, no multipart bookkeeping
             else:
@@ -147,7 +151,8 @@ class Connection:
     def take_stale_errors(self) -> list[tuple[int, EngramError]]:
         """Remove the replies nobody waits for any more (all of them), returning their errors."""
         with self._lock:
-            stale, self._replies = self._replies, {}
+            stale = {rid: frames for rid, frames in self._replies.items() if rid not in self._waited}
+            self._replies = {rid: frames for rid, frames in self._replies.items() if rid in self._waited}
         errors = []
         for rid, frames in stale.items():
             try:
@@ -157,6 +162,17 @@ class Connection:
         return errors
 
     def _wait_frames(self, rid: int, timeout: float | None, what: str) -> list[bytes]:
+        with self._lock:
+            self._waited.add(rid)
+        try:
+            self._wait_for(rid, timeout, what)
+            with self._lock:
+                return self._replies.pop(rid)
+        finally:
+            with self._lock:
+                self._waited.discard(rid)
+
+    def _wait_for(self, rid: int, timeout: float | None, what: str) -> None:
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
         self._collect(0)
@@ -173,7 +189,6 @@ class Connection:
                 raise DaemonUnavailableError(f"{gone} while waiting for {what}", epoch=self.epoch)
             left = POLL_S if deadline is None else max(0.0, min(POLL_S, deadline - time.monotonic()))
             self._collect(int(left * 1000))
-        return self._replies.pop(rid)
 
     def _collect_for(self, rid: int, seconds: float) -> None:
         """Collect replies until the one for `rid` is in, or `seconds` have passed."""
@@ -183,21 +198,34 @@ class Connection:
             self._collect(max(1, int(min(left, POLL_S) * 1000)))
 
     def _collect(self, timeout_ms: int) -> None:
-        with self._lock:
-            self._collect_locked(timeout_ms)
+        """Take in what has arrived, waiting up to `timeout_ms` for something: in slices of
+        LOCKED_POLL_MS, so that another thread's send or read waits no longer than one."""
+        deadline = time.monotonic() + timeout_ms / 1000
+        while True:
+            with self._lock:
+                self._check_open()
+                left_ms = int((deadline - time.monotonic()) * 1000)
+                if self._collect_locked(min(left_ms, LOCKED_POLL_MS)) or left_ms <= LOCKED_POLL_MS:
+                    return
 
-    def _collect_locked(self, timeout_ms: int) -> None:
+    def _check_open(self) -> None:
+        if self._closed:
+            raise DaemonUnavailableError(f"the connection to {self.socket_path} was closed (the "
+                                         "client closed, or registered again)", epoch=self.epoch)
+
+    def _collect_locked(self, timeout_ms: int) -> bool:
+        """Whether anything arrived (a reply or a notice)."""
         # Without waiting, ask the socket's event flags: Socket.poll builds a Poller per call.
         if timeout_ms <= 0:
             if not cast(int, self._sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-                return
+                return False
         elif not self._sock.poll(timeout_ms, zmq.POLLIN):
-            return
+            return False
         while True:
             try:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                return
+                return True
             rid = protocol.reply_rid(frames)
             if rid == protocol.NOTICE_RID:
                 notice = protocol.decode_reply(frames).body
@@ -210,6 +238,7 @@ class Connection:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             self._sock.close(0)
         if self._own_ctx:
             self._ctx.term()

@@ -11,6 +11,7 @@ thread took first is told so (BadRequestError), as in one thread."""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -24,8 +25,12 @@ LOOKUPS_PER_THREAD = 40
 JOIN_S = 120.0  # every thread's lookups end well within this, or one hangs
 
 
+@pytest.mark.parametrize("own_slots", [False, True], ids=["slots_in_turn", "a_slot_each"])
 @pytest.mark.parametrize("mode", ["served", "mapped"])
-def test_threads_sharing_a_client_get_their_own_rows_or_a_typed_error(daemon_factory, reference, mode):
+def test_threads_sharing_a_client_get_their_own_rows_or_a_typed_error(daemon_factory, reference,
+                                                                       mode, own_slots):
+    """Slots in turn (two for six threads): each lookup gives its own rows or, its slot taken by
+    another thread's lookup first, BadRequestError saying so. A slot each: its own rows always."""
     daemon = daemon_factory()
     pool = [random_ids(np.random.default_rng(seed), 24, reference.rows, reference.heads)
             for seed in range(20)]
@@ -33,17 +38,22 @@ def test_threads_sharing_a_client_get_their_own_rows_or_a_typed_error(daemon_fac
     counts = {"exact": 0, "slot_taken": 0}
     wrong: list[str] = []
     lock = threading.Lock()
-    with EngramClient(daemon.socket, device="cpu", mode=mode, max_tokens=32, slots=2, timeout=20) as client:
-        def worker(seed: int) -> None:
-            rng = np.random.default_rng(100 + seed)
+    slots = THREADS if own_slots else 2
+    with EngramClient(daemon.socket, device="cpu", mode=mode, max_tokens=32, slots=slots,
+                      timeout=20) as client:
+        def worker(n: int) -> None:
+            rng = np.random.default_rng(100 + n)
             for _ in range(LOOKUPS_PER_THREAD):
                 pick = int(rng.integers(len(pool)))
                 try:
-                    rows = client.lookup(torch.from_numpy(pool[pick])).result(copy=True)
-                except BadRequestError as exc:  # another thread's lookup took the slot first
-                    assert "has taken a later lookup" in str(exc), exc
+                    future = client.lookup(torch.from_numpy(pool[pick]), slot=n if own_slots else None)
+                    rows = future.result(copy=True)
+                except BadRequestError as exc:
                     with lock:
-                        counts["slot_taken"] += 1
+                        if own_slots or "has taken a later lookup" not in str(exc):
+                            wrong.append(f"{type(exc).__name__}: {exc}")
+                        else:
+                            counts["slot_taken"] += 1
                     continue
                 except Exception as exc:  # a timeout from a healthy daemon, or anything else
                     with lock:
@@ -59,9 +69,11 @@ def test_threads_sharing_a_client_get_their_own_rows_or_a_typed_error(daemon_fac
         threads = [threading.Thread(target=worker, args=(n,), daemon=True) for n in range(THREADS)]
         for thread in threads:
             thread.start()
+        deadline = time.monotonic() + JOIN_S
         for thread in threads:
-            thread.join(JOIN_S)
+            thread.join(max(0.0, deadline - time.monotonic()))
         assert not any(t.is_alive() for t in threads), f"a thread still waits after {JOIN_S:.0f} s: {counts}"
     assert not wrong, (wrong[:5], counts)
     assert counts["exact"] + counts["slot_taken"] == THREADS * LOOKUPS_PER_THREAD, counts
-    assert counts["exact"] > 0, counts
+    if own_slots:
+        assert counts["exact"] == THREADS * LOOKUPS_PER_THREAD, counts
