@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -587,3 +588,21 @@ def run_engine_worker(command: list[str], report: Path, daemon, timeout: float) 
     print(json.dumps(result, indent=1))
     assert run.returncode == 0, f"{run.stdout[-4000:]}\n{run.stderr[-8000:]}\n{daemon.log()[-2000:]}"
     return result
+
+
+def raised_in_thread(call, join_s: float) -> BaseException | None:
+    """Run `call()` on a thread of its own and wait up to `join_s` for it: what it raised (None
+    if it returned). AssertionError if it still runs then (a hang)."""
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as exc:  # the test looks at what it was
+            raised.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(join_s)
+    assert not thread.is_alive(), f"{call} still runs after {join_s:.0f} s"
+    return raised[0] if raised else None

@@ -7,6 +7,7 @@ import threading
 
 import pytest
 import zmq
+from helpers import raised_in_thread
 
 from engramd.client.errors import DaemonUnavailableError
 from engramd.client.shared import connection, protocol
@@ -90,17 +91,9 @@ def test_a_wait_on_a_connection_another_thread_closes_is_told_so(tmp_path):
     got zmq's 'Operation not supported' from the closed socket; now DaemonUnavailableError."""
     conn = Connection(tmp_path / "nobody.sock")
     rid = conn.send("health")  # queued: nothing listens there
-    raised: list[BaseException] = []
-
-    def wait() -> None:
-        try:
-            conn.wait(rid, 30.0, "health")
-        except BaseException as exc:
-            raised.append(exc)
-
-    waiter = threading.Thread(target=wait, daemon=True)
-    waiter.start()
-    conn.close()
-    waiter.join(30)
-    assert not waiter.is_alive()
-    assert isinstance(raised[0], DaemonUnavailableError) and "was closed" in str(raised[0]), raised
+    wait_s = 30.0  # what the waiter allows; the close must end its wait first, as its error says
+    closer = threading.Timer(0.0, conn.close)
+    closer.start()
+    raised = raised_in_thread(lambda: conn.wait(rid, wait_s, "health"), join_s=2 * wait_s)
+    closer.join()
+    assert isinstance(raised, DaemonUnavailableError) and "was closed" in str(raised), raised

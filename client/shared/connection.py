@@ -151,8 +151,7 @@ class Connection:
     def take_stale_errors(self) -> list[tuple[int, EngramError]]:
         """Remove the replies nobody waits for any more (all of them), returning their errors."""
         with self._lock:
-            stale = {rid: frames for rid, frames in self._replies.items() if rid not in self._waited}
-            self._replies = {rid: frames for rid, frames in self._replies.items() if rid in self._waited}
+            stale = {rid: self._replies.pop(rid) for rid in list(self._replies) if rid not in self._waited}
         errors = []
         for rid, frames in stale.items():
             try:
