@@ -103,6 +103,19 @@ class Tracer:
         return next((list(s) for s in self.steps if s[3] == "Invalidated"), None)
 
 
+def thread_capture_mode() -> str:
+    """This thread's CUDA stream capture interaction mode, left as it was (engramd's own threads
+    set theirs to relaxed; the engine's thread should still be in the default, global)."""
+    from cuda.bindings import runtime as cudart
+
+    err, mode = cudart.cudaThreadExchangeStreamCaptureMode(
+        cudart.cudaStreamCaptureMode.cudaStreamCaptureModeGlobal)
+    if int(err):
+        return f"error {err}"
+    cudart.cudaThreadExchangeStreamCaptureMode(mode)
+    return mode.name.removeprefix("cudaStreamCaptureMode")
+
+
 class LogRecords(logging.Handler):
     def __init__(self):
         super().__init__(logging.WARNING)
@@ -151,6 +164,7 @@ def ride_through_a_restart(work: Path, shm: Path) -> dict:
                 # the graph, the captured lookup and the client go with a cycle collection.
                 failed = exc  # noqa: F841
             outcome["remapped"] = client._mapped_path.tables is not old_tables
+        outcome["main_thread_mode_remapped"] = thread_capture_mode()
         for _ in range(20):  # replays of the new tables, as the test's
             graph.replay()
         torch.cuda.synchronize()
@@ -173,8 +187,10 @@ def run_variant(variant: str, captures: int) -> dict:
     if variant.startswith("after_restart"):
         with bench_folders(show_log=False) as (work, shm):
             prelude = ride_through_a_restart(work, shm)
+        prelude["main_thread_mode_after"] = thread_capture_mode()
         if variant == "after_restart_gc":
             prelude["collected"] = gc.collect()
+            prelude["main_thread_mode_after_gc"] = thread_capture_mode()
     with bench_folders(show_log=False) as (work, shm), \
             running_daemon(work, [*DAEMON_FLAGS, "--shm-dir", str(shm)], timeout=120) as socket, \
             EngramClient(socket, device="cuda", mode="mapped", max_tokens=MAX_TOKENS) as client:
@@ -208,7 +224,7 @@ def run_variant(variant: str, captures: int) -> dict:
             refreshes = keeper.stats.refreshes
             stream = torch.cuda.Stream()
             error = None
-            tracer.note(f"capture {n} begins; threads: "
+            tracer.note(f"capture {n} begins; main thread's mode {thread_capture_mode()}; threads: "
                         + ", ".join(sorted(t.name for t in threading.enumerate())))
             try:
                 with torch.cuda.graph(graph, stream=stream):  # capture_error_mode="global"
