@@ -375,6 +375,15 @@ def seconds(text: str) -> float:
     return value
 
 
+def answer_seconds(text: str) -> float:
+    """A --timeout: seconds > 0. No answer comes in 0 s, and the check would then blame the
+    daemon ("is it running?") for a wait it was never given."""
+    value = seconds(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("expected seconds > 0 to wait for the daemon's answer, got 0")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     from engramd.server.config import add_setting_flags
 
@@ -397,7 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=text)
         p.add_argument("--socket", help=f"daemon socket (default: {default_socket_path()})")
         p.add_argument("--json", action="store_true", help="machine-readable output")
-        p.add_argument("--timeout", type=seconds, default=5.0,
+        p.add_argument("--timeout", type=answer_seconds, default=5.0,
                        help="seconds to wait for the daemon's answer (default: 5)")
         if name == "health":
             p.add_argument("--live", action="store_true",

@@ -169,11 +169,12 @@ def test_a_metrics_port_past_65535_is_refused_at_start(daemon_factory):
 # -- 4. the command line -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("timeout", ["nan", "-1", "inf"])
+@pytest.mark.parametrize("timeout", ["nan", "-1", "inf", "0"])
 def test_the_cli_refuses_a_timeout_that_is_no_number_of_seconds(daemon_factory, timeout):
     """`engramd health --timeout nan` against a daemon whose loop is stuck (SIGSTOP here) waited
     forever, where a health check exists to say it is stuck; `--timeout -1` ended `engramd stats`
-    in a traceback. A timeout is a finite number of seconds, >= 0, or a usage error (exit 2)."""
+    in a traceback; `--timeout 0` asked whether the daemon was running. A timeout is a finite
+    number of seconds, > 0, or a usage error (exit 2)."""
     import signal
 
     daemon = daemon_factory()
