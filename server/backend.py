@@ -80,6 +80,12 @@ class Backend(Protocol):
 
     pinned_bytes: int  # host table bytes registered with a device (CPU: 0)
 
+    def drop_queued(self, client_id: int) -> int:
+        """A retired client's lookups that no gather has begun: completed now as skipped
+        (`done(job)`, no rows written; nobody reads them), so its slab is freed once what runs
+        ends, and the workers go to live clients. Returns how many lookups were dropped (GPU: 0,
+        a job is enqueued on the device as it comes)."""
+
     @property
     def gathering(self) -> bool:
         """Whether gathers run on threads of this process now (the CPU backend's): they need

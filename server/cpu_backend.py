@@ -178,6 +178,21 @@ class CpuBackend:
         job.context.enqueued = time.perf_counter()
         done(job)
 
+    def drop_queued(self, client_id: int) -> int:
+        pieces_left: dict[int, tuple[_Lookup, int]] = {}
+        for lookup, _, _ in self._queue.drop(client_id):
+            _, dropped = pieces_left.get(id(lookup), (lookup, 0))
+            pieces_left[id(lookup)] = (lookup, dropped + 1)
+        for lookup, dropped in pieces_left.values():
+            with lookup.lock:  # another of its pieces may be running now
+                lookup.job.skip = True  # no reply and no count: its client is gone
+                lookup.job.context.silent = True
+                lookup.left -= dropped
+                finished = lookup.left == 0
+            if finished:
+                self._finish(lookup)
+        return len(pieces_left)
+
     def _pieces(self, job: LookupJob, done: Completion) -> list[tuple[_Lookup, int, int]]:
         # The gather reads its IDs more than once (masks, then indices), so it reads a private
         # copy: the slab is the client's to write at any time.
@@ -216,9 +231,12 @@ class CpuBackend:
             lookup.left -= 1
             finished = lookup.left == 0
         if finished:
-            self._let_go(lookup.tables)
-            job.context.enqueued = time.perf_counter()  # on the CPU: the rows are written
-            lookup.done(job)
+            self._finish(lookup)
+
+    def _finish(self, lookup: _Lookup) -> None:
+        self._let_go(lookup.tables)
+        lookup.job.context.enqueued = time.perf_counter()  # on the CPU: the rows are written
+        lookup.done(lookup.job)
 
     def _let_go(self, tables: _TableSet) -> None:
         """A lookup that read `tables` is done: the last one of a replaced set retires it."""

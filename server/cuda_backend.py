@@ -496,6 +496,9 @@ class CudaBackend:
         else:
             self.workers[job.slab.device_index].submit(job, done)
 
+    def drop_queued(self, client_id: int) -> int:
+        return 0  # a job is enqueued on its device as it comes: nothing waits here to be dropped
+
     def stop(self) -> None:
         """The workers enqueue what they hold and end; the cache keepers stop."""
         if self._stopped:

@@ -42,6 +42,11 @@ class FairQueue:
                 self._queues[owner] = queue  # to the back of the line
             return item
 
+    def drop(self, owner: Hashable) -> list[Any]:
+        """Take out every item of `owner` not yet handed out, in order."""
+        with self._ready:
+            return list(self._queues.pop(owner, ()))
+
     def close(self) -> None:
         """No more puts; get() returns what is left, then None."""
         with self._ready:

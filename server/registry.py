@@ -392,8 +392,9 @@ class ClientRegistry:
 
     def _retire(self, record: ClientRecord, why: str) -> None:
         record.releasing = True
-        log.info("client %d %s (%d lookups in flight)", record.client_id, why,
-                 sum(record.in_flight.values()))
+        dropped = self.backend.drop_queued(record.client_id)  # completed now: in_flight shrinks
+        log.info("client %d %s (%d lookups in flight%s)", record.client_id, why,
+                 sum(record.in_flight.values()), f", {dropped} not begun dropped" if dropped else "")
         self._on_retire(record)
         if not record.in_flight:
             self._free(record)

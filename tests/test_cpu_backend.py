@@ -135,3 +135,53 @@ def test_long_lookups_go_in_pieces_short_ones_whole_and_rows_match_the_reference
     finally:
         slab.close()
         backend.close()
+
+
+def test_a_retired_clients_lookups_not_begun_are_dropped_and_the_others_served():
+    """What a client that is gone had queued is completed as skipped (no rows written, nobody
+    reads them), so its slab can be freed once the piece running ends; another client's lookup
+    behind them is served, rows exact."""
+    from engramd.kernels.gather_ref import gather
+    from engramd.server.cpu_backend import PIECE_TOKENS
+
+    geometry = TableGeometry.named("demo")
+    tables = tables_of(geometry, 5)
+    backend = CpuBackend(tables, geometry, workers=1)
+    shard = geometry.shard(0, 1)
+    long = 8 * PIECE_TOKENS  # in pieces: the first held at the gate, 7 queued
+    layout = SlabLayout(slots=2, max_tokens=long, n_layers=geometry.n_layers, heads=geometry.heads,
+                        local_heads=shard.local_heads, head_dim=geometry.head_dim)
+    gone, live = GatedSlab(layout), MemfdSlab("test-live", layout)
+    rng = np.random.default_rng(6)
+    ids = np.stack([rng.integers(0, r, size=(long, geometry.heads)) for r in geometry.rows], axis=1)
+    finished: dict[tuple[int, int], LookupJob] = {}
+    all_done = threading.Semaphore(0)
+
+    def complete(job: LookupJob) -> None:
+        finished[job.client_id, job.slot] = job
+        all_done.release()
+
+    try:
+        for slab in (gone, live):
+            for slot in (0, 1):
+                slab.ids(slot, long, torch.int64).copy_(torch.from_numpy(ids))
+        backend.submit(LookupJob(1, gone, shard, 0, 1, long), complete)  # its first piece held
+        assert gone.entered.wait(10)
+        backend.submit(LookupJob(1, gone, shard, 1, 1, 16), complete)  # whole, queued
+        backend.submit(LookupJob(2, live, shard, 0, 1, 16), complete)  # another client's
+        assert backend.drop_queued(1) == 2
+        assert all_done.acquire(timeout=10)  # the whole one at once; the pieced one runs a piece
+        assert list(finished) == [(1, 1)] and finished[1, 1].skip and finished[1, 1].context.silent
+        gone.gate.set()
+        assert all_done.acquire(timeout=10) and all_done.acquire(timeout=10)
+        assert finished[1, 0].skip and not finished[2, 0].skip and finished[2, 0].error is None
+        rows = MemfdSlab.rows(gone, 0, long).view(torch.int16)
+        assert not rows[:, PIECE_TOKENS:].any(), "a dropped piece wrote rows"
+        assert not MemfdSlab.rows(gone, 1, 16).view(torch.int16).any(), "a dropped lookup wrote rows"
+        expected = gather(tables, torch.from_numpy(ids[:16]), shard)[0]
+        assert torch.equal(live.rows(0, 16).view(torch.int16), expected.view(torch.int16))
+        assert not backend.gathering and backend.drop_queued(1) == 0
+    finally:
+        gone.gate.set()
+        live.close()
+        backend.close()

@@ -33,3 +33,13 @@ def test_close_hands_out_what_is_left_then_none_and_wakes_waiters():
     queue.put("a", [1, 2])
     queue.close()
     assert [queue.get(), queue.get(), queue.get()] == [1, 2, None]
+
+
+def test_drop_takes_out_one_owners_items_and_leaves_the_others_in_turn():
+    queue = FairQueue()
+    queue.put("gone", ["g0", "g1"])
+    queue.put("live", ["l0", "l1"])
+    queue.put("other", ["o0"])
+    assert queue.drop("gone") == ["g0", "g1"]
+    assert queue.drop("gone") == [] and queue.drop("never") == []
+    assert [queue.get() for _ in range(3)] == ["l0", "o0", "l1"]

@@ -56,6 +56,7 @@ class FakeBackend:
         self.slabs = []
         self.overdue = []  # jobs overdue_lookups hands out next
         self.overdue_limits = []
+        self.dropped_for = []  # clients whose queued lookups the registry had dropped
 
     def check_device(self, device):
         if device != "cpu" and device.removeprefix("cuda:") not in self.mps:
@@ -67,6 +68,10 @@ class FakeBackend:
 
     def submit(self, job, done):
         self.jobs.append(job)
+
+    def drop_queued(self, client_id):
+        self.dropped_for.append(client_id)
+        return 0  # the test's jobs are in flight, not queued
 
     def overdue_lookups(self, limit_s):
         self.overdue_limits.append(limit_s)
@@ -207,6 +212,7 @@ def test_release_waits_for_in_flight_lookups_before_freeing():
     client_id = register(store)
     start(store, client_id)
     store.release(b"a", client_id)
+    assert backend.dropped_for == [client_id], "what no gather has begun is dropped at once"
     assert not backend.slabs[0].closed, "a gather may still write the slab"
     with pytest.raises(NotRegisteredError):
         start(store, client_id, slot=1)
