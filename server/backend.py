@@ -83,8 +83,9 @@ class Backend(Protocol):
     def drop_queued(self, client_id: int) -> int:
         """A retired client's lookups that no gather has begun: completed now as skipped
         (`done(job)`, no rows written; nobody reads them), so its slab is freed once what runs
-        ends, and the workers go to live clients. Returns how many lookups were dropped (GPU: 0,
-        a job is enqueued on the device as it comes)."""
+        ends, and the workers go to live clients. Returns how many lookups it cut short, wholly
+        or in part (GPU: 0, a job is enqueued on the device as it comes). It may call `done`
+        on the calling thread."""
 
     @property
     def gathering(self) -> bool:

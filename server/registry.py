@@ -392,15 +392,19 @@ class ClientRegistry:
 
     def _retire(self, record: ClientRecord, why: str) -> None:
         record.releasing = True
-        dropped = self.backend.drop_queued(record.client_id)  # completed now: in_flight shrinks
-        log.info("client %d %s (%d lookups in flight%s)", record.client_id, why,
-                 sum(record.in_flight.values()), f", {dropped} not begun dropped" if dropped else "")
+        log.info("client %d %s (%d lookups in flight)", record.client_id, why,
+                 sum(record.in_flight.values()))
         self._on_retire(record)
+        cut = self.backend.drop_queued(record.client_id)  # may finish lookups (and free) here
+        if cut:
+            log.info("client %d: %d of its lookups cut short (what no gather had begun, dropped)",
+                     record.client_id, cut)
         if not record.in_flight:
             self._free(record)
 
     def _free(self, record: ClientRecord) -> None:
-        self.clients.pop(record.client_id, None)
+        if self.clients.pop(record.client_id, None) is None:
+            return  # freed already (its last lookup finished while it was retired)
         if record.slab is not None:
             record.slab.close()
 

@@ -4,6 +4,7 @@ reaping, credentials and budgets."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import subprocess
 import sys
@@ -40,6 +41,7 @@ class FakeSlab:
         return {"kind": "fake", "layout": self.layout.to_wire()}
 
     def close(self):
+        assert not self.closed, "a slab freed twice"
         self.closed = True
 
 
@@ -57,6 +59,8 @@ class FakeBackend:
         self.overdue = []  # jobs overdue_lookups hands out next
         self.overdue_limits = []
         self.dropped_for = []  # clients whose queued lookups the registry had dropped
+        self.queued = []  # jobs drop_queued finishes (as the CPU backend does, on the caller's thread)
+        self.finish = None  # how: the registry's finish_lookup
 
     def check_device(self, device):
         if device != "cpu" and device.removeprefix("cuda:") not in self.mps:
@@ -71,7 +75,11 @@ class FakeBackend:
 
     def drop_queued(self, client_id):
         self.dropped_for.append(client_id)
-        return 0  # the test's jobs are in flight, not queued
+        dropped = [job for job in self.queued if job.client_id == client_id]
+        for job in dropped:
+            job.skip = True
+            self.finish(job)
+        return len(dropped)
 
     def overdue_lookups(self, limit_s):
         self.overdue_limits.append(limit_s)
@@ -218,6 +226,18 @@ def test_release_waits_for_in_flight_lookups_before_freeing():
         start(store, client_id, slot=1)
     store.finish_lookup(backend.jobs[0])
     assert backend.slabs[0].closed and client_id not in store.clients
+
+
+def test_lookups_the_backend_drops_at_retirement_free_the_slab_once(caplog):
+    store, backend = make_store()
+    client_id = register(store)
+    start(store, client_id)
+    start(store, client_id, slot=1)
+    backend.queued, backend.finish = list(backend.jobs), store.finish_lookup
+    with caplog.at_level(logging.INFO, logger="engramd.registry"):
+        store.release(b"a", client_id)
+    assert backend.slabs[0].closed and client_id not in store.clients
+    assert "2 of its lookups cut short" in caplog.text
 
 
 def test_dead_clients_are_reaped_and_idle_live_ones_are_not():
