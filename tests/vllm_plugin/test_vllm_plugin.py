@@ -231,3 +231,26 @@ def test_a_daemon_serving_other_tables_is_refused(demo_checkpoint):
     other = TableGeometry.from_config({**config, "engram_vocab_size": served.vocab_size + 100})
     with pytest.raises(plugin.VllmPluginError, match="start the daemon on this model's checkpoint"):
         vllm_engram._check_geometry(served, layout(types.SimpleNamespace(**other.to_config())), "sock")
+
+
+def test_a_steps_ids_are_one_view_where_every_layer_hands_in_a_column_of_one_tensor():
+    import torch
+
+    from engramd.client.engines.vllm_engram import columns_view
+
+    ids = torch.arange(5 * 2 * 3, dtype=torch.int64).reshape(5, 2, 3)
+    parts = {layer: ids[:, layer] for layer in (1, 0)}  # handed in any order
+    view = columns_view(parts, 2)
+    assert view is not None and view.data_ptr() == ids.data_ptr() and view.is_contiguous()
+    assert torch.equal(view, torch.stack([parts[0], parts[1]], dim=1))
+    assert torch.equal(columns_view({0: ids[:2, 0], 1: ids[:2, 1]}, 2), ids[:2])  # a step's first tokens
+    assert torch.equal(columns_view({0: ids[3:4, 0], 1: ids[3:4, 1]}, 2), ids[3:4])  # one token
+    # Anything else is built anew: a layer missing (another pipeline stage's), columns of two
+    # tensors, columns swapped, other strides, other dtypes.
+    assert columns_view({0: ids[:, 0]}, 2) is None
+    assert columns_view({0: ids[:, 0], 1: ids.clone()[:, 1]}, 2) is None
+    assert columns_view({0: ids[:, 1], 1: ids[:, 0]}, 2) is None
+    wide = torch.zeros(5, 3, 3, dtype=torch.int64)
+    assert columns_view({0: wide[:, 0], 1: wide[:, 1]}, 2) is None
+    assert columns_view({0: ids[::2, 0], 1: ids[::2, 1]}, 2) is None
+    assert columns_view({0: ids[:, 0], 1: ids[:, 1].int()}, 2) is None
