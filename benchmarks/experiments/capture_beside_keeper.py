@@ -168,6 +168,16 @@ def ride_through_a_restart(work: Path, shm: Path) -> dict:
         for _ in range(20):  # replays of the new tables, as the test's
             graph.replay()
         torch.cuda.synchronize()
+        # As the test ends: the counts settled (the replay that adopted the new tables is a
+        # poisoned one), then check() raises for it, and the error is kept.
+        captured.counts()
+        torch.cuda.synchronize()
+        outcome["counts"] = captured.counts()
+        try:
+            captured.check()
+        except ReplayFailedError as exc:
+            outcome["failed_replays"] += 1
+            failed = exc  # noqa: F841
     finally:
         if client is not None:
             client.close()
