@@ -81,11 +81,13 @@ class Backend(Protocol):
     pinned_bytes: int  # host table bytes registered with a device (CPU: 0)
 
     def drop_queued(self, client_id: int) -> int:
-        """A retired client's lookups that no gather has begun: completed now as skipped
-        (`done(job)`, no rows written; nobody reads them), so its slab is freed once what runs
-        ends, and the workers go to live clients. Returns how many lookups it cut short, wholly
-        or in part (GPU: 0, a job is enqueued on the device as it comes). It may call `done`
-        on the calling thread."""
+        """A retired client's work that no gather has begun is dropped, and the lookups it
+        belonged to complete as skipped and silent (no reply, not counted; nobody reads their
+        rows): one with nothing running at once (`done` may be called on the calling thread),
+        one with a piece running when that piece ends. Its slab is freed then, and the workers
+        go to live clients. Returns how many lookups it cut short, wholly or in part. A GPU
+        backend returns 0: its queued jobs each release their slot's counter in order, which
+        a dropped job would skip."""
 
     @property
     def gathering(self) -> bool:

@@ -497,7 +497,7 @@ class CudaBackend:
             self.workers[job.slab.device_index].submit(job, done)
 
     def drop_queued(self, client_id: int) -> int:
-        return 0  # a job is enqueued on its device as it comes: nothing waits here to be dropped
+        return 0  # its jobs are enqueued in order, each releasing its slot's counter: none is skipped
 
     def stop(self) -> None:
         """The workers enqueue what they hold and end; the cache keepers stop."""

@@ -174,7 +174,9 @@ def test_a_retired_clients_lookups_not_begun_are_dropped_and_the_others_served()
         assert list(finished) == [(1, 1)] and finished[1, 1].skip and finished[1, 1].context.silent
         gone.gate.set()
         assert all_done.acquire(timeout=10) and all_done.acquire(timeout=10)
-        assert finished[1, 0].skip and not finished[2, 0].skip and finished[2, 0].error is None
+        assert finished[1, 0].skip and finished[1, 0].context.silent  # done when its piece ended
+        assert not finished[2, 0].skip and not finished[2, 0].context.silent
+        assert finished[2, 0].error is None
         rows = MemfdSlab.rows(gone, 0, long).view(torch.int16)
         assert not rows[:, PIECE_TOKENS:].any(), "a dropped piece wrote rows"
         assert not MemfdSlab.rows(gone, 1, 16).view(torch.int16).any(), "a dropped lookup wrote rows"

@@ -218,10 +218,16 @@ def columns_view(parts: dict[int, torch.Tensor], n_layers: int) -> torch.Tensor 
     """The step's `[T, n_layers, heads]` IDs as one view, where every layer handed in its
     column of one contiguous tensor (vLLM's `gathered_hashes[:, layer_hash_index]`), else None.
     The view costs no kernel: building the IDs anew took three launches (a fill and a copy per
-    layer, about 60 us of a decode step's host time on an H100). Nothing writes the hashes
-    before the gather reads them: vLLM computes them anew each step, and the step's stream
-    waits for the gather before its first layer reads the rows."""
-    if sorted(parts) != list(range(n_layers)):
+    layer, about 60 us of a decode step's host time on an H100).
+
+    A mapped client's gather reads the IDs where they are, on its side stream, when the first
+    layer's `_ready_rows` queues it (gather_at "wait"). That holds because vLLM keeps the hashes
+    alive and unwritten through the whole forward, and the step's stream waits for the gather
+    there, before anything after it can write their memory again (the next step's hashes in a
+    graph's pool included). A lookup whose rows no layer waits for (a forward cut short) is
+    gathered before the next one, possibly from hashes rewritten since: rows nobody reads, in
+    a slot the next gather writes over."""
+    if len(parts) != n_layers or sorted(parts) != list(range(n_layers)):
         return None
     first = parts[0]
     tokens, heads = first.shape

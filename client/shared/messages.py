@@ -118,7 +118,7 @@ class LookupRequest(Message):
 
 @dataclass(slots=True)
 class ReleaseRequest(Message):
-    OP = "release"
+    OP = "release"  # lookups of the client still queued on a CPU daemon are dropped, unanswered
     client_id: int
     counts: dict | None = None  # a mapped client's final cumulative counts
 

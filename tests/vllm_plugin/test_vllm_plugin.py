@@ -254,3 +254,43 @@ def test_a_steps_ids_are_one_view_where_every_layer_hands_in_a_column_of_one_ten
     assert columns_view({0: wide[:, 0], 1: wide[:, 1]}, 2) is None
     assert columns_view({0: ids[::2, 0], 1: ids[::2, 1]}, 2) is None
     assert columns_view({0: ids[:, 0], 1: ids[:, 1].int()}, 2) is None
+
+
+def test_a_step_whose_layers_hand_in_columns_of_one_tensor_looks_that_tensor_up():
+    """ProcessRows hands the client the view (no new IDs tensor); a step that misses a layer
+    (another pipeline stage's) still gets its DEAD columns."""
+    import torch
+
+    from engramd.client.engines.vllm_engram import ProcessRows
+    from engramd.client.geometry import DEAD_ID, TableGeometry
+
+    class Client:
+        geometry = TableGeometry.named("demo")
+        rows_generation, registrations, tables_id = 0, 1, "t"
+
+        def __init__(self):
+            self.looked_up = []
+
+        def slot_rows(self, slot):
+            return [torch.zeros(8, self.geometry.heads, self.geometry.head_dim)
+                    for _ in range(self.geometry.n_layers)]
+
+        def lookup(self, ids, slot=None):
+            self.looked_up.append(ids)
+
+    client = Client()
+    n_layers, heads = client.geometry.n_layers, client.geometry.heads
+    rows = ProcessRows(client)
+    for layer in range(n_layers):
+        rows.staging(layer)
+    hashes = torch.arange(4 * n_layers * heads, dtype=torch.int64).reshape(4, n_layers, heads)
+    for layer in range(n_layers):
+        rows.hand(layer, hashes[:, layer])
+    assert client.looked_up[-1].data_ptr() == hashes.data_ptr()
+    assert torch.equal(client.looked_up[-1], hashes)
+    del rows.staged[n_layers - 1]  # this stage's layers: all but the last
+    for layer in range(n_layers - 1):
+        rows.hand(layer, hashes[:, layer])
+    got = client.looked_up[-1]
+    assert got.data_ptr() != hashes.data_ptr()
+    assert torch.equal(got[:, :-1], hashes[:, :-1]) and bool((got[:, -1] == DEAD_ID).all())
