@@ -178,10 +178,10 @@ def test_a_restart_on_another_geometry_poisons_the_capture_for_good(daemon_facto
     client = EngramClient(first.socket, mode="mapped", max_tokens=TOKENS, reconnect_timeout=60)
     try:
         captured = capture(client)
+        epoch = client.epoch  # before the restart: the upkeep may register anew before the start returns
         first.proc.kill()
         first.proc.wait()
         daemon_factory(instance="geo", tables=wider, shm_dir=first.shm_dir, workdir=first.workdir)
-        epoch = client.epoch
         wait_until(lambda: client.epoch != epoch and client.client_id is not None, timeout=UPKEEP_WAIT_S)
         for _ in range(3):
             assert np.isnan(replay(captured, ids)).all()
