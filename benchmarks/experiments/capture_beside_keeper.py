@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from capture_state import capture_status, thread_capture_mode  # noqa: E402  (this folder)
 from common.daemon import bench_folders, running_daemon, start_daemon, stop_process  # noqa: E402
 
 from engramd.client import EngramClient, ReplayFailedError  # noqa: E402
@@ -70,13 +71,8 @@ class Tracer:
         self.wall_start = time.strftime("%H:%M:%S") + f".{int(time.time() * 1e3) % 1000:03d}"  # stderr's clock
 
     def status(self) -> str:
-        from cuda.bindings import runtime as cudart
-
         stream = self.stream
-        if stream is None:
-            return "-"
-        err, status = cudart.cudaStreamIsCapturing(stream.cuda_stream)
-        return status.name.removeprefix("cudaStreamCaptureStatus") if not int(err) else f"error {err}"
+        return "-" if stream is None else capture_status(stream)
 
     def note(self, step: str) -> None:
         with self._lock:
@@ -101,19 +97,6 @@ class Tracer:
 
     def first_invalidated(self) -> list | None:
         return next((list(s) for s in self.steps if s[3] == "Invalidated"), None)
-
-
-def thread_capture_mode() -> str:
-    """This thread's CUDA stream capture interaction mode, left as it was (engramd's own threads
-    set theirs to relaxed; the engine's thread should still be in the default, global)."""
-    from cuda.bindings import runtime as cudart
-
-    err, mode = cudart.cudaThreadExchangeStreamCaptureMode(
-        cudart.cudaStreamCaptureMode.cudaStreamCaptureModeGlobal)
-    if int(err):
-        return f"error {err}"
-    cudart.cudaThreadExchangeStreamCaptureMode(mode)
-    return mode.name.removeprefix("cudaStreamCaptureMode")
 
 
 class LogRecords(logging.Handler):

@@ -26,17 +26,11 @@ def _say(what: str) -> None:
 
 def _state() -> str:
     import torch
-    from cuda.bindings import runtime as cudart
+    from capture_state import capture_status, thread_capture_mode  # this folder, on PYTHONPATH
 
-    err, mode = cudart.cudaThreadExchangeStreamCaptureMode(
-        cudart.cudaStreamCaptureMode.cudaStreamCaptureModeGlobal)
-    if not int(err):
-        cudart.cudaThreadExchangeStreamCaptureMode(mode)
-    err2, status = cudart.cudaStreamIsCapturing(torch.cuda.current_stream().cuda_stream)
     threads = ", ".join(sorted(t.name for t in threading.enumerate()))
-    return (f"main mode {mode.name.removeprefix('cudaStreamCaptureMode') if not int(err) else err}; "
-            f"current stream {status.name.removeprefix('cudaStreamCaptureStatus') if not int(err2) else err2}; "
-            f"threads: {threads}")
+    return (f"main mode {thread_capture_mode()}; current stream "
+            f"{capture_status(torch.cuda.current_stream())}; threads: {threads}")
 
 
 def _on_collection(phase: str, info: dict) -> None:
