@@ -395,7 +395,7 @@ trap 'kill $packer 2>/dev/null; wait $packer 2>/dev/null; pack exit; rm -f "$fin
 export PYTHONUNBUFFERED=1 CUDA_MODULE_LOADING=${CUDA_MODULE_LOADING:-EAGER}  # as the daemon runs, unless set
 if [ -d .whl ]; then  # the engine phases need only their own recipe's folder
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+      --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}  # a caller's kept
 fi
 bash benchmarks/common/install_editable.sh "$out/install.log" || exit 1
 

@@ -28,6 +28,8 @@ def _state() -> str:
     import torch
     from capture_state import capture_status, thread_capture_mode  # this folder, on PYTHONPATH
 
+    if not torch.cuda.is_available():
+        return "no CUDA device"
     threads = ", ".join(sorted(t.name for t in threading.enumerate()))
     return (f"main mode {thread_capture_mode()}; current stream "
             f"{capture_status(torch.cuda.current_stream())}; threads: {threads}")
@@ -55,5 +57,6 @@ def pytest_runtest_logfinish(nodeid, location) -> None:
 
         _say(f"collecting after {nodeid.rsplit('::', 1)[-1]}")
         gc.collect()
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         _say(f"collected: {_state()}")
