@@ -563,6 +563,7 @@ class GatherPlan:
             ids.stride(), (out.stride(0) // width, out.stride(1) // width), dedupe, sort, descriptor)
         # The compiled kernel (None under the interpreter), for SlotGather's direct launches.
         self._launched = _gather_kernel[(launch.grid,)](**args, num_warps=launch.num_warps)
+        self._launched_with = launch
         if dedupe:
             _fanout_kernel[(launch.grid,)](
                 leaders, target, launch.n_items, ids.shape[0], self.shard.local_heads,
@@ -698,12 +699,14 @@ class GatherPlan:
 class SlotGather:
     """The plain gather (no sort, no dedupe) of one plan into fixed memory: a slab's slots.
 
-    The served hot path calls it once per lookup with raw addresses. The first launch of each
-    ID dtype goes through the plan's checked call and keeps the compiled kernel it returns;
-    later launches hand the argument list straight to that kernel (no binding, no stream
-    context: ~10 us less host time per lookup). Under the interpreter, and if the compiled
-    kernel refuses a direct launch (another Triton's launcher), every launch takes the checked
-    path. Either way the same kernel variant runs with the same arguments.
+    The served hot path calls it once per lookup with raw addresses, a mapped client once per
+    gather. The first launch of each ID dtype goes through the plan's checked call and keeps
+    the compiled kernel it returns, with the kernel's argument list (_DirectLaunch); later
+    launches fill in the arguments that change from call to call and hand the list straight
+    to that kernel: no binding by name, no stream context, no Triton helper calls. Under the
+    interpreter, and if the compiled kernel refuses a direct launch (another Triton's
+    launcher), every launch takes the checked path. Either way the same kernel variant runs
+    with the same arguments.
     """
 
     def __init__(self, plan: GatherPlan, out_of_range: Tensor, cache: HotCache | None,
@@ -718,7 +721,7 @@ class SlotGather:
         self.block_rows = block_rows
         self.num_warps = num_warps
         self.items_per_token = plan.n_layers * plan.shard.local_heads
-        self._kernels: dict[torch.dtype, Any] = {}
+        self._launches: dict[torch.dtype, _DirectLaunch] = {}
         self._direct = not _kernel_is_interpreted()
 
     def __call__(self, ids: Tensor, out: Tensor, stream: torch.cuda.Stream,
@@ -728,21 +731,14 @@ class SlotGather:
         (>= 1; default: this launcher's). The grid is a launch argument: any grid reuses the
         kernel."""
         programs = self.programs if num_programs is None else num_programs
-        kernel = self._kernels.get(ids.dtype) if self._direct else None
-        if kernel is None:
+        direct = self._launches.get(ids.dtype) if self._direct else None
+        if direct is None:
             self._checked(ids, out, stream, programs)
             return
         n_items = self.items_per_token * ids.shape[0]
-        launch = _Launch(min(programs, triton.cdiv(n_items, self.block_rows)), n_items,
-                         False, self.block_rows, self.num_warps)
-        plan = self.plan
-        args = plan.kernel_args(ids.data_ptr(), out.data_ptr(), self.out_of_range, self.cache,
-                                plan.meta, plan.meta, launch, ids.shape[0], ids.stride(),
-                                (out.stride(0) // plan.head_dim, out.stride(1) // plan.head_dim),
-                                False, False)
+        grid = min(programs, -(-n_items // self.block_rows))
         try:
-            kernel[(launch.grid, 1, 1)](*[args[name] for name in _gather_kernel.arg_names],
-                                        stream=stream.cuda_stream)
+            direct(grid, stream.cuda_stream, ids, out, n_items, self.plan.head_dim)
         except TypeError:  # this Triton's launcher takes other arguments: stay on the checked path
             self._direct = False
             self._checked(ids, out, stream, programs)
@@ -752,7 +748,37 @@ class SlotGather:
         plan(ids, out, stream=stream, out_of_range=self.out_of_range, cache=self.cache,
              num_programs=programs, block_rows=self.block_rows, num_warps=self.num_warps)
         if plan._launched is not None and ids.shape[0] > 0:
-            self._kernels[ids.dtype] = plan._launched
+            # The per-launch entries are left 0 here (no tensor of the caller's kept alive).
+            args = plan.kernel_args(0, 0, self.out_of_range, self.cache, plan.meta, plan.meta,
+                                    plan._launched_with, 0, (0, 0, 0), (0, 0), False, False)
+            self._launches[ids.dtype] = _DirectLaunch(plan._launched, args)
+
+
+class _DirectLaunch:
+    """A compiled gather kernel and its positional argument list, of which a launch changes
+    only the IDs', rows' and sizes' entries (_DIRECT_VARYING): the rest (the plan's metadata,
+    the counter, the cache, the shard, the constexprs) is the same for every slot gather."""
+
+    def __init__(self, kernel: Any, args: dict) -> None:
+        self.kernel = kernel
+        names = _gather_kernel.arg_names
+        self.args = [args[name] for name in names]
+        self.at = [names.index(name) for name in _DIRECT_VARYING]
+
+    def __call__(self, grid: int, stream: int, ids: Tensor, out: Tensor, n_items: int,
+                 head_dim: int) -> None:
+        args = self.args.copy()
+        ids_t, ids_l, ids_h = ids.stride()
+        out_l, out_t = out.stride(0) // head_dim, out.stride(1) // head_dim
+        for at, value in zip(self.at, (ids.data_ptr(), out.data_ptr(), n_items, ids.shape[0],
+                                       ids_t, ids_l, ids_h, out_l, out_t), strict=True):
+            args[at] = value
+        self.kernel[(grid, 1, 1)](*args, stream=stream)
+
+
+# _DirectLaunch's arguments of one launch, in the order it fills them in.
+_DIRECT_VARYING = ("ids_ptr", "out_ptr", "n_items", "tokens", "ids_stride_t", "ids_stride_l",
+                   "ids_stride_h", "out_rows_l", "out_rows_t")
 
 
 def _leaders(ordered: Tensor, order: Tensor) -> Tensor:

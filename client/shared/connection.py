@@ -31,6 +31,7 @@ from engramd.client.shared.handles import HANDLE_SOCKET_NAME, check_access, hand
 
 POLL_S = 0.1
 LOCKED_POLL_MS = 5  # the longest one thread holds the connection while it waits for replies
+_POLLIN = int(zmq.POLLIN)  # a plain int: `&` with pyzmq's enum costs a lookup a microsecond
 # How long a wait whose daemon is gone still looks for its reply: a stopping daemon flushes its
 # replies before it closes its leases, but ours may still be crossing this process's ZeroMQ I/O
 # thread when the lease's end is seen.
@@ -216,7 +217,7 @@ class Connection:
         """Whether anything arrived (a reply or a notice)."""
         # Without waiting, ask the socket's event flags: Socket.poll builds a Poller per call.
         if timeout_ms <= 0:
-            if not cast(int, self._sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            if not cast(int, self._sock.getsockopt(zmq.EVENTS)) & _POLLIN:
                 return False
         elif not self._sock.poll(timeout_ms, zmq.POLLIN):
             return False

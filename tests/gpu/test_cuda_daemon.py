@@ -7,6 +7,7 @@ import sys
 import time
 import zlib
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -262,6 +263,13 @@ def test_a_mapped_lookups_sm_fraction_sets_its_grid(daemon_factory, reference, m
         return launched[-1]
 
     monkeypatch.setattr(gt, "_Launch", recording)
+    direct = gt._DirectLaunch.__call__
+
+    def recording_direct(self, grid, *args):  # a direct launch makes no _Launch
+        launched.append(SimpleNamespace(grid=grid))
+        return direct(self, grid, *args)
+
+    monkeypatch.setattr(gt._DirectLaunch, "__call__", recording_direct)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rng = np.random.default_rng(12)
     with EngramClient(daemon.socket, device="cuda", max_tokens=2 * sort_from, slots=2,

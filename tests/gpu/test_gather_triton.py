@@ -324,7 +324,7 @@ def test_slot_gather_direct_launches_equal_the_reference(world, shards, cached):
         want, want_bad = reference(tables_cpu, ids, shard)
         expected_bad += want_bad
         assert_same(views.rows(slot, tokens).cpu(), want, f"step {step}: {tokens} x {dtype}")
-    assert launch._direct and set(launch._kernels) == {torch.int32, torch.int64}, \
+    assert launch._direct and set(launch._launches) == {torch.int32, torch.int64}, \
         "the direct launch path was not taken"
     assert int(bad) == expected_bad
 
