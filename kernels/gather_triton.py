@@ -747,7 +747,7 @@ class SlotGather:
         plan = self.plan
         plan(ids, out, stream=stream, out_of_range=self.out_of_range, cache=self.cache,
              num_programs=programs, block_rows=self.block_rows, num_warps=self.num_warps)
-        if plan._launched is not None and ids.shape[0] > 0:
+        if self._direct and plan._launched is not None and ids.shape[0] > 0:
             # The per-launch entries are left 0 here (no tensor of the caller's kept alive).
             args = plan.kernel_args(0, 0, self.out_of_range, self.cache, plan.meta, plan.meta,
                                     plan._launched_with, 0, (0, 0, 0), (0, 0), False, False)
