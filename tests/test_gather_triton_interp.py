@@ -9,6 +9,7 @@ in test_gather_ref.py; here the kernel must reproduce it bit for bit (NaN compar
 from __future__ import annotations
 
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -532,6 +533,67 @@ def test_slot_gather_takes_a_grid_per_call(kt, world, monkeypatch):
         launch(ids, out, stream=None, num_programs=programs)
         assert [one.grid for one in launched] == [grid], programs
         assert_same(out, want, f"{programs} programs")
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+@pytest.mark.parametrize("cached", [False, True])
+def test_a_direct_launch_passes_the_checked_paths_arguments(kt, world, monkeypatch, shards, cached):
+    """After the first launch of a dtype, SlotGather hands the compiled kernel a kept argument
+    list with each call's IDs, rows and sizes filled in: argument for argument what the plan's
+    kernel_args gives for that call (the same tensors, the same numbers), on the call's grid
+    and stream. The interpreter compiles nothing, so a recording kernel stands for it."""
+    from engramd.client.shared.slab import SlabLayout, SlotViews
+
+    geo, tables = world
+    shard = geo.shard(shards - 1, shards)
+    layout = SlabLayout(slots=2, max_tokens=9, n_layers=geo.n_layers, heads=geo.heads,
+                        local_heads=shard.local_heads, head_dim=geo.head_dim)
+    views = SlotViews(layout, torch.zeros(layout.size, dtype=torch.uint8))
+    cache = cached_world(kt, geo, tables, 0.5, seed=3) if cached else None
+    bad = torch.zeros(1, dtype=torch.int64)
+    plan = kt.GatherPlan(tables, shard)
+    launched = []
+
+    class Compiled:  # what Triton's compiled kernel offers: kernel[grid](*args, stream=...)
+        def __getitem__(self, grid):
+            return lambda *args, stream: launched.append((grid, args, stream))
+
+    interpreted_launch = kt.GatherPlan._launch
+
+    def launch_and_keep(self, *args, **kwargs):  # the checked path's launch, then a "compiled" kernel
+        interpreted_launch(self, *args, **kwargs)
+        self._launched = Compiled()
+
+    monkeypatch.setattr(kt.GatherPlan, "_launch", launch_and_keep)
+    gather = kt.SlotGather(plan, bad, cache, num_programs=4, block_rows=BLOCK_ROWS)
+    gather._direct = True  # as on a GPU
+    stream = SimpleNamespace(cuda_stream=0x5EED)
+    for step, (tokens, dtype, programs) in enumerate([(9, torch.int64, None), (1, torch.int64, 2),
+                                                      (7, torch.int64, None), (4, torch.int32, 1),
+                                                      (9, torch.int32, 3)]):
+        slot = step % 2
+        ids, out = views.ids(slot, tokens, dtype), views.rows(slot, tokens)
+        launched.clear()
+        gather(ids, out, stream, programs)
+        if step in (0, 3):  # a dtype's first launch: the checked path, the interpreter's rows
+            assert launched == [] and dtype in gather._launches, f"step {step}"
+            continue
+        n_items = geo.n_layers * tokens * shard.local_heads
+        grid = min(programs or 4, -(-n_items // BLOCK_ROWS))
+        want = plan.kernel_args(ids.data_ptr(), out.data_ptr(), bad, cache, plan.meta, plan.meta,
+                                kt._Launch(grid, n_items, False, BLOCK_ROWS, kt.DEFAULT_NUM_WARPS),
+                                tokens, ids.stride(),
+                                (out.stride(0) // geo.head_dim, out.stride(1) // geo.head_dim),
+                                False, False)
+        assert len(launched) == 1, f"step {step}: {len(launched)} launches"
+        got_grid, got, got_stream = launched[0]
+        assert (got_grid, got_stream) == ((grid, 1, 1), 0x5EED), f"step {step}"
+        names = kt._gather_kernel.arg_names
+        assert len(got) == len(names)
+        for name, value in zip(names, got, strict=True):
+            expected = want[name]
+            same = value is expected if isinstance(expected, torch.Tensor) else value == expected
+            assert same, f"step {step}: {name} is {value!r}, the checked path passes {expected!r}"
 
 
 def test_slot_views_are_the_layouts_views_made_once():
