@@ -254,12 +254,14 @@ def markdown(report: dict) -> str:
     if runs and runs[0].get("rounds", 1) > 1:
         lines.insert(-1, f"Each cell timed {runs[0]['rounds']} times, the variants' order rotated "
                          "every round; the medians are reported (every round's step time is in "
-                         "the JSON, `rounds_us`).")
+                         "the JSON, `rounds_us`). Rounds' ratios: mapped_graph / inproc_graph "
+                         "within each round (the two timed next to each other), their median "
+                         "(range), and in how many rounds it was over 1.00.")
     for run in runs:
         lines.append(f"- MPS {'on' if run['mps'] else 'off'}, {run.get('ids', 'uniform')} IDs: rows "
                      f"{'exact' if run['rows_exact'] else 'DIFFER'}; captured lookup counts "
                      f"{run['captured_counts']}; {run['seconds']} s")
-    header = ["MPS", "mode", "T", "lead", *VARIANTS, "ratio", "lookup host"]
+    header = ["MPS", "mode", "T", "lead", *VARIANTS, "ratio", "rounds' ratios", "lookup host"]
     lines += ["", "| " + " | ".join(header) + " |", "|---|---|" + "---:|" * (len(header) - 2)]
     by = {(c["mps"], c["mode"], c["variant"], c["tokens"], c["lead"]): c for c in cells}
     for mps, mode, t, lead in sorted({(c["mps"], c["mode"], c["tokens"], c["lead"]) for c in cells}):
@@ -268,9 +270,22 @@ def markdown(report: dict) -> str:
         row += [f"{g['step_us']:.0f} / {g['issue_us']:.1f}" if g else "-" for g in got.values()]
         graph, inproc, floor = got["mapped_graph"], got["inproc_graph"], got["compute_graph"]
         row.append(f"{graph['step_us'] / inproc['step_us']:.3f}" if graph and inproc else "-")
+        row.append(describe_paired(paired_ratios(graph, inproc)) if graph and inproc else "-")
         row.append(f"{graph['issue_us'] - floor['issue_us']:.1f}" if graph and floor else "-")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
+
+
+def paired_ratios(graph: dict, inproc: dict) -> list[float]:
+    """mapped_graph / inproc_graph of each round: the two were timed next to each other, so
+    drift between rounds (the reference alone moves several percent) leaves the ratio alone."""
+    return [g / i for g, i in zip(graph["rounds_us"], inproc["rounds_us"], strict=True)]
+
+
+def describe_paired(ratios: list[float]) -> str:
+    over = sum(r > 1.0 for r in ratios)
+    spread = f" ({min(ratios):.3f}-{max(ratios):.3f})" if len(ratios) > 1 else ""
+    return f"{float(np.median(ratios)):.3f}{spread}, {over} of {len(ratios)} over 1.00"
 
 
 def write_report(out: Path, report: dict) -> None:

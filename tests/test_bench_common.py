@@ -330,6 +330,29 @@ def test_lookup_host_compare_pairs_the_rounds_and_takes_the_median_ratio(tmp_pat
     assert not any("inproc" in line for line in table)
 
 
+def test_the_captured_step_report_pairs_each_rounds_two_lookups():
+    """Each round's mapped_graph / inproc_graph, the two timed next to each other: their median,
+    range and how many were over 1.00, beside the ratio of the two variants' medians."""
+    import captured_step
+
+    def cell(variant: str, rounds_us: list[float]) -> dict:
+        return {"mps": False, "mode": "pipelined", "variant": variant, "tokens": 16, "lead": 4,
+                "steps": 60, "step_us": float(np.median(rounds_us)), "issue_us": 10.0,
+                "rounds_us": rounds_us}
+
+    # The reference drifts 100 -> 120 -> 90 between rounds; the captured step is 2% over it,
+    # then 2% under, then 2% over.
+    cells = [cell("inproc_graph", [100.0, 120.0, 90.0]), cell("mapped_graph", [102.0, 117.6, 91.8]),
+             cell("compute_graph", [90.0, 90.0, 90.0]), cell("mapped", [150.0, 150.0, 150.0])]
+    report = {"meta": {"date": "today", "command": "cmd"}, "cells": cells,
+              "runs": [{"gpu": "GPU", "rounds": 3, "mps": False, "rows_exact": True,
+                        "captured_counts": {}, "seconds": 1}]}
+    lines = captured_step.markdown(report).splitlines()
+    row = next(line for line in lines if line.startswith("| off |"))
+    assert "| 1.020 | 1.020 (0.980-1.020), 2 of 3 over 1.00 |" in row, row
+    assert captured_step.describe_paired([0.99]) == "0.990, 0 of 1 over 1.00"
+
+
 def test_the_sglang_report_holds_each_variant_against_both_of_sglangs_own(monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks" / "sglang_gpu"))
     import bench_report
