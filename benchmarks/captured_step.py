@@ -5,6 +5,7 @@ in-process gather captured the same way (H200).
     python benchmarks/captured_step.py --mps both --out DIR      # without, then with MPS, merged
     python benchmarks/captured_step.py --mps both --rounds 3 --out DIR   # each cell 3x, medians
     python benchmarks/captured_step.py --ids text --traces .traces --out DIR  # real text's IDs
+    python benchmarks/captured_step.py --render DIR...           # reports of earlier runs, again
 
 The step is model_step.py's (lookup of T tokens on a side stream -> LEAD bf16 matmuls -> the
 main stream waits for the rows -> consume them into the next matmul's operand -> 4 more
@@ -310,6 +311,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lead", type=int, nargs="+", default=list(LEADS))
     parser.add_argument("--daemon-args", default="")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--render", type=Path, nargs="+", metavar="DIR",
+                        help="time nothing: print the report of each DIR/captured_step.json again, "
+                             "as this version writes it")
     mps_argument(parser)
     args = parser.parse_args(argv)
     if args.steps < 1 or min(args.tokens) < 1 or min(args.lead) < 0:
@@ -319,6 +323,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.render:
+        for folder in args.render:
+            print(f"<!-- {folder / JSON_NAME} -->\n" + markdown(json.loads((folder / JSON_NAME).read_text())))
+        return 0
     if needs_children(args):  # a child per MPS mode, their reports merged
         out = Path(args.out)
         children = run_children(Path(__file__).resolve(), mps_modes(args), out)
