@@ -167,9 +167,11 @@ class ProcessClient:
             self._place(rows[layer], out[start:start + chunk.shape[0]])
 
     def _place(self, rows: torch.Tensor, out: torch.Tensor) -> None:
-        """This rank's heads' rows into their columns of `out`, zero elsewhere."""
+        """This rank's heads' rows into their columns of `out`, zero elsewhere (a rank of all
+        the heads has no elsewhere: a launch less a layer)."""
         shard = self.client.shard
-        out.zero_()
+        if (shard.head_start, shard.head_end) != (0, out.shape[-2]):
+            out.zero_()
         out[:, shard.head_start:shard.head_end] = rows[:, :shard.head_end - shard.head_start]
 
     def check_still_served(self) -> None:
