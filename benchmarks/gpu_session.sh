@@ -74,6 +74,10 @@
 #                      ride a captured lookup through a daemon restart, every step
 #                      traced with the capture's status (about 4 min);
 #                      CAPTURE_VARIANTS: some of them                            capture_beside_keeper.log
+#   described-cost     benchmarks/experiments/described_cost.py: the captured lookup's
+#                      kernel against the in-process one, part by part (counter,
+#                      cache probe, descriptor), each in a captured step, 5 rounds
+#                      (about 2 min)                                              described_cost.log
 #   lookup             benchmarks/gpu_lookup.py, 16 GiB, without and under MPS    lookup/
 #   lookup-host        benchmarks/lookup_host.py: host time of one lookup         lookup_host/
 #   lookup-host-base   the same of the tree in .ab_base and of this one, in turn,
@@ -349,6 +353,10 @@ phase_captured_step_text() {  # the same on real text's row IDs (the hot-row cac
   have_traces || return 1
   python3 benchmarks/captured_step.py --mps both --rounds 3 --ids text --traces .traces \
     --out "$out/captured_step_text" 2>&1 | tee "$out/captured_step_text.log" | tail -40
+}
+phase_described_cost() {  # the captured lookup's kernel against the in-process one, part by part
+  python3 benchmarks/experiments/described_cost.py --out "$out/described_cost.json" 2>&1 \
+    | tee "$out/described_cost.log" | tail -12
 }
 phase_attach() {  # benchmarks/mapped_attach.py, 16 GiB: a mapped client's attach, restart to ready
   python3 benchmarks/mapped_attach.py --table-gib 16 --out "$out/attach" 2>&1 \
