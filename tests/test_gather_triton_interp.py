@@ -481,11 +481,9 @@ def test_warming_from_a_trace_admits_its_repeated_rows_only(kt, world):
     assert cache.counters[1].sum() == cache.counters[0].sum() == ids.numel()
 
 
-@pytest.mark.parametrize("shards", [1, 3])
-@pytest.mark.parametrize("cached", [False, True])
-def test_slot_gather_fills_slab_slots_like_the_reference(kt, world, shards, cached):
-    """The served hot path's launcher (kernels.gather_triton.SlotGather) over a slab's slots:
-    every size and dtype in a row, rows and out-of-range counts equal to the reference."""
+def slot_world(kt, world, shards: int, cached: bool):
+    """The last of `shards` shards, a two-slot slab's views of up to 9 tokens, a hot-row cache
+    holding half the rows (when `cached`), an out-of-range counter."""
     from engramd.client.shared.slab import SlabLayout, SlotViews
 
     geo, tables = world
@@ -494,7 +492,16 @@ def test_slot_gather_fills_slab_slots_like_the_reference(kt, world, shards, cach
                         local_heads=shard.local_heads, head_dim=geo.head_dim)
     views = SlotViews(layout, torch.zeros(layout.size, dtype=torch.uint8))
     cache = cached_world(kt, geo, tables, 0.5, seed=3) if cached else None
-    bad = torch.zeros(1, dtype=torch.int64)
+    return shard, views, cache, torch.zeros(1, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+@pytest.mark.parametrize("cached", [False, True])
+def test_slot_gather_fills_slab_slots_like_the_reference(kt, world, shards, cached):
+    """The served hot path's launcher (kernels.gather_triton.SlotGather) over a slab's slots:
+    every size and dtype in a row, rows and out-of-range counts equal to the reference."""
+    geo, tables = world
+    shard, views, cache, bad = slot_world(kt, world, shards, cached)
     launch = kt.SlotGather(kt.GatherPlan(tables, shard), bad, cache, num_programs=4,
                            block_rows=BLOCK_ROWS)
     expected_bad = 0
@@ -542,15 +549,8 @@ def test_a_direct_launch_passes_the_checked_paths_arguments(kt, world, monkeypat
     list with each call's IDs, rows and sizes filled in: argument for argument what the plan's
     kernel_args gives for that call (the same tensors, the same numbers), on the call's grid
     and stream. The interpreter compiles nothing, so a recording kernel stands for it."""
-    from engramd.client.shared.slab import SlabLayout, SlotViews
-
     geo, tables = world
-    shard = geo.shard(shards - 1, shards)
-    layout = SlabLayout(slots=2, max_tokens=9, n_layers=geo.n_layers, heads=geo.heads,
-                        local_heads=shard.local_heads, head_dim=geo.head_dim)
-    views = SlotViews(layout, torch.zeros(layout.size, dtype=torch.uint8))
-    cache = cached_world(kt, geo, tables, 0.5, seed=3) if cached else None
-    bad = torch.zeros(1, dtype=torch.int64)
+    shard, views, cache, bad = slot_world(kt, world, shards, cached)
     plan = kt.GatherPlan(tables, shard)
     launched = []
 
