@@ -738,7 +738,7 @@ class SlotGather:
         n_items = self.items_per_token * ids.shape[0]
         grid = min(programs, -(-n_items // self.block_rows))
         try:
-            direct(grid, stream.cuda_stream, ids, out, n_items, self.plan.head_dim)
+            direct(grid, stream.cuda_stream, ids, out, n_items)
         except TypeError:  # this Triton's launcher takes other arguments: stay on the checked path
             self._direct = False
             self._checked(ids, out, stream, programs)
@@ -751,7 +751,7 @@ class SlotGather:
             # The per-launch entries are left 0 here (no tensor of the caller's kept alive).
             args = plan.kernel_args(0, 0, self.out_of_range, self.cache, plan.meta, plan.meta,
                                     plan._launched_with, 0, (0, 0, 0), (0, 0), False, False)
-            self._launches[ids.dtype] = _DirectLaunch(plan._launched, args)
+            self._launches[ids.dtype] = _DirectLaunch(plan._launched, args, plan.head_dim)
 
 
 class _DirectLaunch:
@@ -759,17 +759,16 @@ class _DirectLaunch:
     only the IDs', rows' and sizes' entries (_DIRECT_VARYING): the rest (the plan's metadata,
     the counter, the cache, the shard, the constexprs) is the same for every slot gather."""
 
-    def __init__(self, kernel: Any, args: dict) -> None:
-        self.kernel = kernel
+    def __init__(self, kernel: Any, args: dict, head_dim: int) -> None:
+        self.kernel, self.head_dim = kernel, head_dim
         names = _gather_kernel.arg_names
         self.args = [args[name] for name in names]
         self.at = [names.index(name) for name in _DIRECT_VARYING]
 
-    def __call__(self, grid: int, stream: int, ids: Tensor, out: Tensor, n_items: int,
-                 head_dim: int) -> None:
+    def __call__(self, grid: int, stream: int, ids: Tensor, out: Tensor, n_items: int) -> None:
         args = self.args.copy()
         ids_t, ids_l, ids_h = ids.stride()
-        out_l, out_t = out.stride(0) // head_dim, out.stride(1) // head_dim
+        out_l, out_t = out.stride(0) // self.head_dim, out.stride(1) // self.head_dim
         for at, value in zip(self.at, (ids.data_ptr(), out.data_ptr(), n_items, ids.shape[0],
                                        ids_t, ids_l, ids_h, out_l, out_t), strict=True):
             args[at] = value

@@ -44,7 +44,9 @@ from engramd.kernels.gather_triton import GatherPlan
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for common
 from common.ids import bucket_ids  # noqa: E402
+from common.steps import Matmuls  # noqa: E402
 from common.tables import geometry_for  # noqa: E402
+from common.timing import Clock, time_cell  # noqa: E402
 
 VARIANTS = ("plain", "counted", "cached", "described", "described_cached")
 MATMUL_N = 4096  # model_step.py's operands
@@ -78,9 +80,7 @@ class Steps:
         self.plan = GatherPlan(tables, self.shard, device)
         self.side, self.own = torch.cuda.Stream(), torch.cuda.Stream()
         self.fork, self.join = torch.cuda.Event(), torch.cuda.Event()
-        self.a = torch.randn(MATMUL_N, MATMUL_N, device=device).bfloat16()
-        self.b = torch.randn(MATMUL_N, MATMUL_N, device=device).bfloat16()
-        self.c = torch.empty_like(self.a)
+        self.matmuls, self.clock = Matmuls(MATMUL_N, device, seed=0), Clock(device)
         self.ids = torch.full((max_tokens, geometry.n_layers, geometry.heads), -1,
                               dtype=torch.int64, device=device)
         self.counter = torch.zeros(1, dtype=torch.int64, device=device)
@@ -120,12 +120,8 @@ class Steps:
         self.join.record(self.side)
         self.matmuls(lead)
         main.wait_event(self.join)
-        torch.sum(rows[0], dim=(0, 1), out=self.a[0, :rows.shape[-1]])  # a read of the rows
+        torch.sum(rows[0], dim=(0, 1), out=self.matmuls.a[0, :rows.shape[-1]])  # a read of the rows
         self.matmuls(TAIL)
-
-    def matmuls(self, count: int) -> None:
-        for _ in range(count):
-            torch.mm(self.a, self.b, out=self.c)
 
     def graph(self, variant: str, tokens: int, lead: int) -> torch.cuda.CUDAGraph:
         key = (variant, tokens, lead)
@@ -139,19 +135,13 @@ class Steps:
         return self.graphs[key]
 
     def time(self, variant: str, tokens: int, lead: int, pool: list[torch.Tensor]) -> float:
-        """us per step: WARM replays, then the pool's, back to back between two events."""
+        """us per step, replays back to back (time_cell's pipelined step), WARM untimed first."""
         graph = self.graph(variant, tokens, lead)
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for ids in pool[:WARM]:
+
+        def replay(ids: torch.Tensor) -> None:
             self.ids[:tokens].copy_(ids, non_blocking=True)
             graph.replay()
-        begin.record()
-        for ids in pool[WARM:]:
-            self.ids[:tokens].copy_(ids, non_blocking=True)
-            graph.replay()
-        end.record()
-        end.synchronize()
-        return begin.elapsed_time(end) * 1000 / (len(pool) - WARM)
+        return time_cell(self.clock, replay, pool, WARM, synced=False)["step_us"]
 
     def rows_after_one(self, variant: str, tokens: int, lead: int, ids: torch.Tensor) -> torch.Tensor:
         self.ids[:tokens].copy_(ids)
