@@ -81,8 +81,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(dump_toml(config, settings_in_effect(config)))
         return 0
     _setup_logging(config.log_level)
-    # `kill -USR1 <pid>` writes every thread's stack to the log: what a stuck daemon is doing.
+    # `kill -USR1 <pid>` writes every thread's stack to the log: what a stuck daemon is doing;
+    # a crash (SIGSEGV, SIGBUS, SIGABRT in a driver or library call) writes them before it ends.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    faulthandler.enable(all_threads=True)
     # The lock, then the tables' first stage (map, pin) on a thread, then the heavy imports:
     # pinning tables already in shared memory overlaps importing torch (table_loader.py). A
     # standby has done the imports, and mapped and pinned the tables, before it took the lock.

@@ -37,15 +37,17 @@ DAEMON_LOG_TAIL = 6000  # characters of each one's log its failure report shows
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
-    """A failed test's report ends with the end of each of its daemons' logs: the daemon's side
-    of what went wrong (a refusal, a dropped connection), which its folder takes with it."""
+    """A failed test's report ends with each of its daemons' state and the end of its log: the
+    daemon's side of what went wrong (a refusal, a dropped connection, a crash), which its folder
+    takes with it."""
     report = yield
     if report.when in ("setup", "call") and report.failed:
         for daemon in item.stash.get(DAEMONS, []):
             pid = daemon.proc.pid if daemon.proc is not None else None
-            report.sections.append((f"{daemon.log_path.name} (pid {pid}), its end",
+            report.sections.append((f"{daemon.log_path.name} (pid {pid}, {daemon.state()}), its end",
                                     daemon.log()[-DAEMON_LOG_TAIL:]))
     return report
+
 
 
 def _leak_message(left: list[Path]) -> str:

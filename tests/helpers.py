@@ -305,6 +305,21 @@ class DaemonProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
+    def state(self) -> str:
+        """"running", or how it ended: a connection closed without a reply reads the same to a
+        client whether the daemon closed it or died."""
+        if self.proc is None:
+            return "not started"
+        status = self.proc.poll()
+        if status is None:
+            return "running"
+        if status < 0:
+            try:
+                return f"killed by {signal.Signals(-status).name}"
+            except ValueError:
+                return f"killed by signal {-status}"
+        return f"exited with {status}"
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
         if self.proc is None:
             return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -116,6 +117,28 @@ def test_killed_daemon_is_reported_to_a_waiting_client(daemon_factory):
         future.result()
     assert time.monotonic() - started < 2.0
     client.close()
+
+
+@pytest.fixture
+def no_core_files():
+    """The daemons this test crashes leave no core file (the limit is the test process's, which
+    they inherit; put back after)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_CORE)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, hard))
+    yield
+    resource.setrlimit(resource.RLIMIT_CORE, (soft, hard))
+
+
+def test_a_crashed_daemon_leaves_every_threads_stack_in_its_log(daemon_factory, no_core_files):
+    """A crash in a driver or library call ends the daemon; what each thread was doing must be in
+    its log (the journal, under systemd), or a client's bare closed connection has no story."""
+    daemon = daemon_factory()
+    daemon.proc.send_signal(signal.SIGSEGV)
+    assert daemon.proc.wait(30) == -signal.SIGSEGV
+    assert daemon.state() == "killed by SIGSEGV"
+    log = daemon.log()
+    assert "Fatal Python error: Segmentation fault" in log, log[-2000:]
+    assert log.count("Thread 0x") + log.count("Current thread 0x") >= 2, log[-4000:]
 
 
 def test_a_lookup_of_a_stopped_daemon_times_out_and_is_collected_later(daemon_factory, reference):
