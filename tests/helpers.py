@@ -253,13 +253,29 @@ def engramd_command() -> list[str]:
     return [exe] if exe else [sys.executable, "-m", "engramd.server.cli"]
 
 
+DAEMON_ENV_FILE = "ENGRAMD_TEST_DAEMON_ENV"  # names a file of `env -0` output (daemon_base_env)
+
+
+def daemon_base_env() -> dict[str, str]:
+    """The environment test daemons start from: this process's or, where ENGRAMD_TEST_DAEMON_ENV
+    names a file of `env -0` output, that one's. A tool that wraps the tests puts itself in their
+    environment (compute-sanitizer: its preload helper); a daemon is no child of its clients in
+    production, and one that inherited the sanitizer's died inside cuMemCreate in every memcheck
+    run so far (benchmarks/results/h100/2026-12-06-d/)."""
+    path = os.environ.get(DAEMON_ENV_FILE)
+    if not path:
+        return dict(os.environ)
+    entries = (os.fsdecode(entry).partition("=") for entry in Path(path).read_bytes().split(b"\0"))
+    return {name: value for name, equals, value in entries if equals}
+
+
 class DaemonProcess:
     """`engramd serve` started as users start it, on a private socket and shm folder."""
 
     def __init__(self, workdir: Path, shm_dir: Path, tables: Path | str, instance: str,
                  extra: list[str], env: dict[str, str] | None = None,
                  nofile: tuple[int, int] | None = None):
-        self.env = {**os.environ, **(env or {})}
+        self.env = {**daemon_base_env(), **(env or {})}
         self.workdir = workdir
         self.socket = workdir / "run" / "engramd.sock"
         self.shm_dir = shm_dir
