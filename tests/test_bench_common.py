@@ -372,3 +372,89 @@ def test_the_sglang_report_holds_each_variant_against_both_of_sglangs_own(monkey
     cells = dict(zip(header.strip("| ").split(" | "), second.strip("| ").split(" | "), strict=True))
     assert (cells["variant"], cells["synced gpu / sglang"], cells["synced gpu / sglang_host"]) == (
         "sglang_host", "2.00", "1.00")
+
+
+def _stat_line(pid: int, comm: str, utime: int, stime: int) -> str:
+    return f"{pid} ({comm}) S " + " ".join(["0"] * 10 + [str(utime), str(stime)] + ["0"] * 5) + "\n"
+
+
+def _fake_task(folder: Path, pid: int, comm: str, utime: int, stime: int, cmdline: str | None = None) -> None:
+    """A /proc/<pid> (or task/<tid>) entry; its cmdline kept unless given."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "stat").write_text(_stat_line(pid, comm, utime, stime))
+    (folder / "comm").write_text(comm + "\n")
+    if cmdline is not None or not (folder / "cmdline").exists():
+        (folder / "cmdline").write_text(cmdline or "")
+
+
+def test_cpu_use_counts_each_thread_each_watched_process_and_the_machines_steal(tmp_path):
+    """Over a fake /proc: the ticks each thread, the daemon and the MPS server used in the block,
+    the machine's busy and steal time; a thread that ended inside is named, an idle one left
+    out, an idle watched process kept at 0, an unwatched one ignored; a command name with ') ' in it parses."""
+    from common.cpu_use import TICK_S, CpuUse, task_seconds
+
+    assert task_seconds(_stat_line(7, "odd) (name", 3, 4)) == 7 * TICK_S
+    proc, pid = tmp_path / "proc", 100
+    tasks = proc / str(pid) / "task"
+
+    def machine(user: int, system: int, idle: int, steal: int) -> None:
+        (proc / "stat").write_text(f"cpu  {user} 0 {system} {idle} 0 0 0 {steal} 0 0\ncpu0 1 2 3\n")
+
+    proc.mkdir()
+    machine(1000, 500, 9000, 10)
+    _fake_task(tasks / "100", 100, "python3", 50, 10)
+    _fake_task(tasks / "101", 101, "keeper", 5, 0)
+    _fake_task(tasks / "102", 102, "idle", 1, 1)
+    _fake_task(tasks / "103", 103, "ends", 1, 1)
+    _fake_task(proc / "200", 200, "python3", 30, 5, "/usr/bin/python3\0/opt/bin/engramd\0serve\0--backend\0cuda\0")
+    _fake_task(proc / "300", 300, "nvidia-cuda-mps", 2, 2)
+    _fake_task(proc / "301", 301, "nvidia-cuda-mps", 9, 9)  # idle in the block: shown, at 0
+    _fake_task(proc / "400", 400, "python3", 1, 1, "python3\0other.py\0serve\0")
+    with CpuUse(proc, pid) as use:
+        machine(1300, 600, 9500, 60)
+        _fake_task(tasks / "100", 100, "python3", 80, 20)  # +40 ticks
+        _fake_task(tasks / "101", 101, "keeper", 25, 5)  # +25
+        shutil.rmtree(tasks / "103")
+        _fake_task(tasks / "104", 104, "new", 3, 0)  # begun inside: +3
+        _fake_task(proc / "200", 200, "python3", 40, 5)  # +10
+        _fake_task(proc / "300", 300, "nvidia-cuda-mps", 2, 6)  # +4
+        _fake_task(proc / "400", 400, "python3", 90, 1)
+    got = use.result()
+    seconds = {name: round(ticks * TICK_S, 3) for name, ticks in
+               {"python3 [100]": 40, "keeper [101]": 25, "new [104]": 3}.items()}
+    assert got["threads"] == seconds and list(got["threads"]) == list(seconds)  # the busiest first
+    assert got["processes"] == {"daemon [200]": round(10 * TICK_S, 3), "mps_server [300]": round(4 * TICK_S, 3),
+                                "mps_server [301]": 0.0}
+    assert got["machine"] == {"busy": round(400 * TICK_S, 3), "steal": round(50 * TICK_S, 3)}
+    assert got["ended"] == ["ends [103]"] and got["wall_s"] >= 0
+
+
+def test_cpu_use_names_this_processes_threads_by_their_python_names():
+    """On the real /proc: this thread under its Python name, and a thread that ran inside."""
+    import threading
+
+    from common.cpu_use import CpuUse
+
+    done = threading.Event()
+    worker = threading.Thread(target=done.wait, name="a-named-worker")
+    with CpuUse() as use:
+        worker.start()
+        sum(i * i for i in range(200_000))  # some CPU time on this thread
+        done.set()
+        worker.join()
+    got = use.result()
+    assert threading.current_thread().name in got["threads"], got
+
+
+def test_the_cpu_use_table_has_a_row_per_rounds_steps_and_tells_an_idle_daemon_from_none():
+    from common.cpu_use import table
+
+    use = {"wall_s": 2.0, "threads": {"MainThread": 1.5, "engramd-cache-cuda:0": 0.4, "x": 0.1,
+                                      "y": 0.05, "z": 0.01},
+           "processes": {"daemon [7]": 0.0}, "machine": {"busy": 3.0, "steal": 0.25}, "ended": []}
+    lines = table([{"mps": True, "cpu_use": [{"variant": "plugin_mapped", "round": 1, **use}]},
+                   {"mps": False, "cpu_use": [{"variant": "sglang", **use, "processes": {}}]}])
+    assert lines[4] == ("| on | plugin_mapped [round 2] | 2.0 | 1.5 | engramd-cache-cuda:0 0.4, x 0.1, "
+                        "y 0.1 | 0.0 | - | 3.0 | 0.2 |")
+    assert lines[5].startswith("| off | sglang | 2.0 | 1.5 |") and "| - | - |" in lines[5]
+    assert table([{"mps": True}]) == []

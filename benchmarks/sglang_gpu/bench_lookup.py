@@ -103,6 +103,7 @@ from bench_variants import (  # noqa: E402
     history_slots,
 )
 from common import engine_bench  # noqa: E402
+from common.cpu_use import CpuUse  # noqa: E402
 from common.daemon import bench_folders, open_client, running_daemon  # noqa: E402
 from common.ids import bucket_ids  # noqa: E402
 from common.rows import bitwise_mismatches  # noqa: E402
@@ -137,6 +138,7 @@ class Run:
         self.tokens = sorted(set(args.tokens))
         self.lookups: list[dict] = []
         self.steps: list[dict] = []
+        self.cpu_use: list[dict] = []  # per variant's model steps: common/cpu_use.py
         self.checks: list[dict] = []
         self.phases: dict[str, dict] = {}
         self.memory: dict[str, dict] = {}
@@ -169,6 +171,13 @@ class Run:
             print(f"  {variant.name} T={tokens}: {', '.join(line)} us", flush=True)
 
     def time_model_steps(self, model: ModelStep) -> None:
+        with CpuUse() as use:  # what else was busy while its steps ran
+            self._time_model_cells(model)
+        self.cpu_use.append({"variant": model.name, **use.result()})
+        engine_bench.profile_steps(self.args, self.device.clock, model, self.token_pools.pool,
+                                   timed=TIMED)
+
+    def _time_model_cells(self, model: ModelStep) -> None:
         for tokens in self.tokens:
             for lead in sorted(set(self.args.lead)):
                 line = []
@@ -180,8 +189,6 @@ class Run:
                     line.append(f"{mode} {cell['step_us']:.0f}")
                 print(f"  {model.name} T={tokens} lead={lead}: {', '.join(line)} us/step",
                       flush=True)
-        engine_bench.profile_steps(self.args, self.device.clock, model, self.token_pools.pool,
-                                   timed=TIMED)
 
     def _time(self, step, pool: list[Tensor], mode: str) -> dict[str, Any]:
         return time_cell(self.device.clock, step, pool, self.args.warm, mode == "synced")
@@ -481,7 +488,7 @@ def describe(run: Run, mps: dict, setup: dict, started: float) -> dict:
             "sglang_host_layout": args.sglang_host_layout,
             "memory": run.memory, "setup": setup, "phases": run.phases,
             "seconds": round(time.monotonic() - started, 1), "rows_exact": run.exact,
-            "checks": run.checks}
+            "checks": run.checks, "cpu_use": run.cpu_use}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -10,6 +10,7 @@ from pathlib import Path
 from bench_variants import LOOKUP_VARIANTS, REFERENCES, STEP_VARIANTS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import cpu_use  # noqa: E402
 from common.engine_bench import mps_text, phases_text, ratio  # noqa: E402
 from common.timing import MODES  # noqa: E402
 
@@ -24,6 +25,8 @@ def markdown(report: dict) -> str:
               f"{run['seconds']} s in all" for run in runs]
     lines += ["", *_memory_table(runs), "", *_lookup_table(report["lookups"]), "",
               *_step_table(report["steps"])]
+    if table := cpu_use.table(runs):
+        lines += ["", *table]
     return "\n".join(lines) + "\n"
 
 

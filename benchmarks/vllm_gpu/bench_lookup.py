@@ -118,6 +118,7 @@ from bench_variants import (  # noqa: E402
     init_projections,
 )
 from common import engine_bench  # noqa: E402
+from common.cpu_use import CpuUse  # noqa: E402
 from common.daemon import bench_folders, open_client, running_daemon  # noqa: E402
 from common.rows import bitwise_mismatches  # noqa: E402
 from common.steps import ClientLookup, Matmuls, wait_warm  # noqa: E402
@@ -153,6 +154,7 @@ class Run:
         self.leads = sorted(set(args.lead))
         self.lookups: list[dict] = []
         self.steps: list[dict] = []
+        self.cpu_use: list[dict] = []  # per variant's model steps: common/cpu_use.py
         self.checks: list[dict] = []
         self.replays: list[dict] = []  # the captured lookups' check() after their cells
         self.failures: list[dict] = []  # plugin builds that raised (the others still timed)
@@ -188,22 +190,27 @@ class Run:
     def time_model_steps(self, model, profile: bool = True) -> None:
         """A ModelStep's or a GraphStep's cells: step time and the host's time per step; then,
         unless told not to, its --profile cells."""
-        note = f" ({model.note})" if getattr(model, "note", "") else ""
         for number in range(self.args.rounds):
-            for tokens in self.tokens:
-                for lead in self.leads:
-                    line = []
-                    for mode in MODES:
-                        cell = self._time(model.step(lead), tokens, mode)
-                        self.steps.append({"mps": self.mps, "variant": model.name,
-                                           "tokens": tokens, "lead": lead, "mode": mode,
-                                           "round": number, **cell})
-                        line.append(f"{mode} {cell['step_us']:.0f} (host {cell['host_us']:.0f})")
-                    print(f"  {model.name}{note}{self.round_label(number)} T={tokens} lead={lead}: "
-                          f"{', '.join(line)} us/step", flush=True)
+            with CpuUse() as use:  # what else was busy while this round's steps ran
+                self._time_model_round(model, number)
+            self.cpu_use.append({"variant": model.name, "round": number, **use.result()})
         if profile:
             engine_bench.profile_steps(self.args, self.device.clock, model, self.ids.pool,
                                        timed=TIMED)
+
+    def _time_model_round(self, model, number: int) -> None:
+        note = f" ({model.note})" if getattr(model, "note", "") else ""
+        for tokens in self.tokens:
+            for lead in self.leads:
+                line = []
+                for mode in MODES:
+                    cell = self._time(model.step(lead), tokens, mode)
+                    self.steps.append({"mps": self.mps, "variant": model.name,
+                                       "tokens": tokens, "lead": lead, "mode": mode,
+                                       "round": number, **cell})
+                    line.append(f"{mode} {cell['step_us']:.0f} (host {cell['host_us']:.0f})")
+                print(f"  {model.name}{note}{self.round_label(number)} T={tokens} lead={lead}: "
+                      f"{', '.join(line)} us/step", flush=True)
 
     def _time(self, step, tokens: int, mode: str) -> dict[str, Any]:
         pool = self.ids.pool(tokens, self.args.warm + self.args.steps)
@@ -486,7 +493,8 @@ def describe(run: Run, mps: dict, started: float) -> dict:
             "plugin_gather_at": args.plugin_gather_at, "graphs": run.device.graphs,
             "daemon_args": args.daemon_args, "phases": run.phases,
             "seconds": round(time.monotonic() - started, 1), "rows_exact": run.exact,
-            "checks": run.checks, "replays": run.replays, "failures": run.failures}
+            "checks": run.checks, "replays": run.replays, "failures": run.failures,
+            "cpu_use": run.cpu_use}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

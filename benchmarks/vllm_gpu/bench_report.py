@@ -13,6 +13,7 @@ import numpy as np
 from bench_variants import GRAPH_VARIANTS, LOOKUP_VARIANTS, STEP_VARIANTS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import cpu_use  # noqa: E402
 from common.engine_bench import mps_text, phases_text, ratio  # noqa: E402
 from common.timing import MODES  # noqa: E402
 
@@ -32,6 +33,8 @@ def markdown(report: dict) -> str:
                            "forward (us per step)"), "",
               *_step_table(steps, "host_us", "Model step, the host's time per step (us, p50 of "
                            "the step's call: for a graph, the input write and the replay)")]
+    if table := cpu_use.table(runs):
+        lines += ["", *table]
     return "\n".join(lines) + "\n"
 
 
