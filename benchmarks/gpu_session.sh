@@ -38,9 +38,10 @@
 #   captured-repeat    captured lookups across a reload and a daemon restart
 #                      (tests/gpu/test_captured_gpu.py), CAPTURED_REPEAT runs (20)
 #                      in a row, after the short tests under compute-sanitizer's
-#                      memcheck where it is installed (MEMCHECK_INHERITED=1: once
-#                      more, the daemon in the sanitizer's environment); none
-#                      begun that would end past BUDGET_S (a run: 35 s)           gpu_tests_captured.log
+#                      memcheck where it is installed (a run: 60 s; with
+#                      MEMCHECK_INHERITED=1 once more, the daemon in the
+#                      sanitizer's environment: exit 1 where that crashes it);
+#                      none begun that would end past BUDGET_S (a run: 35 s)      gpu_tests_captured.log
 # Engines (each its recipe's folder carried: .vllm-gpu or .sglang-gpu; README there):
 #   vllm-tests         benchmarks/vllm_gpu/setup_device.sh --test: vLLM's Engram
 #                      modules against the plugin's, rows bit for bit;
@@ -203,26 +204,32 @@ phase_faults_mps() {  # the same under MPS
   mps_stop
   return "$rc"
 }
+memcheck_captured() {  # $1: compute-sanitizer; $2: the daemons' environment file ("": the sanitizer's); $3: whose
+  local log="$out/gpu_tests_captured.log"
+  fits 90 || { echo "# memcheck, the daemon in $3 environment: not begun, BUDGET_S=$BUDGET_S" | tee -a "$log"; return 0; }
+  echo "# compute-sanitizer memcheck $(date -u +%H:%M:%S), the daemon in $3 environment" | tee -a "$log"
+  # Not the daemon (application-only), nor the driver-symbol probes torch makes (API errors):
+  # under both, the first run never got past its start in 8 minutes.
+  ENGRAMD_TEST_DAEMON_ENV=$2 timeout -s INT -k 20 240 "$1" --tool memcheck \
+    --target-processes application-only --report-api-errors no \
+    python3 -m pytest tests/gpu/test_captured_gpu.py -q -s -k "equal_the_reference or closed" 2>&1 \
+    | tee -a "$log" | tail -8
+}
 phase_captured_repeat() {  # captured lookups across a reload and a restart, CAPTURED_REPEAT runs
   local i rc=0 log="$out/gpu_tests_captured.log" tests=tests/gpu/test_captured_gpu.py
   local sanitizer; sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
   if [ -n "$sanitizer" ]; then  # reads of freed or unmapped memory: the short tests, this process only
-    # Not the daemon the test starts (application-only), nor the driver-symbol probes torch makes
-    # (API errors): under both, the first run never got past its start in 8 minutes. The daemon
-    # starts in this shell's environment, not the sanitizer's (tests/helpers.py daemon_base_env):
-    # one that inherited the sanitizer's died in cuMemCreate (results/h100/2026-12-06-d/);
-    # MEMCHECK_INHERITED=1 runs the tests once more with the daemon in the sanitizer's.
-    local daemon_env inherited
-    daemon_env=$(mktemp) && env -0 > "$daemon_env"
-    for inherited in 0 ${MEMCHECK_INHERITED:+1}; do
-      echo "# compute-sanitizer memcheck $(date -u +%H:%M:%S), the daemon's environment:" \
-        "$( ((inherited)) && echo "the sanitizer's" || echo "this shell's")" | tee -a "$log"
-      ENGRAMD_TEST_DAEMON_ENV=$( ((inherited)) || echo "$daemon_env") \
-        timeout -s INT -k 20 240 "$sanitizer" --tool memcheck --target-processes application-only \
-        --report-api-errors no python3 -m pytest "$tests" -q -s \
-        -k "equal_the_reference or closed" 2>&1 | tee -a "$log" | tail -8 || rc=1
-    done
+    # The test daemons start in this shell's environment, not the sanitizer's (tests/helpers.py
+    # daemon_base_env): in the sanitizer's, one died in cuMemCreate (results/h100/2026-12-06-d/;
+    # whether that environment is the cause, MEMCHECK_INHERITED=1's second run says).
+    local daemon_env
+    daemon_env=$(mktemp) && env -0 > "$daemon_env" \
+      || { echo "# memcheck: this shell's environment could not be saved" | tee -a "$log"; return 1; }
+    memcheck_captured "$sanitizer" "$daemon_env" "this shell's" || rc=1
     rm -f "$daemon_env"
+    if [ "${MEMCHECK_INHERITED:-0}" = 1 ]; then  # fails where that environment crashes the daemon
+      memcheck_captured "$sanitizer" "" "the sanitizer's" || rc=1
+    fi
   else
     echo "# no compute-sanitizer on this machine" | tee -a "$log"
   fi

@@ -49,7 +49,6 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
-
 def _leak_message(left: list[Path]) -> str:
     return f"temporary files left behind in /dev/shm or /tmp: {[str(p) for p in left]}"
 

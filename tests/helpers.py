@@ -234,7 +234,7 @@ class GatherGate:
         self.path = folder / self.variable.lower()
 
     def env(self) -> dict[str, str]:
-        path = os.pathsep.join(p for p in (str(DAEMON_HOOKS), os.environ.get("PYTHONPATH")) if p)
+        path = os.pathsep.join(p for p in (str(DAEMON_HOOKS), daemon_base_env().get("PYTHONPATH")) if p)
         return {"PYTHONPATH": path, self.variable: str(self.path)}
 
     def open(self) -> None:
@@ -260,8 +260,8 @@ def daemon_base_env() -> dict[str, str]:
     """The environment test daemons start from: this process's or, where ENGRAMD_TEST_DAEMON_ENV
     names a file of `env -0` output, that one's. A tool that wraps the tests puts itself in their
     environment (compute-sanitizer: its preload helper); a daemon is no child of its clients in
-    production, and one that inherited the sanitizer's died inside cuMemCreate in every memcheck
-    run so far (benchmarks/results/h100/2026-12-06-d/)."""
+    production, and one that inherited the sanitizer's died inside cuMemCreate
+    (benchmarks/results/h100/2026-12-06-d/; whether for that, not yet shown)."""
     path = os.environ.get(DAEMON_ENV_FILE)
     if not path:
         return dict(os.environ)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -388,9 +389,10 @@ def _fake_task(folder: Path, pid: int, comm: str, utime: int, stime: int, cmdlin
 
 
 def test_cpu_use_counts_each_thread_each_watched_process_and_the_machines_steal(tmp_path):
-    """Over a fake /proc: the ticks each thread, the daemon and the MPS server used in the block,
-    the machine's busy and steal time; a thread that ended inside is named, an idle one left
-    out, an idle watched process kept at 0, an unwatched one ignored; a command name with ') ' in it parses."""
+    """Over a fake /proc: the ticks each thread, the named daemon and the MPS server used in the
+    block, the machine's busy and steal time; a thread and a process that ended inside are
+    named, an idle thread left out, an idle watched process kept at 0; the MPS control daemon
+    (whose comm is the server's) and other processes ignored; a command name with ') ' parses."""
     from common.cpu_use import TICK_S, CpuUse, task_seconds
 
     assert task_seconds(_stat_line(7, "odd) (name", 3, 4)) == 7 * TICK_S
@@ -406,55 +408,71 @@ def test_cpu_use_counts_each_thread_each_watched_process_and_the_machines_steal(
     _fake_task(tasks / "101", 101, "keeper", 5, 0)
     _fake_task(tasks / "102", 102, "idle", 1, 1)
     _fake_task(tasks / "103", 103, "ends", 1, 1)
-    _fake_task(proc / "200", 200, "python3", 30, 5, "/usr/bin/python3\0/opt/bin/engramd\0serve\0--backend\0cuda\0")
-    _fake_task(proc / "300", 300, "nvidia-cuda-mps", 2, 2)
-    _fake_task(proc / "301", 301, "nvidia-cuda-mps", 9, 9)  # idle in the block: shown, at 0
-    _fake_task(proc / "400", 400, "python3", 1, 1, "python3\0other.py\0serve\0")
-    with CpuUse(proc, pid) as use:
+    _fake_task(proc / "200", 200, "engramd", 30, 5, "/usr/bin/python3\0/opt/bin/engramd\0serve\0")
+    _fake_task(proc / "201", 201, "engramd", 7, 7, "/usr/bin/python3\0/opt/bin/engramd\0serve\0")
+    _fake_task(proc / "300", 300, "nvidia-cuda-mps", 2, 2, "/usr/bin/nvidia-cuda-mps-server\0")
+    _fake_task(proc / "301", 301, "nvidia-cuda-mps", 9, 9, "nvidia-cuda-mps-control\0-d\0")
+    _fake_task(proc / "302", 302, "nvidia-cuda-mps", 4, 4, "nvidia-cuda-mps-server\0")
+    with CpuUse({"daemon": 200, "standby": 201, "none": None}, proc, pid) as use:
         machine(1300, 600, 9500, 60)
         _fake_task(tasks / "100", 100, "python3", 80, 20)  # +40 ticks
         _fake_task(tasks / "101", 101, "keeper", 25, 5)  # +25
         shutil.rmtree(tasks / "103")
         _fake_task(tasks / "104", 104, "new", 3, 0)  # begun inside: +3
-        _fake_task(proc / "200", 200, "python3", 40, 5)  # +10
+        _fake_task(proc / "200", 200, "engramd", 40, 5)  # +10
+        shutil.rmtree(proc / "201")
         _fake_task(proc / "300", 300, "nvidia-cuda-mps", 2, 6)  # +4
-        _fake_task(proc / "400", 400, "python3", 90, 1)
+        _fake_task(proc / "301", 301, "nvidia-cuda-mps", 90, 9)
     got = use.result()
     seconds = {name: round(ticks * TICK_S, 3) for name, ticks in
                {"python3 [100]": 40, "keeper [101]": 25, "new [104]": 3}.items()}
     assert got["threads"] == seconds and list(got["threads"]) == list(seconds)  # the busiest first
     assert got["processes"] == {"daemon [200]": round(10 * TICK_S, 3), "mps_server [300]": round(4 * TICK_S, 3),
-                                "mps_server [301]": 0.0}
+                                "mps_server [302]": 0.0}
     assert got["machine"] == {"busy": round(400 * TICK_S, 3), "steal": round(50 * TICK_S, 3)}
-    assert got["ended"] == ["ends [103]"] and got["wall_s"] >= 0
+    assert got["ended"] == ["ends [103]", "standby [201]"] and got["wall_s"] >= 0
 
 
 def test_cpu_use_names_this_processes_threads_by_their_python_names():
-    """On the real /proc: this thread under its Python name, and a thread that ran inside."""
+    """On the real /proc: this thread and a busy worker under their Python names."""
     import threading
 
     from common.cpu_use import CpuUse
 
-    done = threading.Event()
-    worker = threading.Thread(target=done.wait, name="a-named-worker")
+    def spin(seconds: float) -> None:
+        begun = time.thread_time()
+        while time.thread_time() - begun < seconds:
+            pass
+
+    go, spun, finish = threading.Event(), threading.Event(), threading.Event()
+
+    def work() -> None:
+        go.wait()
+        spin(0.05)
+        spun.set()
+        finish.wait()  # alive at the block's end: an ended thread is only listed in "ended"
+
+    worker = threading.Thread(target=work, name="a-named-worker")
+    worker.start()
     with CpuUse() as use:
-        worker.start()
-        sum(i * i for i in range(200_000))  # some CPU time on this thread
-        done.set()
-        worker.join()
-    got = use.result()
-    assert threading.current_thread().name in got["threads"], got
+        go.set()
+        spin(0.05)  # five ticks at 100 Hz on each thread, so that both counts surely move
+        assert spun.wait(30)
+    finish.set()
+    worker.join()
+    names = [key.rpartition(" [")[0] for key in use.result()["threads"]]
+    assert {threading.current_thread().name, "a-named-worker"} <= set(names), names
 
 
 def test_the_cpu_use_table_has_a_row_per_rounds_steps_and_tells_an_idle_daemon_from_none():
     from common.cpu_use import table
 
-    use = {"wall_s": 2.0, "threads": {"MainThread": 1.5, "engramd-cache-cuda:0": 0.4, "x": 0.1,
-                                      "y": 0.05, "z": 0.01},
-           "processes": {"daemon [7]": 0.0}, "machine": {"busy": 3.0, "steal": 0.25}, "ended": []}
+    use = {"wall_s": 2.0, "threads": {"MainThread [1]": 1.5, "engramd-cache-cuda:0 [4]": 0.4,
+                                      "x [5]": 0.3, "y [6]": 0.2, "z [7]": 0.1},
+           "processes": {"daemon [9]": 0.0}, "machine": {"busy": 3.0, "steal": 0.5}, "ended": []}
     lines = table([{"mps": True, "cpu_use": [{"variant": "plugin_mapped", "round": 1, **use}]},
                    {"mps": False, "cpu_use": [{"variant": "sglang", **use, "processes": {}}]}])
-    assert lines[4] == ("| on | plugin_mapped [round 2] | 2.0 | 1.5 | engramd-cache-cuda:0 0.4, x 0.1, "
-                        "y 0.1 | 0.0 | - | 3.0 | 0.2 |")
+    assert lines[4] == ("| on | plugin_mapped [round 2] | 2.0 | 1.5 | engramd-cache-cuda:0 [4] 0.4, x [5] 0.3, "
+                        "y [6] 0.2 | 0.0 | - | 3.0 | 0.5 |")
     assert lines[5].startswith("| off | sglang | 2.0 | 1.5 |") and "| - | - |" in lines[5]
     assert table([{"mps": True}]) == []

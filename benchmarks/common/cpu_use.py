@@ -7,7 +7,8 @@ stretch, every operation of that thread reading slower alike, the cause is besid
 thread of this process holding the GIL (a hot-row cache's keeper, an engine's own), another
 process on the same cores, or the VM's host taking the CPUs (steal). The numbers come from
 /proc (Linux): a thread's or process's utime + stime, and /proc/stat's all-CPU busy and steal
-times; `proc` points elsewhere for tests.
+times; `proc` points elsewhere for tests. A process that /proc does not show (another PID
+namespace, hidepid) reads as not found.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 from pathlib import Path
 
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
-MPS_SERVER_COMM = "nvidia-cuda-mps"  # nvidia-cuda-mps-server, cut to /proc's 15 characters
+MPS_SERVER = "nvidia-cuda-mps-server"  # its comm is cut to 15 characters, as the control's is
 
 
 def task_seconds(stat_line: str) -> float:
@@ -37,13 +38,15 @@ def machine_seconds(stat_text: str) -> dict[str, float]:
 
 
 class CpuUse:
-    """`with CpuUse() as use: ...`, then use.result(): seconds of CPU, per thread of this process
-    (by its Python name where it has one, else its command name and id), per watched process
-    (the engramd daemon, the MPS server), and the machine's busy and steal time, over the
-    block's wall time. A thread begun inside counts from 0; one ended inside is lost (and says
-    so: "ended" lists it)."""
+    """`with CpuUse({"daemon": pid}) as use: ...`, then use.result(): seconds of CPU over the
+    block's wall time, per thread of this process ("name [tid]": its Python name where it has
+    one, else its command name), per named process and per MPS server ("mps_server [pid]"), and
+    the machine's busy and steal time. A thread or process begun inside counts from 0; one that
+    ended inside is lost and listed in "ended"."""
 
-    def __init__(self, proc: Path | str = "/proc", pid: int | None = None):
+    def __init__(self, processes: dict[str, int | None] | None = None, proc: Path | str = "/proc",
+                 pid: int | None = None):
+        self.named = {name: pid for name, pid in (processes or {}).items() if pid is not None}
         self.proc = Path(proc)
         self.pid = os.getpid() if pid is None else pid
         self._before: dict[str, dict] = {}
@@ -61,7 +64,8 @@ class CpuUse:
             "threads": _deltas(before["threads"], after["threads"]),
             "processes": _deltas(before["processes"], after["processes"], keep_idle=True),
             "machine": {k: round(after["machine"][k] - before["machine"][k], 3) for k in after["machine"]},
-            "ended": sorted(set(before["threads"]) - set(after["threads"])),
+            "ended": sorted({*before["threads"], *before["processes"]}
+                            - {*after["threads"], *after["processes"]}),
         }
 
     def result(self) -> dict:
@@ -81,32 +85,30 @@ class CpuUse:
             if stat is None:
                 continue  # ended between the listing and the read
             tid = int(task.name)
-            name = names.get(tid) or f"{(_read(task / 'comm') or '?').strip()} [{tid}]"
-            seconds[name] = seconds.get(name, 0.0) + task_seconds(stat)
+            name = names.get(tid) or (_read(task / "comm") or "?").strip()
+            seconds[f"{name} [{tid}]"] = task_seconds(stat)
         return seconds
 
     def _processes(self) -> dict[str, float]:
-        seconds: dict[str, float] = {}
-        for entry in self.proc.iterdir():
-            if not entry.name.isdigit() or int(entry.name) == self.pid:
-                continue
-            name = _watched(entry)
-            stat = _read(entry / "stat") if name else None
-            if name and stat is not None:
-                key = f"{name} [{entry.name}]"
+        pids = {f"{name} [{pid}]": pid for name, pid in self.named.items()}
+        pids |= {f"mps_server [{pid}]": pid for pid in self._mps_servers()}
+        seconds = {}
+        for key, pid in pids.items():
+            stat = _read(self.proc / str(pid) / "stat")
+            if stat is not None:  # else gone, or not visible here
                 seconds[key] = task_seconds(stat)
         return seconds
 
-
-def _watched(entry: Path) -> str | None:
-    """"daemon" for an `engramd serve`, "mps_server" for the MPS server, else None."""
-    comm = (_read(entry / "comm") or "").strip()
-    if comm.startswith(MPS_SERVER_COMM):
-        return "mps_server"
-    cmdline = (_read(entry / "cmdline") or "").split("\0")
-    if "serve" in cmdline and any("engramd" in part for part in cmdline[:cmdline.index("serve")]):
-        return "daemon"
-    return None
+    def _mps_servers(self) -> list[int]:
+        """The MPS servers' pids: their command's name, not their comm, which the control
+        daemon's shares."""
+        found = []
+        for entry in self.proc.iterdir():
+            if entry.name.isdigit():
+                command = (_read(entry / "cmdline") or "").split("\0")[0]
+                if os.path.basename(command) == MPS_SERVER:
+                    found.append(int(entry.name))
+        return found
 
 
 def _read(path: Path) -> str | None:
@@ -117,23 +119,25 @@ def _read(path: Path) -> str | None:
 
 
 def _deltas(before: dict[str, float], after: dict[str, float], keep_idle: bool = False) -> dict[str, float]:
-    """Each name's seconds in the stretch, the busiest first; names that used none left out
+    """Each key's seconds in the stretch, the busiest first; keys that used none left out
     unless `keep_idle` (a watched process that idled is news; most threads idle)."""
-    used = {name: round(seconds - before.get(name, 0.0), 3) for name, seconds in after.items()}
-    return dict(sorted(((n, s) for n, s in used.items() if s > 0 or keep_idle), key=lambda item: -item[1]))
+    used = {key: round(seconds - before.get(key, 0.0), 3) for key, seconds in after.items()}
+    return dict(sorted(((k, s) for k, s in used.items() if s > 0 or keep_idle), key=lambda item: -item[1]))
 
 
 def table(runs: list[dict], step_thread: str = "MainThread") -> list[str]:
     """The markdown table of each run's "cpu_use" entries ({"variant", "round" (optional),
-    **CpuUse.result()}): a row per variant's timed steps (a round's); none where no run has any."""
+    **CpuUse.result()}): a row per variant's timed steps (a round's); none where no run has any.
+    "-" in a process column: none found."""
     rows = []
     for run in runs:
         for use in run.get("cpu_use", []):
-            others = [(n, s) for n, s in use["threads"].items() if n != step_thread]
+            steps = {k: s for k, s in use["threads"].items() if k.startswith(f"{step_thread} [")}
+            others = [(k, s) for k, s in use["threads"].items() if k not in steps]
             variant = use["variant"] + (f" [round {use['round'] + 1}]" if "round" in use else "")
             rows.append(["on" if run.get("mps") else "off", variant, f"{use['wall_s']:.1f}",
-                         f"{use['threads'].get(step_thread, 0.0):.1f}",
-                         ", ".join(f"{n} {s:.1f}" for n, s in others[:3]) or "-",
+                         f"{sum(steps.values()):.1f}",
+                         ", ".join(f"{k} {s:.1f}" for k, s in others[:3]) or "-",
                          _total(use["processes"], "daemon"), _total(use["processes"], "mps_server"),
                          f"{use['machine']['busy']:.1f}", f"{use['machine']['steal']:.1f}"])
     if not rows:
@@ -146,5 +150,5 @@ def table(runs: list[dict], step_thread: str = "MainThread") -> list[str]:
 
 
 def _total(processes: dict[str, float], kind: str) -> str:
-    seconds = [s for name, s in processes.items() if name.startswith(kind + " ")]
+    seconds = [s for key, s in processes.items() if key.startswith(kind + " ")]
     return f"{sum(seconds):.1f}" if seconds else "-"

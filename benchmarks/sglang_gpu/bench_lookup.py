@@ -104,7 +104,7 @@ from bench_variants import (  # noqa: E402
 )
 from common import engine_bench  # noqa: E402
 from common.cpu_use import CpuUse  # noqa: E402
-from common.daemon import bench_folders, open_client, running_daemon  # noqa: E402
+from common.daemon import bench_folders, open_client, ready_pid, running_daemon  # noqa: E402
 from common.ids import bucket_ids  # noqa: E402
 from common.rows import bitwise_mismatches  # noqa: E402
 from common.steps import ClientLookup, Matmuls, seed_projections, wait_warm  # noqa: E402
@@ -139,6 +139,7 @@ class Run:
         self.lookups: list[dict] = []
         self.steps: list[dict] = []
         self.cpu_use: list[dict] = []  # per variant's model steps: common/cpu_use.py
+        self.daemon_pid: int | None = None  # while the engramd phase's daemon runs
         self.checks: list[dict] = []
         self.phases: dict[str, dict] = {}
         self.memory: dict[str, dict] = {}
@@ -171,7 +172,7 @@ class Run:
             print(f"  {variant.name} T={tokens}: {', '.join(line)} us", flush=True)
 
     def time_model_steps(self, model: ModelStep) -> None:
-        with CpuUse() as use:  # what else was busy while its steps ran
+        with CpuUse({"daemon": self.daemon_pid}) as use:  # what else was busy while its steps ran
             self._time_model_cells(model)
         self.cpu_use.append({"variant": model.name, **use.result()})
         engine_bench.profile_steps(self.args, self.device.clock, model, self.token_pools.pool,
@@ -299,6 +300,7 @@ class Run:
         print(f"[engramd] filled /dev/shm in {phase['fill_s']} s", flush=True)
         begun = time.monotonic()
         with running_daemon(work, self.daemon_flags(work, shm), timeout=600) as sock:
+            self.daemon_pid = ready_pid(sock)
             phase["daemon_start_s"] = round(time.monotonic() - begun, 1)
             print(f"[engramd] daemon ready in {phase['daemon_start_s']} s", flush=True)
             exact = self.client_lookups(sock, phase)

@@ -119,7 +119,7 @@ from bench_variants import (  # noqa: E402
 )
 from common import engine_bench  # noqa: E402
 from common.cpu_use import CpuUse  # noqa: E402
-from common.daemon import bench_folders, open_client, running_daemon  # noqa: E402
+from common.daemon import bench_folders, open_client, ready_pid, running_daemon  # noqa: E402
 from common.rows import bitwise_mismatches  # noqa: E402
 from common.steps import ClientLookup, Matmuls, wait_warm  # noqa: E402
 from common.tables import INSTANCE, fill_daemon_tables, geometry_for, reattach_flags  # noqa: E402
@@ -155,6 +155,7 @@ class Run:
         self.lookups: list[dict] = []
         self.steps: list[dict] = []
         self.cpu_use: list[dict] = []  # per variant's model steps: common/cpu_use.py
+        self.daemon_pid: int | None = None  # while the engramd phase's daemon runs
         self.checks: list[dict] = []
         self.replays: list[dict] = []  # the captured lookups' check() after their cells
         self.failures: list[dict] = []  # plugin builds that raised (the others still timed)
@@ -191,7 +192,7 @@ class Run:
         """A ModelStep's or a GraphStep's cells: step time and the host's time per step; then,
         unless told not to, its --profile cells."""
         for number in range(self.args.rounds):
-            with CpuUse() as use:  # what else was busy while this round's steps ran
+            with CpuUse({"daemon": self.daemon_pid}) as use:  # what else was busy meanwhile
                 self._time_model_round(model, number)
             self.cpu_use.append({"variant": model.name, "round": number, **use.result()})
         if profile:
@@ -290,6 +291,7 @@ class Run:
         print(f"[engramd] filled /dev/shm in {phase['fill_s']} s", flush=True)
         begun = time.monotonic()
         with running_daemon(work, self.daemon_flags(work, shm), timeout=600) as sock:
+            self.daemon_pid = ready_pid(sock)
             phase["daemon_start_s"] = round(time.monotonic() - begun, 1)
             print(f"[engramd] daemon ready in {phase['daemon_start_s']} s", flush=True)
             exact = self.client_lookups(sock, phase)
