@@ -172,6 +172,36 @@ def exec_fresh(name: str, origin: str):
     return module
 
 
+class StandInKernel:
+    """What Triton's compiled kernel offers a direct launch, kernel[grid](*args, stream=...),
+    which the interpreter never makes: each launch appended to `launches` as (grid, args,
+    stream), or, without a list, nothing done (to count a launch's Python work alone)."""
+
+    def __init__(self, launches: list | None = None):
+        self.launches = launches
+
+    def __getitem__(self, grid):
+        if self.launches is None:
+            return self._skip
+        return lambda *args, stream: self.launches.append((grid, args, stream))
+
+    def _skip(self, *args, stream) -> None:
+        pass
+
+
+def launch_then_keep(module, kernel: StandInKernel):
+    """A GatherPlan._launch for `module` (an interpreted gather_triton) that launches as the
+    interpreter does, then keeps `kernel` as the plan's compiled kernel: SlotGather's direct
+    launches go to it from then on."""
+    interpreted = module.GatherPlan._launch
+
+    def launch(self, *args, **kwargs):
+        interpreted(self, *args, **kwargs)
+        self._launched = kernel
+
+    return launch
+
+
 def interpreted_gather(name: str):
     """A private copy of engramd.kernels.gather_triton whose kernels run under Triton's
     interpreter, registered as `name` (drop it when done)."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -434,34 +433,22 @@ def test_cpu_use_counts_each_thread_each_watched_process_and_the_machines_steal(
 
 
 def test_cpu_use_names_this_processes_threads_by_their_python_names():
-    """On the real /proc: this thread and a busy worker under their Python names."""
+    """On the real /proc, a reading lists every thread of this process, idle or not, each by its
+    Python name and native id (no CPU time needed: the name is what is checked)."""
     import threading
 
     from common.cpu_use import CpuUse
 
-    def spin(seconds: float) -> None:
-        begun = time.thread_time()
-        while time.thread_time() - begun < seconds:
-            pass
-
-    go, spun, finish = threading.Event(), threading.Event(), threading.Event()
-
-    def work() -> None:
-        go.wait()
-        spin(0.05)
-        spun.set()
-        finish.wait()  # alive at the block's end: an ended thread is only listed in "ended"
-
-    worker = threading.Thread(target=work, name="a-named-worker")
+    done = threading.Event()
+    worker = threading.Thread(target=done.wait, name="a-named-worker")
     worker.start()
-    with CpuUse() as use:
-        go.set()
-        spin(0.05)  # five ticks at 100 Hz on each thread, so that both counts surely move
-        assert spun.wait(30)
-    finish.set()
-    worker.join()
-    names = [key.rpartition(" [")[0] for key in use.result()["threads"]]
-    assert {threading.current_thread().name, "a-named-worker"} <= set(names), names
+    try:
+        keys = set(CpuUse()._threads())
+    finally:
+        done.set()
+        worker.join()
+    here = threading.current_thread()
+    assert {f"{here.name} [{here.native_id}]", f"a-named-worker [{worker.native_id}]"} <= keys, keys
 
 
 def test_the_cpu_use_table_has_a_row_per_rounds_steps_and_tells_an_idle_daemon_from_none():

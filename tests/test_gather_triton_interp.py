@@ -14,7 +14,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from reference import assert_same, interpreted_gather, small_geometry
+from reference import (
+    StandInKernel,
+    assert_same,
+    interpreted_gather,
+    launch_then_keep,
+    small_geometry,
+)
 
 from engramd.client.geometry import DEAD_ID, ShardView, TableGeometry
 from engramd.kernels import gather_ref
@@ -552,19 +558,8 @@ def test_a_direct_launch_passes_the_checked_paths_arguments(kt, world, monkeypat
     geo, tables = world
     shard, views, cache, bad = slot_world(kt, world, shards, cached)
     plan = kt.GatherPlan(tables, shard)
-    launched = []
-
-    class Compiled:  # what Triton's compiled kernel offers: kernel[grid](*args, stream=...)
-        def __getitem__(self, grid):
-            return lambda *args, stream: launched.append((grid, args, stream))
-
-    interpreted_launch = kt.GatherPlan._launch
-
-    def launch_and_keep(self, *args, **kwargs):  # the checked path's launch, then a "compiled" kernel
-        interpreted_launch(self, *args, **kwargs)
-        self._launched = Compiled()
-
-    monkeypatch.setattr(kt.GatherPlan, "_launch", launch_and_keep)
+    launched: list = []
+    monkeypatch.setattr(kt.GatherPlan, "_launch", launch_then_keep(kt, StandInKernel(launched)))
     gather = kt.SlotGather(plan, bad, cache, num_programs=4, block_rows=BLOCK_ROWS)
     gather._direct = True  # as on a GPU
     stream = SimpleNamespace(cuda_stream=0x5EED)

@@ -25,20 +25,16 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
-from reference import exec_fresh, small_geometry, triton_interpreter  # noqa: E402
+from reference import (  # noqa: E402
+    StandInKernel,
+    exec_fresh,
+    launch_then_keep,
+    small_geometry,
+    triton_interpreter,
+)
 
 CALLS = 2000
 TOKENS = 16
-
-
-class Compiled:
-    """What Triton's compiled kernel offers a direct launch: kernel[grid](*args, stream=...)."""
-
-    def __getitem__(self, grid):
-        return self.launch
-
-    def launch(self, *args, stream) -> None:
-        pass
 
 
 def measure(name: str, origin: Path) -> tuple[float, float]:
@@ -51,13 +47,7 @@ def measure(name: str, origin: Path) -> tuple[float, float]:
     tables = [torch.randint(0, 256, (rows, geometry.row_bytes), dtype=torch.uint8, generator=generator)
               for rows in geometry.rows]
     plan = module.GatherPlan(tables, shard)
-    interpreted = module.GatherPlan._launch
-
-    def launch_and_keep(self, *args, **kwargs):  # the checked launch, then a "compiled" kernel
-        interpreted(self, *args, **kwargs)
-        self._launched = Compiled()
-
-    module.GatherPlan._launch = launch_and_keep
+    module.GatherPlan._launch = launch_then_keep(module, StandInKernel())  # one that does nothing
     gather = module.SlotGather(plan, torch.zeros(1, dtype=torch.int64), None, num_programs=4)
     gather._direct = True  # as on a GPU
     ids = torch.stack([torch.randint(0, rows, (TOKENS, geometry.heads), generator=generator)
