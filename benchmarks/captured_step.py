@@ -44,7 +44,7 @@ from torch import Tensor
 sys.path.insert(0, str(Path(__file__).parent))
 from common.daemon import bench_folders, open_client, running_daemon  # noqa: E402
 from common.ids import layer_rows  # noqa: E402
-from common.report import machine  # noqa: E402
+from common.report import describe_paired, machine  # noqa: E402
 from common.rows import bitwise_mismatches  # noqa: E402
 from common.tables import INSTANCE, fill_tables, geometry_for  # noqa: E402
 from model_step import (  # noqa: E402
@@ -281,12 +281,6 @@ def paired_ratios(graph: dict, inproc: dict) -> list[float]:
     """mapped_graph / inproc_graph of each round: the two were timed next to each other, so
     drift between rounds (the reference alone moves several percent) leaves the ratio alone."""
     return [g / i for g, i in zip(graph["rounds_us"], inproc["rounds_us"], strict=True)]
-
-
-def describe_paired(ratios: list[float]) -> str:
-    over = sum(r > 1.0 for r in ratios)
-    spread = f" ({min(ratios):.3f}-{max(ratios):.3f})" if len(ratios) > 1 else ""
-    return f"{float(np.median(ratios)):.3f}{spread}, {over} of {len(ratios)} over 1.00"
 
 
 def write_report(out: Path, report: dict) -> None:

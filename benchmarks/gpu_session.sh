@@ -51,7 +51,8 @@
 #                      the wait and in lookup(); VLLM_BENCH_MPS (both), _ROUNDS (3),
 #                      _GIB (16; at 64 one MPS mode a command), _IDS (uniform, or
 #                      text: carry .traces), _GATHER_AT (the mapped plugin's builds in
-#                      this order: wait lookup)                                   vllm_bench/
+#                      this order: wait lookup), _ARGS (more of its options, words:
+#                      --paired --parts step --tokens 1 16 256, say)              vllm_bench/
 #   vllm-profile       the model step's lead-1 cells at T = 1 and 16 of each variant
 #                      profiled, both MPS modes (a run of its own: profiling
 #                      slows what is timed after it)                              vllm_profile/
@@ -264,10 +265,11 @@ phase_vllm_bench() {  # vLLM's lookup and model step against engramd's: VLLM_BEN
     echo "VLLM_BENCH_GIB=${VLLM_BENCH_GIB}: one MPS mode a command (VLLM_BENCH_MPS=off, then on)"; return 1
   fi
   bash benchmarks/vllm_gpu/setup_device.sh >"$out/vllm_setup.log" 2>&1 || return 1
-  # shellcheck disable=SC2086  # VLLM_BENCH_GATHER_AT: words, split on spaces
+  # shellcheck disable=SC2086  # VLLM_BENCH_GATHER_AT and _ARGS: words, split on spaces
   PYTHONPATH=${VLLM_GPU_SITE:-/tmp/vllm-gpu-site} python3 benchmarks/vllm_gpu/bench_lookup.py \
     --mps "${VLLM_BENCH_MPS:-both}" --rounds "${VLLM_BENCH_ROUNDS:-3}" --table-gib "$gib" \
-    --ids "$ids" --traces .traces --plugin-gather-at ${VLLM_BENCH_GATHER_AT:-wait lookup} --out "$out/vllm_bench" 2>&1 \
+    --ids "$ids" --traces .traces --plugin-gather-at ${VLLM_BENCH_GATHER_AT:-wait lookup} \
+    ${VLLM_BENCH_ARGS:-} --out "$out/vllm_bench" 2>&1 \
     | tee "$out/vllm_bench.log" | grep -v "^|" | tail -60
 }
 phase_vllm_profile() {  # the lead-1 cells at T = 1 and 16 of every variant profiled, both MPS modes

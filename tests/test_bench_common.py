@@ -353,9 +353,20 @@ def test_the_captured_step_report_pairs_each_rounds_two_lookups():
     assert captured_step.describe_paired([0.99]) == "0.990, 0 of 1 over 1.00"
 
 
+def _engine_report(monkeypatch, engine: str):
+    """benchmarks/<engine>_gpu/bench_report.py: both engines' folders name their modules alike,
+    so what either test imported is forgotten again when it ends."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks" / f"{engine}_gpu"))
+    for name in ("bench_report", "bench_variants"):
+        monkeypatch.setitem(sys.modules, name, None)  # undone on teardown: dropped or restored
+        del sys.modules[name]
+    return importlib.import_module("bench_report")
+
+
 def test_the_sglang_report_holds_each_variant_against_both_of_sglangs_own(monkeypatch):
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks" / "sglang_gpu"))
-    import bench_report
+    bench_report = _engine_report(monkeypatch, "sglang")
 
     us = {"sglang": 100.0, "sglang_host": 200.0, "plugin_mapped": 300.0}
     steps = [{"mps": False, "variant": v, "tokens": 1, "lead": 1, "mode": mode, "step_us": t}
@@ -372,6 +383,38 @@ def test_the_sglang_report_holds_each_variant_against_both_of_sglangs_own(monkey
     cells = dict(zip(header.strip("| ").split(" | "), second.strip("| ").split(" | "), strict=True))
     assert (cells["variant"], cells["synced gpu / sglang"], cells["synced gpu / sglang_host"]) == (
         "sglang_host", "2.00", "1.00")
+
+
+def test_the_vllm_report_holds_each_paired_cell_against_the_vllm_step_beside_it(monkeypatch):
+    """--paired: vLLM's own step drifts 500 -> 700 us between rounds and the plugin's follows
+    it, 2% over then 2% under. Each round's ratio is taken against the vLLM cell timed next to
+    it (the `beside` cells), not against vLLM's phase-1 median; the main table's vllm column
+    keeps phase 1's cells alone; the summary counts the decode cells whose median is over 1.00."""
+    bench_report = _engine_report(monkeypatch, "vllm")
+
+    def cell(variant: str, tokens: int, number: int, step_us: float, **extra) -> dict:
+        return {"mps": False, "variant": variant, "tokens": tokens, "lead": 1, "mode": "synced",
+                "round": number, "step_us": step_us, "host_us": step_us / 2, "gpu_us": step_us,
+                **extra}
+
+    steps = [cell("vllm", 1, 0, 400.0), cell("vllm", 1, 1, 400.0),  # phase 1, its own time
+             cell("vllm", 1, 0, 500.0, beside="plugin_mapped"), cell("plugin_mapped", 1, 0, 510.0),
+             cell("vllm", 1, 1, 700.0, beside="plugin_mapped"), cell("plugin_mapped", 1, 1, 686.0),
+             cell("vllm", 4096, 0, 1000.0, beside="plugin_mapped"),
+             cell("plugin_mapped", 4096, 0, 1500.0)]
+    table = bench_report.paired_table(steps, "step_us")
+    rows = [line for line in table if line.startswith("| off |")]
+    assert rows[0] == "| off | 1 | 1 | synced | 1.00 (0.98-1.02), 1 of 2 over 1.00 |", rows
+    assert rows[1] == "| off | 4096 | 1 | synced | 1.50, 1 of 1 over 1.00 |", rows
+    # The median of 1.02 and 0.98 is 1.00, not over; T = 4096 is no decode cell.
+    assert table[-1] == ("- MPS off, decode cells (T <= 256) with the median over 1.00: "
+                         "plugin_mapped 0 of 1 (most 1.00)"), table[-1]
+    report = {"meta": {"date": "today", "command": "cmd", "machine": "m"}, "lookups": [],
+              "steps": steps, "runs": []}
+    text = bench_report.markdown(report)
+    main = next(line for line in text.splitlines() if line.startswith("| off | 1 | 1 | synced"))
+    assert main.split(" | ")[4:6] == ["400 ±0%", "598 ±15%"], main  # vllm: phase 1's alone
+    assert "beside vLLM's own" in text and bench_report.paired_table(steps[:2], "step_us") == []
 
 
 def _stat_line(pid: int, comm: str, utime: int, stime: int) -> str:

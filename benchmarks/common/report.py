@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -58,3 +59,11 @@ def write_report(out: Path, report: dict, json_name: str, md_name: str, text: st
     (out / json_name).write_text(json.dumps(report, indent=1) + "\n")
     (out / md_name).write_text(text)
     print(text, flush=True)
+
+
+def describe_paired(ratios: list[float], digits: int = 3) -> str:
+    """Ratios of two variants timed next to each other, one a round: their median, range, and
+    in how many rounds the first was the slower."""
+    over = sum(r > 1.0 for r in ratios)
+    spread = f" ({min(ratios):.{digits}f}-{max(ratios):.{digits}f})" if len(ratios) > 1 else ""
+    return f"{statistics.median(ratios):.{digits}f}{spread}, {over} of {len(ratios)} over 1.00"

@@ -160,6 +160,8 @@ class Run:
         self.replays: list[dict] = []  # the captured lookups' check() after their cells
         self.failures: list[dict] = []  # plugin builds that raised (the others still timed)
         self.phases: dict[str, dict] = {}
+        # --paired: vLLM's own step, its layers kept, timed next to each plugin variant's
+        self.beside: ModelStep | None = None
         self.reference: dict[int, Tensor] = {}  # T -> vLLM's rows of the check batch (host)
         self.matmuls = Matmuls(args.matmul_n, device.device, args.seed)
 
@@ -188,30 +190,57 @@ class Run:
                 print(f"  {variant.name}{self.round_label(number)} T={tokens}: {', '.join(line)} us",
                       flush=True)
 
-    def time_model_steps(self, model, profile: bool = True) -> None:
+    def time_model_steps(self, model, profile: bool = True, paired: bool = False) -> None:
         """A ModelStep's or a GraphStep's cells: step time and the host's time per step; then,
-        unless told not to, its --profile cells."""
+        unless told not to, its --profile cells. `paired` (and --paired): vLLM's own step timed
+        next to each cell of it, on the same IDs."""
+        partners = [model, self.beside] if paired and self.beside is not None else [model]
         for number in range(self.args.rounds):
             with CpuUse({"daemon": self.daemon_pid}) as use:  # what else was busy meanwhile
-                self._time_model_round(model, number)
+                self._time_model_round(partners, number)
             self.cpu_use.append({"variant": model.name, "round": number, **use.result()})
         if profile:
             engine_bench.profile_steps(self.args, self.device.clock, model, self.ids.pool,
                                        timed=TIMED)
 
-    def _time_model_round(self, model, number: int) -> None:
+    def _time_model_round(self, partners: list, number: int) -> None:
+        """Every cell of partners[0]; with a partner (vLLM's own step, --paired), it too, on the
+        same pool, which of the two goes first alternating from cell to cell and round to round,
+        so that neither always runs in the other's wake. The partner's cells are kept with
+        `beside`: the variant they were timed next to."""
+        model = partners[0]
         note = f" ({model.note})" if getattr(model, "note", "") else ""
+        beside = {} if len(partners) == 1 else {"beside": model.name}
+        order = number
         for tokens in self.tokens:
             for lead in self.leads:
                 line = []
                 for mode in MODES:
-                    cell = self._time(model.step(lead), tokens, mode)
-                    self.steps.append({"mps": self.mps, "variant": model.name,
-                                       "tokens": tokens, "lead": lead, "mode": mode,
-                                       "round": number, **cell})
-                    line.append(f"{mode} {cell['step_us']:.0f} (host {cell['host_us']:.0f})")
+                    pool = self.ids.pool(tokens, self.args.warm + self.args.steps)
+                    order += 1
+                    for partner in (partners if order % 2 else partners[::-1]):
+                        cell = time_cell(self.device.clock, partner.step(lead), pool,
+                                         self.args.warm, mode == "synced")
+                        self.steps.append({"mps": self.mps, "variant": partner.name,
+                                           "tokens": tokens, "lead": lead, "mode": mode,
+                                           "round": number, **cell,
+                                           **(beside if partner is not model else {})})
+                        if partner is model:
+                            line.append(f"{mode} {cell['step_us']:.0f} (host {cell['host_us']:.0f})")
                 print(f"  {model.name}{note}{self.round_label(number)} T={tokens} lead={lead}: "
-                      f"{', '.join(line)} us/step", flush=True)
+                      f"{', '.join(line)} us/step{self._beside_note(model.name, tokens, lead)}",
+                      flush=True)
+
+    def _beside_note(self, name: str, tokens: int, lead: int) -> str:
+        """The step / vLLM's of the cells just timed in pairs, per mode ("" unpaired)."""
+        mine = {c["mode"]: c["step_us"] for c in self.steps[-2 * len(MODES):]
+                if c["variant"] == name and c["tokens"] == tokens and c["lead"] == lead}
+        theirs = {c["mode"]: c["step_us"] for c in self.steps[-2 * len(MODES):]
+                  if c.get("beside") == name and c["tokens"] == tokens and c["lead"] == lead}
+        if not theirs:
+            return ""
+        return "; beside vLLM's: " + ", ".join(f"{mode} {mine[mode] / theirs[mode]:.2f}x"
+                                               for mode in MODES if mode in theirs)
 
     def _time(self, step, tokens: int, mode: str) -> dict[str, Any]:
         pool = self.ids.pool(tokens, self.args.warm + self.args.steps)
@@ -269,11 +298,18 @@ class Run:
             self.time_lookups(foreground)
             self.time_lookups(background)
         if "step" in self.args.parts:
-            self.time_model_steps(ModelStep("vllm", layers, self.matmuls, self.args.seed))
+            model = ModelStep("vllm", layers, self.matmuls, self.args.seed)
+            self.time_model_steps(model)
+            if self.args.paired:
+                self.beside = model  # built before the plugin installs: vLLM's own methods
         phase["seconds"] = round(time.monotonic() - started, 1)
 
     def free_vllm(self) -> None:
         phase = self.phases["vllm"]
+        if self.beside is not None:
+            phase["kept"] = "--paired: vLLM's layers and pinned tables kept through phase 2"
+            print(f"[vllm] done in {phase['seconds']} s; its layers kept (--paired)", flush=True)
+            return
         phase["pinned_after_free"] = self.device.release_host_memory()
         phase["host_available_gib_after_free"] = host_available_gib()
         print(f"[vllm] done in {phase['seconds']} s; host memory available: "
@@ -361,7 +397,7 @@ class Run:
         if rows.captured is not None:
             self.graph_steps(model, rows.captured)
         elif self.compare_all(EngramLayers(setting.name, layers)):
-            self.time_model_steps(model)
+            self.time_model_steps(model, paired=True)
         # The layers (and graphs) go on return, before the next setting closes the client
         # whose memory their rows view.
 
@@ -381,8 +417,8 @@ class Run:
                     # _ready_rows refuses more tokens than the last lookup had.
                     graphs[1].recorded(tokens, lead)
             if exact:
-                for graph in graphs:
-                    self.time_model_steps(graph, profile=False)
+                for graph in graphs:  # the floor alone: it has no lookup to hold against vLLM's
+                    self.time_model_steps(graph, profile=False, paired=graph.lookup)
                 # The floor's first: in a dry run its steps run eagerly, and refuse more tokens
                 # than the captured lookup's last (its last timed cell's, the grid's most).
                 for graph in reversed(graphs):
@@ -422,14 +458,16 @@ def host_available_gib() -> float | None:
     return None
 
 
-def require_host_memory(geometry: TableGeometry) -> None:
-    """Refuse to fill /dev/shm where the table would not fit beside what is in use."""
+def require_host_memory(geometry: TableGeometry, tables: int = 1) -> None:
+    """Refuse to fill /dev/shm where the table would not fit beside what is in use; `tables`
+    2: before phase 1 of --paired, room for vLLM's pinned copy and the daemon's at once."""
     available = host_available_gib()
-    need = geometry.total_bytes / 2**30 + HOST_MARGIN_GIB
+    need = tables * geometry.total_bytes / 2**30 + HOST_MARGIN_GIB
     if available is not None and available < need:
-        raise SystemExit(f"{available} GiB of host memory available, the daemon's tables need "
-                         f"{need:.1f} (the table + {HOST_MARGIN_GIB} GiB): were vLLM's pinned "
-                         "tables freed?")
+        what = ("vLLM's pinned tables and the daemon's (--paired keeps both)" if tables > 1
+                else "the daemon's tables")
+        raise SystemExit(f"{available} GiB of host memory available, {what} need {need:.1f} "
+                         f"(+ {HOST_MARGIN_GIB} GiB): were vLLM's pinned tables freed?")
 
 
 def free_port() -> int:
@@ -458,6 +496,8 @@ def measure(args: argparse.Namespace) -> dict:
     device = bench_device.open_device(args.dry_run)  # first: it brings vLLM's tree in
     mps = require_mps_state(args.mps == "on")
     geometry = TableGeometry.named("demo") if args.dry_run else geometry_for(args.table_gib)
+    if args.paired:
+        require_host_memory(geometry, tables=2)
     hf = model_config(args, geometry)
     with bench_folders() as (work, shm), device.vllm_scope():
         from vllm.config import set_current_vllm_config
@@ -513,6 +553,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=1,
                         help="times each variant's grid of cells runs; the report gives the "
                              "median and the spread")
+    parser.add_argument("--paired", action="store_true",
+                        help="keep vLLM's layers and pinned tables through phase 2 and time its "
+                             "step next to each plugin variant's, cell by cell on the same IDs, "
+                             "who goes first alternating, so that the machine's drift between "
+                             "the phases stays out of the ratios (host memory for both tables)")
     parser.add_argument("--ids", choices=("uniform", "text"), default="uniform")
     parser.add_argument("--traces", default=".traces",
                         help="the trace folder of --ids text (benchmarks/traces.py build)")
@@ -520,6 +565,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = engine_bench.finish_arguments(parser, parser.parse_args(argv), DEFAULTS)
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
+    if args.paired and "step" not in args.parts:
+        parser.error("--paired pairs model steps: --parts must include step")
     return args
 
 

@@ -15,6 +15,7 @@ from bench_variants import GRAPH_VARIANTS, LOOKUP_VARIANTS, STEP_VARIANTS
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import cpu_use  # noqa: E402
 from common.engine_bench import mps_text, phases_text, ratio  # noqa: E402
+from common.report import describe_paired  # noqa: E402
 from common.timing import MODES  # noqa: E402
 
 
@@ -27,12 +28,15 @@ def markdown(report: dict) -> str:
               f"{_replays(run)}{_failures(run)}{phases_text(run['phases'])}; "
               f"{run['seconds']} s in all"
               for run in runs]
-    steps = report["steps"]
+    steps = [cell for cell in report["steps"] if "beside" not in cell]
     lines += ["", *_lookup_table(report["lookups"]), "",
               *_step_table(steps, "step_us", "Model step: prepare_embeddings -> LEAD matmuls -> "
                            "forward (us per step)"), "",
               *_step_table(steps, "host_us", "Model step, the host's time per step (us, p50 of "
                            "the step's call: for a graph, the input write and the replay)")]
+    for metric in ("step_us", "host_us"):
+        if table := paired_table(report["steps"], metric):
+            lines += ["", *table]
     if table := cpu_use.table(runs):
         lines += ["", *table]
     return "\n".join(lines) + "\n"
@@ -125,6 +129,50 @@ def _step_table(cells: list[dict], metric: str, title: str) -> list[str]:
                 captured, floor = medians["plugin_captured"], medians["compute_graph"]
                 row.append("" if None in (captured, floor) else _num(captured - floor))
             lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+PAIRED_TITLES = {
+    "step_us": "Model step beside vLLM's own (--paired): each variant's step time / vLLM's",
+    "host_us": "Model step beside vLLM's own (--paired): each variant's host time a step / vLLM's",
+}
+
+
+def paired_table(cells: list[dict], metric: str) -> list[str]:
+    """--paired: each round's ratio of a variant's cell to vLLM's cell timed next to it (the
+    `beside` cells), their median (range) and the rounds over 1.00; then, per MPS mode and
+    variant, the decode cells (T <= 256) whose median is over 1.00."""
+    partner = {(c["mps"], c["beside"], c["tokens"], c["lead"], c["mode"], c["round"]): c
+               for c in cells if "beside" in c}
+    ratios: dict[tuple, list[float]] = {}
+    for cell in cells:
+        key = (cell["mps"], cell["variant"], cell["tokens"], cell["lead"], cell["mode"])
+        theirs = partner.get((*key, cell["round"])) if "beside" not in cell else None
+        if theirs is not None:
+            ratios.setdefault(key, []).append(cell[metric] / theirs[metric])
+    if not ratios:
+        return []
+    variants = [v for v in STEP_VARIANTS if any(key[1] == v for key in ratios)]
+    lines = [f"## {PAIRED_TITLES[metric]}", "",
+             "Each round's ratio of the two cells timed next to each other on the same IDs: the "
+             "median of the rounds (their range), and in how many the variant was slower.", "",
+             "| MPS | T | lead | mode | " + " | ".join(variants) + " |",
+             "|---|---:|---:|---|" + "---|" * len(variants)]
+    for mps, tokens, lead, mode in sorted({(k[0], k[2], k[3], k[4]) for k in ratios}):
+        row = [describe_paired(ratios[(mps, v, tokens, lead, mode)], 2)
+               if (mps, v, tokens, lead, mode) in ratios else "" for v in variants]
+        lines.append(f"| {mps_text(mps)} | {tokens} | {lead} | {mode} | " + " | ".join(row) + " |")
+    lines.append("")
+    for mps in sorted({key[0] for key in ratios}):
+        counts = []
+        for variant in variants:
+            decode = [float(np.median(r)) for k, r in ratios.items()
+                      if k[0] == mps and k[1] == variant and k[2] <= 256]
+            if decode:
+                counts.append(f"{variant} {sum(m > 1.0 for m in decode)} of {len(decode)}"
+                              f" (most {max(decode):.2f})")
+        lines.append(f"- MPS {mps_text(mps)}, decode cells (T <= 256) with the median over "
+                     f"1.00: {', '.join(counts)}")
     return lines
 
 
