@@ -40,7 +40,9 @@
 #                      in a row, after the short tests under compute-sanitizer's
 #                      memcheck where it is installed (a run: 60 s; with
 #                      MEMCHECK_INHERITED=1 once more, the daemon in the
-#                      sanitizer's environment: exit 1 where that crashes it);
+#                      sanitizer's environment: exit 1 where that crashes it;
+#                      MEMCHECK_K: a pytest -k expression for other tests of the
+#                      file, "reload or restart" say, MEMCHECK_TIMEOUT_S (240) each run);
 #                      none begun that would end past BUDGET_S (a run: 35 s)      gpu_tests_captured.log
 # Engines (each its recipe's folder carried: .vllm-gpu or .sglang-gpu; README there):
 #   vllm-tests         benchmarks/vllm_gpu/setup_device.sh --test: vLLM's Engram
@@ -211,9 +213,9 @@ memcheck_captured() {  # $1: compute-sanitizer; $2: the daemons' environment fil
   echo "# compute-sanitizer memcheck $(date -u +%H:%M:%S), the daemon in $3 environment" | tee -a "$log"
   # Not the daemon (application-only), nor the driver-symbol probes torch makes (API errors):
   # under both, the first run never got past its start in 8 minutes.
-  ENGRAMD_TEST_DAEMON_ENV=$2 timeout -s INT -k 20 240 "$1" --tool memcheck \
+  ENGRAMD_TEST_DAEMON_ENV=$2 timeout -s INT -k 20 "${MEMCHECK_TIMEOUT_S:-240}" "$1" --tool memcheck \
     --target-processes application-only --report-api-errors no \
-    python3 -m pytest tests/gpu/test_captured_gpu.py -q -s -k "equal_the_reference or closed" 2>&1 \
+    python3 -m pytest tests/gpu/test_captured_gpu.py -q -s -k "${MEMCHECK_K:-equal_the_reference or closed}" 2>&1 \
     | tee -a "$log" | tail -8
 }
 phase_captured_repeat() {  # captured lookups across a reload and a restart, CAPTURED_REPEAT runs
@@ -221,8 +223,9 @@ phase_captured_repeat() {  # captured lookups across a reload and a restart, CAP
   local sanitizer; sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
   if [ -n "$sanitizer" ]; then  # reads of freed or unmapped memory: the short tests, this process only
     # The test daemons start in this shell's environment, not the sanitizer's (tests/helpers.py
-    # daemon_base_env): in the sanitizer's, one died in cuMemCreate (results/h100/2026-12-06-d/;
-    # whether that environment is the cause, MEMCHECK_INHERITED=1's second run says).
+    # daemon_base_env): in the sanitizer's, the daemon dies in cuMemCreate, while in this
+    # shell's the same tests pass with 0 errors (results/h100/2026-12-06-e/; MEMCHECK_INHERITED=1
+    # repeats the run in the sanitizer's).
     local daemon_env
     daemon_env=$(mktemp) && env -0 > "$daemon_env" \
       || { echo "# memcheck: this shell's environment could not be saved" | tee -a "$log"; return 1; }

@@ -67,29 +67,32 @@ def test_the_memcheck_phases_daemons_start_in_the_environment_from_before_the_sa
     assert DaemonProcess(tmp_path, tmp_path, "demo", "t", []).env["LD_PRELOAD"] == "/wrapper/preload-helper.so"
 
 
-@pytest.mark.parametrize("inherited", ["", "0", "1"])
-def test_the_memcheck_phase_hands_its_daemons_the_saved_environment(tmp_path, inherited):
+@pytest.mark.parametrize(("inherited", "tests"), [("", ""), ("0", ""), ("1", "reload or restart")])
+def test_the_memcheck_phase_hands_its_daemons_the_saved_environment(tmp_path, inherited, tests):
     """captured-repeat's memcheck runs, with a stand-in compute-sanitizer: the first names a
     file holding the phase shell's environment; MEMCHECK_INHERITED=1, and only 1, adds a second
-    that names none (the daemon then inherits the sanitizer's); the file is gone afterwards."""
+    that names none (the daemon then inherits the sanitizer's); the file is gone afterwards.
+    MEMCHECK_K, where set, chooses the tests of both runs."""
     bin_dir, out = tmp_path / "bin", tmp_path / "out"
     bin_dir.mkdir()
     out.mkdir()
     stub = bin_dir / "compute-sanitizer"
     stub.write_text('#!/bin/bash\n'
                     'f=$ENGRAMD_TEST_DAEMON_ENV\n'
-                    'echo "daemon env [$f] marker [$( [ -n "$f" ] && tr "\\0" "\\n" < "$f" | grep "^PHASE_MARKER=")]"\n')
+                    'echo "daemon env [$f] marker [$( [ -n "$f" ] && tr "\\0" "\\n" < "$f" | grep "^PHASE_MARKER=")]"'
+                    ' "tests [${@: -1}]"\n')
     stub.chmod(0o755)
     functions = subprocess.run(["sed", "-n", r"/^fits() {/p; /^memcheck_captured() {/,/^}/p; "
                                 r"/^phase_captured_repeat() {/,/^}/p", str(SCRIPT)],
                                capture_output=True, text=True, check=True).stdout
     script = f'out={out}; BUDGET_S=1000; CAPTURED_REPEAT=0\n{functions}\nphase_captured_repeat\n'
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-           "PHASE_MARKER": "saved", "MEMCHECK_INHERITED": inherited}
+           "PHASE_MARKER": "saved", "MEMCHECK_INHERITED": inherited, "MEMCHECK_K": tests}
     subprocess.run(["bash", "-c", script], env=env, check=True, capture_output=True, timeout=60)
     runs = [line for line in (out / "gpu_tests_captured.log").read_text().splitlines()
             if line.startswith("daemon env")]
     saved = runs[0].split("[")[1].split("]")[0]
-    assert saved and runs[0].endswith("marker [PHASE_MARKER=saved]"), runs
+    chosen = f"tests [{tests or 'equal_the_reference or closed'}]"
+    assert saved and runs[0].endswith(f"marker [PHASE_MARKER=saved] {chosen}"), runs
     assert not Path(saved).exists(), "the saved environment is removed after the run"
-    assert runs[1:] == (["daemon env [] marker []"] if inherited == "1" else []), runs
+    assert runs[1:] == ([f"daemon env [] marker [] {chosen}"] if inherited == "1" else []), runs
