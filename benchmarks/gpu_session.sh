@@ -209,11 +209,12 @@ phase_faults_mps() {  # the same under MPS
 }
 memcheck_captured() {  # $1: compute-sanitizer; $2: the daemons' environment file ("": the sanitizer's); $3: whose
   local log="$out/gpu_tests_captured.log"
-  fits 90 || { echo "# memcheck, the daemon in $3 environment: not begun, BUDGET_S=$BUDGET_S" | tee -a "$log"; return 0; }
+  local limit=${MEMCHECK_TIMEOUT_S:-240}
+  fits $((limit + 20)) || { echo "# memcheck, the daemon in $3 environment: not begun, BUDGET_S=$BUDGET_S" | tee -a "$log"; return 0; }
   echo "# compute-sanitizer memcheck $(date -u +%H:%M:%S), the daemon in $3 environment" | tee -a "$log"
   # Not the daemon (application-only), nor the driver-symbol probes torch makes (API errors):
   # under both, the first run never got past its start in 8 minutes.
-  ENGRAMD_TEST_DAEMON_ENV=$2 timeout -s INT -k 20 "${MEMCHECK_TIMEOUT_S:-240}" "$1" --tool memcheck \
+  ENGRAMD_TEST_DAEMON_ENV=$2 timeout -s INT -k 20 "$limit" "$1" --tool memcheck \
     --target-processes application-only --report-api-errors no \
     python3 -m pytest tests/gpu/test_captured_gpu.py -q -s -k "${MEMCHECK_K:-equal_the_reference or closed}" 2>&1 \
     | tee -a "$log" | tail -8
@@ -268,11 +269,12 @@ phase_vllm_bench() {  # vLLM's lookup and model step against engramd's: VLLM_BEN
     echo "VLLM_BENCH_GIB=${VLLM_BENCH_GIB}: one MPS mode a command (VLLM_BENCH_MPS=off, then on)"; return 1
   fi
   bash benchmarks/vllm_gpu/setup_device.sh >"$out/vllm_setup.log" 2>&1 || return 1
-  # shellcheck disable=SC2086  # VLLM_BENCH_GATHER_AT and _ARGS: words, split on spaces
+  local more; read -ra more <<<"${VLLM_BENCH_ARGS:-}"  # words, none of them globbed
+  # shellcheck disable=SC2086  # VLLM_BENCH_GATHER_AT: words, split on spaces
   PYTHONPATH=${VLLM_GPU_SITE:-/tmp/vllm-gpu-site} python3 benchmarks/vllm_gpu/bench_lookup.py \
     --mps "${VLLM_BENCH_MPS:-both}" --rounds "${VLLM_BENCH_ROUNDS:-3}" --table-gib "$gib" \
     --ids "$ids" --traces .traces --plugin-gather-at ${VLLM_BENCH_GATHER_AT:-wait lookup} \
-    ${VLLM_BENCH_ARGS:-} --out "$out/vllm_bench" 2>&1 \
+    "${more[@]}" --out "$out/vllm_bench" 2>&1 \
     | tee "$out/vllm_bench.log" | grep -v "^|" | tail -60
 }
 phase_vllm_profile() {  # the lead-1 cells at T = 1 and 16 of every variant profiled, both MPS modes

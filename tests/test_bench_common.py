@@ -387,9 +387,10 @@ def test_the_sglang_report_holds_each_variant_against_both_of_sglangs_own(monkey
 
 def test_the_vllm_report_holds_each_paired_cell_against_the_vllm_step_beside_it(monkeypatch):
     """--paired: vLLM's own step drifts 500 -> 700 us between rounds and the plugin's follows
-    it, 2% over then 2% under. Each round's ratio is taken against the vLLM cell timed next to
+    it, 2% over then 3% under. Each round's ratio is taken against the vLLM cell timed next to
     it (the `beside` cells), not against vLLM's phase-1 median; the main table's vllm column
-    keeps phase 1's cells alone; the summary counts the decode cells whose median is over 1.00."""
+    keeps phase 1's cells alone; the summary counts the decode cells whose median is over 1.00;
+    vLLM's phase-2 cells (beside a variant, and the brackets) are held against phase 1's."""
     bench_report = _engine_report(monkeypatch, "vllm")
 
     def cell(variant: str, tokens: int, number: int, step_us: float, **extra) -> dict:
@@ -398,23 +399,45 @@ def test_the_vllm_report_holds_each_paired_cell_against_the_vllm_step_beside_it(
                 **extra}
 
     steps = [cell("vllm", 1, 0, 400.0), cell("vllm", 1, 1, 400.0),  # phase 1, its own time
+             cell("vllm", 1, 0, 400.0, when="before"), cell("vllm", 1, 1, 440.0, when="before"),
              cell("vllm", 1, 0, 500.0, beside="plugin_mapped"), cell("plugin_mapped", 1, 0, 510.0),
-             cell("vllm", 1, 1, 700.0, beside="plugin_mapped"), cell("plugin_mapped", 1, 1, 686.0),
+             cell("vllm", 1, 1, 700.0, beside="plugin_mapped"), cell("plugin_mapped", 1, 1, 679.0),
              cell("vllm", 4096, 0, 1000.0, beside="plugin_mapped"),
              cell("plugin_mapped", 4096, 0, 1500.0)]
     table = bench_report.paired_table(steps, "step_us")
     rows = [line for line in table if line.startswith("| off |")]
-    assert rows[0] == "| off | 1 | 1 | synced | 1.00 (0.98-1.02), 1 of 2 over 1.00 |", rows
-    assert rows[1] == "| off | 4096 | 1 | synced | 1.50, 1 of 1 over 1.00 |", rows
-    # The median of 1.02 and 0.98 is 1.00, not over; T = 4096 is no decode cell.
+    assert rows[0] == "| off | 1 | 1 | synced | 0.995 (0.970-1.020), 1 of 2 over 1.00 |", rows
+    assert rows[1] == "| off | 4096 | 1 | synced | 1.500, 1 of 1 over 1.00 |", rows
+    # The median of 1.02 and 0.97 is under 1.00; T = 4096 is no decode cell.
     assert table[-1] == ("- MPS off, decode cells (T <= 256) with the median over 1.00: "
-                         "plugin_mapped 0 of 1 (most 1.00)"), table[-1]
+                         "plugin_mapped 0 of 1 (most 0.995)"), table[-1]
+    through = bench_report.vllm_through_the_run(steps)
+    assert through[-2:] == ["| off | before | 1.05 (1.00-1.10) | 1.05 (1.00-1.10) | 2 |",
+                            "| off | beside plugin_mapped | 1.50 (1.25-1.75) | 1.50 (1.25-1.75) | 2 |"], through
     report = {"meta": {"date": "today", "command": "cmd", "machine": "m"}, "lookups": [],
               "steps": steps, "runs": []}
     text = bench_report.markdown(report)
     main = next(line for line in text.splitlines() if line.startswith("| off | 1 | 1 | synced"))
-    assert main.split(" | ")[4:6] == ["400 ±0%", "598 ±15%"], main  # vllm: phase 1's alone
-    assert "beside vLLM's own" in text and bench_report.paired_table(steps[:2], "step_us") == []
+    assert main.split(" | ")[4:6] == ["400 ±0%", "594 ±14%"], main  # vllm: phase 1's alone
+    assert "beside vLLM's own" in text and bench_report.paired_table(steps[:4], "step_us") == []
+    with pytest.raises(ValueError, match="two vLLM cells"):
+        bench_report.paired_table([*steps, steps[4]], "step_us")
+
+
+def test_the_paired_vllm_benchmark_puts_each_side_first_as_often(monkeypatch):
+    """Over two rounds each (T, lead, mode) cell has each side first once, and within a round
+    each mode has each side first in every other (T, lead) cell."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks" / "vllm_gpu"))
+    from bench_lookup import pair_order
+
+    firsts = {(number, pair, mode): pair_order(["plugin", "vllm"], number + pair + mode)[0]
+              for number in range(2) for pair in range(6) for mode in range(2)}
+    for pair in range(6):
+        for mode in range(2):
+            assert {firsts[(0, pair, mode)], firsts[(1, pair, mode)]} == {"plugin", "vllm"}
+    for number in range(2):
+        for mode in range(2):
+            assert [firsts[(number, pair, mode)] for pair in range(6)].count("plugin") == 3
 
 
 def _stat_line(pid: int, comm: str, utime: int, stime: int) -> str:

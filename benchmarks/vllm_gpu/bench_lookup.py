@@ -142,6 +142,7 @@ DEFAULTS = {
            "plugin_gather_at": list(bench_plugin.GATHER_AT)},
 }
 CHECK_SEED = 7
+BEFORE_CLIENTS, AFTER_CLIENTS = "phase 2, no client yet", "phase 2, clients closed"  # --paired
 HOST_MARGIN_GIB = 4.0  # free host memory phase 2 wants beyond its table before it fills it
 
 
@@ -190,46 +191,47 @@ class Run:
                 print(f"  {variant.name}{self.round_label(number)} T={tokens}: {', '.join(line)} us",
                       flush=True)
 
-    def time_model_steps(self, model, profile: bool = True, paired: bool = False) -> None:
+    def time_model_steps(self, model, profile: bool = True, paired: bool = False,
+                         when: str | None = None) -> None:
         """A ModelStep's or a GraphStep's cells: step time and the host's time per step; then,
         unless told not to, its --profile cells. `paired` (and --paired): vLLM's own step timed
-        next to each cell of it, on the same IDs."""
+        next to each cell of it, on the same IDs. `when`: kept with the cells (vLLM's own step
+        timed again in phase 2, --paired's brackets)."""
         partners = [model, self.beside] if paired and self.beside is not None else [model]
+        tags = {"when": when} if when else {}
+        label = model.name + (" + vllm" if len(partners) > 1 else "") + (f" ({when})" if when else "")
         for number in range(self.args.rounds):
             with CpuUse({"daemon": self.daemon_pid}) as use:  # what else was busy meanwhile
-                self._time_model_round(partners, number)
-            self.cpu_use.append({"variant": model.name, "round": number, **use.result()})
+                self._time_model_round(partners, number, tags)
+            self.cpu_use.append({"variant": label, "round": number, **use.result()})
         if profile:
             engine_bench.profile_steps(self.args, self.device.clock, model, self.ids.pool,
                                        timed=TIMED)
 
-    def _time_model_round(self, partners: list, number: int) -> None:
-        """Every cell of partners[0]; with a partner (vLLM's own step, --paired), it too, on the
-        same pool, which of the two goes first alternating from cell to cell and round to round,
-        so that neither always runs in the other's wake. The partner's cells are kept with
-        `beside`: the variant they were timed next to."""
+    def _time_model_round(self, partners: list, number: int, tags: dict) -> None:
+        """Every cell of partners[0] (with `tags`); with a partner (vLLM's own step, --paired),
+        it too, on the same pool, who goes first as pair_order() says. The partner's cells are
+        kept with `beside`: the variant they were timed next to."""
         model = partners[0]
         note = f" ({model.note})" if getattr(model, "note", "") else ""
         beside = {} if len(partners) == 1 else {"beside": model.name}
-        order = number
-        for tokens in self.tokens:
-            for lead in self.leads:
-                line = []
-                for mode in MODES:
-                    pool = self.ids.pool(tokens, self.args.warm + self.args.steps)
-                    order += 1
-                    for partner in (partners if order % 2 else partners[::-1]):
-                        cell = time_cell(self.device.clock, partner.step(lead), pool,
-                                         self.args.warm, mode == "synced")
-                        self.steps.append({"mps": self.mps, "variant": partner.name,
-                                           "tokens": tokens, "lead": lead, "mode": mode,
-                                           "round": number, **cell,
-                                           **(beside if partner is not model else {})})
-                        if partner is model:
-                            line.append(f"{mode} {cell['step_us']:.0f} (host {cell['host_us']:.0f})")
-                print(f"  {model.name}{note}{self.round_label(number)} T={tokens} lead={lead}: "
-                      f"{', '.join(line)} us/step{self._beside_note(model.name, tokens, lead)}",
-                      flush=True)
+        for cell_pair, (tokens, lead) in enumerate((t, lead) for t in self.tokens for lead in self.leads):
+            line = []
+            for mode_index, mode in enumerate(MODES):
+                pool = self.ids.pool(tokens, self.args.warm + self.args.steps)
+                for partner in pair_order(partners, number + cell_pair + mode_index):
+                    cell = time_cell(self.device.clock, partner.step(lead), pool,
+                                     self.args.warm, mode == "synced")
+                    self.steps.append({"mps": self.mps, "variant": partner.name,
+                                       "tokens": tokens, "lead": lead, "mode": mode,
+                                       "round": number, **cell,
+                                       **(tags if partner is model else beside)})
+                    if partner is model:
+                        line.append(f"{mode} {cell['step_us']:.0f} (host {cell['host_us']:.0f})")
+            when = f" ({tags['when']})" if tags else ""
+            print(f"  {model.name}{note}{when}{self.round_label(number)} T={tokens} lead={lead}: "
+                  f"{', '.join(line)} us/step{self._beside_note(model.name, tokens, lead)}",
+                  flush=True)
 
     def _beside_note(self, name: str, tokens: int, lead: int) -> str:
         """The step / vLLM's of the cells just timed in pairs, per mode ("" unpaired)."""
@@ -301,7 +303,8 @@ class Run:
             model = ModelStep("vllm", layers, self.matmuls, self.args.seed)
             self.time_model_steps(model)
             if self.args.paired:
-                self.beside = model  # built before the plugin installs: vLLM's own methods
+                keep_own_methods(layers, engram.Engram)
+                self.beside = model
         phase["seconds"] = round(time.monotonic() - started, 1)
 
     def free_vllm(self) -> None:
@@ -330,13 +333,23 @@ class Run:
             self.daemon_pid = ready_pid(sock)
             phase["daemon_start_s"] = round(time.monotonic() - begun, 1)
             print(f"[engramd] daemon ready in {phase['daemon_start_s']} s", flush=True)
+            self.bracket(BEFORE_CLIENTS)
             exact = self.client_lookups(sock, phase)
             if not exact:
                 print("[engramd] rows differ from vLLM's: nothing of engramd is timed", flush=True)
             elif "step" in self.args.parts:
                 self.plugin_steps(sock, engram, hf, layout, phase)
+                self.bracket(AFTER_CLIENTS)
         phase["seconds"] = round(time.monotonic() - started, 1)
         print(f"[engramd] done in {phase['seconds']} s", flush=True)
+
+    def bracket(self, when: str) -> None:
+        """--paired: vLLM's own step alone in phase 2, before the first engramd client opens
+        and after the last closes. Beside those, vLLM's cells timed next to each plugin variant
+        say whether an open client (its threads, its cache keeper's kernels) slows every step of
+        the process, which the paired ratios cannot: both sides of a pair run with it."""
+        if self.beside is not None:
+            self.time_model_steps(self.beside, profile=False, when=when)
 
     def daemon_flags(self, work: Path, shm: Path) -> list[str]:
         extra = shlex.split(self.args.daemon_args)
@@ -445,6 +458,25 @@ class Run:
         self.replays.append(entry)
         print(f"  replays plugin_captured: {entry['counts']}, check() "
               f"{'passed' if entry['passed'] else 'FAILED: ' + entry['error']}", flush=True)
+
+
+def pair_order(partners: list, turn: int) -> list:
+    """Who goes first in a pair: alternating with `turn` (round + (T, lead) cell + mode), so
+    that over two rounds each cell has each side first once, and within a round each mode has
+    each side first in every other cell."""
+    return partners if turn % 2 == 0 else partners[::-1]
+
+
+def keep_own_methods(layers: list, engram_class) -> None:
+    """vLLM's Engram methods bound to each of `layers`, so that they keep running vLLM's code
+    after the plugin replaces the class's (vllm_engram.REPLACED): the plugin's replacements
+    fall back to them for layers it did not build, but through a wrapper that vLLM alone
+    does not have."""
+    from engramd.client.engines.vllm_engram import REPLACED
+
+    for layer in layers:
+        for name in REPLACED:
+            setattr(layer, name, types.MethodType(getattr(engram_class, name), layer))
 
 
 def host_available_gib() -> float | None:

@@ -28,7 +28,7 @@ def markdown(report: dict) -> str:
               f"{_replays(run)}{_failures(run)}{phases_text(run['phases'])}; "
               f"{run['seconds']} s in all"
               for run in runs]
-    steps = [cell for cell in report["steps"] if "beside" not in cell]
+    steps = [cell for cell in report["steps"] if "beside" not in cell and "when" not in cell]
     lines += ["", *_lookup_table(report["lookups"]), "",
               *_step_table(steps, "step_us", "Model step: prepare_embeddings -> LEAD matmuls -> "
                            "forward (us per step)"), "",
@@ -37,6 +37,8 @@ def markdown(report: dict) -> str:
     for metric in ("step_us", "host_us"):
         if table := paired_table(report["steps"], metric):
             lines += ["", *table]
+    if table := vllm_through_the_run(report["steps"]):
+        lines += ["", *table]
     if table := cpu_use.table(runs):
         lines += ["", *table]
     return "\n".join(lines) + "\n"
@@ -142,12 +144,17 @@ def paired_table(cells: list[dict], metric: str) -> list[str]:
     """--paired: each round's ratio of a variant's cell to vLLM's cell timed next to it (the
     `beside` cells), their median (range) and the rounds over 1.00; then, per MPS mode and
     variant, the decode cells (T <= 256) whose median is over 1.00."""
-    partner = {(c["mps"], c["beside"], c["tokens"], c["lead"], c["mode"], c["round"]): c
-               for c in cells if "beside" in c}
+    partner: dict[tuple, dict] = {}
+    for c in cells:
+        if "beside" in c:
+            key = (c["mps"], c["beside"], c["tokens"], c["lead"], c["mode"], c["round"])
+            if key in partner:
+                raise ValueError(f"two vLLM cells beside one cell: {key}")
+            partner[key] = c
     ratios: dict[tuple, list[float]] = {}
     for cell in cells:
         key = (cell["mps"], cell["variant"], cell["tokens"], cell["lead"], cell["mode"])
-        theirs = partner.get((*key, cell["round"])) if "beside" not in cell else None
+        theirs = partner.get((*key, cell["round"])) if _own(cell) else None
         if theirs is not None:
             ratios.setdefault(key, []).append(cell[metric] / theirs[metric])
     if not ratios:
@@ -159,7 +166,7 @@ def paired_table(cells: list[dict], metric: str) -> list[str]:
              "| MPS | T | lead | mode | " + " | ".join(variants) + " |",
              "|---|---:|---:|---|" + "---|" * len(variants)]
     for mps, tokens, lead, mode in sorted({(k[0], k[2], k[3], k[4]) for k in ratios}):
-        row = [describe_paired(ratios[(mps, v, tokens, lead, mode)], 2)
+        row = [describe_paired(ratios[(mps, v, tokens, lead, mode)])
                if (mps, v, tokens, lead, mode) in ratios else "" for v in variants]
         lines.append(f"| {mps_text(mps)} | {tokens} | {lead} | {mode} | " + " | ".join(row) + " |")
     lines.append("")
@@ -170,10 +177,49 @@ def paired_table(cells: list[dict], metric: str) -> list[str]:
                       if k[0] == mps and k[1] == variant and k[2] <= 256]
             if decode:
                 counts.append(f"{variant} {sum(m > 1.0 for m in decode)} of {len(decode)}"
-                              f" (most {max(decode):.2f})")
+                              f" (most {max(decode):.3f})")
         lines.append(f"- MPS {mps_text(mps)}, decode cells (T <= 256) with the median over "
                      f"1.00: {', '.join(counts)}")
     return lines
+
+
+def vllm_through_the_run(cells: list[dict]) -> list[str]:
+    """--paired: vLLM's own step in phase 2 (alone before the first client and after the last,
+    and next to each plugin variant) over its phase-1 cell of the same T, lead, mode and
+    round: the median and range over the decode cells (T <= 256) and rounds, host time and
+    step time. Next to a variant above both brackets: the open client slowed vLLM's step too,
+    a cost the paired ratios do not show."""
+    first = {(c["mps"], c["tokens"], c["lead"], c["mode"], c["round"]): c for c in cells
+             if c["variant"] == "vllm" and _own(c) and "when" not in c}
+    later: dict[tuple, dict[str, list[float]]] = {}
+    for c in cells:
+        if c["variant"] != "vllm" or c["tokens"] > 256 or not ("when" in c or "beside" in c):
+            continue
+        base = first.get((c["mps"], c["tokens"], c["lead"], c["mode"], c["round"]))
+        if base is None:
+            continue
+        where = c.get("when") or f"beside {c['beside']}"
+        entry = later.setdefault((c["mps"], where), {"host_us": [], "step_us": []})
+        for metric in entry:
+            entry[metric].append(c[metric] / base[metric])
+    if not later:
+        return []
+    lines = ["## vLLM's own step through phase 2 (--paired), over its phase-1 cell", "",
+             "The same T, lead, mode and round; decode cells (T <= 256): median (range).", "",
+             "| MPS | vLLM's step | host / phase 1 | step / phase 1 | cells |", "|---|---|---|---|---:|"]
+    for (mps, where), entry in later.items():  # in the order they ran
+        host, step = entry["host_us"], entry["step_us"]
+        lines.append(f"| {mps_text(mps)} | {where} | {_spread(host)} | {_spread(step)} | {len(host)} |")
+    return lines
+
+
+def _own(cell: dict) -> bool:
+    """A variant's own cell: not vLLM's timed beside another."""
+    return "beside" not in cell
+
+
+def _spread(values: list[float]) -> str:
+    return f"{float(np.median(values)):.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
 def _ids_note(run: dict) -> str:
