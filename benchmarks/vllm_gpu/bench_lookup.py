@@ -31,6 +31,9 @@ with a copy of its own:
    process per setting): model steps plugin_mapped and plugin_mapped_at_lookup (--plugin-modes
    mapped, one per --plugin-gather-at: ENGRAMD_GATHER_AT), plugin_served, and plugin_captured
    with its floor compute_graph (--plugin-modes captured: mapped with ENGRAMD_CAPTURE=on), last.
+With --paired (where both copies fit: 16 GiB), phase 1's layers stay, bound to vLLM's own
+methods, and vLLM's step is timed next to each cell of each plugin variant on the same IDs, and
+alone in phase 2 before the first client opens and after the last closes (Run.bracket).
 The variants: bench_variants.py. IDs (--ids uniform | text): bench_ids.py. Timing: common/timing.time_cell.
 
 What plugin_captured captures, and what it is held against: the whole step (every layer's
@@ -496,10 +499,13 @@ def require_host_memory(geometry: TableGeometry, tables: int = 1) -> None:
     available = host_available_gib()
     need = tables * geometry.total_bytes / 2**30 + HOST_MARGIN_GIB
     if available is not None and available < need:
-        what = ("vLLM's pinned tables and the daemon's (--paired keeps both)" if tables > 1
-                else "the daemon's tables")
-        raise SystemExit(f"{available} GiB of host memory available, {what} need {need:.1f} "
-                         f"(+ {HOST_MARGIN_GIB} GiB): were vLLM's pinned tables freed?")
+        if tables > 1:
+            raise SystemExit(f"{available} GiB of host memory available, --paired keeps vLLM's "
+                             f"pinned tables and the daemon's at once: {need:.1f} GiB with "
+                             f"{HOST_MARGIN_GIB} to spare (a smaller --table-gib, or no --paired)")
+        raise SystemExit(f"{available} GiB of host memory available, the daemon's tables need "
+                         f"{need:.1f} (the table + {HOST_MARGIN_GIB} GiB): were vLLM's pinned "
+                         "tables freed?")
 
 
 def free_port() -> int:
