@@ -11,6 +11,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -453,11 +454,13 @@ def _fake_task(folder: Path, pid: int, comm: str, utime: int, stime: int, cmdlin
         (folder / "cmdline").write_text(cmdline or "")
 
 
-def test_cpu_use_counts_each_thread_each_watched_process_and_the_machines_steal(tmp_path):
-    """Over a fake /proc: the ticks each thread, the named daemon and the MPS server used in the
-    block, the machine's busy and steal time; a thread and a process that ended inside are
-    named, an idle thread left out, an idle watched process kept at 0; the MPS control daemon
-    (whose comm is the server's) and other processes ignored; a command name with ') ' parses."""
+def test_cpu_use_counts_each_thread_each_watched_process_and_the_machines_steal(tmp_path, monkeypatch):
+    """Over a fake /proc and a fake clock: the ticks each thread, the named daemon and the MPS
+    server used in the block, the machine's busy and steal time, the block's wall time; a thread
+    and a process that ended inside are named, an idle thread left out, an idle watched process
+    kept at 0; the MPS control daemon (whose comm is the server's) and other processes ignored;
+    a command name with ') ' parses."""
+    from common import cpu_use
     from common.cpu_use import TICK_S, CpuUse, task_seconds
 
     assert task_seconds(_stat_line(7, "odd) (name", 3, 4)) == 7 * TICK_S
@@ -478,6 +481,8 @@ def test_cpu_use_counts_each_thread_each_watched_process_and_the_machines_steal(
     _fake_task(proc / "300", 300, "nvidia-cuda-mps", 2, 2, "/usr/bin/nvidia-cuda-mps-server\0")
     _fake_task(proc / "301", 301, "nvidia-cuda-mps", 9, 9, "nvidia-cuda-mps-control\0-d\0")
     _fake_task(proc / "302", 302, "nvidia-cuda-mps", 4, 4, "nvidia-cuda-mps-server\0")
+    clock = iter([100.0, 102.5])  # the block's start and end
+    monkeypatch.setattr(cpu_use, "time", SimpleNamespace(monotonic=lambda: next(clock)))
     with CpuUse({"daemon": 200, "standby": 201, "none": None}, proc, pid) as use:
         machine(1300, 600, 9500, 60)
         _fake_task(tasks / "100", 100, "python3", 80, 20)  # +40 ticks
@@ -495,7 +500,7 @@ def test_cpu_use_counts_each_thread_each_watched_process_and_the_machines_steal(
     assert got["processes"] == {"daemon [200]": round(10 * TICK_S, 3), "mps_server [300]": round(4 * TICK_S, 3),
                                 "mps_server [302]": 0.0}
     assert got["machine"] == {"busy": round(400 * TICK_S, 3), "steal": round(50 * TICK_S, 3)}
-    assert got["ended"] == ["ends [103]", "standby [201]"] and got["wall_s"] >= 0
+    assert got["ended"] == ["ends [103]", "standby [201]"] and got["wall_s"] == 2.5
 
 
 def test_cpu_use_names_this_processes_threads_by_their_python_names():

@@ -219,8 +219,9 @@ class Run:
         note = f" ({model.note})" if getattr(model, "note", "") else ""
         beside = {} if len(partners) == 1 else {"beside": model.name}
         for cell_pair, (tokens, lead) in enumerate((t, lead) for t in self.tokens for lead in self.leads):
-            line = []
+            line, ratios = [], []
             for mode_index, mode in enumerate(MODES):
+                step_us = {}
                 pool = self.ids.pool(tokens, self.args.warm + self.args.steps)
                 for partner in pair_order(partners, number + cell_pair + mode_index):
                     cell = time_cell(self.device.clock, partner.step(lead), pool,
@@ -229,23 +230,15 @@ class Run:
                                        "tokens": tokens, "lead": lead, "mode": mode,
                                        "round": number, **cell,
                                        **(tags if partner is model else beside)})
+                    step_us[partner is model] = cell["step_us"]
                     if partner is model:
                         line.append(f"{mode} {cell['step_us']:.0f} (host {cell['host_us']:.0f})")
+                if beside:
+                    ratios.append(f"{mode} {step_us[True] / step_us[False]:.2f}x")
             when = f" ({tags['when']})" if tags else ""
+            paired = f"; beside vLLM's: {', '.join(ratios)}" if ratios else ""
             print(f"  {model.name}{note}{when}{self.round_label(number)} T={tokens} lead={lead}: "
-                  f"{', '.join(line)} us/step{self._beside_note(model.name, tokens, lead)}",
-                  flush=True)
-
-    def _beside_note(self, name: str, tokens: int, lead: int) -> str:
-        """The step / vLLM's of the cells just timed in pairs, per mode ("" unpaired)."""
-        mine = {c["mode"]: c["step_us"] for c in self.steps[-2 * len(MODES):]
-                if c["variant"] == name and c["tokens"] == tokens and c["lead"] == lead}
-        theirs = {c["mode"]: c["step_us"] for c in self.steps[-2 * len(MODES):]
-                  if c.get("beside") == name and c["tokens"] == tokens and c["lead"] == lead}
-        if not theirs:
-            return ""
-        return "; beside vLLM's: " + ", ".join(f"{mode} {mine[mode] / theirs[mode]:.2f}x"
-                                               for mode in MODES if mode in theirs)
+                  f"{', '.join(line)} us/step{paired}", flush=True)
 
     def _time(self, step, tokens: int, mode: str) -> dict[str, Any]:
         pool = self.ids.pool(tokens, self.args.warm + self.args.steps)
