@@ -28,7 +28,7 @@ def markdown(report: dict) -> str:
               f"{_replays(run)}{_failures(run)}{phases_text(run['phases'])}; "
               f"{run['seconds']} s in all"
               for run in runs]
-    steps = [cell for cell in report["steps"] if "beside" not in cell and "when" not in cell]
+    steps = [cell for cell in report["steps"] if _in_own_grid(cell)]
     lines += ["", *_lookup_table(report["lookups"]), "",
               *_step_table(steps, "step_us", "Model step: prepare_embeddings -> LEAD matmuls -> "
                            "forward (us per step)"), "",
@@ -190,10 +190,10 @@ def vllm_through_the_run(cells: list[dict]) -> list[str]:
     step time. Next to a variant above both brackets: the open client slowed vLLM's step too,
     a cost the paired ratios do not show."""
     first = {(c["mps"], c["tokens"], c["lead"], c["mode"], c["round"]): c for c in cells
-             if c["variant"] == "vllm" and _own(c) and "when" not in c}
+             if c["variant"] == "vllm" and _in_own_grid(c)}
     later: dict[tuple, dict[str, list[float]]] = {}
     for c in cells:
-        if c["variant"] != "vllm" or c["tokens"] > 256 or not ("when" in c or "beside" in c):
+        if c["variant"] != "vllm" or c["tokens"] > 256 or _in_own_grid(c):
             continue
         base = first.get((c["mps"], c["tokens"], c["lead"], c["mode"], c["round"]))
         if base is None:
@@ -216,6 +216,12 @@ def vllm_through_the_run(cells: list[dict]) -> list[str]:
 def _own(cell: dict) -> bool:
     """A variant's own cell: not vLLM's timed beside another."""
     return "beside" not in cell
+
+
+def _in_own_grid(cell: dict) -> bool:
+    """A cell of its variant's own grid (phase 1's for vLLM): neither vLLM's timed beside a
+    variant nor one of its brackets in phase 2 (`when`)."""
+    return _own(cell) and "when" not in cell
 
 
 def _spread(values: list[float]) -> str:
