@@ -212,12 +212,28 @@ memcheck_captured() {  # $1: compute-sanitizer; $2: the daemons' environment fil
   local limit=${MEMCHECK_TIMEOUT_S:-240}
   fits $((limit + 20)) || { echo "# memcheck, the daemon in $3 environment: not begun, BUDGET_S=$BUDGET_S" | tee -a "$log"; return 0; }
   echo "# compute-sanitizer memcheck $(date -u +%H:%M:%S), the daemon in $3 environment" | tee -a "$log"
+  # The run's own temp folder holds its daemons' sockets (tests/helpers.py short_tempdir), so
+  # those left running when it is stopped are known by their command lines.
+  local run_tmp; run_tmp=$(mktemp -d /tmp/memcheck.XXXXXX)
   # Not the daemon (application-only), nor the driver-symbol probes torch makes (API errors):
-  # under both, the first run never got past its start in 8 minutes.
-  ENGRAMD_TEST_DAEMON_ENV=$2 timeout -s INT -k 20 "$limit" "$1" --tool memcheck \
+  # under both, the first run never got past its start in 8 minutes. Into the log, not through
+  # a pipe: the reload and restart tests' run printed nothing in its 420 s, and the phase then
+  # waited on its pipe past the kill until the command's own limit (results/h100/2026-12-06-f/).
+  # A test still running near the limit has every thread's stack written out (pytest-timeout's
+  # timer thread: a main thread inside a CUDA call never sees a signal).
+  TMPDIR=$run_tmp ENGRAMD_TEST_DAEMON_ENV=$2 timeout -s INT -k 20 "$limit" "$1" --tool memcheck \
     --target-processes application-only --report-api-errors no \
-    python3 -m pytest tests/gpu/test_captured_gpu.py -q -s -k "${MEMCHECK_K:-equal_the_reference or closed}" 2>&1 \
-    | tee -a "$log" | tail -8
+    python3 -m pytest tests/gpu/test_captured_gpu.py -q -s -k "${MEMCHECK_K:-equal_the_reference or closed}" \
+    --timeout "$(( limit > 120 ? limit - 60 : limit / 2 ))" --timeout-method thread >>"$log" 2>&1
+  local rc=$?
+  tail -n 8 "$log"
+  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+    echo "# memcheck: stopped at its limit, $limit s" | tee -a "$log"
+    # Its test daemons, stopped before their teardown, hold GPU and host memory.
+    pkill -KILL -f -- "--socket $run_tmp/" && echo "# killed the test daemons it left running" | tee -a "$log"
+  fi
+  rm -rf "$run_tmp"
+  return "$rc"
 }
 phase_captured_repeat() {  # captured lookups across a reload and a restart, CAPTURED_REPEAT runs
   local i rc=0 log="$out/gpu_tests_captured.log" tests=tests/gpu/test_captured_gpu.py

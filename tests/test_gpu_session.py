@@ -67,32 +67,74 @@ def test_the_memcheck_phases_daemons_start_in_the_environment_from_before_the_sa
     assert DaemonProcess(tmp_path, tmp_path, "demo", "t", []).env["LD_PRELOAD"] == "/wrapper/preload-helper.so"
 
 
+def _run_captured_repeat(tmp_path: Path, sanitizer: str, **settings: str) -> subprocess.CompletedProcess:
+    """captured-repeat's functions, cut from the script, run with `sanitizer` as the
+    compute-sanitizer on PATH and no repeat runs after the memcheck ones."""
+    bin_dir, out = tmp_path / "bin", tmp_path / "out"
+    bin_dir.mkdir()
+    out.mkdir()
+    stub = bin_dir / "compute-sanitizer"
+    stub.write_text(f"#!/bin/bash\n{sanitizer}")
+    stub.chmod(0o755)
+    functions = subprocess.run(["sed", "-n", r"/^fits() {/p; /^memcheck_captured() {/,/^}/p; "
+                                r"/^phase_captured_repeat() {/,/^}/p", str(SCRIPT)],
+                               capture_output=True, text=True, check=True).stdout
+    script = f'out={out}; BUDGET_S=1000; CAPTURED_REPEAT=0\n{functions}\nphase_captured_repeat\n'
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", **settings}
+    # The timeout guards against a hang only: the runs here take well under a second.
+    return subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
+
+
 @pytest.mark.parametrize(("inherited", "tests"), [("", ""), ("0", ""), ("1", "reload or restart")])
 def test_the_memcheck_phase_hands_its_daemons_the_saved_environment(tmp_path, inherited, tests):
     """captured-repeat's memcheck runs, with a stand-in compute-sanitizer: the first names a
     file holding the phase shell's environment; MEMCHECK_INHERITED=1, and only 1, adds a second
     that names none (the daemon then inherits the sanitizer's); the file is gone afterwards.
     MEMCHECK_K, where set, chooses the tests of both runs."""
-    bin_dir, out = tmp_path / "bin", tmp_path / "out"
-    bin_dir.mkdir()
-    out.mkdir()
-    stub = bin_dir / "compute-sanitizer"
-    stub.write_text('#!/bin/bash\n'
-                    'f=$ENGRAMD_TEST_DAEMON_ENV\n'
-                    'echo "daemon env [$f] marker [$( [ -n "$f" ] && tr "\\0" "\\n" < "$f" | grep "^PHASE_MARKER=")]"'
-                    ' "tests [${@: -1}]"\n')
-    stub.chmod(0o755)
-    functions = subprocess.run(["sed", "-n", r"/^fits() {/p; /^memcheck_captured() {/,/^}/p; "
-                                r"/^phase_captured_repeat() {/,/^}/p", str(SCRIPT)],
-                               capture_output=True, text=True, check=True).stdout
-    script = f'out={out}; BUDGET_S=1000; CAPTURED_REPEAT=0\n{functions}\nphase_captured_repeat\n'
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-           "PHASE_MARKER": "saved", "MEMCHECK_INHERITED": inherited, "MEMCHECK_K": tests}
-    subprocess.run(["bash", "-c", script], env=env, check=True, capture_output=True, timeout=60)
-    runs = [line for line in (out / "gpu_tests_captured.log").read_text().splitlines()
+    sanitizer = ('f=$ENGRAMD_TEST_DAEMON_ENV\n'
+                 'while [ $# -gt 0 ] && [ "$1" != -k ]; do shift; done\n'
+                 'echo "daemon env [$f] marker [$( [ -n "$f" ] && tr "\\0" "\\n" < "$f" | grep "^PHASE_MARKER=")]"'
+                 ' "tests [$2]"\n')
+    _run_captured_repeat(tmp_path, sanitizer, PHASE_MARKER="saved", MEMCHECK_INHERITED=inherited,
+                         MEMCHECK_K=tests).check_returncode()
+    runs = [line for line in (tmp_path / "out" / "gpu_tests_captured.log").read_text().splitlines()
             if line.startswith("daemon env")]
     saved = runs[0].split("[")[1].split("]")[0]
     chosen = f"tests [{tests or 'equal_the_reference or closed'}]"
     assert saved and runs[0].endswith(f"marker [PHASE_MARKER=saved] {chosen}"), runs
     assert not Path(saved).exists(), "the saved environment is removed after the run"
     assert runs[1:] == ([f"daemon env [] marker [] {chosen}"] if inherited == "1" else []), runs
+
+
+def test_a_memcheck_run_stopped_at_its_limit_ends_the_phase_and_kills_its_daemons(tmp_path):
+    """A stand-in sanitizer that outlives MEMCHECK_TIMEOUT_S and leaves two processes in sessions
+    of their own, holding its output: a test daemon (its socket in the run's temp folder) and a
+    stranger. The phase ends anyway, says the run was stopped, fails, and kills the daemon only."""
+    pids = tmp_path / "pids"
+    daemon_argv0 = 'engramd serve --tables demo --socket "$TMPDIR/engramd-test-1-egd-x/run/engramd.sock"'
+    sanitizer = (f'setsid bash -c \'exec -a "{daemon_argv0}" sleep 300\' & echo $! >> {pids}\n'
+                 f'setsid sleep 300 & echo $! >> {pids}\n'
+                 'sleep 300\n')
+    try:
+        done = _run_captured_repeat(tmp_path, sanitizer, MEMCHECK_TIMEOUT_S="2")
+        daemon, stranger = (int(pid) for pid in pids.read_text().split())
+        log = (tmp_path / "out" / "gpu_tests_captured.log").read_text()
+        assert done.returncode == 1, done
+        assert "# memcheck: stopped at its limit, 2 s" in log, log
+        assert "# killed the test daemons it left running" in log, log
+        assert not _alive(daemon), "the run's test daemon is killed"
+        assert _alive(stranger), "a process that is not one of the run's daemons is left alone"
+    finally:
+        for pid in pids.read_text().split() if pids.exists() else ():
+            try:
+                os.kill(int(pid), 9)
+            except ProcessLookupError:
+                pass
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, killed but not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
