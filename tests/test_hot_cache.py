@@ -243,3 +243,28 @@ def test_a_keeper_warms_on_its_own_thread_and_a_trace_it_cannot_read_leaves_it_c
     keeper.start(unread)
     keeper.close()
     assert closed(fd) and keeper.report()["admitted"] == 0 and not keeper.report()["warming"]
+
+
+def test_a_refresh_takes_the_counters_into_its_stats_and_the_log_up_to_the_cursor():
+    """What the gathers counted (reads, hits per layer) reaches the stats, and the candidates
+    logged before the cursor are weighed, those after it not yet: a hot row logged first is
+    admitted, a hotter one written past the cursor waits for the next refresh."""
+    from engramd.client.shared.cache_keeper import CacheKeeper
+
+    tables = [torch.randint(0, 256, (100, 264), dtype=torch.uint8),
+              torch.randint(0, 256, (50, 264), dtype=torch.uint8)]
+    keeper = CacheKeeper(HotCache(CacheLayout(16, 264, 10, 64), 2, "cpu"), tables, lambda: [])
+    cache = keeper.cache
+    logged, later = hot_cache.row_keys(torch.tensor([1, 0]), torch.tensor([7, 9]))
+    for key, count in ((logged, 10), (later, 20)):
+        for d in range(hot_cache.SKETCH_DEPTH):
+            cache.sketch[d][hot_cache.sketch_index(key, d, 10)] = count
+    cache.log[:2] = torch.stack([logged, later])
+    cache.cursor[0] = 1
+    cache.counters.copy_(torch.tensor([[500, 70], [40, 3]]))
+    assert keeper.refresh() == 1
+    assert (keeper.stats.reads, keeper.stats.hits) == ([500, 70], [40, 3])
+    assert cache.resident(torch.stack([logged, later])).tolist() == [True, False]
+    cache.cursor[0] = 2
+    assert keeper.refresh() == 1 and bool(cache.resident(later.view(1)))
+    assert torch.equal(cache.pool[(cache.keys.view(-1) == later).nonzero().item()], tables[0][9])

@@ -192,7 +192,7 @@ def run_variant(variant: str, captures: int) -> dict:
         assert keeper is not None, "the daemon gave the client no hot-row cache"
         tracer = Tracer()
         tracer.watch_collections()
-        for name in ("_read_counters", "_candidates", "_change", "_grace", "_age_if_due",
+        for name in ("_read_counts", "_candidates", "_change", "_grace", "_age_if_due",
                      "_record", "_wait_for"):
             tracer.wrap(keeper, name)
         if variant == "no_probes":

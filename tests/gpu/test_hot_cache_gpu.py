@@ -7,6 +7,8 @@ with the plain-torch reference on the CPU, and every resident slot with its tabl
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from reference import assert_same
@@ -102,3 +104,22 @@ def test_uniform_traffic_admits_almost_nothing(world):
         reads += ids.numel()
         keeper.refresh()
     assert keeper.stats.admitted <= 0.01 * reads, keeper.stats
+
+
+def test_a_refresh_waiting_for_the_device_sleeps_instead_of_spinning(world):
+    """A refresh waits for its copies of the counters behind whatever its stream holds (here
+    a kernel that sleeps about 0.5 s; the log is empty, so that copy is the refresh's only
+    wait): its thread sleeps through the wait instead of spinning a core."""
+    geo, host, uva = world
+    device = torch.device("cuda", 0)
+    cache = hot_cache.HotCache(hot_cache.CacheLayout.from_budget(24 << 20, geo.row_bytes),
+                               geo.n_layers, device)
+    keeper = CacheKeeper(cache, uva, gather_streams=list)
+    for _ in range(2):
+        with torch.cuda.stream(keeper.stream):
+            torch.cuda._sleep(1_000_000_000)  # ~0.5 s at 2 GHz
+        wall, cpu = time.perf_counter(), time.thread_time()
+        keeper.refresh()
+        wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+        assert wall > 0.25, f"the refresh did not wait for its stream ({wall:.3f} s)"
+        assert cpu < 0.2 * wall, f"{cpu:.3f} s of CPU in a wait of {wall:.3f} s: it spins"
