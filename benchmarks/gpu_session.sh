@@ -214,7 +214,9 @@ memcheck_captured() {  # $1: compute-sanitizer; $2: the daemons' environment fil
   echo "# compute-sanitizer memcheck $(date -u +%H:%M:%S), the daemon in $3 environment" | tee -a "$log"
   # The run's own temp folder holds its daemons' sockets (tests/helpers.py short_tempdir), so
   # those left running when it is stopped are known by their command lines.
-  local run_tmp; run_tmp=$(mktemp -d /tmp/memcheck.XXXXXX)
+  local run_tmp
+  run_tmp=$(mktemp -d /tmp/memcheck.XXXXXX) && [ -n "$run_tmp" ] \
+    || { echo "# memcheck: no temp folder for the run" | tee -a "$log"; return 1; }
   # Not the daemon (application-only), nor the driver-symbol probes torch makes (API errors):
   # under both, the first run never got past its start in 8 minutes. Into the log, not through
   # a pipe: the reload and restart tests' run printed nothing in its 420 s, and the phase then
@@ -227,10 +229,12 @@ memcheck_captured() {  # $1: compute-sanitizer; $2: the daemons' environment fil
     --timeout "$(( limit > 120 ? limit - 60 : limit / 2 ))" --timeout-method thread >>"$log" 2>&1
   local rc=$?
   tail -n 8 "$log"
-  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
-    echo "# memcheck: stopped at its limit, $limit s" | tee -a "$log"
-    # Its test daemons, stopped before their teardown, hold GPU and host memory.
-    pkill -KILL -f -- "--socket $run_tmp/" && echo "# killed the test daemons it left running" | tee -a "$log"
+  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then echo "# memcheck: stopped at its limit, $limit s" | tee -a "$log"; fi
+  # Test daemons that outlive the run (it was stopped, or a test timed out: os._exit skips the
+  # teardown) hold GPU and host memory.
+  if pkill -KILL -f -- "--socket $run_tmp/"; then
+    echo "# killed the test daemons the run left" | tee -a "$log"
+    sleep 2  # their sockets' folder goes once they are gone
   fi
   rm -rf "$run_tmp"
   return "$rc"
