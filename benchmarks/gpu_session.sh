@@ -213,7 +213,7 @@ memcheck_captured() {  # $1: compute-sanitizer; $2: the daemons' environment fil
   fits $((limit + 20)) || { echo "# memcheck, the daemon in $3 environment: not begun, BUDGET_S=$BUDGET_S" | tee -a "$log"; return 0; }
   echo "# compute-sanitizer memcheck $(date -u +%H:%M:%S), the daemon in $3 environment" | tee -a "$log"
   # The run's own temp folder holds its daemons' sockets (tests/helpers.py short_tempdir), so
-  # those left running when it is stopped are known by their command lines.
+  # those still running after it are known by their command lines.
   local run_tmp
   run_tmp=$(mktemp -d /tmp/memcheck.XXXXXX) && [ -n "$run_tmp" ] \
     || { echo "# memcheck: no temp folder for the run" | tee -a "$log"; return 1; }
@@ -221,8 +221,8 @@ memcheck_captured() {  # $1: compute-sanitizer; $2: the daemons' environment fil
   # under both, the first run never got past its start in 8 minutes. Into the log, not through
   # a pipe: the reload and restart tests' run printed nothing in its 420 s, and the phase then
   # waited on its pipe past the kill until the command's own limit (results/h100/2026-12-06-f/).
-  # A test still running near the limit has every thread's stack written out (pytest-timeout's
-  # timer thread: a main thread inside a CUDA call never sees a signal).
+  # A test that runs longer than the limit less 60 s has every thread's stack written out
+  # (pytest-timeout's timer thread: a main thread inside a CUDA call never sees a signal).
   TMPDIR=$run_tmp ENGRAMD_TEST_DAEMON_ENV=$2 timeout -s INT -k 20 "$limit" "$1" --tool memcheck \
     --target-processes application-only --report-api-errors no \
     python3 -m pytest tests/gpu/test_captured_gpu.py -q -s -k "${MEMCHECK_K:-equal_the_reference or closed}" \

@@ -82,7 +82,7 @@ def _run_captured_repeat(tmp_path: Path, sanitizer: str, **settings: str) -> sub
                                capture_output=True, text=True, check=True).stdout
     script = f'out={out}; BUDGET_S=1000; CAPTURED_REPEAT=0\n{functions}\nphase_captured_repeat\n'
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", **settings}
-    # The timeout guards against a hang only: the runs here take well under a second.
+    # The timeout guards against a hang only: the runs here take a few seconds at most.
     return subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
 
 
