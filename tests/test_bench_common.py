@@ -354,20 +354,21 @@ def test_the_captured_step_report_pairs_each_rounds_two_lookups():
     assert captured_step.describe_paired([0.99]) == "0.990, 0 of 1 over 1.00"
 
 
-def _engine_report(monkeypatch, engine: str):
-    """benchmarks/<engine>_gpu/bench_report.py: both engines' folders name their modules alike,
-    so what either test imported is forgotten again when it ends."""
+def _engine_module(monkeypatch, engine: str, module: str = "bench_report"):
+    """benchmarks/<engine>_gpu/<module>.py: both engines' folders name their modules alike, so
+    every module of theirs is forgotten before the import and again when the test ends."""
     import importlib
 
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks" / f"{engine}_gpu"))
-    for name in ("bench_report", "bench_variants"):
+    benchmarks = Path(__file__).resolve().parents[1] / "benchmarks"
+    monkeypatch.syspath_prepend(str(benchmarks / f"{engine}_gpu"))
+    for name in {path.stem for folder in ("vllm_gpu", "sglang_gpu") for path in (benchmarks / folder).glob("*.py")}:
         monkeypatch.setitem(sys.modules, name, None)  # undone on teardown: dropped or restored
         del sys.modules[name]
-    return importlib.import_module("bench_report")
+    return importlib.import_module(module)
 
 
 def test_the_sglang_report_holds_each_variant_against_both_of_sglangs_own(monkeypatch):
-    bench_report = _engine_report(monkeypatch, "sglang")
+    bench_report = _engine_module(monkeypatch, "sglang")
 
     us = {"sglang": 100.0, "sglang_host": 200.0, "plugin_mapped": 300.0}
     steps = [{"mps": False, "variant": v, "tokens": 1, "lead": 1, "mode": mode, "step_us": t}
@@ -392,7 +393,7 @@ def test_the_vllm_report_holds_each_paired_cell_against_the_vllm_step_beside_it(
     it (the `beside` cells), not against vLLM's phase-1 median; the main table's vllm column
     keeps phase 1's cells alone; the summary counts the decode cells whose median is over 1.00;
     vLLM's phase-2 cells (beside a variant, and the brackets) are held against phase 1's."""
-    bench_report = _engine_report(monkeypatch, "vllm")
+    bench_report = _engine_module(monkeypatch, "vllm")
 
     def cell(variant: str, tokens: int, number: int, step_us: float, **extra) -> dict:
         return {"mps": False, "variant": variant, "tokens": tokens, "lead": 1, "mode": "synced",
@@ -428,8 +429,7 @@ def test_the_vllm_report_holds_each_paired_cell_against_the_vllm_step_beside_it(
 def test_the_paired_vllm_benchmark_puts_each_side_first_as_often(monkeypatch):
     """Over two rounds each (T, lead, mode) cell has each side first once, and within a round
     each mode has each side first in every other (T, lead) cell."""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks" / "vllm_gpu"))
-    from bench_lookup import pair_order
+    pair_order = _engine_module(monkeypatch, "vllm", "bench_lookup").pair_order
 
     firsts = {(number, pair, mode): pair_order(["plugin", "vllm"], number + pair + mode)[0]
               for number in range(2) for pair in range(6) for mode in range(2)}

@@ -61,9 +61,15 @@ def write_report(out: Path, report: dict, json_name: str, md_name: str, text: st
     print(text, flush=True)
 
 
-def describe_paired(ratios: list[float], digits: int = 3) -> str:
+def median_and_range(values: list[float], digits: int) -> str:
+    """"median (least-most)" of `values`."""
+    return (f"{statistics.median(values):.{digits}f} "
+            f"({min(values):.{digits}f}-{max(values):.{digits}f})")
+
+
+def describe_paired(ratios: list[float]) -> str:
     """Ratios of two variants timed next to each other, one a round: their median, range, and
     in how many rounds the first was the slower."""
     over = sum(r > 1.0 for r in ratios)
-    spread = f" ({min(ratios):.{digits}f}-{max(ratios):.{digits}f})" if len(ratios) > 1 else ""
-    return f"{statistics.median(ratios):.{digits}f}{spread}, {over} of {len(ratios)} over 1.00"
+    centre = median_and_range(ratios, 3) if len(ratios) > 1 else f"{ratios[0]:.3f}"
+    return f"{centre}, {over} of {len(ratios)} over 1.00"

@@ -187,7 +187,7 @@ class Run:
             for tokens in self.tokens:
                 line = []
                 for mode in MODES:
-                    cell = self._time(variant, tokens, mode)
+                    cell = self._time(variant, self._pool(tokens), mode)
                     self.lookups.append({"mps": self.mps, "variant": variant.name, "tokens": tokens,
                                          "mode": mode, "round": number, **cell})
                     line.append(f"{mode} gpu {cell['gpu_us']:.0f} host {cell['host_us']:.0f}")
@@ -222,10 +222,9 @@ class Run:
             line, ratios = [], []
             for mode_index, mode in enumerate(MODES):
                 step_us = {}
-                pool = self.ids.pool(tokens, self.args.warm + self.args.steps)
+                pool = self._pool(tokens)  # the same IDs for both of a pair
                 for partner in pair_order(partners, number + cell_pair + mode_index):
-                    cell = time_cell(self.device.clock, partner.step(lead), pool,
-                                     self.args.warm, mode == "synced")
+                    cell = self._time(partner.step(lead), pool, mode)
                     self.steps.append({"mps": self.mps, "variant": partner.name,
                                        "tokens": tokens, "lead": lead, "mode": mode,
                                        "round": number, **cell,
@@ -240,8 +239,11 @@ class Run:
             print(f"  {model.name}{note}{when}{self.round_label(number)} T={tokens} lead={lead}: "
                   f"{', '.join(line)} us/step{paired}", flush=True)
 
-    def _time(self, step, tokens: int, mode: str) -> dict[str, Any]:
-        pool = self.ids.pool(tokens, self.args.warm + self.args.steps)
+    def _pool(self, tokens: int):
+        """A fresh pool of IDs for one cell: its untimed and timed steps."""
+        return self.ids.pool(tokens, self.args.warm + self.args.steps)
+
+    def _time(self, step, pool, mode: str) -> dict[str, Any]:
         return time_cell(self.device.clock, step, pool, self.args.warm, mode == "synced")
 
     # -- rows

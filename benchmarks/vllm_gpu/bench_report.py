@@ -15,7 +15,7 @@ from bench_variants import GRAPH_VARIANTS, LOOKUP_VARIANTS, STEP_VARIANTS
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import cpu_use  # noqa: E402
 from common.engine_bench import mps_text, phases_text, ratio  # noqa: E402
-from common.report import describe_paired  # noqa: E402
+from common.report import describe_paired, median_and_range  # noqa: E402
 from common.timing import MODES  # noqa: E402
 
 
@@ -209,7 +209,7 @@ def vllm_through_the_run(cells: list[dict]) -> list[str]:
              "| MPS | vLLM's step | host / phase 1 | step / phase 1 | cells |", "|---|---|---|---|---:|"]
     for (mps, where), entry in later.items():  # in the order they ran
         host, step = entry["host_us"], entry["step_us"]
-        lines.append(f"| {mps_text(mps)} | {where} | {_spread(host)} | {_spread(step)} | {len(host)} |")
+        lines.append(f"| {mps_text(mps)} | {where} | {median_and_range(host, 2)} | {median_and_range(step, 2)} | {len(host)} |")
     return lines
 
 
@@ -222,10 +222,6 @@ def _in_own_grid(cell: dict) -> bool:
     """A cell of its variant's own grid (phase 1's for vLLM): neither vLLM's timed beside a
     variant nor one of its brackets in phase 2 (`when`)."""
     return _own(cell) and "when" not in cell
-
-
-def _spread(values: list[float]) -> str:
-    return f"{float(np.median(values)):.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
 def _ids_note(run: dict) -> str:
