@@ -12,7 +12,8 @@ the daemon. Exits non-zero with the first difference.
 
 --check flow    rows, `embed`, `forward` and `embed_tokens` bit for bit, for a hashed chunk
                 (vLLM's NgramHashState on the GPU; its hashes against engramd's hasher and the
-                IDs the daemon got) and raw row IDs of several step sizes
+                IDs the daemon got) and raw row IDs of several step sizes; with --capture, the
+                rows of a step recorded in a CUDA graph, after replays on new IDs
 --check scales  every row of both tables, looked up by both: rows bit for bit, and on a
                 difference, which scale bytes (0..255) the differing values have, in --report
 """
@@ -140,7 +141,33 @@ def check_flow(engram, layout, checkpoint: Path, reference, served, vllm_engram)
     for tokens in steps:
         compare_step(f"raw IDs x {tokens}", reference, served, cpu.raw_ids(layout.num_embeddings, tokens))
     report["raw_ids"] = f"equal at {steps} tokens"
+    if rows.captured is not None:
+        report["replays"] = check_replays(layout, reference, served, rows.captured)
     return report
+
+
+def check_replays(layout, reference, served, captured, tokens: int = 16, replays: int = 3) -> str:
+    """A captured worker's step recorded in one CUDA graph, as vLLM's full graphs record it
+    (every layer's prepare_embeddings, then each layer's _ready_rows, their rows copied out) and
+    replayed on new IDs written into the graph's input: the rows of each replay, vLLM's for
+    those IDs. The gather runs on the plugin's side stream, forked and joined inside the graph."""
+    ids = cpu.raw_ids(layout.num_embeddings, tokens).to(DEVICE)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        for layer in served:
+            layer.prepare_embeddings(ids[:, layer.layer_hash_index])
+        out = [layer._ready_rows(tokens).clone() for layer in served]
+    for replay in range(replays):
+        ids.copy_(cpu.raw_ids(layout.num_embeddings, tokens + 1 + replay)[:tokens].to(DEVICE))
+        graph.replay()
+        for ref in reference:
+            ref.prepare_embeddings(ids[:, ref.layer_hash_index])
+        for ref, got in zip(reference, out, strict=True):
+            cpu.same_bits(f"replay {replay}, layer {ref.layer_hash_index}: rows", got,
+                          ref._ready_rows(tokens))
+    torch.cuda.synchronize()
+    captured.check()
+    return f"equal after {replays} replays of a graph of {tokens} tokens"
 
 
 def every_row_ids(layout) -> torch.Tensor:

@@ -23,9 +23,12 @@ capture, which would replay none of it, is refused.
 
 With ENGRAMD_CAPTURE=on a mapped GPU worker records its lookup in vLLM's graphs instead
 (client/captured.py): the staging slot is a captured lookup's, each layer's `prepare_embeddings`
-copies its hashes into the lookup's IDs buffer and the last local layer queues the gather on the
-current stream, `_ready_rows` returns the staged rows; no eager break, so full and piecewise
-graphs and eager steps run the same launch. A served worker keeps the eager breaks (logged).
+copies its hashes into the lookup's IDs buffer and the last local layer queues the gather,
+`_ready_rows` makes the current stream wait for it and returns the staged rows; no eager break,
+so full and piecewise graphs and eager steps run the same launch. In a graph that holds the
+whole step (a full graph) the gather runs on a side stream beside the layers before the first
+`_ready_rows`, which joins it, as vLLM's own prefetch does; in a graph captured in pieces and in
+eager steps, in line on the current stream. A served worker keeps the eager breaks (logged).
 Every step of such a worker first checks the captured lookup's replays (`check()`, wrapped
 around vLLM's `Worker.execute_model`, the Python a full graph's step still runs): NaN rows that
 replays wrote because the client lost its tables fail the worker's next step, a step or so after
@@ -54,9 +57,13 @@ import os
 
 import torch
 from torch import nn
+from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
+from vllm.config import CUDAGraphMode
 from vllm.models.deepseek_v41.common.engram import (
     ParallelEngramEmbedding,
     eager_break_during_capture,
+    get_forward_context,
+    is_forward_context_available,
 )
 
 from engramd.client.captured import CapturedLookup
@@ -107,6 +114,12 @@ class ProcessRows:
         self.client = client
         # ENGRAMD_CAPTURE: the staging slot's lookup, recorded in vLLM's graphs (None: eager breaks)
         self.captured = self._capture(client) if capture else None
+        # Where a graph's captured gather runs beside the layers before the rows' first reader:
+        # its stream, the event the reader waits for, and whether the reader has yet to wait.
+        on_gpu = self.captured is not None and client.device.type == "cuda"
+        self._side = torch.cuda.Stream(client.device) if on_gpu else None
+        self._gathered = torch.cuda.Event() if on_gpu else None
+        self._forked = False
         self.staged: dict[int, torch.Tensor] = {}  # layer index -> [max_tokens, local_heads, dim]
         self._ids: dict[int, torch.Tensor] = {}  # this step's IDs, per layer, until all are in
         self._future: LookupFuture | None = None
@@ -163,7 +176,7 @@ class ProcessRows:
         if tokens == 0:
             return
         if self.captured is not None:
-            self.captured.record(tokens)  # on the current stream: the rows follow in its order
+            self._record(tokens)
             self._tokens = tokens
             if not _capturing():  # a check reads the host; in a replay no Python runs
                 self.captured.check()
@@ -186,8 +199,33 @@ class ProcessRows:
         if self.captured is None:
             self._await_rows()
         else:
+            self._join()
             self.check_still_served()
         return self.staged[layer][:num_tokens]
+
+    def _record(self, tokens: int) -> None:
+        """Queue the captured gather. In a graph that holds the whole step (a full graph), on the
+        side stream, which the rows' first reader joins in the same graph: the gather runs beside
+        the layers before that reader, as vLLM's own prefetch does. Elsewhere in line on the
+        current stream: in a graph captured in pieces a fork would have to join in the piece it
+        began in, and an eager step of this worker is not what it is tuned for (the default
+        mapped path overlaps eager steps)."""
+        if self._side is None or not _graph_holds_the_step():
+            self.captured.record(tokens)  # the rows follow in the current stream's order
+            return
+        self._side.wait_stream(torch.cuda.current_stream(self.client.device))
+        self.captured.record(tokens, stream=self._side)
+        self._gathered.record(self._side)
+        self._forked = True
+
+    def _join(self) -> None:
+        """Make the current stream wait for the gather forked in this capture, once. A graph
+        replays as a whole, so the next step's IDs are written after this one's gather read them.
+        A capture that ends unjoined fails there (CUDA refuses it); a fork left by a failed
+        capture is dropped."""
+        forked, self._forked = self._forked, False
+        if forked and _capturing():
+            torch.cuda.current_stream(self.client.device).wait_event(self._gathered)
 
     def _await_rows(self) -> None:
         """Make the current stream wait for the pending lookup (GPU: in stream order, no host
@@ -437,6 +475,21 @@ def _ready(engram, num_tokens: int) -> None:
 
 def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _graph_holds_the_step() -> bool:
+    """Whether a capture is under way that the step's first `_ready_rows` is part of, so that a
+    stream forked now is joined in it: where vLLM forks its own prefetch inside a graph (a full
+    graph: its eager breaks run in line). Not a piecewise graph or a breakable one captured in
+    pieces, where the layers between the lookup and its reader are other graphs. A capture of
+    vLLM's layers from outside vLLM (no runtime mode) is taken to hold the whole step, as an
+    engine's full graph does; one that does not fails at its end, unjoined, never silently."""
+    if not _capturing():
+        return False
+    mode = get_forward_context().cudagraph_runtime_mode if is_forward_context_available() else None
+    if BreakableCUDAGraphCapture.current() is not None:
+        return mode == CUDAGraphMode.FULL
+    return mode != CUDAGraphMode.PIECEWISE
 
 
 def _refuse_capture() -> None:

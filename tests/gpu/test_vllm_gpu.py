@@ -83,10 +83,12 @@ def all_scales_checkpoint(tmp_path_factory) -> Path:
                          ids=["mapped", "served", "mapped-captured"])
 def test_rows_embed_and_forward_are_vllms_offloaded_ones(daemon_factory, demo_checkpoint, tmp_path,
                                                          mode, capture):
-    """mapped-captured: ENGRAMD_CAPTURE=on, the staged rows a captured lookup's, launched eagerly."""
+    """mapped-captured: ENGRAMD_CAPTURE=on, the staged rows a captured lookup's, launched eagerly,
+    then recorded in a CUDA graph and replayed on new IDs."""
     daemon = daemon_factory(extra=["--backend", "cuda"])
     report = run_worker(daemon, demo_checkpoint, mode, "flow", tmp_path / "report.json", capture)
     assert report["client_mode"] == mode
+    assert ("replays" in report) == capture, report
 
 
 def test_every_scale_byte_gives_vllms_rows(daemon_factory, all_scales_checkpoint, tmp_path):

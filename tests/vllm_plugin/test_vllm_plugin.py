@@ -294,3 +294,31 @@ def test_a_step_whose_layers_hand_in_columns_of_one_tensor_looks_that_tensor_up(
     got = client.looked_up[-1]
     assert got.data_ptr() != hashes.data_ptr()
     assert torch.equal(got[:, :-1], hashes[:, :-1]) and bool((got[:, -1] == DEAD_ID).all())
+
+
+@pytest.mark.parametrize("capturing, breakable, mode, forks", [
+    (False, False, None, False),         # an eager step: in line
+    (False, True, "PIECEWISE", False),   # an eager break of a breakable graph runs eagerly
+    (True, False, None, True),           # a capture from outside vLLM: taken as the whole step
+    (True, False, "FULL", True),         # vLLM's full graph: its own prefetch forks there too
+    (True, False, "PIECEWISE", False),   # a piece of a piecewise graph
+    (True, True, "FULL", True),          # a breakable capture of a full graph: one segment
+    (True, True, "PIECEWISE", False),    # a breakable capture in pieces
+    (True, True, None, False),
+], ids=lambda value: str(value))
+def test_the_captured_gather_forks_only_in_a_graph_its_reader_is_part_of(
+        monkeypatch, capturing, breakable, mode, forks):
+    import types
+
+    from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
+    from vllm.config import CUDAGraphMode
+
+    from engramd.client.engines import vllm_engram
+
+    monkeypatch.setattr(vllm_engram, "_capturing", lambda: capturing)
+    monkeypatch.setattr(vllm_engram, "is_forward_context_available", lambda: mode is not None)
+    context = types.SimpleNamespace(cudagraph_runtime_mode=mode and CUDAGraphMode[mode])
+    monkeypatch.setattr(vllm_engram, "get_forward_context", lambda: context)
+    monkeypatch.setattr(BreakableCUDAGraphCapture._tls, "active", object() if breakable else None,
+                        raising=False)
+    assert vllm_engram._graph_holds_the_step() is forks
