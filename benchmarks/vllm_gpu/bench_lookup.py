@@ -38,14 +38,17 @@ The variants: bench_variants.py. IDs (--ids uniform | text): bench_ids.py. Timin
 
 What plugin_captured captures, and what it is held against: the whole step (every layer's
 prepare_embeddings, which copies its hashes into the captured lookup's IDs buffer and, at the
-last layer, queues the gather on the current stream; the LEAD matmuls; each layer's forward) is
+last layer, forks the gather to the plugin's side stream; the LEAD matmuls; each layer's forward,
+the first joining the gather) is
 recorded once per (T, lead) in a torch.cuda.CUDAGraph (capture_error_mode="thread_local") and
 replayed at each step, after the step's hash IDs are copied into the persistent buffer the graph
-reads, as an engine writes its graph's inputs. vLLM's own offloaded lookup cannot be recorded so
-(its prefetch runs in eager breaks, which a plain capture does not make), so the ratio is to
-`vllm`, vLLM's eager step; compute_graph, the same graph without the lookup (matmuls and
-forward), is the floor a captured step could reach, and plugin_captured less compute_graph in
-host time is what the captured lookup costs the host. In a dry run nothing is captured: the same
+reads, as an engine writes its graph's inputs. vllm_graph records vLLM's own step the same way
+in phase 1, as vLLM's full graphs do: outside a breakable capture its eager breaks run in line,
+so its prefetch (on its prefetch stream, background=True) and the wait for it are in the graph.
+plugin_captured is held against both, vllm_graph and `vllm` (vLLM's eager step, the paired
+partner); compute_graph, the same graph without the lookup (matmuls and forward), is the floor a
+captured step could reach, and plugin_captured less compute_graph in host time is what the
+captured lookup costs the host. In a dry run nothing is captured: the same
 step function runs eagerly at every "replay" (bench_device.CpuDryRun.capture), labelled so.
 
 Rows: one batch per T (bench_ids.check_ids, 5% DEAD). vLLM's foreground rows are the reference;
@@ -300,10 +303,30 @@ class Run:
         if "step" in self.args.parts:
             model = ModelStep("vllm", layers, self.matmuls, self.args.seed)
             self.time_model_steps(model)
+            self.vllm_graph_steps(model)
             if self.args.paired:
                 keep_own_methods(layers, engram.Engram)
                 self.beside = model
         phase["seconds"] = round(time.monotonic() - started, 1)
+
+    def vllm_graph_steps(self, model: ModelStep) -> None:
+        """vllm_graph: vLLM's own step recorded whole, as its full CUDA graphs record it (outside
+        a breakable capture its eager breaks run in line, so its prefetch stream's fork and join
+        are in the graph), its rows checked after a replay of each (T, lead) graph, then timed.
+        A capture that fails is recorded (`failures`) and the run goes on."""
+        graph = GraphStep("vllm_graph", model, self.device.capture, max(self.tokens), True,
+                          self.device.graph_note)
+        try:
+            exact = all([self.compare(graph, tokens, lead=lead)
+                         for tokens in self.tokens for lead in self.leads])
+            if exact:
+                self.time_model_steps(graph, profile=False)
+        except Exception as exc:  # reported, and the run fails; vLLM's other cells stay
+            traceback.print_exc()
+            self.failures.append({"variant": graph.name, "error": repr(exc)})
+            print(f"[vllm] {graph.name} FAILED: {exc!r}", flush=True)
+        finally:
+            graph.close()
 
     def free_vllm(self) -> None:
         phase = self.phases["vllm"]

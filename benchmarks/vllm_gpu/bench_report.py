@@ -56,7 +56,8 @@ def _setup(run: dict, meta: dict) -> str:
 
 
 def _graphs_note(run: dict) -> str:
-    return f"; {' and '.join(GRAPH_VARIANTS)}: {run['graphs']}" if run.get("graphs") else ""
+    graphs = ", ".join(("vllm_graph", *GRAPH_VARIANTS))
+    return f"; {graphs}: {run['graphs']}" if run.get("graphs") else ""
 
 
 def _rounds_note(rounds: int) -> str:
@@ -108,15 +109,18 @@ def _lookup_table(cells: list[dict]) -> list[str]:
 
 def _step_table(cells: list[dict], metric: str, title: str) -> list[str]:
     """One row per (MPS, T, lead, mode): each variant's `metric`, then each one's ratio to vllm
-    (vLLM alone, eager). The host table adds plugin_captured less compute_graph: the captured
-    lookup's host time in the step."""
+    (vLLM alone, eager) and plugin_captured's to vllm_graph (vLLM's step captured alike). The
+    host table adds plugin_captured less compute_graph: the captured lookup's host time in the
+    step."""
     if not cells:
         return []
     by = summarize(cells, ("mps", "variant", "tokens", "lead", "mode"))
     variants = [v for v in STEP_VARIANTS if any(c["variant"] == v for c in cells)]
     others = [v for v in variants if v != "vllm"]
     lookup_host = metric == "host_us" and all(v in variants for v in GRAPH_VARIANTS)
+    both_graphs = all(v in variants for v in ("plugin_captured", "vllm_graph"))
     header = ["MPS", "T", "lead", "mode", *variants, *[f"{v} / vllm" for v in others]]
+    header += ["plugin_captured / vllm_graph"] if both_graphs else []
     header += ["plugin_captured - compute_graph"] if lookup_host else []
     lines = [f"## {title}", "", "| " + " | ".join(header) + " |",
              "|---|---:|---:|---|" + "---:|" * (len(header) - 4)]
@@ -127,6 +131,8 @@ def _step_table(cells: list[dict], metric: str, title: str) -> list[str]:
             row = [mps_text(mps), str(tokens), str(lead), mode,
                    *[_value(stats[v]) for v in variants]]
             row += [ratio(medians[v], medians.get("vllm")) for v in others]
+            if both_graphs:
+                row.append(ratio(medians["plugin_captured"], medians["vllm_graph"]))
             if lookup_host:
                 captured, floor = medians["plugin_captured"], medians["compute_graph"]
                 row.append("" if None in (captured, floor) else _num(captured - floor))

@@ -18,24 +18,27 @@ Model step (`ModelStep`, over vLLM's Engram layers, its own or built with the pl
   each layer's prepare_embeddings(ids[:, i]) -> LEAD bf16 [N x N] @ [N x N] matmuls (torch.mm
   into a preallocated tensor) -> each layer's forward(hidden [T, hc_mult, hidden], ids[:, i]),
   whose embed() takes the rows from _ready_rows(T), then the WKV GEMM and vLLM's fused post-WKV
-  kernel. Run eagerly: vllm (vLLM's own layers: its offloaded prefetch sits in eager breaks, so
-  its step cannot be recorded whole), plugin_mapped, plugin_mapped_at_lookup (the client's
-  gather queued in lookup(), at the last layer's prepare_embeddings, not at the first layer's
-  wait: ENGRAMD_GATHER_AT=lookup), plugin_served.
-Model step in a CUDA graph (`GraphStep`, over the layers built with ENGRAMD_CAPTURE=on):
-  plugin_captured  the same step, recorded once per (T, lead) and replayed: every layer's
+  kernel. Run eagerly: vllm (vLLM's own layers: its offloaded prefetch on its prefetch stream),
+  plugin_mapped, plugin_mapped_at_lookup (the client's gather queued in lookup(), at the last
+  layer's prepare_embeddings, not at the first layer's wait: ENGRAMD_GATHER_AT=lookup),
+  plugin_served.
+Model step in a CUDA graph (`GraphStep`):
+  vllm_graph       vLLM's own step, recorded once per (T, lead) and replayed, as vLLM's full
+                   graphs record it: outside a breakable capture its eager breaks run in line,
+                   so its prefetch stream's fork, lookup(background=True) and join are in the
+                   graph.
+  plugin_captured  the same step over the layers built with ENGRAMD_CAPTURE=on: every layer's
                    prepare_embeddings (its copy of the hashes into the captured lookup's IDs
-                   buffer; the last layer's record() queues the gather on the current stream,
-                   in line, before the matmuls), the LEAD matmuls, each layer's forward (its
-                   _ready_rows returns the staged rows: no wait, no host work). The graph reads
-                   the step's hash IDs from a persistent buffer [T_max, n_layers, heads] that
-                   each step writes (a device copy from the pool) before the replay, as an
-                   engine writes its graph's inputs.
+                   buffer; the last layer's forks the gather to the plugin's side stream), the
+                   LEAD matmuls, each layer's forward (the first one's _ready_rows joins the
+                   gather; no host work).
   compute_graph    the floor: the same graph without prepare_embeddings (the LEAD matmuls and
-                   each layer's forward, over the rows the last lookup left), the same input
-                   write before each replay. plugin_captured less compute_graph is the lookup's
-                   cost in the graph; vllm less plugin_captured, in host time, what capture saves.
-  In a dry run (no graphs on a CPU) each "replay" runs the recorded function eagerly.
+                   each layer's forward, over the rows the last lookup left). plugin_captured
+                   less compute_graph is the lookup's cost in the graph; vllm less
+                   plugin_captured, in host time, what capture saves.
+  Each graph reads the step's hash IDs from a persistent buffer [T_max, n_layers, heads] that
+  each step writes (a device copy from the pool) before the replay, as an engine writes its
+  graph's inputs. In a dry run (no graphs on a CPU) each "replay" runs the recorded function eagerly.
 
 What this is not: the timing (common/timing.time_cell), the row check (bench_lookup.py), or the
 pieces the SGLang benchmark shares (common/steps.py: the client variant, the matmuls).
@@ -50,9 +53,9 @@ from common.steps import Matmuls, seed_projections
 from torch import Tensor
 
 LOOKUP_VARIANTS = ("vllm_fg", "vllm_bg", "mapped", "served")
-STEP_VARIANTS = ("vllm", "plugin_mapped", "plugin_mapped_at_lookup", "plugin_served",
+STEP_VARIANTS = ("vllm", "vllm_graph", "plugin_mapped", "plugin_mapped_at_lookup", "plugin_served",
                  "plugin_captured", "compute_graph")
-GRAPH_VARIANTS = ("plugin_captured", "compute_graph")
+GRAPH_VARIANTS = ("plugin_captured", "compute_graph")  # the plugin's graph and its floor
 # What a profiled cell's third pass times (common/wall_timers.py): vLLM's Engram step, and the
 # plugin's path through it down to the client's mapped lookup; each variant runs the part it has.
 _ENGRAM, _PLUGIN = "vllm.models.deepseek_v41.common.engram", "engramd.client.engines.vllm_engram"
