@@ -426,6 +426,26 @@ def test_the_vllm_report_holds_each_paired_cell_against_the_vllm_step_beside_it(
         bench_report.paired_table([*steps, steps[4]], "step_us")
 
 
+def test_the_vllm_report_holds_the_captured_plugin_against_vllms_own_graph_and_shows_the_keeper(
+        monkeypatch):
+    bench_report = _engine_module(monkeypatch, "vllm")
+    steps = [{"mps": True, "variant": variant, "tokens": 16, "lead": 4, "mode": "pipelined",
+              "round": 0, "step_us": step_us, "host_us": 10.0, "gpu_us": step_us}
+             for variant, step_us in (("vllm", 1000.0), ("vllm_graph", 800.0),
+                                      ("plugin_captured", 760.0), ("compute_graph", 700.0))]
+    header, _, row = bench_report._step_table(steps, "step_us", "t")[2:5]
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    values = [c.strip() for c in row.strip("|").split("|")]
+    assert values[columns.index("plugin_captured / vllm_graph")] == "0.95", (header, row)
+    assert values[columns.index("plugin_captured / vllm")] == "0.76", (header, row)
+    stats = {"refreshes": 62, "refresh_ms_total": 812.4, "refresh_cpu_ms_total": 790.2,
+             "hit_rate": [0.0, 0.125]}
+    runs = [{"mps": True, "phases": {"vllm": {}, "engramd": {"hot_cache": {
+        "plugin_mapped": stats, "plugin_served": None}}}}]
+    assert bench_report.keeper_table(runs)[-1] == "| on | plugin_mapped | 62 | 812 | 790 | 0.000, 0.125 |"
+    assert bench_report.keeper_table([{"mps": False, "phases": {}}]) == []
+
+
 def test_the_paired_vllm_benchmark_puts_each_side_first_as_often(monkeypatch):
     """Over two rounds each (T, lead, mode) cell has each side first once, and within a round
     each mode has each side first in every other (T, lead) cell."""

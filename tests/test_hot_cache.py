@@ -265,6 +265,12 @@ def test_a_refresh_takes_the_counters_into_its_stats_and_the_log_up_to_the_curso
     assert keeper.refresh() == 1
     assert (keeper.stats.reads, keeper.stats.hits) == ([500, 70], [40, 3])
     assert cache.resident(torch.stack([logged, later])).tolist() == [True, False]
+    first = keeper.report()
     cache.cursor[0] = 2
     assert keeper.refresh() == 1 and bool(cache.resident(later.view(1)))
+    # Each refresh's wall and CPU time adds to the totals (the CPU's within the wall's).
+    report = keeper.report()
+    assert report["refreshes"] == 2
+    assert report["refresh_ms_total"] >= first["refresh_ms_total"] + report["refresh_ms"] - 0.002
+    assert 0 < report["refresh_cpu_ms_total"] <= report["refresh_ms_total"] + 0.01
     assert torch.equal(cache.pool[(cache.keys.view(-1) == later).nonzero().item()], tables[0][9])

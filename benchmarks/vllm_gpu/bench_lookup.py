@@ -432,6 +432,9 @@ class Run:
             self.graph_steps(model, rows.captured)
         elif self.compare_all(EngramLayers(setting.name, layers)):
             self.time_model_steps(model, paired=True)
+        # The client's hot-row cache over the setting's cells: its refreshes' wall and CPU time
+        # say whether the keeper's waits spin (the CPU table gives its thread's share).
+        phase.setdefault("hot_cache", {})[setting.name] = rows.client.hot_cache_stats()
         # The layers (and graphs) go on return, before the next setting closes the client
         # whose memory their rows view.
 

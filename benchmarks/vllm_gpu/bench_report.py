@@ -41,7 +41,26 @@ def markdown(report: dict) -> str:
         lines += ["", *table]
     if table := cpu_use.table(runs):
         lines += ["", *table]
+    if table := keeper_table(runs):
+        lines += ["", *table]
     return "\n".join(lines) + "\n"
+
+
+def keeper_table(runs: list[dict]) -> list[str]:
+    """Each plugin setting's client cache keeper over the setting's cells: its refreshes, their
+    wall time and its thread's CPU time in them (near equal: its waits spin), the hit rate."""
+    rows = [(run["mps"], name, stats) for run in runs
+            for name, stats in run["phases"].get("engramd", {}).get("hot_cache", {}).items() if stats]
+    if not rows:
+        return []
+    lines = ["## The client's hot-row cache keeper over each setting's cells", "",
+             "| MPS | variant | refreshes | their wall time (ms) | the keeper's CPU in them (ms) | "
+             "hit rate per layer |", "|---|---|---:|---:|---:|---|"]
+    for mps, name, stats in rows:
+        rates = ", ".join(f"{rate:.3f}" for rate in stats["hit_rate"])
+        lines.append(f"| {mps_text(mps)} | {name} | {stats['refreshes']} | "
+                     f"{stats['refresh_ms_total']:.0f} | {stats['refresh_cpu_ms_total']:.0f} | {rates} |")
+    return lines
 
 
 def _setup(run: dict, meta: dict) -> str:
