@@ -82,6 +82,27 @@ print("untouched")
 """
 
 
+@pytest.mark.slow
+def test_the_gpu_recipes_benchmark_runs_on_the_cpu(tmp_path):
+    """benchmarks/vllm_gpu/bench_lookup.py's dry run, one cell: its own daemon, vLLM's step eager
+    and recorded (vllm_graph), the plugin's mapped and captured builds paired with vLLM's step,
+    every row check exact and each table in the report; on a GPU the same code records graphs."""
+    bench = Path(__file__).parents[2] / "benchmarks" / "vllm_gpu" / "bench_lookup.py"
+    run = subprocess.run([sys.executable, str(bench), "--dry-run", "--paired", "--parts", "step",
+                          "--tokens", "1", "--lead", "1", "--plugin-modes", "mapped", "captured",
+                          "--plugin-gather-at", "wait", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads((tmp_path / "bench_lookup.json").read_text())
+    checks = report["runs"][0]["checks"]
+    assert {"vllm_graph", "plugin_mapped", "plugin_captured"} <= {c["variant"] for c in checks}
+    assert all(c["mismatches"] == 0 for c in checks), checks
+    variants = {cell["variant"] for cell in report["steps"]}
+    assert {"vllm", "vllm_graph", "plugin_mapped", "plugin_captured", "compute_graph"} <= variants
+    text = (tmp_path / "bench_lookup.md").read_text()
+    assert "plugin_captured / vllm_graph" in text and "beside vLLM's own" in text
+
+
 def test_entry_point_loads_and_does_nothing_without_the_setting():
     run = subprocess.run([sys.executable, "-c", ENTRY_POINT_PROBE], capture_output=True, text=True,
                          timeout=WORKER_TIMEOUT_S, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
