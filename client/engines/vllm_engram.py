@@ -210,12 +210,14 @@ class ProcessRows:
         current stream: in a graph captured in pieces a fork would have to join in the piece it
         began in, and an eager step of this worker is not what it is tuned for (the default
         mapped path overlaps eager steps)."""
-        if self._side is None or not _graph_holds_the_step():
-            self.captured.record(tokens)  # the rows follow in the current stream's order
+        captured, side, gathered = self.captured, self._side, self._gathered
+        assert captured is not None
+        if side is None or gathered is None or not _graph_holds_the_step():
+            captured.record(tokens)  # the rows follow in the current stream's order
             return
-        self._side.wait_stream(torch.cuda.current_stream(self.client.device))
-        self.captured.record(tokens, stream=self._side)
-        self._gathered.record(self._side)
+        side.wait_stream(torch.cuda.current_stream(self.client.device))
+        captured.record(tokens, stream=side)
+        gathered.record(side)
         self._forked = True
 
     def _join(self) -> None:
@@ -224,7 +226,7 @@ class ProcessRows:
         A capture that ends unjoined fails there (CUDA refuses it); a fork left by a failed
         capture is dropped."""
         forked, self._forked = self._forked, False
-        if forked and _capturing():
+        if forked and self._gathered is not None and _capturing():
             torch.cuda.current_stream(self.client.device).wait_event(self._gathered)
 
     def _await_rows(self) -> None:
