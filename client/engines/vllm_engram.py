@@ -73,6 +73,7 @@ from engramd.client.engines.shared import CAPTURE_ENV
 from engramd.client.engines.vllm import VllmPluginError
 from engramd.client.errors import CaptureUnsupportedError
 from engramd.client.geometry import DEAD_ID, SCALE_BLOCK, TableGeometry
+from engramd.client.shared import cuda
 
 log = logging.getLogger("engramd.vllm")
 
@@ -116,8 +117,11 @@ class ProcessRows:
         self.captured = self._capture(client) if capture else None
         # Where a graph's captured gather runs beside the layers before the rows' first reader:
         # its stream, the event the reader waits for, and whether the reader has yet to wait.
+        # The stream is this object's own, not one of torch's pooled streams, which the model's
+        # own side streams (and a capture's) come from: sharing one would serialise the gather
+        # behind their work.
         on_gpu = self.captured is not None and client.device.type == "cuda"
-        self._side = torch.cuda.Stream(client.device) if on_gpu else None
+        self._side = cuda.owned_stream(self, client.device.index) if on_gpu else None
         self._gathered = torch.cuda.Event() if on_gpu else None
         self._forked = False
         self.staged: dict[int, torch.Tensor] = {}  # layer index -> [max_tokens, local_heads, dim]
@@ -132,7 +136,12 @@ class ProcessRows:
     @staticmethod
     def _capture(client: EngramClient) -> CapturedLookup | None:
         """The staging slot's captured lookup over an IDs buffer that starts all DEAD (layers of
-        other pipeline stages stay so), or None where the client cannot make one."""
+        other pipeline stages stay so), or None where the client cannot make one or vLLM splits
+        its batches into microbatches (each would take the one IDs buffer and slot of the step)."""
+        if _microbatched():
+            log.warning("%s=on, but vLLM splits batches into microbatches (DBO or ubatch_size > 1): "
+                        "this worker's lookups stay in eager breaks", CAPTURE_ENV)
+            return None
         geometry = client.geometry
         ids = torch.full((client.max_tokens, geometry.n_layers, geometry.heads), DEAD_ID,
                          dtype=torch.int32, device=client.device)
@@ -212,6 +221,7 @@ class ProcessRows:
         mapped path overlaps eager steps)."""
         captured, side, gathered = self.captured, self._side, self._gathered
         assert captured is not None
+        self._forked = False  # a fork of a capture that failed before its join is not this step's
         if side is None or gathered is None or not _graph_holds_the_step():
             captured.record(tokens)  # the rows follow in the current stream's order
             return
@@ -223,8 +233,8 @@ class ProcessRows:
     def _join(self) -> None:
         """Make the current stream wait for the gather forked in this capture, once. A graph
         replays as a whole, so the next step's IDs are written after this one's gather read them.
-        A capture that ends unjoined fails there (CUDA refuses it); a fork left by a failed
-        capture is dropped."""
+        A capture that ends unjoined fails there (CUDA refuses it); a fork of a capture that
+        failed before its join is dropped by the next step's _record or by an eager reader."""
         forked, self._forked = self._forked, False
         if forked and self._gathered is not None and _capturing():
             torch.cuda.current_stream(self.client.device).wait_event(self._gathered)
@@ -481,17 +491,25 @@ def _capturing() -> bool:
 
 def _graph_holds_the_step() -> bool:
     """Whether a capture is under way that the step's first `_ready_rows` is part of, so that a
-    stream forked now is joined in it: where vLLM forks its own prefetch inside a graph (a full
-    graph: its eager breaks run in line). Not a piecewise graph or a breakable one captured in
-    pieces, where the layers between the lookup and its reader are other graphs. A capture of
-    vLLM's layers from outside vLLM (no runtime mode) is taken to hold the whole step, as an
-    engine's full graph does; one that does not fails at its end, unjoined, never silently."""
+    stream forked now is joined in it: a full graph, where vLLM forks its own prefetch inside the
+    graph too. vLLM's model runner V2 captures its full graphs with the runtime mode NONE
+    (outside a breakable capture, whose eager breaks then run in line), V1's CUDAGraphWrapper
+    with FULL. Not a piecewise graph (mode PIECEWISE) or a breakable capture in pieces, where
+    the layers between the lookup and its reader are other graphs. A capture of vLLM's layers
+    from outside vLLM (no forward context) is taken to hold the whole step, as a full graph
+    does; one that does not fails at its end, unjoined, never silently."""
     if not _capturing():
         return False
     mode = get_forward_context().cudagraph_runtime_mode if is_forward_context_available() else None
     if BreakableCUDAGraphCapture.current() is not None:
         return mode == CUDAGraphMode.FULL
     return mode != CUDAGraphMode.PIECEWISE
+
+
+def _microbatched() -> bool:
+    from vllm.config import get_current_vllm_config
+
+    return bool(get_current_vllm_config().parallel_config.use_ubatching)
 
 
 def _refuse_capture() -> None:

@@ -321,7 +321,8 @@ def test_a_step_whose_layers_hand_in_columns_of_one_tensor_looks_that_tensor_up(
     (False, False, None, False),         # an eager step: in line
     (False, True, "PIECEWISE", False),   # an eager break of a breakable graph runs eagerly
     (True, False, None, True),           # a capture from outside vLLM: taken as the whole step
-    (True, False, "FULL", True),         # vLLM's full graph: its own prefetch forks there too
+    (True, False, "NONE", True),         # model runner V2's full graph (captured with mode NONE)
+    (True, False, "FULL", True),         # V1's full graph: vLLM's own prefetch forks there too
     (True, False, "PIECEWISE", False),   # a piece of a piecewise graph
     (True, True, "FULL", True),          # a breakable capture of a full graph: one segment
     (True, True, "PIECEWISE", False),    # a breakable capture in pieces
@@ -343,3 +344,28 @@ def test_the_captured_gather_forks_only_in_a_graph_its_reader_is_part_of(
     monkeypatch.setattr(BreakableCUDAGraphCapture._tls, "active", object() if breakable else None,
                         raising=False)
     assert vllm_engram._graph_holds_the_step() is forks
+
+
+def test_a_worker_that_splits_batches_into_microbatches_keeps_its_lookups_in_eager_breaks(
+        monkeypatch, caplog):
+    """Each microbatch of a step would take the captured lookup's one IDs buffer and slot."""
+    import types
+
+    import torch
+    import vllm.config
+
+    from engramd.client.engines.vllm_engram import STAGED_SLOT, ProcessRows
+    from engramd.client.geometry import TableGeometry
+
+    class Client:
+        geometry, max_tokens, device = TableGeometry.named("demo"), 4, torch.device("cpu")
+
+        def capturable_lookup(self, ids, slot=None):
+            return "captured", slot
+
+    for use_ubatching in (True, False):
+        config = types.SimpleNamespace(parallel_config=types.SimpleNamespace(use_ubatching=use_ubatching))
+        monkeypatch.setattr(vllm.config, "get_current_vllm_config", lambda config=config: config)
+        made = ProcessRows._capture(Client())
+        assert made == (None if use_ubatching else ("captured", STAGED_SLOT))
+    assert "microbatches" in caplog.text
