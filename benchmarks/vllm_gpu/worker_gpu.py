@@ -26,6 +26,7 @@ import json
 import os
 import sys
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -146,28 +147,95 @@ def check_flow(engram, layout, checkpoint: Path, reference, served, vllm_engram)
     return report
 
 
-def check_replays(layout, reference, served, captured, tokens: int = 16, replays: int = 3) -> str:
-    """A captured worker's step recorded in one CUDA graph, as vLLM's full graphs record it
-    (every layer's prepare_embeddings, then each layer's _ready_rows, their rows copied out) and
-    replayed on new IDs written into the graph's input: the rows of each replay, vLLM's for
-    those IDs. The gather runs on the plugin's side stream, forked and joined inside the graph."""
+def check_replays(layout, reference, served, captured, tokens: int = 16, replays: int = 3) -> dict:
+    """A captured worker's step recorded in a CUDA graph (every layer's prepare_embeddings, then
+    each layer's _ready_rows, their rows copied out) and replayed on new IDs written into the
+    graph's input: the rows of each replay, vLLM's for those IDs. Recorded three ways
+    (captures()): with the gather forked to the plugin's side stream and joined inside the
+    graph in the first two, in line in the third, whose pieces a fork could not span."""
     ids = cpu.raw_ids(layout.num_embeddings, tokens).to(DEVICE)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+
+    def step(split) -> list[torch.Tensor]:
         for layer in served:
             layer.prepare_embeddings(ids[:, layer.layer_hash_index])
-        out = [layer._ready_rows(tokens).clone() for layer in served]
-    for replay in range(replays):
-        ids.copy_(cpu.raw_ids(layout.num_embeddings, tokens + 1 + replay)[:tokens].to(DEVICE))
-        graph.replay()
-        for ref in reference:
-            ref.prepare_embeddings(ids[:, ref.layer_hash_index])
-        for ref, got in zip(reference, out, strict=True):
-            cpu.same_bits(f"replay {replay}, layer {ref.layer_hash_index}: rows", got,
-                          ref._ready_rows(tokens))
-    torch.cuda.synchronize()
-    captured.check()
-    return f"equal after {replays} replays of a graph of {tokens} tokens"
+        split()
+        return [layer._ready_rows(tokens).clone() for layer in served]
+
+    results = {}
+    for name, record in captures():
+        out, replay = record(step)
+        for number in range(replays):
+            ids.copy_(cpu.raw_ids(layout.num_embeddings, tokens + 1 + number)[:tokens].to(DEVICE))
+            replay()
+            for ref in reference:
+                ref.prepare_embeddings(ids[:, ref.layer_hash_index])
+            for ref, got in zip(reference, out, strict=True):
+                cpu.same_bits(f"{name}, replay {number}, layer {ref.layer_hash_index}: rows", got,
+                              ref._ready_rows(tokens))
+        torch.cuda.synchronize()
+        captured.check()
+        results[name] = f"equal after {replays} replays of {tokens} tokens"
+    return results
+
+
+def captures() -> list[tuple[str, Callable]]:
+    """How a step gets recorded: (name, record), record(step) capturing step(split) and returning
+    its output and its replay. `split` is where attention sits between the lookup and its first
+    reader in vLLM's model: an eager break of a breakable capture, nothing elsewhere.
+      plain      torch.cuda.graph with no forward context: an engine's own capture of the layers
+      runner_v2  vLLM's model runner V2's full graphs: a plain capture, the runtime mode NONE
+      pieces     a breakable capture, the runtime mode PIECEWISE: two graphs and an eager break
+    """
+    from vllm.compilation.breakable_cudagraph import (
+        BreakableCUDAGraphCapture,
+        eager_break_during_capture,
+    )
+    from vllm.config import CUDAGraphMode, get_current_vllm_config
+    from vllm.forward_context import set_forward_context
+
+    config = get_current_vllm_config()
+    attention = eager_break_during_capture(lambda: None)
+
+    def plain(step):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            out = step(lambda: None)
+        return out, graph.replay
+
+    def runner_v2(step):
+        with set_forward_context(None, config, cudagraph_runtime_mode=CUDAGraphMode.NONE):
+            return plain(step)
+
+    class ThreadLocalSegments(BreakableCUDAGraphCapture):
+        """vLLM's breakable capture with each segment in CUDA's thread-local capture mode, so
+        that the client's own threads may call CUDA meanwhile (its cache keeper); the global
+        mode vLLM uses has tests of its own (tests/gpu/test_captured_gpu.py)."""
+
+        def _begin_segment(self) -> None:
+            assert not self._capturing
+            self._current_graph = torch.cuda.CUDAGraph()
+            self._current_graph.capture_begin(capture_error_mode="thread_local")
+            self._capturing = True
+
+    def pieces(step):
+        torch.cuda.synchronize()  # as torch.cuda.graph does before it captures
+        stream = torch.cuda.Stream()  # a capture cannot run on the default stream
+        with set_forward_context(None, config, cudagraph_runtime_mode=CUDAGraphMode.PIECEWISE), \
+                torch.cuda.stream(stream):
+            capture = ThreadLocalSegments()
+            with capture:
+                out = step(attention)
+        assert capture.num_graphs == 2 and capture.num_eager_breaks == 1, capture
+
+        def replay():
+            stream.wait_stream(torch.cuda.current_stream())  # after the new IDs' copy
+            with torch.cuda.stream(stream):
+                capture.replay()
+            torch.cuda.current_stream().wait_stream(stream)
+
+        return out, replay
+
+    return [("plain", plain), ("runner_v2", runner_v2), ("pieces", pieces)]
 
 
 def every_row_ids(layout) -> torch.Tensor:
