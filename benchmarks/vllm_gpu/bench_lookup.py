@@ -39,17 +39,16 @@ The variants: bench_variants.py. IDs (--ids uniform | text): bench_ids.py. Timin
 What plugin_captured captures, and what it is held against: the whole step (every layer's
 prepare_embeddings, which copies its hashes into the captured lookup's IDs buffer and, at the
 last layer, forks the gather to the plugin's side stream; the LEAD matmuls; each layer's forward,
-the first joining the gather) is
-recorded once per (T, lead) in a torch.cuda.CUDAGraph (capture_error_mode="thread_local") and
-replayed at each step, after the step's hash IDs are copied into the persistent buffer the graph
-reads, as an engine writes its graph's inputs. vllm_graph records vLLM's own step the same way
+the first joining the gather) is recorded once per (T, lead) in a torch.cuda.CUDAGraph
+(capture_error_mode="thread_local") and replayed at each step, after the step's hash IDs are
+copied into the persistent buffer the graph reads, as an engine writes its graph's inputs. vllm_graph records vLLM's own step the same way
 in phase 1, as vLLM's full graphs do: outside a breakable capture its eager breaks run in line,
 so its prefetch (on its prefetch stream, background=True) and the wait for it are in the graph.
 plugin_captured is held against both, vllm_graph and `vllm` (vLLM's eager step, the paired
 partner); compute_graph, the same graph without the lookup (matmuls and forward), is the floor a
 captured step could reach, and plugin_captured less compute_graph in host time is what the
-captured lookup costs the host. In a dry run nothing is captured: the same
-step function runs eagerly at every "replay" (bench_device.CpuDryRun.capture), labelled so.
+captured lookup costs the host. In a dry run nothing is captured: the same step function runs
+eagerly at every "replay" (bench_device.CpuDryRun.capture), labelled so.
 
 Rows: one batch per T (bench_ids.check_ids, 5% DEAD). vLLM's foreground rows are the reference;
 its background rows must equal them, and so must, before anything of phase 2 is timed, the rows
