@@ -143,17 +143,30 @@ def check_flow(engram, layout, checkpoint: Path, reference, served, vllm_engram)
         compare_step(f"raw IDs x {tokens}", reference, served, cpu.raw_ids(layout.num_embeddings, tokens))
     report["raw_ids"] = f"equal at {steps} tokens"
     if rows.captured is not None:
-        report["replays"] = check_replays(layout, reference, served, rows.captured)
+        report["replays"] = check_replays(layout, reference, served, rows)
     return report
 
 
-def check_replays(layout, reference, served, captured, tokens: int = 16, replays: int = 3) -> dict:
+def check_replays(layout, reference, served, rows, tokens: int = 16, replays: int = 3) -> dict:
     """A captured worker's step recorded in a CUDA graph (every layer's prepare_embeddings, then
     each layer's _ready_rows, their rows copied out) and replayed on new IDs written into the
-    graph's input: the rows of each replay, vLLM's for those IDs. Recorded three ways
-    (captures()): with the gather forked to the plugin's side stream and joined inside the
-    graph in the first two, in line in the third, whose pieces a fork could not span."""
+    graph's input: the rows of each replay, vLLM's for those IDs; each replay counted by the
+    captured lookup's descriptor, none poisoned. Recorded three ways (captures()): with the
+    gather forked to the plugin's side stream (`rows`, the process's ProcessRows) and joined
+    inside the graph in the first two, in line in the third, whose pieces a fork could not
+    span: which stream each record() got is checked too."""
+    captured = rows.captured
     ids = cpu.raw_ids(layout.num_embeddings, tokens).to(DEVICE)
+    streams: list = []  # the stream of each record() while capturing
+    record = captured.record
+    captured.record = lambda count, stream=None: (streams.append(stream), record(count, stream))[1]
+
+    def counts() -> dict:
+        """The descriptor's counts after every replay so far (check() reads the same copy)."""
+        torch.cuda.synchronize()
+        captured.counts()  # queues a copy of the words after the replays
+        torch.cuda.synchronize()
+        return captured.counts()
 
     def step(split) -> list[torch.Tensor]:
         for layer in served:
@@ -162,8 +175,12 @@ def check_replays(layout, reference, served, captured, tokens: int = 16, replays
         return [layer._ready_rows(tokens).clone() for layer in served]
 
     results = {}
-    for name, record in captures():
-        out, replay = record(step)
+    for name, capture in captures():
+        streams.clear()
+        out, replay = capture(step)
+        forks = name != "pieces"
+        assert streams == [rows._side if forks else None], (name, streams, rows._side)
+        before = counts()
         for number in range(replays):
             ids.copy_(cpu.raw_ids(layout.num_embeddings, tokens + 1 + number)[:tokens].to(DEVICE))
             replay()
@@ -172,9 +189,12 @@ def check_replays(layout, reference, served, captured, tokens: int = 16, replays
             for ref, got in zip(reference, out, strict=True):
                 cpu.same_bits(f"{name}, replay {number}, layer {ref.layer_hash_index}: rows", got,
                               ref._ready_rows(tokens))
-        torch.cuda.synchronize()
+        after = counts()
+        assert (after["replays"] - before["replays"], after["poisoned"]) == (replays, 0), (name, after)
         captured.check()
-        results[name] = f"equal after {replays} replays of {tokens} tokens"
+        results[name] = (f"equal after {replays} replays of {tokens} tokens, the gather "
+                         f"{'forked' if forks else 'in line'}")
+    captured.record = record
     return results
 
 
@@ -193,7 +213,11 @@ def captures() -> list[tuple[str, Callable]]:
     from vllm.config import CUDAGraphMode, get_current_vllm_config
     from vllm.forward_context import set_forward_context
 
+    from engramd.client.shared.cuda import new_stream
+
     config = get_current_vllm_config()
+    # Where attention breaks a breakable capture. No arguments: vLLM's wrapper weak-refs tensor
+    # arguments through a compiled op that is not here.
     attention = eager_break_during_capture(lambda: None)
 
     def plain(step):
@@ -214,12 +238,12 @@ def captures() -> list[tuple[str, Callable]]:
         def _begin_segment(self) -> None:
             assert not self._capturing
             self._current_graph = torch.cuda.CUDAGraph()
-            self._current_graph.capture_begin(capture_error_mode="thread_local")
+            self._current_graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
             self._capturing = True
 
     def pieces(step):
         torch.cuda.synchronize()  # as torch.cuda.graph does before it captures
-        stream = torch.cuda.Stream()  # a capture cannot run on the default stream
+        stream = new_stream(DEVICE.index)  # not the default stream, nor one of torch's pool
         with set_forward_context(None, config, cudagraph_runtime_mode=CUDAGraphMode.PIECEWISE), \
                 torch.cuda.stream(stream):
             capture = ThreadLocalSegments()
