@@ -41,9 +41,10 @@ prepare_embeddings, which copies its hashes into the captured lookup's IDs buffe
 last layer, forks the gather to the plugin's side stream; the LEAD matmuls; each layer's forward,
 the first joining the gather) is recorded once per (T, lead) in a torch.cuda.CUDAGraph
 (capture_error_mode="thread_local") and replayed at each step, after the step's hash IDs are
-copied into the persistent buffer the graph reads, as an engine writes its graph's inputs. vllm_graph records vLLM's own step the same way
-in phase 1, as vLLM's full graphs do: outside a breakable capture its eager breaks run in line,
-so its prefetch (on its prefetch stream, background=True) and the wait for it are in the graph.
+copied into the persistent buffer the graph reads, as an engine writes its graph's inputs.
+vllm_graph records vLLM's own step the same way in phase 1, as vLLM's full graphs do: outside a
+breakable capture its eager breaks run in line, so its prefetch (on its prefetch stream,
+background=True) and the wait for it are in the graph.
 plugin_captured is held against both, vllm_graph and `vllm` (vLLM's eager step, the paired
 partner); compute_graph, the same graph without the lookup (matmuls and forward), is the floor a
 captured step could reach, and plugin_captured less compute_graph in host time is what the
@@ -320,12 +321,16 @@ class Run:
                          for tokens in self.tokens for lead in self.leads])
             if exact:
                 self.time_model_steps(graph, profile=False)
-        except Exception as exc:  # reported, and the run fails; vLLM's other cells stay
-            traceback.print_exc()
-            self.failures.append({"variant": graph.name, "error": repr(exc)})
-            print(f"[vllm] {graph.name} FAILED: {exc!r}", flush=True)
+        except Exception as exc:  # vLLM's other cells stay
+            self.failed("vllm", graph.name, exc)
         finally:
             graph.close()
+
+    def failed(self, phase: str, variant: str, exc: Exception) -> None:
+        """A variant that raised: printed and recorded (`failures`), and the run exits 1."""
+        traceback.print_exc()
+        self.failures.append({"variant": variant, "error": repr(exc)})
+        print(f"[{phase}] {variant} FAILED: {exc!r}", flush=True)
 
     def free_vllm(self) -> None:
         phase = self.phases["vllm"]
@@ -411,10 +416,8 @@ class Run:
                 bench_plugin.use(vllm_engram, setting)
                 try:
                     self.plugin_setting(vllm_engram, setting, engram, hf, layout, phase)
-                except Exception as exc:  # reported, and the run fails
-                    traceback.print_exc()
-                    self.failures.append({"variant": setting.name, "error": repr(exc)})
-                    print(f"[engramd] {setting.name} FAILED: {exc!r}", flush=True)
+                except Exception as exc:  # the other settings keep their cells
+                    self.failed("engramd", setting.name, exc)
         finally:
             bench_plugin.use(vllm_engram, None)
 

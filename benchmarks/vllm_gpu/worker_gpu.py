@@ -179,7 +179,7 @@ def check_replays(layout, reference, served, rows, tokens: int = 16, replays: in
         streams.clear()
         out, replay = capture(step)
         forks = name != "pieces"
-        assert streams == [rows._side if forks else None], (name, streams, rows._side)
+        assert streams == [rows._side[0] if forks else None], (name, streams, rows._side)
         before = counts()
         for number in range(replays):
             ids.copy_(cpu.raw_ids(layout.num_embeddings, tokens + 1 + number)[:tokens].to(DEVICE))

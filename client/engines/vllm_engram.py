@@ -116,13 +116,13 @@ class ProcessRows:
         # ENGRAMD_CAPTURE: the staging slot's lookup, recorded in vLLM's graphs (None: eager breaks)
         self.captured = self._capture(client) if capture else None
         # Where a graph's captured gather runs beside the layers before the rows' first reader:
-        # its stream, the event the reader waits for, and whether the reader has yet to wait.
-        # The stream is this object's own, not one of torch's pooled streams, which the model's
-        # own side streams (and a capture's) come from: sharing one would serialise the gather
-        # behind their work.
-        on_gpu = self.captured is not None and client.device.type == "cuda"
-        self._side = cuda.owned_stream(self, client.device.index) if on_gpu else None
-        self._gathered = torch.cuda.Event() if on_gpu else None
+        # its stream and the event the reader waits for (a GPU's only), and whether the reader
+        # has yet to wait. The stream is this object's own, not one of torch's pooled streams,
+        # which the model's own side streams (and a capture's) come from: sharing one would
+        # serialise the gather behind their work.
+        self._side: tuple[torch.cuda.Stream, torch.cuda.Event] | None = None
+        if self.captured is not None and client.device.type == "cuda":
+            self._side = cuda.owned_stream(self, client.device.index), torch.cuda.Event()
         self._forked = False
         self.staged: dict[int, torch.Tensor] = {}  # layer index -> [max_tokens, local_heads, dim]
         self._ids: dict[int, torch.Tensor] = {}  # this step's IDs, per layer, until all are in
@@ -219,12 +219,13 @@ class ProcessRows:
         current stream: in a graph captured in pieces a fork would have to join in the piece it
         began in, and an eager step of this worker is not what it is tuned for (the default
         mapped path overlaps eager steps)."""
-        captured, side, gathered = self.captured, self._side, self._gathered
+        captured = self.captured
         assert captured is not None
         self._forked = False  # a fork of a capture that failed before its join is not this step's
-        if side is None or gathered is None or not _graph_holds_the_step():
+        if self._side is None or not _graph_holds_the_step():
             captured.record(tokens)  # the rows follow in the current stream's order
             return
+        side, gathered = self._side
         side.wait_stream(torch.cuda.current_stream(self.client.device))
         captured.record(tokens, stream=side)
         gathered.record(side)
@@ -236,8 +237,8 @@ class ProcessRows:
         A capture that ends unjoined fails there (CUDA refuses it); a fork of a capture that
         failed before its join is dropped by the next step's _record or by an eager reader."""
         forked, self._forked = self._forked, False
-        if forked and self._gathered is not None and _capturing():
-            torch.cuda.current_stream(self.client.device).wait_event(self._gathered)
+        if forked and self._side is not None and _capturing():
+            torch.cuda.current_stream(self.client.device).wait_event(self._side[1])
 
     def _await_rows(self) -> None:
         """Make the current stream wait for the pending lookup (GPU: in stream order, no host

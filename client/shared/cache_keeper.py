@@ -335,9 +335,9 @@ class CacheKeeper:
 
         One copy of both into pinned memory and one wait, asleep: .tolist() and .item() would
         each spin a core until their copy ends (CUDA's default for a host that waits), every
-        refresh, whatever the traffic. Under MPS a keeper used 0.4-0.9 s of CPU in 3.1 s of
-        uniform lookups, where nearly every refresh made just those two reads
-        (benchmarks/results/h100/2026-12-06-f/)."""
+        refresh, whatever the traffic. (Under MPS a keeper used 0.4-0.9 s of CPU in 3.1 s of
+        uniform lookups before this, and still 0.6-1.0 s after it: benchmarks/results/h100/
+        2026-12-06-f/ and -g/. Where the rest goes, the refresh totals in the stats tell.)"""
         counters, host = self.cache.counters, self._counts
         host[:counters.numel()].copy_(counters.view(-1), non_blocking=True)
         host[counters.numel():].copy_(self.cache.cursor, non_blocking=True)
