@@ -185,36 +185,69 @@ class Admissions:
     def slots(self) -> Tensor:
         return self.sets * WAYS + self.ways
 
+    def part(self, where: slice | Tensor) -> Admissions:
+        return Admissions(self.sets[where], self.ways[where], self.keys[where])
+
+
+@dataclass
+class AdmissionPlan:
+    """Admissions before the one step that depends on the values: `won` marks the real ones.
+    Every shape is known on the host, so that planning never waits for the device."""
+
+    sets: Tensor
+    ways: Tensor
+    keys: Tensor
+    won: Tensor  # bool
+
+    def compact(self) -> Admissions:
+        """The admissions themselves (on a GPU, a wait for the device: boolean indexing)."""
+        return Admissions(self.sets, self.ways, self.keys).part(self.won)
+
 
 def choose_admissions(cache: HotCache, candidates: Tensor, margin: int = 1,
                       ratio: float = 1.5, limit: int | None = None) -> Admissions:
+    """plan_admissions of distinct, non-resident `candidates`, compacted."""
+    return plan_admissions(cache, candidates, None, margin, ratio, limit).compact()
+
+
+def plan_admissions(cache: HotCache, candidates: Tensor, eligible: Tensor | None = None,
+                    margin: int = 1, ratio: float = 1.5, limit: int | None = None) -> AdmissionPlan:
     """Per set, keep the WAYS keys of highest estimate among residents and candidates.
 
-    `candidates` are distinct keys not resident now. In a set, the best candidate is paired with
-    the weakest way, the second best with the second weakest, and so on; a pair swaps when the
-    candidate's estimate exceeds `ratio` x the resident's plus `margin` (an empty way counts -1).
-    Because candidates fall and residents rise along the pairing, the swaps stop at the first
-    pair that does not, which leaves exactly the top WAYS of the union (ratio 1, margin 0). The
-    default demands a clear lead, so estimates that differ only by sketch noise swap nothing.
-    An empty way takes a candidate seen more than `cache.admit_min` times: filling a way costs one
-    host read, so a row must be likely to come back. At most `limit` swaps, the hottest first.
+    `candidates` are keys not resident now, distinct where `eligible` (bool, default all): the
+    others take part in nothing. In a set, the best candidate is paired with the weakest way, the
+    second best with the second weakest, and so on; a pair swaps when the candidate's estimate
+    exceeds `ratio` x the resident's plus `margin` (an empty way counts -1). Because candidates
+    fall and residents rise along the pairing, the swaps stop at the first pair that does not,
+    which leaves exactly the top WAYS of the union (ratio 1, margin 0). The default demands a
+    clear lead, so estimates that differ only by sketch noise swap nothing. An empty way takes
+    a candidate seen more than `cache.admit_min` times: filling a way costs one host read, so a
+    row must be likely to come back. At most `limit` swaps, the hottest first.
+
+    Fixed shapes throughout (no unique, nonzero or boolean indexing): the plan has min(limit, N)
+    entries, the winners hottest first, then losers that `won` marks.
     """
-    cand_est = cache.estimate(candidates)
-    cand_set = set_index(candidates, cache.layout.sets)
+    n, sets = candidates.numel(), cache.layout.sets
+    if eligible is None:
+        eligible = torch.ones(n, dtype=torch.bool, device=candidates.device)
+    cand_est = cache.estimate(candidates.clamp(min=0))
+    # Ineligible entries sort after every set, in a group of their own.
+    cand_set = torch.where(eligible, set_index(candidates, sets), sets)
     order = torch.argsort(cand_est, descending=True, stable=True)
     order = order[torch.argsort(cand_set[order], stable=True)]
     cand_set, cand_est, cand_key = cand_set[order], cand_est[order], candidates[order]
-    # Only the sets that have candidates are read (a refresh must not scan the whole cache).
-    touched, cand_touched = torch.unique_consecutive(cand_set, return_inverse=True)
-    keys = cache.keys[touched]
+    first = torch.searchsorted(cand_set, cand_set)
+    everyone = torch.arange(n, device=candidates.device)
+    rank = everyone - first
+    paired = rank.clamp(max=WAYS - 1)
+    # Each candidate reads its own set's line of keys (a set with several reads it again).
+    keys = cache.keys[cand_set.clamp(max=sets - 1)]
     resident_est = torch.where(keys == EMPTY_KEY, -1, cache.estimate(keys.clamp(min=0)))
     weakest_est, weakest_way = torch.sort(resident_est, dim=1)
-    first = torch.searchsorted(cand_set, cand_set)
-    rank = torch.arange(cand_set.numel(), device=cand_set.device) - first
-    paired = rank.clamp(max=WAYS - 1)
-    resident = weakest_est[cand_touched, paired]
+    resident = weakest_est[everyone, paired]
     bar = torch.where(resident < 0, cache.admit_min, resident * ratio + margin)
-    win = ((rank < WAYS) & (cand_est > bar)).nonzero().view(-1)
-    if limit is not None and win.numel() > limit:
-        win = win[torch.topk(cand_est[win], limit).indices]
-    return Admissions(cand_set[win], weakest_way[cand_touched[win], paired[win]], cand_key[win])
+    won = (cand_set < sets) & (rank < WAYS) & (cand_est > bar)
+    # Estimates are never negative: a loser's -1 here puts every winner before it.
+    hottest = torch.topk(torch.where(won, cand_est, -1), n if limit is None else min(limit, n)).indices
+    return AdmissionPlan(cand_set[hottest], weakest_way[hottest, paired[hottest]], cand_key[hottest],
+                         won[hottest])

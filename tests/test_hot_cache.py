@@ -274,3 +274,45 @@ def test_a_refresh_takes_the_counters_into_its_stats_and_the_log_up_to_the_curso
     assert report["refresh_ms_total"] >= first["refresh_ms_total"] + report["refresh_ms"] - 0.002
     assert 0 < report["refresh_cpu_ms_total"] <= report["refresh_ms_total"] + 0.01
     assert torch.equal(cache.pool[(cache.keys.view(-1) == later).nonzero().item()], tables[0][9])
+
+
+def test_a_refresh_admits_what_choose_admissions_picks_from_the_logs_distinct_candidates():
+    """The refresh's fixed-shape choice (sorted entries, the first of each run, no unique or
+    boolean indexing until the host has them) against choose_admissions of the candidates
+    taken the plain way: the log's real keys, distinct, not resident. The log repeats keys,
+    holds torn and out-of-table entries and residents, and the limit cuts the winners."""
+    from engramd.client.shared.cache_keeper import CacheKeeper
+
+    gen = torch.Generator().manual_seed(5)
+    tables = [torch.randint(0, 256, (300, 264), dtype=torch.uint8, generator=gen),
+              torch.randint(0, 256, (200, 264), dtype=torch.uint8, generator=gen)]
+    cache = HotCache(CacheLayout(4, 264, 12, 256), 2, "cpu", admit_min=1)
+    keeper = CacheKeeper(cache, tables, lambda: [])
+    keeper.max_admissions = 12
+    layers = torch.randint(0, 2, (120,), generator=gen)
+    keys = torch.unique(hot_cache.row_keys(layers, torch.randint(0, 200, (120,), generator=gen)))
+    # Distinct counts, so that the limit's cut does not depend on how ties are ordered.
+    counts = torch.randperm(keys.numel(), generator=gen).to(torch.int32) + 2
+    for d in range(hot_cache.SKETCH_DEPTH):
+        cache.sketch[d][hot_cache.sketch_index(keys, d, 12)] = counts
+    sets = hot_cache.set_index(keys, 4)
+    for s in range(4):  # two residents a set
+        cache.keys[s, :2] = keys[sets == s][:2]
+    foreign = torch.tensor([-1, hot_cache.row_keys(torch.tensor(2), torch.tensor(0)).item(),
+                            hot_cache.row_keys(torch.tensor(1), torch.tensor(250)).item()])
+    logged = torch.cat([keys, keys[::3], foreign])
+    logged = logged[torch.randperm(logged.numel(), generator=gen)]
+    cache.log[:logged.numel()] = logged
+    cache.cursor[0] = logged.numel()
+
+    plain = keys[~cache.resident(keys)]
+    want = hot_cache.choose_admissions(cache, plain, keeper.margin, limit=keeper.max_admissions)
+    before = cache.keys.clone()
+    assert 0 < len(want) == keeper.max_admissions < plain.numel()
+    assert keeper.refresh() == len(want)
+    changed = (cache.keys != before).nonzero().tolist()
+    assert sorted(changed) == sorted(map(list, zip(want.sets.tolist(), want.ways.tolist(), strict=True)))
+    assert sorted(cache.keys[want.sets, want.ways].tolist()) == sorted(want.keys.tolist())
+    for key, slot in zip(want.keys.tolist(), want.slots.tolist(), strict=True):
+        layer, row = key >> hot_cache.KEY_LAYER_SHIFT, key & ((1 << hot_cache.KEY_LAYER_SHIFT) - 1)
+        assert torch.equal(cache.pool[slot], tables[layer][row]), f"slot {slot}: not its key's row"

@@ -44,7 +44,7 @@ from torch import Tensor
 from engramd.client.errors import ConfigError
 from engramd.client.shared import cuda
 from engramd.kernels import hot_cache
-from engramd.kernels.hot_cache import Admissions, HotCache
+from engramd.kernels.hot_cache import AdmissionPlan, Admissions, HotCache
 
 log = logging.getLogger("engramd.cache")
 
@@ -152,6 +152,7 @@ class CacheKeeper:
         self._counts = torch.zeros(cache.counters.numel() + 1, dtype=torch.int64, device="cpu")
         if self._stream is not None:
             self._counts = self._counts.pin_memory()
+        self._host_fields = torch.empty(0, dtype=torch.int64)  # _staging's, grown to need
         self._stop = threading.Event()
         self._warming = False  # a warm-up trace is being read and counted on the thread
         self._lock = threading.Lock()  # one refresh at a time (thread, or a caller of refresh())
@@ -220,14 +221,20 @@ class CacheKeeper:
                 log.exception("refreshing the hot-row cache on %s failed", self.cache.device)
 
     def refresh(self) -> int:
-        """One refresh cycle; returns how many ways got a new row."""
+        """One refresh cycle; returns how many ways got a new row.
+
+        Its choice runs on the device in shapes the host knows (no unique, nonzero or boolean
+        indexing), and the host waits for it once, asleep: each of those operations would wait
+        for the device spinning a core, behind whatever the device runs (under MPS an engine's
+        whole step), several times a refresh."""
         with self._lock, self._on_stream():
             started, cpu_started = time.perf_counter(), time.thread_time()
-            candidates = self._candidates(self._read_counts())
+            entries, eligible = self._candidates(self._read_counts())
             admitted = 0
-            if candidates.numel():
-                chosen = hot_cache.choose_admissions(self.cache, candidates, self.margin,
-                                                     limit=self.max_admissions)
+            if entries.numel():
+                plan = hot_cache.plan_admissions(self.cache, entries, eligible, self.margin,
+                                                 limit=self.max_admissions)
+                chosen = self._to_host(plan).compact()
                 if len(chosen) and self._change(chosen):
                     admitted = len(chosen)
             self._age_if_due()
@@ -259,12 +266,12 @@ class CacheKeeper:
             candidates = torch.unique(keys)
             candidates = candidates[~self.cache.resident(candidates)]
             chosen = hot_cache.choose_admissions(self.cache, candidates, self.margin)
+            chosen = Admissions(chosen.sets.cpu(), chosen.ways.cpu(), chosen.keys.cpu())
             # In parts of a refresh's size: each part's rows are copied through a buffer of
             # their own, and read from host memory beside any gathers already running.
             admitted = 0
             for start in range(0, len(chosen), self.max_admissions):
-                part = slice(start, start + self.max_admissions)
-                ways = Admissions(chosen.sets[part], chosen.ways[part], chosen.keys[part])
+                ways = chosen.part(slice(start, start + self.max_admissions))
                 if not self._change(ways):
                     break  # stopping
                 admitted += len(ways)
@@ -284,27 +291,62 @@ class CacheKeeper:
             warm_up.close()
             self._warming = False
 
-    def _candidates(self, cursor: int) -> Tensor:
+    def _candidates(self, cursor: int) -> tuple[Tensor, Tensor]:
+        """The log's entries up to `cursor`, sorted, and which are candidates: a real key, the
+        first of its run, not resident. The log's cursors are the host's, so no shape here
+        waits for the device."""
         entries = self.cache.logged_since(self._logged, cursor)
         self._logged = cursor
-        entries = entries[hot_cache.valid_keys(entries, self.table_rows)]
-        if not entries.numel():
-            return entries
-        entries = torch.unique(entries)
-        return entries[~self.cache.resident(entries)]
+        valid = hot_cache.valid_keys(entries, self.table_rows)
+        entries = torch.where(valid, entries, hot_cache.EMPTY_KEY).sort().values
+        first = torch.ones_like(entries, dtype=torch.bool)
+        first[1:] = entries[1:] != entries[:-1]
+        return entries, first & (entries >= 0) & ~self.cache.resident(entries)
+
+    def _to_host(self, plan: AdmissionPlan) -> AdmissionPlan:
+        """The plan in host memory, after one wait for the device, asleep."""
+        fields = torch.stack([plan.sets, plan.ways, plan.keys, plan.won.to(torch.int64)])
+        host = self._staging(fields.shape[1])
+        host.copy_(fields, non_blocking=True)
+        self._wait_for(self._record(self._stream))
+        sets, ways, keys, won = host.clone()
+        return AdmissionPlan(sets, ways, keys, won.bool())
+
+    def _to_device(self, chosen: Admissions) -> Admissions:
+        """Host admissions on the cache's device, in the keeper's stream order (no wait)."""
+        host = self._staging(len(chosen))
+        host[0], host[1], host[2] = chosen.sets, chosen.ways, chosen.keys
+        sets, ways, keys = host[:3].to(self.cache.device, non_blocking=True)
+        return Admissions(sets, ways, keys)
+
+    def _staging(self, columns: int) -> Tensor:
+        """int64 [4, columns], contiguous (a strided copy would go through pageable memory), of
+        host memory pinned for a GPU, for the copies of one step; each copy through it is
+        waited for before the next fills it."""
+        if self._host_fields.numel() < 4 * columns:
+            self._host_fields = torch.empty(4 * columns, dtype=torch.int64,
+                                            pin_memory=self._stream is not None)
+        return self._host_fields[:4 * columns].view(4, columns)
 
     def _change(self, chosen: Admissions) -> bool:
+        """Refill the ways of `chosen` (host tensors) by the four steps above."""
         cache = self.cache
-        cache.keys[chosen.sets, chosen.ways] = hot_cache.EMPTY_KEY
+        # By layer, so that each table's rows are one slice of the device's copy.
+        layers = hot_cache.key_layers(chosen.keys)
+        order = torch.argsort(layers, stable=True)
+        ends = torch.searchsorted(layers[order], torch.arange(1, len(self.tables) + 1)).tolist()
+        ways = self._to_device(chosen.part(order))
+        cache.keys[ways.sets, ways.ways] = hot_cache.EMPTY_KEY
         self._wait_for(self._record(self._stream))
         if not self._grace():
             return False  # closing: those ways stay empty, which is safe
-        slots = chosen.slots
-        layers, rows = hot_cache.key_layers(chosen.keys), hot_cache.key_rows(chosen.keys)
-        for layer, table in enumerate(self.tables):
-            mine = layers == layer
-            cache.pool.index_copy_(0, slots[mine], table.index_select(0, rows[mine]))
-        cache.keys[chosen.sets, chosen.ways] = chosen.keys
+        slots, rows = ways.slots, hot_cache.key_rows(ways.keys)
+        start = 0
+        for table, end in zip(self.tables, ends, strict=True):
+            if end > start:
+                cache.pool.index_copy_(0, slots[start:end], table.index_select(0, rows[start:end]))
+            start = end
+        cache.keys[ways.sets, ways.ways] = ways.keys
         self._wait_for(self._record(self._stream))
         return True
 

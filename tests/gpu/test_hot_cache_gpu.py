@@ -123,3 +123,30 @@ def test_a_refresh_waiting_for_the_device_sleeps_instead_of_spinning(world):
         wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
         assert wall > 0.25, f"the refresh did not wait for its stream ({wall:.3f} s)"
         assert cpu < 0.2 * wall, f"{cpu:.3f} s of CPU in a wait of {wall:.3f} s: it spins"
+
+
+def test_a_refresh_that_admits_rows_never_waits_for_the_device_spinning(world):
+    """A refresh that chooses and admits rows makes no call that waits for the device
+    implicitly (torch's sync debug mode raises on each: unique, nonzero, boolean indexing,
+    .item(), a copy through pageable memory), each of which would spin a core until the
+    device got to it; its waits are its own events', which sleep."""
+    geo, host, uva = world
+    device = torch.device("cuda", 0)
+    cache = hot_cache.HotCache(hot_cache.CacheLayout.from_budget(24 << 20, geo.row_bytes),
+                               geo.n_layers, device)
+    keeper = CacheKeeper(cache, uva, gather_streams=lambda: [torch.cuda.current_stream()])
+    plan = GatherPlan(host, geo.shard(0, 1), device)
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(4):  # hot rows pass admit_min and are logged
+        plan(skewed_ids(geo, gen).to(device), cache=cache)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        admitted = keeper.refresh()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert admitted > 0, keeper.report()
+    keys = cache.keys.view(-1).cpu()
+    for slot in (keys != hot_cache.EMPTY_KEY).nonzero().view(-1).tolist():
+        layer, row = int(hot_cache.key_layers(keys[slot])), int(hot_cache.key_rows(keys[slot]))
+        assert torch.equal(cache.pool[slot].cpu(), host[layer][row]), f"slot {slot}: not its key's row"
