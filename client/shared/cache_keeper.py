@@ -336,7 +336,8 @@ class CacheKeeper:
         order = torch.argsort(layers, stable=True)
         ends = torch.searchsorted(layers[order], torch.arange(1, len(self.tables) + 1)).tolist()
         ways = self._to_device(chosen.part(order))
-        cache.keys[ways.sets, ways.ways] = hot_cache.EMPTY_KEY
+        keys = cache.keys.view(-1)  # by slot, and a scalar fill: no value copied from the host
+        keys.index_fill_(0, ways.slots, hot_cache.EMPTY_KEY)
         self._wait_for(self._record(self._stream))
         if not self._grace():
             return False  # closing: those ways stay empty, which is safe
@@ -346,7 +347,7 @@ class CacheKeeper:
             if end > start:
                 cache.pool.index_copy_(0, slots[start:end], table.index_select(0, rows[start:end]))
             start = end
-        cache.keys[ways.sets, ways.ways] = ways.keys
+        keys.index_copy_(0, ways.slots, ways.keys)
         self._wait_for(self._record(self._stream))
         return True
 
