@@ -225,7 +225,8 @@ def plan_admissions(cache: HotCache, candidates: Tensor, eligible: Tensor | None
     row must be likely to come back. At most `limit` swaps, the hottest first.
 
     Fixed shapes throughout (no unique, nonzero or boolean indexing): the plan has min(limit, N)
-    entries, the winners hottest first, then losers that `won` marks.
+    entries, the winners hottest first (equal estimates by set, then key), then losers that
+    `won` marks. Its memory grows with N x WAYS: the caller bounds N.
     """
     n, sets = candidates.numel(), cache.layout.sets
     if eligible is None:
@@ -236,18 +237,22 @@ def plan_admissions(cache: HotCache, candidates: Tensor, eligible: Tensor | None
     order = torch.argsort(cand_est, descending=True, stable=True)
     order = order[torch.argsort(cand_set[order], stable=True)]
     cand_set, cand_est, cand_key = cand_set[order], cand_est[order], candidates[order]
-    first = torch.searchsorted(cand_set, cand_set)
+    first = torch.searchsorted(cand_set, cand_set)  # each entry's set's first entry
     everyone = torch.arange(n, device=candidates.device)
     rank = everyone - first
     paired = rank.clamp(max=WAYS - 1)
-    # Each candidate reads its own set's line of keys (a set with several reads it again).
+    # Each entry reads its set's line of keys and orders its ways, but only the line of the
+    # set's first entry is used: gathers count on while this runs, so two reads of one set may
+    # order its ways apart and pair two winners with one way.
     keys = cache.keys[cand_set.clamp(max=sets - 1)]
     resident_est = torch.where(keys == EMPTY_KEY, -1, cache.estimate(keys.clamp(min=0)))
     weakest_est, weakest_way = torch.sort(resident_est, dim=1)
-    resident = weakest_est[everyone, paired]
+    resident = weakest_est[first, paired]
     bar = torch.where(resident < 0, cache.admit_min, resident * ratio + margin)
     won = (cand_set < sets) & (rank < WAYS) & (cand_est > bar)
-    # Estimates are never negative: a loser's -1 here puts every winner before it.
-    hottest = torch.topk(torch.where(won, cand_est, -1), n if limit is None else min(limit, n)).indices
-    return AdmissionPlan(cand_set[hottest], weakest_way[hottest, paired[hottest]], cand_key[hottest],
-                         won[hottest])
+    # Estimates are never negative: a loser's -1 here puts every winner before it; winners of
+    # one estimate keep their order (by set, then key), so the cut at `limit` is deterministic.
+    hottest = torch.argsort(torch.where(won, cand_est, -1), descending=True, stable=True)
+    hottest = hottest[:n if limit is None else min(limit, n)]
+    return AdmissionPlan(cand_set[hottest], weakest_way[first[hottest], paired[hottest]],
+                         cand_key[hottest], won[hottest])

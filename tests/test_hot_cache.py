@@ -95,6 +95,82 @@ def test_noise_level_differences_replace_nothing():
     assert hot_cache.choose_admissions(cache, others).keys.tolist() == others[:1].tolist()
 
 
+def reference_admissions(cache: HotCache, candidates: list[int], margin: float, ratio: float,
+                         limit: int | None) -> list[tuple[int, int, int, int]]:
+    """The choice of choose_admissions written plainly, a set at a time: (estimate, set, key,
+    estimate of the resident it displaces, -1 for an empty way) per admission, hottest first,
+    equal estimates by set, then key."""
+    def estimate(key: int) -> int:
+        return int(cache.estimate(torch.tensor([key]))[0])
+
+    by_set: dict[int, list[int]] = {}
+    for key in candidates:
+        by_set.setdefault(int(hot_cache.set_index(torch.tensor([key]), cache.layout.sets)[0]), []).append(key)
+    won = []
+    for s, keys in by_set.items():
+        keys.sort(key=lambda k: (-estimate(k), k))
+        residents = sorted(-1 if k == hot_cache.EMPTY_KEY else estimate(k) for k in cache.keys[s].tolist())
+        for key, resident in zip(keys, residents):  # the i-th best against the i-th weakest
+            bar = cache.admit_min if resident < 0 else resident * ratio + margin
+            if estimate(key) > bar:
+                won.append((estimate(key), s, key, resident))
+    won.sort(key=lambda w: (-w[0], w[1], w[2]))
+    return won if limit is None else won[:limit]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_admissions_equal_the_plain_choice_ties_and_limits_included(seed):
+    gen = torch.Generator().manual_seed(seed)
+    cache = small_cache(sets=6, bits=12, admit_min=seed % 3)
+    # Few distinct counts: ties among candidates, among residents and at the limit's cut.
+    cache.sketch.copy_(torch.randint(0, 7, cache.sketch.shape, generator=gen, dtype=torch.int32))
+    keys = torch.unique(hot_cache.row_keys(torch.randint(0, 2, (120,), generator=gen),
+                                           torch.randint(0, 5000, (120,), generator=gen)))
+    sets = hot_cache.set_index(keys, 6)
+    for s in range(6):
+        mine = keys[sets == s][: (s + seed) % (WAYS + 1)]
+        cache.keys[s, : len(mine)] = mine
+    candidates = keys[~cache.resident(keys)]
+    for margin, ratio in ((0, 1.0), (1, 1.5)):
+        for limit in (None, 1, 3, 10):
+            want = reference_admissions(cache, candidates.tolist(), margin, ratio, limit)
+            got = hot_cache.choose_admissions(cache, candidates, margin, ratio, limit)
+            assert len(set(got.slots.tolist())) == len(got), "one admission per way"
+            displaced = [-1 if k == hot_cache.EMPTY_KEY else int(cache.estimate(torch.tensor([k]))[0])
+                         for k in cache.keys[got.sets, got.ways].tolist()]
+            mine = [(int(e), s, k, d) for e, s, k, d in zip(cache.estimate(got.keys).tolist(),
+                                                            got.sets.tolist(), got.keys.tolist(),
+                                                            displaced, strict=True)]
+            assert mine == want, f"margin {margin}, ratio {ratio}, limit {limit}"
+
+
+def test_two_winners_of_a_set_never_take_one_way_while_its_counts_move():
+    """Gathers count on while a plan is made, so each candidate's read of its set's line may
+    see other counts: here the second candidate's read sees the weakest resident two higher,
+    which orders the two weakest ways the other way round. Both winners must still get ways
+    of their own (two on one way would fill one slot with two rows)."""
+    cache = small_cache(sets=1, bits=12, admit_min=0)
+    keys = hot_cache.row_keys(torch.zeros(10, dtype=torch.int64), torch.arange(10))
+    # The second candidate beats the second weakest by one in the set's first read (12 > 11)
+    # and not at all in its own (12 against the first resident's 10 + 2).
+    counts = torch.tensor([10, 11, *[1000] * 6, 100, 12], dtype=torch.int32)
+    for d in range(hot_cache.SKETCH_DEPTH):
+        cache.sketch[d][hot_cache.sketch_index(keys, d, 12)] = counts
+    cache.keys[0] = keys[:WAYS]
+    counted = cache.estimate
+
+    def moving(k: torch.Tensor) -> torch.Tensor:
+        if k.dim() < 2:
+            return counted(k)
+        later = torch.arange(k.shape[0]).view(-1, 1) >= 1  # each candidate reads its own line
+        return counted(k) + 2 * (later & (k == keys[0]))
+
+    cache.estimate = moving
+    chosen = hot_cache.choose_admissions(cache, keys[WAYS:], margin=0, ratio=1.0)
+    assert sorted(chosen.keys.tolist()) == sorted(keys[WAYS:].tolist())
+    assert sorted(chosen.ways.tolist()) == [0, 1], "the two weakest ways, one each"
+
+
 def test_log_window_wraps_around_the_ring():
     cache = small_cache()
     cache.log.copy_(torch.arange(64))
@@ -316,3 +392,23 @@ def test_a_refresh_admits_what_choose_admissions_picks_from_the_logs_distinct_ca
     for key, slot in zip(want.keys.tolist(), want.slots.tolist(), strict=True):
         layer, row = key >> hot_cache.KEY_LAYER_SHIFT, key & ((1 << hot_cache.KEY_LAYER_SHIFT) - 1)
         assert torch.equal(cache.pool[slot], tables[layer][row]), f"slot {slot}: not its key's row"
+
+
+def test_a_refresh_weighs_only_the_newest_entries_of_a_long_window(monkeypatch):
+    """A window longer than MAX_REFRESH_ENTRIES (here 2) is cut to its newest entries, which
+    bounds the memory of the refresh's choice; the older ones are dropped, not kept for later."""
+    from engramd.client.shared import cache_keeper
+
+    monkeypatch.setattr(cache_keeper, "MAX_REFRESH_ENTRIES", 2)
+    tables = [torch.randint(0, 256, (100, 264), dtype=torch.uint8)]
+    keeper = cache_keeper.CacheKeeper(HotCache(CacheLayout(16, 264, 10, 64), 1, "cpu", admit_min=0),
+                                      tables, lambda: [])
+    cache = keeper.cache
+    logged = hot_cache.row_keys(torch.zeros(4, dtype=torch.int64), torch.tensor([1, 2, 3, 4]))
+    for d in range(hot_cache.SKETCH_DEPTH):
+        cache.sketch[d][hot_cache.sketch_index(logged, d, 10)] = 50
+    cache.log[:4] = logged
+    cache.cursor[0] = 4
+    assert keeper.refresh() == 2
+    assert cache.resident(logged).tolist() == [False, False, True, True]
+    assert keeper.refresh() == 0, "the cut entries are not weighed later"

@@ -50,6 +50,9 @@ log = logging.getLogger("engramd.cache")
 
 GRACE_WARN_S = 5.0
 GRACE_FIRST_PAUSE_S, GRACE_MAX_PAUSE_S = 0.0005, 0.005  # between polls of a gather stream's event
+# Log entries a refresh weighs at most, the newest: its choice takes memory per entry (entries
+# x WAYS keys and estimates), and a row that stays hot is logged again at its next misses.
+MAX_REFRESH_ENTRIES = 1 << 18
 
 
 def load_warm_ids(path: str | int, n_layers: int, heads: int) -> Tensor:
@@ -292,10 +295,10 @@ class CacheKeeper:
             self._warming = False
 
     def _candidates(self, cursor: int) -> tuple[Tensor, Tensor]:
-        """The log's entries up to `cursor`, sorted, and which are candidates: a real key, the
-        first of its run, not resident. The log's cursors are the host's, so no shape here
-        waits for the device."""
-        entries = self.cache.logged_since(self._logged, cursor)
+        """The log's entries up to `cursor` (its newest MAX_REFRESH_ENTRIES), sorted, and which
+        are candidates: a real key, the first of its run, not resident. The log's cursors are
+        the host's, so no shape here waits for the device."""
+        entries = self.cache.logged_since(max(self._logged, cursor - MAX_REFRESH_ENTRIES), cursor)
         self._logged = cursor
         valid = hot_cache.valid_keys(entries, self.table_rows)
         entries = torch.where(valid, entries, hot_cache.EMPTY_KEY).sort().values
