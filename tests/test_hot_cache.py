@@ -110,7 +110,7 @@ def reference_admissions(cache: HotCache, candidates: list[int], margin: float, 
     for s, keys in by_set.items():
         keys.sort(key=lambda k: (-estimate(k), k))
         residents = sorted(-1 if k == hot_cache.EMPTY_KEY else estimate(k) for k in cache.keys[s].tolist())
-        for key, resident in zip(keys, residents):  # the i-th best against the i-th weakest
+        for key, resident in zip(keys, residents, strict=False):  # i-th best, i-th weakest (WAYS at most)
             bar = cache.admit_min if resident < 0 else resident * ratio + margin
             if estimate(key) > bar:
                 won.append((estimate(key), s, key, resident))
