@@ -225,8 +225,8 @@ def plan_admissions(cache: HotCache, candidates: Tensor, eligible: Tensor | None
     row must be likely to come back. At most `limit` swaps, the hottest first.
 
     Fixed shapes throughout (no unique, nonzero or boolean indexing): the plan has min(limit, N)
-    entries, the winners hottest first (equal estimates by set, then key), then losers that
-    `won` marks. Its memory grows with N x WAYS: the caller bounds N.
+    entries, the winners hottest first (equal estimates by set, then in `candidates`' order),
+    then losers that `won` marks. Its memory grows with N x WAYS: the caller bounds N.
     """
     n, sets = candidates.numel(), cache.layout.sets
     if eligible is None:
@@ -251,7 +251,7 @@ def plan_admissions(cache: HotCache, candidates: Tensor, eligible: Tensor | None
     bar = torch.where(resident < 0, cache.admit_min, resident * ratio + margin)
     won = (cand_set < sets) & (rank < WAYS) & (cand_est > bar)
     # Estimates are never negative: a loser's -1 here puts every winner before it; winners of
-    # one estimate keep their order (by set, then key), so the cut at `limit` is deterministic.
+    # one estimate keep their order (by set, then as given), so the cut at `limit` is stable.
     hottest = torch.argsort(torch.where(won, cand_est, -1), descending=True, stable=True)
     hottest = hottest[:n if limit is None else min(limit, n)]
     return AdmissionPlan(cand_set[hottest], weakest_way[first[hottest], paired[hottest]],
