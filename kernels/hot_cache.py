@@ -65,7 +65,8 @@ class CacheLayout:
         per_slot = row_bytes + 8  # the row and its key
         slots = budget_bytes // per_slot
         sketch_bits = min(MAX_SKETCH_BITS, max(MIN_SKETCH_BITS, (2 * max(slots, 1)).bit_length() - 1))
-        # A refresh takes up to a quarter of the slots' worth of candidates from the log.
+        # A quarter of the slots' worth of candidates between refreshes before writers overrun
+        # a window (a refresh weighs the newest 2^18 of them: cache_keeper.MAX_REFRESH_ENTRIES).
         log_entries = 1 << min(22, max(12, (max(slots, 1) // 4).bit_length()))
         fixed = SKETCH_DEPTH * (4 << sketch_bits) + 8 * log_entries
         sets = (budget_bytes - fixed) // (per_slot * WAYS)
@@ -215,14 +216,15 @@ def plan_admissions(cache: HotCache, candidates: Tensor, eligible: Tensor | None
     """Per set, keep the WAYS keys of highest estimate among residents and candidates.
 
     `candidates` are keys not resident now, distinct where `eligible` (bool, default all): the
-    others take part in nothing. In a set, the best candidate is paired with the weakest way, the
-    second best with the second weakest, and so on; a pair swaps when the candidate's estimate
-    exceeds `ratio` x the resident's plus `margin` (an empty way counts -1). Because candidates
-    fall and residents rise along the pairing, the swaps stop at the first pair that does not,
-    which leaves exactly the top WAYS of the union (ratio 1, margin 0). The default demands a
-    clear lead, so estimates that differ only by sketch noise swap nothing. An empty way takes
-    a candidate seen more than `cache.admit_min` times: filling a way costs one host read, so a
-    row must be likely to come back. At most `limit` swaps, the hottest first.
+    others take part in nothing. Each way has a bar: `ratio` x its resident's estimate plus
+    `margin`, or for an empty way `cache.admit_min` (filling a way costs one host read, so a row
+    must be likely to come back). In a set, the best candidate is paired with the way of the
+    lowest bar, the second best with the second lowest, and so on; a pair swaps when the
+    candidate's estimate exceeds the bar. Because candidates fall and bars rise along the
+    pairing, the swaps stop at the first pair that does not, which leaves exactly the top WAYS
+    of the union (ratio 1, margin 0, admit_min 0). The default demands a clear lead, so
+    estimates that differ only by sketch noise swap nothing. At most `limit` swaps, the hottest
+    first.
 
     Fixed shapes throughout (no unique, nonzero or boolean indexing): the plan has min(limit, N)
     entries, the winners hottest first (equal estimates by set, then in `candidates`' order),
@@ -245,14 +247,14 @@ def plan_admissions(cache: HotCache, candidates: Tensor, eligible: Tensor | None
     # set's first entry is used: gathers count on while this runs, so two reads of one set may
     # order its ways apart and pair two winners with one way.
     keys = cache.keys[cand_set.clamp(max=sets - 1)]
-    resident_est = torch.where(keys == EMPTY_KEY, -1, cache.estimate(keys.clamp(min=0)))
-    weakest_est, weakest_way = torch.sort(resident_est, dim=1)
-    resident = weakest_est[first, paired]
-    bar = torch.where(resident < 0, cache.admit_min, resident * ratio + margin)
+    way_bars = torch.where(keys == EMPTY_KEY, float(cache.admit_min),
+                           cache.estimate(keys.clamp(min=0)) * ratio + margin)
+    lowest_bar, ways_by_bar = torch.sort(way_bars, dim=1)
+    bar = lowest_bar[first, paired]
     won = (cand_set < sets) & (rank < WAYS) & (cand_est > bar)
     # Estimates are never negative: a loser's -1 here puts every winner before it; winners of
     # one estimate keep their order (by set, then as given), so the cut at `limit` is stable.
     hottest = torch.argsort(torch.where(won, cand_est, -1), descending=True, stable=True)
     hottest = hottest[:n if limit is None else min(limit, n)]
-    return AdmissionPlan(cand_set[hottest], weakest_way[first[hottest], paired[hottest]],
+    return AdmissionPlan(cand_set[hottest], ways_by_bar[first[hottest], paired[hottest]],
                          cand_key[hottest], won[hottest])

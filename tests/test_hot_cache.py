@@ -96,10 +96,9 @@ def test_noise_level_differences_replace_nothing():
 
 
 def reference_admissions(cache: HotCache, candidates: list[int], margin: float, ratio: float,
-                         limit: int | None) -> list[tuple[int, int, int, int]]:
+                         limit: int | None) -> list[tuple[int, int, int, float]]:
     """The choice of choose_admissions written plainly, a set at a time: (estimate, set, key,
-    estimate of the resident it displaces, -1 for an empty way) per admission, hottest first,
-    equal estimates by set, then key."""
+    bar of the way it takes) per admission, hottest first, equal estimates by set, then key."""
     def estimate(key: int) -> int:
         return int(cache.estimate(torch.tensor([key]))[0])
 
@@ -109,20 +108,28 @@ def reference_admissions(cache: HotCache, candidates: list[int], margin: float, 
     won = []
     for s, keys in by_set.items():
         keys.sort(key=lambda k: (-estimate(k), k))
-        residents = sorted(-1 if k == hot_cache.EMPTY_KEY else estimate(k) for k in cache.keys[s].tolist())
-        for key, resident in zip(keys, residents, strict=False):  # i-th best, i-th weakest (WAYS at most)
-            bar = cache.admit_min if resident < 0 else resident * ratio + margin
+        bars = sorted(way_bar(cache, k, margin, ratio) for k in cache.keys[s].tolist())
+        for key, bar in zip(keys, bars, strict=False):  # the i-th best, the i-th lowest bar
             if estimate(key) > bar:
-                won.append((estimate(key), s, key, resident))
+                won.append((estimate(key), s, key, bar))
     won.sort(key=lambda w: (-w[0], w[1], w[2]))
     return won if limit is None else won[:limit]
+
+
+def way_bar(cache: HotCache, resident: int, margin: float, ratio: float) -> float:
+    """What a candidate must exceed to take the way of `resident` (EMPTY_KEY: a free way)."""
+    if resident == hot_cache.EMPTY_KEY:
+        return float(cache.admit_min)
+    return float(torch.tensor(int(cache.estimate(torch.tensor([resident]))[0]), dtype=torch.int32)
+                 * ratio + margin)
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_admissions_equal_the_plain_choice_ties_and_limits_included(seed):
     gen = torch.Generator().manual_seed(seed)
     cache = small_cache(sets=6, bits=12, admit_min=seed % 3)
-    # Few distinct counts: ties among candidates, among residents and at the limit's cut.
+    # Few distinct counts: ties among candidates, among residents and at the limit's cut; cold
+    # residents (0) whose bars fall below an empty way's admit_min.
     cache.sketch.copy_(torch.randint(0, 7, cache.sketch.shape, generator=gen, dtype=torch.int32))
     keys = torch.unique(hot_cache.row_keys(torch.randint(0, 2, (120,), generator=gen),
                                            torch.randint(0, 5000, (120,), generator=gen)))
@@ -136,12 +143,26 @@ def test_admissions_equal_the_plain_choice_ties_and_limits_included(seed):
             want = reference_admissions(cache, candidates.tolist(), margin, ratio, limit)
             got = hot_cache.choose_admissions(cache, candidates, margin, ratio, limit)
             assert len(set(got.slots.tolist())) == len(got), "one admission per way"
-            displaced = [-1 if k == hot_cache.EMPTY_KEY else int(cache.estimate(torch.tensor([k]))[0])
-                         for k in cache.keys[got.sets, got.ways].tolist()]
-            mine = [(int(e), s, k, d) for e, s, k, d in zip(cache.estimate(got.keys).tolist(),
+            bars = [way_bar(cache, k, margin, ratio) for k in cache.keys[got.sets, got.ways].tolist()]
+            mine = [(int(e), s, k, b) for e, s, k, b in zip(cache.estimate(got.keys).tolist(),
                                                             got.sets.tolist(), got.keys.tolist(),
-                                                            displaced, strict=True)]
+                                                            bars, strict=True)]
             assert mine == want, f"margin {margin}, ratio {ratio}, limit {limit}"
+
+
+def test_a_cold_resident_goes_before_an_empty_way_takes_a_rarely_seen_row():
+    """Bars, not estimates, order the ways: a resident read 0 times (bar 0 x 1.5 + 1) goes to
+    the hotter candidate (3 > 1), and the empty way's admit_min (3) keeps the colder one (2)
+    out. Ordered by estimate, the empty way (-1) would come first: the hotter candidate would
+    fail its admit_min and the colder one would take the resident's way."""
+    cache = small_cache(sets=1, bits=12, admit_min=3)
+    keys = hot_cache.row_keys(torch.zeros(10, dtype=torch.int64), torch.arange(10))
+    counts = torch.tensor([0, *[50] * 6, 0, 3, 2], dtype=torch.int32)
+    for d in range(hot_cache.SKETCH_DEPTH):
+        cache.sketch[d][hot_cache.sketch_index(keys, d, 12)] = counts
+    cache.keys[0, :7] = keys[:7]  # way 7 empty
+    chosen = hot_cache.choose_admissions(cache, keys[8:])
+    assert chosen.keys.tolist() == [int(keys[8])] and chosen.ways.tolist() == [0]
 
 
 def test_two_winners_of_a_set_never_take_one_way_while_its_counts_move():
@@ -366,14 +387,19 @@ def test_a_refresh_admits_what_choose_admissions_picks_from_the_logs_distinct_ca
     keeper = CacheKeeper(cache, tables, lambda: [])
     keeper.max_admissions = 12
     layers = torch.randint(0, 2, (120,), generator=gen)
-    keys = torch.unique(hot_cache.row_keys(layers, torch.randint(0, 200, (120,), generator=gen)))
+    keys = torch.unique(hot_cache.row_keys(layers, torch.randint(1, 200, (120,), generator=gen)))
     # Distinct counts, so that the limit's cut does not depend on how ties are ordered.
     counts = torch.randperm(keys.numel(), generator=gen).to(torch.int32) + 2
     for d in range(hot_cache.SKETCH_DEPTH):
         cache.sketch[d][hot_cache.sketch_index(keys, d, 12)] = counts
+        # Key 0, never logged, is what a torn entry (-1) would be counted as: the hottest.
+        cache.sketch[d][hot_cache.sketch_index(torch.tensor([0]), d, 12)] = 10_000
     sets = hot_cache.set_index(keys, 4)
     for s in range(4):  # two residents a set
         cache.keys[s, :2] = keys[sets == s][:2]
+    # The set a torn entry (-1) hashes to has no empty way, whose EMPTY_KEY would hide it.
+    torn = int(hot_cache.set_index(torch.tensor([-1]), 4)[0])
+    cache.keys[torn] = keys[sets == torn][:WAYS]
     foreign = torch.tensor([-1, hot_cache.row_keys(torch.tensor(2), torch.tensor(0)).item(),
                             hot_cache.row_keys(torch.tensor(1), torch.tensor(250)).item()])
     logged = torch.cat([keys, keys[::3], foreign])
@@ -412,3 +438,34 @@ def test_a_refresh_weighs_only_the_newest_entries_of_a_long_window(monkeypatch):
     assert keeper.refresh() == 2
     assert cache.resident(logged).tolist() == [False, False, True, True]
     assert keeper.refresh() == 0, "the cut entries are not weighed later"
+
+
+@pytest.mark.parametrize("most", [7, 40])
+def test_a_warm_up_chooses_in_parts_what_it_would_choose_at_once(monkeypatch, most):
+    """A warm-up's candidates are weighed MAX_REFRESH_ENTRIES at a time (here 7: every set has
+    more, so each part is a whole set; 40: cuts fall inside sets and move back to where one
+    begins): the same admissions as one choice over all of them."""
+    from engramd.client.shared import cache_keeper
+
+    gen = torch.Generator().manual_seed(11)
+    cache = HotCache(CacheLayout(16, 264, 14, 64), 2, "cpu", admit_min=1)
+    keeper = cache_keeper.CacheKeeper(cache, [torch.zeros((5000, 264), dtype=torch.uint8)] * 2,
+                                      lambda: [])
+    keys = torch.unique(hot_cache.row_keys(torch.randint(0, 2, (400,), generator=gen),
+                                           torch.randint(0, 5000, (400,), generator=gen)))
+    counts = torch.randperm(keys.numel(), generator=gen).to(torch.int32) + 1  # no ties
+    for d in range(hot_cache.SKETCH_DEPTH):
+        cache.sketch[d][hot_cache.sketch_index(keys, d, 14)] = counts
+    sets = hot_cache.set_index(keys, 16)
+    for s in range(16):
+        cache.keys[s, :5] = keys[sets == s][:5]
+    candidates = keys[~cache.resident(keys)]
+    whole = hot_cache.choose_admissions(cache, candidates, keeper.margin)
+    monkeypatch.setattr(cache_keeper, "MAX_REFRESH_ENTRIES", most)
+    parts = keeper._choose_by_sets(candidates)
+    assert len(whole) > 16
+
+    def triples(a):
+        return sorted(zip(a.sets.tolist(), a.ways.tolist(), a.keys.tolist(), strict=True))
+
+    assert triples(parts) == triples(whole)

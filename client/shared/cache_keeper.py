@@ -268,8 +268,7 @@ class CacheKeeper:
                 self.cache.sketch[depth].index_add_(0, hot_cache.sketch_index(keys, depth, bits), ones)
             candidates = torch.unique(keys)
             candidates = candidates[~self.cache.resident(candidates)]
-            chosen = hot_cache.choose_admissions(self.cache, candidates, self.margin)
-            chosen = Admissions(chosen.sets.cpu(), chosen.ways.cpu(), chosen.keys.cpu())
+            chosen = self._choose_by_sets(candidates)
             # In parts of a refresh's size: each part's rows are copied through a buffer of
             # their own, and read from host memory beside any gathers already running.
             admitted = 0
@@ -280,6 +279,26 @@ class CacheKeeper:
                 admitted += len(ways)
                 self.stats.admitted += len(ways)
             return admitted
+
+    def _choose_by_sets(self, candidates: Tensor) -> Admissions:
+        """choose_admissions of `candidates` (no limit) in host memory, over at most
+        MAX_REFRESH_ENTRIES of them at a time (a set with more is a part of its own), which
+        bounds its memory: each part ends where a set does, and each set's choice is its own,
+        so the parts choose what the whole would."""
+        sets = hot_cache.set_index(candidates, self.cache.layout.sets)
+        order = torch.argsort(sets, stable=True)
+        candidates, sets = candidates[order], sets[order]
+        parts, start = [torch.empty((3, 0), dtype=torch.int64)], 0
+        while start < len(sets):
+            end = min(start + MAX_REFRESH_ENTRIES, len(sets))
+            if end < len(sets):  # back to the start of the set the cut falls in, or past one too big
+                end = int(torch.searchsorted(sets, sets[end]))
+                if end <= start:
+                    end = int(torch.searchsorted(sets, sets[start], right=True))
+            part = hot_cache.choose_admissions(self.cache, candidates[start:end], self.margin)
+            parts.append(torch.stack([part.sets, part.ways, part.keys]).cpu())
+            start = end
+        return Admissions(*torch.cat(parts, dim=1))
 
     def _warm_from(self, warm_up: WarmUpTrace) -> None:
         try:
