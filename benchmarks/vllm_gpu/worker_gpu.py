@@ -175,26 +175,28 @@ def check_replays(layout, reference, served, rows, tokens: int = 16, replays: in
         return [layer._ready_rows(tokens).clone() for layer in served]
 
     results = {}
-    for name, capture in captures():
-        streams.clear()
-        out, replay = capture(step)
-        forks = name != "pieces"
-        assert streams == [rows._side[0] if forks else None], (name, streams, rows._side)
-        before = counts()
-        for number in range(replays):
-            ids.copy_(cpu.raw_ids(layout.num_embeddings, tokens + 1 + number)[:tokens].to(DEVICE))
-            replay()
-            for ref in reference:
-                ref.prepare_embeddings(ids[:, ref.layer_hash_index])
-            for ref, got in zip(reference, out, strict=True):
-                cpu.same_bits(f"{name}, replay {number}, layer {ref.layer_hash_index}: rows", got,
-                              ref._ready_rows(tokens))
-        after = counts()
-        assert (after["replays"] - before["replays"], after["poisoned"]) == (replays, 0), (name, after)
-        captured.check()
-        results[name] = (f"equal after {replays} replays of {tokens} tokens, the gather "
-                         f"{'forked' if forks else 'in line'}")
-    captured.record = record
+    try:
+        for name, capture in captures():
+            streams.clear()
+            out, replay = capture(step)
+            forks = name != "pieces"
+            assert streams == [rows._side[0] if forks else None], (name, streams, rows._side)
+            before = counts()
+            for number in range(replays):
+                ids.copy_(cpu.raw_ids(layout.num_embeddings, tokens + 1 + number)[:tokens].to(DEVICE))
+                replay()
+                for ref in reference:
+                    ref.prepare_embeddings(ids[:, ref.layer_hash_index])
+                for ref, got in zip(reference, out, strict=True):
+                    cpu.same_bits(f"{name}, replay {number}, layer {ref.layer_hash_index}: rows", got,
+                                  ref._ready_rows(tokens))
+            after = counts()
+            assert (after["replays"] - before["replays"], after["poisoned"]) == (replays, 0), (name, after)
+            captured.check()
+            results[name] = (f"equal after {replays} replays of {tokens} tokens, the gather "
+                             f"{'forked' if forks else 'in line'}")
+    finally:  # the lookup records as it did, whatever failed
+        captured.record = record
     return results
 
 

@@ -266,9 +266,8 @@ class CacheKeeper:
             ones = torch.ones_like(keys, dtype=torch.int32)
             for depth in range(hot_cache.SKETCH_DEPTH):
                 self.cache.sketch[depth].index_add_(0, hot_cache.sketch_index(keys, depth, bits), ones)
-            candidates = torch.unique(keys)
-            candidates = candidates[~self.cache.resident(candidates)]
-            chosen = self._choose_by_sets(candidates)
+            distinct, candidate = self._distinct(keys)
+            chosen = self._choose_by_sets(distinct[candidate])
             # In parts of a refresh's size: each part's rows are copied through a buffer of
             # their own, and read from host memory beside any gathers already running.
             admitted = 0
@@ -314,16 +313,20 @@ class CacheKeeper:
             self._warming = False
 
     def _candidates(self, cursor: int) -> tuple[Tensor, Tensor]:
-        """The log's entries up to `cursor` (its newest MAX_REFRESH_ENTRIES), sorted, and which
-        are candidates: a real key, the first of its run, not resident. The log's cursors are
-        the host's, so no shape here waits for the device."""
+        """_distinct of the log's entries up to `cursor` (its newest MAX_REFRESH_ENTRIES). The
+        log's cursors are the host's, so no shape here waits for the device."""
         entries = self.cache.logged_since(max(self._logged, cursor - MAX_REFRESH_ENTRIES), cursor)
         self._logged = cursor
-        valid = hot_cache.valid_keys(entries, self.table_rows)
-        entries = torch.where(valid, entries, hot_cache.EMPTY_KEY).sort().values
-        first = torch.ones_like(entries, dtype=torch.bool)
-        first[1:] = entries[1:] != entries[:-1]
-        return entries, first & (entries >= 0) & ~self.cache.resident(entries)
+        return self._distinct(entries)
+
+    def _distinct(self, keys: Tensor) -> tuple[Tensor, Tensor]:
+        """`keys` sorted (those not of these tables as EMPTY_KEY), and which are candidates: a
+        real key, the first of its run, not resident. Fixed shapes: no wait for the device."""
+        valid = hot_cache.valid_keys(keys, self.table_rows)
+        keys = torch.where(valid, keys, hot_cache.EMPTY_KEY).sort().values
+        first = torch.ones_like(keys, dtype=torch.bool)
+        first[1:] = keys[1:] != keys[:-1]
+        return keys, first & (keys >= 0) & ~self.cache.resident(keys)
 
     def _to_host(self, plan: AdmissionPlan) -> AdmissionPlan:
         """The plan in host memory, after one wait for the device, asleep."""
@@ -356,7 +359,7 @@ class CacheKeeper:
         # By layer, so that each table's rows are one slice of the device's copy.
         layers = hot_cache.key_layers(chosen.keys)
         order = torch.argsort(layers, stable=True)
-        ends = torch.searchsorted(layers[order], torch.arange(1, len(self.tables) + 1)).tolist()
+        ends = torch.bincount(layers, minlength=len(self.tables)).cumsum(0).tolist()
         ways = self._to_device(chosen.part(order))
         keys = cache.keys.view(-1)  # by slot, and a scalar fill: no value copied from the host
         keys.index_fill_(0, ways.slots, hot_cache.EMPTY_KEY)
