@@ -248,6 +248,35 @@ class _TimedChild(_Timed):
 HERE = __name__
 
 
+def test_the_timeline_places_each_device_operation_of_a_synchronised_step_by_its_median():
+    """cell_profile.timeline_table on a hand-made trace of three steps: each operation's start
+    and end from its step's first operation, the median over the alike steps; a step with other
+    operations is left out and counted; nothing outside a step is anyone's."""
+    def x(name, cat, ts, dur, stream=None):
+        event = {"name": name, "cat": cat, "ph": "X", "ts": ts, "dur": dur}
+        if stream is not None:
+            event["args"] = {"stream": stream}
+        return event
+
+    events = []
+    for start, gather_end in ((1000.0, 60.0), (5000.0, 80.0), (9000.0, 70.0)):
+        events += [x(cell_profile._SYNCED, "user_annotation", start, 900.0),
+                   x("Memcpy DtoD", "gpu_memcpy", start + 10, 2, stream=7),
+                   x("_gather_kernel", "kernel", start + 12, gather_end - 2, stream=20),
+                   x("nvjet_mm", "kernel", start + 14, 50, stream=7)]
+    events += [x(cell_profile._SYNCED, "user_annotation", 13000.0, 900.0),
+               x("other_kernel", "kernel", 13010.0, 5, stream=7),
+               x("nvjet_mm", "kernel", 1950.0, 50, stream=7)]  # after step 1's annotation
+    table = cell_profile.timeline_table(events).splitlines()
+    assert table[0].startswith("3 steps of 4 alike")
+    rows = [line.split() for line in table[2:5]]
+    assert rows[0] == ["7", "0.0", "2.0", "2.0", "Memcpy", "DtoD"]
+    assert rows[1] == ["20", "2.0", "70.0", "68.0", "_gather_kernel"]
+    assert rows[2] == ["7", "4.0", "54.0", "50.0", "nvjet_mm"]
+    assert table[5] == "step span (first start to last end): 70.0 us"
+    assert cell_profile.timeline_table([]).startswith("no device operations")
+
+
 def test_wall_timers_count_the_steps_calls_once_each_and_put_everything_back():
     import threading
 

@@ -10,18 +10,24 @@ Two passes over the same steps, after the cell's warm steps, so that neither inf
    where a host-side wait (a lock, a poll, a sleep, an event's synchronize) shows by name;
 3. where the caller names functions (`timed`), their inclusive wall time per step at nearly the
    step's own speed (common/wall_timers.py: cProfile slows every call, and hides a gap of a few
-   hundred microseconds between two host-bound steps).
+   hundred microseconds between two host-bound steps);
+4. on a GPU, a few steps each alone (the device synchronised after it) under torch.profiler: each
+   device operation's start and end from the step's first, the median over those steps, per
+   stream (`<name>.timeline.txt`): which kernel overlaps which, and which one the step waits for.
 The tables go to `<name>.txt`; profile_cell returns its head, and the third pass's table, for
 the run's output.
 """
 
 from __future__ import annotations
 
+import collections
 import cProfile
 import gzip
 import io
+import json
 import pstats
 import shutil
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -81,7 +87,8 @@ def profile_cell(clock, step: Callable[[Tensor], object], pool: Sequence[Tensor]
     path.with_suffix(".txt").write_text(report)  # kept, should the third pass fail
     walls = _wall_times(clock, step, pool, warm, timed) if timed else ""
     path.with_suffix(".txt").write_text("\n".join([report, walls]))
-    return "\n".join([*report.splitlines()[:rows // 2], walls])
+    timeline = _timeline(clock, step, pool, warm, path) if clock.cuda else ""
+    return "\n".join([*report.splitlines()[:rows // 2], walls, timeline])
 
 
 def _wall_times(clock, step: Callable[[Tensor], object], pool: Sequence[Tensor], warm: int,
@@ -98,6 +105,64 @@ def _run(clock, step: Callable[[Tensor], object], pool: Sequence[Tensor]) -> Non
     for ids in pool:
         step(ids)
     clock.sync()
+
+
+TIMELINE_STEPS = 10  # synchronised steps in pass 4
+_SYNCED = "synchronised step"
+_DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def _timeline(clock, step: Callable[[Tensor], object], pool: Sequence[Tensor], warm: int,
+              path: Path) -> str:
+    """Pass 4: each of the first TIMELINE_STEPS steps after the warm ones alone, the device
+    synchronised after it, so that every device operation between its annotation's start and
+    the next one's is its own; their timeline_table, at `path` + .timeline.txt."""
+    _run(clock, step, pool[:warm])
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as torch_profile:
+        for ids in pool[warm:warm + TIMELINE_STEPS]:
+            with record_function(_SYNCED):
+                step(ids)
+                clock.sync()
+    trace = path.with_suffix(".timeline.json")
+    torch_profile.export_chrome_trace(str(trace))
+    events = json.loads(trace.read_text())["traceEvents"]
+    trace.unlink()
+    table = f"{path.name}: device timeline of a synchronised step\n" + timeline_table(events)
+    path.with_suffix(".timeline.txt").write_text(table)
+    return table
+
+
+def timeline_table(events: Sequence[dict]) -> str:
+    """Chrome-trace `events` with `_SYNCED` annotations as a table: each device operation of a
+    step (kernels, copies, sets; in order of start), its stream, and the median over the steps
+    of its start and end, in microseconds from the step's first device operation. Only the
+    steps with the most common operations (by name and stream, in order) count; the others are
+    left out and counted."""
+    steps = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                   if e.get("ph") == "X" and e.get("name") == _SYNCED and e.get("cat") != "gpu_user_annotation")
+    device = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in _DEVICE_CATEGORIES),
+                    key=lambda e: e["ts"])
+    # The device is synchronised inside the annotation: a step's operations lie within it.
+    per_step = [ops for start, end in steps if (ops := [e for e in device if start <= e["ts"] < end])]
+    if not per_step:
+        return "no device operations in the synchronised steps\n"
+
+    def shape(ops: list[dict]) -> tuple[tuple[str, object], ...]:
+        return tuple((op["name"], op.get("args", {}).get("stream", op.get("tid"))) for op in ops)
+
+    first = collections.Counter(shape(ops) for ops in per_step).most_common(1)[0][0]
+    kept = [ops for ops in per_step if shape(ops) == first]
+    starts = [[op["ts"] - ops[0]["ts"] for op in ops] for ops in kept]
+    ends = [[op["ts"] + op["dur"] - ops[0]["ts"] for op in ops] for ops in kept]
+    lines = [f"{len(kept)} steps of {len(per_step)} alike; us from the step's first device operation",
+             f"{'stream':>7} {'start':>8} {'end':>8} {'dur':>8}  name"]
+    for i, (name, stream) in enumerate(first):
+        start = statistics.median(s[i] for s in starts)
+        end = statistics.median(e[i] for e in ends)
+        lines.append(f"{stream!s:>7} {start:8.1f} {end:8.1f} {end - start:8.1f}  {name[:90]}")
+    span = statistics.median(max(e) for e in ends)
+    lines.append(f"step span (first start to last end): {span:.1f} us")
+    return "\n".join(lines) + "\n"
 
 
 def _write_trace(torch_profile, path: Path) -> None:
