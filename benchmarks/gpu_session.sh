@@ -110,6 +110,8 @@
 # The experiments in benchmarks/experiments/ have no phase: run them as their docstrings say.
 set -u
 final=$1; shift
+# Made now: packing into a folder that is not there loses every result, silently.
+mkdir -p "$final" || { echo "cannot make OUT $final" >&2; exit 2; }
 cd "$(dirname "$0")/.."
 out=$(mktemp -d)
 pack() {  # results.tgz from what the phases wrote so far; renamed into place whole

@@ -47,6 +47,16 @@ def test_a_phase_that_cannot_run_is_refused_before_anything_runs(tmp_path, phase
     assert "===" not in done.stdout and list(tmp_path.iterdir()) == []  # no phase ran, nothing packed
 
 
+def test_an_out_folder_that_is_not_there_is_made_before_anything_runs(tmp_path):
+    """OUT may name a folder to be (OUT/half, OUT/quarter): results packed into one that is not
+    there would be lost."""
+    out = tmp_path / "half" / "more"
+    done = subprocess.run(["bash", str(SCRIPT), str(out), "no-such-phase"], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2 and "unknown phase" in done.stderr, done
+    assert out.is_dir() and list(out.iterdir()) == []
+
+
 def test_the_memcheck_phases_daemons_start_in_the_environment_from_before_the_sanitizer(
         tmp_path, monkeypatch):
     """The phase writes its shell's environment with `env -0` and names the file in
