@@ -100,18 +100,28 @@ class CapturedLookup:
         """Compile and load the variants record() launches, now: a capture cannot load a module.
         On the engine's own IDs buffer (its alignment is part of the variant) and a descriptor of
         their own, which owns no rows (nothing is read; this one's counts stay the replays').
-        Sorted reads at the fewest and the most tokens: the block size and torch's sort kernels
-        depend on the size."""
+        At the fewest and the most tokens, unsorted, and sorted where the policy sorts: the
+        block size (captured_block_rows, one of two a way) and torch's sort kernels depend on the
+        size, and every size between takes one of the two ends' blocks."""
         nothing = desc.Contents(((0, 0, 0, 0),) * self.geometry.n_layers)
         scratch = desc.TableDescriptor(nothing, self.device, stream=self._stream)
         most = self.ids.shape[0]
-        launches = [(1, False)] + ([(1, True), (most, True)] if 0 < self._sort_from <= most else [])
+        launches = [(1, False), (most, False)]
+        launches += [(1, True), (most, True)] if 0 < self._sort_from <= most else []
         # Triton launches on the thread's device, not the tensors': this client's, then.
         with torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext():
             for tokens, sort in launches:
-                self._plan(self.ids[:tokens], self.rows(tokens), num_programs=self._programs,
-                           sort=sort, descriptor=scratch)
+                self._plan(self.ids[:tokens], self.rows(tokens), sort=sort, descriptor=scratch,
+                           **self._blocks(tokens, sort))
         self.settle()
+
+    def _blocks(self, tokens: int, sort: bool) -> dict[str, int]:
+        """The grid and block size of a launch of `tokens` (captured_block_rows)."""
+        from engramd.kernels.gather_triton import captured_block_rows
+
+        items = tokens * self._plan.n_layers * self._plan.shard.local_heads  # the kernel's
+        return {"num_programs": self._programs,
+                "block_rows": captured_block_rows(items, self._programs, sort)}
 
     # -- what the engine calls ------------------------------------------------------------------
 
@@ -136,9 +146,10 @@ class CapturedLookup:
     def _launch(self, tokens: int, stream: torch.cuda.Stream | None) -> torch.Tensor:
         """The launch a graph records, and replays."""
         out = self.rows(tokens)
+        sort = 0 < self._sort_from <= tokens
         with self._launching if self.device.type == "cpu" else nullcontext():
-            self._plan(self.ids[:tokens], out, stream=stream, num_programs=self._programs,
-                       sort=0 < self._sort_from <= tokens, descriptor=self.descriptor)
+            self._plan(self.ids[:tokens], out, stream=stream, sort=sort, descriptor=self.descriptor,
+                       **self._blocks(tokens, sort))
         return out
 
     def settle(self) -> None:

@@ -878,6 +878,22 @@ def sorted_block_rows(n_items: int, programs: int) -> int:
     return WIDE_BLOCK_ROWS if n_items >= WIDE_FROM_ROWS * programs else DEFAULT_BLOCK_ROWS
 
 
+def captured_block_rows(n_items: int, programs: int, sort: bool) -> int:
+    """Rows per block of a captured lookup of `n_items` rows on a grid of at most `programs`.
+
+    A lookup that one round of wide blocks covers takes them, on that many programs: a decode
+    step's lookup is latency-bound, and the SMs its programs hold are SMs a matmul beside it
+    cannot start on. At T = 16 (768 rows, 66 programs) blocks of 8 held 66 SMs for 46 us, and the
+    lead matmul beside them ran 31 us longer than alone, where vLLM's two launches of 24 programs
+    (16 rows a block) cost it 8-10 (results/h200/2026-12-06/, pipelined timelines). Larger
+    lookups keep DEFAULT_BLOCK_ROWS (sorted: sorted_block_rows): once every program loops, wide
+    blocks cost a matmul beside them about as much per row as narrow ones (sm_cap.md,
+    sm_cap_rows32.md)."""
+    if sort:
+        return sorted_block_rows(n_items, programs)
+    return WIDE_BLOCK_ROWS if n_items <= programs * WIDE_BLOCK_ROWS else DEFAULT_BLOCK_ROWS
+
+
 def grid_programs(sms: int, sm_fraction: float) -> int:
     """Programs of a persistent grid on `sm_fraction` (clamped to [0, 1]) of `sms` SMs: at
     least one."""

@@ -443,6 +443,16 @@ def test_sorted_lookups_take_wide_blocks_from_enough_rows_a_program(kt):
         assert kt.sorted_block_rows(kt.WIDE_FROM_ROWS * programs, programs) == kt.WIDE_BLOCK_ROWS
 
 
+def test_a_captured_lookup_takes_wide_blocks_where_one_round_of_them_covers_it(kt):
+    for programs in (1, 17, 66):
+        most = kt.WIDE_BLOCK_ROWS * programs
+        assert kt.captured_block_rows(1, programs, False) == kt.WIDE_BLOCK_ROWS
+        assert kt.captured_block_rows(most, programs, False) == kt.WIDE_BLOCK_ROWS
+        assert kt.captured_block_rows(most + 1, programs, False) == kt.DEFAULT_BLOCK_ROWS
+        for items in (1, most + 1, kt.WIDE_FROM_ROWS * programs):
+            assert kt.captured_block_rows(items, programs, True) == kt.sorted_block_rows(items, programs)
+
+
 def test_a_sorted_lookup_in_wide_blocks_equals_the_reference(kt, world, monkeypatch):
     """The default blocks of a sorted lookup widen with its rows per program (sorted_block_rows):
     the wide variant must give the reference's rows too."""

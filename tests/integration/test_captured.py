@@ -50,6 +50,18 @@ def capture(client: EngramClient):
     return client._captures.make(buffer, None, 1.0)
 
 
+def record_launches(module, monkeypatch) -> list:
+    """Every launch of `module`'s gather from now on (its _Launch: grid, block rows), in order."""
+    original, launched = module._Launch, []
+
+    def recording(*args):
+        launched.append(original(*args))
+        return launched[-1]
+
+    monkeypatch.setattr(module, "_Launch", recording)
+    return launched
+
+
 def out_of_range(ids: np.ndarray, rows: list[int]) -> int:
     """IDs a gather counts: not DEAD (-1), outside their layer's table."""
     return int(sum(((ids[:, layer] != -1) & ((ids[:, layer] < 0) | (ids[:, layer] >= n))).sum()
@@ -97,18 +109,23 @@ def replays_until_new(captured, ids, old, new, enough: int, timeout: float) -> d
 
 
 def test_captured_replays_equal_the_reference_and_keep_their_slot(daemon_factory, reference,
-                                                                  interpreted):
+                                                                  interpreted, monkeypatch):
     daemon = daemon_factory()
     rng = np.random.default_rng(41)
+    launched = record_launches(interpreted, monkeypatch)
     with EngramClient(daemon.socket, mode="mapped", max_tokens=TOKENS, slots=3) as client:
         captured = capture(client)
         assert captured.slot == 2, "the last free slot"
+        launched.clear()  # the warm-up's
         bad = 0
         for tokens in (1, 5, TOKENS, 5):
             ids = random_ids(rng, tokens, reference.rows, reference.heads)
             assert rows_match(replay(captured, ids), reference, ids), f"{tokens} tokens"
             bad += out_of_range(ids, reference.rows)
         assert bad > 0
+        # 48 rows fit one round of wide blocks on two programs, 240 do not (captured_block_rows)
+        assert [(launch.grid, launch.block_rows) for launch in launched] == \
+            [(2, interpreted.WIDE_BLOCK_ROWS)] + [(2, interpreted.DEFAULT_BLOCK_ROWS)] * 3
         captured.ids.fill_(-1)  # DEAD: counts nothing
         assert captured.record(TOKENS).shape == (len(reference.rows), TOKENS, reference.heads, 256)
         assert captured.counts() == {"replays": 5, "poisoned": 0, "out_of_range": bad}
