@@ -112,16 +112,15 @@ class CapturedLookup:
         with torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext():
             for tokens, sort in launches:
                 self._plan(self.ids[:tokens], self.rows(tokens), sort=sort, descriptor=scratch,
-                           **self._blocks(tokens, sort))
+                           num_programs=self._programs, block_rows=self._block_rows(tokens, sort))
         self.settle()
 
-    def _blocks(self, tokens: int, sort: bool) -> dict[str, int]:
-        """The grid and block size of a launch of `tokens` (captured_block_rows)."""
+    def _block_rows(self, tokens: int, sort: bool) -> int:
+        """The block size of a launch of `tokens` (captured_block_rows)."""
         from engramd.kernels.gather_triton import captured_block_rows
 
         items = tokens * self._plan.n_layers * self._plan.shard.local_heads  # the kernel's
-        return {"num_programs": self._programs,
-                "block_rows": captured_block_rows(items, self._programs, sort)}
+        return captured_block_rows(items, self._programs, sort)
 
     # -- what the engine calls ------------------------------------------------------------------
 
@@ -149,7 +148,7 @@ class CapturedLookup:
         sort = 0 < self._sort_from <= tokens
         with self._launching if self.device.type == "cpu" else nullcontext():
             self._plan(self.ids[:tokens], out, stream=stream, sort=sort, descriptor=self.descriptor,
-                       **self._blocks(tokens, sort))
+                       num_programs=self._programs, block_rows=self._block_rows(tokens, sort))
         return out
 
     def settle(self) -> None:
