@@ -100,20 +100,29 @@ class CapturedLookup:
         """Compile and load the variants record() launches, now: a capture cannot load a module.
         On the engine's own IDs buffer (its alignment is part of the variant) and a descriptor of
         their own, which owns no rows (nothing is read; this one's counts stay the replays').
-        At the fewest and the most tokens, unsorted, and sorted where the policy sorts: the
-        block size (captured_block_rows, one of two a way) and torch's sort kernels depend on the
-        size, and every size between takes one of the two ends' blocks."""
+        Unsorted, at the fewest tokens that take each block size (captured_block_rows); sorted
+        where the policy sorts, at the fewest and the most tokens too: torch's sort kernels
+        depend on the size. The fewest keep the warm-up short (the interpreter's, above all)."""
         nothing = desc.Contents(((0, 0, 0, 0),) * self.geometry.n_layers)
         scratch = desc.TableDescriptor(nothing, self.device, stream=self._stream)
         most = self.ids.shape[0]
-        launches = [(1, False), (most, False)]
-        launches += [(1, True), (most, True)] if 0 < self._sort_from <= most else []
+        launches = [(tokens, False) for tokens in self._fewest_tokens_of_each_block(False)]
+        if 0 < self._sort_from <= most:
+            launches += [(tokens, True) for tokens in
+                         sorted({1, most, *self._fewest_tokens_of_each_block(True)})]
         # Triton launches on the thread's device, not the tensors': this client's, then.
         with torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext():
             for tokens, sort in launches:
                 self._plan(self.ids[:tokens], self.rows(tokens), sort=sort, descriptor=scratch,
                            num_programs=self._programs, block_rows=self._block_rows(tokens, sort))
         self.settle()
+
+    def _fewest_tokens_of_each_block(self, sort: bool) -> list[int]:
+        """For each block size a launch of 1..max tokens takes, the fewest tokens that take it."""
+        fewest: dict[int, int] = {}
+        for tokens in range(1, self.ids.shape[0] + 1):
+            fewest.setdefault(self._block_rows(tokens, sort), tokens)
+        return sorted(fewest.values())
 
     def _block_rows(self, tokens: int, sort: bool) -> int:
         """The block size of a launch of `tokens` (captured_block_rows)."""

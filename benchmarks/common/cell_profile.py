@@ -112,6 +112,12 @@ _SYNCED = "synchronised step"
 _DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
+def device_operations(events: Sequence[dict]) -> list[dict]:
+    """A Chrome trace's device operations (kernels, copies, sets), in order of start."""
+    return sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in _DEVICE_CATEGORIES),
+                  key=lambda e: e["ts"])
+
+
 def _timeline(clock, step: Callable[[Tensor], object], pool: Sequence[Tensor], warm: int,
               path: Path) -> str:
     """Pass 4: each of the first TIMELINE_STEPS steps after the warm ones alone, the device
@@ -140,8 +146,7 @@ def timeline_table(events: Sequence[dict]) -> str:
     left out and counted."""
     steps = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
                    if e.get("ph") == "X" and e.get("name") == _SYNCED and e.get("cat") != "gpu_user_annotation")
-    device = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in _DEVICE_CATEGORIES),
-                    key=lambda e: e["ts"])
+    device = device_operations(events)
     # The device is synchronised inside the annotation: a step's operations lie within it.
     per_step = [ops for start, end in steps if (ops := [e for e in device if start <= e["ts"] < end])]
     if not per_step:
