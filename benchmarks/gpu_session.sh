@@ -109,8 +109,9 @@
 # folder .ab_base (carry it: `git archive REV | tar x -C .ab_base`).
 # The experiments in benchmarks/experiments/ have no phase: run them as their docstrings say.
 set -u
-final=$1; shift
-# Made now: packing into a folder that is not there loses every result, silently.
+# Absolute (the script moves to the tree's root) and made now: packing into a folder that is
+# not there loses every result, silently.
+final=$(realpath -m -- "$1"); shift
 mkdir -p "$final" || { echo "cannot make OUT $final" >&2; exit 2; }
 cd "$(dirname "$0")/.."
 out=$(mktemp -d)

@@ -100,16 +100,11 @@ class CapturedLookup:
         """Compile and load the variants record() launches, now: a capture cannot load a module.
         On the engine's own IDs buffer (its alignment is part of the variant) and a descriptor of
         their own, which owns no rows (nothing is read; this one's counts stay the replays').
-        Unsorted, at the fewest tokens that take each block size (captured_block_rows); sorted
-        where the policy sorts, at the fewest and the most tokens too: torch's sort kernels
-        depend on the size. The fewest keep the warm-up short (the interpreter's, above all)."""
+        Each variant at the fewest tokens that launch it (the warm-up stays short, under the
+        interpreter above all): _warm_up_sizes."""
         nothing = desc.Contents(((0, 0, 0, 0),) * self.geometry.n_layers)
         scratch = desc.TableDescriptor(nothing, self.device, stream=self._stream)
-        most = self.ids.shape[0]
-        launches = [(tokens, False) for tokens in self._fewest_tokens_of_each_block(False)]
-        if 0 < self._sort_from <= most:
-            launches += [(tokens, True) for tokens in
-                         sorted({1, most, *self._fewest_tokens_of_each_block(True)})]
+        launches = self._warm_up_sizes()
         # Triton launches on the thread's device, not the tensors': this client's, then.
         with torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext():
             for tokens, sort in launches:
@@ -117,12 +112,21 @@ class CapturedLookup:
                            num_programs=self._programs, block_rows=self._block_rows(tokens, sort))
         self.settle()
 
-    def _fewest_tokens_of_each_block(self, sort: bool) -> list[int]:
-        """For each block size a launch of 1..max tokens takes, the fewest tokens that take it."""
-        fewest: dict[int, int] = {}
-        for tokens in range(1, self.ids.shape[0] + 1):
-            fewest.setdefault(self._block_rows(tokens, sort), tokens)
-        return sorted(fewest.values())
+    def _warm_up_sizes(self) -> list[tuple[int, bool]]:
+        """(tokens, sorted) for each variant record() can launch, at the fewest tokens that take
+        it: each block size (captured_block_rows), and where the policy sorts, each power of two
+        of the sort's keys from `sort_min_tokens` on and the most tokens (torch's sort kernels
+        change with the size)."""
+        fewest: dict[object, tuple[int, bool]] = {}
+        per_token = self._plan.n_layers * self._plan.shard.local_heads
+        most = self.ids.shape[0]
+        for tokens in range(1, most + 1):
+            sort = 0 < self._sort_from <= tokens
+            keys = (tokens * per_token - 1).bit_length() if sort else 0
+            fewest.setdefault((self._block_rows(tokens, sort), sort, keys), (tokens, sort))
+        if 0 < self._sort_from <= most:
+            fewest["most"] = (most, True)
+        return sorted(set(fewest.values()))
 
     def _block_rows(self, tokens: int, sort: bool) -> int:
         """The block size of a launch of `tokens` (captured_block_rows)."""

@@ -249,9 +249,11 @@ HERE = __name__
 
 
 def test_the_timeline_places_each_device_operation_of_a_synchronised_step_by_its_median():
-    """cell_profile.timeline_table on a hand-made trace of three steps: each operation's start
-    and end from its step's first operation, the median over the alike steps; a step with other
-    operations is left out and counted; nothing outside a step is anyone's."""
+    """cell_profile.timeline_table on a hand-made trace of four steps: each operation's start
+    and end from its step's first operation, the median over the alike steps (not the mean, not
+    the last step's), whichever of two streams' operations starts first; a step with other
+    operations and one with none are left out and counted; nothing outside a step's annotation
+    (nor the device's copy of it) is anyone's."""
     def x(name, cat, ts, dur, stream=None):
         event = {"name": name, "cat": cat, "ph": "X", "ts": ts, "dur": dur}
         if stream is not None:
@@ -259,20 +261,24 @@ def test_the_timeline_places_each_device_operation_of_a_synchronised_step_by_its
         return event
 
     events = []
-    for start, gather_end in ((1000.0, 60.0), (5000.0, 80.0), (9000.0, 70.0)):
-        events += [x(cell_profile._SYNCED, "user_annotation", start, 900.0),
-                   x("Memcpy DtoD", "gpu_memcpy", start + 10, 2, stream=7),
-                   x("_gather_kernel", "kernel", start + 12, gather_end - 2, stream=20),
-                   x("nvjet_mm", "kernel", start + 14, 50, stream=7)]
+    # The gather and the matmul start 2 us apart, in either order; the gather's ends skewed.
+    for start, gather_start, mm_start, gather_end in ((1000.0, 12, 14, 60.0), (5000.0, 14, 12, 80.0),
+                                                      (9000.0, 12, 14, 200.0)):
+        events += [x("nvjet_mm", "kernel", start + mm_start, 50, stream=7),
+                   x(cell_profile._SYNCED, "user_annotation", start, 900.0),
+                   x(cell_profile._SYNCED, "gpu_user_annotation", start + 5, 300.0, stream=7),
+                   x("_gather_kernel", "kernel", start + gather_start, gather_end - gather_start, stream=20),
+                   x("Memcpy DtoD", "gpu_memcpy", start + 10, 2, stream=7)]
     events += [x(cell_profile._SYNCED, "user_annotation", 13000.0, 900.0),
                x("other_kernel", "kernel", 13010.0, 5, stream=7),
+               x(cell_profile._SYNCED, "user_annotation", 17000.0, 900.0),
                x("nvjet_mm", "kernel", 1950.0, 50, stream=7)]  # after step 1's annotation
     table = cell_profile.timeline_table(events).splitlines()
-    assert table[0].startswith("3 steps of 4 alike")
+    assert table[0].startswith("3 of 5 steps alike (1 with no device operation)")
     rows = [line.split() for line in table[2:5]]
     assert rows[0] == ["7", "0.0", "2.0", "2.0", "Memcpy", "DtoD"]
-    assert rows[1] == ["20", "2.0", "70.0", "68.0", "_gather_kernel"]
-    assert rows[2] == ["7", "4.0", "54.0", "50.0", "nvjet_mm"]
+    assert rows[1] == ["20", "2.0", "70.0", "68.0", "_gather_kernel"]  # ends 50, 70 and 190
+    assert rows[2] == ["7", "4.0", "54.0", "50.0", "nvjet_mm"]  # 4, 2 and 4 us after the copy
     assert table[5] == "step span (first start to last end): 70.0 us"
     assert cell_profile.timeline_table([]).startswith("no device operations")
 

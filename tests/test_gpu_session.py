@@ -55,6 +55,10 @@ def test_an_out_folder_that_is_not_there_is_made_before_anything_runs(tmp_path):
                           text=True, timeout=60)
     assert done.returncode == 2 and "unknown phase" in done.stderr, done
     assert out.is_dir() and list(out.iterdir()) == []
+    # A relative OUT is the caller's, not the tree's the script moves to.
+    done = subprocess.run(["bash", str(SCRIPT), "rel/out", "no-such-phase"], capture_output=True,
+                          text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 2 and (tmp_path / "rel" / "out").is_dir(), done
 
 
 def test_the_memcheck_phases_daemons_start_in_the_environment_from_before_the_sanitizer(

@@ -140,34 +140,48 @@ def _timeline(clock, step: Callable[[Tensor], object], pool: Sequence[Tensor], w
 
 def timeline_table(events: Sequence[dict]) -> str:
     """Chrome-trace `events` with `_SYNCED` annotations as a table: each device operation of a
-    step (kernels, copies, sets; in order of start), its stream, and the median over the steps
-    of its start and end, in microseconds from the step's first device operation. Only the
-    steps with the most common operations (by name and stream, in order) count; the others are
-    left out and counted."""
+    step (kernels, copies, sets), its stream, and the median over the steps of its start and
+    end, in microseconds from the step's first device operation, in order of median start. An
+    operation is known by its stream, its name and its place among the operations of that name
+    on that stream, so that two streams' operations may start in either order. Only the steps
+    with the most common set of operations count; the others, and steps with none, are counted."""
     steps = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
                    if e.get("ph") == "X" and e.get("name") == _SYNCED and e.get("cat") != "gpu_user_annotation")
     device = device_operations(events)
     # The device is synchronised inside the annotation: a step's operations lie within it.
-    per_step = [ops for start, end in steps if (ops := [e for e in device if start <= e["ts"] < end])]
-    if not per_step:
+    per_step = [_keyed([e for e in device if start <= e["ts"] < end]) for start, end in steps]
+    busy = [ops for ops in per_step if ops]
+    if not busy:
         return "no device operations in the synchronised steps\n"
-
-    def shape(ops: list[dict]) -> tuple[tuple[str, object], ...]:
-        return tuple((op["name"], op.get("args", {}).get("stream", op.get("tid"))) for op in ops)
-
-    first = collections.Counter(shape(ops) for ops in per_step).most_common(1)[0][0]
-    kept = [ops for ops in per_step if shape(ops) == first]
-    starts = [[op["ts"] - ops[0]["ts"] for op in ops] for ops in kept]
-    ends = [[op["ts"] + op["dur"] - ops[0]["ts"] for op in ops] for ops in kept]
-    lines = [f"{len(kept)} steps of {len(per_step)} alike; us from the step's first device operation",
+    common = collections.Counter(frozenset(ops) for ops in busy).most_common(1)[0][0]
+    kept = [ops for ops in busy if frozenset(ops) == common]
+    rows = []
+    for key in common:
+        start = statistics.median(ops[key][0] for ops in kept)
+        end = statistics.median(ops[key][1] for ops in kept)
+        rows.append((start, end, key))
+    lines = [f"{len(kept)} of {len(per_step)} steps alike ({len(per_step) - len(busy)} with no device "
+             "operation); us from the step's first device operation",
              f"{'stream':>7} {'start':>8} {'end':>8} {'dur':>8}  name"]
-    for i, (name, stream) in enumerate(first):
-        start = statistics.median(s[i] for s in starts)
-        end = statistics.median(e[i] for e in ends)
+    for start, end, (stream, name, _) in sorted(rows, key=lambda row: row[:2]):
         lines.append(f"{stream!s:>7} {start:8.1f} {end:8.1f} {end - start:8.1f}  {name[:90]}")
-    span = statistics.median(max(e) for e in ends)
+    span = statistics.median(max(end for _, end in ops.values()) for ops in kept)
     lines.append(f"step span (first start to last end): {span:.1f} us")
     return "\n".join(lines) + "\n"
+
+
+def _keyed(ops: list[dict]) -> dict[tuple[str, str, int], tuple[float, float]]:
+    """A step's operations (in order of start) by (stream, name, their place among that stream's
+    operations of that name): (start, end) from the step's first operation."""
+    keyed: dict[tuple[str, str, int], tuple[float, float]] = {}
+    seen: collections.Counter = collections.Counter()
+    for op in ops:
+        stream = str(op.get("args", {}).get("stream", op.get("tid")))
+        place = seen[stream, op["name"]]
+        seen[stream, op["name"]] += 1
+        first = ops[0]["ts"]
+        keyed[stream, op["name"], place] = (op["ts"] - first, op["ts"] + op["dur"] - first)
+    return keyed
 
 
 def _write_trace(torch_profile, path: Path) -> None:

@@ -148,6 +148,38 @@ def test_captured_replays_equal_the_reference_and_keep_their_slot(daemon_factory
         assert {client.lookup(torch.from_numpy(ids)).slot for _ in range(6)} == {0, 1, 2}
 
 
+def test_the_warm_up_launches_every_variant_a_record_launches(daemon_factory, reference,
+                                                              interpreted, monkeypatch):
+    """A capture cannot load a kernel: every (block size, sorted, sort size) that a record of
+    1..TOKENS tokens launches, the warm-up launched first. With sorted reads from 4 tokens, and
+    the interpreter's two programs (on which 1 token, 48 rows, takes wide blocks and 2 tokens
+    narrow ones)."""
+    daemon = daemon_factory(extra=["--sort-min-tokens", "4"])
+    launched = []
+    original = interpreted.GatherPlan.__call__
+
+    def recording(plan, ids, out=None, **kwargs):
+        keys = (ids.shape[0] * ids.shape[1] * ids.shape[2] - 1).bit_length() if kwargs["sort"] else 0
+        launched.append((kwargs["block_rows"], kwargs["sort"], keys))
+        return original(plan, ids, out, **kwargs)
+
+    monkeypatch.setattr(interpreted.GatherPlan, "__call__", recording)
+    with EngramClient(daemon.socket, mode="mapped", max_tokens=TOKENS) as client:
+        buffer = torch.full((TOKENS, client.geometry.n_layers, client.geometry.heads), -1,
+                            dtype=torch.int64)
+        captured = client._captures.make(buffer, None, 1.0)
+        warmed = set(launched)
+        launched.clear()
+        for tokens in range(1, TOKENS + 1):
+            captured.record(tokens)
+        recorded = set(launched)
+    assert recorded <= warmed, f"recorded, never warmed: {recorded - warmed}"
+    assert {(block, sort) for block, sort, _ in recorded} == {
+        (interpreted.WIDE_BLOCK_ROWS, False), (interpreted.DEFAULT_BLOCK_ROWS, False),
+        (interpreted.DEFAULT_BLOCK_ROWS, True)}, "each kind of launch, so that the check means something"
+    assert len({keys for _, sort, keys in recorded if sort}) > 1, "sorts of more than one size class"
+
+
 def test_captured_replays_follow_a_reload(daemon_factory, demo_checkpoint, reference,
                                           second_checkpoint, second_reference, tmp_path, interpreted):
     with captured_then_reloaded(daemon_factory, demo_checkpoint, second_checkpoint, reference,
