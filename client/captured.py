@@ -114,19 +114,27 @@ class CapturedLookup:
 
     def _warm_up_sizes(self) -> list[tuple[int, bool]]:
         """(tokens, sorted) for each variant record() can launch, at the fewest tokens that take
-        it: each block size (captured_block_rows), and where the policy sorts, each power of two
-        of the sort's keys from `sort_min_tokens` on and the most tokens (torch's sort kernels
-        change with the size)."""
+        it: each block size unsorted and, where the policy sorts, sorted (captured_block_rows;
+        the kernel's sorted variant runs at any size); on a GPU also each power of two of the
+        sort's keys from `sort_min_tokens` on, and the most tokens: torch's sort kernels change
+        with the size."""
         fewest: dict[object, tuple[int, bool]] = {}
         per_token = self._plan.n_layers * self._plan.shard.local_heads
         most = self.ids.shape[0]
+        sorts = 0 < self._sort_from <= most
         for tokens in range(1, most + 1):
-            sort = 0 < self._sort_from <= tokens
-            keys = (tokens * per_token - 1).bit_length() if sort else 0
-            fewest.setdefault((self._block_rows(tokens, sort), sort, keys), (tokens, sort))
-        if 0 < self._sort_from <= most:
+            for sort in (False, True) if sorts else (False,):
+                fewest.setdefault((self._block_rows(tokens, sort), sort), (tokens, sort))
+            if sorts and self._sort_kernels_vary() and tokens >= self._sort_from:
+                fewest.setdefault((tokens * per_token - 1).bit_length(), (tokens, True))
+        if sorts and self._sort_kernels_vary():
             fewest["most"] = (most, True)
         return sorted(set(fewest.values()))
+
+    def _sort_kernels_vary(self) -> bool:
+        """Whether a sort of other size may launch a kernel not yet loaded: torch's CUDA sorts.
+        (The interpreter's warm-up of a sort of many tokens would take minutes, for nothing.)"""
+        return self.device.type == "cuda"
 
     def _block_rows(self, tokens: int, sort: bool) -> int:
         """The block size of a launch of `tokens` (captured_block_rows)."""

@@ -885,7 +885,7 @@ def captured_block_rows(n_items: int, programs: int, sort: bool) -> int:
     step's lookup is latency-bound, and the SMs its programs hold are SMs a matmul beside it
     cannot start on. At T = 16 (768 rows, 66 programs) blocks of 8 held 66 SMs for 46 us, and the
     lead matmul beside them ran 31 us longer than alone, where vLLM's two launches of 24 programs
-    (16 rows a block) cost it 6 (medians; results/h200/2026-12-06/, pipelined traces). Larger
+    (16 rows a block) cost it 6 (medians; benchmarks/results/h200/2026-12-06/, pipelined traces). Larger
     lookups keep DEFAULT_BLOCK_ROWS (sorted: sorted_block_rows): once every program loops, wide
     blocks cost a matmul beside them about as much per row as narrow ones (sm_cap.md,
     sm_cap_rows32.md)."""
