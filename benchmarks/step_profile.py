@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common.cell_profile import annotated_steps, read_trace
 
 STEP = "step"
 METRICS = ("wall", "submitted", "first_kernel", "gather_start", "gather", "matmul_first",
@@ -59,16 +60,11 @@ def kind(kernel_name: str) -> str:
 def step_metrics(events: list[dict]) -> list[dict[str, float]]:
     """Per "step" annotation of a Chrome trace's events: the metrics above (us; absent where a
     step had no such kernel)."""
-    steps = sorted((e for e in events if e.get("name") == STEP and e.get("ph") == "X"
-                    and e.get("cat") == "user_annotation"), key=lambda e: e["ts"])
-    kernels = sorted((e for e in events if e.get("cat") == "kernel" and e.get("ph") == "X"),
-                     key=lambda e: e["ts"])
     launches = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")
                 and e.get("name") in LAUNCHES]
     out = []
-    for step in steps:
+    for step, mine in annotated_steps(events, STEP, ("kernel",)):
         start, end = step["ts"], step["ts"] + step["dur"]
-        mine = [k for k in kernels if start <= k["ts"] < end]
         if not mine:
             continue
         metrics = {"wall": step["dur"], "first_kernel": mine[0]["ts"] - start,
@@ -142,11 +138,6 @@ def profile_grid(bench: Any, ids: Any, tokens: Sequence[int], leads: Sequence[in
 
 def trace_path(out: Path, tokens: int, lead: int, variant: str) -> Path:
     return out / "traces" / f"T{tokens}_lead{lead}_{variant}.json.gz"
-
-
-def read_trace(path: Path) -> list[dict]:
-    with gzip.open(path, "rt") as trace:
-        return json.load(trace)["traceEvents"]
 
 
 def reread(out: Path) -> str:

@@ -8,11 +8,9 @@ where one step's kernels run beside the next one's, which the synchronised timel
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 from pathlib import Path
 
-from common.cell_profile import device_operations
+from common.cell_profile import device_operations, read_trace
 
 
 def table(operations: list[dict]) -> str:
@@ -31,10 +29,7 @@ def main() -> None:
     parser.add_argument("trace", type=Path, help="a .trace.json.gz (or .json)")
     parser.add_argument("--count", type=int, default=40, help="the first this many operations")
     args = parser.parse_args()
-    opener = gzip.open if args.trace.suffix == ".gz" else open
-    with opener(args.trace, "rt") as file:
-        events = json.load(file)["traceEvents"]
-    print(table(device_operations(events)[:args.count]), end="")
+    print(table(device_operations(read_trace(args.trace))[:args.count]), end="")
 
 
 if __name__ == "__main__":

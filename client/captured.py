@@ -118,30 +118,32 @@ class CapturedLookup:
         the kernel's sorted variant runs at any size); on a GPU also each power of two of the
         sort's keys from `sort_min_tokens` on, and the most tokens: torch's sort kernels change
         with the size."""
-        fewest: dict[object, tuple[int, bool]] = {}
-        per_token = self._plan.n_layers * self._plan.shard.local_heads
+        fewest: dict[tuple[str, int], tuple[int, bool]] = {}
         most = self.ids.shape[0]
         sorts = 0 < self._sort_from <= most
+        sort_sizes = sorts and self._sort_kernels_vary()
         for tokens in range(1, most + 1):
             for sort in (False, True) if sorts else (False,):
-                fewest.setdefault((self._block_rows(tokens, sort), sort), (tokens, sort))
-            if sorts and self._sort_kernels_vary() and tokens >= self._sort_from:
-                fewest.setdefault((tokens * per_token - 1).bit_length(), (tokens, True))
-        if sorts and self._sort_kernels_vary():
-            fewest["most"] = (most, True)
-        return sorted(set(fewest.values()))
+                fewest.setdefault((f"blocks, sorted={sort}", self._block_rows(tokens, sort)), (tokens, sort))
+            if sort_sizes and tokens >= self._sort_from:
+                fewest.setdefault(("sort keys, bits", (self._items(tokens) - 1).bit_length()), (tokens, True))
+        sizes = set(fewest.values()) | ({(most, True)} if sort_sizes else set())
+        return sorted(sizes)
 
     def _sort_kernels_vary(self) -> bool:
         """Whether a sort of other size may launch a kernel not yet loaded: torch's CUDA sorts.
         (The interpreter's warm-up of a sort of many tokens would take minutes, for nothing.)"""
         return self.device.type == "cuda"
 
+    def _items(self, tokens: int) -> int:
+        """The work items (rows) of a launch of `tokens`, as the kernel counts them."""
+        return tokens * self._plan.n_layers * self._plan.shard.local_heads
+
     def _block_rows(self, tokens: int, sort: bool) -> int:
         """The block size of a launch of `tokens` (captured_block_rows)."""
         from engramd.kernels.gather_triton import captured_block_rows
 
-        items = tokens * self._plan.n_layers * self._plan.shard.local_heads  # the kernel's
-        return captured_block_rows(items, self._programs, sort)
+        return captured_block_rows(self._items(tokens), self._programs, sort)
 
     # -- what the engine calls ------------------------------------------------------------------
 

@@ -209,3 +209,16 @@ def interpreted_gather(name: str):
         module = exec_fresh(name, importlib.util.find_spec("engramd.kernels.gather_triton").origin)
     assert module._kernel_is_interpreted()
     return module
+
+
+def record_launches(module, monkeypatch) -> list:
+    """Every launch of gather module `module`'s kernel from now on (its _Launch: grid, block
+    rows, ...), in order."""
+    original, launched = module._Launch, []
+
+    def recording(*args):
+        launched.append(original(*args))
+        return launched[-1]
+
+    monkeypatch.setattr(module, "_Launch", recording)
+    return launched

@@ -19,6 +19,7 @@ from reference import (
     assert_same,
     interpreted_gather,
     launch_then_keep,
+    record_launches,
     small_geometry,
 )
 
@@ -460,13 +461,7 @@ def test_a_sorted_lookup_in_wide_blocks_equals_the_reference(kt, world, monkeypa
     shard = geo.shard(0, 1)
     tokens = -(-kt.WIDE_FROM_ROWS // (geo.n_layers * shard.local_heads)) + 1
     ids = with_boundaries(mixed_ids(geo, tokens, seed=91), shard)
-    original, launched = kt._Launch, []
-
-    def recording(*args):
-        launched.append(original(*args))
-        return launched[-1]
-
-    monkeypatch.setattr(kt, "_Launch", recording)
+    launched = record_launches(kt, monkeypatch)
     want, want_bad = gather_ref.gather(tables, ids, shard)
     bad = torch.zeros(1, dtype=torch.int64)
     got = kt.GatherPlan(tables, shard)(ids, sort=True, out_of_range=bad, num_programs=1)
@@ -538,13 +533,7 @@ def test_slot_gather_takes_a_grid_per_call(kt, world, monkeypatch):
     launcher's own grid stays the default."""
     geo, tables = world
     shard = geo.shard(0, 1)
-    original, launched = kt._Launch, []
-
-    def recording(*args):
-        launched.append(original(*args))
-        return launched[-1]
-
-    monkeypatch.setattr(kt, "_Launch", recording)
+    launched = record_launches(kt, monkeypatch)
     bad = torch.zeros(1, dtype=torch.int64)
     launch = kt.SlotGather(kt.GatherPlan(tables, shard), bad, None, num_programs=4,
                            block_rows=BLOCK_ROWS)

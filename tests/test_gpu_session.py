@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -55,10 +56,22 @@ def test_an_out_folder_that_is_not_there_is_made_before_anything_runs(tmp_path):
                           text=True, timeout=60)
     assert done.returncode == 2 and "unknown phase" in done.stderr, done
     assert out.is_dir() and list(out.iterdir()) == []
-    # A relative OUT is the caller's, not the tree's the script moves to.
-    done = subprocess.run(["bash", str(SCRIPT), "rel/out", "no-such-phase"], capture_output=True,
-                          text=True, timeout=60, cwd=tmp_path)
-    assert done.returncode == 2 and (tmp_path / "rel" / "out").is_dir(), done
+
+
+
+def test_a_relative_out_is_the_callers_when_the_results_are_packed(tmp_path):
+    """The script moves to its tree's root before it packs: a relative OUT must still be the
+    caller's. A copy of the script in a tree without the install step fails at once, after
+    its exit trap is set, so it packs what it has."""
+    tree, caller = tmp_path / "tree", tmp_path / "caller"
+    (tree / "benchmarks").mkdir(parents=True)
+    caller.mkdir()
+    shutil.copy(SCRIPT, tree / "benchmarks" / SCRIPT.name)
+    done = subprocess.run(["bash", str(tree / "benchmarks" / SCRIPT.name), "rel/out", "tests"],
+                          capture_output=True, text=True, timeout=60, cwd=caller,
+                          env={**os.environ, "TMPDIR": str(tmp_path)})  # its mktemp -d too
+    assert done.returncode != 0, done
+    assert (caller / "rel" / "out" / "results.tgz").is_file(), (done, list(tmp_path.rglob("*")))
 
 
 def test_the_memcheck_phases_daemons_start_in_the_environment_from_before_the_sanitizer(

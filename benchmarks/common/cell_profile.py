@@ -112,10 +112,28 @@ _SYNCED = "synchronised step"
 _DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
-def device_operations(events: Sequence[dict]) -> list[dict]:
+def read_trace(path: Path) -> list[dict]:
+    """A Chrome trace's events, from its .json or .json.gz."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as trace:
+        return json.load(trace)["traceEvents"]
+
+
+def device_operations(events: Sequence[dict], categories: Sequence[str] = _DEVICE_CATEGORIES) -> list[dict]:
     """A Chrome trace's device operations (kernels, copies, sets), in order of start."""
-    return sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in _DEVICE_CATEGORIES),
+    return sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in categories),
                   key=lambda e: e["ts"])
+
+
+def annotated_steps(events: Sequence[dict], name: str,
+                    categories: Sequence[str] = _DEVICE_CATEGORIES) -> list[tuple[dict, list[dict]]]:
+    """Each host annotation `name` (in order of start) with the device operations that start
+    within it: a step synchronised before its annotation ends owns them all."""
+    steps = sorted((e for e in events if e.get("ph") == "X" and e.get("name") == name
+                    and e.get("cat") == "user_annotation"), key=lambda e: e["ts"])
+    device = device_operations(events, categories)
+    return [(step, [e for e in device if step["ts"] <= e["ts"] < step["ts"] + step["dur"]])
+            for step in steps]
 
 
 def _timeline(clock, step: Callable[[Tensor], object], pool: Sequence[Tensor], warm: int,
@@ -131,7 +149,7 @@ def _timeline(clock, step: Callable[[Tensor], object], pool: Sequence[Tensor], w
                 clock.sync()
     trace = path.with_suffix(".timeline.json")
     torch_profile.export_chrome_trace(str(trace))
-    events = json.loads(trace.read_text())["traceEvents"]
+    events = read_trace(trace)
     trace.unlink()
     table = f"{path.name}: device timeline of a synchronised step\n" + timeline_table(events)
     path.with_suffix(".timeline.txt").write_text(table)
@@ -145,11 +163,7 @@ def timeline_table(events: Sequence[dict]) -> str:
     operation is known by its stream, its name and its place among the operations of that name
     on that stream, so that two streams' operations may start in either order. Only the steps
     with the most common set of operations count; the others, and steps with none, are counted."""
-    steps = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
-                   if e.get("ph") == "X" and e.get("name") == _SYNCED and e.get("cat") != "gpu_user_annotation")
-    device = device_operations(events)
-    # The device is synchronised inside the annotation: a step's operations lie within it.
-    per_step = [_keyed([e for e in device if start <= e["ts"] < end]) for start, end in steps]
+    per_step = [_keyed(ops) for _, ops in annotated_steps(events, _SYNCED)]
     busy = [ops for ops in per_step if ops]
     if not busy:
         return "no device operations in the synchronised steps\n"
@@ -175,11 +189,11 @@ def _keyed(ops: list[dict]) -> dict[tuple[str, str, int], tuple[float, float]]:
     operations of that name): (start, end) from the step's first operation."""
     keyed: dict[tuple[str, str, int], tuple[float, float]] = {}
     seen: collections.Counter = collections.Counter()
+    first = ops[0]["ts"] if ops else 0.0
     for op in ops:
         stream = str(op.get("args", {}).get("stream", op.get("tid")))
         place = seen[stream, op["name"]]
         seen[stream, op["name"]] += 1
-        first = ops[0]["ts"]
         keyed[stream, op["name"], place] = (op["ts"] - first, op["ts"] + op["dur"] - first)
     return keyed
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import assert_same
+from reference import assert_same, record_launches
 
 from engramd.client.geometry import DEAD_ID, ShardView, TableGeometry
 from engramd.kernels import gather_ref
@@ -162,13 +162,7 @@ def test_sorted_reads_in_the_default_blocks_equal_the_reference(world, num_progr
     ids = mixed_ids(geo, 4097, seed=8)
     want, want_bad = reference(tables_cpu, ids, shard)
     counter = torch.zeros(1, dtype=torch.int64, device=CUDA)
-    original, launched = gt._Launch, []
-
-    def recording(*args):
-        launched.append(original(*args))
-        return launched[-1]
-
-    monkeypatch.setattr(gt, "_Launch", recording)
+    launched = record_launches(gt, monkeypatch)
     got = gt.GatherPlan(tables_gpu, shard)(ids.to(CUDA), sort=True, num_programs=num_programs,
                                            out_of_range=counter)
     assert [launch.block_rows for launch in launched] == [block_rows]

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import point, reload, row_kinds, rows_match, wait_until
-from reference import interpreted_gather, random_ids
+from reference import interpreted_gather, random_ids, record_launches
 
 from engramd.client import BadRequestError, EngramClient, ReplayFailedError
 from engramd.client.captured import CapturedLookup
@@ -49,18 +49,6 @@ def capture(client: EngramClient):
                         dtype=torch.int64)
     # capturable_lookup, past its refusal of the CPU; all SMs: the interpreter's two programs
     return client._captures.make(buffer, None, 1.0)
-
-
-def record_launches(module, monkeypatch) -> list:
-    """Every launch of `module`'s gather from now on (its _Launch: grid, block rows), in order."""
-    original, launched = module._Launch, []
-
-    def recording(*args):
-        launched.append(original(*args))
-        return launched[-1]
-
-    monkeypatch.setattr(module, "_Launch", recording)
-    return launched
 
 
 def out_of_range(ids: np.ndarray, rows: list[int]) -> int:
