@@ -58,7 +58,6 @@ def test_an_out_folder_that_is_not_there_is_made_before_anything_runs(tmp_path):
     assert out.is_dir() and list(out.iterdir()) == []
 
 
-
 def test_a_relative_out_is_the_callers_when_the_results_are_packed(tmp_path):
     """The script moves to its tree's root before it packs: a relative OUT must still be the
     caller's. A copy of the script in a tree without the install step fails at once, after
