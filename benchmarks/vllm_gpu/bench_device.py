@@ -50,6 +50,7 @@ class CpuDryRun:
     cuda = False
     graphs = "none (dry run): the graph variants' steps run eagerly, the same code a GPU records"
     graph_note = "eager, no graph: dry run"
+    dot_dir: Path | None = None  # --graph-dot: nothing is recorded, so nothing is written
 
     def __init__(self):
         settings = (os.environ.get("TRITON_INTERPRET"), os.environ.get("VLLM_TARGET_DEVICE"))
@@ -76,8 +77,8 @@ class CpuDryRun:
         stack.enter_context(mock.patch.object(EngramClient, "capturable_lookup", capturable))
         return stack
 
-    def capture(self, body: Callable[[], object]) -> Callable[[], object]:
-        """No graphs on a CPU: each "replay" runs `body` again, eagerly."""
+    def capture(self, body: Callable[[], object], label: str) -> Callable[[], object]:
+        """No graphs on a CPU: each "replay" runs `body` again, eagerly (and no DOT for `label`)."""
         return body
 
     def vllm_config(self):
@@ -107,6 +108,7 @@ class Gpu:
     cuda = True
     graphs = "torch.cuda.CUDAGraph, captured once per (T, lead) with capture_error_mode='thread_local'"
     graph_note = ""
+    dot_dir: Path | None = None  # bench_lookup --graph-dot: where capture() writes each graph's DOT
 
     def __init__(self):
         # Kernels launched behind a wait on another stream must not load lazily there (docs/architecture.md).
@@ -154,17 +156,24 @@ class Gpu:
     def stream(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device)
 
-    def capture(self, body: Callable[[], object]) -> Callable[[], None]:
+    def capture(self, body: Callable[[], object], label: str) -> Callable[[], None]:
         """`body` recorded in a CUDA graph; returns the graph's replay (which keeps the graph).
         One eager run first, so that every kernel it launches is compiled and loaded outside the
-        capture (as benchmarks/captured_step.py does)."""
+        capture (as benchmarks/captured_step.py does). With `dot_dir`, the graph's nodes and edges
+        (cudaGraphDebugDotPrint, verbose: each kernel's name, grid and arguments) go to
+        dot_dir/<label>.dot."""
         body()
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
+        if self.dot_dir is not None:
+            graph.enable_debug_mode()  # keeps the graph past its instantiation, for the dump
         # thread_local: the plugin's client has threads of its own (its hot-row cache's keeper,
         # the captured lookup's upkeep) whose CUDA calls "global" would turn into a failed capture.
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             body()
+        if self.dot_dir is not None:
+            self.dot_dir.mkdir(parents=True, exist_ok=True)
+            graph.debug_dump(str(self.dot_dir / f"{label}.dot"))
         return graph.replay
 
     def release_host_memory(self) -> dict[str, Any]:

@@ -555,6 +555,8 @@ def measure(args: argparse.Namespace) -> dict:
     """Both phases in this process (one MPS mode); the run's report."""
     started = time.monotonic()
     device = bench_device.open_device(args.dry_run)  # first: it brings vLLM's tree in
+    if args.graph_dot:
+        device.dot_dir = Path(args.out) / "graphs"
     mps = require_mps_state(args.mps == "on")
     geometry = TableGeometry.named("demo") if args.dry_run else geometry_for(args.table_gib)
     if args.paired:
@@ -623,6 +625,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--traces", default=".traces",
                         help="the trace folder of --ids text (benchmarks/traces.py build)")
     parser.add_argument("--trace-tokens", type=int, help="hash only the trace's first documents")
+    parser.add_argument("--graph-dot", action="store_true",
+                        help="write each recorded graph's nodes and edges (cudaGraphDebugDotPrint, "
+                             "verbose) to OUT/graphs/<variant>-T<T>-L<lead>.dot")
     args = engine_bench.finish_arguments(parser, parser.parse_args(argv), DEFAULTS)
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")

@@ -70,7 +70,7 @@ TIMED = (
     *(f"engramd.client.mapped_path:MappedPath.{name}" for name in ("lookup", "_gather_inputs",
                                                                    "queue_gather", "queued", "stream_wait")),
 )
-Capture = Callable[[Callable[[], object]], Callable[[], object]]  # bench_device's capture()
+Capture = Callable[[Callable[[], object], str], Callable[[], object]]  # bench_device's capture(body, label)
 
 
 class VllmForeground:
@@ -164,7 +164,7 @@ class GraphStep:
         key = (tokens, lead)
         if key not in self._replays:
             self._replays[key] = self.capture(lambda: self.model.step(lead, self.lookup)(
-                self.ids[:tokens]))
+                self.ids[:tokens]), f"{self.name}-T{tokens}-L{lead}")
         return self._replays[key]
 
     def step(self, lead: int):
