@@ -461,6 +461,34 @@ def test_the_vllm_report_holds_each_paired_cell_against_the_vllm_step_beside_it(
         bench_report.paired_table([*steps, steps[4]], "step_us")
 
 
+def test_the_vllm_report_pairs_the_captured_plugin_with_vllms_graph_and_names_that_partner(
+        monkeypatch):
+    """--paired: plugin_captured's partner is vllm_graph recorded again in phase 2. Its ratio is
+    taken against that graph's cell (not vLLM's eager step, nor phase 1's graph), its column
+    names the partner, and the partner's cells stay out of vllm_graph's own column and out of
+    vLLM's eager step through phase 2."""
+    bench_report = _engine_module(monkeypatch, "vllm")
+
+    def cell(variant: str, step_us: float, **extra) -> dict:
+        return {"mps": False, "variant": variant, "tokens": 16, "lead": 1, "mode": "pipelined",
+                "round": 0, "step_us": step_us, "host_us": 10.0, "gpu_us": step_us, **extra}
+
+    steps = [cell("vllm", 900.0), cell("vllm_graph", 400.0),  # phase 1
+             cell("vllm", 1000.0, beside="plugin_mapped"), cell("plugin_mapped", 950.0),
+             cell("vllm_graph", 450.0, beside="plugin_captured"), cell("plugin_captured", 441.0)]
+    table = bench_report.paired_table(steps, "step_us")
+    header = next(line for line in table if line.startswith("| MPS |"))
+    assert header.endswith("| plugin_mapped | plugin_captured / vllm_graph |"), header
+    row = next(line for line in table if line.startswith("| off |"))
+    assert row.endswith("| 0.950, 0 of 1 over 1.00 | 0.980, 0 of 1 over 1.00 |"), row
+    assert bench_report.vllm_through_the_run(steps)[-1].startswith("| off | beside plugin_mapped |")
+    text = bench_report.markdown({"meta": {"date": "today", "command": "cmd", "machine": "m"},
+                                  "lookups": [], "steps": steps, "runs": []})
+    assert "plugin_captured's is vLLM's graph" in text
+    graph_row = next(line for line in text.splitlines() if line.startswith("| off | 16 | 1 | pipelined"))
+    assert "400 " in graph_row and "450 " not in graph_row, graph_row  # phase 1's graph alone
+
+
 def test_the_vllm_report_holds_the_captured_plugin_against_vllms_own_graph_and_shows_the_keeper(
         monkeypatch):
     bench_report = _engine_module(monkeypatch, "vllm")

@@ -45,8 +45,10 @@ copied into the persistent buffer the graph reads, as an engine writes its graph
 vllm_graph records vLLM's own step the same way in phase 1, as vLLM's full graphs do: outside a
 breakable capture its eager breaks run in line, so its prefetch (on its prefetch stream,
 background=True) and the wait for it are in the graph.
-plugin_captured is held against both, vllm_graph and `vllm` (vLLM's eager step, the paired
-partner); compute_graph, the same graph without the lookup (matmuls and forward), is the floor a
+plugin_captured is held against both, vllm_graph and `vllm` (vLLM's eager step). With --paired
+its partner is vllm_graph recorded again in phase 2 over the kept layers: a graph held against a
+graph, cell by cell, so that the machine's drift between the phases stays out of that ratio too.
+compute_graph, the same graph without the lookup (matmuls and forward), is the floor a
 captured step could reach, and plugin_captured less compute_graph in host time is what the
 captured lookup costs the host. In a dry run nothing is captured: the same step function runs
 eagerly at every "replay" (bench_device.CpuDryRun.capture), labelled so.
@@ -198,12 +200,14 @@ class Run:
                       flush=True)
 
     def time_model_steps(self, model, profile: bool = True, paired: bool = False,
-                         when: str | None = None) -> None:
+                         when: str | None = None, partner=None) -> None:
         """A ModelStep's or a GraphStep's cells: step time and the host's time per step; then,
         unless told not to, its --profile cells. `paired` (and --paired): vLLM's own step timed
-        next to each cell of it, on the same IDs. `when`: kept with the cells (vLLM's own step
-        timed again in phase 2, --paired's brackets)."""
-        partners = [model, self.beside] if paired and self.beside is not None else [model]
+        next to each cell of it, on the same IDs: `partner`, or its eager step (`beside`).
+        `when`: kept with the cells (vLLM's own step timed again in phase 2, --paired's
+        brackets)."""
+        partner = partner if partner is not None else self.beside
+        partners = [model, partner] if paired and partner is not None else [model]
         tags = {"when": when} if when else {}
         label = model.name + (" + vllm" if len(partners) > 1 else "") + (f" ({when})" if when else "")
         for number in range(self.args.rounds):
@@ -447,6 +451,9 @@ class Run:
         device, most = self.device, max(self.tokens)
         graphs = [GraphStep("plugin_captured", model, device.capture, most, True, device.graph_note),
                   GraphStep("compute_graph", model, device.capture, most, False, device.graph_note)]
+        # --paired: vLLM's own graph, recorded again over the kept layers, as the partner.
+        partner = None if self.beside is None else GraphStep(
+            "vllm_graph", self.beside, device.capture, most, True, device.graph_note)
         try:
             exact = True
             for tokens in self.tokens:
@@ -455,9 +462,11 @@ class Run:
                     # The floor recorded now, after a lookup of T tokens: the plugin's
                     # _ready_rows refuses more tokens than the last lookup had.
                     graphs[1].recorded(tokens, lead)
+                    if partner is not None:
+                        exact = self.compare(partner, tokens, lead=lead) and exact
             if exact:
                 for graph in graphs:  # the floor alone: it has no lookup to hold against vLLM's
-                    self.time_model_steps(graph, profile=False, paired=graph.lookup)
+                    self.time_model_steps(graph, profile=False, paired=graph.lookup, partner=partner)
                 # The floor's first: in a dry run its steps run eagerly, and refuse more tokens
                 # than the captured lookup's last (its last timed cell's, the grid's most).
                 for graph in reversed(graphs):
@@ -465,7 +474,7 @@ class Run:
                                                timed=TIMED)
             self.check_replays(captured)
         finally:
-            for graph in graphs:
+            for graph in graphs if partner is None else [*graphs, partner]:
                 graph.close()
 
     def check_replays(self, captured) -> None:

@@ -163,6 +163,8 @@ PAIRED_TITLES = {
     "step_us": "Model step beside vLLM's own (--paired): each variant's step time / vLLM's",
     "host_us": "Model step beside vLLM's own (--paired): each variant's host time a step / vLLM's",
 }
+PARTNER_NOTE = ("A column names its partner where it is not vLLM's eager step (`vllm`): "
+                "plugin_captured's is vLLM's graph, recorded again beside it.")
 
 
 def paired_table(cells: list[dict], metric: str) -> list[str]:
@@ -177,18 +179,23 @@ def paired_table(cells: list[dict], metric: str) -> list[str]:
                 raise ValueError(f"two vLLM cells beside one cell: {key}")
             partner[key] = c
     ratios: dict[tuple, list[float]] = {}
+    partner_of: dict[str, set[str]] = {}  # each variant's partners' names
     for cell in cells:
         key = (cell["mps"], cell["variant"], cell["tokens"], cell["lead"], cell["mode"])
         theirs = partner.get((*key, cell["round"])) if _own(cell) else None
         if theirs is not None:
             ratios.setdefault(key, []).append(cell[metric] / theirs[metric])
+            partner_of.setdefault(cell["variant"], set()).add(theirs["variant"])
     if not ratios:
         return []
     variants = [v for v in STEP_VARIANTS if any(key[1] == v for key in ratios)]
+    headers = [v if partner_of[v] == {"vllm"} else f"{v} / {' or '.join(sorted(partner_of[v]))}"
+               for v in variants]
     lines = [f"## {PAIRED_TITLES[metric]}", "",
              "Each round's ratio of the two cells timed next to each other on the same IDs: the "
-             "median of the rounds (their range), and in how many the variant was slower.", "",
-             "| MPS | T | lead | mode | " + " | ".join(variants) + " |",
+             "median of the rounds (their range), and in how many the variant was slower. "
+             + PARTNER_NOTE, "",
+             "| MPS | T | lead | mode | " + " | ".join(headers) + " |",
              "|---|---:|---:|---|" + "---|" * len(variants)]
     for mps, tokens, lead, mode in sorted({(k[0], k[2], k[3], k[4]) for k in ratios}):
         row = [describe_paired(ratios[(mps, v, tokens, lead, mode)])

@@ -85,8 +85,8 @@ print("untouched")
 @pytest.mark.slow
 def test_the_gpu_recipes_benchmark_runs_on_the_cpu(tmp_path):
     """benchmarks/vllm_gpu/bench_lookup.py's dry run, one cell: its own daemon, vLLM's step eager
-    and recorded (vllm_graph), the plugin's mapped and captured builds paired with vLLM's step,
-    every row check exact and each table in the report; on a GPU the same code records graphs."""
+    and recorded (vllm_graph), the plugin's mapped build paired with vLLM's step and its captured
+    build with vLLM's graph recorded again, every row check exact and each table in the report; on a GPU the same code records graphs."""
     bench = Path(__file__).parents[2] / "benchmarks" / "vllm_gpu" / "bench_lookup.py"
     run = subprocess.run([sys.executable, str(bench), "--dry-run", "--paired", "--parts", "step",
                           "--tokens", "1", "--lead", "1", "--plugin-modes", "mapped", "captured",
@@ -99,6 +99,8 @@ def test_the_gpu_recipes_benchmark_runs_on_the_cpu(tmp_path):
     assert all(c["mismatches"] == 0 for c in checks), checks
     variants = {cell["variant"] for cell in report["steps"]}
     assert {"vllm", "vllm_graph", "plugin_mapped", "plugin_captured", "compute_graph"} <= variants
+    partners = {(cell["variant"], cell["beside"]) for cell in report["steps"] if "beside" in cell}
+    assert partners == {("vllm", "plugin_mapped"), ("vllm_graph", "plugin_captured")}, partners
     text = (tmp_path / "bench_lookup.md").read_text()
     assert "plugin_captured / vllm_graph" in text and "beside vLLM's own" in text
 
