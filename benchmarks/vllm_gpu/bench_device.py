@@ -164,9 +164,8 @@ class Gpu:
         dot_dir/<label>.dot."""
         body()
         torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
-        if self.dot_dir is not None:
-            graph.enable_debug_mode()  # keeps the graph past its instantiation, for the dump
+        # keep_graph: the graph outlives the capture's end (the dump reads it), instantiated below
+        graph = torch.cuda.CUDAGraph(keep_graph=self.dot_dir is not None)
         # thread_local: the plugin's client has threads of its own (its hot-row cache's keeper,
         # the captured lookup's upkeep) whose CUDA calls "global" would turn into a failed capture.
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
@@ -174,6 +173,7 @@ class Gpu:
         if self.dot_dir is not None:
             self.dot_dir.mkdir(parents=True, exist_ok=True)
             graph.debug_dump(str(self.dot_dir / f"{label}.dot"))
+            graph.instantiate()
         return graph.replay
 
     def release_host_memory(self) -> dict[str, Any]:

@@ -435,6 +435,8 @@ class Run:
         init_projections(layers, self.args.seed)
         model = ModelStep(setting.name, layers, self.matmuls, self.args.seed)
         if rows.captured is not None:
+            if self.args.side_priority == "greatest":
+                greatest_priority_side(rows)
             self.graph_steps(model, rows.captured)
         elif self.compare_all(EngramLayers(setting.name, layers)):
             self.time_model_steps(model, paired=True)
@@ -611,6 +613,15 @@ def describe(run: Run, mps: dict, started: float) -> dict:
             "cpu_use": run.cpu_use}
 
 
+def greatest_priority_side(rows) -> None:
+    """--side-priority greatest: the stream the plugin forks its captured gather to (ProcessRows
+    `_side`) swapped, before any graph records the fork, for one at the device's greatest
+    priority. torch instantiates graphs with the per-node priorities their capture recorded, so
+    the gather's blocks then go before the model's pending ones. (A CPU dry run has no side.)"""
+    if rows._side is not None:
+        rows._side = torch.cuda.Stream(rows.client.device, priority=-100), rows._side[1]  # clamped
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     engine_bench.add_arguments(parser, "vLLM", table_gib=16.0)
@@ -634,6 +645,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--traces", default=".traces",
                         help="the trace folder of --ids text (benchmarks/traces.py build)")
     parser.add_argument("--trace-tokens", type=int, help="hash only the trace's first documents")
+    parser.add_argument("--side-priority", choices=("normal", "greatest"), default="normal",
+                        help="the stream of the plugin's captured gather: the plugin's own, or one "
+                             "at the device's greatest priority (an experiment)")
     parser.add_argument("--graph-dot", action="store_true",
                         help="write each recorded graph's nodes and edges (cudaGraphDebugDotPrint, "
                              "verbose) to OUT/graphs/<variant>-T<T>-L<lead>.dot")
