@@ -457,6 +457,7 @@ def test_the_vllm_report_holds_each_paired_cell_against_the_vllm_step_beside_it(
     main = next(line for line in text.splitlines() if line.startswith("| off | 1 | 1 | synced"))
     assert main.split(" | ")[4:6] == ["400 ±0%", "594 ±14%"], main  # vllm: phase 1's alone
     assert "beside vLLM's own" in text and bench_report.paired_table(steps[:4], "step_us") == []
+    assert bench_report.PARTNER_NOTE not in text  # every partner here is vLLM's eager step
     with pytest.raises(ValueError, match="two vLLM cells"):
         bench_report.paired_table([*steps, steps[4]], "step_us")
 
@@ -484,7 +485,7 @@ def test_the_vllm_report_pairs_the_captured_plugin_with_vllms_graph_and_names_th
     assert bench_report.vllm_through_the_run(steps)[-1].startswith("| off | beside plugin_mapped |")
     text = bench_report.markdown({"meta": {"date": "today", "command": "cmd", "machine": "m"},
                                   "lookups": [], "steps": steps, "runs": []})
-    assert "plugin_captured's is vLLM's graph" in text
+    assert bench_report.PARTNER_NOTE in text
     graph_row = next(line for line in text.splitlines() if line.startswith("| off | 16 | 1 | pipelined"))
     assert "400 " in graph_row and "450 " not in graph_row, graph_row  # phase 1's graph alone
 

@@ -453,9 +453,7 @@ class Run:
         device, most = self.device, max(self.tokens)
         graphs = [GraphStep("plugin_captured", model, device.capture, most, True, device.graph_note),
                   GraphStep("compute_graph", model, device.capture, most, False, device.graph_note)]
-        # --paired: vLLM's own graph, recorded again over the kept layers, as the partner.
-        partner = None if self.beside is None else GraphStep(
-            "vllm_graph", self.beside, device.capture, most, True, device.graph_note)
+        partner = self.partner_graph()
         try:
             exact = True
             for tokens in self.tokens:
@@ -464,8 +462,6 @@ class Run:
                     # The floor recorded now, after a lookup of T tokens: the plugin's
                     # _ready_rows refuses more tokens than the last lookup had.
                     graphs[1].recorded(tokens, lead)
-                    if partner is not None:
-                        exact = self.compare(partner, tokens, lead=lead) and exact
             if exact:
                 for graph in graphs:  # the floor alone: it has no lookup to hold against vLLM's
                     self.time_model_steps(graph, profile=False, paired=graph.lookup, partner=partner)
@@ -478,6 +474,23 @@ class Run:
         finally:
             for graph in graphs if partner is None else [*graphs, partner]:
                 graph.close()
+
+    def partner_graph(self) -> GraphStep | None:
+        """--paired: vLLM's own graph recorded again over the kept layers, its rows checked after
+        a replay of each (T, lead) graph, as plugin_captured's partner. None without --paired, or
+        where it fails (recorded as vLLM's failure: plugin_captured is then timed alone)."""
+        if self.beside is None:
+            return None
+        graph = GraphStep("vllm_graph", self.beside, self.device.capture, max(self.tokens), True,
+                          self.device.graph_note, label="vllm_graph_beside")
+        try:
+            if all([self.compare(graph, tokens, lead=lead)
+                    for tokens in self.tokens for lead in self.leads]):
+                return graph
+        except Exception as exc:  # the plugin's cells stay
+            self.failed("vllm", "vllm_graph beside plugin_captured", exc)
+        graph.close()
+        return None
 
     def check_replays(self, captured) -> None:
         """CapturedLookup.check() once the device is done: it raises if replays wrote NaN rows.
@@ -615,11 +628,22 @@ def describe(run: Run, mps: dict, started: float) -> dict:
 
 def greatest_priority_side(rows) -> None:
     """--side-priority greatest: the stream the plugin forks its captured gather to (ProcessRows
-    `_side`) swapped, before any graph records the fork, for one at the device's greatest
-    priority. torch instantiates graphs with the per-node priorities their capture recorded, so
-    the gather's blocks then go before the model's pending ones. (A CPU dry run has no side.)"""
-    if rows._side is not None:
-        rows._side = torch.cuda.Stream(rows.client.device, priority=-100), rows._side[1]  # clamped
+    `_side`) swapped, before any graph records the fork, for a new stream of the device's
+    greatest priority (torch's own streams take at most a few of the device's levels, and come
+    from a pool the model's streams share). A graph records each kernel's priority, and torch
+    instantiates graphs to honour it, so the gather's blocks then go before the model's pending
+    ones. The stream lives as long as the process. (A CPU dry run has no side.)"""
+    if rows._side is None:
+        return
+    from engramd.client.shared.cuda import check, cudart
+
+    device = rows.client.device
+    with torch.cuda.device(device):
+        _, greatest = check("cudaDeviceGetStreamPriorityRange", cudart.cudaDeviceGetStreamPriorityRange())
+        raw = check("cudaStreamCreateWithPriority",
+                    cudart.cudaStreamCreateWithPriority(cudart.cudaStreamNonBlocking, greatest))
+    rows._side = torch.cuda.ExternalStream(int(raw), device=device), rows._side[1]
+    print(f"  plugin_captured: the gather's stream at priority {greatest}", flush=True)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -646,8 +670,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="the trace folder of --ids text (benchmarks/traces.py build)")
     parser.add_argument("--trace-tokens", type=int, help="hash only the trace's first documents")
     parser.add_argument("--side-priority", choices=("normal", "greatest"), default="normal",
-                        help="the stream of the plugin's captured gather: the plugin's own, or one "
-                             "at the device's greatest priority (an experiment)")
+                        help="the stream of the plugin's captured gather: the plugin's own, or a "
+                             "new one at the device's greatest priority (an experiment)")
     parser.add_argument("--graph-dot", action="store_true",
                         help="write each recorded graph's nodes and edges (cudaGraphDebugDotPrint, "
                              "verbose) to OUT/graphs/<variant>-T<T>-L<lead>.dot")

@@ -163,6 +163,8 @@ PAIRED_TITLES = {
     "step_us": "Model step beside vLLM's own (--paired): each variant's step time / vLLM's",
     "host_us": "Model step beside vLLM's own (--paired): each variant's host time a step / vLLM's",
 }
+# Where a column's partner is not vLLM's eager step (plugin_captured's, since --paired held it
+# against vLLM's graph).
 PARTNER_NOTE = ("A column names its partner where it is not vLLM's eager step (`vllm`): "
                 "plugin_captured's is vLLM's graph, recorded again beside it.")
 
@@ -193,8 +195,8 @@ def paired_table(cells: list[dict], metric: str) -> list[str]:
                for v in variants]
     lines = [f"## {PAIRED_TITLES[metric]}", "",
              "Each round's ratio of the two cells timed next to each other on the same IDs: the "
-             "median of the rounds (their range), and in how many the variant was slower. "
-             + PARTNER_NOTE, "",
+             "median of the rounds (their range), and in how many the variant was slower."
+             + (" " + PARTNER_NOTE if any(p != {"vllm"} for p in partner_of.values()) else ""), "",
              "| MPS | T | lead | mode | " + " | ".join(headers) + " |",
              "|---|---:|---:|---|" + "---|" * len(variants)]
     for mps, tokens, lead, mode in sorted({(k[0], k[2], k[3], k[4]) for k in ratios}):

@@ -149,11 +149,13 @@ class GraphStep:
     """A ModelStep's step (with its lookup, or without: the floor) recorded once per (T, lead)
     by `capture` (bench_device: a CUDA graph on the GPU, the step itself in a dry run) over a
     persistent IDs buffer, and replayed: each step copies its IDs into the buffer, then replays.
-    close() drops the graphs, which must go before the client whose memory they read."""
+    close() drops the graphs, which must go before the client whose memory they read.
+    `label`: what names its graphs (their DOT files), if not `name`."""
 
     def __init__(self, name: str, model: ModelStep, capture: Capture, max_tokens: int,
-                 lookup: bool, note: str = ""):
+                 lookup: bool, note: str = "", label: str = ""):
         self.name, self.model, self.capture, self.lookup, self.note = name, model, capture, lookup, note
+        self.label = label or name
         layer = model.layers[0]
         shape = (max_tokens, len(model.layers), layer.embed_tokens.n_hash_cols)
         self.ids = torch.full(shape, -1, dtype=torch.int32, device=layer.q_weight.device)
@@ -164,7 +166,7 @@ class GraphStep:
         key = (tokens, lead)
         if key not in self._replays:
             self._replays[key] = self.capture(lambda: self.model.step(lead, self.lookup)(
-                self.ids[:tokens]), f"{self.name}-T{tokens}-L{lead}")
+                self.ids[:tokens]), f"{self.label}-T{tokens}-L{lead}")
         return self._replays[key]
 
     def step(self, lead: int):

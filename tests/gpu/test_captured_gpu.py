@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import time
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -42,14 +43,22 @@ def captured_graph(client: EngramClient, tokens: int, captured=None):
     return graph, captured, rows
 
 
+@contextmanager
 def global_capture(graph):
     """torch.cuda.graph in CUDA's default mode (capture_error_mode="global"), as vLLM and SGLang
-    capture, after a cycle collection, as vLLM's model runner collects before its captures. In
-    that mode a graph may not be destroyed while a stream captures, and the collector destroys an
-    unreachable graph left by earlier code (a test's frame kept in a cycle) at whatever
-    allocation starts it: inside the capture, that spoils it."""
+    capture, with the cycle collector run first and kept off during the capture, as vLLM's model
+    runner does around its captures. In that mode a graph may not be destroyed while a stream
+    captures, and the collector destroys an unreachable graph left by earlier code (a test's
+    frame kept in a cycle) at whatever allocation starts it: inside the capture, that spoils it."""
     gc.collect()
-    return torch.cuda.graph(graph)
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph):
+            yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def replay(graph, captured, rows, ids: np.ndarray) -> np.ndarray:

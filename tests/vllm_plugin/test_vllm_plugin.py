@@ -102,7 +102,8 @@ def test_the_gpu_recipes_benchmark_runs_on_the_cpu(tmp_path):
     partners = {(cell["variant"], cell["beside"]) for cell in report["steps"] if "beside" in cell}
     assert partners == {("vllm", "plugin_mapped"), ("vllm_graph", "plugin_captured")}, partners
     text = (tmp_path / "bench_lookup.md").read_text()
-    assert "plugin_captured / vllm_graph" in text and "beside vLLM's own" in text
+    paired = text[text.index("## Model step beside vLLM's own (--paired)"):]
+    assert "| plugin_mapped | plugin_captured / vllm_graph |" in paired, paired[:1500]
 
 
 def test_entry_point_loads_and_does_nothing_without_the_setting():
