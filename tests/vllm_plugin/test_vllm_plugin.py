@@ -86,7 +86,8 @@ print("untouched")
 def test_the_gpu_recipes_benchmark_runs_on_the_cpu(tmp_path):
     """benchmarks/vllm_gpu/bench_lookup.py's dry run, one cell: its own daemon, vLLM's step eager
     and recorded (vllm_graph), the plugin's mapped build paired with vLLM's step and its captured
-    build with vLLM's graph recorded again, every row check exact and each table in the report; on a GPU the same code records graphs."""
+    build with vLLM's graph recorded again, every row check exact and each table in the report;
+    on a GPU the same code records graphs."""
     bench = Path(__file__).parents[2] / "benchmarks" / "vllm_gpu" / "bench_lookup.py"
     run = subprocess.run([sys.executable, str(bench), "--dry-run", "--paired", "--parts", "step",
                           "--tokens", "1", "--lead", "1", "--plugin-modes", "mapped", "captured",
