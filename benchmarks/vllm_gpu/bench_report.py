@@ -219,21 +219,24 @@ def paired_table(cells: list[dict], metric: str) -> list[str]:
 
 def vllm_through_the_run(cells: list[dict]) -> list[str]:
     """--paired: vLLM's own step in phase 2 (alone before the first client and after the last,
-    and next to each plugin variant) over its phase-1 cell of the same T, lead, mode and
-    round: the median and range over the decode cells (T <= 256) and rounds, host time and
-    step time. Next to a variant above both brackets: the open client slowed vLLM's step too,
-    a cost the paired ratios do not show."""
-    first = {(c["mps"], c["tokens"], c["lead"], c["mode"], c["round"]): c for c in cells
-             if c["variant"] == "vllm" and _in_own_grid(c)}
+    and next to each plugin variant; its graph next to plugin_captured) over its phase-1 cell of
+    the same T, lead, mode and round: the median and range over the decode cells (T <= 256) and
+    rounds, host time and step time. Next to a variant above both brackets: the open client
+    slowed vLLM's step too, a cost the paired ratios do not show."""
+    def key(c: dict) -> tuple:
+        return c["mps"], c["variant"], c["tokens"], c["lead"], c["mode"], c["round"]
+
+    vllms = ("vllm", "vllm_graph")
+    first = {key(c): c for c in cells if c["variant"] in vllms and _in_own_grid(c)}
     later: dict[tuple, dict[str, list[float]]] = {}
     for c in cells:
-        if c["variant"] != "vllm" or c["tokens"] > 256 or _in_own_grid(c):
+        if c["variant"] not in vllms or c["tokens"] > 256 or _in_own_grid(c):
             continue
-        base = first.get((c["mps"], c["tokens"], c["lead"], c["mode"], c["round"]))
+        base = first.get(key(c))
         if base is None:
             continue
         where = c.get("when") or f"beside {c['beside']}"
-        entry = later.setdefault((c["mps"], where), {"host_us": [], "step_us": []})
+        entry = later.setdefault((c["mps"], c["variant"], where), {"host_us": [], "step_us": []})
         for metric in entry:
             entry[metric].append(c[metric] / base[metric])
     if not later:
@@ -241,9 +244,10 @@ def vllm_through_the_run(cells: list[dict]) -> list[str]:
     lines = ["## vLLM's own step through phase 2 (--paired), over its phase-1 cell", "",
              "The same T, lead, mode and round; decode cells (T <= 256): median (range).", "",
              "| MPS | vLLM's step | host / phase 1 | step / phase 1 | cells |", "|---|---|---|---|---:|"]
-    for (mps, where), entry in later.items():  # in the order they ran
+    for (mps, variant, where), entry in later.items():  # in the order they ran
         host, step = entry["host_us"], entry["step_us"]
-        lines.append(f"| {mps_text(mps)} | {where} | {median_and_range(host, 2)} | {median_and_range(step, 2)} | {len(host)} |")
+        name = where if variant == "vllm" else f"{variant} {where}"
+        lines.append(f"| {mps_text(mps)} | {name} | {median_and_range(host, 2)} | {median_and_range(step, 2)} | {len(host)} |")
     return lines
 
 
