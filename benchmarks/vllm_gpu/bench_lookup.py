@@ -316,19 +316,33 @@ class Run:
     def vllm_graph_steps(self, model: ModelStep) -> None:
         """vllm_graph: vLLM's own step recorded whole, as its full CUDA graphs record it (outside
         a breakable capture its eager breaks run in line, so its prefetch stream's fork and join
-        are in the graph), its rows checked after a replay of each (T, lead) graph, then timed.
-        A capture that fails is recorded (`failures`) and the run goes on."""
-        graph = GraphStep("vllm_graph", model, self.device.capture, max(self.tokens), True,
-                          self.device.graph_note)
-        try:
-            exact = all([self.compare(graph, tokens, lead=lead)
-                         for tokens in self.tokens for lead in self.leads])
-            if exact:  # with its --profile cells, the plugin's captured step's to be held against
-                self.time_model_steps(graph)
+        are in the graph), its rows checked (checked_vllm_graph), then timed. A capture that
+        fails is recorded (`failures`) and the run goes on."""
+        graph = self.checked_vllm_graph(model, "vllm_graph")
+        if graph is None:
+            return
+        try:  # with its --profile cells, the plugin's captured step's to be held against
+            self.time_model_steps(graph)
         except Exception as exc:  # vLLM's other cells stay
             self.failed("vllm", graph.name, exc)
         finally:
             graph.close()
+
+    def checked_vllm_graph(self, model: ModelStep, label: str) -> GraphStep | None:
+        """vLLM's step over `model`'s layers as a GraphStep named vllm_graph (its graphs, and
+        their DOT files, `label`), each (T, lead) graph recorded and its rows checked after a
+        replay; None, the graphs closed, if a row differs (the check records it) or a capture
+        fails (recorded in `failures`)."""
+        graph = GraphStep("vllm_graph", model, self.device.capture, max(self.tokens), True,
+                          self.device.graph_note, label=label)
+        try:
+            if all([self.compare(graph, tokens, lead=lead)
+                    for tokens in self.tokens for lead in self.leads]):
+                return graph
+        except Exception as exc:  # the run's other cells stay
+            self.failed("vllm", label, exc)
+        graph.close()
+        return None
 
     def failed(self, phase: str, variant: str, exc: Exception) -> None:
         """A variant that raised: printed and recorded (`failures`), and the run exits 1."""
@@ -476,21 +490,10 @@ class Run:
                 graph.close()
 
     def partner_graph(self) -> GraphStep | None:
-        """--paired: vLLM's own graph recorded again over the kept layers, its rows checked after
-        a replay of each (T, lead) graph, as plugin_captured's partner. None without --paired, or
-        where it fails (recorded as vLLM's failure: plugin_captured is then timed alone)."""
-        if self.beside is None:
-            return None
-        graph = GraphStep("vllm_graph", self.beside, self.device.capture, max(self.tokens), True,
-                          self.device.graph_note, label="vllm_graph_beside")
-        try:
-            if all([self.compare(graph, tokens, lead=lead)
-                    for tokens in self.tokens for lead in self.leads]):
-                return graph
-        except Exception as exc:  # the plugin's cells stay
-            self.failed("vllm", "vllm_graph beside plugin_captured", exc)
-        graph.close()
-        return None
+        """--paired: vLLM's own graph recorded again over the kept layers, as plugin_captured's
+        partner (checked_vllm_graph). None without --paired, or where it fails: plugin_captured
+        is then timed alone."""
+        return None if self.beside is None else self.checked_vllm_graph(self.beside, "vllm_graph_beside")
 
     def check_replays(self, captured) -> None:
         """CapturedLookup.check() once the device is done: it raises if replays wrote NaN rows.
@@ -674,7 +677,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "new one at the device's greatest priority (an experiment)")
     parser.add_argument("--graph-dot", action="store_true",
                         help="write each recorded graph's nodes and edges (cudaGraphDebugDotPrint, "
-                             "verbose) to OUT/graphs/<variant>-T<T>-L<lead>.dot")
+                             "verbose) to OUT/graphs/<variant>-T<T>-L<lead>.dot (vLLM's graph "
+                             "beside plugin_captured: vllm_graph_beside)")
     args = engine_bench.finish_arguments(parser, parser.parse_args(argv), DEFAULTS)
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")

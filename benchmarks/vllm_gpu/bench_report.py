@@ -191,12 +191,13 @@ def paired_table(cells: list[dict], metric: str) -> list[str]:
     if not ratios:
         return []
     variants = [v for v in STEP_VARIANTS if any(key[1] == v for key in ratios)]
-    headers = [v if partner_of[v] == {"vllm"} else f"{v} / {' or '.join(sorted(partner_of[v]))}"
+    other_partners = {v: sorted(partner_of[v]) for v in variants if partner_of[v] != {"vllm"}}
+    headers = [f"{v} / {' or '.join(other_partners[v])}" if v in other_partners else v
                for v in variants]
     lines = [f"## {PAIRED_TITLES[metric]}", "",
              "Each round's ratio of the two cells timed next to each other on the same IDs: the "
              "median of the rounds (their range), and in how many the variant was slower."
-             + (" " + PARTNER_NOTE if any(p != {"vllm"} for p in partner_of.values()) else ""), "",
+             + (" " + PARTNER_NOTE if other_partners else ""), "",
              "| MPS | T | lead | mode | " + " | ".join(headers) + " |",
              "|---|---:|---:|---|" + "---|" * len(variants)]
     for mps, tokens, lead, mode in sorted({(k[0], k[2], k[3], k[4]) for k in ratios}):
