@@ -124,6 +124,7 @@ class ProcessRows:
         if self.captured is not None and client.device.type == "cuda":
             self._side = cuda.owned_stream(self, client.device.index), torch.cuda.Event()
         self._forked = False
+        self._on_side = False  # whether this step's IDs and gather go to _side (its first hand says)
         self.staged: dict[int, torch.Tensor] = {}  # layer index -> [max_tokens, local_heads, dim]
         self._ids: dict[int, torch.Tensor] = {}  # this step's IDs, per layer, until all are in
         self._future: LookupFuture | None = None
@@ -164,11 +165,30 @@ class ProcessRows:
         """One layer's `[T, heads]` IDs of this step; the last local layer's submit the lookup."""
         if layer in self._ids:  # a new step began before every layer of the last one handed in
             self._submit()
-        if self.captured is not None:  # into the lookup's buffer, in stream order (capturable)
-            self.captured.ids[:hash_ids.shape[0], layer].copy_(hash_ids, non_blocking=True)
+        if self.captured is not None:
+            self._copy_ids(self.captured, layer, hash_ids)
         self._ids[layer] = hash_ids
         if len(self._ids) == len(self.staged):
             self._submit()
+
+    def _copy_ids(self, captured: CapturedLookup, layer: int, hash_ids: torch.Tensor) -> None:
+        """The layer's IDs into the captured lookup's buffer, in stream order (capturable). Where
+        the step's gather forks to the side stream (_record), the copies go there too, each after
+        what the current stream has queued so far (the hashes): the layers' work that follows on
+        the current stream (the first matmuls) then waits for neither the copies nor the gather,
+        as it waits for nothing of vLLM's own prefetch, which reads the hashes in place."""
+        target = captured.ids[:hash_ids.shape[0], layer]
+        if not self._ids:  # the step's first layer: where its lookup runs
+            self._on_side = self._side is not None and _graph_holds_the_step()
+        fork = self._fork()
+        if fork is None:
+            target.copy_(hash_ids, non_blocking=True)
+            return
+        side = fork[0]
+        side.wait_stream(torch.cuda.current_stream(self.client.device))
+        hash_ids.record_stream(side)  # the current stream may reuse its memory before side reads it
+        with torch.cuda.stream(side):
+            target.copy_(hash_ids, non_blocking=True)
 
     def _submit(self) -> None:
         parts, self._ids = self._ids, {}
@@ -222,14 +242,22 @@ class ProcessRows:
         captured = self.captured
         assert captured is not None
         self._forked = False  # a fork of a capture that failed before its join is not this step's
-        if self._side is None or not _graph_holds_the_step():
+        fork = self._fork()
+        if fork is None:
             captured.record(tokens)  # the rows follow in the current stream's order
             return
-        side, gathered = self._side
-        side.wait_stream(torch.cuda.current_stream(self.client.device))
+        side, gathered = fork
+        side.wait_stream(torch.cuda.current_stream(self.client.device))  # as the copies (_copy_ids)
         captured.record(tokens, stream=side)
         gathered.record(side)
         self._forked = True
+
+    def _fork(self) -> tuple[torch.cuda.Stream, torch.cuda.Event] | None:
+        """The side stream and event of this step's lookup, or None where it runs in line: a
+        fork needs the step's first hand in a graph that holds the whole step (_copy_ids) and that
+        capture still running (a step left over from a capture that failed runs in line, its
+        reader joining nothing)."""
+        return self._side if self._on_side and _capturing() else None
 
     def _join(self) -> None:
         """Make the current stream wait for the gather forked in this capture, once. A graph
