@@ -26,9 +26,9 @@ With ENGRAMD_CAPTURE=on a mapped GPU worker records its lookup in vLLM's graphs 
 copies its hashes into the lookup's IDs buffer and the last local layer queues the gather,
 `_ready_rows` makes the current stream wait for it and returns the staged rows; no eager break,
 so full and piecewise graphs and eager steps run the same launch. In a graph that holds the
-whole step (a full graph) the gather runs on a side stream beside the layers before the first
-`_ready_rows`, which joins it, as vLLM's own prefetch does; in a graph captured in pieces and in
-eager steps, in line on the current stream. A served worker keeps the eager breaks (logged).
+whole step (a full graph) the copies and the gather run on a side stream beside the layers
+before the first `_ready_rows`, which joins it, as vLLM's own prefetch does; in a graph captured
+in pieces and in eager steps, in line on the current stream. A served worker keeps the eager breaks (logged).
 Every step of such a worker first checks the captured lookup's replays (`check()`, wrapped
 around vLLM's `Worker.execute_model`, the Python a full graph's step still runs): NaN rows that
 replays wrote because the client lost its tables fail the worker's next step, a step or so after
@@ -164,6 +164,7 @@ class ProcessRows:
     def hand(self, layer: int, hash_ids: torch.Tensor) -> None:
         """One layer's `[T, heads]` IDs of this step; the last local layer's submit the lookup."""
         if layer in self._ids:  # a new step began before every layer of the last one handed in
+            self._on_side = self._forks_here()  # its fork, if any, for the capture running now
             self._submit()
         if self.captured is not None:
             self._copy_ids(self.captured, layer, hash_ids)
@@ -178,8 +179,8 @@ class ProcessRows:
         the current stream (the first matmuls) then waits for neither the copies nor the gather,
         as it waits for nothing of vLLM's own prefetch, which reads the hashes in place."""
         target = captured.ids[:hash_ids.shape[0], layer]
-        if not self._ids:  # the step's first layer: where its lookup runs
-            self._on_side = self._side is not None and _graph_holds_the_step()
+        if not self._ids:  # the step's first layer: where its lookup runs (no tokens: nowhere)
+            self._on_side = hash_ids.shape[0] > 0 and self._forks_here()
         fork = self._fork()
         if fork is None:
             target.copy_(hash_ids, non_blocking=True)
@@ -247,10 +248,17 @@ class ProcessRows:
             captured.record(tokens)  # the rows follow in the current stream's order
             return
         side, gathered = fork
-        side.wait_stream(torch.cuda.current_stream(self.client.device))  # as the copies (_copy_ids)
+        # After the copies' waits this adds nothing; without them (a step left over from a failed
+        # capture) it is what brings the side stream into this capture.
+        side.wait_stream(torch.cuda.current_stream(self.client.device))
         captured.record(tokens, stream=side)
         gathered.record(side)
         self._forked = True
+
+    def _forks_here(self) -> bool:
+        """Whether a step that begins now goes to the side stream: a graph that holds the whole
+        step is being captured (a GPU's only)."""
+        return self._side is not None and _graph_holds_the_step()
 
     def _fork(self) -> tuple[torch.cuda.Stream, torch.cuda.Event] | None:
         """The side stream and event of this step's lookup, or None where it runs in line: a
