@@ -350,6 +350,153 @@ def test_the_captured_gather_forks_only_in_a_graph_its_reader_is_part_of(
     assert vllm_engram._graph_holds_the_step() is forks
 
 
+class _Streams:
+    """Where a captured step's work goes, as a log: the plugin's side stream and its event
+    stand-ins, torch's current stream and stream context swapped for ones that log."""
+
+    def __init__(self, monkeypatch, vllm_engram):
+        import torch
+
+        self.log: list[str] = []
+        self.on_side = False
+        streams = self
+
+        class Side:
+            def wait_stream(self, other):
+                streams.log.append(f"side waits for {other.name}")
+
+        class Current:
+            name = "current"
+
+            def wait_event(self, event):
+                streams.log.append("current joins")
+
+        class Event:
+            def record(self, stream):
+                streams.log.append("gathered recorded")
+
+        class OnSide:
+            def __enter__(self):
+                streams.on_side = True
+
+            def __exit__(self, *exc):
+                streams.on_side = False
+
+        self.side = (Side(), Event())
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Current())
+        monkeypatch.setattr(torch.cuda, "stream", lambda stream: OnSide())
+        monkeypatch.setattr(torch.Tensor, "record_stream", lambda tensor, stream: None)
+        self.capturing = self.holds_step = False
+        monkeypatch.setattr(vllm_engram, "_capturing", lambda: self.capturing)
+        monkeypatch.setattr(vllm_engram, "_graph_holds_the_step",
+                            lambda: self.capturing and self.holds_step)
+
+
+def _captured_rows(streams: _Streams):
+    """A ProcessRows over a CPU stand-in client whose captured lookup logs its copies' and
+    gathers' streams; its side stream is _Streams'."""
+    import torch
+
+    from engramd.client.engines.vllm_engram import ProcessRows
+    from engramd.client.geometry import TableGeometry
+
+    class Ids(torch.Tensor):  # the lookup's IDs buffer: each copy logs where it ran
+        def copy_(self, source, non_blocking=False):
+            streams.log.append("copy on side" if streams.on_side else "copy in line")
+            return self
+
+    class Captured:
+        def __init__(self, geometry):
+            self.ids = torch.zeros(8, geometry.n_layers, geometry.heads, dtype=torch.int32).as_subclass(Ids)
+
+        def record(self, tokens, stream=None):
+            streams.log.append("gather on side" if stream is not None else "gather in line")
+
+        def check(self):
+            pass
+
+    class Client:
+        geometry, device, max_tokens = TableGeometry.named("demo"), torch.device("cpu"), 8
+        rows_generation, registrations, tables_id = 0, 1, "t"
+
+        def slot_rows(self, slot):
+            return [torch.zeros(8, self.geometry.heads, self.geometry.head_dim)
+                    for _ in range(self.geometry.n_layers)]
+
+    client = Client()
+    rows = ProcessRows(client)
+    rows.captured, rows._side = Captured(client.geometry), streams.side
+    for layer in range(client.geometry.n_layers):
+        rows.staging(layer)
+    return rows
+
+
+def _step(rows, tokens: int, layers=None) -> None:
+    import torch
+
+    geometry = rows.geometry
+    hashes = torch.zeros(tokens, geometry.n_layers, geometry.heads, dtype=torch.int64)
+    for layer in range(geometry.n_layers) if layers is None else layers:
+        rows.hand(layer, hashes[:, layer])
+
+
+def test_in_a_graph_that_holds_the_step_the_hash_copies_and_the_gather_fork_and_the_reader_joins(
+        monkeypatch):
+    """The copies go to the side stream with the gather (the first matmuls wait for neither), each
+    after the hashes; elsewhere (an eager step, a graph in pieces) everything runs in line."""
+    from engramd.client.engines import vllm_engram
+
+    streams = _Streams(monkeypatch, vllm_engram)
+    rows = _captured_rows(streams)
+    n_layers = rows.geometry.n_layers
+    streams.capturing = streams.holds_step = True
+    _step(rows, 4)
+    rows.ready(0, 4)
+    rows.ready(1, 4)
+    assert streams.log == (["side waits for current", "copy on side"] * n_layers
+                           + ["side waits for current", "gather on side", "gathered recorded",
+                              "current joins"])
+    for capturing, holds_step in ((False, False), (True, False)):
+        streams.log.clear()
+        streams.capturing, streams.holds_step = capturing, holds_step
+        _step(rows, 4)
+        rows.ready(0, 4)
+        assert streams.log == ["copy in line"] * n_layers + ["gather in line"]
+
+
+def test_a_step_left_by_a_failed_capture_forks_only_where_the_capture_running_now_holds_the_step(
+        monkeypatch):
+    """A full capture that failed after its first layer's hand leaves that step behind; the next
+    step submits it first. In a capture in pieces (or eagerly) it must run in line: a fork there
+    would end the capture unjoined."""
+    from engramd.client.engines import vllm_engram
+
+    streams = _Streams(monkeypatch, vllm_engram)
+    rows = _captured_rows(streams)
+    n_layers = rows.geometry.n_layers
+    streams.capturing = streams.holds_step = True
+    _step(rows, 4, layers=[0])  # ... and the capture fails here
+    for capturing in (True, False):  # a piecewise capture next; then an eager step
+        streams.log.clear()
+        streams.capturing, streams.holds_step = capturing, False
+        _step(rows, 4)
+        rows.ready(0, 4)
+        assert streams.log == ["gather in line"] + ["copy in line"] * n_layers + ["gather in line"]
+        streams.holds_step = True
+        _step(rows, 4, layers=[0])  # the next failed full capture's leftover, for the second round
+
+
+def test_a_step_of_no_tokens_in_a_graph_that_holds_the_step_forks_nothing(monkeypatch):
+    """No tokens, no gather and no join: a side stream that waited would end the capture unjoined."""
+    from engramd.client.engines import vllm_engram
+
+    streams = _Streams(monkeypatch, vllm_engram)
+    rows = _captured_rows(streams)
+    streams.capturing = streams.holds_step = True
+    _step(rows, 0)
+    assert not any("side" in entry for entry in streams.log)
+
+
 def test_a_worker_that_splits_batches_into_microbatches_keeps_its_lookups_in_eager_breaks(
         monkeypatch, caplog):
     """Each microbatch of a step would take the captured lookup's one IDs buffer and slot."""
