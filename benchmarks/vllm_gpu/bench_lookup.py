@@ -38,10 +38,11 @@ The variants: bench_variants.py. IDs (--ids uniform | text): bench_ids.py. Timin
 
 What plugin_captured captures, and what it is held against: the whole step (every layer's
 prepare_embeddings, which copies its hashes into the captured lookup's IDs buffer on the
-plugin's side stream and, at the last layer, forks the gather there too; the LEAD matmuls; each layer's forward,
-the first joining the gather) is recorded once per (T, lead) in a torch.cuda.CUDAGraph
-(capture_error_mode="thread_local") and replayed at each step, after the step's hash IDs are
-copied into the persistent buffer the graph reads, as an engine writes its graph's inputs.
+plugin's side stream and, at the last layer, forks the gather there too; the LEAD matmuls;
+each layer's forward, the first joining the gather) is recorded once per (T, lead) in a
+torch.cuda.CUDAGraph (capture_error_mode="thread_local") and replayed at each step, after the
+step's hash IDs are copied into the persistent buffer the graph reads, as an engine writes its
+graph's inputs.
 vllm_graph records vLLM's own step the same way in phase 1, as vLLM's full graphs do: outside a
 breakable capture its eager breaks run in line, so its prefetch (on its prefetch stream,
 background=True) and the wait for it are in the graph.

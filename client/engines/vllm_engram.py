@@ -28,7 +28,8 @@ copies its hashes into the lookup's IDs buffer and the last local layer queues t
 so full and piecewise graphs and eager steps run the same launch. In a graph that holds the
 whole step (a full graph) the copies and the gather run on a side stream beside the layers
 before the first `_ready_rows`, which joins it, as vLLM's own prefetch does; in a graph captured
-in pieces and in eager steps, in line on the current stream. A served worker keeps the eager breaks (logged).
+in pieces and in eager steps, in line on the current stream. A served worker keeps the eager
+breaks (logged).
 Every step of such a worker first checks the captured lookup's replays (`check()`, wrapped
 around vLLM's `Worker.execute_model`, the Python a full graph's step still runs): NaN rows that
 replays wrote because the client lost its tables fail the worker's next step, a step or so after
