@@ -117,15 +117,15 @@ class ProcessRows:
         # ENGRAMD_CAPTURE: the staging slot's lookup, recorded in vLLM's graphs (None: eager breaks)
         self.captured = self._capture(client) if capture else None
         # Where a graph's captured gather runs beside the layers before the rows' first reader:
-        # its stream and the event the reader waits for (a GPU's only), and whether the reader
-        # has yet to wait. The stream is this object's own, not one of torch's pooled streams,
+        # its stream and the event the reader waits for (a GPU's only). The stream is this object's own, not one of torch's pooled streams,
         # which the model's own side streams (and a capture's) come from: sharing one would
         # serialise the gather behind their work.
         self._side: tuple[torch.cuda.Stream, torch.cuda.Event] | None = None
         if self.captured is not None and client.device.type == "cuda":
             self._side = cuda.owned_stream(self, client.device.index), torch.cuda.Event()
-        self._forked = False
-        self._on_side = False  # whether this step's IDs and gather go to _side (its first hand says)
+        # Whether this step's IDs and gather go to _side (its first hand says) and its first
+        # reader has yet to join them
+        self._on_side = False
         self.staged: dict[int, torch.Tensor] = {}  # layer index -> [max_tokens, local_heads, dim]
         self._ids: dict[int, torch.Tensor] = {}  # this step's IDs, per layer, until all are in
         self._future: LookupFuture | None = None
@@ -243,7 +243,6 @@ class ProcessRows:
         mapped path overlaps eager steps)."""
         captured = self.captured
         assert captured is not None
-        self._forked = False  # a fork of a capture that failed before its join is not this step's
         fork = self._fork()
         if fork is None:
             captured.record(tokens)  # the rows follow in the current stream's order
@@ -254,7 +253,6 @@ class ProcessRows:
         side.wait_stream(torch.cuda.current_stream(self.client.device))
         captured.record(tokens, stream=side)
         gathered.record(side)
-        self._forked = True
 
     def _forks_here(self) -> bool:
         """Whether a step that begins now goes to the side stream: a graph that holds the whole
@@ -272,10 +270,10 @@ class ProcessRows:
         """Make the current stream wait for the gather forked in this capture, once. A graph
         replays as a whole, so the next step's IDs are written after this one's gather read them.
         A capture that ends unjoined fails there (CUDA refuses it); a fork of a capture that
-        failed before its join is dropped by the next step's _record or by an eager reader."""
-        forked, self._forked = self._forked, False
-        if forked and self._side is not None and _capturing():
-            torch.cuda.current_stream(self.client.device).wait_event(self._side[1])
+        failed before its join is dropped by the next step's first hand or by an eager reader."""
+        fork, self._on_side = self._fork(), False
+        if fork is not None:
+            torch.cuda.current_stream(self.client.device).wait_event(fork[1])
 
     def _await_rows(self) -> None:
         """Make the current stream wait for the pending lookup (GPU: in stream order, no host
