@@ -41,6 +41,8 @@ UPKEEP_S = 0.1  # how often the upkeep thread looks at the daemon's news
 # After this long with no replay since new tables were selected, an idle engine's descriptor is
 # caught up without one (its replays adopt them within milliseconds otherwise).
 CATCH_UP_S = 1.0
+# Triton specialises a pointer argument on its divisibility by this many bytes.
+ALIGN = 16
 
 
 class CapturedLookup:
@@ -151,27 +153,65 @@ class CapturedLookup:
         """The slot's rows a record(tokens) writes: bf16 [n_layers, tokens, local_heads, head_dim]."""
         return self._rows(self.slot, tokens)
 
-    def record(self, tokens: int, stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+    def record(self, tokens: int, stream: torch.cuda.Stream | None = None,
+               ids: torch.Tensor | None = None) -> torch.Tensor:
         """Queue the lookup of `ids[:tokens]` on `stream` (default: the current one), inside a
         graph capture or not, and return its rows (rows(tokens)). Nothing in it waits for the
         host or decides from the IDs: sorted reads, where the daemon's policy asks for them from
-        this many tokens on, are sorted on the device."""
+        this many tokens on, are sorted on the device.
+
+        `ids`: the step's IDs where the engine holds them, read in place of the buffer's (which
+        saves the engine its copies into the buffer): `[tokens, n_layers, heads]`, as the buffer
+        holds them (why_not_in_place says what differs). In a graph, memory written before the
+        lookup at every replay, at the address it had in the capture: a tensor the graph itself
+        writes (its pool keeps the address), or a static input written before each replay."""
         if isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens <= self.ids.shape[0]:
             raise BadRequestError(f"tokens {tokens!r}: this captured lookup's IDs buffer holds "
                                   f"1..{self.ids.shape[0]}")
+        if ids is not None:
+            why = self.why_not_in_place(ids)
+            if why is None and ids.shape[0] != tokens:
+                why = f"{ids.shape[0]} tokens of IDs for a lookup of {tokens}"
+            if why is not None:
+                raise BadRequestError(f"IDs to read in place: {why}")
         if self._lost is not None:
             raise ReplayFailedError(self._lost, 0)
         if stream is None and self.device.type == "cuda":
             stream = torch.cuda.current_stream(self.device)
-        return self._launch(tokens, stream)
+        return self._launch(tokens, stream, ids)
 
-    def _launch(self, tokens: int, stream: torch.cuda.Stream | None) -> torch.Tensor:
+    def why_not_in_place(self, ids: torch.Tensor) -> str | None:
+        """Why record() cannot read `ids` in place of the buffer, or None where it can: they must
+        be a [T, n_layers, heads] tensor, T up to the buffer's, of the buffer's dtype and
+        device, contiguous, and aligned to 16 bytes where the buffer is (and only there): the
+        kernel's variants, warmed on the buffer, differ in that alignment, and a capture cannot
+        load another."""
+        buffer = self.ids
+        if not isinstance(ids, torch.Tensor):
+            return f"a {type(ids).__name__}, not a tensor"
+        if ids.dtype != buffer.dtype or ids.device != buffer.device:
+            return f"{ids.dtype} on {ids.device}; the buffer is {buffer.dtype} on {buffer.device}"
+        if ids.dim() != 3 or tuple(ids.shape[1:]) != tuple(buffer.shape[1:]) \
+                or not 1 <= ids.shape[0] <= buffer.shape[0]:
+            return (f"shape {list(ids.shape)}; the buffer holds [1..{buffer.shape[0]}, "
+                    f"{buffer.shape[1]}, {buffer.shape[2]}]")
+        if not ids.is_contiguous():
+            return f"strides {list(ids.stride())}, not contiguous"
+        aligned, buffer_aligned = ids.data_ptr() % ALIGN == 0, buffer.data_ptr() % ALIGN == 0
+        if aligned != buffer_aligned:
+            return (f"address {ids.data_ptr():#x} is{'' if aligned else ' not'} {ALIGN}-byte "
+                    f"aligned and the buffer's ({buffer.data_ptr():#x}) is{'' if buffer_aligned else ' not'}")
+        return None
+
+    def _launch(self, tokens: int, stream: torch.cuda.Stream | None,
+                ids: torch.Tensor | None = None) -> torch.Tensor:
         """The launch a graph records, and replays."""
         out = self.rows(tokens)
         sort = 0 < self._sort_from <= tokens
         with self._launching if self.device.type == "cpu" else nullcontext():
-            self._plan(self.ids[:tokens], out, stream=stream, sort=sort, descriptor=self.descriptor,
-                       num_programs=self._programs, block_rows=self._block_rows(tokens, sort))
+            self._plan(self.ids[:tokens] if ids is None else ids, out, stream=stream, sort=sort,
+                       descriptor=self.descriptor, num_programs=self._programs,
+                       block_rows=self._block_rows(tokens, sort))
         return out
 
     def settle(self) -> None:

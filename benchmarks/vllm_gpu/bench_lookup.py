@@ -37,8 +37,8 @@ alone in phase 2 before the first client opens and after the last closes (Run.br
 The variants: bench_variants.py. IDs (--ids uniform | text): bench_ids.py. Timing: common/timing.time_cell.
 
 What plugin_captured captures, and what it is held against: the whole step (every layer's
-prepare_embeddings, which copies its hashes into the captured lookup's IDs buffer on the
-plugin's side stream and, at the last layer, forks the gather there too; the LEAD matmuls;
+prepare_embeddings, the last layer's forking the gather to the plugin's side stream, where
+it reads the hashes in place; the LEAD matmuls;
 each layer's forward, the first joining the gather) is recorded once per (T, lead) in a
 torch.cuda.CUDAGraph (capture_error_mode="thread_local") and replayed at each step, after the
 step's hash IDs are copied into the persistent buffer the graph reads, as an engine writes its

@@ -152,14 +152,19 @@ def check_replays(layout, reference, served, rows, tokens: int = 16, replays: in
     each layer's _ready_rows, their rows copied out) and replayed on new IDs written into the
     graph's input: the rows of each replay, vLLM's for those IDs; each replay counted by the
     captured lookup's descriptor, none poisoned. Recorded three ways (captures()): with the
-    gather forked to the plugin's side stream (`rows`, the process's ProcessRows) and joined
-    inside the graph in the first two, in line in the third, whose pieces a fork could not
-    span: which stream each record() got is checked too."""
+    gather forked to the plugin's side stream (`rows`, the process's ProcessRows), reading the
+    graph's input IDs in place, and joined inside the graph in the first two; in line, from the
+    copies in the lookup's buffer, in the third, whose pieces a fork could not span: which stream
+    each record() got, and whether it read in place, is checked too."""
     captured = rows.captured
     ids = cpu.raw_ids(layout.num_embeddings, tokens).to(DEVICE)
-    streams: list = []  # the stream of each record() while capturing
-    record = captured.record
-    captured.record = lambda count, stream=None: (streams.append(stream), record(count, stream))[1]
+    streams: list = []  # the stream of each record() while capturing, and whether in place
+
+    def record(count, stream=None, ids=None):
+        streams.append((stream, ids is not None))
+        return recorded(count, stream, ids)
+
+    recorded, captured.record = captured.record, record
 
     def counts() -> dict:
         """The descriptor's counts after every replay so far (check() reads the same copy)."""
@@ -180,7 +185,7 @@ def check_replays(layout, reference, served, rows, tokens: int = 16, replays: in
             streams.clear()
             out, replay = capture(step)
             forks = name != "pieces"
-            assert streams == [rows._side[0] if forks else None], (name, streams, rows._side)
+            assert streams == [(rows._side[0], True) if forks else (None, False)], (name, streams, rows._side)
             before = counts()
             for number in range(replays):
                 ids.copy_(cpu.raw_ids(layout.num_embeddings, tokens + 1 + number)[:tokens].to(DEVICE))
@@ -194,9 +199,9 @@ def check_replays(layout, reference, served, rows, tokens: int = 16, replays: in
             assert (after["replays"] - before["replays"], after["poisoned"]) == (replays, 0), (name, after)
             captured.check()
             results[name] = (f"equal after {replays} replays of {tokens} tokens, the gather "
-                             f"{'forked' if forks else 'in line'}")
+                             f"{'forked, reading the IDs in place' if forks else 'in line'}")
     finally:  # the lookup records as it did, whatever failed
-        captured.record = record
+        captured.record = recorded
     return results
 
 

@@ -22,14 +22,16 @@ offloaded prefetch does, so it runs at every replay of a breakable CUDA graph; a
 capture, which would replay none of it, is refused.
 
 With ENGRAMD_CAPTURE=on a mapped GPU worker records its lookup in vLLM's graphs instead
-(client/captured.py): the staging slot is a captured lookup's, each layer's `prepare_embeddings`
-copies its hashes into the lookup's IDs buffer and the last local layer queues the gather,
-`_ready_rows` makes the current stream wait for it and returns the staged rows; no eager break,
-so full and piecewise graphs and eager steps run the same launch. In a graph that holds the
-whole step (a full graph) the copies and the gather run on a side stream beside the layers
-before the first `_ready_rows`, which joins it, as vLLM's own prefetch does; in a graph captured
-in pieces and in eager steps, in line on the current stream. A served worker keeps the eager
-breaks (logged).
+(client/captured.py): the staging slot is a captured lookup's, the last local layer's
+`prepare_embeddings` queues the gather, `_ready_rows` makes the current stream wait for it and
+returns the staged rows; no eager break, so full and piecewise graphs and eager steps run the
+same launch. In a graph that holds the whole step (a full graph) the gather runs on a side
+stream beside the layers before the first `_ready_rows`, which joins it, and reads the hashes
+in place, as vLLM's own prefetch does, where they are one tensor of every layer's columns that
+the lookup can read (CapturedLookup.why_not_in_place; else it reads copies made on that
+stream); in a graph captured in pieces and in eager steps, in line
+on the current stream, after each layer's copy of its hashes into the lookup's IDs buffer. A
+served worker keeps the eager breaks (logged).
 Every step of such a worker first checks the captured lookup's replays (`check()`, wrapped
 around vLLM's `Worker.execute_model`, the Python a full graph's step still runs): NaN rows that
 replays wrote because the client lost its tables fail the worker's next step, a step or so after
@@ -117,14 +119,14 @@ class ProcessRows:
         # ENGRAMD_CAPTURE: the staging slot's lookup, recorded in vLLM's graphs (None: eager breaks)
         self.captured = self._capture(client) if capture else None
         # Where a graph's captured gather runs beside the layers before the rows' first reader:
-        # its stream and the event the reader waits for (a GPU's only). The stream is this object's own, not one of torch's pooled streams,
-        # which the model's own side streams (and a capture's) come from: sharing one would
-        # serialise the gather behind their work.
+        # its stream and the event the reader waits for (a GPU's only). The stream is this
+        # object's own, not one of torch's pooled streams, which the model's own side streams (and
+        # a capture's) come from: sharing one would serialise the gather behind their work.
         self._side: tuple[torch.cuda.Stream, torch.cuda.Event] | None = None
         if self.captured is not None and client.device.type == "cuda":
             self._side = cuda.owned_stream(self, client.device.index), torch.cuda.Event()
-        # Whether this step's IDs and gather go to _side (its first hand says) and its first
-        # reader has yet to join them
+        # Whether this step's gather goes to _side, with its IDs read in place or copied there
+        # (its first hand says), and its first reader has yet to join it
         self._on_side = False
         self.staged: dict[int, torch.Tensor] = {}  # layer index -> [max_tokens, local_heads, dim]
         self._ids: dict[int, torch.Tensor] = {}  # this step's IDs, per layer, until all are in
@@ -165,32 +167,41 @@ class ProcessRows:
     def hand(self, layer: int, hash_ids: torch.Tensor) -> None:
         """One layer's `[T, heads]` IDs of this step; the last local layer's submit the lookup."""
         if layer in self._ids:  # a new step began before every layer of the last one handed in
-            self._on_side = self._forks_here()  # its fork, if any, for the capture running now
-            self._submit()
+            self._leave()
         if self.captured is not None:
-            self._copy_ids(self.captured, layer, hash_ids)
+            if not self._ids:  # the step's first layer: where its lookup runs (no tokens: nowhere)
+                self._begin_step(hash_ids.shape[0])
+            if not self._on_side:  # where the hands are: a graph in pieces may hold only them
+                self._copy_ids({layer: hash_ids})
         self._ids[layer] = hash_ids
         if len(self._ids) == len(self.staged):
             self._submit()
 
-    def _copy_ids(self, captured: CapturedLookup, layer: int, hash_ids: torch.Tensor) -> None:
-        """The layer's IDs into the captured lookup's buffer, in stream order (capturable). Where
-        the step's gather forks to the side stream (_record), the copies go there too, each after
-        what the current stream has queued so far (the hashes): the layers' work that follows on
-        the current stream (the first matmuls) then waits for neither the copies nor the gather,
-        as it waits for nothing of vLLM's own prefetch, which reads the hashes in place."""
-        target = captured.ids[:hash_ids.shape[0], layer]
-        if not self._ids:  # the step's first layer: where its lookup runs (no tokens: nowhere)
-            self._on_side = hash_ids.shape[0] > 0 and self._forks_here()
+    def _begin_step(self, tokens: int) -> None:
+        """Decide where this step's lookup runs. Where it forks, the side stream joins the
+        capture now, adding no node: a capture that ends before the gather's join then fails
+        there, unjoined, as CUDA refuses it, never silently with the later layers' IDs missing
+        from its replays."""
+        self._on_side = tokens > 0 and self._forks_here()
         fork = self._fork()
-        if fork is None:
-            target.copy_(hash_ids, non_blocking=True)
+        if fork is not None:
+            fork[0].wait_stream(torch.cuda.current_stream(self.client.device))
+
+    def _leave(self) -> None:
+        """A new step began before every layer of the last one handed in (its capture failed,
+        say). A captured step is dropped: the next step's gather writes the same slot before any
+        layer could read its rows, and its hashes may be a failed capture's memory, which no
+        graph recorded now may read. An eager worker's is looked up, as every step of it is."""
+        if self.captured is None:
+            self._submit()
             return
-        side = fork[0]
-        side.wait_stream(torch.cuda.current_stream(self.client.device))
-        hash_ids.record_stream(side)  # the current stream may reuse its memory before side reads it
-        with torch.cuda.stream(side):
-            target.copy_(hash_ids, non_blocking=True)
+        self._ids, self._tokens, self._on_side = {}, 0, False
+
+    def _copy_ids(self, parts: dict[int, torch.Tensor]) -> None:
+        """Layers' IDs into the captured lookup's buffer, in the current stream's order."""
+        assert self.captured is not None
+        for layer, hash_ids in parts.items():
+            self.captured.ids[:hash_ids.shape[0], layer].copy_(hash_ids, non_blocking=True)
 
     def _submit(self) -> None:
         parts, self._ids = self._ids, {}
@@ -207,7 +218,7 @@ class ProcessRows:
         if tokens == 0:
             return
         if self.captured is not None:
-            self._record(tokens)
+            self._record(parts, tokens)
             self._tokens = tokens
             if not _capturing():  # a check reads the host; in a replay no Python runs
                 self.captured.check()
@@ -234,25 +245,46 @@ class ProcessRows:
             self.check_still_served()
         return self.staged[layer][:num_tokens]
 
-    def _record(self, tokens: int) -> None:
+    def _record(self, parts: dict[int, torch.Tensor], tokens: int) -> None:
         """Queue the captured gather. In a graph that holds the whole step (a full graph), on the
         side stream, which the rows' first reader joins in the same graph: the gather runs beside
         the layers before that reader, as vLLM's own prefetch does. Elsewhere in line on the
-        current stream: in a graph captured in pieces a fork would have to join in the piece it
-        began in, and an eager step of this worker is not what it is tuned for (the default
-        mapped path overlaps eager steps)."""
+        current stream, after the hands' copies: in a graph captured in pieces a fork would have
+        to join in the piece it began in, and an eager step of this worker is not what it is
+        tuned for (the default mapped path overlaps eager steps)."""
         captured = self.captured
         assert captured is not None
         fork = self._fork()
+        if fork is None and self._on_side:
+            self._on_side = False
+            raise VllmPluginError(
+                "the CUDA graph capture that held this step's first Engram layers ended before its "
+                "last layer handed in its IDs: the step's hashes are that capture's memory, which "
+                "nothing wrote; capture the whole step in one graph, or in pieces")
         if fork is None:
-            captured.record(tokens)  # the rows follow in the current stream's order
+            captured.record(tokens)  # the rows follow in the current stream's order, after the copies
             return
         side, gathered = fork
-        # After the copies' waits this adds nothing; without them (a step left over from a failed
-        # capture) it is what brings the side stream into this capture.
-        side.wait_stream(torch.cuda.current_stream(self.client.device))
-        captured.record(tokens, stream=side)
+        side.wait_stream(torch.cuda.current_stream(self.client.device))  # after every hand's hashes
+        ids = self._in_place(parts)
+        with torch.cuda.stream(side):
+            if ids is None:
+                self._copy_ids(parts)
+            for part in parts.values():  # the current stream may reuse it before side reads it
+                part.record_stream(side)
+            captured.record(tokens, stream=side, ids=ids)
         gathered.record(side)
+
+    def _in_place(self, parts: dict[int, torch.Tensor]) -> torch.Tensor | None:
+        """The step's IDs as the one tensor the forked gather reads in place, or None where it
+        reads copies: the side stream's first kernel is then the gather's (or, for sorted reads,
+        from the policy's `sort_min_tokens`, its sort's). As vLLM's own prefetch, whose lookup
+        reads the hashes in place, it then mostly starts before the first matmul, which waits
+        for a memset; behind copies of its own it mostly started after the matmul had taken
+        every SM, at the matmul's tail (benchmarks/results/h100/2026-12-07-c)."""
+        assert self.captured is not None
+        ids = columns_view(parts, self.geometry.n_layers)
+        return ids if ids is not None and self.captured.why_not_in_place(ids) is None else None
 
     def _forks_here(self) -> bool:
         """Whether a step that begins now goes to the side stream: a graph that holds the whole
@@ -261,16 +293,17 @@ class ProcessRows:
 
     def _fork(self) -> tuple[torch.cuda.Stream, torch.cuda.Event] | None:
         """The side stream and event of this step's lookup, or None where it runs in line: a
-        fork needs the step's first hand in a graph that holds the whole step (_copy_ids) and that
-        capture still running (a step left over from a capture that failed runs in line, its
-        reader joining nothing)."""
+        fork needs the step's first hand in a graph that holds the whole step (hand) and that
+        capture still running (a step whose capture failed between its hands and its reader
+        runs in line, its reader joining nothing)."""
         return self._side if self._on_side and _capturing() else None
 
     def _join(self) -> None:
         """Make the current stream wait for the gather forked in this capture, once. A graph
         replays as a whole, so the next step's IDs are written after this one's gather read them.
         A capture that ends unjoined fails there (CUDA refuses it); a fork of a capture that
-        failed before its join is dropped by the next step's first hand or by an eager reader."""
+        failed before its join is dropped by the next step's first hand, which decides afresh, or
+        by an eager reader."""
         fork, self._on_side = self._fork(), False
         if fork is not None:
             torch.cuda.current_stream(self.client.device).wait_event(fork[1])

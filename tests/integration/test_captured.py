@@ -137,6 +137,45 @@ def test_captured_replays_equal_the_reference_and_keep_their_slot(daemon_factory
         assert {client.lookup(torch.from_numpy(ids)).slot for _ in range(6)} == {0, 1, 2}
 
 
+def test_a_record_reads_the_engines_ids_in_place_and_names_what_it_cannot_read(
+        daemon_factory, reference, interpreted):
+    """record(T, ids=...) gathers the engine's own tensor and leaves the buffer as it was; IDs
+    that are not what the buffer's variants were warmed on are refused, each naming what
+    differs, before anything is launched."""
+    daemon = daemon_factory()
+    rng = np.random.default_rng(43)
+    with EngramClient(daemon.socket, mode="mapped", max_tokens=TOKENS) as client:
+        captured = capture(client)
+        layers, heads = captured.ids.shape[1:]
+        ids = random_ids(rng, 5, reference.rows, reference.heads)
+        engine = torch.from_numpy(ids)
+        assert captured.why_not_in_place(engine) is None
+        launches = captured.counts()["replays"]
+        assert rows_match(captured.record(5, ids=engine).double().numpy(), reference, ids)
+        assert bool((captured.ids == -1).all()), "the buffer is not read, nor written"
+        launches += 1
+        assert captured.counts()["replays"] == launches
+        # 8 bytes past the start of an allocation (aligned, as the buffer is)
+        shifted = torch.zeros(5 * layers * heads + 1, dtype=torch.int64)[1:].view(5, layers, heads)
+
+        def zeros(*shape: int) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=torch.int64)
+
+        refused = {
+            "torch.int32 on cpu; the buffer is torch.int64": engine.to(torch.int32),
+            f"shape \\[5, {layers}, {heads + 1}\\]": zeros(5, layers, heads + 1),
+            f"shape \\[{TOKENS + 1}, ": zeros(TOKENS + 1, layers, heads),
+            f"strides \\[1, 5, {5 * layers}\\], not contiguous": zeros(heads, layers, 5).permute(2, 1, 0),
+            "address 0x[0-9a-f]+ is not 16-byte aligned and the buffer's \\(0x[0-9a-f]+\\) is$": shifted,
+        }
+        for why, bad in refused.items():
+            with pytest.raises(BadRequestError, match=f"IDs to read in place: {why}"):
+                captured.record(5, ids=bad)
+        with pytest.raises(BadRequestError, match="5 tokens of IDs for a lookup of 4"):
+            captured.record(4, ids=engine)
+        assert captured.counts()["replays"] == launches, "a refused record launched nothing"
+
+
 def test_the_warm_up_launches_every_variant_a_record_launches(daemon_factory, reference,
                                                               interpreted, monkeypatch):
     """A capture cannot load a kernel: every (block size, sorted, sort size) that a record of

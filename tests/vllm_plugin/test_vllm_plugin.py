@@ -397,6 +397,7 @@ def _captured_rows(streams: _Streams):
     gathers' streams; its side stream is _Streams'."""
     import torch
 
+    from engramd.client.captured import CapturedLookup
     from engramd.client.engines.vllm_engram import ProcessRows
     from engramd.client.geometry import TableGeometry
 
@@ -409,8 +410,12 @@ def _captured_rows(streams: _Streams):
         def __init__(self, geometry):
             self.ids = torch.zeros(8, geometry.n_layers, geometry.heads, dtype=torch.int32).as_subclass(Ids)
 
-        def record(self, tokens, stream=None):
-            streams.log.append("gather on side" if stream is not None else "gather in line")
+        why_not_in_place = CapturedLookup.why_not_in_place
+
+        def record(self, tokens, stream=None, ids=None):
+            assert ids is None or self.why_not_in_place(ids) is None
+            streams.log.append(("gather on side" if stream is not None else "gather in line")
+                               + (", in place" if ids is not None else ""))
 
         def check(self):
             pass
@@ -431,19 +436,24 @@ def _captured_rows(streams: _Streams):
     return rows
 
 
-def _step(rows, tokens: int, layers=None) -> None:
+def _step(rows, tokens: int, layers=None, dtype=None) -> None:
+    """A step's hands: each layer's column of one [T, layers, heads] tensor of hashes, int32
+    as vLLM's (unless `dtype`)."""
     import torch
 
     geometry = rows.geometry
-    hashes = torch.zeros(tokens, geometry.n_layers, geometry.heads, dtype=torch.int64)
+    hashes = torch.zeros(tokens, geometry.n_layers, geometry.heads, dtype=dtype or torch.int32)
     for layer in range(geometry.n_layers) if layers is None else layers:
         rows.hand(layer, hashes[:, layer])
 
 
-def test_in_a_graph_that_holds_the_step_the_hash_copies_and_the_gather_fork_and_the_reader_joins(
-        monkeypatch):
-    """The copies go to the side stream with the gather (the first matmuls wait for neither), each
-    after the hashes; elsewhere (an eager step, a graph in pieces) everything runs in line."""
+def test_in_a_graph_that_holds_the_step_the_gather_forks_reading_the_hashes_in_place(monkeypatch):
+    """The gather alone goes to the side stream, after the hashes, and reads them where they are
+    (the first matmuls wait for nothing of it); hashes it cannot read in place (another dtype
+    than its buffer's) are copied on the side stream first; elsewhere (an eager step, a graph in
+    pieces) each hand copies in line and the gather follows in line."""
+    import torch
+
     from engramd.client.engines import vllm_engram
 
     streams = _Streams(monkeypatch, vllm_engram)
@@ -453,9 +463,13 @@ def test_in_a_graph_that_holds_the_step_the_hash_copies_and_the_gather_fork_and_
     _step(rows, 4)
     rows.ready(0, 4)
     rows.ready(1, 4)
-    assert streams.log == (["side waits for current", "copy on side"] * n_layers
-                           + ["side waits for current", "gather on side", "gathered recorded",
-                              "current joins"])
+    forked = ["side waits for current"] * 2  # at the first hand (joining the capture) and the last
+    assert streams.log == forked + ["gather on side, in place", "gathered recorded", "current joins"]
+    streams.log.clear()
+    _step(rows, 4, dtype=torch.int64)
+    rows.ready(0, 4)
+    assert streams.log == (forked + ["copy on side"] * n_layers
+                           + ["gather on side", "gathered recorded", "current joins"])
     for capturing, holds_step in ((False, False), (True, False)):
         streams.log.clear()
         streams.capturing, streams.holds_step = capturing, holds_step
@@ -464,26 +478,55 @@ def test_in_a_graph_that_holds_the_step_the_hash_copies_and_the_gather_fork_and_
         assert streams.log == ["copy in line"] * n_layers + ["gather in line"]
 
 
-def test_a_step_left_by_a_failed_capture_forks_only_where_the_capture_running_now_holds_the_step(
+def test_a_step_left_by_a_failed_capture_is_dropped_and_the_next_one_runs_where_it_is_captured(
         monkeypatch):
-    """A full capture that failed after its first layer's hand leaves that step behind; the next
-    step submits it first. In a capture in pieces (or eagerly) it must run in line: a fork there
-    would end the capture unjoined."""
+    """A full capture that failed after its first layer's hand leaves that step behind, its
+    hashes uncopied and perhaps in the failed capture's memory. The next step drops it (its rows
+    would be written over before any layer read them) and runs as its own capture says: in line
+    in a capture in pieces or eagerly (a fork there would end the capture unjoined), forked in a
+    full graph."""
+    from engramd.client.engines import vllm_engram
+
+    streams = _Streams(monkeypatch, vllm_engram)
+    rows = _captured_rows(streams)
+    n_layers = rows.geometry.n_layers
+    for capturing, holds_step in ((True, False), (False, False), (True, True)):
+        streams.capturing = streams.holds_step = True
+        _step(rows, 4, layers=[0])  # ... and the capture fails here
+        streams.log.clear()
+        streams.capturing, streams.holds_step = capturing, holds_step
+        _step(rows, 4)
+        rows.ready(0, 4)
+        if holds_step:
+            assert streams.log == ["side waits for current"] * 2 + [
+                "gather on side, in place", "gathered recorded", "current joins"]
+        else:
+            assert streams.log == ["copy in line"] * n_layers + ["gather in line"]
+
+
+def test_a_capture_that_ends_between_a_steps_hands_fails_and_the_step_is_refused(monkeypatch):
+    """The first hand of a full capture brings the side stream into it, so that a capture that
+    ends before the gather's join fails there, unjoined (CUDA refuses it), and never records a
+    step whose later layers' IDs its replays would miss. The rest of that step, run after it,
+    is refused by name (its hashes are the failed capture's memory); the next step runs."""
+    import pytest
+
     from engramd.client.engines import vllm_engram
 
     streams = _Streams(monkeypatch, vllm_engram)
     rows = _captured_rows(streams)
     n_layers = rows.geometry.n_layers
     streams.capturing = streams.holds_step = True
-    _step(rows, 4, layers=[0])  # ... and the capture fails here
-    for capturing in (True, False):  # a piecewise capture next; then an eager step
-        streams.log.clear()
-        streams.capturing, streams.holds_step = capturing, False
-        _step(rows, 4)
-        rows.ready(0, 4)
-        assert streams.log == ["gather in line"] + ["copy in line"] * n_layers + ["gather in line"]
-        streams.holds_step = True
-        _step(rows, 4, layers=[0])  # the next failed full capture's leftover, for the second round
+    _step(rows, 4, layers=range(n_layers - 1))
+    assert streams.log == ["side waits for current"], "the side stream in the capture, unjoined"
+    streams.capturing = False
+    with pytest.raises(vllm_engram.VllmPluginError, match="ended before its last layer handed in"):
+        _step(rows, 4, layers=[n_layers - 1])
+    assert not any("gather" in entry or "copy" in entry for entry in streams.log)
+    streams.log.clear()
+    _step(rows, 4)
+    rows.ready(0, 4)
+    assert streams.log == ["copy in line"] * n_layers + ["gather in line"]
 
 
 def test_a_step_of_no_tokens_in_a_graph_that_holds_the_step_forks_nothing(monkeypatch):
