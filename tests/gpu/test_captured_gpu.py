@@ -111,6 +111,41 @@ def test_replays_equal_the_reference_and_count_out_of_range_ids(daemon_factory, 
             client.lookup(torch.from_numpy(hot).cuda(), slot=captured.slot)
 
 
+def test_replays_read_in_place_ids_the_graph_itself_writes_on_a_forked_stream(daemon_factory,
+                                                                              reference):
+    """As the vLLM plugin records it in a full graph: IDs the graph computes (here a copy of its
+    input, in the graph's memory pool) read in place by a gather forked to a side stream and
+    joined before the rows are read. Every replay's rows are its own IDs' rows, bit for bit,
+    and the lookup's buffer is never written (the gather read the graph's tensor)."""
+    daemon = daemon_factory(extra=CUDA)
+    rng = np.random.default_rng(37)
+    tokens = 16
+    with EngramClient(daemon.socket, device="cuda", mode="mapped", max_tokens=MAX_TOKENS) as client:
+        buffer = torch.full((MAX_TOKENS, client.geometry.n_layers, client.geometry.heads), -1,
+                            dtype=torch.int64, device="cuda")
+        captured = client.capturable_lookup(buffer)
+        source = torch.full_like(buffer[:tokens], -1)  # the graph's input, written before each replay
+        side = torch.cuda.Stream()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            ids = source + 0  # the graph's own tensor, as vLLM's hashes are
+            assert captured.why_not_in_place(ids) is None
+            side.wait_stream(torch.cuda.current_stream())
+            ids.record_stream(side)
+            rows = captured.record(tokens, stream=side, ids=ids)
+            torch.cuda.current_stream().wait_stream(side)
+            out = rows.clone()
+        for step in range(10):
+            step_ids = random_ids(rng, tokens, reference.rows, reference.heads)
+            source.copy_(torch.from_numpy(step_ids))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert rows_match(out.double().cpu().numpy(), reference, step_ids), f"replay {step}"
+        assert bool((buffer == -1).all()), "the buffer was written: the gather did not read in place"
+        assert settled(captured)["replays"] == 10
+        captured.check()
+
+
 def test_replays_follow_a_reload_without_a_new_capture(daemon_factory, demo_checkpoint, reference,
                                                        second_checkpoint, second_reference, tmp_path):
     """With the hot-row cache refreshing every 5 ms under the replays (its grace waits for
