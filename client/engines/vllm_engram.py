@@ -179,9 +179,11 @@ class ProcessRows:
 
     def _begin_step(self, tokens: int) -> None:
         """Decide where this step's lookup runs. Where it forks, the side stream joins the
-        capture now, adding no node: a capture that ends before the gather's join then fails
-        there, unjoined, as CUDA refuses it, never silently with the later layers' IDs missing
-        from its replays."""
+        capture now (an event wait, no node), so that a capture that ends before the gather's
+        join fails there, unjoined, rather than record a step without its later layers' IDs:
+        whether CUDA counts a stream that only waited as unjoined is what
+        tests/gpu/test_captured_gpu.py's test of it checks (not yet run on a GPU). A step whose
+        later layers run after its capture ended is refused at its submit (_record)."""
         self._on_side = tokens > 0 and self._forks_here()
         fork = self._fork()
         if fork is not None:
@@ -210,6 +212,7 @@ class ProcessRows:
         shape = (first.shape[0], self.geometry.heads)
         for layer, part in parts.items():  # columns of one [T, layers, heads] tensor in vLLM
             if tuple(part.shape) != shape:
+                self._on_side = False
                 raise VllmPluginError(
                     f"Engram layer {layer} handed in IDs of {part.shape[0]} tokens "
                     f"{list(part.shape)}; this step's other layers handed in {list(shape)}: "

@@ -506,9 +506,10 @@ def test_a_step_left_by_a_failed_capture_is_dropped_and_the_next_one_runs_where_
 
 def test_a_capture_that_ends_between_a_steps_hands_fails_and_the_step_is_refused(monkeypatch):
     """The first hand of a full capture brings the side stream into it, so that a capture that
-    ends before the gather's join fails there, unjoined (CUDA refuses it), and never records a
-    step whose later layers' IDs its replays would miss. The rest of that step, run after it,
-    is refused by name (its hashes are the failed capture's memory); the next step runs."""
+    ends before the gather's join fails there, unjoined (that CUDA counts a stream that only
+    waited: tests/gpu/test_captured_gpu.py), and never records a step whose later layers' IDs
+    its replays would miss. The rest of that step, run after it, is refused by name (its hashes
+    are the failed capture's memory); the next step runs."""
     import pytest
 
     from engramd.client.engines import vllm_engram
