@@ -155,7 +155,8 @@ def check_replays(layout, reference, served, rows, tokens: int = 16, replays: in
     gather forked to the plugin's side stream (`rows`, the process's ProcessRows), reading the
     graph's input IDs in place, and joined inside the graph in the first two; in line, from the
     copies in the lookup's buffer, in the third, whose pieces a fork could not span: which stream
-    each record() got, and whether it read in place, is checked too."""
+    each record() got, and whether it read in place, is checked too (so a vLLM whose hashes the
+    lookup can no longer read in place, in another dtype or layout, fails here by name)."""
     captured = rows.captured
     ids = cpu.raw_ids(layout.num_embeddings, tokens).to(DEVICE)
     streams: list = []  # the stream of each record() while capturing, and whether in place
