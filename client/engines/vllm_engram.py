@@ -29,9 +29,9 @@ same launch. In a graph that holds the whole step (a full graph) the gather runs
 stream beside the layers before the first `_ready_rows`, which joins it, and reads the hashes
 in place, as vLLM's own prefetch does, where they are one tensor of every layer's columns that
 the lookup can read (CapturedLookup.why_not_in_place; else it reads copies made on that
-stream); in a graph captured in pieces and in eager steps, in line
-on the current stream, after each layer's copy of its hashes into the lookup's IDs buffer. A
-served worker keeps the eager breaks (logged).
+stream); in a graph captured in pieces and in eager steps, in line on the current stream, after
+each layer's copy of its hashes into the lookup's IDs buffer. A served worker keeps the eager
+breaks (logged).
 Every step of such a worker first checks the captured lookup's replays (`check()`, wrapped
 around vLLM's `Worker.execute_model`, the Python a full graph's step still runs): NaN rows that
 replays wrote because the client lost its tables fail the worker's next step, a step or so after
@@ -281,10 +281,10 @@ class ProcessRows:
     def _in_place(self, parts: dict[int, torch.Tensor]) -> torch.Tensor | None:
         """The step's IDs as the one tensor the forked gather reads in place, or None where it
         reads copies: the side stream's first kernel is then the gather's (or, for sorted reads,
-        from the policy's `sort_min_tokens`, its sort's). As vLLM's own prefetch, whose lookup
-        reads the hashes in place, it then mostly starts before the first matmul, which waits
-        for a memset; behind copies of its own it mostly started after the matmul had taken
-        every SM, at the matmul's tail (benchmarks/results/h100/2026-12-07-c)."""
+        from the policy's `sort_min_tokens`, its sort's), as in vLLM's own prefetch, whose lookup
+        reads the hashes in place and mostly starts before the first matmul (which waits for a
+        memset). Behind copies of its own, the gather mostly started only at the tail of that
+        matmul, which takes every SM (benchmarks/results/h100/2026-12-07-c)."""
         assert self.captured is not None
         ids = columns_view(parts, self.geometry.n_layers)
         return ids if ids is not None and self.captured.why_not_in_place(ids) is None else None
