@@ -184,10 +184,11 @@ class ProcessRows:
         whether CUDA counts a stream that only waited as unjoined is what
         tests/gpu/test_captured_gpu.py's test of it checks (not yet run on a GPU). A step whose
         later layers run after its capture ended is refused at its submit (_record)."""
-        self._on_side = tokens > 0 and self._forks_here()
-        fork = self._fork()
-        if fork is not None:
-            fork[0].wait_stream(torch.cuda.current_stream(self.client.device))
+        # a GPU's only, in a graph that holds the whole step (_graph_holds_the_step)
+        side = self._side if tokens > 0 and self._side is not None and _graph_holds_the_step() else None
+        self._on_side = side is not None
+        if side is not None:
+            side[0].wait_stream(torch.cuda.current_stream(self.client.device))
 
     def _leave(self) -> None:
         """A new step began before every layer of the last one handed in (its capture failed,
@@ -288,11 +289,6 @@ class ProcessRows:
         assert self.captured is not None
         ids = columns_view(parts, self.geometry.n_layers)
         return ids if ids is not None and self.captured.why_not_in_place(ids) is None else None
-
-    def _forks_here(self) -> bool:
-        """Whether a step that begins now goes to the side stream: a graph that holds the whole
-        step is being captured (a GPU's only)."""
-        return self._side is not None and _graph_holds_the_step()
 
     def _fork(self) -> tuple[torch.cuda.Stream, torch.cuda.Event] | None:
         """The side stream and event of this step's lookup, or None where it runs in line: a

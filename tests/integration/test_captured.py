@@ -139,9 +139,9 @@ def test_captured_replays_equal_the_reference_and_keep_their_slot(daemon_factory
 
 def test_a_record_reads_the_engines_ids_in_place_and_names_what_it_cannot_read(
         daemon_factory, reference, interpreted):
-    """record(T, ids=...) gathers the engine's own tensor and leaves the buffer as it was; IDs
-    that are not what the buffer's variants were warmed on are refused, each naming what
-    differs, before anything is launched."""
+    """record(T, ids=...) gathers the engine's own tensor, not the buffer; IDs that are not what
+    the buffer's variants were warmed on are refused, each naming what differs, before anything
+    is launched."""
     daemon = daemon_factory()
     rng = np.random.default_rng(43)
     with EngramClient(daemon.socket, mode="mapped", max_tokens=TOKENS) as client:
@@ -151,8 +151,8 @@ def test_a_record_reads_the_engines_ids_in_place_and_names_what_it_cannot_read(
         engine = torch.from_numpy(ids)
         assert captured.why_not_in_place(engine) is None
         launches = captured.counts()["replays"]
+        # the buffer holds DEAD IDs only, whose rows are zeros: a gather of it would not match
         assert rows_match(captured.record(5, ids=engine).double().numpy(), reference, ids)
-        assert bool((captured.ids == -1).all()), "the buffer is not read, nor written"
         launches += 1
         assert captured.counts()["replays"] == launches
         # 8 bytes past the start of an allocation (aligned, as the buffer is)
