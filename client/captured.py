@@ -109,27 +109,32 @@ class CapturedLookup:
         launches = self._warm_up_sizes()
         # Triton launches on the thread's device, not the tensors': this client's, then.
         with torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext():
-            for tokens, sort in launches:
+            for tokens, sort, width in launches:
                 self._plan(self.ids[:tokens], self.rows(tokens), sort=sort, descriptor=scratch,
-                           num_programs=self._programs, block_rows=self._block_rows(tokens, sort))
+                           num_programs=self._programs, layers=range(width),
+                           block_rows=self._block_rows(tokens, sort, width))
         self.settle()
 
-    def _warm_up_sizes(self) -> list[tuple[int, bool]]:
-        """(tokens, sorted) for each variant record() can launch, at the fewest tokens that take
-        it: each block size unsorted and, where the policy sorts, sorted (captured_block_rows;
-        the kernel's sorted variant runs at any size); on a GPU also each power of two of the
-        sort's keys from `sort_min_tokens` on, and the most tokens: torch's sort kernels change
-        with the size."""
-        fewest: dict[tuple[str, int], tuple[int, bool]] = {}
+    def _warm_up_sizes(self) -> list[tuple[int, bool, int]]:
+        """(tokens, sorted, layers) for each variant record() can launch, at the fewest tokens
+        and layers that take it, over launches of every layer and of one: each block size
+        unsorted and, where the policy sorts, sorted (captured_block_rows; the kernel's sorted
+        variant runs at any size); on a GPU also each power of two of the sort's keys from
+        `sort_min_tokens` on, and the most tokens: torch's sort kernels change with the size."""
+        fewest: dict[tuple[str, int], tuple[int, bool, int]] = {}
         most = self.ids.shape[0]
         sorts = 0 < self._sort_from <= most
         sort_sizes = sorts and self._sort_kernels_vary()
+        widths = sorted({1, self.geometry.n_layers})
         for tokens in range(1, most + 1):
-            for sort in (False, True) if sorts else (False,):
-                fewest.setdefault((f"blocks, sorted={sort}", self._block_rows(tokens, sort)), (tokens, sort))
-            if sort_sizes and tokens >= self._sort_from:
-                fewest.setdefault(("sort keys, bits", (self._items(tokens) - 1).bit_length()), (tokens, True))
-        sizes = set(fewest.values()) | ({(most, True)} if sort_sizes else set())
+            for width in widths:
+                for sort in (False, True) if sorts else (False,):
+                    fewest.setdefault((f"blocks, sorted={sort}", self._block_rows(tokens, sort, width)),
+                                      (tokens, sort, width))
+                if sort_sizes and tokens >= self._sort_from:
+                    fewest.setdefault(("sort keys, bits", (self._items(tokens, width) - 1).bit_length()),
+                                      (tokens, True, width))
+        sizes = set(fewest.values()) | ({(most, True, w) for w in widths} if sort_sizes else set())
         return sorted(sizes)
 
     def _sort_kernels_vary(self) -> bool:
@@ -137,15 +142,16 @@ class CapturedLookup:
         (The interpreter's warm-up of a sort of many tokens would take minutes, for nothing.)"""
         return self.device.type == "cuda"
 
-    def _items(self, tokens: int) -> int:
-        """The work items (rows) of a launch of `tokens`, as the kernel counts them."""
-        return tokens * self._plan.n_layers * self._plan.shard.local_heads
+    def _items(self, tokens: int, layers: int) -> int:
+        """The work items (rows) of a launch of `tokens` over `layers` layers, as the kernel
+        counts them."""
+        return tokens * layers * self._plan.shard.local_heads
 
-    def _block_rows(self, tokens: int, sort: bool) -> int:
-        """The block size of a launch of `tokens` (captured_block_rows)."""
+    def _block_rows(self, tokens: int, sort: bool, layers: int) -> int:
+        """The block size of a launch of `tokens` over `layers` layers (captured_block_rows)."""
         from engramd.kernels.gather_triton import captured_block_rows
 
-        return captured_block_rows(self._items(tokens), self._programs, sort)
+        return captured_block_rows(self._items(tokens, layers), self._programs, sort)
 
     # -- what the engine calls ------------------------------------------------------------------
 
@@ -154,11 +160,17 @@ class CapturedLookup:
         return self._rows(self.slot, tokens)
 
     def record(self, tokens: int, stream: torch.cuda.Stream | None = None,
-               ids: torch.Tensor | None = None) -> torch.Tensor:
+               ids: torch.Tensor | None = None, layers: range | None = None) -> torch.Tensor:
         """Queue the lookup of `ids[:tokens]` on `stream` (default: the current one), inside a
         graph capture or not, and return its rows (rows(tokens)). Nothing in it waits for the
         host or decides from the IDs: sorted reads, where the daemon's policy asks for them from
         this many tokens on, are sorted on the device.
+
+        `layers`: look up only these layers (a range of step 1; default all), so that a step's
+        lookup can be split into launches whose readers each wait for their own: a step records
+        its launches in layer order, on one stream, the last one ending at the last layer (which
+        closes the step: the tables switch between steps, never inside one). Rows of the other
+        layers are left as they are.
 
         `ids`: the step's IDs where the engine holds them, read in place of the buffer's (which
         saves the engine its copies into the buffer): `[tokens, n_layers, heads]`, as the buffer
@@ -168,6 +180,11 @@ class CapturedLookup:
         if isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens <= self.ids.shape[0]:
             raise BadRequestError(f"tokens {tokens!r}: this captured lookup's IDs buffer holds "
                                   f"1..{self.ids.shape[0]}")
+        span = range(self.geometry.n_layers) if layers is None else layers
+        if not isinstance(span, range) or span.step != 1 \
+                or not 0 <= span.start < span.stop <= self.geometry.n_layers:
+            raise BadRequestError(f"layers {layers!r}: a range of step 1 within "
+                                  f"range(0, {self.geometry.n_layers})")
         if ids is not None:
             why = self.why_not_in_place(ids)
             if why is None and ids.shape[0] != tokens:
@@ -178,7 +195,7 @@ class CapturedLookup:
             raise ReplayFailedError(self._lost, 0)
         if stream is None and self.device.type == "cuda":
             stream = torch.cuda.current_stream(self.device)
-        return self._launch(tokens, stream, ids)
+        return self._launch(tokens, stream, ids, span)
 
     def why_not_in_place(self, ids: torch.Tensor) -> str | None:
         """Why record() cannot read `ids` in place of the buffer, or None where it can: they must
@@ -204,14 +221,15 @@ class CapturedLookup:
         return None
 
     def _launch(self, tokens: int, stream: torch.cuda.Stream | None,
-                ids: torch.Tensor | None = None) -> torch.Tensor:
-        """The launch a graph records, and replays."""
+                ids: torch.Tensor | None = None, layers: range | None = None) -> torch.Tensor:
+        """The launch a graph records, and replays (default: of every layer, from the buffer)."""
+        layers = range(self.geometry.n_layers) if layers is None else layers
         out = self.rows(tokens)
         sort = 0 < self._sort_from <= tokens
         with self._launching if self.device.type == "cpu" else nullcontext():
             self._plan(self.ids[:tokens] if ids is None else ids, out, stream=stream, sort=sort,
-                       descriptor=self.descriptor, num_programs=self._programs,
-                       block_rows=self._block_rows(tokens, sort))
+                       descriptor=self.descriptor, num_programs=self._programs, layers=layers,
+                       block_rows=self._block_rows(tokens, sort, len(layers)))
         return out
 
     def settle(self) -> None:

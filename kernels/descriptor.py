@@ -9,16 +9,18 @@ block; the graph is never captured again.
 
 The block holds two buffers, each a whole account of what a gather reads. Every program of a
 launch reads the buffer that ACTIVE names. The owner writes the other buffer, then names it in
-SELECT; the last program of a launch to end copies SELECT to ACTIVE. So tables switch between two
-launches, never inside one, and the buffer that was active is free once the owner has seen
-ACTIVE == SELECT. That holds while the launches of one descriptor run one after another, as the
+SELECT; the last program of a launch to end copies SELECT to ACTIVE, if that launch closes its
+step. A step is one launch, or several that gather its layers in order (a layer each, say, so
+that each layer's reader waits for its own rows only); the one ending at the last layer closes
+it. So tables switch between two steps, never inside one, and the buffer that was active is
+free once the owner has seen ACTIVE == SELECT. That holds while the launches of one descriptor run one after another, as the
 replays of graphs on one stream do (two at once would also race on the one slot they write). An
 engine that replays nothing would hold the replaced tables for as long as it idles: after a
 while with no launch (catch_up), the owner writes the new contents over the active buffer too.
 
 What the graph cannot follow (the tables unmapped, another geometry) poisons it: POISONED set in
 both buffers at once. A program that reads the flag reads no ID, table or cache, and writes NaN
-rows; its launch counts in POISONED_LAUNCHES, which the owner reports. A program that began
+rows; its step counts in POISONED_LAUNCHES, which the owner reports. A program that began
 before the flag landed may still read the old tables (so one launch may be part rows, part NaN),
 and the owner synchronises the device before it frees them. A descriptor whose rows' memory is
 no longer its owner's (the lookup closed, its client gone) is detached: POISONED = DETACHED, and
@@ -28,12 +30,13 @@ its launches write nothing at all.
     word  1  ACTIVE             the buffer launches read; the last program of a launch writes it
     word  2  BEGUN              programs of the launch under way that have begun (0 between launches)
     word  3  ARRIVED            programs of the launch under way that have ended
-    word  4  LAUNCHES           launches ended
-    word  5  POISONED_LAUNCHES  launches that wrote NaN rows
+    word  4  LAUNCHES           steps ended (launches that closed one)
+    word  5  POISONED_LAUNCHES  steps of which a launch wrote NaN rows
     word  6  OUT_OF_RANGE       owned IDs outside the tables, counted
-    word  7  SAW_POISON         a program of the launch under way read POISONED
-    word  8  ROWS               rows the launches that were not poisoned looked up (tokens x
-                                layers x owned heads), as a client counts them for its daemon
+    word  7  SAW_POISON         a program of the step under way read POISONED
+    word  8  ROWS               rows looked up (tokens x layers x owned heads) by launches whose
+                                step was not poisoned by their end, as a client counts them for
+                                its daemon
     buffer b at CONTROL_WORDS + b * buffer_words(n_layers):
              POISONED, HAS_CACHE, n_layers x LAYER_FIELDS, the hot-row cache's META_FIELDS
 """

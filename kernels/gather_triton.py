@@ -186,12 +186,13 @@ if triton is not None:
     @triton.jit(do_not_specialize=[
         "n_items", "tokens", "local_heads", "owned_heads", "head_start",
         "ids_stride_t", "ids_stride_l", "ids_stride_h", "out_rows_l", "out_rows_t", "n_layers",
+        "first_layer", "closes",
     ])
     def _gather_kernel(
         ids_ptr, meta_ptr, out_ptr, bad_ptr, cache_ptr, lead_ptr, order_ptr,
         n_items, tokens, local_heads, owned_heads, head_start,
         ids_stride_t, ids_stride_l, ids_stride_h,
-        out_rows_l, out_rows_t, n_layers,
+        out_rows_l, out_rows_t, n_layers, first_layer, closes,
         HEAD_DIM: tl.constexpr, ROW_BYTES: tl.constexpr,
         WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_ROWS: tl.constexpr,
         PACKED: tl.constexpr, ALIGNED: tl.constexpr, COUNT_BAD: tl.constexpr,
@@ -202,7 +203,8 @@ if triton is not None:
         """Each program takes blocks pid, pid + grid, ... of BLOCK_ROWS work items.
 
         Item i is (layer, token, local head j) in that nesting order, so a block's rows land
-        next to each other in the output. Every output row of every item is written: the row
+        next to each other in the output; its layer counts from `first_layer` (a launch may
+        gather some of the plan's layers: n_items / (tokens x local_heads) of them). Every output row of every item is written: the row
         when the ID is owned, zeros otherwise, so the output needs no clearing beforehand.
         With LEADERS_ONLY, only items that lead their run of equal rows (lead_ptr[i] == i) are
         done; _fanout_kernel then copies each leader's output to its followers. With ORDERED,
@@ -212,7 +214,8 @@ if triton is not None:
         With DESCRIBED, meta_ptr is a descriptor block (kernels/descriptor.py): the tables and the
         cache are those of the buffer it names active (cache_ptr is unused), a poisoned buffer
         gives NaN rows and reads nothing, a detached one writes nothing either, and the last
-        program to end adopts the buffer the owner selected for the next launch.
+        program to end adopts the buffer the owner selected for the next launch, if the launch
+        `closes` its step (the last of a step gathered in several launches, a layer each).
         """
         cols = tl.arange(0, BLOCK_W)
         col_ok = cols < WIDTH
@@ -237,6 +240,7 @@ if triton is not None:
             if LEADERS_ONLY:
                 live = live & (tl.load(lead_ptr + item, mask=live, other=-1) == item)
             layer, token, j = _decode(item, per_layer, local_heads)
+            layer += first_layer
             owned = live & (j < owned_heads)
             if DESCRIBED:
                 # The flags as blocks (Triton's interpreter cannot AND a scalar into a mask): a
@@ -299,25 +303,28 @@ if triton is not None:
                     bits = tl.where(poisoned[:, None], _NAN, bits)
                 tl.store(dst, bits.to(tl.int16), mask=store_mask)
         if DESCRIBED:
-            rows_read = tokens.to(tl.int64) * n_layers * owned_heads
-            _end_described_launch(meta_ptr, poison_word != 0, rows_read)
+            rows_read = (n_items // local_heads).to(tl.int64) * owned_heads
+            _end_described_launch(meta_ptr, poison_word != 0, rows_read, closes)
 
     @triton.jit
-    def _end_described_launch(block, poisoned, rows_read):
-        """A program of a described launch ends; the last one closes the launch: its counts
-        (`rows_read` unless it was poisoned), and the buffer the next launch reads (SELECT ->
-        ACTIVE). BEGUN is reset first, so a reader that sees it 0 knows that no program of this
-        launch still reads."""
+    def _end_described_launch(block, poisoned, rows_read, closes):
+        """A program of a described launch ends; the last one ends the launch: BEGUN reset first
+        (a reader that sees it 0 knows that no program of this launch still reads), its rows
+        counted (`rows_read`, unless a launch of its step was poisoned) and, where it `closes`
+        its step, the step counted (poisoned or not) and the buffer the next step reads adopted
+        (SELECT -> ACTIVE): a step's launches all read one buffer."""
         if poisoned:
             tl.atomic_xchg(block + _D_SAW_POISON, 1)
         if tl.atomic_add(block + _D_ARRIVED, 1) == tl.num_programs(0) - 1:
             tl.store(block + _D_ARRIVED, 0)
             tl.store(block + _D_BEGUN, 0)
-            saw_poison = tl.atomic_xchg(block + _D_SAW_POISON, 0)
-            tl.store(block + _D_POISONED_LAUNCHES, tl.load(block + _D_POISONED_LAUNCHES) + saw_poison)
+            saw_poison = tl.atomic_add(block + _D_SAW_POISON, 0)  # read as the flags were set
             tl.store(block + _D_ROWS, tl.load(block + _D_ROWS) + tl.where(saw_poison != 0, 0, rows_read))
-            tl.store(block + _D_LAUNCHES, tl.load(block + _D_LAUNCHES) + 1)
-            tl.store(block + _D_ACTIVE, tl.load(block + _D_SELECT, volatile=True))
+            if closes != 0:
+                tl.atomic_xchg(block + _D_SAW_POISON, 0)
+                tl.store(block + _D_POISONED_LAUNCHES, tl.load(block + _D_POISONED_LAUNCHES) + saw_poison)
+                tl.store(block + _D_LAUNCHES, tl.load(block + _D_LAUNCHES) + 1)
+                tl.store(block + _D_ACTIVE, tl.load(block + _D_SELECT, volatile=True))
 
     @triton.jit(do_not_specialize=["n_items", "tokens", "local_heads", "out_rows_l", "out_rows_t"])
     def _fanout_kernel(
@@ -501,6 +508,7 @@ class GatherPlan:
         dedupe: bool = False,
         sort: bool = False,
         descriptor: desc.TableDescriptor | None = None,
+        layers: range | None = None,
     ) -> Tensor:
         """Queue the lookup of `ids` [T, n_layers, heads] into `out` (allocated when None).
 
@@ -524,13 +532,19 @@ class GatherPlan:
         metadata (kernels/descriptor.py: what a CUDA graph records), counting out-of-range IDs
         in it; BF16 rows, no dedupe, no `cache` or `out_of_range` of the call's own. The plan's
         tables then only set the kernel's variant (row size, alignment) and the sort's keys.
+
+        `layers`: gather only these of the plan's layers (a range of step 1; `out`'s other layers
+        are left as they are), as a step gathered in several launches does, a layer each; not
+        with dedupe. Through a descriptor, the launch whose range ends at the plan's last layer
+        closes the step (the tables may switch after it, never between the launches before).
         """
         if descriptor is not None:
             self._check_descriptor(descriptor, packed, dedupe, cache, out_of_range)
             out_of_range = descriptor.out_of_range
         self._check_ids(ids)
         out = self._check_out(out, ids.shape[0], packed)
-        n_items = self.n_layers * ids.shape[0] * self.shard.local_heads
+        layers = self._check_layers(layers, dedupe)
+        n_items = len(layers) * ids.shape[0] * self.shard.local_heads
         programs = self._check_launch(num_programs, DEFAULT_BLOCK_ROWS if block_rows is None
                                       else block_rows, num_warps, out_of_range)
         if block_rows is None:
@@ -541,7 +555,7 @@ class GatherPlan:
             return out
         self._check_cache(cache)
         launch = _Launch(min(programs, triton.cdiv(n_items, block_rows)), n_items, packed,
-                         block_rows, num_warps)
+                         block_rows, num_warps, layers)
         self._launched = None
         if stream is None or _kernel_is_interpreted():
             self._launch(launch, ids, out, out_of_range, cache, dedupe, sort, descriptor)
@@ -554,7 +568,7 @@ class GatherPlan:
                 descriptor: desc.TableDescriptor | None = None) -> None:
         width = self.row_bytes if launch.packed else self.head_dim
         target = out if launch.packed else out.view(torch.int16)  # the kernel writes BF16 bits
-        keys = self.item_keys(ids) if dedupe or sort else None
+        keys = self.item_keys(ids, launch.layers) if dedupe or sort else None
         ordered, order = torch.sort(keys) if keys is not None else (None, None)
         leaders = _leaders(ordered, order) if dedupe else self.meta  # unused without dedupe
         order = order.to(torch.int32) if sort else self.meta  # unused without sort
@@ -585,7 +599,8 @@ class GatherPlan:
             local_heads=self.shard.local_heads, owned_heads=self.shard.owned_heads,
             head_start=self.shard.head_start, ids_stride_t=ids_strides[0],
             ids_stride_l=ids_strides[1], ids_stride_h=ids_strides[2], out_rows_l=out_strides[0],
-            out_rows_t=out_strides[1], n_layers=self.n_layers,
+            out_rows_t=out_strides[1], n_layers=self.n_layers, first_layer=launch.layers.start,
+            closes=int(launch.layers.stop == self.n_layers),
             HEAD_DIM=self.head_dim, ROW_BYTES=self.row_bytes,
             WIDTH=width, BLOCK_W=triton.next_power_of_2(width), BLOCK_ROWS=launch.block_rows,
             PACKED=launch.packed, ALIGNED=self.aligned, COUNT_BAD=out_of_range is not None,
@@ -599,21 +614,24 @@ class GatherPlan:
         """int32 per work item: the first item, in sorted order, that reads the same row."""
         return _leaders(*torch.sort(self.item_keys(ids)))
 
-    def item_keys(self, ids: Tensor) -> Tensor:
-        """int64 per work item (kernel order): the hot-cache key of the row it reads.
+    def item_keys(self, ids: Tensor, layers: range | None = None) -> Tensor:
+        """int64 per work item (kernel order) of a launch of `layers` (default: all): the
+        hot-cache key of the row it reads.
 
         Items that read nothing (DEAD, out of the shard's rows or the table, padding heads) get
         a negative key of their own, so that each leads itself under dedupe and is still zeroed
         and counted by the kernel. No host synchronisation.
         """
+        layers = range(self.n_layers) if layers is None else layers
         tokens, local = ids.shape[0], self.shard.local_heads
         owned = self.shard.head_start + self.shard.owned_heads
-        rows = ids[:, :, self.shard.head_start:owned].permute(1, 0, 2).to(torch.int64)
-        lo, hi = self.row_bounds
-        item = torch.arange(self.n_layers * tokens * local, device=ids.device).view(
-            self.n_layers, tokens, local)
+        span = slice(layers.start, layers.stop)
+        rows = ids[:, span, self.shard.head_start:owned].permute(1, 0, 2).to(torch.int64)
+        lo, hi = (bound[span] for bound in self.row_bounds)
+        item = torch.arange(len(layers) * tokens * local, device=ids.device).view(
+            len(layers), tokens, local)
         keys = -1 - item
-        layer = torch.arange(self.n_layers, device=ids.device).view(-1, 1, 1)
+        layer = torch.arange(layers.start, layers.stop, device=ids.device).view(-1, 1, 1)
         reads = (rows >= lo) & (rows < hi)
         width = rows.shape[2]
         keys[:, :, :width] = torch.where(reads, hot_cache.row_keys(layer, rows), keys[:, :, :width])
@@ -654,6 +672,16 @@ class GatherPlan:
             )
         if ids.device != self.device:
             raise ValueError(f"ids are on {ids.device} but the plan runs on {self.device}")
+
+    def _check_layers(self, layers: range | None, dedupe: bool) -> range:
+        if layers is None:
+            return range(self.n_layers)
+        if not isinstance(layers, range) or layers.step != 1 or not 0 <= layers.start < layers.stop <= self.n_layers:
+            raise ValueError(f"layers must be a range of step 1 within range(0, {self.n_layers}), "
+                             f"got {layers!r}")
+        if dedupe and len(layers) != self.n_layers:
+            raise ValueError("a dedupe lookup gathers every layer of the plan at once")
+        return layers
 
     def _check_out(self, out: Tensor | None, tokens: int, packed: bool) -> Tensor:
         shape = self.output_shape(tokens, packed)
@@ -798,6 +826,7 @@ class _Launch:
     packed: bool
     block_rows: int
     num_warps: int
+    layers: range
 
 
 def gather(

@@ -72,10 +72,12 @@ class World:
         self.plan = kt.GatherPlan(self.a, self.shard)
         self.descriptor = desc.TableDescriptor(contents_of(self.a, self.shard), torch.device("cpu"), "A")
 
-    def launch(self, ids: torch.Tensor, sort: bool = False) -> torch.Tensor:
-        out = torch.empty(self.plan.output_shape(ids.shape[0]), dtype=torch.bfloat16)
+    def launch(self, ids: torch.Tensor, sort: bool = False, layers: range | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None:
+            out = torch.empty(self.plan.output_shape(ids.shape[0]), dtype=torch.bfloat16)
         self.plan(ids, out, descriptor=self.descriptor, num_programs=PROGRAMS, block_rows=BLOCK_ROWS,
-                  sort=sort)
+                  sort=sort, layers=layers)
         return out
 
     def want(self, tables, ids) -> tuple[torch.Tensor, int]:
@@ -115,6 +117,55 @@ def test_tables_switch_at_the_launch_after_next_and_never_inside_one(kt):
     assert not world.descriptor.reads("A"), "A is free once B was adopted"
     assert_same(world.launch(ids), from_b, "the launch after it")
     assert_same(world.launch(ids), from_b, "and every later one")
+
+
+@pytest.mark.parametrize("sort", [False, True])
+def test_a_step_gathered_a_layer_a_launch_reads_one_buffer_and_switches_after_its_last(kt, sort):
+    """Each launch writes its own layer's rows and no other's; the tables switch after the
+    launch that ends at the last layer (which counts the step), never between a step's launches."""
+    world = World(kt)
+    ids = lookup_ids(world.geo, 17, seed=7)
+    from_a, from_b = world.want(world.a, ids)[0], world.want(world.b, ids)[0]
+    last = world.geo.n_layers - 1
+    assert last >= 1, "the geometry must have layers to split"
+    world.descriptor.publish(contents_of(world.b, world.shard), "B")
+    for step, want in enumerate((from_a, from_b, from_b)):
+        out = torch.full(world.plan.output_shape(ids.shape[0]), 7.0, dtype=torch.bfloat16)
+        for layer in range(world.geo.n_layers):
+            world.launch(ids, sort, range(layer, layer + 1), out)
+            assert_same(out[:layer + 1], want[:layer + 1], f"step {step}, layers up to {layer}")
+            assert (out[layer + 1:] == 7.0).all(), f"step {step}: a launch of layer {layer} wrote another"
+            words = world.words()
+            assert words[desc.BEGUN] == words[desc.ARRIVED] == 0, "every launch closes its own counts"
+            assert words[desc.LAUNCHES] == step + (layer == last), "a step counts once, at its last launch"
+            assert world.descriptor.adopted() == (step > 0 or layer == last), \
+                "B adopted at the first step's last launch, not before"
+
+
+def test_a_step_of_several_launches_poisoned_counts_once(kt):
+    world = World(kt)
+    ids = lookup_ids(world.geo, 6, seed=8)
+    world.launch(ids)
+    rows = world.words()[desc.ROWS]
+    assert rows == 6 * world.geo.n_layers * world.shard.owned_heads
+    world.descriptor.poison()
+    for layer in range(world.geo.n_layers):
+        out = world.launch(ids, layers=range(layer, layer + 1))
+        assert (out[layer].view(torch.int16) == 0x7FC0).all()
+    words = world.words()
+    assert (words[desc.LAUNCHES], words[desc.POISONED_LAUNCHES], words[desc.ROWS]) == (2, 1, rows)
+    assert words[desc.SAW_POISON] == 0, "the step's flag is cleared at its last launch"
+
+
+def test_a_partial_launch_refuses_what_it_cannot_be(kt):
+    world = World(kt)
+    ids = lookup_ids(world.geo, 3, seed=9)
+    n_layers = world.geo.n_layers
+    for layers in (range(0), range(0, n_layers + 1), range(0, n_layers, 2), range(-1, 1), [0]):
+        with pytest.raises(ValueError, match="layers must be a range of step 1"):
+            world.plan(ids, layers=layers)
+    with pytest.raises(ValueError, match="dedupe lookup gathers every layer"):
+        world.plan(ids, layers=range(0, 1), dedupe=True)
 
 
 def test_contents_published_before_the_last_were_adopted_wait_their_turn(kt):

@@ -438,6 +438,28 @@ def test_sorted_reads_equal_the_reference(kt, world, shards, packed):
     assert int(bad) == want_bad
 
 
+@pytest.mark.parametrize("sort", [False, True])
+def test_a_launch_of_some_layers_writes_theirs_and_counts_theirs(kt, world, sort):
+    """Each layer's launch gives that layer's rows of the reference, packed or not, counts its
+    own out-of-range IDs, and leaves the other layers' rows as they were."""
+    geo, tables = world
+    shard = geo.shard(1, 2)
+    ids = with_boundaries(mixed_ids(geo, 13, seed=90), shard)
+    plan = kt.GatherPlan(tables, shard)
+    for packed in (False, True):
+        want, _ = gather_ref.gather(tables, ids, shard, packed=packed)
+        out = torch.full_like(want, 3)
+        for layer in range(geo.n_layers):
+            bad = torch.zeros(1, dtype=torch.int64)
+            plan(ids, out, packed=packed, sort=sort, out_of_range=bad, block_rows=BLOCK_ROWS,
+                 layers=range(layer, layer + 1))
+            assert_same(out[:layer + 1], want[:layer + 1], f"layers up to {layer}, packed={packed}")
+            assert (out[layer + 1:] == 3).all(), f"the launch of layer {layer} wrote another"
+            one = ids.clone()
+            one[:, [other for other in range(geo.n_layers) if other != layer]] = DEAD_ID
+            assert int(bad) == gather_ref.gather(tables, one, shard)[1], f"layer {layer}'s count"
+
+
 def test_sorted_lookups_take_wide_blocks_from_enough_rows_a_program(kt):
     for programs in (1, 66, 132):
         assert kt.sorted_block_rows(kt.WIDE_FROM_ROWS * programs - 1, programs) == kt.DEFAULT_BLOCK_ROWS
@@ -575,7 +597,8 @@ def test_a_direct_launch_passes_the_checked_paths_arguments(kt, world, monkeypat
         n_items = geo.n_layers * tokens * shard.local_heads
         grid = min(programs or 4, -(-n_items // BLOCK_ROWS))
         want = plan.kernel_args(ids.data_ptr(), out.data_ptr(), bad, cache, plan.meta, plan.meta,
-                                kt._Launch(grid, n_items, False, BLOCK_ROWS, kt.DEFAULT_NUM_WARPS),
+                                kt._Launch(grid, n_items, False, BLOCK_ROWS, kt.DEFAULT_NUM_WARPS,
+                                          range(geo.n_layers)),
                                 tokens, ids.stride(),
                                 (out.stride(0) // geo.head_dim, out.stride(1) // geo.head_dim),
                                 False, False)

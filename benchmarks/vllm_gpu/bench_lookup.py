@@ -452,6 +452,7 @@ class Run:
         if rows.captured is not None:
             if self.args.side_priority == "greatest":
                 greatest_priority_side(rows)
+            rows.split_layers = self.args.captured_launches == "layer"
             self.graph_steps(model, rows.captured)
         elif self.compare_all(EngramLayers(setting.name, layers)):
             self.time_model_steps(model, paired=True)
@@ -623,7 +624,8 @@ def describe(run: Run, mps: dict, started: float) -> dict:
             "model": {"hidden": args.hidden, "hc_mult": args.hc_mult,
                       "matmul": f"bf16 [{args.matmul_n} x {args.matmul_n}] squared, torch.mm"},
             "rounds": args.rounds, "plugin_modes": args.plugin_modes,
-            "plugin_gather_at": args.plugin_gather_at, "graphs": run.device.graphs,
+            "plugin_gather_at": args.plugin_gather_at, "captured_launches": args.captured_launches,
+            "side_priority": args.side_priority, "graphs": run.device.graphs,
             "daemon_args": args.daemon_args, "phases": run.phases,
             "seconds": round(time.monotonic() - started, 1), "rows_exact": run.exact,
             "checks": run.checks, "replays": run.replays, "failures": run.failures,
@@ -676,6 +678,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--side-priority", choices=("normal", "greatest"), default="normal",
                         help="the stream of the plugin's captured gather: the plugin's own, or a "
                              "new one at the device's greatest priority (an experiment)")
+    parser.add_argument("--captured-launches", choices=("layer", "step"), default="layer",
+                        help="plugin_captured's forked gather: a launch per layer, each layer's "
+                             "reader waiting for its own (the plugin's default), or one launch "
+                             "for the step, which the first reader waits for whole")
     parser.add_argument("--graph-dot", action="store_true",
                         help="write each recorded graph's nodes and edges (cudaGraphDebugDotPrint, "
                              "verbose) to OUT/graphs/<variant>-T<T>-L<lead>.dot (vLLM's graph "

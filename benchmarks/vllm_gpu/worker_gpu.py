@@ -153,17 +153,19 @@ def check_replays(layout, reference, served, rows, tokens: int = 16, replays: in
     graph's input: the rows of each replay, vLLM's for those IDs; each replay counted by the
     captured lookup's descriptor, none poisoned. Recorded three ways (captures()): with the
     gather forked to the plugin's side stream (`rows`, the process's ProcessRows), reading the
-    graph's input IDs in place, and joined inside the graph in the first two; in line, from the
-    copies in the lookup's buffer, in the third, whose pieces a fork could not span: which stream
-    each record() got, and whether it read in place, is checked too (so a vLLM whose hashes the
-    lookup can no longer read in place, in another dtype or layout, fails here by name)."""
+    graph's input IDs in place, a launch per layer, each joined inside the graph by its layer's
+    reader in the first two; in line, one launch from the copies in the lookup's buffer, in the
+    third, whose pieces a fork could not span: which stream and layers each record() got, and
+    whether it read in place, is checked too (so a vLLM whose hashes the lookup can no longer
+    read in place, in another dtype or layout, fails here by name). A replay counts once
+    whatever its launches."""
     captured = rows.captured
     ids = cpu.raw_ids(layout.num_embeddings, tokens).to(DEVICE)
-    streams: list = []  # the stream of each record() while capturing, and whether in place
+    streams: list = []  # the stream, in place or not, and layers of each record() while capturing
 
-    def record(count, stream=None, ids=None):
-        streams.append((stream, ids is not None))
-        return recorded(count, stream, ids)
+    def record(count, stream=None, ids=None, layers=None):
+        streams.append((stream, ids is not None, layers))
+        return recorded(count, stream, ids, layers)
 
     recorded, captured.record = captured.record, record
 
@@ -186,7 +188,8 @@ def check_replays(layout, reference, served, rows, tokens: int = 16, replays: in
             streams.clear()
             out, replay = capture(step)
             forks = name != "pieces"
-            assert streams == [(rows._side[0], True) if forks else (None, False)], (name, streams, rows._side)
+            per_layer = [(rows._side[0], True, range(layer, layer + 1)) for layer in range(len(served))]
+            assert streams == (per_layer if forks else [(None, False, None)]), (name, streams, rows._side)
             before = counts()
             for number in range(replays):
                 ids.copy_(cpu.raw_ids(layout.num_embeddings, tokens + 1 + number)[:tokens].to(DEVICE))
@@ -200,7 +203,7 @@ def check_replays(layout, reference, served, rows, tokens: int = 16, replays: in
             assert (after["replays"] - before["replays"], after["poisoned"]) == (replays, 0), (name, after)
             captured.check()
             results[name] = (f"equal after {replays} replays of {tokens} tokens, the gather "
-                             f"{'forked, reading the IDs in place' if forks else 'in line'}")
+                             f"{'forked, reading the IDs in place, a launch per layer' if forks else 'in line'}")
     finally:  # the lookup records as it did, whatever failed
         captured.record = recorded
     return results

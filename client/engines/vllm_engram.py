@@ -26,11 +26,12 @@ With ENGRAMD_CAPTURE=on a mapped GPU worker records its lookup in vLLM's graphs 
 `prepare_embeddings` queues the gather, `_ready_rows` makes the current stream wait for it and
 returns the staged rows; no eager break, so full and piecewise graphs and eager steps run the
 same launch. In a graph that holds the whole step (a full graph) the gather runs on a side
-stream beside the layers before the first `_ready_rows`, which joins it, and reads the hashes
-in place, as vLLM's own prefetch does, where they are one tensor of every layer's columns that
-the lookup can read (CapturedLookup.why_not_in_place; else it reads copies made on that
-stream); in a graph captured in pieces and in eager steps, in line on the current stream, after
-each layer's copy of its hashes into the lookup's IDs buffer. A served worker keeps the eager
+stream beside the layers before the `_ready_rows` that join it, a launch per layer, each
+layer's `_ready_rows` joining its own, and reads the hashes in place, as vLLM's own prefetch
+does, where they are one tensor of every layer's columns that the lookup can read
+(CapturedLookup.why_not_in_place; else it reads copies made on that stream); in a graph
+captured in pieces and in eager steps, one launch in line on the current stream, after each
+layer's copy of its hashes into the lookup's IDs buffer. A served worker keeps the eager
 breaks (logged).
 Every step of such a worker first checks the captured lookup's replays (`check()`, wrapped
 around vLLM's `Worker.execute_model`, the Python a full graph's step still runs): NaN rows that
@@ -118,16 +119,23 @@ class ProcessRows:
         self.client = client
         # ENGRAMD_CAPTURE: the staging slot's lookup, recorded in vLLM's graphs (None: eager breaks)
         self.captured = self._capture(client) if capture else None
-        # Where a graph's captured gather runs beside the layers before the rows' first reader:
-        # its stream and the event the reader waits for (a GPU's only). The stream is this
-        # object's own, not one of torch's pooled streams, which the model's own side streams (and
-        # a capture's) come from: sharing one would serialise the gather behind their work.
-        self._side: tuple[torch.cuda.Stream, torch.cuda.Event] | None = None
+        # Where a graph's captured gather runs beside the layers before the rows' readers: its
+        # stream and, per layer, the event of the launch that layer's reader waits for (a GPU's
+        # only). The stream is this object's own, not one of torch's pooled streams, which the
+        # model's own side streams (and a capture's) come from: sharing one would serialise the
+        # gather behind their work.
+        self._side: tuple[torch.cuda.Stream, list[torch.cuda.Event]] | None = None
         if self.captured is not None and client.device.type == "cuda":
-            self._side = cuda.owned_stream(self, client.device.index), torch.cuda.Event()
+            self._side = (cuda.owned_stream(self, client.device.index),
+                          [torch.cuda.Event() for _ in range(client.geometry.n_layers)])
+        # A forked gather launches per layer, each layer's reader waiting for its own rows only,
+        # as vLLM's own prefetch does (False: one launch for the step, which the first reader
+        # waits for whole)
+        self.split_layers = True
         # Whether this step's gather goes to _side, with its IDs read in place or copied there
-        # (its first hand says), and its first reader has yet to join it
+        # (its first hand says), until it is recorded
         self._on_side = False
+        self._joins: dict[int, torch.cuda.Event] = {}  # layer -> the forked launch its reader waits for
         self.staged: dict[int, torch.Tensor] = {}  # layer index -> [max_tokens, local_heads, dim]
         self._ids: dict[int, torch.Tensor] = {}  # this step's IDs, per layer, until all are in
         self._future: LookupFuture | None = None
@@ -186,7 +194,7 @@ class ProcessRows:
         later layers run after its capture ended is refused at its submit (_record)."""
         # a GPU's only, in a graph that holds the whole step (_graph_holds_the_step)
         side = self._side if tokens > 0 and self._side is not None and _graph_holds_the_step() else None
-        self._on_side = side is not None
+        self._on_side, self._joins = side is not None, {}
         if side is not None:
             side[0].wait_stream(torch.cuda.current_stream(self.client.device))
 
@@ -198,7 +206,7 @@ class ProcessRows:
         if self.captured is None:
             self._submit()
             return
-        self._ids, self._tokens, self._on_side = {}, 0, False
+        self._ids, self._tokens, self._on_side, self._joins = {}, 0, False, {}
 
     def _copy_ids(self, parts: dict[int, torch.Tensor]) -> None:
         """Layers' IDs into the captured lookup's buffer, in the current stream's order."""
@@ -245,22 +253,22 @@ class ProcessRows:
         if self.captured is None:
             self._await_rows()
         else:
-            self._join()
+            self._join(layer)
             self.check_still_served()
         return self.staged[layer][:num_tokens]
 
     def _record(self, parts: dict[int, torch.Tensor], tokens: int) -> None:
         """Queue the captured gather. In a graph that holds the whole step (a full graph), on the
-        side stream, which the rows' first reader joins in the same graph: the gather runs beside
-        the layers before that reader, as vLLM's own prefetch does. Elsewhere in line on the
+        side stream, a launch per layer (split_layers) whose reader joins it in the same graph:
+        the gather runs beside the layers before its readers, as vLLM's own prefetch does, and
+        each layer waits for its own rows only. Elsewhere one launch in line on the
         current stream, after the hands' copies: in a graph captured in pieces a fork would have
         to join in the piece it began in, and an eager step of this worker is not what it is
         tuned for (the default mapped path overlaps eager steps)."""
         captured = self.captured
         assert captured is not None
-        fork = self._fork()
-        if fork is None and self._on_side:
-            self._on_side = False
+        fork, on_side, self._on_side = self._fork(), self._on_side, False
+        if fork is None and on_side:
             raise VllmPluginError(
                 "the CUDA graph capture that held this step's first Engram layers ended before its "
                 "last layer handed in its IDs: the step's hashes are that capture's memory, which "
@@ -276,8 +284,20 @@ class ProcessRows:
                 self._copy_ids(parts)
             for part in parts.values():  # the current stream may reuse it before side reads it
                 part.record_stream(side)
-            captured.record(tokens, stream=side, ids=ids)
-        gathered.record(side)
+            for layers in self._launches(parts):
+                captured.record(tokens, stream=side, ids=ids, layers=layers)
+                event = gathered[layers.stop - 1]
+                event.record(side)
+                self._joins.update({layer: event for layer in parts if layer in layers})
+
+    def _launches(self, parts: dict[int, torch.Tensor]) -> list[range]:
+        """The layers of each launch of a forked gather, in order: one each where every layer
+        handed in and split_layers holds, else one launch of them all (layers of other
+        pipeline stages look up their DEAD IDs)."""
+        n_layers = self.geometry.n_layers
+        if self.split_layers and sorted(parts) == list(range(n_layers)):
+            return [range(layer, layer + 1) for layer in range(n_layers)]
+        return [range(n_layers)]
 
     def _in_place(self, parts: dict[int, torch.Tensor]) -> torch.Tensor | None:
         """The step's IDs as the one tensor the forked gather reads in place, or None where it
@@ -290,22 +310,25 @@ class ProcessRows:
         ids = columns_view(parts, self.geometry.n_layers)
         return ids if ids is not None and self.captured.why_not_in_place(ids) is None else None
 
-    def _fork(self) -> tuple[torch.cuda.Stream, torch.cuda.Event] | None:
+    def _fork(self) -> tuple[torch.cuda.Stream, list[torch.cuda.Event]] | None:
         """The side stream and event of this step's lookup, or None where it runs in line: a
         fork needs the step's first hand in a graph that holds the whole step (hand) and that
         capture still running (a step whose capture failed between its hands and its reader
         runs in line, its reader joining nothing)."""
         return self._side if self._on_side and _capturing() else None
 
-    def _join(self) -> None:
-        """Make the current stream wait for the gather forked in this capture, once. A graph
-        replays as a whole, so the next step's IDs are written after this one's gather read them.
-        A capture that ends unjoined fails there (CUDA refuses it); a fork of a capture that
-        failed before its join is dropped by the next step's first hand, which decides afresh, or
-        by an eager reader."""
-        fork, self._on_side = self._fork(), False
-        if fork is not None:
-            torch.cuda.current_stream(self.client.device).wait_event(fork[1])
+    def _join(self, layer: int) -> None:
+        """Make the current stream wait for the launch of the forked gather that wrote `layer`'s
+        rows, once per launch. A graph replays as a whole, so the next step's IDs are written
+        after this one's gather read them. A capture that ends with a launch unjoined fails there
+        (CUDA refuses it); the launches of a capture that failed before their joins are dropped
+        by the next step's first hand, which decides afresh, or by an eager reader."""
+        event = self._joins.pop(layer, None)
+        if event is None:
+            return
+        self._joins = {other: e for other, e in self._joins.items() if e is not event}
+        if _capturing():
+            torch.cuda.current_stream(self.client.device).wait_event(event)
 
     def _await_rows(self) -> None:
         """Make the current stream wait for the pending lookup (GPU: in stream order, no host

@@ -176,10 +176,36 @@ def test_a_record_reads_the_engines_ids_in_place_and_names_what_it_cannot_read(
         assert captured.counts()["replays"] == launches, "a refused record launched nothing"
 
 
+def test_a_step_recorded_a_layer_a_launch_equals_the_reference_and_counts_once(
+        daemon_factory, reference, interpreted):
+    """record(T, layers=...) launch by launch, reading the engine's IDs in place: the rows of
+    the whole step, one replay counted per step (at its last layer's launch); layers that are
+    not a range within the tables' are refused before anything is launched."""
+    daemon = daemon_factory()
+    rng = np.random.default_rng(44)
+    with EngramClient(daemon.socket, mode="mapped", max_tokens=TOKENS) as client:
+        captured = capture(client)
+        n_layers = client.geometry.n_layers
+        ids = random_ids(rng, 7, reference.rows, reference.heads)
+        engine = torch.from_numpy(ids)
+        captured.rows(7).fill_(5.0)
+        launches = captured.counts()["replays"]
+        for layer in range(n_layers):
+            captured.record(7, ids=engine, layers=range(layer, layer + 1))
+            assert captured.counts()["replays"] == launches + (layer == n_layers - 1)
+        assert rows_match(captured.rows(7).double().numpy(), reference, ids)
+        for bad in (range(0), range(1, n_layers + 1), range(0, n_layers, 2), (0, 1)):
+            with pytest.raises(BadRequestError, match="a range of step 1 within"):
+                captured.record(7, ids=engine, layers=bad)
+        assert captured.counts()["replays"] == launches + 1, "a refused record launched nothing"
+        captured.check()
+
+
 def test_the_warm_up_launches_every_variant_a_record_launches(daemon_factory, reference,
                                                               interpreted, monkeypatch):
     """A capture cannot load a kernel: every (block size, sorted, sort size) that a record of
-    1..TOKENS tokens launches, the warm-up launched first. With sorted reads from 4 tokens, the
+    1..TOKENS tokens launches, of every layer or of one, the warm-up launched first. With sorted
+    reads from 4 tokens, the
     interpreter's two programs (on which 1 token, 48 rows, takes wide blocks and 2 tokens
     narrow ones), and the sort's sizes warmed as on a GPU."""
     monkeypatch.setattr(CapturedLookup, "_sort_kernels_vary", lambda self: True)
@@ -188,7 +214,8 @@ def test_the_warm_up_launches_every_variant_a_record_launches(daemon_factory, re
     original = interpreted.GatherPlan.__call__
 
     def recording(plan, ids, out=None, **kwargs):
-        keys = (ids.shape[0] * ids.shape[1] * ids.shape[2] - 1).bit_length() if kwargs["sort"] else 0
+        layers = kwargs["layers"] or range(ids.shape[1])
+        keys = (ids.shape[0] * len(layers) * ids.shape[2] - 1).bit_length() if kwargs["sort"] else 0
         launched.append((kwargs["block_rows"], kwargs["sort"], keys))
         return original(plan, ids, out, **kwargs)
 
@@ -201,6 +228,8 @@ def test_the_warm_up_launches_every_variant_a_record_launches(daemon_factory, re
         launched.clear()
         for tokens in range(1, TOKENS + 1):
             captured.record(tokens)
+            for layer in range(client.geometry.n_layers):
+                captured.record(tokens, layers=range(layer, layer + 1))
         recorded = set(launched)
     assert recorded <= warmed, f"recorded, never warmed: {recorded - warmed}"
     assert {(block, sort) for block, sort, _ in recorded} == {

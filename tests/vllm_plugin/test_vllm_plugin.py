@@ -351,8 +351,9 @@ def test_the_captured_gather_forks_only_in_a_graph_its_reader_is_part_of(
 
 
 class _Streams:
-    """Where a captured step's work goes, as a log: the plugin's side stream and its event
-    stand-ins, torch's current stream and stream context swapped for ones that log."""
+    """Where a captured step's work goes, as a log: the plugin's side stream and its events'
+    stand-ins (an event per layer, named by it), torch's current stream and stream context
+    swapped for ones that log."""
 
     def __init__(self, monkeypatch, vllm_engram):
         import torch
@@ -369,11 +370,14 @@ class _Streams:
             name = "current"
 
             def wait_event(self, event):
-                streams.log.append("current joins")
+                streams.log.append(f"current joins {event.name}")
 
         class Event:
+            def __init__(self, name):
+                self.name = name
+
             def record(self, stream):
-                streams.log.append("gathered recorded")
+                streams.log.append(f"{self.name} recorded")
 
         class OnSide:
             def __enter__(self):
@@ -382,7 +386,7 @@ class _Streams:
             def __exit__(self, *exc):
                 streams.on_side = False
 
-        self.side = (Side(), Event())
+        self.side = (Side(), [Event(f"event {layer}") for layer in range(8)])
         monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Current())
         monkeypatch.setattr(torch.cuda, "stream", lambda stream: OnSide())
         monkeypatch.setattr(torch.Tensor, "record_stream", lambda tensor, stream: None)
@@ -412,9 +416,10 @@ def _captured_rows(streams: _Streams):
 
         why_not_in_place = CapturedLookup.why_not_in_place
 
-        def record(self, tokens, stream=None, ids=None):
+        def record(self, tokens, stream=None, ids=None, layers=None):
             assert ids is None or self.why_not_in_place(ids) is None
-            streams.log.append(("gather on side" if stream is not None else "gather in line")
+            span = "" if layers is None else f" of layers {list(layers)}"
+            streams.log.append(f"gather{span} " + ("on side" if stream is not None else "in line")
                                + (", in place" if ids is not None else ""))
 
         def check(self):
@@ -447,11 +452,18 @@ def _step(rows, tokens: int, layers=None, dtype=None) -> None:
         rows.hand(layer, hashes[:, layer])
 
 
+def _forked(n_layers: int, how: str = ", in place") -> list[str]:
+    """A forked gather's launches, a layer each, and their events."""
+    return [entry for layer in range(n_layers)
+            for entry in (f"gather of layers [{layer}] on side{how}", f"event {layer} recorded")]
+
+
 def test_in_a_graph_that_holds_the_step_the_gather_forks_reading_the_hashes_in_place(monkeypatch):
-    """The gather alone goes to the side stream, after the hashes, and reads them where they are
-    (the first matmuls wait for nothing of it); hashes it cannot read in place (another dtype
-    than its buffer's) are copied on the side stream first; elsewhere (an eager step, a graph in
-    pieces) each hand copies in line and the gather follows in line."""
+    """The gather alone goes to the side stream, after the hashes, a launch per layer, and reads
+    them where they are (the first matmuls wait for nothing of it); each layer's reader joins
+    its own layer's launch. Hashes it cannot read in place (another dtype than its buffer's) are
+    copied on the side stream first; elsewhere (an eager step, a graph in pieces) each hand
+    copies in line and one gather of every layer follows in line."""
     import torch
 
     from engramd.client.engines import vllm_engram
@@ -462,20 +474,51 @@ def test_in_a_graph_that_holds_the_step_the_gather_forks_reading_the_hashes_in_p
     streams.capturing = streams.holds_step = True
     _step(rows, 4)
     rows.ready(0, 4)
+    assert streams.log[-1] == "current joins event 0", "the first reader waits for its own layer only"
     rows.ready(1, 4)
     forked = ["side waits for current"] * 2  # at the first hand (joining the capture) and the last
-    assert streams.log == forked + ["gather on side, in place", "gathered recorded", "current joins"]
+    assert streams.log == forked + _forked(n_layers) + [f"current joins event {layer}"
+                                                        for layer in range(n_layers)]
     streams.log.clear()
     _step(rows, 4, dtype=torch.int64)
-    rows.ready(0, 4)
-    assert streams.log == (forked + ["copy on side"] * n_layers
-                           + ["gather on side", "gathered recorded", "current joins"])
+    for layer in range(n_layers):
+        rows.ready(layer, 4)
+    assert streams.log == (forked + ["copy on side"] * n_layers + _forked(n_layers, "")
+                           + [f"current joins event {layer}" for layer in range(n_layers)])
     for capturing, holds_step in ((False, False), (True, False)):
         streams.log.clear()
         streams.capturing, streams.holds_step = capturing, holds_step
         _step(rows, 4)
         rows.ready(0, 4)
         assert streams.log == ["copy in line"] * n_layers + ["gather in line"]
+
+
+def test_a_forked_gather_of_one_launch_is_joined_once(monkeypatch):
+    """With split_layers off, or where some layers are other pipeline stages' (their IDs DEAD in
+    the lookup's buffer, so not one tensor to read in place), the forked gather is one launch of
+    every layer, which the first reader joins; the other readers wait for nothing more."""
+    from engramd.client.engines import vllm_engram
+
+    streams = _Streams(monkeypatch, vllm_engram)
+    rows = _captured_rows(streams)
+    n_layers = rows.geometry.n_layers
+    every, last = list(range(n_layers)), n_layers - 1
+    streams.capturing = streams.holds_step = True
+    rows.split_layers = False
+    _step(rows, 4)
+    for layer in range(n_layers):
+        rows.ready(layer, 4)
+    assert streams.log == ["side waits for current"] * 2 + [
+        f"gather of layers {every} on side, in place", f"event {last} recorded",
+        f"current joins event {last}"]
+    streams.log.clear()
+    rows.split_layers = True
+    rows.staged = {last: rows.staged[last]}  # this stage's one layer
+    _step(rows, 4, layers=[last])
+    rows.ready(last, 4)
+    assert streams.log == ["side waits for current"] * 2 + [
+        "copy on side", f"gather of layers {every} on side", f"event {last} recorded",
+        f"current joins event {last}"]
 
 
 def test_a_step_left_by_a_failed_capture_is_dropped_and_the_next_one_runs_where_it_is_captured(
@@ -498,8 +541,8 @@ def test_a_step_left_by_a_failed_capture_is_dropped_and_the_next_one_runs_where_
         _step(rows, 4)
         rows.ready(0, 4)
         if holds_step:
-            assert streams.log == ["side waits for current"] * 2 + [
-                "gather on side, in place", "gathered recorded", "current joins"]
+            assert streams.log == (["side waits for current"] * 2 + _forked(n_layers)
+                                   + ["current joins event 0"])
         else:
             assert streams.log == ["copy in line"] * n_layers + ["gather in line"]
 
