@@ -85,7 +85,8 @@ class CapturedLookup:
                                        else float(policy.get("sm_fraction", 1.0)))
         self._unmapped: str | None = None  # why its tables are unmapped now (until mapped again)
         self._lost: str | None = None  # why the graph can never follow again
-        self._reported = 0  # poisoned launches already raised by check()
+        self._reported = 0  # poisoned steps already raised by check()
+        self._step_at = 0  # the layer the next record() of the step under way starts at
         # On the CPU (the Triton interpreter) a launch runs on its caller's thread: settle()
         # waits for it, as a device synchronise waits for a replay on the GPU.
         self._launching = threading.Lock()
@@ -117,7 +118,7 @@ class CapturedLookup:
 
     def _warm_up_sizes(self) -> list[tuple[int, bool, int]]:
         """(tokens, sorted, layers) for each variant record() can launch, at the fewest tokens
-        and layers that take it, over launches of every layer and of one: each block size
+        and layers that take it, over launches of any number of layers: each block size
         unsorted and, where the policy sorts, sorted (captured_block_rows; the kernel's sorted
         variant runs at any size); on a GPU also each power of two of the sort's keys from
         `sort_min_tokens` on, and the most tokens: torch's sort kernels change with the size."""
@@ -125,7 +126,7 @@ class CapturedLookup:
         most = self.ids.shape[0]
         sorts = 0 < self._sort_from <= most
         sort_sizes = sorts and self._sort_kernels_vary()
-        widths = sorted({1, self.geometry.n_layers})
+        widths = range(1, self.geometry.n_layers + 1)
         for tokens in range(1, most + 1):
             for width in widths:
                 for sort in (False, True) if sorts else (False,):
@@ -180,11 +181,7 @@ class CapturedLookup:
         if isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens <= self.ids.shape[0]:
             raise BadRequestError(f"tokens {tokens!r}: this captured lookup's IDs buffer holds "
                                   f"1..{self.ids.shape[0]}")
-        span = range(self.geometry.n_layers) if layers is None else layers
-        if not isinstance(span, range) or span.step != 1 \
-                or not 0 <= span.start < span.stop <= self.geometry.n_layers:
-            raise BadRequestError(f"layers {layers!r}: a range of step 1 within "
-                                  f"range(0, {self.geometry.n_layers})")
+        span = self._launch_layers(layers)
         if ids is not None:
             why = self.why_not_in_place(ids)
             if why is None and ids.shape[0] != tokens:
@@ -195,7 +192,29 @@ class CapturedLookup:
             raise ReplayFailedError(self._lost, 0)
         if stream is None and self.device.type == "cuda":
             stream = torch.cuda.current_stream(self.device)
-        return self._launch(tokens, stream, ids, span)
+        rows = self._launch(tokens, stream, ids, span)
+        self._step_at = 0 if span.stop == self.geometry.n_layers else span.stop
+        return rows
+
+    def _launch_layers(self, layers: range | None) -> range:
+        """record()'s layers, checked: a range of step 1 within the tables' layers that starts
+        a step, or goes on with the step under way where its last launch ended. A step left open
+        (its closing launch never recorded) would neither count its replays nor let the tables
+        switch: a new one begun over it is logged."""
+        n_layers = self.geometry.n_layers
+        span = range(n_layers) if layers is None else layers
+        if not isinstance(span, range) or span.step != 1 or not 0 <= span.start < span.stop <= n_layers:
+            raise BadRequestError(f"layers {layers!r}: a range of step 1 within range(0, {n_layers})")
+        if span.start not in (0, self._step_at):
+            where = (f"this step's last launch ended at layer {self._step_at}" if self._step_at
+                     else "no step is under way")
+            raise BadRequestError(f"layers {layers!r}: a step's launches go in layer order from "
+                                  f"layer 0, the last ending at layer {n_layers}; {where}")
+        if span.start == 0 and self._step_at:
+            log.warning("a captured lookup's step was left open at layer %d of %d: a graph that "
+                        "recorded it neither counts its replays nor lets the tables switch; its "
+                        "last launch must end at the last layer", self._step_at, n_layers)
+        return span
 
     def why_not_in_place(self, ids: torch.Tensor) -> str | None:
         """Why record() cannot read `ids` in place of the buffer, or None where it can: they must

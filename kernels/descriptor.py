@@ -13,10 +13,11 @@ SELECT; the last program of a launch to end copies SELECT to ACTIVE, if that lau
 step. A step is one launch, or several that gather its layers in order (a layer each, say, so
 that each layer's reader waits for its own rows only); the one ending at the last layer closes
 it. So tables switch between two steps, never inside one, and the buffer that was active is
-free once the owner has seen ACTIVE == SELECT. That holds while the launches of one descriptor run one after another, as the
-replays of graphs on one stream do (two at once would also race on the one slot they write). An
-engine that replays nothing would hold the replaced tables for as long as it idles: after a
-while with no launch (catch_up), the owner writes the new contents over the active buffer too.
+free once the owner has seen ACTIVE == SELECT. That holds while the launches of one descriptor
+run one after another, as the replays of graphs on one stream do (two at once would also race on
+the one slot they write). An engine that replays nothing would hold the replaced tables for as
+long as it idles: after a while with no launch and no step open (catch_up), the owner writes the
+new contents over the active buffer too.
 
 What the graph cannot follow (the tables unmapped, another geometry) poisons it: POISONED set in
 both buffers at once. A program that reads the flag reads no ID, table or cache, and writes NaN
@@ -27,16 +28,18 @@ no longer its owner's (the lookup closed, its client gone) is detached: POISONED
 its launches write nothing at all.
 
     word  0  SELECT             the buffer the owner wants read (0 or 1); the owner writes it
-    word  1  ACTIVE             the buffer launches read; the last program of a launch writes it
+    word  1  ACTIVE             the buffer launches read; the last program of a closing launch
+                                writes it
     word  2  BEGUN              programs of the launch under way that have begun (0 between launches)
     word  3  ARRIVED            programs of the launch under way that have ended
     word  4  LAUNCHES           steps ended (launches that closed one)
     word  5  POISONED_LAUNCHES  steps of which a launch wrote NaN rows
     word  6  OUT_OF_RANGE       owned IDs outside the tables, counted
     word  7  SAW_POISON         a program of the step under way read POISONED
-    word  8  ROWS               rows looked up (tokens x layers x owned heads) by launches whose
-                                step was not poisoned by their end, as a client counts them for
-                                its daemon
+    word  8  ROWS               rows the steps that were not poisoned looked up (tokens x layers
+                                x owned heads), as a client counts them for its daemon
+    word  9  STEP_ROWS          rows the launches of the open step looked up so far
+    word 10  STEP_OPEN          1 while a step's launch has ended and its closing one has not
     buffer b at CONTROL_WORDS + b * buffer_words(n_layers):
              POISONED, HAS_CACHE, n_layers x LAYER_FIELDS, the hot-row cache's META_FIELDS
 """
@@ -55,7 +58,8 @@ from torch import Tensor
 from engramd.kernels.hot_cache import META_FIELDS, HotCache
 
 CONTROL_WORDS = 16  # a 128-byte line: the buffers start past it
-SELECT, ACTIVE, BEGUN, ARRIVED, LAUNCHES, POISONED_LAUNCHES, OUT_OF_RANGE, SAW_POISON, ROWS = range(9)
+(SELECT, ACTIVE, BEGUN, ARRIVED, LAUNCHES, POISONED_LAUNCHES, OUT_OF_RANGE, SAW_POISON, ROWS,
+ STEP_ROWS, STEP_OPEN) = range(11)
 HEADER_WORDS = 2
 POISONED, HAS_CACHE = range(HEADER_WORDS)
 DETACHED = 2  # the POISONED word's value for a descriptor whose launches write nothing
@@ -103,8 +107,8 @@ class Contents:
 class TableDescriptor:
     """One descriptor block on a device, and its owner's side of the protocol above.
 
-    `publish` asks for new contents (they take effect at the launch after next, once the one
-    before has been adopted); `poison` stops every launch from reading tables at once; `reads`
+    `publish` asks for new contents (they take effect at the step after next, once the ones
+    before have been adopted); `poison` stops every launch from reading tables at once; `reads`
     says whether a launch may still read what some contents described (their `owner`, kept by
     the caller until it may not); `snapshot` reads the control words. Not thread-safe on its
     own: the caller serialises publish, advance and poison; snapshots lock."""
@@ -147,7 +151,7 @@ class TableDescriptor:
         return self.block[OUT_OF_RANGE:OUT_OF_RANGE + 1]
 
     def publish(self, contents: Contents, owner: Any) -> None:
-        """Launches are to read `contents` (owned by `owner`) from the launch after next; a
+        """Launches are to read `contents` (owned by `owner`) from the step after next; a
         poisoned descriptor comes back to life with them."""
         if len(contents.layers) != self.n_layers:
             raise ValueError(f"{len(contents.layers)} layers for a descriptor of {self.n_layers}")
@@ -172,8 +176,9 @@ class TableDescriptor:
         return True
 
     def catch_up(self, idle_s: float) -> bool:
-        """If the selected contents wait for a launch that has not come in `idle_s` (an engine
-        that replays adopts them within a launch or two) and none is under way, write them over
+        """If the selected contents wait for a step that has not come in `idle_s` (an engine
+        that replays adopts them within a step or two) and no launch or step is under way (a
+        step left open, its closing launch never launched, keeps them waiting), write them over
         the active buffer too, so that what it described may go with no launch; True when it
         did: the caller settles before it frees that. A launch that begins during the rewrite
         may read some layers of each (both stay mapped until the settle); the active buffer's
@@ -181,9 +186,9 @@ class TableDescriptor:
         if self._selected is None or time.monotonic() - self._selected[1] < idle_s:
             return False
         words = self.snapshot(wait=True)
-        if words[ACTIVE] == self.select or words[BEGUN] != 0:
+        if words[ACTIVE] == self.select or words[BEGUN] != 0 or words[STEP_OPEN] != 0:
             self._selected = None if words[ACTIVE] == self.select else self._selected
-            return False  # adopted already, or a launch under way adopts them
+            return False  # adopted already, or a launch or step under way adopts them
         selected, active = self._selected[0], self._buffer(1 - self.select)
         self._write(active + HAS_CACHE, [0])
         self._write(active + HEADER_WORDS, selected[HEADER_WORDS:])
@@ -193,7 +198,7 @@ class TableDescriptor:
         return True
 
     def adopted(self, wait: bool = False) -> bool:
-        """Whether a launch has ended on the buffer SELECT names (every later one reads it)."""
+        """Whether a step has closed on the buffer SELECT names (every later one reads it)."""
         words = self.snapshot(wait)
         return words[SELECT] == self.select and words[ACTIVE] == self.select
 

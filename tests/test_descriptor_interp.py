@@ -1,9 +1,10 @@
 """A gather that reads its tables through a descriptor block (kernels/descriptor.py), under
 Triton's CPU interpreter, against the plain-torch reference.
 
-What a CUDA graph records is one launch with fixed arguments; each call here stands for one
-replay of it. The descriptor must switch tables between two launches and never inside one,
-poison to NaN rows that read nothing, and count what the owner reports.
+What a CUDA graph records is a step of one launch, or of several (a layer each), with fixed
+arguments; each step here stands for one replay of it. The descriptor must switch tables
+between two steps and never inside one, poison to NaN rows that read nothing, and count what
+the owner reports.
 """
 
 from __future__ import annotations
@@ -142,19 +143,29 @@ def test_a_step_gathered_a_layer_a_launch_reads_one_buffer_and_switches_after_it
                 "B adopted at the first step's last launch, not before"
 
 
-def test_a_step_of_several_launches_poisoned_counts_once(kt):
+def test_a_step_poisoned_after_its_first_launch_counts_once_and_none_of_its_rows(kt):
+    """Its rows are counted at its close, all or none, as its replay is: the client reports
+    to its daemon the rows of the steps that were not poisoned."""
     world = World(kt)
     ids = lookup_ids(world.geo, 6, seed=8)
-    world.launch(ids)
-    rows = world.words()[desc.ROWS]
-    assert rows == 6 * world.geo.n_layers * world.shard.owned_heads
+    n_layers = world.geo.n_layers
+    for layer in range(n_layers):
+        world.launch(ids, layers=range(layer, layer + 1))
+        words = world.words()
+        assert words[desc.STEP_OPEN] == (layer < n_layers - 1), "open until its last launch"
+    rows = words[desc.ROWS]
+    assert rows == 6 * n_layers * world.shard.owned_heads
+    assert (words[desc.STEP_ROWS], words[desc.LAUNCHES]) == (0, 1)
+    world.launch(ids, layers=range(0, 1))
+    assert world.words()[desc.STEP_ROWS] == 6 * world.shard.owned_heads
     world.descriptor.poison()
-    for layer in range(world.geo.n_layers):
+    for layer in range(1, n_layers):
         out = world.launch(ids, layers=range(layer, layer + 1))
         assert (out[layer].view(torch.int16) == 0x7FC0).all()
     words = world.words()
     assert (words[desc.LAUNCHES], words[desc.POISONED_LAUNCHES], words[desc.ROWS]) == (2, 1, rows)
-    assert words[desc.SAW_POISON] == 0, "the step's flag is cleared at its last launch"
+    assert words[desc.SAW_POISON] == words[desc.STEP_ROWS] == words[desc.STEP_OPEN] == 0, \
+        "the step's words are cleared at its last launch"
 
 
 def test_a_partial_launch_refuses_what_it_cannot_be(kt):
@@ -281,8 +292,9 @@ def test_a_poisoned_launch_reads_no_table_even_at_an_unmapped_address():
 
 def test_an_idle_descriptor_catches_up_so_the_replaced_tables_can_go(kt):
     """No launch since B was selected: after `idle_s` the active buffer is rewritten with B,
-    A is read by nobody, and the next launch reads B. Not while a launch is under way, nor
-    before the idle time, nor once a launch adopted B."""
+    A is read by nobody, and the next launch reads B. Not while a launch or a step of several
+    is under way (its later launches must read what its first read), nor before the idle
+    time, nor once a launch adopted B."""
     world = World(kt)
     ids = lookup_ids(world.geo, 10, seed=9)
     world.descriptor.publish(contents_of(world.b, world.shard), "B")
@@ -290,6 +302,14 @@ def test_an_idle_descriptor_catches_up_so_the_replaced_tables_can_go(kt):
     world.descriptor.block[desc.BEGUN] = 1  # a launch under way adopts B itself
     assert not world.descriptor.catch_up(idle_s=0.0)
     world.descriptor.block[desc.BEGUN] = 0
+    out = world.launch(ids, layers=range(0, 1))  # a step open: its close adopts B
+    assert not world.descriptor.catch_up(idle_s=0.0)
+    world.launch(ids, layers=range(1, world.geo.n_layers), out=out)
+    assert_same(out, world.want(world.a, ids)[0], "the step's launches all read A")
+    assert world.descriptor.adopted()
+    world.descriptor.publish(contents_of(world.a, world.shard), "A")
+    world.launch(ids)  # adopts A
+    world.descriptor.publish(contents_of(world.b, world.shard), "B")
     assert world.descriptor.reads("A")
     assert world.descriptor.catch_up(idle_s=0.0)
     assert not world.descriptor.reads("A") and world.descriptor.reads("B")

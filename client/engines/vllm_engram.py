@@ -6,8 +6,9 @@ gets its head shard; every Engram layer of the process shares it. Per forward:
     model.forward:  NgramHashState -> hashes [T, layers, 24]        (vLLM's own hashing)
     each layer's prepare_embeddings(hashes[:, i])   -> ProcessRows.hand(i, ids)
         the last local layer's IDs complete the step -> client.lookup([T, layers, 24])
-    the first layer's _ready_rows(T)                -> ProcessRows.ready(i, T)
-        the current stream waits for the rows (GPU: stream order, no host sync; CPU: the reply)
+    each layer's _ready_rows(T)                     -> ProcessRows.ready(i, T)
+        the current stream waits for the rows (GPU: stream order, no host sync; CPU: the reply),
+        the first layer's for the lookup, or with ENGRAMD_CAPTURE in a full graph each for its own
 
 Each layer's `staged_rows` is a view of that layer's rows in the client's staging slot (the slab
 in served mode, the client's own memory in mapped mode): the rows are read where the lookup put
@@ -311,7 +312,7 @@ class ProcessRows:
         return ids if ids is not None and self.captured.why_not_in_place(ids) is None else None
 
     def _fork(self) -> tuple[torch.cuda.Stream, list[torch.cuda.Event]] | None:
-        """The side stream and event of this step's lookup, or None where it runs in line: a
+        """The side stream and events of this step's lookup, or None where it runs in line: a
         fork needs the step's first hand in a graph that holds the whole step (hand) and that
         capture still running (a step whose capture failed between its hands and its reader
         runs in line, its reader joining nothing)."""
@@ -581,7 +582,7 @@ def _capturing() -> bool:
 
 
 def _graph_holds_the_step() -> bool:
-    """Whether a capture is under way that the step's first `_ready_rows` is part of, so that a
+    """Whether a capture is under way that the step's `_ready_rows` are part of, so that a
     stream forked now is joined in it: a full graph, where vLLM forks its own prefetch inside the
     graph too. vLLM's model runner V2 captures its full graphs with the runtime mode NONE
     (outside a breakable capture, whose eager breaks then run in line), V1's CUDAGraphWrapper

@@ -13,6 +13,7 @@ can read it.
 
 from __future__ import annotations
 
+import logging
 import sys
 from contextlib import contextmanager
 
@@ -177,10 +178,11 @@ def test_a_record_reads_the_engines_ids_in_place_and_names_what_it_cannot_read(
 
 
 def test_a_step_recorded_a_layer_a_launch_equals_the_reference_and_counts_once(
-        daemon_factory, reference, interpreted):
+        daemon_factory, reference, interpreted, caplog):
     """record(T, layers=...) launch by launch, reading the engine's IDs in place: the rows of
     the whole step, one replay counted per step (at its last layer's launch); layers that are
-    not a range within the tables' are refused before anything is launched."""
+    not a range within the tables', or that do not start a step or go on where its last launch
+    ended, are refused before anything is launched; a step begun over an open one is logged."""
     daemon = daemon_factory()
     rng = np.random.default_rng(44)
     with EngramClient(daemon.socket, mode="mapped", max_tokens=TOKENS) as client:
@@ -197,7 +199,15 @@ def test_a_step_recorded_a_layer_a_launch_equals_the_reference_and_counts_once(
         for bad in (range(0), range(1, n_layers + 1), range(0, n_layers, 2), (0, 1)):
             with pytest.raises(BadRequestError, match="a range of step 1 within"):
                 captured.record(7, ids=engine, layers=bad)
+        with pytest.raises(BadRequestError, match="in layer order from layer 0.*no step is under way"):
+            captured.record(7, ids=engine, layers=range(1, n_layers))
         assert captured.counts()["replays"] == launches + 1, "a refused record launched nothing"
+        captured.record(7, ids=engine, layers=range(0, 1))
+        with caplog.at_level(logging.WARNING, logger="engramd.client"):
+            captured.record(7, ids=engine, layers=range(0, 1))  # begun anew over the open step
+        assert "left open at layer 1 of" in caplog.text
+        captured.record(7, ids=engine, layers=range(1, n_layers))
+        assert captured.counts()["replays"] == launches + 2
         captured.check()
 
 
