@@ -33,15 +33,18 @@ MAX_TOKENS = 256
 FOLLOW_S = 120.0  # a reload or a restart reaches the replays within this
 
 
-def captured_graph(client: EngramClient, tokens: int, captured=None):
-    """(graph, captured lookup, its rows view): one record of `tokens` in a graph of its own."""
+def captured_graph(client: EngramClient, tokens: int, captured=None, per_layer: bool = False):
+    """(graph, captured lookup, its rows view): a step of `tokens` in a graph of its own, one
+    record, or one a layer (`per_layer`)."""
     if captured is None:
         buffer = torch.full((MAX_TOKENS, client.geometry.n_layers, client.geometry.heads), -1,
                             dtype=torch.int64, device="cuda")
         captured = client.capturable_lookup(buffer)
     graph = torch.cuda.CUDAGraph()
+    n_layers = client.geometry.n_layers
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        rows = captured.record(tokens)
+        for layers in [range(layer, layer + 1) for layer in range(n_layers)] if per_layer else [None]:
+            rows = captured.record(tokens, layers=layers)
     return graph, captured, rows
 
 
@@ -113,12 +116,14 @@ def test_replays_equal_the_reference_and_count_out_of_range_ids(daemon_factory, 
             client.lookup(torch.from_numpy(hot).cuda(), slot=captured.slot)
 
 
+@pytest.mark.parametrize("per_layer", [False, True], ids=["one launch", "a launch per layer"])
 def test_replays_read_in_place_ids_the_graph_itself_writes_on_a_forked_stream(daemon_factory,
-                                                                              reference):
+                                                                              reference, per_layer):
     """As the vLLM plugin records it in a full graph: IDs the graph computes (here a copy of its
-    input, in the graph's memory pool) read in place by a gather forked to a side stream and
-    joined before the rows are read. Every replay's rows are its own IDs' rows, bit for bit (the
-    lookup's buffer holds only DEAD IDs, whose rows are zeros: a gather of the buffer fails)."""
+    input, in the graph's memory pool) read in place by a gather forked to a side stream, a
+    launch per layer each joined before its layer's rows are read (or one launch). Every
+    replay's rows are its own IDs' rows, bit for bit (the lookup's buffer holds only DEAD IDs,
+    whose rows are zeros: a gather of the buffer fails), and each replay counts once."""
     daemon = daemon_factory(extra=CUDA)
     rng = np.random.default_rng(37)
     tokens = 16
@@ -134,9 +139,19 @@ def test_replays_read_in_place_ids_the_graph_itself_writes_on_a_forked_stream(da
             assert captured.why_not_in_place(ids) is None
             side.wait_stream(torch.cuda.current_stream())
             ids.record_stream(side)
-            rows = captured.record(tokens, stream=side, ids=ids)
-            torch.cuda.current_stream().wait_stream(side)
-            out = rows.clone()
+            n_layers = client.geometry.n_layers
+            launches = [range(layer, layer + 1) for layer in range(n_layers)] if per_layer \
+                else [range(n_layers)]
+            events = []
+            for layers in launches:
+                rows = captured.record(tokens, stream=side, ids=ids, layers=layers)
+                events.append(torch.cuda.Event())
+                events[-1].record(side)
+            parts = []
+            for layers, event in zip(launches, events, strict=True):
+                torch.cuda.current_stream().wait_event(event)
+                parts.append(rows[layers.start:layers.stop].clone())
+            out = torch.cat(parts)
         for step in range(10):
             step_ids = random_ids(rng, tokens, reference.rows, reference.heads)
             source.copy_(torch.from_numpy(step_ids))
@@ -167,11 +182,14 @@ def test_a_capture_a_side_stream_joined_by_a_wait_alone_fails_unjoined():
     assert done.returncode != 0 and "unjoined work" in done.stderr, (done.returncode, done.stderr[-2000:])
 
 
+@pytest.mark.parametrize("per_layer", [False, True], ids=["one launch", "a launch per layer"])
 def test_replays_follow_a_reload_without_a_new_capture(daemon_factory, demo_checkpoint, reference,
-                                                       second_checkpoint, second_reference, tmp_path):
+                                                       second_checkpoint, second_reference, tmp_path,
+                                                       per_layer):
     """With the hot-row cache refreshing every 5 ms under the replays (its grace waits for
     them): each replay's rows are all of one checkpoint, the old until the switch, then the new
-    for good, and the old mapping goes once no replay can read it."""
+    for good, also where a replay gathers a layer a launch, and the old mapping goes once no
+    replay can read it."""
     current = tmp_path / "current"
     point(current, demo_checkpoint)
     daemon = daemon_factory(tables=current, extra=CUDA)
@@ -179,7 +197,7 @@ def test_replays_follow_a_reload_without_a_new_capture(daemon_factory, demo_chec
     hot = random_ids(rng, 16, reference.rows, reference.heads, out_of_range=0.0)
     ids = np.concatenate([hot] * 4)
     with EngramClient(daemon.socket, device="cuda", mode="mapped", max_tokens=MAX_TOKENS) as client:
-        graph, captured, rows = captured_graph(client, ids.shape[0])
+        graph, captured, rows = captured_graph(client, ids.shape[0], per_layer=per_layer)
         for _ in range(100):  # long enough for the keeper to admit rows
             assert rows_match(replay(graph, captured, rows, ids), reference, ids)
         point(current, second_checkpoint)
