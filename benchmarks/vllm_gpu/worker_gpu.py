@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import os
 import sys
@@ -153,9 +154,9 @@ def check_replays(layout, reference, served, rows, tokens: int = 16, replays: in
     graph's input: the rows of each replay, vLLM's for those IDs; each replay counted by the
     captured lookup's descriptor, none poisoned. Recorded three ways (captures()): with the
     gather forked to the plugin's side stream (`rows`, the process's ProcessRows), reading the
-    graph's input IDs in place, a launch per layer, each joined inside the graph by its layer's
-    reader in the first two; in line, one launch from the copies in the lookup's buffer, in the
-    third, whose pieces a fork could not span: which stream and layers each record() got, and
+    graph's input IDs in place, in one launch joined inside the graph by the first reader, and
+    again a launch per layer (split_layers), each joined by its layer's reader, in the first
+    two; in line, one launch from the copies in the lookup's buffer, in the third, whose pieces a fork could not span: which stream and layers each record() got, and
     whether it read in place, is checked too (so a vLLM whose hashes the lookup can no longer
     read in place, in another dtype or layout, fails here by name). A replay counts once
     whatever its launches."""
@@ -183,13 +184,20 @@ def check_replays(layout, reference, served, rows, tokens: int = 16, replays: in
         return [layer._ready_rows(tokens).clone() for layer in served]
 
     results = {}
+    n_layers, default = len(served), rows.split_layers
     try:
-        for name, capture in captures():
+        for split_layers, (name, capture) in itertools.product((False, True), captures()):
+            forks = name != "pieces"
+            if split_layers and not forks:
+                continue  # in line there is one launch either way
+            rows.split_layers = split_layers
+            name = f"{name}, a launch per layer" if split_layers else name
             streams.clear()
             out, replay = capture(step)
-            forks = name != "pieces"
-            per_layer = [(rows._side[0], True, range(layer, layer + 1)) for layer in range(len(served))]
-            assert streams == (per_layer if forks else [(None, False, None)]), (name, streams, rows._side)
+            launches = ([range(layer, layer + 1) for layer in range(n_layers)] if split_layers
+                        else [range(n_layers)])
+            forked = [(rows._side[0], True, layers) for layers in launches]
+            assert streams == (forked if forks else [(None, False, None)]), (name, streams, rows._side)
             before = counts()
             for number in range(replays):
                 ids.copy_(cpu.raw_ids(layout.num_embeddings, tokens + 1 + number)[:tokens].to(DEVICE))
@@ -203,9 +211,9 @@ def check_replays(layout, reference, served, rows, tokens: int = 16, replays: in
             assert (after["replays"] - before["replays"], after["poisoned"]) == (replays, 0), (name, after)
             captured.check()
             results[name] = (f"equal after {replays} replays of {tokens} tokens, the gather "
-                             f"{'forked, reading the IDs in place, a launch per layer' if forks else 'in line'}")
+                             f"{'forked, reading the IDs in place' if forks else 'in line'}")
     finally:  # the lookup records as it did, whatever failed
-        captured.record = recorded
+        captured.record, rows.split_layers = recorded, default
     return results
 
 

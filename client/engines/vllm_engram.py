@@ -27,9 +27,9 @@ With ENGRAMD_CAPTURE=on a mapped GPU worker records its lookup in vLLM's graphs 
 `prepare_embeddings` queues the gather, `_ready_rows` makes the current stream wait for it and
 returns the staged rows; no eager break, so full and piecewise graphs and eager steps run the
 same launch. In a graph that holds the whole step (a full graph) the gather runs on a side
-stream beside the layers before the `_ready_rows` that join it, a launch per layer, each
-layer's `_ready_rows` joining its own, and reads the hashes in place, as vLLM's own prefetch
-does, where they are one tensor of every layer's columns that the lookup can read
+stream beside the layers before the `_ready_rows` that joins it (or, with `split_layers`, a
+launch per layer, each layer's `_ready_rows` joining its own), and reads the hashes in place,
+as vLLM's own prefetch does, where they are one tensor of every layer's columns that the lookup can read
 (CapturedLookup.why_not_in_place; else it reads copies made on that stream); in a graph
 captured in pieces and in eager steps, one launch in line on the current stream, after each
 layer's copy of its hashes into the lookup's IDs buffer. A served worker keeps the eager
@@ -129,10 +129,11 @@ class ProcessRows:
         if self.captured is not None and client.device.type == "cuda":
             self._side = (cuda.owned_stream(self, client.device.index),
                           [torch.cuda.Event() for _ in range(client.geometry.n_layers)])
-        # A forked gather launches per layer, each layer's reader waiting for its own rows only,
-        # as vLLM's own prefetch does (False: one launch for the step, which the first reader
-        # waits for whole)
-        self.split_layers = True
+        # Whether a forked gather launches per layer, each layer's reader waiting for its own
+        # rows only, as vLLM's own prefetch does, or once for the step, which the first reader
+        # waits for whole: the measured default until the split has been timed on a GPU
+        # (bench_lookup.py --captured-launches layer)
+        self.split_layers = False
         # Whether this step's gather goes to _side, with its IDs read in place or copied there
         # (its first hand says), until it is recorded
         self._on_side = False
@@ -260,9 +261,9 @@ class ProcessRows:
 
     def _record(self, parts: dict[int, torch.Tensor], tokens: int) -> None:
         """Queue the captured gather. In a graph that holds the whole step (a full graph), on the
-        side stream, a launch per layer (split_layers) whose reader joins it in the same graph:
-        the gather runs beside the layers before its readers, as vLLM's own prefetch does, and
-        each layer waits for its own rows only. Elsewhere one launch in line on the
+        side stream, which its first reader joins in the same graph (with split_layers a launch
+        per layer, each joined by its layer's reader, which then waits for its own rows only):
+        the gather runs beside the layers before its readers, as vLLM's own prefetch does. Elsewhere one launch in line on the
         current stream, after the hands' copies: in a graph captured in pieces a fork would have
         to join in the piece it began in, and an eager step of this worker is not what it is
         tuned for (the default mapped path overlaps eager steps)."""

@@ -396,9 +396,10 @@ class _Streams:
                             lambda: self.capturing and self.holds_step)
 
 
-def _captured_rows(streams: _Streams):
+def _captured_rows(streams: _Streams, split_layers: bool = True):
     """A ProcessRows over a CPU stand-in client whose captured lookup logs its copies' and
-    gathers' streams; its side stream is _Streams'."""
+    gathers' streams; its side stream is _Streams'; a forked gather a launch per layer unless
+    not `split_layers` (the plugin's default)."""
     import torch
 
     from engramd.client.captured import CapturedLookup
@@ -436,6 +437,7 @@ def _captured_rows(streams: _Streams):
     client = Client()
     rows = ProcessRows(client)
     rows.captured, rows._side = Captured(client.geometry), streams.side
+    rows.split_layers = split_layers
     for layer in range(client.geometry.n_layers):
         rows.staging(layer)
     return rows
@@ -494,17 +496,17 @@ def test_in_a_graph_that_holds_the_step_the_gather_forks_reading_the_hashes_in_p
 
 
 def test_a_forked_gather_of_one_launch_is_joined_once(monkeypatch):
-    """With split_layers off, or where some layers are other pipeline stages' (their IDs DEAD in
-    the lookup's buffer, so not one tensor to read in place), the forked gather is one launch of
-    every layer, which the first reader joins; the other readers wait for nothing more."""
+    """With split_layers off (the plugin's default), or where some layers are other pipeline
+    stages' (their IDs DEAD in the lookup's buffer, so not one tensor to read in place), the
+    forked gather is one launch of every layer, which the first reader joins; the other readers
+    wait for nothing more."""
     from engramd.client.engines import vllm_engram
 
     streams = _Streams(monkeypatch, vllm_engram)
-    rows = _captured_rows(streams)
+    rows = _captured_rows(streams, split_layers=False)
     n_layers = rows.geometry.n_layers
     every, last = list(range(n_layers)), n_layers - 1
     streams.capturing = streams.holds_step = True
-    rows.split_layers = False
     _step(rows, 4)
     for layer in range(n_layers):
         rows.ready(layer, 4)
