@@ -204,8 +204,9 @@ if triton is not None:
 
         Item i is (layer, token, local head j) in that nesting order, so a block's rows land
         next to each other in the output; its layer counts from `first_layer` (a launch may
-        gather some of the plan's layers: n_items / (tokens x local_heads) of them). Every output row of every item is written: the row
-        when the ID is owned, zeros otherwise, so the output needs no clearing beforehand.
+        gather some of the plan's layers: n_items / (tokens x local_heads) of them). Every
+        output row of every item is written: the row when the ID is owned, zeros otherwise, so
+        the output needs no clearing beforehand.
         With LEADERS_ONLY, only items that lead their run of equal rows (lead_ptr[i] == i) are
         done; _fanout_kernel then copies each leader's output to its followers. With ORDERED,
         the k-th item done is order_ptr[k] (items sorted by row: neighbouring reads then share

@@ -29,10 +29,10 @@ returns the staged rows; no eager break, so full and piecewise graphs and eager 
 same launch. In a graph that holds the whole step (a full graph) the gather runs on a side
 stream beside the layers before the `_ready_rows` that joins it (or, with `split_layers`, a
 launch per layer, each layer's `_ready_rows` joining its own), and reads the hashes in place,
-as vLLM's own prefetch does, where they are one tensor of every layer's columns that the lookup can read
-(CapturedLookup.why_not_in_place; else it reads copies made on that stream); in a graph
-captured in pieces and in eager steps, one launch in line on the current stream, after each
-layer's copy of its hashes into the lookup's IDs buffer. A served worker keeps the eager
+as vLLM's own prefetch does, where they are one tensor of every layer's columns that the
+lookup can read (CapturedLookup.why_not_in_place; else it reads copies made on that stream);
+in a graph captured in pieces and in eager steps, one launch in line on the current stream,
+after each layer's copy of its hashes into the lookup's IDs buffer. A served worker keeps the eager
 breaks (logged).
 Every step of such a worker first checks the captured lookup's replays (`check()`, wrapped
 around vLLM's `Worker.execute_model`, the Python a full graph's step still runs): NaN rows that
@@ -263,10 +263,11 @@ class ProcessRows:
         """Queue the captured gather. In a graph that holds the whole step (a full graph), on the
         side stream, which its first reader joins in the same graph (with split_layers a launch
         per layer, each joined by its layer's reader, which then waits for its own rows only):
-        the gather runs beside the layers before its readers, as vLLM's own prefetch does. Elsewhere one launch in line on the
-        current stream, after the hands' copies: in a graph captured in pieces a fork would have
-        to join in the piece it began in, and an eager step of this worker is not what it is
-        tuned for (the default mapped path overlaps eager steps)."""
+        the gather runs beside the layers before its readers, as vLLM's own prefetch does.
+        Elsewhere one launch in line on the current stream, after the hands' copies: in a graph
+        captured in pieces a fork would have to join in the piece it began in, and an eager step
+        of this worker is not what it is tuned for (the default mapped path overlaps eager
+        steps)."""
         captured = self.captured
         assert captured is not None
         fork, on_side, self._on_side = self._fork(), self._on_side, False
