@@ -398,8 +398,8 @@ class _Streams:
 
 def _captured_rows(streams: _Streams, split_layers: bool = True):
     """A ProcessRows over a CPU stand-in client whose captured lookup logs its copies' and
-    gathers' streams; its side stream is _Streams'; a forked gather a launch per layer unless
-    not `split_layers` (the plugin's default)."""
+    gathers' streams; its side stream is _Streams'; its forked gathers a launch per layer,
+    unless `split_layers` is False (the plugin's default)."""
     import torch
 
     from engramd.client.captured import CapturedLookup
