@@ -201,10 +201,13 @@ class CapturedLookup:
         a step, or goes on with the step under way where its last launch ended. A step left open
         (its closing launch never recorded) would neither count its replays nor let the tables
         switch: a new one begun over it is logged."""
+        from engramd.kernels.gather_triton import layer_range_problem
+
         n_layers = self.geometry.n_layers
         span = range(n_layers) if layers is None else layers
-        if not isinstance(span, range) or span.step != 1 or not 0 <= span.start < span.stop <= n_layers:
-            raise BadRequestError(f"layers {layers!r}: a range of step 1 within range(0, {n_layers})")
+        problem = layer_range_problem(span, n_layers)
+        if problem is not None:
+            raise BadRequestError(f"layers {layers!r}: {problem}")
         if span.start not in (0, self._step_at):
             where = (f"this step's last launch ended at layer {self._step_at}" if self._step_at
                      else "no step is under way")

@@ -683,9 +683,9 @@ class GatherPlan:
     def _check_layers(self, layers: range | None, dedupe: bool) -> range:
         if layers is None:
             return range(self.n_layers)
-        if not isinstance(layers, range) or layers.step != 1 or not 0 <= layers.start < layers.stop <= self.n_layers:
-            raise ValueError(f"layers must be a range of step 1 within range(0, {self.n_layers}), "
-                             f"got {layers!r}")
+        problem = layer_range_problem(layers, self.n_layers)
+        if problem is not None:
+            raise ValueError(f"layers must be {problem}, got {layers!r}")
         if dedupe and len(layers) != self.n_layers:
             raise ValueError("a dedupe lookup gathers every layer of the plan at once")
         return layers
@@ -813,6 +813,13 @@ class _DirectLaunch:
 # _DirectLaunch's arguments of one launch, in the order it fills them in.
 _DIRECT_VARYING = ("ids_ptr", "out_ptr", "n_items", "tokens", "ids_stride_t", "ids_stride_l",
                    "ids_stride_h", "out_rows_l", "out_rows_t")
+
+
+def layer_range_problem(layers: object, n_layers: int) -> str | None:
+    """What a launch's `layers` must be, where they are not: a range of step 1 within the plan's."""
+    if isinstance(layers, range) and layers.step == 1 and 0 <= layers.start < layers.stop <= n_layers:
+        return None
+    return f"a range of step 1 within range(0, {n_layers})"
 
 
 def _leaders(ordered: Tensor, order: Tensor) -> Tensor:
