@@ -45,7 +45,7 @@ def connections_per_uid(max_clients_per_uid: int, max_clients: int) -> int:
 class ConnectionsPerUser:
     def __init__(self, sock: zmq.Socket, per_uid: int):
         """Follow the connections of `sock` (bound, or about to be) through a monitor socket."""
-        self.monitor = sock.get_monitor_socket(EVENTS)  # polled by the loop
+        self.monitor = monitor_socket(sock)  # polled by the loop
         self._per_uid = per_uid
         self._peers: dict[int, PeerCredentials] = {}  # descriptor -> who holds it
         self._by_uid: dict[int, OrderedDict[int, None]] = {}  # uid -> its descriptors, oldest first
@@ -75,9 +75,9 @@ class ConnectionsPerUser:
 
     def _cut_oldest(self, uid: int) -> None:
         """Shut down the oldest connection of the process of `uid` that holds the most, once
-        its count is confirmed: an end the monitor did not report (its queue is bounded, and a
-        flood fills it) leaves a descriptor counted that is no longer that peer's, and a user
-        whose count held such ones lost a live connection below the bound."""
+        its count is confirmed: a descriptor still counted may be no longer that peer's (its
+        end not yet read), and a user whose count held such ones would lose a live connection
+        below the bound."""
         for fd in [fd for fd in self._by_uid[uid] if credentials(fd) != self._peers[fd]]:
             self._forget(fd)
         held = self._by_uid.get(uid)
@@ -105,6 +105,20 @@ class ConnectionsPerUser:
     def close(self, sock: zmq.Socket) -> None:
         sock.disable_monitor()
         self.monitor.close(0)
+
+
+def monitor_socket(sock: zmq.Socket) -> zmq.Socket:
+    """The monitor's receiving end, its queue unbounded. With libzmq's default bounds (about
+    2,000 events) a full queue held up the socket's I/O thread: no one's connection was
+    accepted, nor any message read, until the loop read the events, and a flood of connections
+    that come and go while the loop serves their requests fills it. An event is a few dozen
+    bytes, and every one comes of a connection's start or end."""
+    address = f"inproc://engramd-connections-{id(sock):x}"
+    sock.monitor(address, EVENTS)
+    monitor = sock.context.socket(zmq.PAIR)
+    monitor.setsockopt(zmq.RCVHWM, 0)  # before connecting: the pipe's bound is set then
+    monitor.connect(address)
+    return monitor
 
 
 def credentials(fd: int) -> PeerCredentials | None:
