@@ -86,6 +86,7 @@ class CapturedLookup:
         self._unmapped: str | None = None  # why its tables are unmapped now (until mapped again)
         self._lost: str | None = None  # why the graph can never follow again
         self._reported = 0  # poisoned steps already raised by check()
+        self._abandoned = 0  # steps left open already logged by check()
         self._step_at = 0  # the layer the next record() of the step under way starts at
         # On the CPU (the Triton interpreter) a launch runs on its caller's thread: settle()
         # waits for it, as a device synchronise waits for a replay on the GPU.
@@ -198,9 +199,9 @@ class CapturedLookup:
 
     def _launch_layers(self, layers: range | None) -> range:
         """record()'s layers, checked: a range of step 1 within the tables' layers that starts
-        a step, or goes on with the step under way where its last launch ended. A step left open
-        (its closing launch never recorded) would neither count its replays nor let the tables
-        switch: a new one begun over it is logged."""
+        a step, or goes on with the step under way where its last launch ended. A step may
+        begin over one left open (a capture that failed midway recorded nothing that replays);
+        what replays a step left open shows in check()."""
         from engramd.kernels.gather_triton import layer_range_problem
 
         n_layers = self.geometry.n_layers
@@ -213,10 +214,6 @@ class CapturedLookup:
                      else "no step is under way")
             raise BadRequestError(f"layers {layers!r}: a step's launches go in layer order from "
                                   f"layer 0, the last ending at layer {n_layers}; {where}")
-        if span.start == 0 and self._step_at:
-            log.warning("a captured lookup's step was left open at layer %d of %d: a graph that "
-                        "recorded it neither counts its replays nor lets the tables switch; its "
-                        "last launch must end at the last layer", self._step_at, n_layers)
         return span
 
     def why_not_in_place(self, ids: torch.Tensor) -> str | None:
@@ -272,6 +269,13 @@ class CapturedLookup:
         if words[desc.BEGUN] > 2 * self._programs and self._lost is None:
             self.lose("replays of this captured lookup ran at once (two streams?): its descriptor "
                       "no longer switches tables; capture it again, replaying one graph at a time")
+        abandoned = words[desc.ABANDONED]
+        if abandoned > self._abandoned:
+            log.warning("%d steps of a captured lookup were left open: a graph recorded launches "
+                        "of it that do not end at the last layer; such a step is counted nowhere "
+                        "and keeps the tables from switching until the next step begins",
+                        abandoned - self._abandoned)
+            self._abandoned = abandoned
         poisoned = words[desc.POISONED_LAUNCHES]
         failed, self._reported = poisoned - self._reported, max(poisoned, self._reported)
         if failed > 0:
@@ -282,10 +286,11 @@ class CapturedLookup:
             raise ReplayFailedError(self._lost, 0)
 
     def counts(self) -> dict[str, int]:
-        """Replays ended, of them poisoned, out-of-range IDs: as of the last finished copy."""
+        """Replays ended, of them poisoned, out-of-range IDs, steps left open (a graph that
+        recorded only some of a step's launches): as of the last finished copy."""
         words = self.descriptor.snapshot()
         return {"replays": words[desc.LAUNCHES], "poisoned": words[desc.POISONED_LAUNCHES],
-                "out_of_range": words[desc.OUT_OF_RANGE]}
+                "out_of_range": words[desc.OUT_OF_RANGE], "abandoned": words[desc.ABANDONED]}
 
     def close(self) -> None:
         """Give the slot back; later replays read and write nothing (the block lives on with this

@@ -35,11 +35,14 @@ its launches write nothing at all.
     word  4  LAUNCHES           steps ended (launches that closed one)
     word  5  POISONED_LAUNCHES  steps of which a launch wrote NaN rows
     word  6  OUT_OF_RANGE       owned IDs outside the tables, counted
-    word  7  SAW_POISON         a program of the step under way read POISONED
+    word  7  SAW_POISON         a program of the launch under way read POISONED
     word  8  ROWS               rows the steps that were not poisoned looked up (tokens x layers
                                 x owned heads), as a client counts them for its daemon
     word  9  STEP_ROWS          rows the launches of the open step looked up so far
     word 10  STEP_OPEN          1 while a step's launch has ended and its closing one has not
+    word 11  STEP_POISONED      a launch of the open step read POISONED
+    word 12  ABANDONED          steps left open: a launch from layer 0 found one (its replays
+                                and rows are counted nowhere; a graph recorded a partial step)
     buffer b at CONTROL_WORDS + b * buffer_words(n_layers):
              POISONED, HAS_CACHE, n_layers x LAYER_FIELDS, the hot-row cache's META_FIELDS
 """
@@ -59,7 +62,7 @@ from engramd.kernels.hot_cache import META_FIELDS, HotCache
 
 CONTROL_WORDS = 16  # a 128-byte line: the buffers start past it
 (SELECT, ACTIVE, BEGUN, ARRIVED, LAUNCHES, POISONED_LAUNCHES, OUT_OF_RANGE, SAW_POISON, ROWS,
- STEP_ROWS, STEP_OPEN) = range(11)
+ STEP_ROWS, STEP_OPEN, STEP_POISONED, ABANDONED) = range(13)
 HEADER_WORDS = 2
 POISONED, HAS_CACHE = range(HEADER_WORDS)
 DETACHED = 2  # the POISONED word's value for a descriptor whose launches write nothing
@@ -262,8 +265,9 @@ class Quiet:
     """The hot-row cache keeper's grace over a descriptor's launches (client/shared/cache_keeper.py).
 
     Made after the keeper's change to the cache landed: a program that begins after that reads
-    the change; one that had begun shows in BEGUN, and has ended once LAUNCHES moves past its
-    launch or BEGUN is seen at 0 (no launch under way), or, the counts wedged, after WEDGED_S."""
+    the change; one that had begun shows in BEGUN, and has ended once BEGUN is seen at 0 (no
+    launch under way) or LAUNCHES moves past its step (counted as the step's last launch ends,
+    after every earlier one), or, the counts wedged, after WEDGED_S."""
 
     def __init__(self, descriptor: TableDescriptor, wedged_s: float = WEDGED_S):
         self._descriptor = descriptor

@@ -75,9 +75,11 @@ if triton is not None:
     _LO, _HI = tl.constexpr(_ROW_LO), tl.constexpr(_ROW_HI)
     # A descriptor block's words (kernels/descriptor.py).
     (_D_SELECT, _D_ACTIVE, _D_BEGUN, _D_ARRIVED, _D_LAUNCHES, _D_POISONED_LAUNCHES,
-     _D_SAW_POISON, _D_ROWS, _D_STEP_ROWS, _D_STEP_OPEN) = (tl.constexpr(w) for w in (
+     _D_SAW_POISON, _D_ROWS, _D_STEP_ROWS, _D_STEP_OPEN, _D_STEP_POISONED,
+     _D_ABANDONED) = (tl.constexpr(w) for w in (
         desc.SELECT, desc.ACTIVE, desc.BEGUN, desc.ARRIVED, desc.LAUNCHES, desc.POISONED_LAUNCHES,
-        desc.SAW_POISON, desc.ROWS, desc.STEP_ROWS, desc.STEP_OPEN))
+        desc.SAW_POISON, desc.ROWS, desc.STEP_ROWS, desc.STEP_OPEN, desc.STEP_POISONED,
+        desc.ABANDONED))
     _D_CONTROL, _D_HEADER = tl.constexpr(desc.CONTROL_WORDS), tl.constexpr(desc.HEADER_WORDS)
     _D_POISONED, _D_HAS_CACHE = tl.constexpr(desc.POISONED), tl.constexpr(desc.HAS_CACHE)
     _DETACHED = tl.constexpr(desc.DETACHED)
@@ -305,32 +307,39 @@ if triton is not None:
                 tl.store(dst, bits.to(tl.int16), mask=store_mask)
         if DESCRIBED:
             rows_read = (n_items // local_heads).to(tl.int64) * owned_heads
-            _end_described_launch(meta_ptr, poison_word != 0, rows_read, closes)
+            _end_described_launch(meta_ptr, poison_word != 0, rows_read, first_layer == 0, closes)
 
     @triton.jit
-    def _end_described_launch(block, poisoned, rows_read, closes):
+    def _end_described_launch(block, poisoned, rows_read, opens, closes):
         """A program of a described launch ends; the last one ends the launch: BEGUN reset first
-        (a reader that sees it 0 knows that no program of this launch still reads), its
-        `rows_read` added to its step's. A launch that `closes` its step then counts the step
-        (poisoned or not: its rows only if no launch of it was) and adopts the buffer the next
-        step reads (SELECT -> ACTIVE), so that a step's launches all read one buffer; one that
-        does not leaves the step open."""
+        (a reader that sees it 0 knows that no program of this launch still reads), and the
+        launch's rows and poison folded into its step's. A launch that `opens` a step (from
+        layer 0) starts the step's afresh, and counts in ABANDONED a step it finds open (its
+        closing launch never ran: its rows and poison are not the new step's). A launch that
+        `closes` its step then counts the step (poisoned or not: its rows only if no launch of
+        it was) and adopts the buffer the next step reads (SELECT -> ACTIVE), so that a step's
+        launches all read one buffer; one that does not leaves the step open."""
         if poisoned:
             tl.atomic_xchg(block + _D_SAW_POISON, 1)
         if tl.atomic_add(block + _D_ARRIVED, 1) == tl.num_programs(0) - 1:
             tl.store(block + _D_ARRIVED, 0)
             tl.store(block + _D_BEGUN, 0)
-            step_rows = tl.load(block + _D_STEP_ROWS) + rows_read
+            launch_poisoned = tl.atomic_xchg(block + _D_SAW_POISON, 0)
+            if opens:
+                tl.store(block + _D_ABANDONED, tl.load(block + _D_ABANDONED) + tl.load(block + _D_STEP_OPEN))
+            step_rows = tl.where(opens, 0, tl.load(block + _D_STEP_ROWS)) + rows_read
+            step_poisoned = tl.where(opens, 0, tl.load(block + _D_STEP_POISONED)) | launch_poisoned
             if closes != 0:
-                saw_poison = tl.atomic_xchg(block + _D_SAW_POISON, 0)
-                tl.store(block + _D_ROWS, tl.load(block + _D_ROWS) + tl.where(saw_poison != 0, 0, step_rows))
-                tl.store(block + _D_POISONED_LAUNCHES, tl.load(block + _D_POISONED_LAUNCHES) + saw_poison)
+                tl.store(block + _D_ROWS, tl.load(block + _D_ROWS) + tl.where(step_poisoned != 0, 0, step_rows))
+                tl.store(block + _D_POISONED_LAUNCHES, tl.load(block + _D_POISONED_LAUNCHES) + step_poisoned)
                 tl.store(block + _D_LAUNCHES, tl.load(block + _D_LAUNCHES) + 1)
                 tl.store(block + _D_STEP_ROWS, 0)
+                tl.store(block + _D_STEP_POISONED, 0)
                 tl.store(block + _D_STEP_OPEN, 0)
                 tl.store(block + _D_ACTIVE, tl.load(block + _D_SELECT, volatile=True))
             else:
                 tl.store(block + _D_STEP_ROWS, step_rows)
+                tl.store(block + _D_STEP_POISONED, step_poisoned)
                 tl.store(block + _D_STEP_OPEN, 1)
 
     @triton.jit(do_not_specialize=["n_items", "tokens", "local_heads", "out_rows_l", "out_rows_t"])

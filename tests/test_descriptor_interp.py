@@ -320,3 +320,27 @@ def test_an_idle_descriptor_catches_up_so_the_replaced_tables_can_go(kt):
     world.launch(ids)
     assert not world.descriptor.catch_up(idle_s=0.0)
     assert_same(world.launch(ids), world.want(world.a, ids)[0], "adopted by a launch")
+
+
+def test_a_step_left_open_is_counted_abandoned_and_lends_the_next_step_nothing(kt):
+    """A graph that recorded a step's first launches but not its last leaves the step open; the
+    next launch from layer 0 counts it in ABANDONED and begins its own step afresh: no rows, nor
+    poison, of the abandoned one in it."""
+    world = World(kt)
+    ids = lookup_ids(world.geo, 5, seed=9)
+    n_layers, heads = world.geo.n_layers, world.shard.owned_heads
+    world.launch(ids, layers=range(0, 1))
+    world.launch(ids, layers=range(0, 1))  # the first left open
+    assert world.words()[desc.ABANDONED] == 1
+    assert world.words()[desc.STEP_ROWS] == 5 * heads, "only the open step's own rows"
+    assert_same(world.launch(ids), world.want(world.a, ids)[0], "a whole step over an open one")
+    words = world.words()
+    assert (words[desc.ABANDONED], words[desc.LAUNCHES], words[desc.ROWS]) == (2, 1, 5 * n_layers * heads)
+    # An open step that a launch of it saw poisoned: the step begun over it is not.
+    world.launch(ids, layers=range(0, 1))
+    world.descriptor.block[desc.STEP_POISONED] = 1
+    world.launch(ids)
+    words = world.words()
+    assert (words[desc.ABANDONED], words[desc.LAUNCHES], words[desc.POISONED_LAUNCHES]) == (3, 2, 0)
+    assert words[desc.ROWS] == 2 * 5 * n_layers * heads
+    assert words[desc.STEP_OPEN] == words[desc.STEP_POISONED] == words[desc.STEP_ROWS] == 0

@@ -208,7 +208,8 @@ def check_replays(layout, reference, served, rows, tokens: int = 16, replays: in
                     cpu.same_bits(f"{name}, replay {number}, layer {ref.layer_hash_index}: rows", got,
                                   ref._ready_rows(tokens))
             after = counts()
-            assert (after["replays"] - before["replays"], after["poisoned"]) == (replays, 0), (name, after)
+            assert (after["replays"] - before["replays"], after["poisoned"], after["abandoned"]) \
+                == (replays, 0, 0), (name, after)
             captured.check()
             results[name] = (f"equal after {replays} replays of {tokens} tokens, the gather "
                              f"{'forked, reading the IDs in place' if forks else 'in line'}")

@@ -8,7 +8,8 @@ gets its head shard; every Engram layer of the process shares it. Per forward:
         the last local layer's IDs complete the step -> client.lookup([T, layers, 24])
     each layer's _ready_rows(T)                     -> ProcessRows.ready(i, T)
         the current stream waits for the rows (GPU: stream order, no host sync; CPU: the reply),
-        the first layer's for the lookup, or with ENGRAMD_CAPTURE in a full graph each for its own
+        the first layer's for the lookup (with ENGRAMD_CAPTURE in a full graph and
+        ProcessRows.split_layers, a launch a layer: each waits for its own)
 
 Each layer's `staged_rows` is a view of that layer's rows in the client's staging slot (the slab
 in served mode, the client's own memory in mapped mode): the rows are read where the lookup put

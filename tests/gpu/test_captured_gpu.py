@@ -106,7 +106,7 @@ def test_replays_equal_the_reference_and_count_out_of_range_ids(daemon_factory, 
                 assert rows_match(got, reference, ids), f"step {step}, {tokens} tokens"
                 bad += outside(ids, reference.rows)
         counts = settled(captured)
-        assert counts == {"replays": 90, "poisoned": 0, "out_of_range": bad}
+        assert counts == {"replays": 90, "poisoned": 0, "out_of_range": bad, "abandoned": 0}
         captured.check()
         # lookup() keeps off the captured slot.
         for _ in range(client.slots * 2):

@@ -118,7 +118,7 @@ def test_captured_replays_equal_the_reference_and_keep_their_slot(daemon_factory
             [(2, interpreted.WIDE_BLOCK_ROWS)] + [(2, interpreted.DEFAULT_BLOCK_ROWS)] * 3
         captured.ids.fill_(-1)  # DEAD: counts nothing
         assert captured.record(TOKENS).shape == (len(reference.rows), TOKENS, reference.heads, 256)
-        assert captured.counts() == {"replays": 5, "poisoned": 0, "out_of_range": bad}
+        assert captured.counts() == {"replays": 5, "poisoned": 0, "out_of_range": bad, "abandoned": 0}
         assert captured._programs == 2, "a launch of several programs: the last one closes it"
         captured.check()
         ids = random_ids(rng, 3, reference.rows, reference.heads)
@@ -182,7 +182,8 @@ def test_a_step_recorded_a_layer_a_launch_equals_the_reference_and_counts_once(
     """record(T, layers=...) launch by launch, reading the engine's IDs in place: the rows of
     the whole step, one replay counted per step (at its last layer's launch); layers that are
     not a range within the tables', or that do not start a step or go on where its last launch
-    ended, are refused before anything is launched; a step begun over an open one is logged."""
+    ended, are refused before anything is launched; a step begun over an open one is counted
+    abandoned, and check() logs it once."""
     daemon = daemon_factory()
     rng = np.random.default_rng(44)
     with EngramClient(daemon.socket, mode="mapped", max_tokens=TOKENS) as client:
@@ -203,12 +204,14 @@ def test_a_step_recorded_a_layer_a_launch_equals_the_reference_and_counts_once(
             captured.record(7, ids=engine, layers=range(1, n_layers))
         assert captured.counts()["replays"] == launches + 1, "a refused record launched nothing"
         captured.record(7, ids=engine, layers=range(0, 1))
-        with caplog.at_level(logging.WARNING, logger="engramd.client"):
-            captured.record(7, ids=engine, layers=range(0, 1))  # begun anew over the open step
-        assert "left open at layer 1 of" in caplog.text
+        captured.record(7, ids=engine, layers=range(0, 1))  # begun anew over the open step
         captured.record(7, ids=engine, layers=range(1, n_layers))
         assert captured.counts()["replays"] == launches + 2
-        captured.check()
+        assert captured.counts()["abandoned"] == 1
+        with caplog.at_level(logging.WARNING, logger="engramd.client"):
+            captured.check()
+            captured.check()
+        assert caplog.text.count("1 steps of a captured lookup were left open") == 1, caplog.text
 
 
 def test_the_warm_up_launches_every_variant_a_record_launches(daemon_factory, reference,
