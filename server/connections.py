@@ -17,6 +17,7 @@ Every method runs on the loop's thread. Not the socket's options nor its message
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import socket
@@ -35,6 +36,7 @@ EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
 # open one each while they run. Four a place leaves room for both and for restarts.
 PER_PLACE = 4
 MIN_PER_UID = 64
+_MONITORS = itertools.count()  # each monitor's inproc name, unique in the process
 
 
 def connections_per_uid(max_clients_per_uid: int, max_clients: int) -> int:
@@ -113,7 +115,7 @@ def monitor_socket(sock: zmq.Socket) -> zmq.Socket:
     accepted, nor any message read, until the loop read the events, and a flood of connections
     that come and go while the loop serves their requests fills it. An event is a few dozen
     bytes, and every one comes of a connection's start or end."""
-    address = f"inproc://engramd-connections-{id(sock):x}"
+    address = f"inproc://engramd-connections-{next(_MONITORS)}"  # libzmq frees a name late
     sock.monitor(address, EVENTS)
     monitor = sock.context.socket(zmq.PAIR)
     monitor.setsockopt(zmq.RCVHWM, 0)  # before connecting: the pipe's bound is set then
