@@ -21,7 +21,9 @@ import itertools
 import logging
 import os
 import socket
+import stat
 from collections import Counter, OrderedDict
+from dataclasses import dataclass
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -44,65 +46,91 @@ def connections_per_uid(max_clients_per_uid: int, max_clients: int) -> int:
     return max(MIN_PER_UID, PER_PLACE * (max_clients_per_uid or max_clients))
 
 
+@dataclass(frozen=True)
+class Held:
+    """A connection counted: who holds it, and its socket's inode (a descriptor whose inode is
+    another, or none, holds that connection no longer)."""
+
+    peer: PeerCredentials
+    inode: int
+
+
 class ConnectionsPerUser:
     def __init__(self, sock: zmq.Socket, per_uid: int):
         """Follow the connections of `sock` (bound, or about to be) through a monitor socket."""
         self.monitor = monitor_socket(sock)  # polled by the loop
         self._per_uid = per_uid
-        self._peers: dict[int, PeerCredentials] = {}  # descriptor -> who holds it
-        self._by_uid: dict[int, OrderedDict[int, None]] = {}  # uid -> its descriptors, oldest first
+        self._held: dict[int, Held] = {}  # descriptor -> its connection
+        # uid -> pid -> its descriptors, oldest first
+        self._by_process: dict[int, dict[int, OrderedDict[int, None]]] = {}
         self._cut = ThrottledBy(log)
 
     def events(self) -> None:
-        """What the monitor reported since the last call (the loop calls this when it is readable)."""
+        """What the monitor reported since the last call, then each user's excess cut (the loop
+        calls this when the monitor is readable, and between batches of requests). Peers that
+        were cut reconnect (a DEALER's default) hundreds of times a second: every connection
+        costs one read of its credentials, and a cut none more."""
+        over = set()
         while True:
             try:
                 event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
             except zmq.Again:
-                return
+                break
             fd = int(event["value"])
             self._forget(fd)  # a descriptor's number is reused once its connection is gone
             if event["event"] == zmq.EVENT_ACCEPTED:
-                self._accepted(fd)
+                uid = self._accepted(fd)
+                if uid is not None and self.held_by(uid) > self._per_uid:
+                    over.add(uid)
+        for uid in over:
+            self._cut_excess(uid)
 
-    def _accepted(self, fd: int) -> None:
-        peer = credentials(fd)
-        if peer is None:  # gone already (its end is on its way), or no socket of ours now
-            return
-        self._peers[fd] = peer
-        held = self._by_uid.setdefault(peer.uid, OrderedDict())
-        held[fd] = None
-        if len(held) > self._per_uid:
-            self._cut_oldest(peer.uid)
+    def held_by(self, uid: int) -> int:
+        return sum(len(fds) for fds in self._by_process.get(uid, {}).values())
 
-    def _cut_oldest(self, uid: int) -> None:
-        """Shut down the oldest connection of the process of `uid` that holds the most, once
-        its count is confirmed: a descriptor still counted may be no longer that peer's (its
-        end not yet read), and a user whose count held such ones would lose a live connection
-        below the bound."""
-        for fd in [fd for fd in self._by_uid[uid] if credentials(fd) != self._peers[fd]]:
+    def _accepted(self, fd: int) -> int | None:
+        """Count connection `fd`; its user's uid, or None where it is gone already (its end is
+        on its way) or no socket of ours now."""
+        peer, inode = credentials(fd), inode_of(fd)
+        if peer is None or inode is None:
+            return None
+        self._held[fd] = Held(peer, inode)
+        self._by_process.setdefault(peer.uid, {}).setdefault(peer.pid, OrderedDict())[fd] = None
+        return peer.uid
+
+    def _cut_excess(self, uid: int) -> None:
+        """Shut down the oldest connections of the process of `uid` that holds the most, one at
+        a time, until `uid` holds `per_uid`; its count confirmed first: a descriptor whose end
+        the loop has not read yet is counted still, and a user whose count held such ones would
+        lose a live connection below the bound."""
+        for fd in [fd for fds in self._by_process.get(uid, {}).values() for fd in fds
+                   if inode_of(fd) != self._held[fd].inode]:
             self._forget(fd)
-        held = self._by_uid.get(uid)
-        if held is None or len(held) <= self._per_uid:
-            return
-        pids = Counter(self._peers[fd].pid for fd in held)
-        most = max(pids.values())
-        fd = next(fd for fd in held if pids[self._peers[fd].pid] == most)
-        self._cut[uid].warning("uid %d holds more than %d connections to the request socket; "
-                               "closed the oldest of pid %d, which holds %d", uid, self._per_uid,
-                               self._peers[fd].pid, most)
-        peer = self._peers[fd]
-        self._forget(fd)
-        shut_down(fd, peer)
+        cut: Counter[int] = Counter()
+        while self.held_by(uid) > self._per_uid:
+            pid, fds = max(self._by_process[uid].items(), key=lambda process: len(process[1]))
+            fd = next(iter(fds))
+            held = self._held[fd]
+            self._forget(fd)
+            shut_down(fd, held)
+            cut[pid] += 1
+        if cut:
+            self._cut[uid].warning("uid %d held more than %d connections to the request socket; "
+                                   "closed the oldest of the processes that held the most: %s",
+                                   uid, self._per_uid, ", ".join(f"{n} of pid {pid}"
+                                                                 for pid, n in cut.items()))
 
     def _forget(self, fd: int) -> None:
-        peer = self._peers.pop(fd, None)
-        if peer is None:
+        held = self._held.pop(fd, None)
+        if held is None:
             return
-        held = self._by_uid[peer.uid]
-        held.pop(fd, None)
-        if not held:
-            del self._by_uid[peer.uid]
+        processes = self._by_process[held.peer.uid]
+        fds = processes[held.peer.pid]
+        del fds[fd]
+        if not fds:
+            del processes[held.peer.pid]
+        if not processes:
+            del self._by_process[held.peer.uid]
 
     def close(self, sock: zmq.Socket) -> None:
         sock.disable_monitor()
@@ -135,13 +163,23 @@ def credentials(fd: int) -> PeerCredentials | None:
         return None
 
 
-def shut_down(fd: int, peer: PeerCredentials) -> None:
+def inode_of(fd: int) -> int | None:
+    """The inode of the socket at descriptor `fd`; None where `fd` holds no socket now."""
+    try:
+        status = os.fstat(fd)
+    except OSError:
+        return None
+    return status.st_ino if stat.S_ISSOCK(status.st_mode) else None
+
+
+def shut_down(fd: int, held: Held) -> None:
     """End libzmq's connection `fd` as its peer's close would: libzmq reads its end, drops its
-    queue and forgets it (its descriptor is libzmq's to close). Only if `fd` is still held by
-    `peer` (the number may have been reused meanwhile)."""
+    queue and forgets it (its descriptor is libzmq's to close). Only if `fd` still holds that
+    connection (the number may have been reused meanwhile): checked on the duplicate, which
+    holds what `fd` held when it was made."""
     try:
         with socket.socket(fileno=os.dup(fd)) as conn:
-            if conn.family == socket.AF_UNIX and PeerCredentials.of(conn) == peer:
+            if inode_of(conn.fileno()) == held.inode:
                 conn.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass  # gone already

@@ -9,7 +9,7 @@ import pytest
 import zmq
 
 from engramd.client.shared.handles import PeerCredentials
-from engramd.server.connections import ConnectionsPerUser, credentials
+from engramd.server.connections import ConnectionsPerUser, Held, credentials, inode_of, shut_down
 
 
 @pytest.fixture
@@ -38,27 +38,49 @@ def is_shut_down(peer_end: socket.socket) -> bool:
         return False
 
 
-def test_the_excess_connection_cuts_the_oldest(counted):
-    pairs = [connection() for _ in range(3)]
-    for ours, _ in pairs:
-        counted._accepted(ours.fileno())
-    assert [is_shut_down(peer) for _, peer in pairs] == [True, False, False]
+def accept(counted: ConnectionsPerUser, *ours: socket.socket) -> None:
+    """What events() does for the acceptance of each of `ours`, then for their user's excess."""
+    for conn in ours:
+        counted._accepted(conn.fileno())
+    counted._cut_excess(os.getuid())
 
 
-def test_a_counted_descriptor_that_is_no_longer_the_peers_costs_no_live_connection(counted):
-    """An end the monitor did not report leaves its descriptor counted; the number may now be
-    anything (here a pipe). The user's live connections are within the bound: none is cut."""
-    oldest, peer_of_oldest = connection()
-    counted._accepted(oldest.fileno())
-    read_end, write_end = os.pipe()  # what the stale descriptor's number holds now
-    counted._peers[read_end] = credentials(oldest.fileno())
-    counted._by_uid[os.getuid()][read_end] = None
-    newest, peer_of_newest = connection()
-    counted._accepted(newest.fileno())
-    assert not is_shut_down(peer_of_oldest) and not is_shut_down(peer_of_newest)
-    assert set(counted._by_uid[os.getuid()]) == {oldest.fileno(), newest.fileno()}
-    os.close(read_end)
-    os.close(write_end)
+def test_the_excess_connections_cut_are_the_oldest(counted):
+    pairs = [connection() for _ in range(5)]
+    accept(counted, *(ours for ours, _ in pairs))
+    assert [is_shut_down(peer) for _, peer in pairs] == [True, True, True, False, False]
+    assert counted.held_by(os.getuid()) == 2
+
+
+@pytest.mark.parametrize("now", ["free", "a pipe"])
+def test_a_counted_descriptor_that_is_no_longer_the_peers_costs_no_live_connection(counted, now):
+    """An end the loop has not read yet leaves its descriptor counted; its number may now be
+    free, or hold anything. The user's live connections are within the bound: none is cut."""
+    live, peer_of_live = connection()
+    stale, _ = connection()
+    accept(counted, live, stale)
+    newest, peer_of_newest = connection()  # before the number is free: it does not take it
+    pipe = os.pipe()
+    if now == "free":
+        stale.close()
+    else:
+        os.dup2(pipe[0], stale.fileno())
+    accept(counted, newest)
+    assert not is_shut_down(peer_of_live) and not is_shut_down(peer_of_newest)
+    assert counted.held_by(os.getuid()) == 2
+    for fd in pipe:
+        os.close(fd)
+
+
+def test_a_descriptor_whose_number_was_reused_is_not_shut_down():
+    """The number of a connection counted may hold another connection by the time it is cut
+    (its end not read yet): that one is left alone."""
+    counted_end, _ = connection()
+    held = Held(credentials(counted_end.fileno()), inode_of(counted_end.fileno()))
+    other, peer_of_other = connection()
+    os.dup2(other.fileno(), counted_end.fileno())  # the number now holds `other`
+    shut_down(counted_end.fileno(), held)
+    assert not is_shut_down(peer_of_other)
 
 
 def test_credentials_of_a_descriptor_that_is_no_unix_socket_are_none():
@@ -89,7 +111,7 @@ def test_a_burst_of_connections_while_the_loop_is_busy_loses_no_acceptance(tmp_p
                 peers.pop().close(0)
         dealers(peers_ctx, f"ipc://{tmp_path}/s", sock, 5, peers)
         counted.events()
-        live = [fd for fd, peer in counted._peers.items() if credentials(fd) == peer]
+        live = [fd for fd, held in counted._held.items() if inode_of(fd) == held.inode]
         assert len(live) == 5, f"{len(live)} of the 5 connections that stayed are counted"
     finally:
         for peer in peers:

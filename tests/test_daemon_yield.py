@@ -1,9 +1,11 @@
 """The request loop makes room for CPU gathers: while they run it pauses, GIL released, after
-every EVENTS_EVERY requests it reads (Daemon._drain_socket), and never pauses otherwise."""
+every EVENTS_EVERY requests it reads (Daemon._drain_socket), and never pauses otherwise; and it
+counts the connections the monitor reported as often."""
 
 from __future__ import annotations
 
 import queue
+from types import SimpleNamespace
 
 import pytest
 import zmq
@@ -20,9 +22,20 @@ class Service:
         return self.busy
 
 
+class Connections:
+    """The request socket's connections (server/connections.py): how often the loop looked."""
+
+    def __init__(self):
+        self.looked = 0
+
+    def events(self) -> None:
+        self.looked += 1
+
+
 def loop_reading(requests: int, gathering: bool) -> Daemon:
     """A daemon's request-reading state alone: `requests` waiting, then an empty socket."""
     loop = object.__new__(Daemon)
+    loop._socket = SimpleNamespace(connections=Connections())
     loop.service = Service(gathering)
     loop._events = queue.SimpleQueue()
     loop._halt = None
@@ -52,6 +65,7 @@ def test_the_loop_pauses_between_request_batches_only_while_gathers_run(monkeypa
     loop._drain_socket()
     assert loop.handled == requests
     assert pauses == ([YIELD_S] * 5 if gathering else [])
+    assert loop._socket.connections.looked == 5, "a flood's reconnections are cut between batches"
 
 
 def test_a_batch_still_ends_at_drain_batch_requests(monkeypatch):
