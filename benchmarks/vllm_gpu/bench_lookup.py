@@ -678,10 +678,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--side-priority", choices=("normal", "greatest"), default="normal",
                         help="the stream of the plugin's captured gather: the plugin's own, or a "
                              "new one at the device's greatest priority (an experiment)")
-    parser.add_argument("--captured-launches", choices=("layer", "step"), default="step",
-                        help="plugin_captured's forked gather: one launch for the step, which "
-                             "the first reader waits for whole (the plugin's default), or a "
-                             "launch per layer, each layer's reader waiting for its own")
+    parser.add_argument("--captured-launches", choices=("layer", "step"), default="layer",
+                        help="plugin_captured's forked gather: a launch per layer, each layer's "
+                             "reader waiting for its own (the plugin's default), or one launch "
+                             "for the step, which the first reader waits for whole")
     parser.add_argument("--graph-dot", action="store_true",
                         help="write each recorded graph's nodes and edges (cudaGraphDebugDotPrint, "
                              "verbose) to OUT/graphs/<variant>-T<T>-L<lead>.dot (vLLM's graph "

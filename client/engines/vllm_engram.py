@@ -8,8 +8,8 @@ gets its head shard; every Engram layer of the process shares it. Per forward:
         the last local layer's IDs complete the step -> client.lookup([T, layers, 24])
     each layer's _ready_rows(T)                     -> ProcessRows.ready(i, T)
         the current stream waits for the rows (GPU: stream order, no host sync; CPU: the reply),
-        the first layer's for the lookup (with ENGRAMD_CAPTURE in a full graph and
-        ProcessRows.split_layers, a launch a layer: each waits for its own)
+        the first layer's for the lookup (with ENGRAMD_CAPTURE in a full graph, a launch a
+        layer: each waits for its own)
 
 Each layer's `staged_rows` is a view of that layer's rows in the client's staging slot (the slab
 in served mode, the client's own memory in mapped mode): the rows are read where the lookup put
@@ -28,8 +28,9 @@ With ENGRAMD_CAPTURE=on a mapped GPU worker records its lookup in vLLM's graphs 
 `prepare_embeddings` queues the gather, `_ready_rows` makes the current stream wait for it and
 returns the staged rows; no eager break, so full and piecewise graphs and eager steps run the
 same launch. In a graph that holds the whole step (a full graph) the gather runs on a side
-stream beside the layers before the `_ready_rows` that joins it (or, with `split_layers`, a
-launch per layer, each layer's `_ready_rows` joining its own), and reads the hashes in place,
+stream beside the layers before their `_ready_rows`, a launch per layer, each layer's
+`_ready_rows` joining its own (or, without `split_layers`, one launch that the first joins),
+and reads the hashes in place,
 as vLLM's own prefetch does, where they are one tensor of every layer's columns that the
 lookup can read (CapturedLookup.why_not_in_place; else it reads copies made on that stream);
 in a graph captured in pieces and in eager steps, one launch in line on the current stream,
@@ -132,9 +133,10 @@ class ProcessRows:
                           [torch.cuda.Event() for _ in range(client.geometry.n_layers)])
         # Whether a forked gather launches per layer, each layer's reader waiting for its own
         # rows only, as vLLM's own prefetch does, or once for the step, which the first reader
-        # waits for whole: the measured default until the split has been timed on a GPU
-        # (bench_lookup.py --captured-launches layer)
-        self.split_layers = False
+        # waits for whole. Per layer: vLLM's step at T = 16 and 256, lead 1, 0.96-1.02x and
+        # 0.82-0.85x its graph without MPS, where one launch had 1.02-1.06x and 0.91-0.94x
+        # (benchmarks/results/h100/2026-12-07-e/, -d/; bench_lookup.py --captured-launches)
+        self.split_layers = True
         # Whether this step's gather goes to _side, with its IDs read in place or copied there
         # (its first hand says), until it is recorded
         self._on_side = False
@@ -189,17 +191,13 @@ class ProcessRows:
             self._submit()
 
     def _begin_step(self, tokens: int) -> None:
-        """Decide where this step's lookup runs. Where it forks, the side stream joins the
-        capture now (an event wait, no node), so that a capture that ends before the gather's
-        join fails there, unjoined, rather than record a step without its later layers' IDs:
-        whether CUDA counts a stream that only waited as unjoined is what
-        tests/gpu/test_captured_gpu.py's test of it checks (not yet run on a GPU). A step whose
-        later layers run after its capture ended is refused at its submit (_record)."""
-        # a GPU's only, in a graph that holds the whole step (_graph_holds_the_step)
+        """Decide where this step's lookup runs: forked, on the side stream, in a GPU's graph
+        that holds the whole step (_graph_holds_the_step). The fork itself comes at the submit
+        (_record), after every hand's hashes; a step whose later layers run after its capture
+        ended is refused there. (A stream that only waited does not keep CUDA from ending a
+        capture, measured on an H100: a wait here would not make such a capture fail.)"""
         side = self._side if tokens > 0 and self._side is not None and _graph_holds_the_step() else None
         self._on_side, self._joins = side is not None, {}
-        if side is not None:
-            side[0].wait_stream(torch.cuda.current_stream(self.client.device))
 
     def _leave(self) -> None:
         """A new step began before every layer of the last one handed in (its capture failed,

@@ -84,12 +84,14 @@ def all_scales_checkpoint(tmp_path_factory) -> Path:
 def test_rows_embed_and_forward_are_vllms_offloaded_ones(daemon_factory, demo_checkpoint, tmp_path,
                                                          mode, capture):
     """mapped-captured: ENGRAMD_CAPTURE=on, the staged rows a captured lookup's, launched eagerly,
-    then recorded in CUDA graphs as an engine's own capture, vLLM's full graphs and its
-    breakable ones in pieces record them, and replayed on new IDs (worker_gpu.check_replays)."""
+    then recorded in CUDA graphs as an engine's own capture, vLLM's full graphs (one launch a
+    step, and a launch a layer) and its breakable ones in pieces record them, and replayed on
+    new IDs (worker_gpu.check_replays)."""
     daemon = daemon_factory(extra=["--backend", "cuda"])
     report = run_worker(daemon, demo_checkpoint, mode, "flow", tmp_path / "report.json", capture)
     assert report["client_mode"] == mode
-    assert sorted(report.get("replays", {})) == (["pieces", "plain", "runner_v2"] if capture else []), report
+    paths = ["pieces", "plain", "plain, a launch per layer", "runner_v2", "runner_v2, a launch per layer"]
+    assert sorted(report.get("replays", {})) == (paths if capture else []), report
 
 
 def test_every_scale_byte_gives_vllms_rows(daemon_factory, all_scales_checkpoint, tmp_path):
