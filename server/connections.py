@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import select
 import socket
 import stat
 from collections import Counter, OrderedDict
@@ -69,7 +70,8 @@ class ConnectionsPerUser:
         """What the monitor reported since the last call, then each user's excess cut (the loop
         calls this when the monitor is readable, and between batches of requests). Peers that
         were cut reconnect (a DEALER's default) hundreds of times a second: every connection
-        costs one read of its credentials, and a cut none more."""
+        costs one read of its credentials, and a user over its bound a look at each of its
+        descriptors (fstat, poll) a call, not a cut."""
         over = set()
         while True:
             try:
@@ -89,22 +91,24 @@ class ConnectionsPerUser:
         return sum(len(fds) for fds in self._by_process.get(uid, {}).values())
 
     def _accepted(self, fd: int) -> int | None:
-        """Count connection `fd`; its user's uid, or None where it is gone already (its end is
-        on its way) or no socket of ours now."""
-        peer, inode = credentials(fd), inode_of(fd)
-        if peer is None or inode is None:
+        """Count connection `fd` (in place of what its number held before); its user's uid, or
+        None where it is gone already (its end is on its way) or no socket of ours now."""
+        self._forget(fd)
+        held = identify(fd)
+        if held is None:
             return None
-        self._held[fd] = Held(peer, inode)
-        self._by_process.setdefault(peer.uid, {}).setdefault(peer.pid, OrderedDict())[fd] = None
-        return peer.uid
+        self._held[fd] = held
+        self._by_process.setdefault(held.peer.uid, {}).setdefault(held.peer.pid, OrderedDict())[fd] = None
+        return held.peer.uid
 
     def _cut_excess(self, uid: int) -> None:
         """Shut down the oldest connections of the process of `uid` that holds the most, one at
-        a time, until `uid` holds `per_uid`; its count confirmed first: a descriptor whose end
-        the loop has not read yet is counted still, and a user whose count held such ones would
-        lose a live connection below the bound."""
-        for fd in [fd for fds in self._by_process.get(uid, {}).values() for fd in fds
-                   if inode_of(fd) != self._held[fd].inode]:
+        a time, until `uid` holds `per_uid`; its count confirmed first: a connection whose peer
+        hung up is counted until libzmq reads its end (which waits while its inbound queue is
+        full), one whose end raced the drain until the next, and a user whose count held such
+        ones would lose a live connection below the bound."""
+        counted = [fd for process in self._by_process.get(uid, {}).values() for fd in process]
+        for fd in ended(counted, self._held):
             self._forget(fd)
         cut: Counter[int] = Counter()
         while self.held_by(uid) > self._per_uid:
@@ -141,8 +145,8 @@ def monitor_socket(sock: zmq.Socket) -> zmq.Socket:
     """The monitor's receiving end, its queue unbounded. With libzmq's default bounds (about
     2,000 events) a full queue held up the socket's I/O thread: no one's connection was
     accepted, nor any message read, until the loop read the events, and a flood of connections
-    that come and go while the loop serves their requests fills it. An event is a few dozen
-    bytes, and every one comes of a connection's start or end."""
+    that come and go while the loop serves their requests fills it. An event is two messages of
+    a few hundred bytes in all, and every one comes of a connection's start or end."""
     address = f"inproc://engramd-connections-{next(_MONITORS)}"  # libzmq frees a name late
     sock.monitor(address, EVENTS)
     monitor = sock.context.socket(zmq.PAIR)
@@ -151,16 +155,29 @@ def monitor_socket(sock: zmq.Socket) -> zmq.Socket:
     return monitor
 
 
-def credentials(fd: int) -> PeerCredentials | None:
-    """The kernel's credentials of the peer of descriptor `fd`, a connection libzmq holds;
-    None where `fd` is no Unix socket now."""
+def identify(fd: int) -> Held | None:
+    """Who holds connection `fd` and its socket's inode, read from one duplicate of it; None
+    where `fd` is no Unix socket now."""
     try:
         with socket.socket(fileno=os.dup(fd)) as conn:
-            if conn.family != socket.AF_UNIX:
+            inode = inode_of(conn.fileno())
+            if conn.family != socket.AF_UNIX or inode is None:
                 return None
-            return PeerCredentials.of(conn)
+            return Held(PeerCredentials.of(conn), inode)
     except OSError:
         return None
+
+
+def ended(fds: list[int], held: dict[int, Held]) -> list[int]:
+    """Those of `fds` that no longer hold their connection (`held`), or whose peer has hung up."""
+    gone, poller = [], select.poll()
+    for fd in fds:
+        if inode_of(fd) != held[fd].inode:
+            gone.append(fd)
+        else:
+            poller.register(fd, select.POLLRDHUP)  # looked at, not read: libzmq reads it
+    gone += [fd for fd, _ in poller.poll(0)]  # POLLRDHUP, or POLLHUP / POLLERR, always reported
+    return gone
 
 
 def inode_of(fd: int) -> int | None:

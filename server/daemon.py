@@ -185,7 +185,7 @@ class Daemon:
             for fd in [fd for fd in ready if fd in self._leases]:
                 self._leases.event(fd)
             if connections is not None and connections.monitor in ready:
-                connections.events()  # before the requests: a cut peer's replies are not queued
+                connections.events()  # first: a user's excess goes before more requests are read
             if self._socket.sock in ready:
                 self._drain_socket()
             if self._events.fd in ready:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 
@@ -9,7 +10,7 @@ import pytest
 import zmq
 
 from engramd.client.shared.handles import PeerCredentials
-from engramd.server.connections import ConnectionsPerUser, Held, credentials, inode_of, shut_down
+from engramd.server.connections import ConnectionsPerUser, identify, inode_of, shut_down
 
 
 @pytest.fixture
@@ -52,19 +53,22 @@ def test_the_excess_connections_cut_are_the_oldest(counted):
     assert counted.held_by(os.getuid()) == 2
 
 
-@pytest.mark.parametrize("now", ["free", "a pipe"])
+@pytest.mark.parametrize("now", ["free", "a pipe", "hung up"])
 def test_a_counted_descriptor_that_is_no_longer_the_peers_costs_no_live_connection(counted, now):
-    """An end the loop has not read yet leaves its descriptor counted; its number may now be
-    free, or hold anything. The user's live connections are within the bound: none is cut."""
+    """A connection whose end libzmq has not read, or the loop not yet heard of, is counted
+    still: its peer may have hung up, its number be free, or hold anything. The user's live
+    connections are within the bound: none is cut."""
     live, peer_of_live = connection()
-    stale, _ = connection()
+    stale, peer_of_stale = connection()
     accept(counted, live, stale)
     newest, peer_of_newest = connection()  # before the number is free: it does not take it
     pipe = os.pipe()
     if now == "free":
         stale.close()
-    else:
+    elif now == "a pipe":
         os.dup2(pipe[0], stale.fileno())
+    else:
+        peer_of_stale.close()
     accept(counted, newest)
     assert not is_shut_down(peer_of_live) and not is_shut_down(peer_of_newest)
     assert counted.held_by(os.getuid()) == 2
@@ -76,22 +80,24 @@ def test_a_descriptor_whose_number_was_reused_is_not_shut_down():
     """The number of a connection counted may hold another connection by the time it is cut
     (its end not read yet): that one is left alone."""
     counted_end, _ = connection()
-    held = Held(credentials(counted_end.fileno()), inode_of(counted_end.fileno()))
+    held = identify(counted_end.fileno())
     other, peer_of_other = connection()
     os.dup2(other.fileno(), counted_end.fileno())  # the number now holds `other`
     shut_down(counted_end.fileno(), held)
     assert not is_shut_down(peer_of_other)
 
 
-def test_credentials_of_a_descriptor_that_is_no_unix_socket_are_none():
+def test_a_descriptor_that_is_no_unix_socket_is_no_connection_and_a_connection_is_its_peers():
     read_end, write_end = os.pipe()
     try:
-        assert credentials(read_end) is None
+        assert identify(read_end) is None
     finally:
         os.close(read_end)
         os.close(write_end)
     ours, _peer = connection()
-    assert credentials(ours.fileno()) == PeerCredentials.of(ours)
+    held = identify(ours.fileno())
+    assert held is not None and held.peer == PeerCredentials.of(ours)
+    assert held.inode == os.fstat(ours.fileno()).st_ino
 
 
 def test_a_burst_of_connections_while_the_loop_is_busy_loses_no_acceptance(tmp_path):
@@ -136,3 +142,22 @@ def dealers(ctx: zmq.Context, address: str, router: zmq.Socket, count: int,
     for _ in range(count):
         assert router.poll(10_000), "a connection's message never came"
         router.recv_multipart()
+
+
+def test_the_excess_is_cut_from_the_process_that_holds_the_most(counted, monkeypatch):
+    """A user's process of many connections loses its oldest; its other process, of fewer, keeps
+    its own, though one is the oldest of all."""
+    from engramd.server import connections as module
+
+    pairs = [connection() for _ in range(4)]
+    pids = {pairs[0][0].fileno(): 1, pairs[1][0].fileno(): 2, pairs[2][0].fileno(): 2,
+            pairs[3][0].fileno(): 2}
+    real = module.identify
+
+    def identify(fd):
+        held = real(fd)
+        return module.Held(dataclasses.replace(held.peer, pid=pids[fd]), held.inode)
+
+    monkeypatch.setattr(module, "identify", identify)
+    accept(counted, *(ours for ours, _ in pairs))
+    assert [is_shut_down(peer) for _, peer in pairs] == [False, True, True, False]
