@@ -79,11 +79,12 @@ class ConnectionsPerUser:
             except zmq.Again:
                 break
             fd = int(event["value"])
-            self._forget(fd)  # a descriptor's number is reused once its connection is gone
-            if event["event"] == zmq.EVENT_ACCEPTED:
-                uid = self._accepted(fd)
-                if uid is not None and self.held_by(uid) > self._per_uid:
-                    over.add(uid)
+            if event["event"] != zmq.EVENT_ACCEPTED:
+                self._forget(fd)
+                continue
+            uid = self._accepted(fd)
+            if uid is not None and self.held_by(uid) > self._per_uid:
+                over.add(uid)
         for uid in over:
             self._cut_excess(uid)
 
@@ -91,8 +92,9 @@ class ConnectionsPerUser:
         return sum(len(fds) for fds in self._by_process.get(uid, {}).values())
 
     def _accepted(self, fd: int) -> int | None:
-        """Count connection `fd` (in place of what its number held before); its user's uid, or
-        None where it is gone already (its end is on its way) or no socket of ours now."""
+        """Count connection `fd` (in place of what its number held before: a descriptor's number
+        is reused once its connection is gone); its user's uid, or None where it is gone already
+        (its end is on its way) or no socket of ours now."""
         self._forget(fd)
         held = identify(fd)
         if held is None:

@@ -29,8 +29,8 @@ Model step in a CUDA graph (`GraphStep`):
                    graph.
   plugin_captured  the same step over the layers built with ENGRAMD_CAPTURE=on: every layer's
                    prepare_embeddings (the last layer's forks the gather to the plugin's
-                   side stream, reading the graph's hash IDs in place, one launch;
-                   --captured-launches layer: one per layer), the LEAD matmuls, each
+                   side stream, reading the graph's hash IDs in place, a launch per layer;
+                   --captured-launches step: one for the step), the LEAD matmuls, each
                    layer's forward (its _ready_rows joins the launch of its rows, once; no
                    host work).
   compute_graph    the floor: the same graph without prepare_embeddings (the LEAD matmuls and

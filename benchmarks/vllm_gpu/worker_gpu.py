@@ -156,10 +156,11 @@ def check_replays(layout, reference, served, rows, tokens: int = 16, replays: in
     gather forked to the plugin's side stream (`rows`, the process's ProcessRows), reading the
     graph's input IDs in place, in one launch joined inside the graph by the first reader, and
     again a launch per layer (split_layers), each joined by its layer's reader, in the first
-    two; in line, one launch from the copies in the lookup's buffer, in the third, whose pieces a fork could not span: which stream and layers each record() got, and
-    whether it read in place, is checked too (so a vLLM whose hashes the lookup can no longer
-    read in place, in another dtype or layout, fails here by name). A replay counts once
-    whatever its launches."""
+    two; in line, one launch from the copies in the lookup's buffer, in the third, whose pieces
+    a fork could not span: which stream and layers each record() got, and whether it read in
+    place, is checked too (so a vLLM whose hashes the lookup can no longer read in place, in
+    another dtype or layout, fails here by name). A replay counts once whatever its launches,
+    and none leaves its step open."""
     captured = rows.captured
     ids = cpu.raw_ids(layout.num_embeddings, tokens).to(DEVICE)
     streams: list = []  # the stream, in place or not, and layers of each record() while capturing

@@ -196,8 +196,8 @@ class ProcessRows:
         (_record), after every hand's hashes; a step whose later layers run after its capture
         ended is refused there. (A stream that only waited does not keep CUDA from ending a
         capture, measured on an H100: a wait here would not make such a capture fail.)"""
-        side = self._side if tokens > 0 and self._side is not None and _graph_holds_the_step() else None
-        self._on_side, self._joins = side is not None, {}
+        self._on_side = tokens > 0 and self._side is not None and _graph_holds_the_step()
+        self._joins = {}
 
     def _leave(self) -> None:
         """A new step began before every layer of the last one handed in (its capture failed,
