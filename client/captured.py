@@ -273,7 +273,8 @@ class CapturedLookup:
         if abandoned > self._abandoned:
             log.warning("%d steps of a captured lookup were left open: a graph recorded launches "
                         "of it that do not end at the last layer; such a step is counted nowhere "
-                        "and keeps the tables from switching until the next step begins",
+                        "(but for its out-of-range IDs) and keeps the tables from switching "
+                        "until a step ends again",
                         abandoned - self._abandoned)
             self._abandoned = abandoned
         poisoned = words[desc.POISONED_LAUNCHES]
@@ -286,8 +287,9 @@ class CapturedLookup:
             raise ReplayFailedError(self._lost, 0)
 
     def counts(self) -> dict[str, int]:
-        """Replays ended, of them poisoned, out-of-range IDs, steps left open (a graph that
-        recorded only some of a step's launches): as of the last finished copy."""
+        """Replays ended, of them poisoned, out-of-range IDs (those of a step left open too),
+        steps left open (a graph that recorded only some of a step's launches): as of the last
+        finished copy."""
         words = self.descriptor.snapshot()
         return {"replays": words[desc.LAUNCHES], "poisoned": words[desc.POISONED_LAUNCHES],
                 "out_of_range": words[desc.OUT_OF_RANGE], "abandoned": words[desc.ABANDONED]}

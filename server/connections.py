@@ -17,6 +17,7 @@ Every method runs on the loop's thread. Not the socket's options nor its message
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import os
@@ -40,6 +41,7 @@ EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
 PER_PLACE = 4
 MIN_PER_UID = 64
 _MONITORS = itertools.count()  # each monitor's inproc name, unique in the process
+NO_DESCRIPTOR = (errno.EMFILE, errno.ENFILE)  # a duplicate could not be made: tried again later
 
 
 def connections_per_uid(max_clients_per_uid: int, max_clients: int) -> int:
@@ -65,6 +67,11 @@ class ConnectionsPerUser:
         # uid -> pid -> its descriptors, oldest first
         self._by_process: dict[int, dict[int, OrderedDict[int, None]]] = {}
         self._cut = ThrottledBy(log)
+        # What could not be done for want of a descriptor (a flood of connections is when the
+        # daemon runs out of them), tried again at every call: connections not yet identified,
+        # users not yet cut down to the bound.
+        self._unidentified: OrderedDict[int, None] = OrderedDict()
+        self._over: set[int] = set()
 
     def events(self) -> None:
         """What the monitor reported since the last call, then each user's excess cut (the loop
@@ -72,7 +79,7 @@ class ConnectionsPerUser:
         were cut reconnect (a DEALER's default) hundreds of times a second: every connection
         costs one read of its credentials, and a user over its bound a look at each of its
         descriptors (fstat, poll) a call, not a cut."""
-        over = set()
+        over, self._over = self._over, set()
         while True:
             try:
                 event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
@@ -82,6 +89,8 @@ class ConnectionsPerUser:
             if event["event"] != zmq.EVENT_ACCEPTED:
                 self._forget(fd)
                 continue
+            self._unidentified[fd] = None  # identified below, after its ends of this drain
+        for fd in list(self._unidentified):
             uid = self._accepted(fd)
             if uid is not None and self.held_by(uid) > self._per_uid:
                 over.add(uid)
@@ -94,9 +103,14 @@ class ConnectionsPerUser:
     def _accepted(self, fd: int) -> int | None:
         """Count connection `fd` (in place of what its number held before: a descriptor's number
         is reused once its connection is gone); its user's uid, or None where it is gone already
-        (its end is on its way) or no socket of ours now."""
+        (its end is on its way), no socket of ours now, or not identified for want of a
+        descriptor (then tried again at the next call)."""
         self._forget(fd)
-        held = identify(fd)
+        try:
+            held = identify(fd)
+        except OSError:  # NO_DESCRIPTOR
+            self._unidentified[fd] = None
+            return None
         if held is None:
             return None
         self._held[fd] = held
@@ -105,20 +119,21 @@ class ConnectionsPerUser:
 
     def _cut_excess(self, uid: int) -> None:
         """Shut down the oldest connections of the process of `uid` that holds the most, one at
-        a time, until `uid` holds `per_uid`; its count confirmed first: a connection whose peer
-        hung up is counted until libzmq reads its end (which waits while its inbound queue is
-        full), one whose end raced the drain until the next, and a user whose count held such
-        ones would lose a live connection below the bound."""
+        a time, until `uid` holds `per_uid`; its count confirmed first: a connection whose
+        number holds another now is forgotten (its end raced the drain), and one whose peer
+        hung up, or half-closed its end, is shut down, since libzmq reads that end only after
+        every request queued before it and answers them all meanwhile (the peer need read
+        none). A connection is forgotten once it is shut down; where no descriptor is left to
+        do that, it stays counted and its user is cut again at the next call."""
         counted = [fd for process in self._by_process.get(uid, {}).values() for fd in process]
         for fd in ended(counted, self._held):
-            self._forget(fd)
+            if not self._shut(fd):
+                return
         cut: Counter[int] = Counter()
         while self.held_by(uid) > self._per_uid:
             pid, fds = max(self._by_process[uid].items(), key=lambda process: len(process[1]))
-            fd = next(iter(fds))
-            held = self._held[fd]
-            self._forget(fd)
-            shut_down(fd, held)
+            if not self._shut(next(iter(fds))):
+                break
             cut[pid] += 1
         if cut:
             self._cut[uid].warning("uid %d held more than %d connections to the request socket; "
@@ -126,7 +141,20 @@ class ConnectionsPerUser:
                                    uid, self._per_uid, ", ".join(f"{n} of pid {pid}"
                                                                  for pid, n in cut.items()))
 
+    def _shut(self, fd: int) -> bool:
+        """Shut counted connection `fd` down and forget it; False where no descriptor was left
+        to do that (its user to be cut again at the next call)."""
+        held = self._held[fd]
+        try:
+            shut_down(fd, held)
+        except OSError:  # NO_DESCRIPTOR
+            self._over.add(held.peer.uid)
+            return False
+        self._forget(fd)
+        return True
+
     def _forget(self, fd: int) -> None:
+        self._unidentified.pop(fd, None)
         held = self._held.pop(fd, None)
         if held is None:
             return
@@ -159,15 +187,18 @@ def monitor_socket(sock: zmq.Socket) -> zmq.Socket:
 
 def identify(fd: int) -> Held | None:
     """Who holds connection `fd` and its socket's inode, read from one duplicate of it; None
-    where `fd` is no Unix socket now."""
-    try:
-        with socket.socket(fileno=os.dup(fd)) as conn:
-            inode = inode_of(conn.fileno())
-            if conn.family != socket.AF_UNIX or inode is None:
-                return None
-            return Held(PeerCredentials.of(conn), inode)
-    except OSError:
+    where `fd` is no Unix socket now. OSError (NO_DESCRIPTOR) where no duplicate could be made."""
+    conn = duplicate(fd)
+    if conn is None:
         return None
+    with conn:
+        inode = inode_of(conn.fileno())
+        if conn.family != socket.AF_UNIX or inode is None:
+            return None
+        try:
+            return Held(PeerCredentials.of(conn), inode)
+        except OSError:
+            return None
 
 
 def ended(fds: list[int], held: dict[int, Held]) -> list[int]:
@@ -195,10 +226,31 @@ def shut_down(fd: int, held: Held) -> None:
     """End libzmq's connection `fd` as its peer's close would: libzmq reads its end, drops its
     queue and forgets it (its descriptor is libzmq's to close). Only if `fd` still holds that
     connection (the number may have been reused meanwhile): checked on the duplicate, which
-    holds what `fd` held when it was made."""
-    try:
-        with socket.socket(fileno=os.dup(fd)) as conn:
-            if inode_of(conn.fileno()) == held.inode:
+    holds what `fd` held when it was made. OSError (NO_DESCRIPTOR) where no duplicate could be
+    made: then nothing was done."""
+    conn = duplicate(fd)
+    if conn is None:
+        return  # gone already
+    with conn:
+        if inode_of(conn.fileno()) == held.inode:
+            try:
                 conn.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass  # gone already
+            except OSError:
+                pass  # its peer's end came first
+
+
+def duplicate(fd: int) -> socket.socket | None:
+    """A socket of its own over a duplicate of descriptor `fd` (closed with it), or None where
+    `fd` is closed or no socket now; OSError (NO_DESCRIPTOR) where no descriptor was left for
+    the duplicate."""
+    try:
+        copy = os.dup(fd)
+    except OSError as error:
+        if error.errno in NO_DESCRIPTOR:
+            raise
+        return None
+    try:
+        return socket.socket(fileno=copy)
+    except OSError:  # not a socket: the number holds a file, a pipe...
+        os.close(copy)
+        return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import socket
 
@@ -10,6 +11,7 @@ import pytest
 import zmq
 
 from engramd.client.shared.handles import PeerCredentials
+from engramd.server import connections as module
 from engramd.server.connections import ConnectionsPerUser, identify, inode_of, shut_down
 
 
@@ -147,8 +149,6 @@ def dealers(ctx: zmq.Context, address: str, router: zmq.Socket, count: int,
 def test_the_excess_is_cut_from_the_process_that_holds_the_most(counted, monkeypatch):
     """A user's process of many connections loses its oldest; its other process, of fewer, keeps
     its own, though one is the oldest of all."""
-    from engramd.server import connections as module
-
     pairs = [connection() for _ in range(4)]
     pids = {pairs[0][0].fileno(): 1, pairs[1][0].fileno(): 2, pairs[2][0].fileno(): 2,
             pairs[3][0].fileno(): 2}
@@ -161,3 +161,95 @@ def test_the_excess_is_cut_from_the_process_that_holds_the_most(counted, monkeyp
     monkeypatch.setattr(module, "identify", identify)
     accept(counted, *(ours for ours, _ in pairs))
     assert [is_shut_down(peer) for _, peer in pairs] == [False, True, True, False]
+
+
+def test_a_connection_whose_peer_half_closed_is_shut_down_not_only_uncounted(counted):
+    """A peer that shuts its sending side and reads nothing is still served: libzmq reads the
+    end only after every request queued before it, and queues every reply. Such a connection
+    of a user over the bound is shut down, so that libzmq drops it."""
+    live, peer_of_live = connection()
+    half, peer_of_half = connection()
+    accept(counted, live, half)
+    peer_of_half.shutdown(socket.SHUT_WR)
+    newest, peer_of_newest = connection()
+    accept(counted, newest)
+    assert is_shut_down(peer_of_half)
+    assert not is_shut_down(peer_of_live) and not is_shut_down(peer_of_newest)
+    assert counted.held_by(os.getuid()) == 2
+
+
+def no_descriptor(fd):
+    raise OSError(errno.EMFILE, "Too many open files")
+
+
+def test_a_connection_not_identified_for_want_of_a_descriptor_is_counted_at_the_next_call(
+        counted, monkeypatch):
+    """A flood of connections is when the daemon may run out of descriptors: an acceptance it
+    could not identify (no descriptor to duplicate) is not lost from the count, but identified
+    at the next call that finds one, and its user's excess cut then."""
+    pairs = [connection() for _ in range(3)]
+    accept(counted, *(ours for ours, _ in pairs[:2]))
+    monkeypatch.setattr(module.os, "dup", no_descriptor)
+    counted._unidentified[pairs[2][0].fileno()] = None  # as events() holds an acceptance read
+    counted.events()
+    assert counted.held_by(os.getuid()) == 2
+    assert not any(is_shut_down(peer) for _, peer in pairs)
+    monkeypatch.undo()
+    counted.events()
+    assert [is_shut_down(peer) for _, peer in pairs] == [True, False, False]
+    assert counted.held_by(os.getuid()) == 2
+
+
+def test_a_cut_without_a_descriptor_to_spare_keeps_the_connection_counted_and_is_done_later(
+        counted, monkeypatch):
+    """A cut that could not shut its connection down (no descriptor to duplicate) neither
+    forgets it nor says it was closed; the next call cuts it."""
+    pairs = [connection() for _ in range(3)]
+    for ours, _ in pairs:
+        counted._accepted(ours.fileno())
+    monkeypatch.setattr(module.os, "dup", no_descriptor)
+    counted._cut_excess(os.getuid())
+    assert counted.held_by(os.getuid()) == 3
+    assert not any(is_shut_down(peer) for _, peer in pairs)
+    monkeypatch.undo()
+    counted.events()
+    assert [is_shut_down(peer) for _, peer in pairs] == [True, False, False]
+    assert counted.held_by(os.getuid()) == 2
+
+
+@pytest.mark.parametrize("look", [identify, lambda fd: shut_down(fd, module.Held(None, 0))],
+                         ids=["identify", "shut_down"])
+def test_a_number_that_holds_no_socket_costs_no_descriptor(look):
+    """A connection's number may hold a pipe or a file by the time it is looked at: its
+    duplicate is closed all the same."""
+    read_end, write_end = os.pipe()
+    try:
+        before = len(os.listdir("/proc/self/fd"))
+        for _ in range(20):
+            look(read_end)
+        assert len(os.listdir("/proc/self/fd")) == before
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+
+
+def test_events_cut_a_users_connections_down_to_the_bound(tmp_path):
+    """Through the monitor, as the loop sees them: five connections of one user to a bound of
+    two leave two counted."""
+    ctx, peers_ctx = zmq.Context(), zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.bind(f"ipc://{tmp_path}/s")
+    counted = ConnectionsPerUser(sock, per_uid=2)
+    peers: list[zmq.Socket] = []
+    try:
+        dealers(peers_ctx, f"ipc://{tmp_path}/s", sock, 5, peers)
+        counted.events()
+        assert counted.held_by(os.getuid()) == 2
+    finally:
+        for peer in peers:
+            peer.close(0)
+        counted.events()
+        counted.close(sock)
+        sock.close(0)
+        peers_ctx.term()
+        ctx.term()
