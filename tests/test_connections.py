@@ -182,6 +182,15 @@ def no_descriptor(fd):
     raise OSError(errno.EMFILE, "Too many open files")
 
 
+def the_oldest_is_cut_once_a_descriptor_is_free(counted, monkeypatch, pairs) -> None:
+    """Descriptors to spare again (os.dup restored): the next call cuts the oldest of the three
+    connections of `pairs` and leaves the bound of two."""
+    monkeypatch.undo()
+    counted.events()
+    assert [is_shut_down(peer) for _, peer in pairs] == [True, False, False]
+    assert counted.held_by(os.getuid()) == 2
+
+
 def test_a_connection_not_identified_for_want_of_a_descriptor_is_counted_at_the_next_call(
         counted, monkeypatch):
     """A flood of connections is when the daemon may run out of descriptors: an acceptance it
@@ -194,10 +203,7 @@ def test_a_connection_not_identified_for_want_of_a_descriptor_is_counted_at_the_
     counted.events()
     assert counted.held_by(os.getuid()) == 2
     assert not any(is_shut_down(peer) for _, peer in pairs)
-    monkeypatch.undo()
-    counted.events()
-    assert [is_shut_down(peer) for _, peer in pairs] == [True, False, False]
-    assert counted.held_by(os.getuid()) == 2
+    the_oldest_is_cut_once_a_descriptor_is_free(counted, monkeypatch, pairs)
 
 
 def test_a_cut_without_a_descriptor_to_spare_keeps_the_connection_counted_and_is_done_later(
@@ -211,10 +217,7 @@ def test_a_cut_without_a_descriptor_to_spare_keeps_the_connection_counted_and_is
     counted._cut_excess(os.getuid())
     assert counted.held_by(os.getuid()) == 3
     assert not any(is_shut_down(peer) for _, peer in pairs)
-    monkeypatch.undo()
-    counted.events()
-    assert [is_shut_down(peer) for _, peer in pairs] == [True, False, False]
-    assert counted.held_by(os.getuid()) == 2
+    the_oldest_is_cut_once_a_descriptor_is_free(counted, monkeypatch, pairs)
 
 
 @pytest.mark.parametrize("look", [identify, lambda fd: shut_down(fd, module.Held(None, 0))],

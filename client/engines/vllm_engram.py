@@ -133,9 +133,10 @@ class ProcessRows:
                           [torch.cuda.Event() for _ in range(client.geometry.n_layers)])
         # Whether a forked gather launches per layer, each layer's reader waiting for its own
         # rows only, as vLLM's own prefetch does, or once for the step, which the first reader
-        # waits for whole. Per layer: vLLM's step at T = 16 and 256, lead 1, 0.96-1.02x and
-        # 0.82-0.85x its graph without MPS, where one launch had 1.02-1.06x and 0.91-0.94x
-        # (benchmarks/results/h100/2026-12-07-e/, -d/; bench_lookup.py --captured-launches)
+        # waits for whole. Per layer, on one H100 without MPS, vLLM's step at lead 1 took
+        # 1.007 / 0.977x its graph at T = 16 and 0.853 / 0.820x at T = 256 (pipelined /
+        # synced), where one launch took 1.035 / 1.050x and 0.935 / 0.934x
+        # (benchmarks/results/h100/2026-12-07-f/; bench_lookup.py --captured-launches)
         self.split_layers = True
         # Whether this step's gather goes to _side, with its IDs read in place or copied there
         # (its first hand says), until it is recorded
