@@ -18,7 +18,8 @@
 # Phases joined by `+` run side by side, each its output in <phase>.out: only those whose tests
 # count no free GPU memory and bound no time tighter than seconds (faults, faults-mps,
 # captured-repeat, vllm-tests, vllm-tests-mps, sglang-tests; not tests, whose enqueue bounds are
-# in milliseconds), each at most once, one per engine. A phase named *-mps runs under one MPS
+# in milliseconds), each at most once. An engine's phases side by side share one set-up (the
+# second waits for the first's: common/setup_engine.sh). A phase named *-mps runs under one MPS
 # server that its group shares; the others of the group stay outside it.
 #
 # Tests (tests/gpu; in results.tgz, the log named):
@@ -47,7 +48,8 @@
 # Engines (each its recipe's folder carried: .vllm-gpu or .sglang-gpu; README there):
 #   vllm-tests         benchmarks/vllm_gpu/setup_device.sh --test: vLLM's Engram
 #                      modules against the plugin's, rows bit for bit;
-#                      ENGINE_TESTS_K: a pytest -k expression (also sglang-tests) vllm_gpu.log
+#                      ENGINE_TESTS_K: a pytest -k expression, ENGINE_TESTS_N: the
+#                      tests in N processes at once (both also sglang-tests)     vllm_gpu.log
 #   vllm-tests-mps     the same under MPS (its served test's IPC through MPS)     mps/vllm_gpu.log
 #   vllm-bench         benchmarks/vllm_gpu/bench_lookup.py, the mapped plugin's gather at
 #                      the wait and in lookup(); VLLM_BENCH_MPS (both), _ROUNDS (3),
@@ -440,11 +442,6 @@ for group in "$@"; do  # a misspelt phase is found before the GPU's minutes are 
   if (( $(printf '%s\n' "${phases[@]}" | sort | uniq -d | wc -l) > 0 )); then
     echo "$group: a phase twice (its logs would mix)" >&2; exit 2
   fi
-  for engine in vllm sglang; do  # each set-up replaces its engine's site: one in a group
-    if (( $(grep -o "\b$engine-" <<<"$group" | wc -l) > 1 )); then
-      echo "$group: one $engine phase to a group (each set-up reinstalls $engine's site)" >&2; exit 2
-    fi
-  done
 done
 
 ( exec >/dev/null 2>&1; while sleep 30; do pack periodic; done ) &  # holds no output open

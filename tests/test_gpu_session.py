@@ -36,7 +36,6 @@ def test_every_phase_is_documented_and_every_documented_phase_exists():
     (["faults+captured-reapeat"], "unknown phase: captured-reapeat"),
     (["faults+lookup"], "lookup times or counts the GPU's memory"),
     (["tests-kill-repeat+faults-mps"], "tests-kill-repeat times or counts the GPU's memory"),
-    (["faults+vllm-tests+vllm-tests-mps"], "one vllm phase to a group"),
     (["faults+faults-mps+faults"], "a phase twice"),
     (["tests+faults"], "tests times or counts the GPU's memory"),
 ])

@@ -14,7 +14,14 @@
 #               ENGINE_TESTS_K: a pytest -k expression for some of its tests
 #
 # Settings: <ENGINE>_GPU_CARRY (default .<engine>-gpu), <ENGINE>_GPU_SITE (default
-# /tmp/<engine>-gpu-site).
+# /tmp/<engine>-gpu-site), ENGINE_TESTS_N (with --test: the tests in N processes at once, where
+# pytest-xdist is installed; each test has its own daemon, socket and port).
+#
+# A site already installed from the same carry (its SHA256SUMS) by the same interpreter, and
+# checked with the same plugin and recipe files, is kept, its import check not run again: a later
+# command on a warm machine, or a second set-up of the same engine beside the first
+# (gpu_session.sh's vllm-tests+vllm-tests-mps), skips the ~40 s.
+# Set-ups of one engine take a lock on its site, so such a second one waits for the first.
 set -euo pipefail
 : "${ENGINE:?}" "${LABEL:?}"
 cd "$(dirname "$0")/../.."
@@ -29,20 +36,40 @@ export PYTHONUNBUFFERED=1 CUDA_MODULE_LOADING="${CUDA_MODULE_LOADING:-EAGER}"  #
 "$python" -c 'import sys; assert sys.version_info[:2] == (3, 12), f"Python {sys.version}: the carried wheels are cp312"'
 (cd "$carry" && sha256sum --quiet -c SHA256SUMS)
 
-start=$(date +%s)
-rm -rf "$site"
-"$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$carry"/wheels/*.whl
-tar xzf "$carry"/"$ENGINE"-*-py.tar.gz -C "$site"
-PYTHON="$python" bash benchmarks/common/install_editable.sh "/tmp/${ENGINE}-gpu-engramd-install.log"
+# What the site was installed from and checked with: the carry's contents, the interpreter, and
+# the plugin and stand-ins that check_imports.py checks (edited between commands, checked again).
+stamp="$(cat "$carry/SHA256SUMS" client/engines/shared.py client/engines/"$ENGINE"*.py \
+    "benchmarks/${ENGINE}_gpu/"*.py | sha256sum | cut -d' ' -f1) $("$python" -c 'import sys; print(sys.executable)')"
+exec {lock}>"$site.lock"
+flock "$lock"
 export PYTHONPATH="$site"
-echo "installed $LABEL into $site in $(( $(date +%s) - start )) s"
-"$python" "benchmarks/${ENGINE}_gpu/check_imports.py"
+if [ "$(cat "$site/.installed-from" 2>/dev/null)" = "$stamp" ]; then
+    echo "$LABEL already installed into $site from this carry: kept"
+else
+    start=$(date +%s)
+    rm -rf "$site"
+    "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$carry"/wheels/*.whl
+    tar xzf "$carry"/"$ENGINE"-*-py.tar.gz -C "$site"
+    PYTHON="$python" bash benchmarks/common/install_editable.sh "/tmp/${ENGINE}-gpu-engramd-install.log"
+    echo "installed $LABEL into $site in $(( $(date +%s) - start )) s"
+    "$python" "benchmarks/${ENGINE}_gpu/check_imports.py"
+    echo "$stamp" >"$site/.installed-from"  # last: a set-up stopped half-way is redone
+fi
+flock -u "$lock"
 
 if [ "${1:-}" = "--test" ]; then
     out="${2:?--test needs an output folder}"
     mkdir -p "$out"
     set +e
-    "$python" -m pytest -v -s -rA --durations=5 ${ENGINE_TESTS_K:+-k "$ENGINE_TESTS_K"} \
+    processes=()
+    if [ "${ENGINE_TESTS_N:-1}" -gt 1 ]; then
+        if "$python" -c "import xdist" 2>/dev/null; then
+            processes=(-n "$ENGINE_TESTS_N")
+        else
+            echo "ENGINE_TESTS_N=$ENGINE_TESTS_N: no pytest-xdist here, the tests run one by one"
+        fi
+    fi
+    "$python" -m pytest -v -s -rA --durations=5 "${processes[@]}" ${ENGINE_TESTS_K:+-k "$ENGINE_TESTS_K"} \
         "tests/gpu/test_${ENGINE}_gpu.py" 2>&1 | tee "$out/${ENGINE}_gpu.log"
     exit "${PIPESTATUS[0]}"
 fi
