@@ -169,10 +169,9 @@ PARTNER_NOTE = ("A column names its partner where it is not vLLM's eager step (`
                 "plugin_captured's is vLLM's graph, recorded again beside it.")
 
 
-def paired_table(cells: list[dict], metric: str) -> list[str]:
-    """--paired: each round's ratio of a variant's cell to vLLM's cell timed next to it (the
-    `beside` cells), their median (range) and the rounds over 1.00; then, per MPS mode and
-    variant, the decode cells (T <= 256) whose median is over 1.00."""
+def paired_ratios(cells: list[dict], metric: str) -> tuple[dict[tuple, list[float]], dict[str, set[str]]]:
+    """--paired: per (mps, variant, tokens, lead, mode), each round's ratio of the variant's cell
+    to vLLM's cell timed next to it (the `beside` cells); and each variant's partners' names."""
     partner: dict[tuple, dict] = {}
     for c in cells:
         if "beside" in c:
@@ -181,13 +180,37 @@ def paired_table(cells: list[dict], metric: str) -> list[str]:
                 raise ValueError(f"two vLLM cells beside one cell: {key}")
             partner[key] = c
     ratios: dict[tuple, list[float]] = {}
-    partner_of: dict[str, set[str]] = {}  # each variant's partners' names
+    partner_of: dict[str, set[str]] = {}
     for cell in cells:
         key = (cell["mps"], cell["variant"], cell["tokens"], cell["lead"], cell["mode"])
         theirs = partner.get((*key, cell["round"])) if _own(cell) else None
         if theirs is not None:
             ratios.setdefault(key, []).append(cell[metric] / theirs[metric])
             partner_of.setdefault(cell["variant"], set()).add(theirs["variant"])
+    return ratios, partner_of
+
+
+def reference_ratios(cells: list[dict], metric: str) -> dict[tuple, float]:
+    """Per (mps, variant, tokens, lead, mode) of a plugin variant's own grid, the ratio of its
+    median to its reference's over the same cell: vLLM's eager step (`vllm`, phase 1), or for
+    plugin_captured vLLM's graph (`vllm_graph`). What a run without --paired can say."""
+    by = summarize([c for c in cells if _in_own_grid(c)], ("mps", "variant", "tokens", "lead", "mode"))
+    out: dict[tuple, float] = {}
+    for (mps, variant, tokens, lead, mode), stats in by.items():
+        if not variant.startswith("plugin_") or metric not in stats:
+            continue
+        reference = "vllm_graph" if variant in GRAPH_VARIANTS else "vllm"
+        base = by.get((mps, reference, tokens, lead, mode), {}).get(metric)
+        if base is not None and base[0]:
+            out[(mps, variant, tokens, lead, mode)] = stats[metric][0] / base[0]
+    return out
+
+
+def paired_table(cells: list[dict], metric: str) -> list[str]:
+    """--paired: each round's ratio of a variant's cell to vLLM's cell timed next to it (the
+    `beside` cells), their median (range) and the rounds over 1.00; then, per MPS mode and
+    variant, the decode cells (T <= 256) whose median is over 1.00."""
+    ratios, partner_of = paired_ratios(cells, metric)
     if not ratios:
         return []
     variants = [v for v in STEP_VARIANTS if any(key[1] == v for key in ratios)]
