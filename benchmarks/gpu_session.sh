@@ -8,7 +8,7 @@
 #
 # Logs and results are packed into OUT/results.tgz (one file, rewritten every 30 s and after every
 # phase, so a command stopped at its time limit still brings back what its phases wrote); each
-# phase's exit code is printed at the end. CUDA_MODULE_LOADING is EAGER, as the daemon runs,
+# phase's exit code is printed at the end, and the script exits 1 if any phase failed. CUDA_MODULE_LOADING is EAGER, as the daemon runs,
 # unless set. After every group, kernel_gpu.log holds the kernel's NVRM and Xid lines (where dmesg
 # can be read): a GPU fault's Xid names the process, channel and address that faulted.
 #
@@ -485,7 +485,12 @@ for group in "$@"; do
   kernel_gpu_log
   pack phase  # after every group: a later one may run out of time
 done
+failed=0
 for group in "$@"; do
   IFS=+ read -ra phases <<<"$group"
-  for phase in "${phases[@]}"; do echo "phase $phase: exit ${status[$phase]}"; done
+  for phase in "${phases[@]}"; do
+    echo "phase $phase: exit ${status[$phase]}"
+    (( status[$phase] == 0 )) || failed=1
+  done
 done
+exit "$failed"  # 1 if any phase failed: a caller (vllm_gpu/whole_run.sh) records it

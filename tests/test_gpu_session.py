@@ -72,6 +72,24 @@ def test_a_relative_out_is_the_callers_when_the_results_are_packed(tmp_path):
     assert (caller / "rel" / "out" / "results.tgz").is_file(), (done, list(tmp_path.rglob("*")))
 
 
+def test_a_failed_phase_fails_the_command(tmp_path):
+    """Each phase's exit code is printed at the end, and the command's is 1 if any phase failed:
+    lookup-host-base fails at once here (no .ab_base tree); the end of the script, cut from it,
+    exits 0 only where every phase did."""
+    done = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "out"), "lookup-host-base"],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert done.returncode == 1 and "phase lookup-host-base: exit 1" in done.stdout, done
+    assert (tmp_path / "out" / "results.tgz").is_file()
+
+    ending = subprocess.run(["sed", "-n", r"/^failed=0$/,/^exit \"\$failed\"/p", str(SCRIPT)],
+                            capture_output=True, text=True, check=True).stdout
+    assert ending.startswith("failed=0") and "exit" in ending, ending
+    for statuses, expected in (("[a]=0 [b]=0", 0), ("[a]=0 [b]=3", 1)):
+        script = f"declare -A status=({statuses})\nset -- a+b\n{ending}"
+        assert subprocess.run(["bash", "-c", script], capture_output=True, timeout=30).returncode == expected
+
+
 def test_the_memcheck_phases_daemons_start_in_the_environment_from_before_the_sanitizer(
         tmp_path, monkeypatch):
     """The phase writes its shell's environment with `env -0` and names the file in

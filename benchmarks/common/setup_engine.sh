@@ -18,10 +18,11 @@
 # pytest-xdist is installed; each test has its own daemon, socket and port).
 #
 # A site already installed from the same carry (its SHA256SUMS) by the same interpreter, and
-# checked with the same plugin and recipe files, is kept, its import check not run again: a later
-# command on a warm machine, or a second set-up of the same engine beside the first
-# (gpu_session.sh's vllm-tests+vllm-tests-mps), skips the ~40 s.
-# Set-ups of one engine take a lock on its site, so such a second one waits for the first.
+# checked with the same plugin, stand-ins and entry points, is kept, its import check not run
+# again: a later command on a warm machine, or a second set-up of the same engine beside the
+# first (gpu_session.sh's vllm-tests+vllm-tests-mps), skips the ~40 s. Set-ups of one engine
+# take a lock on its site (for the install only, not the tests), so such a second one waits for
+# the first's install, at most 10 minutes.
 set -euo pipefail
 : "${ENGINE:?}" "${LABEL:?}"
 cd "$(dirname "$0")/../.."
@@ -37,12 +38,16 @@ export PYTHONUNBUFFERED=1 CUDA_MODULE_LOADING="${CUDA_MODULE_LOADING:-EAGER}"  #
 (cd "$carry" && sha256sum --quiet -c SHA256SUMS)
 
 # What the site was installed from and checked with: the carry's contents, the interpreter, and
-# the plugin and stand-ins that check_imports.py checks (edited between commands, checked again).
-stamp="$(cat "$carry/SHA256SUMS" client/engines/shared.py client/engines/"$ENGINE"*.py \
-    "benchmarks/${ENGINE}_gpu/"*.py | sha256sum | cut -d' ' -f1) $("$python" -c 'import sys; print(sys.executable)')"
+# what check_imports.py checks with (the plugin, the stand-ins, the entry points), so that an edit
+# of those between commands is checked again. Each part its own assignment: a failure in a
+# command substitution then stops the set-up.
+inputs=$(cat "$carry/SHA256SUMS" pyproject.toml client/engines/*.py benchmarks/common/plugin_check.py \
+    "benchmarks/${ENGINE}_gpu/check_imports.py" "benchmarks/${ENGINE}_gpu/stubs.py" | sha256sum)
+interpreter=$("$python" -c 'import sys; print(sys.executable)')
+stamp="${inputs%% *} $interpreter"
 exec {lock}>"$site.lock"
-flock "$lock"
-export PYTHONPATH="$site"
+flock -w 600 "$lock" || { echo "another set-up of $LABEL held $site.lock for 600 s" >&2; exit 1; }
+PYTHON="$python" bash benchmarks/common/install_editable.sh "/tmp/${ENGINE}-gpu-engramd-install.log"
 if [ "$(cat "$site/.installed-from" 2>/dev/null)" = "$stamp" ]; then
     echo "$LABEL already installed into $site from this carry: kept"
 else
@@ -50,18 +55,19 @@ else
     rm -rf "$site"
     "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$carry"/wheels/*.whl
     tar xzf "$carry"/"$ENGINE"-*-py.tar.gz -C "$site"
-    PYTHON="$python" bash benchmarks/common/install_editable.sh "/tmp/${ENGINE}-gpu-engramd-install.log"
     echo "installed $LABEL into $site in $(( $(date +%s) - start )) s"
-    "$python" "benchmarks/${ENGINE}_gpu/check_imports.py"
+    PYTHONPATH="$site" "$python" "benchmarks/${ENGINE}_gpu/check_imports.py"
     echo "$stamp" >"$site/.installed-from"  # last: a set-up stopped half-way is redone
 fi
 flock -u "$lock"
+export PYTHONPATH="$site"
 
 if [ "${1:-}" = "--test" ]; then
     out="${2:?--test needs an output folder}"
     mkdir -p "$out"
     set +e
     processes=()
+    [[ ${ENGINE_TESTS_N:-1} =~ ^[1-9][0-9]*$ ]] || { echo "ENGINE_TESTS_N=$ENGINE_TESTS_N: not a count of processes" >&2; exit 2; }
     if [ "${ENGINE_TESTS_N:-1}" -gt 1 ]; then
         if "$python" -c "import xdist" 2>/dev/null; then
             processes=(-n "$ENGINE_TESTS_N")

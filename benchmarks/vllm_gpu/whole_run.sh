@@ -15,7 +15,6 @@
 # The expected seconds are estimates from the runs they name; a fresh machine adds about 40 s of
 # set-up to its first step, which a warm one keeps for the steps after it.
 set -euo pipefail
-cd "$(dirname "$0")/../.."
 
 # step | carry | expected s | what it runs
 STEPS=(
@@ -39,15 +38,20 @@ if [ "${1:-}" = --list ]; then
   exit 0
 fi
 
-names=$(for step in "${STEPS[@]}"; do printf '%s ' "$(field "$step" 1)"; done)
-if [ $# -ne 2 ] || [[ " $names" != *" $2 "* ]]; then
-  echo "usage: whole_run.sh OUT STEP (STEP: ${names% }), or whole_run.sh --list" >&2; exit 2
+names=() known=no
+for step in "${STEPS[@]}"; do names+=("$(field "$step" 1)"); done
+for step in "${names[@]}"; do [ $# -eq 2 ] && [ "$2" = "$step" ] && known=yes; done
+if [ $known = no ]; then
+  echo "usage: whole_run.sh OUT STEP (STEP: ${names[*]}), or whole_run.sh --list" >&2; exit 2
 fi
-out=$1 name=$2
+out=$(realpath -m -- "$1") name=$2  # the caller's OUT, before the move to the tree's root
+cd "$(dirname "$0")/../.."
+# Only this recipe's settings: a caller's own (a test subset, other IDs) would change the step.
+unset ENGINE_TESTS_K ENGINE_TESTS_N "${!VLLM_BENCH_@}"
 
-# The command's own limit is 600 s: BUDGET_S ends its repeating phases and the timeout stops
-# whatever runs on, so that results.tgz (packed every 30 s) still comes back.
-session() { BUDGET_S=540 timeout -k 5 590 bash benchmarks/gpu_session.sh "$out/$name" "$@"; }
+# The command's own limit is 600 s: the timeout stops whatever runs on, so that results.tgz
+# (packed every 30 s) still comes back.
+session() { timeout -k 5 590 bash benchmarks/gpu_session.sh "$out/$name" "$@"; }
 bench() { VLLM_BENCH_GATHER_AT=wait session vllm-bench; }  # the plugin's default gather only
 
 started=$SECONDS
@@ -61,6 +65,7 @@ case $name in
 esac
 rc=$?
 # Beside results.tgz: what whole_run_targets.py adds up against the run's time target.
+mkdir -p "$out/$name"
 printf '{"step": "%s", "seconds": %d, "exit": %d}\n' "$name" $(( SECONDS - started )) "$rc" \
   >"$out/$name/whole_run.json"
 exit "$rc"
