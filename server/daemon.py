@@ -18,6 +18,7 @@ close the tables (their files stay for a fast re-attach), remove the socket.
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import gc
 import logging
@@ -58,7 +59,7 @@ from engramd.server.metrics import Metrics
 from engramd.server.notify import Notifier
 from engramd.server.reload import TableReload
 from engramd.server.request_socket import RequestSocket
-from engramd.server.selfcheck import run_self_check
+from engramd.server.selfcheck import SelfCheckError, run_self_check
 from engramd.server.service import Service
 from engramd.server.startup import (
     EXIT_CONFIG,
@@ -486,13 +487,46 @@ def load_and_check(config: DaemonConfig, preload: TablePreload | None,
         return
     try:
         if config.self_check:
-            run_self_check(loaded.checkpoint, loaded)
+            loaded = self_checked(config, loaded, on_progress)
     except BaseException as exc:
-        loaded.backend.close()
-        loaded.close()
         post("load_failed", exc)
         return
     post("loaded", loaded)
+
+
+def self_checked(config: DaemonConfig, loaded: LoadedTables,
+                 on_progress: Callable[[float], None]) -> LoadedTables:
+    """`loaded` after the self-check, or the tables opened again where re-attached ones failed
+    it: their files may hold another revision (one the fingerprint's sampled bytes could not
+    tell apart) or have been damaged, and kept, they would fail every later start too. Opened
+    again as with `verify_tables`: every row of a re-attached file compared with the checkpoint,
+    a file that differs loaded anew (as long as a load); then checked again. What is not
+    returned is closed."""
+    try:
+        run_self_check(loaded.checkpoint, loaded)
+        return loaded
+    except SelfCheckError as exc:
+        again = any(table.reattached for table in loaded.tables) and not config.verify_tables
+        close_loaded(loaded)
+        if not again:
+            raise
+        log.warning("self-check failed on re-attached tables (%s): comparing every row with the "
+                    "checkpoint and loading what differs", exc)
+    except BaseException:
+        close_loaded(loaded)
+        raise
+    loaded = load_tables(dataclasses.replace(config, verify_tables=True), on_progress)
+    try:
+        run_self_check(loaded.checkpoint, loaded)
+    except BaseException:
+        close_loaded(loaded)
+        raise
+    return loaded
+
+
+def close_loaded(loaded: LoadedTables) -> None:
+    loaded.backend.close()
+    loaded.close()
 
 
 def arm_stall_dump(config: DaemonConfig) -> None:

@@ -38,6 +38,9 @@ class ReloadControl:
     def __init__(self, service: Service):
         self.service = service
         self.last: TableReload | None = None  # the last reload, if any
+        # Who asked while one ran (it may have read the checkpoint before they changed it): a
+        # reload of their own follows the running one. One such, for any number of askers.
+        self.follow: tuple[str, Callable[[TableReload], None]] | None = None
 
     def ask(self, peer: PeerCredentials, done: Callable[[TableReload], None]) -> ReloadReply:
         """Admin: load the configured checkpoint's tables beside the served ones, then serve
@@ -47,22 +50,37 @@ class ReloadControl:
         return ReloadReply(state=self.last.state, tables=self.service.tables_id)
 
     def start(self, requested_by: str, done: Callable[[TableReload], None]) -> None:
-        """A reload on its thread, unless one runs (then that one answers for both); `done(reload)`
-        is called from that thread once its tables are open and checked, or it failed."""
+        """A reload on its thread; `done(reload)` is called from that thread once its tables are
+        open and checked, or it failed. Asked while one runs, another follows it (`follow`):
+        the checkpoint may have changed since the running one read it."""
         service = self.service
         if service.state != "ready":
             raise NotReadyError(f"reload: the daemon is {service.state}")
         if self.last is not None and self.last.running:
-            log.info("reload asked by %s: one is running already", requested_by)
+            log.info("reload asked by %s: one is running; another follows it", requested_by)
+            self.follow = (requested_by, done)
             return
         log.info("reload asked by %s: loading %s beside the served tables %s", requested_by,
                  service.config.tables, service.tables_id)
         self.last = TableReload(service.config, service.tables, requested_by, done)
 
     def finish(self, reload: TableReload, retired: Callable[[list[HostTable]], None]) -> bool:
-        """The reload's tables are open and checked (or it failed): switch to them. True when
-        the tables changed (the daemon tells the clients). `retired(old)` is called, from any
-        thread, once no gather reads the replaced tables (then release them: tables_retired)."""
+        """The reload's tables are open and checked (or it failed): switch to them, then start
+        the reload asked for meanwhile, if any. True when the tables changed (the daemon tells
+        the clients). `retired(old)` is called, from any thread, once no gather reads the
+        replaced tables (then release them: tables_retired)."""
+        try:
+            return self._switch(reload, retired)
+        finally:
+            if self.follow is not None and reload is self.last:
+                asked_by, done = self.follow
+                self.follow = None
+                try:
+                    self.start(f"{asked_by}, during the last", done)
+                except NotReadyError as exc:  # stopping: nothing follows
+                    log.info("the reload asked by %s does not follow: %s", asked_by, exc.message)
+
+    def _switch(self, reload: TableReload, retired: Callable[[list[HostTable]], None]) -> bool:
         service = self.service
         if reload is not self.last:  # cannot happen: one reload at a time
             stray = reload.take()

@@ -12,6 +12,7 @@ tables is "unchanged".
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import threading
 import time
@@ -20,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import point, reload, rows_match, wait_until
-from reference import random_ids
+from helpers import point, reload, remove_tempdir, rows_match, shm_tempdir, wait_until
+from reference import ReferenceTables, random_ids
 from test_daemon_lookups import assert_rows_equal
 
 from engramd.client import EngramClient
@@ -29,6 +30,7 @@ from engramd.client.errors import TablesChangedError
 from engramd.client.geometry import DEMO_CONFIG, TableGeometry
 from engramd.client.shared import mapped as mapped_module
 from engramd.client.shared.connection import probe
+from engramd.server.checkpoint import EngramCheckpoint, sampled_spans
 from engramd.server.synthetic import write_synthetic_checkpoint
 
 RELOAD_S = 60.0  # the demo tables reload in about a second
@@ -308,3 +310,74 @@ def test_a_restart_while_a_reload_is_being_mapped_means_registering_from_scratch
         client.close()
     assert not mapped_names(os.getpid()) & all_files, "a table file is still mapped"
     assert second.stop() == 0, second.log()
+
+
+def same_mtimes(revision: Path, like: Path) -> None:
+    """Give each file of `revision` the mtime of its namesake in `like` (`touch -r`, `cp -p`, an
+    image built with fixed timestamps): the files' sizes and times then say nothing new."""
+    for path in revision.iterdir():
+        stat = (like / path.name).stat()
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+def test_a_revision_whose_files_carry_the_served_ones_mtimes_is_reloaded(
+        daemon_factory, demo_checkpoint, reference, second_checkpoint, second_reference, tmp_path):
+    """Same geometry, names and sizes, the mtimes set to the served files': the rows differ, and
+    the reload serves them (it once said `unchanged` and kept the old tables)."""
+    revision = Path(shutil.copytree(second_checkpoint, tmp_path / "revision"))
+    same_mtimes(revision, demo_checkpoint)
+    current = tmp_path / "current"
+    point(current, demo_checkpoint)
+    daemon = daemon_factory(tables=current)
+    ids = random_ids(np.random.default_rng(8), 32, reference.rows, reference.heads)
+    with EngramClient(daemon.socket, mode="served", max_tokens=32) as client:
+        assert_rows_equal(rows_of(client, ids), reference.expected(ids), "before")
+        point(current, revision)
+        status = reload(daemon)
+        assert (status["exit"], status["state"]) == (0, "done"), status
+        assert_rows_equal(rows_of(client, ids), second_reference.expected(ids), "after")
+    assert daemon.stop() == 0
+
+
+def test_re_attached_tables_that_fail_the_self_check_are_loaded_again(
+        daemon_factory, demo_checkpoint, second_checkpoint, tmp_path):
+    """A revision that differs from the served one everywhere but in the bytes the fingerprint
+    samples, its files given the served files' mtimes: a restart finds its id on the tables in
+    shared memory and re-attaches them, and the self-check finds other rows there. The daemon
+    compares every row with the checkpoint, loads the tables again and serves the revision's
+    rows (it once exited 66 at this and every later start, the files staying)."""
+    first = Path(shutil.copytree(demo_checkpoint, tmp_path / "first"))
+    revision = Path(shutil.copytree(first, tmp_path / "revision"))
+    other = EngramCheckpoint.open(second_checkpoint)
+    checkpoint = EngramCheckpoint.open(revision)
+    for layer in range(checkpoint.geometry.n_layers):
+        for ref, theirs in ((checkpoint.weight(layer), other.weight(layer)),
+                            (checkpoint.scale(layer), other.scale(layer))):
+            assert (ref.offset, ref.nbytes) == (theirs.offset, theirs.nbytes)
+            with open(ref.path, "r+b") as mine, open(theirs.path, "rb") as source:
+                kept = [(offset, mine.seek(offset) and mine.read(length))
+                        for offset, length in sampled_spans(ref)]
+                source.seek(theirs.offset)
+                mine.seek(ref.offset)
+                mine.write(source.read(theirs.nbytes))
+                for offset, data in kept:
+                    mine.seek(offset)
+                    mine.write(data)
+    same_mtimes(revision, first)
+    assert EngramCheckpoint.open(revision).fingerprint() == EngramCheckpoint.open(first).fingerprint()
+    expected = ReferenceTables(revision)
+    assert not np.array_equal(expected.values[0], ReferenceTables(first).values[0])
+
+    current, shm = tmp_path / "current", shm_tempdir()
+    try:
+        point(current, first)
+        assert daemon_factory(tables=current, shm_dir=shm).stop() == 0  # its tables stay in shm
+        point(current, revision)
+        daemon = daemon_factory(tables=current, shm_dir=shm)
+        assert "self-check failed on re-attached tables" in daemon.log()
+        ids = random_ids(np.random.default_rng(9), 64, expected.rows, expected.heads)
+        with EngramClient(daemon.socket, mode="served", max_tokens=64) as client:
+            assert_rows_equal(rows_of(client, ids), expected.expected(ids), "after the restart")
+        assert daemon.stop() == 0
+    finally:
+        remove_tempdir(shm)
