@@ -1,4 +1,5 @@
-"""A lookup's arguments, checked before anything is sent: the hash IDs, the SM share, the slot.
+"""A lookup's arguments, checked before anything is sent: the hash IDs, the SM share, the slot;
+and the client's time settings.
 
 Each raises the client error that names the bad value (BadIdsError, BadRequestError). Not here:
 the daemon's checks of a lookup request (server/lookup_checks.py).
@@ -6,6 +7,7 @@ the daemon's checks of a lookup request (server/lookup_checks.py).
 
 from __future__ import annotations
 
+import math
 import numbers
 import operator
 from typing import Any
@@ -28,7 +30,20 @@ def check_ids(ids: torch.Tensor, geometry: TableGeometry, max_tokens: int) -> to
                           f"got {list(ids.shape)}")
     if not 1 <= ids.shape[0] <= max_tokens:
         raise BadIdsError(f"{ids.shape[0]} tokens; this client registered 1..{max_tokens}")
+    if ids.device.type not in ("cpu", "cuda"):  # a meta tensor has no values to look up
+        raise BadIdsError(f"hash IDs on {ids.device}: they must be on the CPU or a CUDA device")
     return ids.detach()
+
+
+def check_seconds(name: str, value: Any, zero: bool = False) -> float:
+    """A client's time setting: a finite number of seconds above 0 (`zero`: 0 too)."""
+    try:
+        seconds = float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else math.nan
+    except OverflowError:  # an int too large for a float
+        seconds = math.inf
+    if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not zero):
+        raise BadRequestError(f"{name} {value!r}: seconds, finite and {'>= 0' if zero else '> 0'}")
+    return seconds
 
 
 def check_sm_fraction(fraction: Any) -> float | None:

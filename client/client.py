@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from engramd.client.captured import CapturedLookup, Captures
-from engramd.client.checks import check_ids, check_slot, check_sm_fraction
+from engramd.client.checks import check_ids, check_seconds, check_slot, check_sm_fraction
 from engramd.client.errors import (
     BadRequestError,
     CaptureUnsupportedError,
@@ -165,8 +165,8 @@ class EngramClient:
         self._heard_tables: tuple[str, int] | None = None  # (tables, seq) a heartbeat reply named
         # Held by lookup() and close(); the watch thread follows a reload only while it is free.
         self._tables_lock = threading.RLock()
-        self.timeout = timeout
-        self.reconnect_timeout = reconnect_timeout
+        self.timeout = check_seconds("timeout", timeout)
+        self.reconnect_timeout = check_seconds("reconnect_timeout", reconnect_timeout, zero=True)
         self._asked = (tp_rank, tp_size, max_tokens, slots, name)  # what registering asks for
         self._conn: Connection | None = None
         self._slab: MemfdSlabView | CudaSlabView | LocalSlots | None = None
@@ -398,11 +398,16 @@ class EngramClient:
 
     def stats(self) -> dict[str, Any]:
         with self._tables_lock:  # the connection is shared with the captured lookups' upkeep
-            return self._conn.call("stats", self.timeout).body.encode()
+            return self._open_connection().call("stats", self.timeout).body.encode()
 
     def health(self) -> dict[str, Any]:
         with self._tables_lock:
-            return self._conn.call("health", self.timeout).body.encode()
+            return self._open_connection().call("health", self.timeout).body.encode()
+
+    def _open_connection(self) -> Connection:
+        if self._conn is None:
+            raise DaemonUnavailableError("client is closed")
+        return self._conn
 
     def close(self) -> None:
         """Release the registration and the slab mapping. Safe to call twice."""

@@ -16,6 +16,7 @@ from helpers import attach_raw
 from reference import random_ids
 
 from engramd.client import EngramClient
+from engramd.client.errors import BadIdsError, BadRequestError, DaemonUnavailableError
 from engramd.client.shared.protocol import PROTOCOL_VERSION
 
 LOOKUP = dict(slot=0, seq=1, tokens=2, ids_dtype="int32", ids_shape=[2, 2, 24], inline=True)
@@ -112,6 +113,27 @@ def test_bad_registrations(served):
         reply = register(raw, **over)
         assert reply["status"] == "error" and reply["code"] == "bad_request", (over, reply)
         assert text in reply["message"], (over, reply["message"])
+
+
+@pytest.mark.parametrize("setting, value", [
+    ("timeout", 0), ("timeout", -1.0), ("timeout", float("nan")), ("timeout", "5"),
+    ("reconnect_timeout", -1), ("reconnect_timeout", float("inf")),
+    pytest.param("timeout", 10**400, id="timeout-too-large-for-a-float")])
+def test_a_bad_time_setting_is_named_before_anything_is_asked(served, setting, value):
+    daemon, _ = served
+    with pytest.raises(BadRequestError, match=rf"\] {setting} .*: seconds"):
+        EngramClient(daemon.socket, **{setting: value})
+
+
+def test_a_closed_client_and_ids_without_values_get_typed_errors(served):
+    daemon, _ = served
+    client = EngramClient(daemon.socket, max_tokens=4, reconnect_timeout=0)
+    with pytest.raises(BadIdsError, match="meta"):
+        client.lookup(torch.zeros((1, 2, 24), dtype=torch.int64, device="meta"))
+    client.close()
+    for call in (client.stats, client.health):
+        with pytest.raises(DaemonUnavailableError, match="client is closed"):
+            call()
 
 
 def test_another_connection_cannot_use_my_client_id(served):
