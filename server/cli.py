@@ -377,6 +377,17 @@ def seconds(text: str) -> float:
     return value
 
 
+def seed(text: str) -> int:
+    """A --seed: an integer >= 0 (numpy's seeds are; argparse's usage error otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
 def answer_seconds(text: str) -> float:
     """A --timeout: seconds > 0. No answer comes in 0 s, and the check would then blame the
     daemon ("is it running?") for a wait it was never given."""
@@ -425,7 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--geometry", default="demo",
                       help="demo, v4.1-flash, or a config.json path (default: demo)")
     make.add_argument("--out", required=True, help="output folder")
-    make.add_argument("--seed", type=int, default=0, help="seed of the table values (default: 0)")
+    make.add_argument("--seed", type=seed, default=0, help="seed of the table values (default: 0)")
     make.set_defaults(func=cmd_make_tables)
     return parser
 

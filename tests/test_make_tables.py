@@ -22,6 +22,13 @@ def test_a_folder_that_is_not_empty_is_refused(tmp_path):
     assert "Traceback" not in result.stderr and sorted(p.name for p in tmp_path.iterdir()) == ["keep.txt"]
 
 
+@pytest.mark.parametrize("bad", ["-1", "1.5"])
+def test_a_bad_seed_is_a_usage_error_before_anything_is_written(tmp_path, bad):
+    result = make_tables("--out", str(tmp_path / "tables"), "--seed", bad)
+    assert result.returncode == 2 and "--seed: expected an integer" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "tables").exists()
+
+
 def test_an_unwritable_target_gets_a_message(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
