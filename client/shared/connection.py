@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import socket
 import stat
 import tempfile
 import threading
@@ -257,6 +258,27 @@ def check_daemon_socket(socket_path: Path) -> None:
                                      "the socket in it (engramd.sock by default)")
     if not socket_path.exists():
         raise DaemonUnavailableError(f"no daemon socket at {socket_path}")
+    if not stat.S_ISSOCK(socket_path.stat().st_mode):
+        raise DaemonUnavailableError(f"{socket_path} is no socket: name the daemon's request socket "
+                                     "(engramd.sock by default)")
+
+
+def check_listening(socket_path: Path) -> None:
+    """DaemonUnavailableError, at once, where nothing listens at `socket_path` (a socket its
+    killed daemon left): the one-shot requests would wait out their whole timeout for a reply
+    that cannot come, as long as a probe's deadline. A connection that is accepted is closed
+    unused: the daemon drops one that never speaks."""
+    probe_socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe_socket.settimeout(1.0)  # a daemon whose backlog is full still answers below
+        probe_socket.connect(str(socket_path))
+    except ConnectionRefusedError:
+        raise DaemonUnavailableError(f"nothing listens at {socket_path}: the daemon that made it "
+                                     "is gone (is the daemon running?)") from None
+    except OSError:
+        pass  # whatever else: the request's own timeout says what there is to say
+    finally:
+        probe_socket.close()
 
 
 def probe(socket_path: str | os.PathLike, op: str, timeout: float) -> protocol.Reply:
@@ -264,6 +286,7 @@ def probe(socket_path: str | os.PathLike, op: str, timeout: float) -> protocol.R
     without one, up to 2 s more to ask the handle socket whether this process is refused (a
     daemon that admits only some users drops the others unanswered), then raises the timeout."""
     check_daemon_socket(Path(socket_path))
+    check_listening(Path(socket_path))
     conn = Connection(socket_path)
     try:
         return conn.call(op, timeout)
