@@ -57,6 +57,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # daemon that was importing or loading its tables (no log line, the lock file left). The
     # daemon installs its handler once it listens (Daemon.start), a standby keeps ignoring it.
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    from engramd.server.startup import EarlySignals
+
+    early = EarlySignals().install()  # a SIGTERM during the start: a stop once listening, exit 0
     # Before anything initialises CUDA: a lazily loaded kernel, launched while one of our streams
     # waits on a client process, would block the host until that client delivers
     # (docs/architecture.md, "Cross-process waits and lazy module loading").
@@ -68,6 +71,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         DaemonHalt,
         SocketLock,
         check_folders,
+        injected_start_delay,
         prepare_runtime_dir,
     )
     from engramd.server.table_loader import TablePreload
@@ -97,6 +101,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             from engramd.server.standby import wait_as_standby
 
             prepared = wait_as_standby(config, lock)
+            early.install()  # the standby's own handlers ended with its wait
         else:
             lock.acquire()
     except DaemonHalt as halt:
@@ -104,12 +109,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         (log.info if halt.status == EXIT_OK else log.error)("%s", halt.reason)
         return halt.status
     preload = TablePreload.start(config, prepared)
+    injected_start_delay(early)
     started = time.monotonic()
     from engramd.server.daemon import run_daemon
 
     logging.getLogger("engramd.daemon").info("daemon modules imported in %.2f s (beside the preload)",
                                              time.monotonic() - started)
-    return run_daemon(config, lock, preload)
+    return run_daemon(config, lock, preload, early)
 
 
 def settings_in_effect(config: DaemonConfig) -> dict[str, tuple[Any, str]]:

@@ -67,6 +67,7 @@ from engramd.server.startup import (
     EXIT_OK,
     EXIT_TABLES,
     DaemonHalt,
+    EarlySignals,
     SocketLock,
     prepare_runtime_dir,
 )
@@ -91,10 +92,12 @@ STALL_ENV = "ENGRAMD_DEBUG_LOOP_STALL_S"  # tests: the ready loop sleeps this lo
 
 class Daemon:
     def __init__(self, config: DaemonConfig, lock: SocketLock | None = None,
-                 preload: TablePreload | None = None):
+                 preload: TablePreload | None = None, early: EarlySignals | None = None):
         """`lock`: the socket's lock, when the caller already holds it (then `preload` may be
-        the tables' first stage, started under that lock)."""
+        the tables' first stage, started under that lock). `early`: the stop signals kept
+        before start() installs the daemon's handlers."""
         self.config = config
+        self._early = early
         self.epoch = uuid.uuid4().hex[:16]
         self.service = Service.from_config(config, self.epoch)
         self._events = EventQueue()
@@ -139,6 +142,8 @@ class Daemon:
         self._socket.bind(path, largest_frame(self.config))
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # SIGHUP: reload
             signal.signal(signum, self._on_signal)
+        if self._early is not None and self._early.received is not None:  # before those were in
+            self._events.post("signal", self._early.received)
         log.info("engramd epoch %s listening on %s (pid %d)", self.epoch, path, os.getpid())
         self._handles = HandleServer(handle_socket_path(path), self._requests.ask, self.epoch,
                                      admit=self._requests.admits,
@@ -548,10 +553,10 @@ def freeze_long_lived() -> None:
 
 
 def run_daemon(config: DaemonConfig, lock: SocketLock | None = None,
-               preload: TablePreload | None = None) -> int:
-    """Run until stopped; returns the exit status. `lock` and `preload` as for Daemon."""
+               preload: TablePreload | None = None, early: EarlySignals | None = None) -> int:
+    """Run until stopped; returns the exit status. `lock`, `preload` and `early` as for Daemon."""
     raise_open_file_limit(config)
-    daemon = Daemon(config, lock, preload)
+    daemon = Daemon(config, lock, preload, early)
     status = EXIT_OK
     try:
         daemon.start()

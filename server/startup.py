@@ -13,8 +13,10 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import signal
 import stat
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -46,6 +48,40 @@ HUGETLBFS_MAGIC = 0x958458F6
 DISK_FILESYSTEMS = {0xEF53: "ext2/3/4", 0x58465342: "xfs", 0x9123683E: "btrfs",
                     0x794C7630: "overlayfs", 0x6969: "nfs", 0x2FC12FC1: "zfs",
                     0x65735546: "fuse", 0x01021997: "9p"}
+
+
+# Fault injection for tests and drills: seconds to stall before the daemon's modules are
+# imported, so that a signal can be sent during a start. Never set in production.
+START_DELAY_ENV = "ENGRAMD_DEBUG_START_DELAY_S"
+
+
+def injected_start_delay(early: EarlySignals) -> None:
+    """The stall, cut short by a stop signal kept meanwhile."""
+    delay = float(os.environ.get(START_DELAY_ENV, "0") or 0)
+    if delay > 0:
+        log.warning("%s=%s: stalling before the daemon's imports", START_DELAY_ENV, delay)
+    deadline = time.monotonic() + delay
+    while time.monotonic() < deadline and early.received is None:
+        time.sleep(0.05)
+
+
+class EarlySignals:
+    """SIGTERM and SIGINT before the daemon listens (config, lock, imports): kept, for the daemon
+    to act on once its own handlers are in (Daemon.start: a stop, exit 0), not the default
+    action, which ended the process by the signal (status 143, no log line, the lock file
+    left). `install()` again after anything that set other handlers meanwhile (a standby)."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+
+    def install(self) -> EarlySignals:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._keep)
+        return self
+
+    def _keep(self, signum: int, _frame: object) -> None:
+        if self.received is None:
+            self.received = signum
 
 
 class DaemonHalt(Exception):
@@ -197,6 +233,9 @@ def check_shm_dir(shm_dir: Path) -> None:
         raise ConfigError(f"shm_dir = {str(shm_dir)!r}: its parent folder {parent} does not "
                           "exist (the daemon creates shm_dir, not the folders above it); shm_dir "
                           "belongs on tmpfs (/dev/shm) or hugetlbfs")
+    if shm_dir.exists() and not shm_dir.is_dir():
+        raise ConfigError(f"shm_dir = {str(shm_dir)!r} is a file, not a folder: the tables go in "
+                          "a folder of their own there (on tmpfs, /dev/shm, or hugetlbfs)")
     try:
         kind = filesystem_type(shm_dir if shm_dir.exists() else parent)
     except OSError:

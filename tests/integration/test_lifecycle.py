@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from helpers import check_rows_stay_across_a_restart, engramd_command, raised_in_thread
+from helpers import check_rows_stay_across_a_restart, engramd_command, raised_in_thread, wait_until
 from reference import random_ids
 
 from engramd.client import BadRequestError, DaemonUnavailableError, EngramClient, ReplyTimeoutError
@@ -267,6 +267,24 @@ def test_config_error_exits_with_config_status(daemon_factory, tmp_path):
     result = cli("serve", "--config", str(bad))
     assert result.returncode == EXIT_CONFIG
     assert str(bad) in result.stderr and "'workers'" in result.stderr and "-3" in result.stderr
+
+
+def test_a_file_as_shm_dir_exits_with_config_status_naming_the_setting(tmp_path):
+    (tmp_path / "tables-here").write_text("")
+    result = cli("serve", "--tables", "demo", "--socket", str(tmp_path / "run" / "engramd.sock"),
+                 "--shm-dir", str(tmp_path / "tables-here"), "--backend", "cpu")
+    assert result.returncode == EXIT_CONFIG, result
+    assert "shm_dir" in result.stderr and "is a file, not a folder" in result.stderr, result.stderr
+
+
+def test_sigterm_during_the_start_stops_it_with_status_zero(daemon_factory):
+    """Before the daemon listens (its imports), SIGTERM ended the process by the signal (status
+    143, no log line, its lock file left); now the start goes on to listen, then stops."""
+    daemon = daemon_factory(ready=False, env={"ENGRAMD_DEBUG_START_DELAY_S": "30"})
+    wait_until(lambda: "stalling before the daemon's imports" in daemon.log(), timeout=60)
+    daemon.proc.send_signal(signal.SIGTERM)
+    assert daemon.proc.wait(60) == 0, daemon.log()[-2000:]
+    assert "SIGTERM: stopping" in daemon.log() and "stopped (exit status 0)" in daemon.log()
 
 
 def test_broken_checkpoint_exits_with_table_status(daemon_factory, demo_checkpoint, tmp_path):
