@@ -50,10 +50,6 @@ MAX_HEADER_BYTES = 100 * 1000 * 1000
 # Bytes of weight rows read per positional read in `read_packed`: large enough to stream at disk
 # speed, small enough that the bounce buffer stays in cache while it is copied out.
 READ_CHUNK_BYTES = 16 * 1024 * 1024
-# What of each Engram tensor's bytes its fingerprint reads: 16 blocks of 4 KiB (64 reads, 256 KiB,
-# for V4.1-Flash's four tensors), enough for two revisions of a model to differ in.
-FINGERPRINT_SAMPLES = 16
-FINGERPRINT_BLOCK = 4096
 
 
 class CheckpointError(Exception):
@@ -222,7 +218,6 @@ class EngramCheckpoint:
         self._weights = weights
         self._scales = scales
         self._shards = shards
-        self._fingerprint: str | None = None
 
     @classmethod
     def open(cls, directory: str | Path) -> EngramCheckpoint:
@@ -265,25 +260,21 @@ class EngramCheckpoint:
         """A 16-hex-digit id of the tables' identity, stable while the files are untouched.
 
         Made of the geometry and, per Engram tensor, its shard's file name, size and mtime (as
-        seen by `open`), the tensor's offset, dtype and shape, and FINGERPRINT_SAMPLES blocks of
-        its bytes spread over it, first and last included. Hashing 189 GiB of content would take
-        minutes. The file facts alone cannot tell two revisions of one geometry apart whose
-        files carry the same mtimes (`touch -r`, `cp -p`, an image built with fixed timestamps):
-        the reload would keep the old tables, and a restart re-attach them. The sampled bytes do,
-        for any two revisions that differ in more than a few rows. The directory path is left
-        out so that a copied checkpoint (mtimes kept) keeps its id. Computed once per open.
+        seen by `open`) and the tensor's offset, dtype and shape. Hashing 189 GiB of content
+        would take minutes; rewriting a shard changes its mtime, so this is the cheap stand-in.
+        The directory path is left out so that a copied checkpoint (mtimes kept) keeps its id.
+        What it cannot see: another revision whose files carry the same names, sizes and mtimes
+        (`touch -r`, `cp -p`, an image built with fixed timestamps). A reload compares sampled
+        rows where the ids agree (server/reload.py), and a start self-checks re-attached tables.
         """
-        if self._fingerprint is None:
-            digest = hashlib.sha256()
-            digest.update(json.dumps(self.geometry.to_config(), sort_keys=True).encode())
-            for ref in self._weights + self._scales:
-                shard = self._shards[ref.path]
-                fields = [ref.name, ref.path.name, shard.size, shard.mtime_ns, ref.offset,
-                          ref.dtype, list(ref.shape)]
-                digest.update(json.dumps(fields).encode())
-                digest.update(_sampled_bytes(ref))  # sampled_spans(ref)
-            self._fingerprint = digest.hexdigest()[:16]
-        return self._fingerprint
+        digest = hashlib.sha256()
+        digest.update(json.dumps(self.geometry.to_config(), sort_keys=True).encode())
+        for ref in self._weights + self._scales:
+            shard = self._shards[ref.path]
+            fields = [ref.name, ref.path.name, shard.size, shard.mtime_ns, ref.offset,
+                      ref.dtype, list(ref.shape)]
+            digest.update(json.dumps(fields).encode())
+        return digest.hexdigest()[:16]
 
     def read_packed(self, layer_index: int, row_start: int, out: np.ndarray) -> None:
         """Fill uint8 `out` [n, row_bytes] with packed rows row_start..row_start+n of a layer.
@@ -338,28 +329,6 @@ def _read_geometry(config: Path) -> TableGeometry:
         return TableGeometry.from_file(config)
     except GeometryError as exc:
         raise CheckpointError(str(exc)) from exc
-
-
-def sampled_spans(ref: TensorRef) -> list[tuple[int, int]]:
-    """(file offset, length) of the FINGERPRINT_SAMPLES blocks of FINGERPRINT_BLOCK bytes of
-    `ref`'s data that its fingerprint reads: evenly spread from its first byte to its last (the
-    whole tensor where it is smaller than one block)."""
-    block = min(FINGERPRINT_BLOCK, ref.nbytes)
-    last = ref.nbytes - block
-    starts = sorted({last * i // (FINGERPRINT_SAMPLES - 1) for i in range(FINGERPRINT_SAMPLES)})
-    return [(ref.offset + start, block) for start in starts]
-
-
-def _sampled_bytes(ref: TensorRef) -> bytes:
-    out = bytearray()
-    with _open_fd(ref) as fd:
-        for offset, length in sampled_spans(ref):
-            data = os.pread(fd, length, offset)
-            if len(data) != length:
-                raise CheckpointError(f"{ref.path}: tensor {ref.name!r}: file ends inside its data "
-                                      f"(read {len(data)} of {length} bytes at {offset})")
-            out += data
-    return bytes(out)
 
 
 @contextmanager

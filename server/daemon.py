@@ -502,8 +502,9 @@ def load_and_check(config: DaemonConfig, preload: TablePreload | None,
 def self_checked(config: DaemonConfig, loaded: LoadedTables,
                  on_progress: Callable[[float], None]) -> LoadedTables:
     """`loaded` after the self-check, or the tables opened again where re-attached ones failed
-    it: their files may hold another revision (one the fingerprint's sampled bytes could not
-    tell apart) or have been damaged, and kept, they would fail every later start too. Opened
+    it: their files may hold another revision (whose files carry the same names, sizes and
+    mtimes: the fingerprint cannot tell) or have been damaged, and kept, they would fail every
+    later start too. Opened
     again as with `verify_tables`: every row of a re-attached file compared with the checkpoint,
     a file that differs loaded anew (as long as a load); then checked again. What is not
     returned is closed."""
@@ -516,7 +517,9 @@ def self_checked(config: DaemonConfig, loaded: LoadedTables,
         if not again:
             raise
         log.warning("self-check failed on re-attached tables (%s): comparing every row with the "
-                    "checkpoint and loading what differs", exc)
+                    "checkpoint and loading what differs. Their id is the checkpoint's fingerprint "
+                    "(file names, sizes, mtimes): a new revision whose files carry the old ones' "
+                    "mtimes gets the old id; give its files new mtimes (touch them)", exc)
     except BaseException:
         close_loaded(loaded)
         raise

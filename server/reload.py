@@ -36,7 +36,7 @@ from typing import Any
 from engramd.server.checkpoint import EngramCheckpoint
 from engramd.server.config import DaemonConfig
 from engramd.server.host_tables import ReloadCancelled, TableStore
-from engramd.server.selfcheck import check_host_tables
+from engramd.server.selfcheck import SelfCheckError, check_host_tables
 from engramd.server.table_file import HostTable, close_all_quietly
 from engramd.server.table_loader import (
     LoadedTables,
@@ -98,6 +98,7 @@ def open_next_tables(config: DaemonConfig, current: LoadedTables, progress: Call
             f"the served tables ({current.geometry}); clients' slot layouts depend on it, so "
             "restart the daemon to serve it")
     if checkpoint.fingerprint() == current.checkpoint.fingerprint():
+        same_rows_or_refuse(checkpoint, current.tables)
         return None
     store = current.store
     tables = store.open_next(checkpoint, overall_progress(checkpoint.geometry.total_bytes, progress), verify=config.verify_tables, cancelled=cancelled)
@@ -113,6 +114,21 @@ def open_next_tables(config: DaemonConfig, current: LoadedTables, progress: Call
         next_tables.close()
         raise
     return next_tables
+
+
+def same_rows_or_refuse(checkpoint: EngramCheckpoint, served: list[HostTable]) -> None:
+    """A checkpoint with the served tables' fingerprint: unchanged, if sampled rows say so. Not
+    if another revision's files carry the served files' names, sizes and mtimes (`touch -r`,
+    `cp -p`, an image built with fixed timestamps), which the fingerprint cannot see: its rows
+    could be served only under the served tables' id, so the reload is refused, saying how to
+    give the revision an id of its own."""
+    try:
+        check_host_tables(checkpoint, served)
+    except SelfCheckError as exc:
+        raise ReloadRefused(
+            f"the checkpoint at {checkpoint.directory} has the served tables' fingerprint (the "
+            f"same geometry, file names, sizes and mtimes) but other rows ({exc}); give its "
+            "files new mtimes (touch them) and reload") from None
 
 
 def _injected_delay(cancelled: Callable[[], bool]) -> None:

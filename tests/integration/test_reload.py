@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import point, reload, remove_tempdir, rows_match, shm_tempdir, wait_until
-from reference import ReferenceTables, random_ids
+from reference import random_ids
 from test_daemon_lookups import assert_rows_equal
 
 from engramd.client import EngramClient
@@ -30,7 +30,7 @@ from engramd.client.errors import TablesChangedError
 from engramd.client.geometry import DEMO_CONFIG, TableGeometry
 from engramd.client.shared import mapped as mapped_module
 from engramd.client.shared.connection import probe
-from engramd.server.checkpoint import EngramCheckpoint, sampled_spans
+from engramd.server.checkpoint import EngramCheckpoint
 from engramd.server.synthetic import write_synthetic_checkpoint
 
 RELOAD_S = 60.0  # the demo tables reload in about a second
@@ -320,10 +320,12 @@ def same_mtimes(revision: Path, like: Path) -> None:
         os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
 
 
-def test_a_revision_whose_files_carry_the_served_ones_mtimes_is_reloaded(
+def test_a_revision_whose_files_carry_the_served_ones_mtimes_is_refused_until_touched(
         daemon_factory, demo_checkpoint, reference, second_checkpoint, second_reference, tmp_path):
-    """Same geometry, names and sizes, the mtimes set to the served files': the rows differ, and
-    the reload serves them (it once said `unchanged` and kept the old tables)."""
+    """Same geometry, names and sizes, the mtimes set to the served files': the fingerprint is
+    the served one, the rows are not. The reload once said `unchanged` and kept the old rows;
+    now sampled rows tell, and it is refused, saying how to give the revision an id of its
+    own. Touched, it is served."""
     revision = Path(shutil.copytree(second_checkpoint, tmp_path / "revision"))
     same_mtimes(revision, demo_checkpoint)
     current = tmp_path / "current"
@@ -334,50 +336,37 @@ def test_a_revision_whose_files_carry_the_served_ones_mtimes_is_reloaded(
         assert_rows_equal(rows_of(client, ids), reference.expected(ids), "before")
         point(current, revision)
         status = reload(daemon)
+        assert (status["exit"], status["state"]) == (1, "failed"), status
+        assert "fingerprint" in status["error"] and "touch" in status["error"], status["error"]
+        assert_rows_equal(rows_of(client, ids), reference.expected(ids), "after the refusal")
+        for path in revision.iterdir():
+            path.touch()
+        status = reload(daemon)
         assert (status["exit"], status["state"]) == (0, "done"), status
-        assert_rows_equal(rows_of(client, ids), second_reference.expected(ids), "after")
+        assert_rows_equal(rows_of(client, ids), second_reference.expected(ids), "after the touch")
     assert daemon.stop() == 0
 
 
 def test_re_attached_tables_that_fail_the_self_check_are_loaded_again(
-        daemon_factory, demo_checkpoint, second_checkpoint, tmp_path):
-    """A revision that differs from the served one everywhere but in the bytes the fingerprint
-    samples, its files given the served files' mtimes: a restart finds its id on the tables in
-    shared memory and re-attaches them, and the self-check finds other rows there. The daemon
+        daemon_factory, demo_checkpoint, second_checkpoint, second_reference, tmp_path):
+    """Another revision put in place of the served one while the daemon was stopped, its files
+    given the old files' mtimes: a restart finds the old tables in shared memory under the
+    same id and re-attaches them, and the self-check finds other rows there. The daemon
     compares every row with the checkpoint, loads the tables again and serves the revision's
     rows (it once exited 66 at this and every later start, the files staying)."""
-    first = Path(shutil.copytree(demo_checkpoint, tmp_path / "first"))
-    revision = Path(shutil.copytree(first, tmp_path / "revision"))
-    other = EngramCheckpoint.open(second_checkpoint)
-    checkpoint = EngramCheckpoint.open(revision)
-    for layer in range(checkpoint.geometry.n_layers):
-        for ref, theirs in ((checkpoint.weight(layer), other.weight(layer)),
-                            (checkpoint.scale(layer), other.scale(layer))):
-            assert (ref.offset, ref.nbytes) == (theirs.offset, theirs.nbytes)
-            with open(ref.path, "r+b") as mine, open(theirs.path, "rb") as source:
-                kept = [(offset, mine.seek(offset) and mine.read(length))
-                        for offset, length in sampled_spans(ref)]
-                source.seek(theirs.offset)
-                mine.seek(ref.offset)
-                mine.write(source.read(theirs.nbytes))
-                for offset, data in kept:
-                    mine.seek(offset)
-                    mine.write(data)
-    same_mtimes(revision, first)
-    assert EngramCheckpoint.open(revision).fingerprint() == EngramCheckpoint.open(first).fingerprint()
-    expected = ReferenceTables(revision)
-    assert not np.array_equal(expected.values[0], ReferenceTables(first).values[0])
-
+    revision = Path(shutil.copytree(second_checkpoint, tmp_path / "revision"))
+    same_mtimes(revision, demo_checkpoint)
+    assert EngramCheckpoint.open(revision).fingerprint() == EngramCheckpoint.open(demo_checkpoint).fingerprint()
     current, shm = tmp_path / "current", shm_tempdir()
     try:
-        point(current, first)
+        point(current, demo_checkpoint)
         assert daemon_factory(tables=current, shm_dir=shm).stop() == 0  # its tables stay in shm
         point(current, revision)
         daemon = daemon_factory(tables=current, shm_dir=shm)
         assert "self-check failed on re-attached tables" in daemon.log()
-        ids = random_ids(np.random.default_rng(9), 64, expected.rows, expected.heads)
+        ids = random_ids(np.random.default_rng(9), 64, second_reference.rows, second_reference.heads)
         with EngramClient(daemon.socket, mode="served", max_tokens=64) as client:
-            assert_rows_equal(rows_of(client, ids), expected.expected(ids), "after the restart")
+            assert_rows_equal(rows_of(client, ids), second_reference.expected(ids), "after the restart")
         assert daemon.stop() == 0
     finally:
         remove_tempdir(shm)
