@@ -35,14 +35,17 @@ def check_ids(ids: torch.Tensor, geometry: TableGeometry, max_tokens: int) -> to
     return ids.detach()
 
 
-def check_seconds(name: str, value: Any, zero: bool = False) -> float:
-    """A client's time setting: a finite number of seconds above 0 (`zero`: 0 too)."""
+def check_seconds(name: str, value: Any, zero: bool = False, endless: bool = False) -> float:
+    """A client's time setting: a number of seconds above 0 (`zero`: 0 too), finite unless
+    `endless` (math.inf: wait for ever)."""
     try:
         seconds = float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else math.nan
     except OverflowError:  # an int too large for a float
-        seconds = math.inf
-    if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not zero):
-        raise BadRequestError(f"{name} {value!r}: seconds, finite and {'>= 0' if zero else '> 0'}")
+        seconds = math.nan
+    if math.isnan(seconds) or (seconds == math.inf and not endless) or seconds < 0 \
+            or (seconds == 0 and not zero):
+        bound = ">= 0" if zero else "> 0"
+        raise BadRequestError(f"{name} {value!r}: seconds, {bound}" + ("" if endless else ", finite"))
     return seconds
 
 

@@ -166,7 +166,8 @@ class EngramClient:
         # Held by lookup() and close(); the watch thread follows a reload only while it is free.
         self._tables_lock = threading.RLock()
         self.timeout = check_seconds("timeout", timeout)
-        self.reconnect_timeout = check_seconds("reconnect_timeout", reconnect_timeout, zero=True)
+        self.reconnect_timeout = check_seconds("reconnect_timeout", reconnect_timeout, zero=True,
+                                               endless=True)
         self._asked = (tp_rank, tp_size, max_tokens, slots, name)  # what registering asks for
         self._conn: Connection | None = None
         self._slab: MemfdSlabView | CudaSlabView | LocalSlots | None = None

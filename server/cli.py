@@ -100,8 +100,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.standby:  # imports and CUDA first, then wait for the serving daemon to go
             from engramd.server.standby import wait_as_standby
 
-            prepared = wait_as_standby(config, lock)
-            early.install()  # the standby's own handlers ended with its wait
+            prepared = wait_as_standby(config, lock, early)
         else:
             lock.acquire()
     except DaemonHalt as halt:

@@ -33,20 +33,24 @@ import time
 from engramd.server.config import DaemonConfig
 from engramd.server.notify import Notifier
 from engramd.server.standby_tables import PreparedTables, TableWatch
-from engramd.server.startup import EXIT_SOCKET_IN_USE, DaemonHalt, SocketLock
+from engramd.server.startup import EXIT_OK, EXIT_SOCKET_IN_USE, DaemonHalt, EarlySignals, SocketLock
 from engramd.server.table_loader import choose_backend_name
 
 log = logging.getLogger("engramd.daemon")
 
 
-def wait_as_standby(config: DaemonConfig, lock: SocketLock) -> PreparedTables | None:
-    """Start ahead, then take `lock` once it is free; DaemonHalt(EXIT_OK) if stopped first.
-    Returns the tables prepared meanwhile (server/standby_tables.py), for the start to adopt.
-    A free lock is taken at once, and the start goes on as a plain one (None)."""
+def wait_as_standby(config: DaemonConfig, lock: SocketLock, early: EarlySignals) -> PreparedTables | None:
+    """Start ahead, then take `lock` once it is free; DaemonHalt(EXIT_OK) if stopped first (by
+    a signal `early` kept before, too). Returns the tables prepared meanwhile
+    (server/standby_tables.py), for the start to adopt. A free lock is taken at once, and the
+    start goes on as a plain one (None). From the lock on, `early` keeps the stop signals
+    again: one that comes while the tables are handed over stops the daemon once it listens."""
     if _free(lock):  # nobody to stand by for: a plain start, its pin beside the imports
         log.info("standby: the socket %s is free; starting at once", config.socket_path)
         return None
-    stop = _stop_on_signals()
+    stop = _stop_on_signals(early)
+    if early.received is not None:
+        raise DaemonHalt("standby: stopped before it stood by", EXIT_OK)
     notifier = Notifier()
     notifier.status("standby: starting ahead")
     seconds, on_gpu = start_ahead(config)
@@ -60,8 +64,7 @@ def wait_as_standby(config: DaemonConfig, lock: SocketLock) -> PreparedTables | 
     except BaseException:
         watch.close()
         raise
-    for signum in (signal.SIGTERM, signal.SIGINT):  # the daemon installs its own as it starts
-        signal.signal(signum, signal.SIG_DFL)
+    early.install()  # until the daemon installs its own as it starts
     log.info("standby: holding the lock of %s now; starting", config.socket_path)
     return watch.hand_over()
 
@@ -125,11 +128,17 @@ def start_ahead(config: DaemonConfig) -> tuple[float, bool]:
     return time.monotonic() - started, on_gpu
 
 
-def _stop_on_signals() -> threading.Event:
-    """SIGTERM and SIGINT end the wait (exit 0); SIGHUP, a reload for the serving daemon, is
-    not for a standby and must not kill it."""
+def _stop_on_signals(early: EarlySignals) -> threading.Event:
+    """SIGTERM and SIGINT end the wait (exit 0), and are kept in `early` (one that comes as the
+    lock is taken stops the daemon once it listens); SIGHUP, a reload for the serving daemon,
+    is not for a standby and must not kill it."""
     stop = threading.Event()
+
+    def stop_waiting(signum: int, frame: object) -> None:
+        early.keep(signum, frame)
+        stop.set()
+
     for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
+        signal.signal(signum, stop_waiting)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     return stop

@@ -220,7 +220,8 @@ class TableWatch:
         open that read the same files, so a file replaced during an open is seen at the next
         look."""
         opened = self._opened
-        if opened is not None and opened.reusable_stats == file_stats(opened.files):
+        if (opened is not None and opened.reusable_stats == file_stats(opened.files)
+                and self._points_at(opened.checkpoint.directory)):
             return opened.fingerprint, opened.checkpoint
         files = opened.files if opened is not None else []
         before = file_stats(files)
@@ -233,6 +234,12 @@ class TableWatch:
             return None, None
         self._opened = OpenedCheckpoint(checkpoint, fingerprint, read, before if read == files else None)
         return fingerprint, checkpoint
+
+    def _points_at(self, directory: Path) -> bool:
+        """Whether the configured path still leads to `directory`: an open resolves symlinks
+        (the files it read are the old revision's, untouched when a link is repointed)."""
+        tables = self._config.tables
+        return tables == "demo" or Path(tables).resolve() == directory
 
 
 @dataclass(frozen=True)

@@ -76,10 +76,10 @@ class EarlySignals:
 
     def install(self) -> EarlySignals:
         for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, self._keep)
+            signal.signal(signum, self.keep)
         return self
 
-    def _keep(self, signum: int, _frame: object) -> None:
+    def keep(self, signum: int, _frame: object = None) -> None:
         if self.received is None:
             self.received = signum
 

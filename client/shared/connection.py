@@ -256,9 +256,11 @@ def check_daemon_socket(socket_path: Path) -> None:
     if socket_path.is_dir():
         raise DaemonUnavailableError(f"{socket_path} is a folder, not the daemon's socket: name "
                                      "the socket in it (engramd.sock by default)")
-    if not socket_path.exists():
-        raise DaemonUnavailableError(f"no daemon socket at {socket_path}")
-    if not stat.S_ISSOCK(socket_path.stat().st_mode):
+    try:  # one look: a daemon binding or closing may make or remove the socket meanwhile
+        mode = socket_path.stat().st_mode
+    except FileNotFoundError:
+        raise DaemonUnavailableError(f"no daemon socket at {socket_path}") from None
+    if not stat.S_ISSOCK(mode):
         raise DaemonUnavailableError(f"{socket_path} is no socket: name the daemon's request socket "
                                      "(engramd.sock by default)")
 

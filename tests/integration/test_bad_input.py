@@ -117,7 +117,7 @@ def test_bad_registrations(served):
 
 @pytest.mark.parametrize("setting, value", [
     ("timeout", 0), ("timeout", -1.0), ("timeout", float("nan")), ("timeout", "5"),
-    ("reconnect_timeout", -1), ("reconnect_timeout", float("inf")),
+    ("reconnect_timeout", -1), ("reconnect_timeout", float("nan")), ("timeout", float("inf")),
     pytest.param("timeout", 10**400, id="timeout-too-large-for-a-float")])
 def test_a_bad_time_setting_is_named_before_anything_is_asked(served, setting, value):
     daemon, _ = served
@@ -127,6 +127,7 @@ def test_a_bad_time_setting_is_named_before_anything_is_asked(served, setting, v
 
 def test_a_closed_client_and_ids_without_values_get_typed_errors(served):
     daemon, _ = served
+    EngramClient(daemon.socket, reconnect_timeout=float("inf")).close()  # for ever: allowed
     client = EngramClient(daemon.socket, max_tokens=4, reconnect_timeout=0)
     with pytest.raises(BadIdsError, match="meta"):
         client.lookup(torch.zeros((1, 2, 24), dtype=torch.int64, device="meta"))
