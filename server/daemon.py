@@ -59,7 +59,7 @@ from engramd.server.metrics import Metrics
 from engramd.server.notify import Notifier
 from engramd.server.reload import TableReload
 from engramd.server.request_socket import RequestSocket
-from engramd.server.selfcheck import SelfCheckError, run_self_check
+from engramd.server.selfcheck import SelfCheckError, check_host_tables, run_self_check
 from engramd.server.service import Service
 from engramd.server.startup import (
     EXIT_CONFIG,
@@ -512,7 +512,8 @@ def self_checked(config: DaemonConfig, loaded: LoadedTables,
         run_self_check(loaded.checkpoint, loaded)
         return loaded
     except SelfCheckError as exc:
-        again = any(table.reattached for table in loaded.tables) and not config.verify_tables
+        again = (any(table.reattached for table in loaded.tables) and not config.verify_tables
+                 and not host_rows_agree(loaded))  # else the kernel, not the tables: no reload helps
         close_loaded(loaded)
         if not again:
             raise
@@ -530,6 +531,16 @@ def self_checked(config: DaemonConfig, loaded: LoadedTables,
         close_loaded(loaded)
         raise
     return loaded
+
+
+def host_rows_agree(loaded: LoadedTables) -> bool:
+    """Whether sampled rows of the host tables themselves (the reference gather, no device)
+    equal the checkpoint's."""
+    try:
+        check_host_tables(loaded.checkpoint, loaded.tables)
+    except SelfCheckError:
+        return False
+    return True
 
 
 def close_loaded(loaded: LoadedTables) -> None:
