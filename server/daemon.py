@@ -502,12 +502,12 @@ def load_and_check(config: DaemonConfig, preload: TablePreload | None,
 def self_checked(config: DaemonConfig, loaded: LoadedTables,
                  on_progress: Callable[[float], None]) -> LoadedTables:
     """`loaded` after the self-check, or the tables opened again where re-attached ones failed
-    it: their files may hold another revision (whose files carry the same names, sizes and
-    mtimes: the fingerprint cannot tell) or have been damaged, and kept, they would fail every
-    later start too. Opened
-    again as with `verify_tables`: every row of a re-attached file compared with the checkpoint,
-    a file that differs loaded anew (as long as a load); then checked again. What is not
-    returned is closed."""
+    it and their own sampled rows differ from the checkpoint: their files may hold another
+    revision (whose files carry the same names, sizes and mtimes: the fingerprint cannot tell)
+    or have been damaged, and kept, they would fail every later start too. Opened again as with
+    `verify_tables`: every row of a re-attached file compared with the checkpoint, a file that
+    differs loaded anew (as long as a load); then checked again. What is not returned is
+    closed."""
     try:
         run_self_check(loaded.checkpoint, loaded)
         return loaded
