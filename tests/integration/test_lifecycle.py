@@ -55,15 +55,15 @@ def test_health_cli_ready_starting_and_dead(daemon_factory):
 
     ready.proc.kill()  # dead: the socket file is left behind, nobody listens at it
     ready.proc.wait()
-    started = time.monotonic()  # a probe's timeout (a Kubernetes probe's is 5 s) is not waited out
-    dead = cli("health", "--socket", str(ready.socket), "--json", "--timeout", "60")
+    # Refused at the connect, not after the wait for a reply (whose error says it timed out):
+    # a probe's timeout (a Kubernetes probe's is 5 s) is not waited out.
+    dead = cli("health", "--socket", str(ready.socket), "--json", "--timeout", "5")
     assert dead.returncode == 1 and json.loads(dead.stdout)["live"] is False, dead
     assert "nothing listens at" in json.loads(dead.stdout)["error"]
-    assert time.monotonic() - started < 30, "a dead daemon's socket was waited on for the timeout"
     missing = cli("health", "--socket", str(ready.workdir / "nothing.sock"))
     assert missing.returncode == 1 and "no daemon socket" in missing.stderr
     (ready.workdir / "plain-file").write_text("")
-    not_socket = cli("stats", "--socket", str(ready.workdir / "plain-file"), "--timeout", "60")
+    not_socket = cli("stats", "--socket", str(ready.workdir / "plain-file"), "--timeout", "5")
     assert not_socket.returncode == 1 and "is no socket" in not_socket.stderr, not_socket
     assert slow.stop() == 0, slow.log()
 
