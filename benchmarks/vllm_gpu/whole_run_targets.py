@@ -103,9 +103,9 @@ def verdict(ok: bool) -> str:
 
 def judge(folder: Path) -> tuple[list[str], bool]:
     """The markdown of every target's verdict, and whether all were met."""
-    reports = {step: member(folder / step, "vllm_bench/bench_lookup.json") for step in RUNS}
-    loaded = {step: json.loads(data) for step, data in reports.items() if data is not None}
-    sections = [rows_section(folder, reports, loaded), steps_section(loaded), time_section(folder)]
+    reports = {step: json.loads(data) for step in RUNS
+               if (data := member(folder / step, "vllm_bench/bench_lookup.json")) is not None}
+    sections = [rows_section(folder, reports), steps_section(reports), time_section(folder)]
     met = all(ok for _, ok in sections)
     lines = ["# vLLM with the plugin against vLLM alone: the whole run's targets", ""]
     for section, _ in sections:
@@ -113,18 +113,18 @@ def judge(folder: Path) -> tuple[list[str], bool]:
     return [*lines, f"Every target: {verdict(met)}"], met
 
 
-def rows_section(folder: Path, reports: dict, loaded: dict) -> tuple[list[str], bool]:
+def rows_section(folder: Path, reports: dict) -> tuple[list[str], bool]:
     lines, met = ["## Rows", ""], True
     for label, log in TEST_LOGS.items():
         ok, summary = test_outcome(member(folder / "tests", log))
         lines.append(f"- GPU tests {label}: {summary}: {verdict(ok)}")
         met &= ok
     for step, modes in RUNS.items():
-        if reports[step] is None:
+        if step not in reports:
             lines.append(f"- {step}: no bench_lookup.json: **missed**")
             met = False
             continue
-        runs = {run["mps"]: run for run in loaded[step]["runs"]}
+        runs = {run["mps"]: run for run in reports[step]["runs"]}
         for mps in modes:
             mode = "under MPS" if mps else "without MPS"
             ok = mps in runs and runs[mps]["rows_exact"]
@@ -134,7 +134,7 @@ def rows_section(folder: Path, reports: dict, loaded: dict) -> tuple[list[str], 
     return lines, met
 
 
-def steps_section(loaded: dict) -> tuple[list[str], bool]:
+def steps_section(reports: dict) -> tuple[list[str], bool]:
     met = True
     decode = ["## Decode (T <= 256): the plugin's step / vLLM's, at most 1.00", "",
               "| step | MPS | variant | cells over 1.00 | over in every round | most | target |",
@@ -142,7 +142,7 @@ def steps_section(loaded: dict) -> tuple[list[str], bool]:
     prefill = ["## T = 4096: the plugin's step / vLLM's, at most 0.8", "",
                "| step | MPS | variant | most | target |", "|---|---|---|---:|---|"]
     missing = []
-    for step, report in loaded.items():
+    for step, report in reports.items():
         cells = step_cells(report)
         for mps in RUNS[step]:
             for variant in SHOWN:  # step_cells kept only the modes each is shown in
