@@ -359,6 +359,7 @@ class Captures:
     def __init__(self, client: EngramClient):
         self._client = client
         self._upkeep: Upkeep | None = None
+        self._last_error: str | None = None  # the upkeep's, told once until it changes
 
     def make(self, ids: torch.Tensor, slot: int | None, sm_fraction: float | None) -> CapturedLookup:
         """EngramClient.capturable_lookup past its check of the mode (tests make one for a
@@ -367,8 +368,7 @@ class Captures:
 
         client = self._client
         with client._tables_lock:
-            if client._conn is None:
-                raise BadRequestError("client is closed")
+            client._open_connection()  # closed, or no daemon: DaemonUnavailableError
             ids = check_ids_buffer(ids, client.geometry, client.max_tokens, client.device)
             named = check_slot(slot, client.slots)
             index = self._free_slot() if named is None else named
@@ -398,23 +398,22 @@ class Captures:
     def _keep_up(self, pause: Callable[[float], bool]) -> None:
         """Upkeep thread: the client's _keep_up while no lookup() or close() holds it and a
         captured lookup is live. An error is logged and tried again at the next turn, as the
-        next lookup() would, unless the client gave up its daemon (its reconnect failed for
-        good): then the captured lookups are lost, and the thread ends (Gone)."""
+        next lookup() would: a reconnect that found no daemon too (meanwhile the replays write
+        NaN: the client has no tables mapped). The same error again is not logged again."""
         client = self._client
         if not client._tables_lock.acquire(blocking=False):
             return
         try:
-            if client._conn is None or not any(c.live for c in client._mapped_path.captured):
+            if client._closed or not any(c.live for c in client._mapped_path.captured):
                 return
             client._keep_up(pause)
+            self._last_error = None
         except Stopped:  # close(): not a loss
             raise
         except Exception as exc:
-            if client._conn is not None:
+            if str(exc) != self._last_error:
                 log.warning("captured lookups' upkeep: %s (trying again)", exc, exc_info=True)
-                return
-            client._mapped_path.lose_captured(f"the client gave up its daemon: {exc}", detach=True)
-            raise Gone from exc
+            self._last_error = str(exc)
         finally:
             client._tables_lock.release()
 
@@ -424,16 +423,11 @@ class Captures:
             self._upkeep.stop()
 
 
-class Gone(Exception):
-    """The client gave up its daemon: the upkeep thread has nothing left to keep."""
-
-
 class Upkeep:
     """For an engine whose lookups are all captured, and so never calls lookup(): a thread that
     does, every UPKEEP_S, what a lookup does first (`keep_up`: the client's _keep_up, when no
     lookup holds the client), so that a daemon's death, a restart on other tables or a reload
-    reach the captured lookups without one. Ends when the client gave up its daemon (Gone:
-    `keep_up` has detached the captured lookups) or at stop(), which also ends a reconnect in
+    reach the captured lookups without one. Ends at stop(), which also ends a reconnect in
     flight between two attempts (`keep_up(pause)`)."""
 
     def __init__(self, keep_up: Callable[[Callable[[float], bool]], None], device: torch.device):
@@ -449,9 +443,6 @@ class Upkeep:
             try:
                 keep_up(self._stop.wait)
             except Stopped:
-                return
-            except Gone as exc:
-                log.error("captured lookups: %s", exc.__cause__)
                 return
 
     def stop(self) -> None:

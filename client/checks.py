@@ -49,6 +49,23 @@ def check_seconds(name: str, value: Any, zero: bool = False, endless: bool = Fal
     return seconds
 
 
+def check_int(name: str, value: Any) -> int:
+    """A whole-number setting (numpy's integers too) that fits the wire's int64; its range is
+    the daemon's to check, which names the bounds."""
+    try:
+        number = operator.index(value) if not isinstance(value, bool) else None
+    except TypeError:
+        number = None
+    if number is None or not -(1 << 63) <= number < 1 << 63:
+        raise BadRequestError(f"{name} {value!r}: a whole number expected")
+    return number
+
+
+def check_wait(timeout: Any) -> float | None:
+    """One wait's own timeout: None (the client's), or seconds >= 0 (math.inf: for ever)."""
+    return None if timeout is None else check_seconds("timeout", timeout, zero=True, endless=True)
+
+
 def check_sm_fraction(fraction: Any) -> float | None:
     if fraction is None:
         return None

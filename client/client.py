@@ -32,8 +32,9 @@ counters, which live in pinned host memory: client/shared/host_counters.py) with
 RELEASE_DEADLINE_S for each lookup it fails), so no stream of this process hangs. A lookup whose rows the daemon had not
 written is failed first: its rows are filled with NaN before its waits are released, and the next lookup(), wait() or result()
 raises LookupFailedError naming it (client/failures.py); then calls raise DaemonUnavailableError
-until the next lookup() re-registers. A mapped client's lookups go on from its mapping instead, while a thread registers
-with the restarted daemon (client/rejoin.py). One client object serves one thread.
+until a lookup() re-registers (each waits up to reconnect_timeout for the daemon to be back). A mapped client's
+lookups go on from its mapping instead, while a thread registers with the restarted daemon (client/rejoin.py).
+Threads of one process may share a client; a child made by fork() makes its own (client/process.py).
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ from typing import Any
 
 import torch
 
+from engramd.client import process
 from engramd.client.captured import CapturedLookup, Captures
-from engramd.client.checks import check_ids, check_seconds, check_slot, check_sm_fraction
+from engramd.client.checks import check_ids, check_int, check_seconds, check_slot, check_sm_fraction
 from engramd.client.errors import (
     BadRequestError,
     CaptureUnsupportedError,
@@ -168,7 +170,11 @@ class EngramClient:
         self.timeout = check_seconds("timeout", timeout)
         self.reconnect_timeout = check_seconds("reconnect_timeout", reconnect_timeout, zero=True,
                                                endless=True)
-        self._asked = (tp_rank, tp_size, max_tokens, slots, name)  # what registering asks for
+        # What registering asks for (the daemon checks the ranges and says which is wrong).
+        self._asked = (check_int("tp_rank", tp_rank), check_int("tp_size", tp_size),
+                       check_int("max_tokens", max_tokens), check_int("slots", slots), name)
+        self._born = process.generation()  # a forked child's copy refuses (client/process.py)
+        self._closed = False  # close(): for good (a failed re-registration is tried again)
         self._conn: Connection | None = None
         self._slab: MemfdSlabView | CudaSlabView | LocalSlots | None = None
         self._rows = KeptRows()  # the slot memory that outlives a registration (client/kept_rows.py)
@@ -299,13 +305,14 @@ class EngramClient:
         default. Any share runs one program at least. Served lookups keep the daemon's grid,
         and a CPU client has none: both check the value and ignore it.
         """
+        process.check_made_here(self._born, "this client")
         fraction = check_sm_fraction(sm_fraction)
         with self._tables_lock:
             return self._lookup(hash_ids, stream, slot, fraction)
 
     def _lookup(self, hash_ids: torch.Tensor, stream: torch.cuda.Stream | None,
                 slot: int | None, sm_fraction: float | None) -> LookupFuture:
-        if self._conn is None:
+        if self._closed:
             raise DaemonUnavailableError("client is closed")
         self._failed.raise_unreported()  # before anything else: the engine must hear of them
         if self.mode == "mapped":
@@ -322,11 +329,12 @@ class EngramClient:
     def _keep_up(self, pause: Callable[[float], bool | None] = time.sleep) -> None:
         """Before a lookup, and on the captured lookups' upkeep thread between replays
         (client/captured.py): read the daemon's news, ride through or reconnect after its death
-        (`pause`: _reconnect's), follow a reload. Callers hold _tables_lock; the client is open."""
+        or after a reconnect that found no daemon (`pause`: Session.reconnect's), follow a
+        reload. Callers hold _tables_lock; the client is open."""
         if self.mode == "mapped":
             self._ride.close_replaced()  # a rejoin's (only a mapped client rejoins)
         self._take_in()
-        if self._daemon_gone() and not self._ride.riding_through():
+        if self._conn is None or (self._daemon_gone() and not self._ride.riding_through()):
             self._session.reconnect(pause)
         self._follow_tables()
 
@@ -373,6 +381,7 @@ class EngramClient:
                 f"CUDA graph: only a mapped GPU client gathers on the engine's stream with no "
                 f"host work per step (served lookups are the daemon's work, a CPU client has no "
                 f"graphs)")
+        process.check_made_here(self._born, "this client")
         return self._captures.make(ids, slot, sm_fraction)
 
     # -- daemon death ---------------------------------------------------------------------------
@@ -388,8 +397,7 @@ class EngramClient:
                 or (cpu_watch and self._watchdog.lease_gone() is not None))
 
     def _check_alive(self) -> None:
-        if self._conn is None:
-            raise DaemonUnavailableError("client is closed")
+        self._open_connection()
         if self._daemon_gone():
             raise DaemonUnavailableError(
                 self._dead or "the daemon is stopping or has exited; results of in-flight "
@@ -398,20 +406,33 @@ class EngramClient:
     # -- other operations -----------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
+        process.check_made_here(self._born, "this client")
         with self._tables_lock:  # the connection is shared with the captured lookups' upkeep
             return self._open_connection().call("stats", self.timeout).body.encode()
 
     def health(self) -> dict[str, Any]:
+        process.check_made_here(self._born, "this client")
         with self._tables_lock:
             return self._open_connection().call("health", self.timeout).body.encode()
 
     def _open_connection(self) -> Connection:
-        if self._conn is None:
+        """The registration's connection, or DaemonUnavailableError: closed, or registered with
+        no daemon since a reconnect found none (the next lookup() tries again)."""
+        if self._closed:
             raise DaemonUnavailableError("client is closed")
+        if self._conn is None:
+            raise DaemonUnavailableError(
+                "not registered: no daemon answered when this client last tried to re-register; "
+                f"the next lookup() tries again (for up to {self.reconnect_timeout:g} s)")
         return self._conn
 
     def close(self) -> None:
-        """Release the registration and the slab mapping. Safe to call twice."""
+        """Release the registration and the slab mapping, waiting about `timeout` at most for
+        lookups in flight and the release. Safe to call twice. In a child made by fork() it
+        does nothing: what the client holds is its parent's."""
+        self._closed = True
+        if not process.made_here(self._born):
+            return
         self._ride.stop()  # before the lock, which its thread may be waiting for
         self._captures.stop()  # likewise
         with self._tables_lock:
@@ -422,9 +443,10 @@ class EngramClient:
     def _close(self) -> None:
         self._take_in()
         if self._conn is not None and self.client_id is not None and not self._daemon_gone():
+            deadline = time.monotonic() + self.timeout  # one for all: a silent daemon answers none
             for future in list(self._pending.values()):
                 try:
-                    future._collect(self.timeout)
+                    future._collect(max(0.0, deadline - time.monotonic()))
                 except EngramError:
                     pass
             counts = None
@@ -442,8 +464,8 @@ class EngramClient:
             if slab is not None:
                 slab.close()
             try:
-                self._conn.call("release", min(self.timeout, 5.0), client_id=self.client_id,
-                                counts=counts)
+                left = max(0.1, min(deadline - time.monotonic(), 5.0))
+                self._conn.call("release", left, client_id=self.client_id, counts=counts)
             except EngramError:
                 pass  # the daemon is gone or already forgot us: nothing left to release
         try:

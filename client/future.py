@@ -4,11 +4,14 @@ client/mapped_path.py). Not here: how rows are gathered or released, which is ea
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any, Protocol
 
 import torch
 
+from engramd.client import process
+from engramd.client.checks import check_wait
 from engramd.client.errors import (
     BadRequestError,
     DaemonUnavailableError,
@@ -124,6 +127,7 @@ class LookupFuture:
     def __init__(self, path: LookupPath, rid: int, slot: int, seq: int, tokens: int,
                  acked: bool = True):
         self._path = path
+        self._born = process.generation()  # a forked child's copy refuses (client/process.py)
         self.slots_epoch = path.slots_epoch  # a re-registration that takes the slots over makes it stale
         self.rid = rid
         self.slot = slot
@@ -150,6 +154,7 @@ class LookupFuture:
         died, retired this client or refused the lookup) and wait()/result() raise. Never waits
         and never syncs: an engine may poll it off its critical path, from the thread that uses
         the client (it reads the daemon's replies)."""
+        process.check_made_here(self._born, "this lookup")
         if self.failure is None and self._error is None:
             self._path.poll_failure(self)
         return self.failure is not None or self._error is not None
@@ -168,6 +173,7 @@ class LookupFuture:
     def done(self) -> bool:
         """True once the host has nothing left to wait for: on the CPU, the daemon's reply with
         the rows written; on the GPU, always (the rows are ready in stream order, see wait())."""
+        process.check_made_here(self._born, "this lookup")
         if self.slots_epoch != self._path.slots_epoch:
             return True  # made before a re-registration: result() says so (its rid is reused)
         if not self._replied and self._path.reply_ready(self):
@@ -181,6 +187,8 @@ class LookupFuture:
         `timeout` seconds (default: the client's `timeout`), then raises ReplyTimeoutError; a
         later call may still collect the rows. A GPU lookup synchronises on its rows, holding
         the client's lock: other threads' lookups wait meanwhile."""
+        process.check_made_here(self._born, "this lookup")
+        timeout = check_wait(timeout)
         path = self._path
         self._raise_failure()
         path.check_current(self)
@@ -200,6 +208,7 @@ class LookupFuture:
 
     def wait(self, stream: torch.cuda.Stream | None = None) -> torch.Tensor:
         """GPU: make `stream` (default: current) wait for the rows and return their view at once."""
+        process.check_made_here(self._born, "this lookup")
         path = self._path
         if path.device.type != "cuda":
             return self.result()
@@ -227,7 +236,8 @@ class LookupFuture:
         if not self._replied:
             # One thread waits for the reply; one that waited here finds it collected, or gives
             # up at its own timeout (it may hold the client's lock: _claim_slot, close).
-            if not self._collecting.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
+            bound = -1.0 if timeout is None or timeout == math.inf else timeout  # -1: none
+            if not self._collecting.acquire(timeout=bound):
                 raise ReplyTimeoutError(f"lookup seq {self.seq}: another thread waits for its reply; "
                                         f"none within {timeout:.1f} s")
             try:

@@ -487,12 +487,18 @@ class ServedCpu(ClientPath):
     def _claim_slot(self, slot: int | None) -> int:
         client = self._client
         slot = client._take_turn(slot)
-        previous = client._pending.pop(slot, None)
+        previous = client._pending.get(slot)
         if previous is not None:
             try:
                 previous._collect(client.timeout)  # the slot is reused only once it is done
+            except ReplyTimeoutError as exc:  # the daemon may still write it: the slot is not free
+                raise ReplyTimeoutError(
+                    f"slot {slot} still waits for lookup seq {previous.seq}, which the daemon has "
+                    f"not answered ({exc.message}); this lookup was not sent: try again, or raise "
+                    "the client's timeout") from None
             except EngramError:
                 pass  # that lookup's owner sees its error; the slot is free either way
+            client._pending.pop(slot, None)
         return slot
 
     def rows_written(self, future: LookupFuture) -> bool:

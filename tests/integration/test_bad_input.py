@@ -125,6 +125,28 @@ def test_a_bad_time_setting_is_named_before_anything_is_asked(served, setting, v
         EngramClient(daemon.socket, **{setting: value})
 
 
+@pytest.mark.parametrize("setting, value", [("tp_rank", 2**70), ("max_tokens", 8.0), ("slots", "2"),
+                                            ("tp_size", True)])
+def test_a_setting_that_is_no_whole_number_is_named(served, setting, value):
+    """msgpack's TypeError or OverflowError came out of the register call before."""
+    daemon, _ = served
+    with pytest.raises(BadRequestError, match=rf"\] {setting} .*: a whole number expected"):
+        EngramClient(daemon.socket, **{setting: value})
+
+
+def test_numpys_integers_are_whole_numbers_and_a_waits_timeout_is_checked(served, reference):
+    daemon, _ = served
+    ids = random_ids(np.random.default_rng(8), 4, reference.rows, reference.heads)
+    with EngramClient(daemon.socket, max_tokens=np.int64(8), slots=np.int32(3)) as client:
+        assert (client.max_tokens, client.slots) == (8, 3)
+        future = client.lookup(torch.from_numpy(ids))
+        for bad in (float("nan"), -1, "1", True):
+            with pytest.raises(BadRequestError, match=r"\] timeout .*: seconds, >= 0"):
+                future.result(timeout=bad)
+        rows = future.result(timeout=float("inf"))  # for ever: allowed, as in the settings
+        assert np.array_equal(rows.double().numpy(), reference.expected(ids))
+
+
 def test_a_closed_client_and_ids_without_values_get_typed_errors(served):
     daemon, _ = served
     EngramClient(daemon.socket, reconnect_timeout=float("inf")).close()  # for ever: allowed
