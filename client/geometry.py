@@ -193,9 +193,10 @@ class TableGeometry:
                     f"{source}: key {key!r} must be {kind.__name__}, got {value!r}"
                 )
         layer_ids = config["engram_layer_ids"]
-        if not layer_ids or not all(isinstance(x, int) and x >= 0 for x in layer_ids):
+        if not layer_ids or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                    for x in layer_ids) or len(set(layer_ids)) != len(layer_ids):
             raise GeometryError(f"{source}: key 'engram_layer_ids' must be a non-empty list of "
-                                f"non-negative ints, got {layer_ids!r}")
+                                f"distinct non-negative ints, got {layer_ids!r}")
         _require(source, config, "engram_max_ngram_size", lambda v: v >= 2)
         _require(source, config, "engram_n_heads", lambda v: v >= 1)
         _require(source, config, "engram_head_dim", lambda v: v > 0 and v % SCALE_BLOCK == 0)

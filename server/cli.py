@@ -25,7 +25,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from engramd.client.errors import (
     ConfigError,
@@ -52,7 +52,19 @@ def _setup_logging(level: str) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def cmd_serve(args: argparse.Namespace) -> NoReturn:
+    status = _serve(args)
+    # The daemon has let go of all it holds (sockets, locks, tables, GPU memory) in its close().
+    # The interpreter's teardown would only add native libraries' static destructors, and one of
+    # them aborted a daemon stopped during its start: SIGABRT ("terminate called without an
+    # active exception") after its last log line, "stopped (exit status 0)".
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(status)
+
+
+def _serve(args: argparse.Namespace) -> int:
     # SIGHUP is a reload, and a start has nothing to reload yet: its default action ended a
     # daemon that was importing or loading its tables (no log line, the lock file left). The
     # daemon installs its handler once it listens (Daemon.start), a standby keeps ignoring it.
@@ -329,9 +341,12 @@ def cmd_make_tables(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     made = not out.exists()
+    # SIGTERM (timeout, systemd, a container's stop) cleans up as Ctrl-C does: a V4.1 checkpoint
+    # left half-written is up to 189 GB, and the folder is refused by the next run.
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         return _write_tables(geometry, args)
-    except (CheckpointError, OSError, KeyboardInterrupt) as exc:
+    except (CheckpointError, OSError, KeyboardInterrupt, Terminated) as exc:
         if made:
             shutil.rmtree(out, ignore_errors=True)  # nothing half-written stays behind
         elif out.is_dir():  # it was empty: empty it again
@@ -340,12 +355,23 @@ def cmd_make_tables(args: argparse.Namespace) -> int:
                     shutil.rmtree(entry, ignore_errors=True)
                 else:
                     entry.unlink(missing_ok=True)
-        if isinstance(exc, KeyboardInterrupt):
-            print("\nengramd make-tables: interrupted; nothing was left behind", file=sys.stderr)
-            return 130
+        if isinstance(exc, (KeyboardInterrupt, Terminated)):
+            word = "interrupted" if isinstance(exc, KeyboardInterrupt) else "terminated"
+            print(f"\nengramd make-tables: {word}; nothing was left behind", file=sys.stderr)
+            return 130 if isinstance(exc, KeyboardInterrupt) else 128 + signal.SIGTERM
         reason = f"{exc.filename}: {exc.strerror}" if isinstance(exc, OSError) and exc.strerror else exc
         print(f"\nengramd make-tables: {reason}", file=sys.stderr)
         return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class Terminated(Exception):
+    """SIGTERM, raised where the main thread runs (make-tables)."""
+
+
+def _raise_terminated(_signum: int, _frame: Any) -> None:
+    raise Terminated
 
 
 def _write_tables(geometry: TableGeometry, args: argparse.Namespace) -> int:
@@ -370,6 +396,11 @@ def _write_tables(geometry: TableGeometry, args: argparse.Namespace) -> int:
     return 0
 
 
+# The longest --timeout or --wait: a socket's timeout of about 1e10 s overflows (OverflowError
+# from settimeout), and no wait of a command is years long but by a slip of the finger.
+LONGEST_WAIT_S = 1e8
+
+
 def seconds(text: str) -> float:
     """A --timeout or --wait: a finite number of seconds, >= 0 (argparse's usage error otherwise).
     float() reads 'nan', with which a health check waited forever for a stuck daemon."""
@@ -377,8 +408,9 @@ def seconds(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"expected a finite number of seconds >= 0, got {text!r}")
+    if not (math.isfinite(value) and 0 <= value <= LONGEST_WAIT_S):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds from 0 to "
+                                         f"{LONGEST_WAIT_S:.0e}, got {text!r}")
     return value
 
 
@@ -448,7 +480,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        status = args.func(args)
+        sys.stdout.flush()  # here, where a reader gone is caught, not at the interpreter's exit
+        return status
+    except BrokenPipeError:  # `engramd stats | head`: the reader left, which is no error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

@@ -196,6 +196,12 @@ def ms(value: float) -> float:
     return value / 1e3
 
 
+# The id settings the request socket filters by (request_socket.py), and the largest id its
+# filter takes; admin_uids are compared in Python, any uid.
+FILTERED_IDS = ("allowed_uids", "allowed_gids")
+MAX_FILTERED_ID = (1 << 31) - 1
+
+
 def id_set(listed: str) -> frozenset[int] | None:
     """A comma-separated id setting (allowed_uids, ...) as a set; None where it lists none."""
     return frozenset(int(x) for x in listed.split(",")) if listed else None
@@ -249,6 +255,9 @@ def _check(source: str, setting: Setting, value: Any) -> Any:
         raise bad(f"must be one of {', '.join(setting.choices)}")
     if setting.pattern and not re.fullmatch(setting.pattern, value):  # the doc says the form
         raise bad(f"expected {setting.doc} (the pattern {setting.pattern})")
+    if setting.key in FILTERED_IDS and any(int(i) > MAX_FILTERED_ID for i in value.split(",") if i):
+        raise bad(f"ids above {MAX_FILTERED_ID}: the kernel's filter of the request socket "
+                  "(ZeroMQ's IPC_FILTER_UID/GID) takes a C int")
     return value
 
 

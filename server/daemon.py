@@ -53,6 +53,7 @@ from engramd.server.file_limits import raise_open_file_limit
 from engramd.server.grants import MappedGrants
 from engramd.server.handle_requests import HandleRequests
 from engramd.server.handle_server import HandleServer
+from engramd.server.host_tables import StoreLockedError
 from engramd.server.job_context import JobContext
 from engramd.server.leases import Leases
 from engramd.server.metrics import Metrics
@@ -108,6 +109,7 @@ class Daemon:
         self._socket = RequestSocket(self._ctx, self.service)  # bound by start()
         self._loader: threading.Thread | None = None
         self._halt: DaemonHalt | None = None
+        self.instance_taken = False  # another live daemon holds the instance: its tables, not ours
         self._handles: HandleServer | None = None
         self._grants: MappedGrants | None = None  # the tables' descriptors, for mapped clients
         self._poller = zmq.Poller()
@@ -310,8 +312,10 @@ class Daemon:
         self.notifier.ready(summary)
 
     def _event_load_failed(self, exc: BaseException) -> None:
+        self.instance_taken = isinstance(exc, StoreLockedError)  # two daemons configured alike
         status = (EXIT_DEVICE if getattr(exc, "device_error", False)
-                  else EXIT_CONFIG if isinstance(exc, ConfigError) else EXIT_TABLES)
+                  else EXIT_CONFIG if isinstance(exc, ConfigError) or self.instance_taken
+                  else EXIT_TABLES)
         self._halt = DaemonHalt(f"cannot load tables: {exc}", status)
 
     def _event_signal(self, signum: int) -> None:
@@ -581,7 +585,7 @@ def run_daemon(config: DaemonConfig, lock: SocketLock | None = None,
     finally:
         daemon.close()
         folder = tables_folder_path(config.shm_dir, config.instance)
-        if folder.is_dir():  # a start whose load failed left none
+        if folder.is_dir() and not daemon.instance_taken:  # a start whose load failed left none
             log.info("stopped (exit status %d); the tables stay in %s for the next start", status, folder)
         else:
             log.info("stopped (exit status %d)", status)

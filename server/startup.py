@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from engramd.client.errors import ConfigError
-from engramd.client.shared.handles import handle_socket_path
+from engramd.client.shared.handles import HANDLE_SOCKET_NAME, handle_socket_path
 from engramd.client.shared.libc import filesystem_type
 from engramd.server.config import DaemonConfig
 from engramd.server.ownership import LOCK_FILE_MODE, make_own_folder
@@ -94,11 +94,15 @@ class DaemonHalt(Exception):
 
 
 class SocketLock:
-    """An flock beside the socket: one daemon per socket path, released by the kernel on death."""
+    """Flocks beside the socket, released by the kernel on death: one daemon per socket path,
+    and one per folder (its handle socket, engramd.handles, has the one name in every folder:
+    a second daemon there would replace the first one's)."""
 
     def __init__(self, socket_path: Path):
         self.path = socket_path.with_name(socket_path.name + ".lock")
+        self.folder_path = handle_socket_path(socket_path).with_name(HANDLE_SOCKET_NAME + ".lock")
         self._fd: int | None = None
+        self._folder_fd: int | None = None
 
     def acquire(self, stop: threading.Event | None = None,
                 on_held: Callable[[str], None] | None = None,
@@ -106,13 +110,7 @@ class SocketLock:
         """Take the lock. Held by another engramd: DaemonHalt, or, with `stop` (a standby), try
         again every STANDBY_POLL_S until it is free (`on_held(holder pid)` is told once, and
         `on_poll()` at every try) or `stop` is set (DaemonHalt with EXIT_OK)."""
-        try:  # never through a symlink planted where the lock goes (it would overwrite its target)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         LOCK_FILE_MODE)
-            os.fchmod(fd, LOCK_FILE_MODE)  # one made by an earlier version was the group's too
-        except OSError as exc:
-            raise DaemonHalt(f"cannot open the lock file {self.path}: {exc.strerror} (a symlink or "
-                             "a folder there? remove it)", EXIT_CONFIG) from None
+        fd = _open_lock(self.path)
         told = False
         while True:
             if stop is not None and stop.is_set():
@@ -133,14 +131,53 @@ class SocketLock:
             if on_poll is not None:
                 on_poll()
             stop.wait(STANDBY_POLL_S)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        _write_pid(fd)
         self._fd = fd
+        self._take_folder()
+
+    def _take_folder(self) -> None:
+        """The folder's lock, once the socket's is ours: held by a daemon of another socket in
+        this folder, DaemonHalt (a configuration error), and the socket's lock let go."""
+        fd = _open_lock(self.folder_path)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            self.release()
+            raise DaemonHalt(
+                f"another engramd (pid {holder}, lock {self.folder_path}) serves a socket in "
+                f"{self.folder_path.parent}: one daemon a folder, since each one's handle socket "
+                f"is {self.folder_path.with_suffix('').name} there; give this daemon's socket a "
+                "folder of its own", EXIT_CONFIG) from None
+        _write_pid(fd)
+        self._folder_fd = fd
 
     def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        for fd in (self._folder_fd, self._fd):
+            if fd is not None:
+                os.close(fd)
+        self._fd = self._folder_fd = None
+
+
+def _open_lock(path: Path) -> int:
+    try:  # never through a symlink planted where the lock goes (it would overwrite its target)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, LOCK_FILE_MODE)
+    except OSError as exc:
+        raise DaemonHalt(f"cannot open the lock file {path}: {exc.strerror} (a symlink or a "
+                         "folder there? remove it)", EXIT_CONFIG) from None
+    try:
+        os.fchmod(fd, LOCK_FILE_MODE)  # one made by an earlier version was the group's too
+    except OSError as exc:
+        os.close(fd)
+        raise DaemonHalt(f"cannot set the lock file {path}'s mode: {exc.strerror} (another "
+                         "user's? remove it)", EXIT_CONFIG) from None
+    return fd
+
+
+def _write_pid(fd: int) -> None:
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
 
 
 def prepare_runtime_dir(path: Path) -> None:

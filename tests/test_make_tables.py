@@ -3,11 +3,15 @@ and nothing left behind."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 
 import pytest
-from helpers import engramd_command
+from helpers import engramd_command, wait_until
+
+from engramd.client.geometry import DEMO_CONFIG
 
 
 def make_tables(*args: str) -> subprocess.CompletedProcess:
@@ -58,3 +62,29 @@ def test_too_little_disk_leaves_no_folder(small_tmpfs):
     assert result.returncode == 1 and "are free" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr and not target.exists()
 
+
+
+def test_sigterm_leaves_nothing_behind_as_ctrl_c_does(tmp_path):
+    """SIGTERM (timeout, systemd, a container's stop) left a partial shard, and the next run
+    refused the folder."""
+    geometry = tmp_path / "config.json"  # about 2.8 GB: still writing when the signal comes
+    geometry.write_text(json.dumps({**DEMO_CONFIG, "engram_vocab_size": 200_000}))
+    out = tmp_path / "tables"
+    proc = subprocess.Popen([*engramd_command(), "make-tables", "--geometry", str(geometry),
+                             "--out", str(out)], stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: out.is_dir() and any(out.glob("*.partial")), timeout=60, step=0.01)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    assert "terminated; nothing was left behind" in stderr and not out.exists(), stderr
+
+
+def test_a_layer_named_twice_is_refused_before_anything_is_written(tmp_path):
+    geometry = tmp_path / "config.json"
+    geometry.write_text(json.dumps({**DEMO_CONFIG, "engram_layer_ids": [1, 1]}))
+    result = make_tables("--geometry", str(geometry), "--out", str(tmp_path / "tables"))
+    assert result.returncode == 2 and "distinct non-negative ints" in result.stderr, result.stderr
+    assert not (tmp_path / "tables").exists()

@@ -277,6 +277,10 @@ def check_listening(socket_path: Path) -> None:
     except ConnectionRefusedError:
         raise DaemonUnavailableError(f"nothing listens at {socket_path}: the daemon that made it "
                                      "is gone (is the daemon running?)") from None
+    except PermissionError as exc:  # ZeroMQ would retry its connect unseen until the timeout
+        raise PermissionDeniedError(f"{socket_path}: {exc.strerror}: this user may not connect "
+                                    "to the daemon (run as its user or a member of the socket's "
+                                    "group)") from None
     except OSError:
         pass  # whatever else: the request's own timeout says what there is to say
     finally:
