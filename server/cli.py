@@ -37,6 +37,7 @@ from engramd.client.geometry import GeometryError, TableGeometry
 from engramd.client.shared.connection import (
     SOCKET_ENV,
     check_daemon_socket,
+    check_listening,
     default_socket_path,
     probe,
 )
@@ -293,6 +294,7 @@ def cmd_reload(args: argparse.Namespace) -> int:
     socket = args.socket or default_socket_path()
     try:
         check_daemon_socket(Path(socket))  # said as health, stats and drain say it
+        check_listening(Path(socket))
         started = admin_request(handle_socket_path(socket), "reload", args.timeout)
     except EngramError as exc:
         print(f"engramd reload: {exc.message}", file=sys.stderr)
@@ -307,8 +309,9 @@ def cmd_reload(args: argparse.Namespace) -> int:
         time.sleep(RELOAD_POLL_S)
         try:
             status = probe(socket, "health", args.timeout).body.reload or status
-        except EngramError as exc:
-            print(f"engramd reload: {exc.message}", file=sys.stderr)
+        except EngramError as exc:  # stopped (a drain cancels a reload) or died meanwhile
+            print(f"engramd reload: the daemon stopped answering during the reload, which did not "
+                  f"finish: {exc.message}", file=sys.stderr)
             return EXIT_NOT_READY
         if not args.json and time.monotonic() >= next_print and status.get("state") == "loading":
             print(f"reloading: {status.get('progress', 0):.0%} after {status.get('seconds', 0):.0f} s",

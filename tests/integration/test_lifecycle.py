@@ -60,6 +60,9 @@ def test_health_cli_ready_starting_and_dead(daemon_factory):
     dead = cli("health", "--socket", str(ready.socket), "--json", "--timeout", "5")
     assert dead.returncode == 1 and json.loads(dead.stdout)["live"] is False, dead
     assert "nothing listens at" in json.loads(dead.stdout)["error"]
+    for command in ("stats", "drain", "reload"):  # each says it alike (reload named the handle socket)
+        told = cli(command, "--socket", str(ready.socket), "--timeout", "5")
+        assert told.returncode == 1 and "nothing listens at" in told.stderr, (command, told.stderr)
     missing = cli("health", "--socket", str(ready.workdir / "nothing.sock"))
     assert missing.returncode == 1 and "no daemon socket" in missing.stderr
     (ready.workdir / "plain-file").write_text("")
