@@ -406,7 +406,9 @@ class Captures:
         try:
             if client._closed or not any(c.live for c in client._mapped_path.captured):
                 return
-            client._keep_up(pause)
+            # Once a reconnect found no daemon, one attempt a turn: the lock is let go between
+            # them, so stats() and health() say at once that there is none.
+            client._keep_up(pause, patient=False)
             self._last_error = None
         except Stopped:  # close(): not a loss
             raise

@@ -238,6 +238,7 @@ class EngramClient:
         """A mapped GPU client's own hot-row cache: rows read per layer and of them hits,
         admissions, refreshes, size (None without one: served lookups read the daemon's cache,
         in stats()["hot_cache"])."""
+        process.check_made_here(self._born, "this client")
         with self._tables_lock:
             tables = self._mapped_path.tables
             keeper = tables.keeper if tables is not None else None
@@ -279,6 +280,7 @@ class EngramClient:
         daemon keeps the client's mode and layout. If it does not, the rows move: that is
         logged, `rows_generation` goes up, later results are views of a new block, and views of
         the old one stay readable (stale) until close(). Read it only in the order wait() gives."""
+        process.check_made_here(self._born, "this client")
         if self._slab is None:
             raise DaemonUnavailableError("client is closed or not registered")
         index = check_slot(slot, self.slots)
@@ -326,15 +328,18 @@ class EngramClient:
             return self._served.lookup(ids, stream or torch.cuda.current_stream(self.device.index), slot)
         return self._served_cpu.lookup(ids, slot)
 
-    def _keep_up(self, pause: Callable[[float], bool | None] = time.sleep) -> None:
+    def _keep_up(self, pause: Callable[[float], bool | None] = time.sleep, patient: bool = True) -> None:
         """Before a lookup, and on the captured lookups' upkeep thread between replays
         (client/captured.py): read the daemon's news, ride through or reconnect after its death
-        or after a reconnect that found no daemon (`pause`: Session.reconnect's), follow a
-        reload. Callers hold _tables_lock; the client is open."""
+        or after a reconnect that found no daemon (`pause`: Session.reconnect's; not `patient`:
+        one attempt only once one found none), follow a reload. Callers hold _tables_lock; the
+        client is open."""
         if self.mode == "mapped":
             self._ride.close_replaced()  # a rejoin's (only a mapped client rejoins)
         self._take_in()
-        if self._conn is None or (self._daemon_gone() and not self._ride.riding_through()):
+        if self._conn is None:  # a reconnect found no daemon
+            self._session.reconnect(pause, once=not patient)
+        elif self._daemon_gone() and not self._ride.riding_through():
             self._session.reconnect(pause)
         self._follow_tables()
 

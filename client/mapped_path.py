@@ -290,7 +290,7 @@ class MappedPath(ClientPath):
 
     def lose_captured(self, why: str, detach: bool = False) -> None:
         """No graph can follow the client any more (it is served now; `detach`: its slots go,
-        the client closes or gave up its daemon)."""
+        the client closes)."""
         for captured in self.captured:
             captured.lose(why, detach)
 

@@ -154,7 +154,7 @@ class RideThrough:
             return True
         self.rejoin = None
         if rejoin.error is not None:
-            client._session.disconnect()
+            client._session.disconnect(keep_rows=True)  # the next lookup registers again, into them
             raise rejoin.error
         return False  # a registration was made and let go: it did not fit
 

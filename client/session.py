@@ -16,9 +16,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from engramd.client.errors import InternalError
+from engramd.client.errors import DaemonUnavailableError, InternalError
 from engramd.client.geometry import TableGeometry
-from engramd.client.rejoin import release_quietly, retry_until
+from engramd.client.rejoin import LONGEST_ATTEMPT_S, RETRIED, release_quietly, retry_until
 from engramd.client.served import CudaSlabView, MemfdSlabView
 from engramd.client.shared.connection import Connection, check_daemon_socket
 from engramd.client.shared.handles import (
@@ -66,9 +66,11 @@ class Session:
         check_access(handle_socket_path(socket_path), timeout)
         return Connection(socket_path)
 
-    def reconnect(self, pause: Callable[[float], bool | None] = time.sleep) -> None:
+    def reconnect(self, pause: Callable[[float], bool | None] = time.sleep, once: bool = False) -> None:
         """The daemon went away: register again, with backoff, until `reconnect_timeout`;
-        `pause(s)` between attempts, true to stop (rejoin.Stopped)."""
+        `pause(s)` between attempts, true to stop (rejoin.Stopped). `once`: one attempt, for a
+        caller that tries again on its own (the captured lookups' upkeep, which holds the
+        client's lock meanwhile)."""
         client = self._client
         gone = self.gone_reason()
         self.disconnect(keep_rows=True)
@@ -80,8 +82,15 @@ class Session:
                 self.disconnect()  # never left half-registered: the next attempt starts afresh
                 raise
 
-        retry_until(attempt, time.monotonic() + client.reconnect_timeout, gone,
-                    client.reconnect_timeout, client.timeout, pause)
+        if once:
+            try:
+                attempt(min(client.timeout, LONGEST_ATTEMPT_S))
+            except RETRIED as exc:
+                raise DaemonUnavailableError(f"{gone}; no daemon to re-register with yet (last: "
+                                             f"{exc.message})") from None
+        else:
+            retry_until(attempt, time.monotonic() + client.reconnect_timeout, gone,
+                        client.reconnect_timeout, client.timeout, pause)
         log.info("re-registered with daemon epoch %s as client %d", client.epoch, client.client_id)
 
     def gone_reason(self) -> str:

@@ -350,6 +350,7 @@ def cmd_make_tables(args: argparse.Namespace) -> int:
     try:
         return _write_tables(geometry, args)
     except (CheckpointError, OSError, KeyboardInterrupt, Terminated) as exc:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the clean-up short
         if made:
             shutil.rmtree(out, ignore_errors=True)  # nothing half-written stays behind
         elif out.is_dir():  # it was empty: empty it again
@@ -488,6 +489,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()  # here, where a reader gone is caught, not at the interpreter's exit
         return status
     except BrokenPipeError:  # `engramd stats | head`: the reader left, which is no error of ours
+        if args.func is cmd_serve:
+            raise  # a daemon's is a fault to see, not a reader gone
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
         return 128 + signal.SIGPIPE
 

@@ -93,6 +93,9 @@ class DaemonHalt(Exception):
         self.status = status
 
 
+FOLDER_LOCK_GRACE_S = 1.0
+
+
 class SocketLock:
     """Flocks beside the socket, released by the kernel on death: one daemon per socket path,
     and one per folder (its handle socket, engramd.handles, has the one name in every folder:
@@ -131,17 +134,30 @@ class SocketLock:
             if on_poll is not None:
                 on_poll()
             stop.wait(STANDBY_POLL_S)
-        _write_pid(fd)
         self._fd = fd
-        self._take_folder()
+        # A standby that took the socket's lock from a killed daemon may find the folder's not let
+        # go yet: the kernel closes a dead process's files one by one.
+        self._take_folder(FOLDER_LOCK_GRACE_S if stop is not None else 0.0)
+        _write_pid(fd)  # only once both are ours: a refused start leaves no pid of its own
 
-    def _take_folder(self) -> None:
-        """The folder's lock, once the socket's is ours: held by a daemon of another socket in
-        this folder, DaemonHalt (a configuration error), and the socket's lock let go."""
-        fd = _open_lock(self.folder_path)
+    def _take_folder(self, grace: float) -> None:
+        """The folder's lock, once the socket's is ours, waiting up to `grace` seconds for it:
+        held by a daemon of another socket in this folder, DaemonHalt (a configuration error),
+        and the socket's lock let go."""
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            fd = _open_lock(self.folder_path)
+        except DaemonHalt:
+            self.release()
+            raise
+        deadline = time.monotonic() + grace
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() < deadline:
+                    time.sleep(0.01)
+                    continue
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
             self.release()

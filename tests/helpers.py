@@ -113,7 +113,7 @@ def watched_entries() -> set[Path]:
 
 def _lock_pids(folder: Path) -> set[int]:
     """The pids in the lock files directly inside `folder`: a table folder's
-    engramd.<instance>.lock, a runtime folder's <socket>.lock."""
+    engramd.<instance>.lock, a runtime folder's <socket>.lock and engramd.handles.lock."""
     pids = set()
     try:
         locks = [p for p in folder.iterdir() if p.name.endswith(".lock")]

@@ -13,6 +13,7 @@ can read it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from contextlib import contextmanager
@@ -23,7 +24,7 @@ import torch
 from helpers import point, reload, row_kinds, rows_match, wait_until
 from reference import interpreted_gather, random_ids, record_launches
 
-from engramd.client import BadRequestError, EngramClient, ReplayFailedError
+from engramd.client import BadRequestError, DaemonUnavailableError, EngramClient, ReplayFailedError
 from engramd.client.captured import CapturedLookup
 from engramd.client.geometry import DEMO_CONFIG, TableGeometry
 from engramd.client.shared.connection import probe
@@ -285,6 +286,41 @@ def test_a_restart_on_other_tables_reaches_the_captured_lookup_without_a_lookup_
         assert failed.value.replays == seen["nan"]
         captured.check()  # told once
         assert rows_match(replay(captured, ids), second_reference, ids)
+    finally:
+        client.close()
+
+
+def test_a_captured_lookup_outlives_a_daemon_away_longer_than_reconnect_timeout(
+        daemon_factory, reference, interpreted):
+    """Once the client's reconnect had found no daemon, its captured lookups were lost for good
+    and its slots let go. Now the upkeep tries again, one attempt a turn (stats() says at once
+    meanwhile that there is no daemon), and without a lookup() call the replays read the
+    restarted daemon's tables into the same slot memory."""
+    first = daemon_factory(instance="away")
+    ids = random_ids(np.random.default_rng(46), TOKENS, reference.rows, reference.heads)
+    client = EngramClient(first.socket, mode="mapped", max_tokens=TOKENS, reconnect_timeout=1)
+    try:
+        captured = capture(client)
+        address = client.slot_rows(captured.slot).data_ptr()
+        assert rows_match(replay(captured, ids), reference, ids)
+        first.proc.kill()
+        first.proc.wait()
+
+        def none_there() -> bool:
+            try:
+                client.stats()
+            except DaemonUnavailableError as exc:
+                return "not registered: no daemon answered" in exc.message
+            return False
+
+        wait_until(none_there, timeout=UPKEEP_WAIT_S, step=0.2)
+        daemon_factory(instance="away", shm_dir=first.shm_dir, workdir=first.workdir)
+        wait_until(lambda: rows_match(replay(captured, ids), reference, ids), timeout=UPKEEP_WAIT_S,
+                   step=0.1)
+        assert client.slot_rows(captured.slot).data_ptr() == address and client.rows_generation == 0
+        with contextlib.suppress(ReplayFailedError):  # the replays while nothing was mapped, if any
+            captured.check()
+        captured.check()
     finally:
         client.close()
 

@@ -34,6 +34,7 @@ def test_a_client_that_found_no_daemon_tries_again_at_its_next_lookup(daemon_fac
     try:
         ids = random_ids(np.random.default_rng(21), 8, reference.rows, reference.heads)
         assert exact(client.lookup(torch.from_numpy(ids)).result(), reference, ids)
+        address = client.slot_rows(0).data_ptr()
         first.proc.kill()
         first.proc.wait()
 
@@ -54,6 +55,8 @@ def test_a_client_that_found_no_daemon_tries_again_at_its_next_lookup(daemon_fac
         second = daemon_factory(instance="back", shm_dir=first.shm_dir, workdir=first.workdir)
         assert exact(client.lookup(torch.from_numpy(ids)).result(), reference, ids)
         assert client.mode == mode and client.health()["state"] == "ready"
+        # The slots' memory stayed where it was (slot_rows' promise while mode and layout stay).
+        assert client.slot_rows(0).data_ptr() == address and client.rows_generation == 0
     finally:
         client.close()
     with pytest.raises(DaemonUnavailableError, match="client is closed"):
