@@ -359,10 +359,10 @@ def cmd_make_tables(args: argparse.Namespace) -> int:
                     shutil.rmtree(entry, ignore_errors=True)
                 else:
                     entry.unlink(missing_ok=True)
-        if isinstance(exc, (KeyboardInterrupt, Terminated)):
-            word = "interrupted" if isinstance(exc, KeyboardInterrupt) else "terminated"
+        if type(exc) in STOPPED_BY:
+            word, status = STOPPED_BY[type(exc)]
             print(f"\nengramd make-tables: {word}; nothing was left behind", file=sys.stderr)
-            return 130 if isinstance(exc, KeyboardInterrupt) else 128 + signal.SIGTERM
+            return status
         reason = f"{exc.filename}: {exc.strerror}" if isinstance(exc, OSError) and exc.strerror else exc
         print(f"\nengramd make-tables: {reason}", file=sys.stderr)
         return 1
@@ -376,6 +376,11 @@ class Terminated(Exception):
 
 def _raise_terminated(_signum: int, _frame: Any) -> None:
     raise Terminated
+
+
+# A signal that stopped make-tables: what it says, and its exit status (128 + the signal).
+STOPPED_BY: dict[type[BaseException], tuple[str, int]] = {
+    KeyboardInterrupt: ("interrupted", 128 + signal.SIGINT), Terminated: ("terminated", 128 + signal.SIGTERM)}
 
 
 def _write_tables(geometry: TableGeometry, args: argparse.Namespace) -> int:
