@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from engramd.client.errors import ConfigError
-from engramd.client.shared.handles import HANDLE_SOCKET_NAME, handle_socket_path
+from engramd.client.shared.handles import handle_socket_path
 from engramd.client.shared.libc import filesystem_type
 from engramd.server.config import DaemonConfig
 from engramd.server.ownership import LOCK_FILE_MODE, make_own_folder
@@ -103,7 +103,8 @@ class SocketLock:
 
     def __init__(self, socket_path: Path):
         self.path = socket_path.with_name(socket_path.name + ".lock")
-        self.folder_path = handle_socket_path(socket_path).with_name(HANDLE_SOCKET_NAME + ".lock")
+        handles = handle_socket_path(socket_path)
+        self.folder_path = handles.with_name(handles.name + ".lock")
         self._fd: int | None = None
         self._folder_fd: int | None = None
 
